@@ -1,0 +1,42 @@
+"""fshard: composable function transformations for MindSpore.
+
+``jit``, ``vmap``, the ``grad`` family and ``shard``, built on a trace-then-rewrite
+interpreter: a function written with ``mindspore.ops``, Tensor operators or
+``nn.Cell``s is traced into fshard's IR, rewritten, and evaluated or lowered to a
+MindSpore GRAPH-mode program.
+
+>>> import fshard as fs
+"""
+
+from fshard import dtypes as dtypes
+from fshard import errors as errors
+from fshard import ops as ops
+from fshard import rules as rules
+from fshard import tensor_methods as _tensor_methods  # noqa: F401  (Tracer operators)
+from fshard import tree as tree
+from fshard.cells import functional as functional
+from fshard.core import ArrayType as ArrayType
+from fshard.core import Symbol as Symbol
+from fshard.core import typeof as typeof
+from fshard.errors import (  # noqa: F401
+    ArgumentError as ArgumentError,
+    AxisNameError as AxisNameError,
+    BatchingError as BatchingError,
+    CompositionError as CompositionError,
+    DifferentiationError as DifferentiationError,
+    DistributedError as DistributedError,
+    FshardError as FshardError,
+    MissingRuleError as MissingRuleError,
+    ProgramTypeError as ProgramTypeError,
+    ShapeError as ShapeError,
+    ShardingError as ShardingError,
+    TracerConversionError as TracerConversionError,
+    TracerLeakError as TracerLeakError,
+    UnsupportedOpError as UnsupportedOpError,
+)
+from fshard.ir import verify as verify
+from fshard.primitives.structural import stop_gradient as stop_gradient
+from fshard.staging import make_ir as make_ir
+from fshard.transforms.jit import jit as jit
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Backends: where Programs run. Only ``mindspore`` exists."""

@@ -1,0 +1,91 @@
+"""Using ``nn.Cell``s functionally: parameters become an explicit pytree input.
+
+``fs.functional(cell)`` returns ``(apply, params)`` where ``params`` is a dict keyed
+by parameter name (``'dense1.weight'``) and ``apply(params, *args)`` runs the Cell
+with those values in place of its Parameters (NB: ``torch.func.functional_call``).
+Transforms given a Cell call ``apply`` with the Cell's current parameters at every
+call, so updates to the Cell are always seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def is_cell(obj) -> bool:
+    from mindspore import nn
+
+    return isinstance(obj, nn.Cell)
+
+
+def parameters(cell) -> dict:
+    """The Cell's parameters as ``{name: Parameter}`` in definition order."""
+    return dict(cell.parameters_and_names())
+
+
+def _owner(cell, name):
+    *path, leaf = name.split(".")
+    owner = cell
+    for p in path:
+        owner = owner._cells[p]
+    return owner, leaf
+
+
+@contextlib.contextmanager
+def swapped(cell, values: dict):
+    """Temporarily replace the Cell's parameters by ``values`` (restored on exit)."""
+    saved = []
+    try:
+        for name, v in values.items():
+            owner, leaf = _owner(cell, name)
+            saved.append((owner, leaf, owner._params[leaf]))
+            owner._params[leaf] = v
+        yield
+    finally:
+        for owner, leaf, old in reversed(saved):
+            owner._params[leaf] = old
+
+
+def functional(cell):
+    """``(apply, params)`` for a Cell.
+
+    >>> import fshard as fs
+    >>> from mindspore import nn
+    >>> apply, params = fs.functional(nn.Dense(3, 2))
+    >>> sorted(params)
+    ['bias', 'weight']
+    """
+    names = list(parameters(cell))
+
+    def apply(params, *args, **kwargs):
+        missing = [n for n in names if n not in params]
+        if missing:
+            from fshard.errors import ArgumentError
+
+            raise ArgumentError(
+                f"apply(params, ...) for {type(cell).__name__}: params is missing "
+                f"{missing}; expected the keys {names}.")
+        with swapped(cell, {n: params[n] for n in names}):
+            return cell(*args, **kwargs)
+
+    apply.__name__ = type(cell).__name__
+    return apply, {n: p for n, p in parameters(cell).items()}
+
+
+def maybe_cell(fun, transform):
+    """Apply ``transform`` to ``fun``; for a Cell, to its functional form, calling it
+    with the Cell's current parameters."""
+    if not is_cell(fun):
+        return transform(fun)
+    cell = fun
+    apply, _ = functional(cell)
+    inner = transform(apply)
+
+    def call(*args, **kwargs):
+        return inner(parameters(cell), *args, **kwargs)
+
+    call.__name__ = type(cell).__name__
+    call.inner = inner
+    if hasattr(inner, "lower"):
+        call.lower = lambda *a, **k: inner.lower(parameters(cell), *a, **k)
+    return call

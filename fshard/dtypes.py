@@ -1,0 +1,88 @@
+"""Dtypes: MindSpore's dtype objects are fshard's dtypes; NumPy does the promotion.
+
+Only dtype *vocabulary* comes from MindSpore here (``mindspore.common.dtype``);
+nothing executes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mindspore.common import dtype as mstype
+
+_MS_TO_NP = {
+    mstype.bool_: np.bool_,
+    mstype.int8: np.int8,
+    mstype.int16: np.int16,
+    mstype.int32: np.int32,
+    mstype.int64: np.int64,
+    mstype.uint8: np.uint8,
+    mstype.float16: np.float16,
+    mstype.float32: np.float32,
+    mstype.float64: np.float64,
+}
+_NP_TO_MS = {np.dtype(v): k for k, v in _MS_TO_NP.items()}
+_SHORT = {
+    mstype.bool_: "bool",
+    mstype.int8: "i8",
+    mstype.int16: "i16",
+    mstype.int32: "i32",
+    mstype.int64: "i64",
+    mstype.uint8: "u8",
+    mstype.float16: "f16",
+    mstype.float32: "f32",
+    mstype.float64: "f64",
+}
+
+float32 = mstype.float32
+float64 = mstype.float64
+int32 = mstype.int32
+int64 = mstype.int64
+bool_ = mstype.bool_
+
+
+def to_numpy(dtype) -> np.dtype:
+    """The NumPy dtype of a MindSpore dtype."""
+    return np.dtype(_MS_TO_NP[dtype])
+
+
+def from_numpy(dtype) -> mstype.Type:
+    """The MindSpore dtype of a NumPy dtype (float64 stays float64)."""
+    try:
+        return _NP_TO_MS[np.dtype(dtype)]
+    except KeyError:
+        from fshard.errors import ArgumentError
+
+        raise ArgumentError(
+            f"dtype {np.dtype(dtype)} is not supported by fshard; use one of "
+            f"{sorted(str(d) for d in _NP_TO_MS)}."
+        ) from None
+
+
+def canonical(dtype) -> mstype.Type:
+    """Accept a MindSpore dtype, NumPy dtype, or Python type; return a MindSpore dtype."""
+    if dtype in _MS_TO_NP:
+        return dtype
+    if dtype is float:
+        return float32
+    if dtype is int:
+        return int64
+    if dtype is bool:
+        return bool_
+    return from_numpy(dtype)
+
+
+def short_name(dtype) -> str:
+    return _SHORT.get(dtype, str(dtype))
+
+
+def is_float(dtype) -> bool:
+    return dtype in (mstype.float16, mstype.float32, mstype.float64)
+
+
+def is_int(dtype) -> bool:
+    return dtype in (mstype.int8, mstype.int16, mstype.int32, mstype.int64, mstype.uint8)
+
+
+def result_type(*dtypes) -> mstype.Type:
+    """NumPy's promotion restricted to fshard's dtypes (int + float -> the float)."""
+    return from_numpy(np.result_type(*[to_numpy(d) for d in dtypes]))

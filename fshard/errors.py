@@ -1,0 +1,75 @@
+"""The FshardError hierarchy.
+
+Every user-facing failure raises one of these classes. Each also subclasses the
+builtin a user would expect (``TypeError``, ``ValueError``, ...), and each message
+ends with a pointer to its entry in ``docs/errors.md``. Internal invariants use
+``assert``: an ``AssertionError`` is a bug in fshard, never a user error.
+"""
+
+from __future__ import annotations
+
+DOCS = "docs/errors.md"
+
+
+class FshardError(Exception):
+    """Base class of every error fshard raises on purpose."""
+
+    def __init__(self, message: str):
+        name = type(self).__name__
+        super().__init__(f"{message}\nSee {DOCS}#{name.lower()}")
+
+
+class TracerConversionError(FshardError, TypeError):
+    """A traced value was used where a concrete Python value is needed.
+
+    Example: ``fs.jit(lambda x: 1 if x.sum() > 0 else 0)`` calls ``bool()`` on a
+    traced value. Fix: use ``fs.ops.where`` or mark the argument static.
+    """
+
+
+class UnsupportedOpError(FshardError, NotImplementedError):
+    """A MindSpore op or Cell was called on a traced value and fshard has no primitive for it."""
+
+
+class MissingRuleError(FshardError, NotImplementedError):
+    """A transform needs a rule that a primitive does not have."""
+
+
+class ProgramTypeError(FshardError, TypeError):
+    """A Program failed type checking, or a primitive got operands of the wrong type."""
+
+
+class ShapeError(FshardError, ValueError):
+    """Operand shapes are incompatible for an operation (broadcasting, matmul, reshape...)."""
+
+
+class ArgumentError(FshardError, ValueError):
+    """A transform or op was called with an invalid argument (wrong value or structure)."""
+
+
+class BatchingError(FshardError, ValueError):
+    """``vmap`` was given inconsistent axes or batch sizes."""
+
+
+class DifferentiationError(FshardError, TypeError):
+    """``grad`` and friends were applied to something that cannot be differentiated."""
+
+
+class AxisNameError(FshardError, NameError):
+    """A collective named an axis that no enclosing ``vmap``/``shard_map``/mesh binds."""
+
+
+class ShardingError(FshardError, ValueError):
+    """A sharding strategy, layout, mesh or device is invalid."""
+
+
+class CompositionError(FshardError, ValueError):
+    """Transforms were nested in an order fshard does not allow (e.g. ``vmap(shard(f))``)."""
+
+
+class TracerLeakError(FshardError, RuntimeError):
+    """A traced value escaped the transform that created it and was used later."""
+
+
+class DistributedError(FshardError, RuntimeError):
+    """A multi-process job failed: launch, init, or a rank exited with an error."""

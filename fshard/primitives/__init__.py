@@ -1,0 +1,4 @@
+"""Every primitive, declared once with all of its rules, by family."""
+
+from fshard.primitives import elementwise, linalg, nn, reductions, structural  # noqa: F401
+from fshard.rules import all_primitives as all_primitives

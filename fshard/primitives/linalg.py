@@ -1,0 +1,152 @@
+"""Linear algebra: ``matmul`` with transpose flags and leading batch dimensions.
+
+``matmul(x, y, transpose_a, transpose_b)`` takes operands of rank >= 2 with equal
+leading (batch) dims; the ``matmul`` op function broadcasts batch dims first. Rank 2
+lowers to MindSpore's MatMul, higher ranks to BatchMatMul.
+"""
+
+from __future__ import annotations
+
+from mindspore import ops
+
+from fshard.core import ArrayType, typeof
+from fshard.errors import ProgramTypeError, ShapeError
+from fshard.primitives._batching import batch_to_front, batch_size, move_axis
+from fshard.primitives._define import def_primitive, defjvp, is_undefined
+from fshard.rules import batching, transpose
+
+FAMILY = "linalg"
+
+
+def _ms_matmul(x, y, transpose_a, transpose_b):
+    return ops.MatMul(transpose_a, transpose_b)(x, y)
+
+
+def _ms_batch_matmul(x, y, transpose_a, transpose_b):
+    return ops.BatchMatMul(transpose_a, transpose_b)(x, y)
+
+
+def _matmul_type(x, y, *, transpose_a, transpose_b):
+    if x.dtype != y.dtype:
+        raise ProgramTypeError(f"matmul operands have different dtypes: {x} and {y}")
+    if x.ndim < 2 or x.ndim != y.ndim:
+        raise ProgramTypeError(f"matmul needs operands of equal rank >= 2, got {x} and {y}")
+    if tuple(x.shape[:-2]) != tuple(y.shape[:-2]):
+        raise ShapeError(f"matmul batch dims differ: {x} and {y}")
+    m, k = (x.shape[-1], x.shape[-2]) if transpose_a else (x.shape[-2], x.shape[-1])
+    k2, n = (y.shape[-1], y.shape[-2]) if transpose_b else (y.shape[-2], y.shape[-1])
+    if k != k2 and not (not isinstance(k, int) and k is k2):
+        raise ShapeError(
+            f"matmul contraction sizes differ: {x} (transpose_a={transpose_a}) has {k}, "
+            f"{y} (transpose_b={transpose_b}) has {k2}")
+    return ArrayType(tuple(x.shape[:-2]) + (m, n), x.dtype)
+
+
+def _matmul_lower(ctx, x, y, **params):
+    fn = _ms_matmul if len(ctx.in_avals[0].shape) == 2 else _ms_batch_matmul
+    return ctx.call(fn, x, y, **params)
+
+
+def _matmul_impl(x, y, transpose_a, transpose_b):
+    fn = _ms_matmul if len(x.shape) == 2 else _ms_batch_matmul
+    return fn(x, y, transpose_a, transpose_b)
+
+
+matmul_p = def_primitive("matmul", FAMILY, _matmul_type, _matmul_impl, lower=_matmul_lower)
+
+
+def _matmul_batching(args, dims, *, transpose_a, transpose_b):
+    (x, y), (dx, dy) = args, dims
+    p = dict(transpose_a=transpose_a, transpose_b=transpose_b)
+    nx = typeof(x).ndim
+    # An unbatched rank-2 weight stays rank 2: fold the batch into the rows of x.
+    if dy is None and nx == 3 and not transpose_a:
+        x = move_axis(x, dx, 0)
+        b, m, k = typeof(x).shape
+        out = matmul_p.bind(reshape(x, (b * m, k)), y, **p)
+        return [reshape(out, (b, m, typeof(out).shape[-1]))], [0]
+    size = batch_size(args, dims)
+    x, y = batch_to_front(x, dx, size), batch_to_front(y, dy, size)
+    return [matmul_p.bind(x, y, **p)], [0]
+
+
+batching.set(matmul_p, _matmul_batching)
+
+
+defjvp(matmul_p,
+       lambda t, ans, x, y, **p: matmul_p.bind(t, y, **p),
+       lambda t, ans, x, y, **p: matmul_p.bind(x, t, **p))
+
+
+def _matmul_transpose(ct, x, y, *, transpose_a, transpose_b):
+    # out = A @ B with A = x or x^T, B = y or y^T.  dA = ct @ B^T, dB = A^T @ ct.
+    assert is_undefined(x) != is_undefined(y), "matmul is bilinear: one operand must be known"
+    if is_undefined(x):
+        if transpose_a:  # dx = (ct @ B^T)^T = B @ ct^T
+            return [matmul_p.bind(y, ct, transpose_a=transpose_b, transpose_b=True), None]
+        return [matmul_p.bind(ct, y, transpose_a=False, transpose_b=not transpose_b), None]
+    if transpose_b:  # dy = (A^T @ ct)^T = ct^T @ A
+        return [None, matmul_p.bind(ct, x, transpose_a=True, transpose_b=transpose_a)]
+    return [None, matmul_p.bind(x, ct, transpose_a=not transpose_a, transpose_b=False)]
+
+
+transpose.set(matmul_p, _matmul_transpose)
+
+
+def reshape(x, shape):
+    from fshard.primitives.structural import reshape as _reshape
+
+    return _reshape(x, shape)
+
+
+def matmul(x, y, transpose_a: bool = False, transpose_b: bool = False):
+    """Matrix product with NumPy semantics for 1-D operands and broadcast batch dims.
+
+    ``transpose_a``/``transpose_b`` transpose the last two dims of an operand first.
+    """
+    from fshard.primitives.structural import broadcast_to
+
+    ax, ay = typeof(x), typeof(y)
+    if ax.dtype != ay.dtype:
+        from fshard import dtypes
+        from fshard.primitives.elementwise import cast
+
+        dt = dtypes.result_type(ax.dtype, ay.dtype)
+        x, y = cast(x, dt), cast(y, dt)
+    if ax.ndim == 0 or ay.ndim == 0:
+        raise ShapeError(f"matmul needs operands of rank >= 1, got {ax} and {ay}")
+    squeeze_l = ax.ndim == 1
+    squeeze_r = ay.ndim == 1
+    if squeeze_l:
+        x = reshape(x, (1,) + tuple(ax.shape))
+    if squeeze_r:
+        y = reshape(y, tuple(ay.shape) + (1,))
+    ax, ay = typeof(x), typeof(y)
+    if ax.ndim != ay.ndim or ax.shape[:-2] != ay.shape[:-2]:
+        from fshard.primitives.elementwise import broadcast_shapes
+
+        batch = broadcast_shapes(tuple(ax.shape[:-2]), tuple(ay.shape[:-2]))
+        # A rank-2 right operand under a batched left one: fold batch into rows.
+        if ay.ndim == 2 and not transpose_a:
+            k = ax.shape[-1]
+            xb = broadcast_to(x, batch + tuple(ax.shape[-2:]))
+            flat = reshape(xb, (-1, k))
+            out = matmul_p.bind(flat, y, transpose_a=False, transpose_b=transpose_b)
+            out = reshape(out, batch + (ax.shape[-2], typeof(out).shape[-1]))
+            return _squeeze_out(out, squeeze_l, squeeze_r)
+        x = broadcast_to(x, batch + tuple(ax.shape[-2:]))
+        y = broadcast_to(y, batch + tuple(ay.shape[-2:]))
+    out = matmul_p.bind(x, y, transpose_a=transpose_a, transpose_b=transpose_b)
+    return _squeeze_out(out, squeeze_l, squeeze_r)
+
+
+def _squeeze_out(out, squeeze_l, squeeze_r):
+    shape = typeof(out).shape
+    if squeeze_l and squeeze_r:
+        return reshape(out, tuple(shape[:-2]))
+    if squeeze_l:
+        return reshape(out, tuple(shape[:-2]) + (shape[-1],))
+    if squeeze_r:
+        return reshape(out, tuple(shape[:-1]))
+    return out
+

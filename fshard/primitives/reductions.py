@@ -1,0 +1,170 @@
+"""Reductions: reduce_sum, reduce_max, reduce_min, argmax, argmin (and mean, as a
+composite). Reduction primitives always drop the reduced axes; ``keepdims`` is a
+reshape in the op function."""
+
+from __future__ import annotations
+
+from mindspore import ops
+
+from fshard import dtypes
+from fshard.core import ArrayType, typeof
+from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear
+from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
+from fshard.rules import batching, jvp, unsupported
+
+FAMILY = "reductions"
+
+
+def _reduce_type(x, *, axes):
+    for a in axes:
+        assert 0 <= a < x.ndim, f"axis {a} out of range for {x}"
+    return ArrayType(tuple(d for i, d in enumerate(x.shape) if i not in axes), x.dtype)
+
+
+def _reducer_batching(prim):
+    """Shift reduced axes past the batch dim (NB: JAX defreducer)."""
+
+    def rule(args, dims, *, axes):
+        (x,), (d,) = args, dims
+        new_axes = tuple(a + (a >= d) for a in axes)
+        out_d = d - sum(a < d for a in axes)
+        return [prim.bind(x, axes=new_axes)], [out_d]
+
+    return rule
+
+
+def _kept_shape(shape, axes):
+    return tuple(1 if i in axes else d for i, d in enumerate(shape))
+
+
+def _ms_reduce_sum(x, axes):
+    return ops.sum(x, axes, False)
+
+
+def _ms_reduce_max(x, axes):
+    return ops.amax(x, axes, False)
+
+
+def _ms_reduce_min(x, axes):
+    return ops.amin(x, axes, False)
+
+
+reduce_sum_p = def_primitive("reduce_sum", FAMILY, _reduce_type, _ms_reduce_sum)
+batching.set(reduce_sum_p, _reducer_batching(reduce_sum_p))
+deflinear(reduce_sum_p, lambda ct, x, *, axes: [
+    broadcast_to(reshape(ct, _kept_shape(x.aval.shape, axes)), x.aval.shape)])
+
+
+def _minmax_jvp(t, ans, x, *, axes):
+    # The tangent is averaged over the positions that attain the extremum.
+    from fshard.primitives.elementwise import cast, div, equal, mul
+
+    shape = typeof(x).shape
+    kept = broadcast_to(reshape(ans, _kept_shape(shape, axes)), shape)
+    mask = cast(equal(x, kept), typeof(x).dtype)
+    count = reduce_sum_p.bind(mask, axes=axes)
+    return div(reduce_sum_p.bind(mul(t, mask), axes=axes), count)
+
+
+reduce_max_p = def_primitive("reduce_max", FAMILY, _reduce_type, _ms_reduce_max)
+batching.set(reduce_max_p, _reducer_batching(reduce_max_p))
+defjvp(reduce_max_p, _minmax_jvp)
+unsupported(reduce_max_p, "transpose", "not linear")
+
+reduce_min_p = def_primitive("reduce_min", FAMILY, _reduce_type, _ms_reduce_min)
+batching.set(reduce_min_p, _reducer_batching(reduce_min_p))
+defjvp(reduce_min_p, _minmax_jvp)
+unsupported(reduce_min_p, "transpose", "not linear")
+
+
+def _ms_argmax(x, axis):
+    return ops.argmax(x, axis, False).astype(dtypes.int32)
+
+
+def _ms_argmin(x, axis):
+    return ops.argmin(x, axis, False).astype(dtypes.int32)
+
+
+def _arg_type(x, *, axis):
+    return ArrayType(tuple(d for i, d in enumerate(x.shape) if i != axis), dtypes.int32)
+
+
+def _def_arg(name, ms_fn):
+    prim = def_primitive(name, FAMILY, _arg_type, ms_fn)
+
+    def rule(args, dims, *, axis):
+        (x,), (d,) = args, dims
+        return [prim.bind(x, axis=axis + (axis >= d))], [d - (axis < d)]
+
+    batching.set(prim, rule)
+    jvp.set(prim, lambda primals, tangents, **p: (
+        [prim.bind(*primals, **p)],
+        [Zero(_arg_type(typeof(primals[0]), **p))]))
+    unsupported(prim, "transpose", "integer output")
+    return prim
+
+
+argmax_p = _def_arg("argmax", _ms_argmax)
+argmin_p = _def_arg("argmin", _ms_argmin)
+
+# ---------------------------------------------------------------------------
+# Op functions
+# ---------------------------------------------------------------------------
+
+
+def _axes(x, axis) -> tuple:
+    nd = typeof(x).ndim
+    if axis is None or axis == ():
+        return tuple(range(nd))
+    if isinstance(axis, (list, tuple)):
+        return tuple(sorted({_norm_axis(a, nd) for a in axis}))
+    return (_norm_axis(axis, nd),)
+
+
+def _reduce(prim, x, axis, keepdims):
+    axes = _axes(x, axis)
+    shape = typeof(x).shape
+    out = prim.bind(x, axes=axes) if axes else x
+    return reshape(out, _kept_shape(shape, axes)) if keepdims else out
+
+
+def reduce_sum(x, axis=None, keepdims: bool = False):
+    """Sum over ``axis`` (an int, a tuple, or None for all axes)."""
+    if typeof(x).dtype == dtypes.bool_:
+        from fshard.primitives.elementwise import cast
+
+        x = cast(x, dtypes.int64)
+    return _reduce(reduce_sum_p, x, axis, keepdims)
+
+
+def reduce_max(x, axis=None, keepdims: bool = False):
+    return _reduce(reduce_max_p, x, axis, keepdims)
+
+
+def reduce_min(x, axis=None, keepdims: bool = False):
+    return _reduce(reduce_min_p, x, axis, keepdims)
+
+
+def mean(x, axis=None, keepdims: bool = False):
+    """Mean over ``axis`` (integer inputs average in float32)."""
+    from fshard.primitives.elementwise import cast, mul
+
+    if not dtypes.is_float(typeof(x).dtype):
+        x = cast(x, dtypes.float32)
+    shape = typeof(x).shape
+    n = 1
+    for a in _axes(x, axis):
+        n *= shape[a]
+    return mul(reduce_sum(x, axis, keepdims), 1.0 / n)
+
+
+def argmax(x, axis: int = -1, keepdims: bool = False):
+    axis = _norm_axis(axis, typeof(x).ndim)
+    out = argmax_p.bind(x, axis=axis)
+    return reshape(out, _kept_shape(typeof(x).shape, (axis,))) if keepdims else out
+
+
+def argmin(x, axis: int = -1, keepdims: bool = False):
+    axis = _norm_axis(axis, typeof(x).ndim)
+    out = argmin_p.bind(x, axis=axis)
+    return reshape(out, _kept_shape(typeof(x).shape, (axis,))) if keepdims else out

@@ -1,0 +1,134 @@
+"""Rule tables: one table per rule kind, filled by the primitive declarations.
+
+Tables are owned here (not by transforms) so that primitives can register rules
+without importing transforms. Each primitive's registrations sit together in its
+family module under ``fshard/primitives/``. ``describe(prim)`` lists what a
+primitive has; ``unsupported(prim, kind, reason)`` records a deliberate gap.
+
+Rule signatures (x: operands, t: tangents, ct: cotangents, d: batch dims):
+
+- ``abstract_eval(*avals, **params) -> list[ArrayType]``
+- ``impl(*tensors, **params) -> list[Tensor]``            (eager MindSpore)
+- ``lowering(ctx, *exprs, **params) -> str``              (source of one expression)
+- ``batching(args, dims, **params) -> (outs, out_dims)``
+- ``jvp(primals, tangents, **params) -> (primals_out, tangents_out)``
+- ``transpose(cts_out, *args, **params) -> cts_in``        (linear primitives)
+- ``sharding(ctx, in_layouts, **params) -> ...``           (see fshard/sharding.py)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+from fshard.core import Primitive
+from fshard.errors import MissingRuleError
+
+R = TypeVar("R", bound=Callable)
+
+_registry: dict[str, Primitive] = {}
+
+
+def register_primitive(prim: Primitive, family: str) -> Primitive:
+    assert prim.name not in _registry, f"primitive {prim.name} declared twice"
+    _registry[prim.name] = prim
+    _families[prim.name] = family
+    return prim
+
+
+_families: dict[str, str] = {}
+
+
+def all_primitives() -> list[Primitive]:
+    """Every declared primitive, in declaration order."""
+    import fshard.primitives  # noqa: F401  (declares them)
+
+    return list(_registry.values())
+
+
+def family_of(prim: Primitive) -> str:
+    return _families.get(prim.name, "?")
+
+
+class RuleTable(Generic[R]):
+    """A table mapping primitives to one kind of rule."""
+
+    def __init__(self, kind: str, what: str):
+        self.kind = kind
+        self.what = what  # used in the MissingRuleError message
+        self._rules: dict[Primitive, R] = {}
+        self._unsupported: dict[Primitive, str] = {}
+
+    def register(self, prim: Primitive):
+        def decorate(rule: R) -> R:
+            assert prim not in self._rules, f"{self.kind} rule for {prim} registered twice"
+            self._rules[prim] = rule
+            return rule
+
+        return decorate
+
+    def set(self, prim: Primitive, rule: R) -> None:
+        self.register(prim)(rule)
+
+    def get(self, prim: Primitive) -> R | None:
+        return self._rules.get(prim)
+
+    def __contains__(self, prim: Primitive) -> bool:
+        return prim in self._rules
+
+    def lookup(self, prim: Primitive, *, transform: str) -> R:
+        rule = self._rules.get(prim)
+        if rule is None:
+            reason = self._unsupported.get(prim)
+            why = f" ({reason})" if reason else ""
+            raise MissingRuleError(
+                f"{transform} needs the {self.what} of primitive '{prim}', which has "
+                f"none{why}.\nFix: register one in fshard/primitives/{family_of(prim)}.py "
+                "(see docs/adding_a_primitive.md), or avoid this primitive under "
+                f"{transform}.")
+        return rule
+
+
+abstract_eval: RuleTable = RuleTable("abstract_eval", "type rule")
+impl: RuleTable = RuleTable("impl", "eager implementation")
+lowering: RuleTable = RuleTable("lowering", "lowering rule")
+batching: RuleTable = RuleTable("batching", "batching rule")
+jvp: RuleTable = RuleTable("jvp", "JVP rule")
+transpose: RuleTable = RuleTable("transpose", "transpose rule")
+sharding: RuleTable = RuleTable("sharding", "sharding rule")
+
+TABLES = {t.kind: t for t in (abstract_eval, impl, lowering, batching, jvp, transpose, sharding)}
+
+
+def unsupported(prim: Primitive, kind: str, reason: str) -> None:
+    """Record that ``prim`` deliberately has no ``kind`` rule, and why."""
+    TABLES[kind]._unsupported[prim] = reason
+
+
+def rule_status(prim: Primitive) -> dict[str, str]:
+    """kind -> 'yes' | 'unsupported: <reason>' | 'missing'."""
+    out = {}
+    for kind, table in TABLES.items():
+        if prim in table._rules:
+            out[kind] = "yes"
+        elif prim in table._unsupported:
+            out[kind] = f"unsupported: {table._unsupported[prim]}"
+        else:
+            out[kind] = "missing"
+    return out
+
+
+def describe(prim: Primitive | str) -> str:
+    """Which rules a primitive has.
+
+    >>> import fshard as fs
+    >>> print(fs.rules.describe("exp"))  # doctest: +ELLIPSIS
+    exp (elementwise)
+      abstract_eval: yes
+    ...
+    """
+    if isinstance(prim, str):
+        all_primitives()
+        prim = _registry[prim]
+    lines = [f"{prim.name} ({family_of(prim)})"]
+    lines += [f"  {k}: {v}" for k, v in rule_status(prim).items()]
+    return "\n".join(lines)

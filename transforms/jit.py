@@ -1,0 +1,155 @@
+"""``fs.jit``: stage once per input signature, lower to a MindSpore GRAPH-mode
+program, cache it, and call it.
+
+Inside another transform (when the current trace is a staging trace) a jitted
+function is simply inlined: its equations join the enclosing Program, which is
+itself compiled if the outermost transform is ``jit``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from fshard import tree
+from fshard.backend import mindspore as backend
+from fshard.core import EvalTrace, current_trace, typeof
+from fshard.staging import Traced, fun_name, split_static, trace_fun
+
+
+class Lowered:
+    """A staged and lowered function: ``as_text()`` shows the MindSpore program."""
+
+    def __init__(self, traced: Traced, source: str, globals_: dict, n_out: int):
+        self.traced = traced
+        self.source = source
+        self.globals = globals_
+        self.n_out = n_out
+        self._compiled = None
+
+    @property
+    def program(self):
+        return self.traced.program
+
+    def as_text(self) -> str:
+        """The generated source MindSpore compiles, with its module globals."""
+        return backend.globals_text(self.globals) + "\n" + self.source
+
+    def compile(self) -> "Compiled":
+        if self._compiled is None:
+            fn = backend.compile_source(self.source, self.globals, self.traced.name)
+            self._compiled = Compiled(fn, self.n_out, self.traced.out_tree)
+        return self._compiled
+
+
+class Compiled:
+    """The compiled graph of one input signature."""
+
+    __slots__ = ("fn", "n_out", "out_tree")
+
+    def __init__(self, fn, n_out: int, out_tree):
+        self.fn, self.n_out, self.out_tree = fn, n_out, out_tree
+
+    def call_flat(self, leaves) -> list:
+        if self.n_out == 0:
+            return []
+        out = self.fn(*leaves)
+        return [out] if self.n_out == 1 else list(out)
+
+    def __call__(self, *leaves):
+        return tree.unflatten(self.out_tree, self.call_flat(leaves))
+
+
+def _leaf_key(x):
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return (tuple(shape), x.dtype)
+    return (type(x),)
+
+
+class Jitted:
+    """The result of ``fs.jit(f)``: call it, ``lower`` it, count its traces."""
+
+    def __init__(self, fun, static_argnums=(), static_argnames=()):
+        if isinstance(static_argnums, int):
+            static_argnums = (static_argnums,)
+        if isinstance(static_argnames, str):
+            static_argnames = (static_argnames,)
+        self.fun = fun
+        self.static_argnums = tuple(static_argnums)
+        self.static_argnames = tuple(static_argnames)
+        self.trace_count = 0
+        self._cache: dict = {}
+        functools.update_wrapper(self, fun, updated=())
+
+    def _prepare(self, args, kwargs):
+        if self.static_argnums or self.static_argnames:
+            dyn_args, dyn_kwargs, skey, rebuild = split_static(
+                self.fun, args, kwargs, self.static_argnums, self.static_argnames)
+        else:
+            dyn_args, dyn_kwargs, skey, rebuild = args, kwargs, None, None
+        leaves, in_tree = tree.flatten((dyn_args, dyn_kwargs))
+        key = (in_tree, tuple(map(_leaf_key, leaves)), skey)
+        return key, leaves, in_tree, rebuild
+
+    def lower(self, *args, **kwargs) -> Lowered:
+        key, leaves, in_tree, rebuild = self._prepare(args, kwargs)
+        return self._lower(key, leaves, in_tree, rebuild)
+
+    def _lower(self, key, leaves, in_tree, rebuild) -> Lowered:
+        lowered = self._cache.get(key)
+        if lowered is None:
+            self.trace_count += 1
+            traced = trace_fun(self.fun, in_tree, [typeof(x) for x in leaves], rebuild)
+            src, globals_, n_out = backend.lower_program(
+                traced.program, traced.consts, traced.name)
+            lowered = Lowered(traced, src, globals_, n_out)
+            self._cache[key] = lowered
+        return lowered
+
+    def __call__(self, *args, **kwargs):
+        if type(current_trace()) is not EvalTrace:
+            return self.fun(*args, **kwargs)  # inlined into the enclosing transform
+        key, leaves, in_tree, rebuild = self._prepare(args, kwargs)
+        lowered = self._cache.get(key)
+        if lowered is None:
+            lowered = self._lower(key, leaves, in_tree, rebuild)
+        compiled = lowered._compiled or lowered.compile()
+        leaves = [x if backend.is_tensor(x) else backend.as_tensor(x) for x in leaves]
+        return tree.unflatten(compiled.out_tree, compiled.call_flat(leaves))
+
+    def __repr__(self) -> str:
+        return f"fs.jit({fun_name(self.fun)})"
+
+
+def jit(fun=None, *, static_argnums=(), static_argnames=()):
+    """Compile ``fun`` into one MindSpore GRAPH-mode program per input signature.
+
+    >>> import numpy as np, fshard as fs
+    >>> f = fs.jit(lambda x, y: fs.ops.relu(x @ y))
+    >>> f(np.eye(2, dtype=np.float32), -np.ones((2, 2), np.float32)).shape
+    (2, 2)
+    >>> f.trace_count
+    1
+
+    Args:
+        fun: a function of pytrees of arrays (or an ``nn.Cell``).
+        static_argnums: positions of arguments that are Python values, part of the
+            cache key and passed to ``fun`` unchanged.
+        static_argnames: the same, for keyword arguments.
+
+    Returns:
+        a callable with ``.lower(*args)`` (``.as_text()``, ``.compile()``) and
+        ``.trace_count``.
+
+    See also: ``fs.make_ir``; docs/jit.md.
+    """
+    if fun is None:
+        return functools.partial(jit, static_argnums=static_argnums,
+                                 static_argnames=static_argnames)
+    from fshard.cells import is_cell, maybe_cell
+
+    if isinstance(static_argnums, int):
+        static_argnums = (static_argnums,)
+    if is_cell(fun):  # the Cell's parameters become argument 0
+        static_argnums = tuple(i + 1 if i >= 0 else i for i in static_argnums)
+    return maybe_cell(fun, lambda f: Jitted(f, static_argnums, static_argnames))

@@ -38,5 +38,13 @@ from fshard.ir import verify as verify
 from fshard.primitives.structural import stop_gradient as stop_gradient
 from fshard.staging import make_ir as make_ir
 from fshard.transforms.jit import jit as jit
+from fshard.transforms.ad import grad as grad
+from fshard.transforms.ad import hessian as hessian
+from fshard.transforms.ad import jacfwd as jacfwd
+from fshard.transforms.ad import jacrev as jacrev
+from fshard.transforms.ad import jvp as jvp
+from fshard.transforms.ad import value_and_grad as value_and_grad
+from fshard.transforms.ad import vjp as vjp
+from fshard.transforms.vmap import vmap as vmap
 
 __version__ = "0.1.0"

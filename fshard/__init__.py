@@ -35,6 +35,8 @@ from fshard.errors import (  # noqa: F401
     UnsupportedOpError as UnsupportedOpError,
 )
 from fshard.ir import verify as verify
+from fshard.primitives.control import custom_jvp as custom_jvp
+from fshard.primitives.control import custom_vjp as custom_vjp
 from fshard.primitives.structural import stop_gradient as stop_gradient
 from fshard.staging import make_ir as make_ir
 from fshard.transforms.jit import jit as jit
@@ -45,6 +47,7 @@ from fshard.transforms.ad import jacrev as jacrev
 from fshard.transforms.ad import jvp as jvp
 from fshard.transforms.ad import value_and_grad as value_and_grad
 from fshard.transforms.ad import vjp as vjp
+from fshard.transforms.shard import shard as shard
 from fshard.transforms.vmap import vmap as vmap
 
 __version__ = "0.1.0"

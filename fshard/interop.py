@@ -1,24 +1,1021 @@
-"""Tracing native MindSpore code: ``mindspore.ops`` functions, Tensor operators and
-methods, and ``nn`` Cells called on fshard tracers.
+"""Tracing native MindSpore code: ``mindspore.ops`` functions, ``mint`` functions,
+Tensor operators and methods, and ``nn`` Cells called on fshard tracers.
 
-MindSpore ops reject non-Tensor arguments, so while a function is staged this
-module temporarily patches MindSpore's entry points to route calls that involve a
-Tracer to fshard's op functions. ``tracing()`` installs the patches (re-entrantly)
-and always restores MindSpore exactly as it was.
+MindSpore ops reject non-Tensor arguments, so while a function is staged this module
+swaps MindSpore's entry points for versions that send any call involving a Tracer to
+fshard's op functions (``fshard.ops``); calls without a Tracer reach MindSpore
+unchanged (that is how constants are computed eagerly while tracing). Everything is
+here: one table, ``CONVERTERS``, maps a MindSpore primitive name (``'MatMulExt'``,
+``'BiasAdd'``, ...) to a converter; the entry points are found once, lazily; and
+``tracing()`` swaps them in for the outermost trace and always puts back the very
+objects it found, also when the traced function raises.
+
+The entry points (MindSpore 2.10): the generated ``pyboost_*`` functions in the module
+globals of ``gen_ops_prim`` (and ``ops_def``), ``ops.primitive._run_op`` (legacy
+primitives such as ``BiasAdd``), ``_Pyboost*Prim.__call__`` (``pyboost_inner_prim``),
+the ``functional_overload`` instances behind ``mint``, the ``isinstance`` checks of
+``Shape``/``Rank``/``DType`` and of ``_check_is_tensor``, ``nn.Cell.__call__`` (a Cell
+called on a Tracer runs its ``construct`` directly), and the Tensor dunders that never
+fall back to a Tracer's reflected operator (``tensor + tracer``).
+
+This module imports MindSpore; nothing else in fshard's tracing depends on it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
+import os
+import sys
+import types
+from typing import Callable
+
+import numpy as np
+
+from fshard import dtypes
+from fshard import ops as fo
+from fshard.core import Tracer, typeof
+from fshard.errors import FshardError, UnsupportedOpError
+
+# ---------------------------------------------------------------------------
+# The converter table: MindSpore primitive name -> converter(prim, *args, **kwargs)
+# ---------------------------------------------------------------------------
+
+Converter = Callable[..., object]
+
+#: MindSpore primitive name -> converter. A converter receives the MindSpore primitive
+#: object (for its attributes) and the arguments exactly as MindSpore's entry point got
+#: them, and returns fshard values (a tuple for multi-output primitives). Overloaded
+#: ``mint`` functions are keyed ``'functional.<name>'``; the ``isinstance``-checking
+#: primitives ``Shape``, ``Rank``, ``DType`` and ``typeof`` return Python values.
+CONVERTERS: dict[str, Converter] = {}
+
+
+def converts(*names: str):
+    """Register a converter for the MindSpore primitives ``names``.
+
+    >>> @converts("MyExampleOp")
+    ... def _my_example_op(prim, x):
+    ...     return fo.exp(x)
+    >>> "MyExampleOp" in CONVERTERS
+    True
+    >>> del CONVERTERS["MyExampleOp"]
+    """
+    def register(fn: Converter) -> Converter:
+        for name in names:
+            assert name not in CONVERTERS, f"converter for {name} registered twice"
+            CONVERTERS[name] = fn
+        return fn
+
+    return register
+
+
+# -- argument helpers --------------------------------------------------------
+
+_TYPE_IDS: dict[int, object] = {}
+
+
+def _dtype(d):
+    """A MindSpore dtype argument (a dtype, or the enum id generated code passes)."""
+    if d is None:
+        return None
+    if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
+        if not _TYPE_IDS:
+            from mindspore.ops._utils.arg_handler import dtype_to_type_id
+
+            for t in (dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.float32,
+                      dtypes.float64, *dtypes._MS_TO_NP):
+                _TYPE_IDS[dtype_to_type_id("Cast", "dtype", t)] = t
+        try:
+            return _TYPE_IDS[int(d)]
+        except KeyError:
+            raise UnsupportedOpError(
+                f"MindSpore dtype id {d} has no fshard dtype; fshard supports "
+                f"{sorted(dtypes.short_name(t) for t in dtypes._MS_TO_NP)}.") from None
+    return dtypes.canonical(d)
+
+
+def _axis(axis):
+    """A MindSpore axis argument -> None (all axes), an int or a tuple."""
+    if axis is None:
+        return None
+    if isinstance(axis, (tuple, list)):
+        return tuple(int(a) for a in axis) if len(axis) else None
+    return int(axis)
+
+
+def _scalar(v):
+    """A 0-d constant Tensor argument (``on_value``, ``alpha``) as a Python scalar."""
+    if isinstance(v, Tracer):
+        return v
+    if hasattr(v, "asnumpy"):
+        return v.asnumpy().item()
+    return v
+
+
+def _with_dtype(x, dtype):
+    return x if dtype is None else fo.cast(x, _dtype(dtype))
+
+
+def _keep(x, in_shape, axis):
+    """Re-insert the reduced ``axis`` (None: all) of ``in_shape`` as size-1 dims."""
+    nd = len(in_shape)
+    axes = range(nd) if axis is None else [
+        a % nd for a in (axis if isinstance(axis, tuple) else (axis,))]
+    return fo.reshape(x, tuple(1 if i in axes else d for i, d in enumerate(in_shape)))
+
+
+# -- elementwise -------------------------------------------------------------
+
+for _names, _fn in (
+    (("Neg",), fo.neg), (("Exp",), fo.exp), (("Log",), fo.log), (("Tanh",), fo.tanh),
+    (("Sigmoid",), fo.sigmoid), (("ReLU",), fo.relu), (("Sqrt",), fo.sqrt),
+    (("Rsqrt",), fo.rsqrt), (("Abs",), fo.abs), (("Sign",), fo.sign), (("Sin",), fo.sin),
+    (("Cos",), fo.cos), (("Erf",), fo.erf), (("Square",), fo.square),
+    (("Mul", "Muls"), fo.mul), (("Div", "RealDiv", "Divs"), fo.div),
+    (("Pow", "PowTensorScalar", "PowScalarTensor"), fo.pow),
+    (("Maximum",), fo.maximum), (("Minimum",), fo.minimum),
+    (("Greater",), fo.greater), (("GreaterEqual",), fo.greater_equal),
+    (("Less",), fo.less), (("LessEqual",), fo.less_equal),
+    (("Equal",), fo.equal), (("NotEqual",), fo.not_equal),
+    (("Select",), fo.where),
+):
+    converts(*_names)(lambda prim, *args, _fn=_fn: _fn(*args))
+
+
+@converts("Add", "AddExt", "AddScalar")
+def _add(prim, x, y, alpha=1):
+    return fo.add(x, y if _scalar(alpha) == 1 else fo.mul(y, _scalar(alpha)))
+
+
+@converts("Sub", "SubExt", "SubScalar")
+def _sub(prim, x, y, alpha=1):
+    return fo.sub(x, y if _scalar(alpha) == 1 else fo.mul(y, _scalar(alpha)))
+
+
+@converts("GeLU")
+def _gelu(prim, x):
+    return fo.gelu(x, "tanh")
+
+
+@converts("Cast")
+def _cast(prim, x, dtype):
+    return fo.cast(x, _dtype(dtype))
+
+
+@converts("OnesLike", "ZerosLike")
+def _fill_like(prim, x):
+    a = typeof(x)
+    return fo.full(a.shape, 1 if prim.name == "OnesLike" else 0, a.dtype)
+
+
+# -- linear algebra and nn ---------------------------------------------------
+
+
+@converts("MatMulExt", "BatchMatMulExt")
+def _matmul_ext(prim, x, y):
+    return fo.matmul(x, y)
+
+
+@converts("MatMul", "BatchMatMul")
+def _matmul(prim, x, y, transpose_a=False, transpose_b=False):
+    return fo.matmul(x, y, bool(transpose_a), bool(transpose_b))
+
+
+@converts("BiasAdd")
+def _bias_add(prim, x, b, data_format=0):
+    if data_format not in (0, "NCHW", "NCDHW") and typeof(x).ndim > 2:  # channels last
+        return fo.add(x, b)
+    return fo.bias_add(x, b)
+
+
+@converts("Softmax", "LogSoftmax", "LogSoftmaxExt")
+def _softmax(prim, x, axis=-1, dtype=None):
+    if isinstance(axis, (tuple, list)):
+        if len(axis) != 1:
+            raise UnsupportedOpError(
+                f"MindSpore {prim.name} over several axes {tuple(axis)} has no fshard "
+                "converter; fshard's softmax takes one axis.")
+        axis = axis[0]
+    x = _with_dtype(x, dtype)
+    fn = fo.softmax if prim.name == "Softmax" else fo.log_softmax
+    return fn(x, -1 if axis is None else int(axis))
+
+
+def _layer_norm_parts(x, gamma, beta, begin_norm_axis, begin_params_axis, eps):
+    """(y, mean, var, rstd) of MindSpore's layer norm; gamma/beta cover the dims from
+    ``begin_params_axis`` on and are broadcast over the rest."""
+    nd = typeof(x).ndim
+    axes = tuple(range(begin_norm_axis % nd, nd))
+    mu = fo.mean(x, axes, keepdims=True)
+    xc = fo.sub(x, mu)
+    var = fo.mean(fo.mul(xc, xc), axes, keepdims=True)
+    rstd = fo.rsqrt(fo.add(var, float(eps)))
+    y = fo.mul(xc, rstd)
+    p_nd = nd - begin_params_axis % nd
+    for p, op in ((gamma, fo.mul), (beta, fo.add)):
+        if p is not None:
+            if typeof(p).ndim != p_nd:  # nn.LayerNorm keeps the normalized shape
+                p = fo.reshape(p, tuple(typeof(x).shape[nd - p_nd:]))
+            y = op(y, p)
+    return y, mu, var, rstd
+
+
+@converts("LayerNorm")
+def _layer_norm(prim, x, gamma, beta, begin_norm_axis=-1, begin_params_axis=-1, eps=1e-7):
+    y, mu, var, _ = _layer_norm_parts(x, gamma, beta, begin_norm_axis, begin_params_axis, eps)
+    return y, mu, var
+
+
+@converts("LayerNormExt")
+def _layer_norm_ext(prim, x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    begin = -len(tuple(normalized_shape))
+    y, mu, _, rstd = _layer_norm_parts(x, weight, bias, begin, begin, eps)
+    return y, mu, rstd
+
+
+def _one_hot(labels, depth: int, dtype, on=1, off=0):
+    """One-hot along a new last axis, with MindSpore's on/off values."""
+    dtype = _dtype(dtype)
+    out = fo.one_hot(labels, int(depth), dtype=dtype)
+    on, off = _scalar(on), _scalar(off)
+    if not (isinstance(on, (int, float)) and on == 1 and isinstance(off, (int, float))
+            and off == 0):
+        out = fo.where(fo.cast(out, dtypes.bool_), fo.cast(on, dtype), fo.cast(off, dtype))
+    return out
+
+
+@converts("OneHot", "OneHotExt")
+def _one_hot_prim(prim, indices, depth, on_value=1, off_value=0, axis=-1):
+    on_dtype = typeof(on_value).dtype if not isinstance(on_value, (int, float)) else (
+        dtypes.int64)
+    out = _one_hot(indices, depth, on_dtype, on_value, off_value)
+    nd = typeof(out).ndim
+    if axis not in (-1, nd - 1):
+        perm = list(range(nd - 1))
+        perm.insert(axis % nd, nd - 1)
+        out = fo.transpose(out, tuple(perm))
+    return out
+
+
+@converts("SoftmaxCrossEntropyWithLogits")
+def _softmax_xent(prim, logits, labels):
+    logp = fo.log_softmax(logits, -1)
+    loss = fo.neg(fo.reduce_sum(fo.mul(labels, logp), -1))
+    return loss, fo.sub(fo.exp(logp), labels)  # (loss, its gradient: MindSpore's "backprop")
+
+
+@converts("SparseSoftmaxCrossEntropyWithLogits")
+def _sparse_softmax_xent(prim, logits, labels):
+    if prim.attrs.get("is_grad"):
+        raise UnsupportedOpError("SparseSoftmaxCrossEntropyWithLogits(is_grad=True) has no "
+                                 "fshard converter; differentiate the loss with fs.grad.")
+    onehot = _one_hot(labels, typeof(logits).shape[-1], typeof(logits).dtype)
+    return fo.mean(fo.neg(fo.reduce_sum(fo.mul(onehot, fo.log_softmax(logits, -1)), -1)))
+
+
+@converts("NLLLoss")
+def _nll_loss(prim, logp, target, weight, reduction=1, ignore_index=-100):
+    # reduction: MindSpore's enum (0: sum, 1: mean, 2: none) or its string.
+    red = {0: "sum", 1: "mean", 2: "none"}.get(reduction, reduction)
+    lg = typeof(logp)
+    onehot = _one_hot(target, lg.shape[-1], lg.dtype)
+    w = fo.reduce_sum(fo.mul(onehot, weight), -1)  # weight of each example's class
+    keep = fo.cast(fo.not_equal(target, int(ignore_index)), lg.dtype)
+    w = fo.mul(w, keep)
+    per_example = fo.neg(fo.mul(fo.reduce_sum(fo.mul(onehot, logp), -1), w))
+    total = fo.reduce_sum(w)
+    if red == "none":
+        return per_example, total
+    if red == "sum":
+        return fo.reduce_sum(per_example), total
+    return fo.div(fo.reduce_sum(per_example), total), total
+
+
+# -- reductions --------------------------------------------------------------
+
+
+@converts("SumExt", "ReduceSum")
+def _sum(prim, x, axis=None, keepdims=False, dtype=None):
+    if prim.name == "ReduceSum":
+        axis, keepdims = axis, prim.attrs.get("keep_dims", keepdims)
+    return fo.reduce_sum(_with_dtype(x, dtype), _axis(axis), bool(keepdims))
+
+
+@converts("MeanExt", "ReduceMean")
+def _mean(prim, x, axis=None, keepdims=False, dtype=None):
+    return fo.mean(_with_dtype(x, dtype), _axis(axis), bool(keepdims))
+
+
+@converts("ReduceMax", "ReduceMin")
+def _reduce_max(prim, x, axis=None, keepdims=False):
+    fn = fo.reduce_max if prim.name == "ReduceMax" else fo.reduce_min
+    return fn(x, _axis(axis), bool(keepdims))
+
+
+def _arg(prim_is_max: bool, x, axis, keepdims):
+    fn = fo.argmax if prim_is_max else fo.argmin
+    if axis is None:  # over the flattened input
+        out = fn(fo.reshape(x, (-1,)), 0)
+        if keepdims:
+            out = fo.reshape(out, (1,) * typeof(x).ndim)
+    else:
+        out = fn(x, int(axis), bool(keepdims))
+    return fo.cast(out, dtypes.int64)  # MindSpore's index dtype
+
+
+@converts("Argmax", "Argmin")
+def _argmax(prim, x, axis=-1, output_type=None):
+    out = _arg(prim.name == "Argmax", x, axis, False)
+    return out if output_type is None else fo.cast(out, _dtype(output_type))
+
+
+@converts("ArgMaxExt", "ArgMinExt")
+def _argmax_ext(prim, x, dim=None, keepdim=False):
+    return _arg(prim.name == "ArgMaxExt", x, dim, keepdim)
+
+
+@converts("ArgMaxWithValue", "ArgMinWithValue")
+def _arg_with_value(prim, x, axis=0, keep_dims=False):
+    is_max = prim.name == "ArgMaxWithValue"
+    values = (fo.reduce_max if is_max else fo.reduce_min)(x, int(axis), bool(keep_dims))
+    return _arg(is_max, x, axis, keep_dims), values  # MindSpore's order: (index, value)
+
+
+# -- shape ops ---------------------------------------------------------------
+
+
+@converts("Reshape", "View")
+def _reshape(prim, x, shape):
+    return fo.reshape(x, tuple(shape))
+
+
+@converts("Transpose", "TransposeView")
+def _transpose(prim, x, perm):
+    return fo.transpose(x, tuple(perm))
+
+
+@converts("TransposeExt", "TransposeExtView")
+def _swapaxes(prim, x, dim0, dim1):
+    return fo.swapaxes(x, dim0, dim1)
+
+
+@converts("ExpandDims", "ExpandDimsView")
+def _expand_dims(prim, x, axis):
+    return fo.expand_dims(x, axis)
+
+
+@converts("Squeeze")
+def _squeeze(prim, x, axis=()):
+    return fo.squeeze(x, _axis(axis))
+
+
+@converts("BroadcastTo", "BroadcastToView")
+def _broadcast_to(prim, x, shape):
+    xs = typeof(x).shape
+    lead = len(shape) - len(xs)
+    shape = tuple(xs[i - lead] if d == -1 else d for i, d in enumerate(shape))
+    return fo.broadcast_to(x, shape)
+
+
+@converts("Flatten")
+def _flatten(prim, x):
+    return fo.reshape(x, (typeof(x).shape[0], -1)) if typeof(x).ndim > 1 else x
+
+
+@converts("Concat")
+def _concat(prim, tensors, axis=0):
+    return fo.concat(list(tensors), int(axis))
+
+
+@converts("Split")
+def _split(prim, x, axis=0, output_num=1):
+    return fo.split(x, typeof(x).shape[int(axis)] // int(output_num), int(axis))
+
+
+@converts("SplitTensor", "SplitTensorView")
+def _split_tensor(prim, x, split_size, dim=0):
+    return fo.split(x, int(split_size), int(dim))
+
+
+@converts("SplitWithSize", "SplitWithSizeView")
+def _split_with_size(prim, x, sizes, dim=0):
+    return fo.split(x, tuple(sizes), int(dim))
+
+
+@converts("Gather")
+def _gather(prim, x, indices, axis=0, batch_dims=0):
+    if batch_dims:
+        raise UnsupportedOpError("MindSpore Gather with batch_dims != 0 has no fshard converter.")
+    return fo.gather(x, indices, int(axis))
+
+
+@converts("GatherD")
+def _gather_d(prim, x, dim, index):
+    # out[..., j, ...] = x[..., index[..., j, ...], ...] along `dim` (NB: take_along_axis),
+    # as a one-hot contraction: sum_n onehot(index)[..., n] * x[..., n, ...].
+    a = typeof(x)
+    dim = int(dim) % a.ndim
+    if tuple(typeof(index).shape[:dim]) + tuple(typeof(index).shape[dim + 1:]) != (
+            tuple(a.shape[:dim]) + tuple(a.shape[dim + 1:])):
+        raise UnsupportedOpError(
+            f"MindSpore GatherD with index {typeof(index)} smaller than x {a} outside "
+            f"dim {dim} has no fshard converter.")
+    onehot = fo.one_hot(index, a.shape[dim], dtype=a.dtype)
+    perm = tuple(i for i in range(a.ndim) if i != dim) + (dim,)
+    xt = fo.expand_dims(fo.transpose(x, perm), dim)
+    return fo.reduce_sum(fo.mul(onehot, xt), -1)
+
+
+@converts("StridedSlice")
+def _strided_slice(prim, x, begin, end, strides, begin_mask=0, end_mask=0, ellipsis_mask=0,
+                   new_axis_mask=0, shrink_axis_mask=0):
+    if begin_mask or end_mask or ellipsis_mask or new_axis_mask or shrink_axis_mask:
+        raise UnsupportedOpError(
+            "MindSpore StridedSlice with masks has no fshard converter; index the traced "
+            "value with Python slices (x[a:b]) instead.")
+    idx = tuple(slice(int(b), int(e), int(s)) for b, e, s in zip(begin, end, strides))
+    return fo.getitem(x, idx)
+
+
+# -- isinstance-checking primitives: answer with static information ---------------
+
+
+@converts("Shape")
+def _shape(prim, x):
+    return tuple(typeof(x).shape)
+
+
+@converts("Rank")
+def _rank(prim, x):
+    return typeof(x).ndim
+
+
+@converts("DType")
+def _dtype_prim(prim, x):
+    return typeof(x).dtype
+
+
+@converts("typeof")
+def _typeof(prim, x):
+    from mindspore.common import dtype as mstype
+
+    return mstype.TensorType(typeof(x).dtype)
+
+
+# -- overloaded functions (mint.*, some ops.*): the raw Python call ----------------
+
+
+@converts("functional.add")
+def _f_add(prim, input, other, *, alpha=1):
+    return _add(prim, input, other, alpha)
+
+
+@converts("functional.sub")
+def _f_sub(prim, input, other, *, alpha=1):
+    return _sub(prim, input, other, alpha)
+
+
+@converts("functional.mul")
+def _f_mul(prim, input, other):
+    return fo.mul(input, other)
+
+
+@converts("functional.div")
+def _f_div(prim, input, other, *, rounding_mode=None):
+    if rounding_mode is not None:
+        raise UnsupportedOpError(
+            f"div(rounding_mode={rounding_mode!r}) has no fshard converter; only true "
+            "division traces.")
+    return fo.div(input, other)
+
+
+def _f_extremum(is_max: bool):
+    def convert(prim, input, dim=None, keepdim=False, *, out=None):
+        if dim is None:
+            return (fo.reduce_max if is_max else fo.reduce_min)(input)
+        if not isinstance(dim, int):  # max(input, other): elementwise
+            return (fo.maximum if is_max else fo.minimum)(input, dim)
+        prim_name = "ArgMaxWithValue" if is_max else "ArgMinWithValue"
+        index, value = _arg_with_value(types.SimpleNamespace(name=prim_name), input, dim,
+                                       keepdim)
+        return value, index
+
+    return convert
+
+
+converts("functional.max")(_f_extremum(True))
+converts("functional.min")(_f_extremum(False))
+
+
+@converts("functional.where")
+def _f_where(prim, condition, input=None, other=None):
+    if input is None:
+        raise UnsupportedOpError("where(condition) (the indices of nonzero elements) has a "
+                                 "data-dependent shape and cannot be traced.")
+    return fo.where(condition, input, other)
+
+
+for _name, _fn in (("less", fo.less), ("eq", fo.equal), ("greater_equal", fo.greater_equal)):
+    converts(f"functional.{_name}")(lambda prim, input, other, _fn=_fn: _fn(input, other))
+
+
+@converts("functional.gelu")
+def _f_gelu(prim, input, *, approximate="none"):
+    return fo.gelu(input, approximate)
+
+
+# ---------------------------------------------------------------------------
+# Tensor operators with a Tracer on the right (``tensor + tracer``)
+# ---------------------------------------------------------------------------
+
+# MindSpore's C++ Tensor operators raise instead of returning NotImplemented, so
+# Python never reaches Tracer.__radd__: these replace Tensor's forward operators.
+_TENSOR_OPERATORS: dict[str, Callable] = {
+    "__add__": fo.add, "__sub__": fo.sub, "__mul__": fo.mul, "__truediv__": fo.div,
+    "__matmul__": fo.matmul, "__pow__": fo.pow,
+    "__lt__": fo.less, "__le__": fo.less_equal, "__gt__": fo.greater,
+    "__ge__": fo.greater_equal, "__eq__": fo.equal, "__ne__": fo.not_equal,
+    # In-place operators become their functional form (``t += tracer`` rebinds ``t``).
+    "__iadd__": fo.add, "__isub__": fo.sub, "__imul__": fo.mul, "__itruediv__": fo.div,
+    "__getitem__": fo.getitem,
+}
+_TENSOR_UNSUPPORTED = ("__mod__", "__floordiv__", "__and__", "__or__", "__xor__",
+                       "__setitem__")
+
+
+# ---------------------------------------------------------------------------
+# Dispatch and errors
+# ---------------------------------------------------------------------------
+
+_FSHARD_DIR = os.path.dirname(os.path.abspath(__file__))
+_FSHARD_ROOT = os.path.dirname(_FSHARD_DIR)
+
+
+def _is_fshard_file(fn: str) -> bool:
+    return fn.startswith(_FSHARD_DIR) or fn.startswith(os.path.join(_FSHARD_ROOT, "transforms"))
+
+
+def _frame_name(f) -> str:
+    mod = f.f_globals.get("__name__", "?")
+    return f"{mod}.{getattr(f.f_code, 'co_qualname', f.f_code.co_name)}"
+
+
+def _call_site(frames) -> str:
+    """' (called as mindspore.ops.xxx at file.py:12)' from frames innermost first."""
+    api, user = None, None
+    for f in frames:
+        fn = f.f_code.co_filename
+        if "mindspore" in fn and not _is_fshard_file(fn):
+            api = f
+        elif not _is_fshard_file(fn):
+            user = f
+            break
+    parts = []
+    if api is not None:
+        parts.append(f"called as {_frame_name(api)}")
+    if user is not None:
+        parts.append(f"at {os.path.basename(user.f_code.co_filename)}:{user.f_lineno}")
+    return f" ({' '.join(parts)})" if parts else ""
+
+
+def _stack():
+    f = sys._getframe(1)
+    while f is not None:
+        yield f
+        f = f.f_back
+
+
+def _describe(args) -> str:
+    def one(a):
+        if isinstance(a, Tracer):
+            return f"traced {a.aval}"
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            return f"Tensor {typeof(a)}"
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(one(b) for b in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner})"
+        return repr(a)
+
+    return ", ".join(one(a) for a in args)
+
+
+def _unsupported(name: str, args) -> UnsupportedOpError:
+    return UnsupportedOpError(
+        f"fshard cannot trace the MindSpore op '{name}'{_call_site(_stack())}: it has no "
+        f"converter to fshard ops. It was called on ({_describe(args)}).\nFix: add a "
+        f"converter for '{name}' to CONVERTERS in fshard/interop.py that maps it onto "
+        "fshard's op functions (fshard.ops); if fshard has no primitive for it, declare one "
+        "first (see docs/adding_a_primitive.md). Or compute this value outside the traced "
+        "function and pass it in.")
+
+
+def _convert(name: str, prim, args, kwargs):
+    conv = CONVERTERS.get(name)
+    if conv is None:
+        raise _unsupported(name, args)
+    return conv(prim, *args, **kwargs)
+
+
+def _has_tracer(args) -> bool:
+    for a in args:
+        if isinstance(a, Tracer):
+            return True
+        if type(a) in (list, tuple):
+            for b in a:
+                if isinstance(b, Tracer):
+                    return True
+    return False
+
+
+# ---------------------------------------------------------------------------
+# Patched entry points (each wraps the original object it replaces)
+# ---------------------------------------------------------------------------
+
+
+def _wrap_pyboost(orig):
+    def pyboost(prim, args):
+        if _has_tracer(args):
+            return _convert(prim.name, prim, args, {})
+        return orig(prim, args)
+
+    pyboost.__name__ = getattr(orig, "__name__", "pyboost")
+    pyboost.__wrapped__ = orig
+    return pyboost
+
+
+def _wrap_run_op(orig):
+    def _run_op(obj, op_name, args):
+        if _has_tracer(args):
+            return _convert(op_name, obj, args, {})
+        return orig(obj, op_name, args)
+
+    _run_op.__wrapped__ = orig
+    return _run_op
+
+
+def _wrap_overload(orig):
+    key = f"functional.{orig.name}"
+
+    def overload(*args, **kwargs):
+        if _has_tracer(args) or (kwargs and _has_tracer(kwargs.values())):
+            return _convert(key, orig, args, kwargs)
+        return orig(*args, **kwargs)
+
+    overload.__wrapped__ = orig
+    return overload
+
+
+def _wrap_check_is_tensor(orig):
+    def _check_is_tensor(*args, **kwargs):
+        if not _has_tracer(args):
+            return orig(*args, **kwargs)
+        return None
+
+    _check_is_tensor.__wrapped__ = orig
+    return _check_is_tensor
+
+
+def _wrap_prim_call(orig):
+    def __call__(self, *args, **kwargs):
+        if _has_tracer(args) or (kwargs and _has_tracer(kwargs.values())):
+            return _convert(self.name, self, args, kwargs)
+        return orig(self, *args, **kwargs)
+
+    __call__.__wrapped__ = orig
+    return __call__
+
+
+def _wrap_cell_call(orig):
+    # A Cell called on a Tracer runs its construct directly: GRAPH_MODE compilation,
+    # requires_grad bookkeeping and hooks would all hand the Tracer to C++.
+    def __call__(self, *args, **kwargs):
+        if _has_tracer(args) or (kwargs and _has_tracer(kwargs.values())):
+            return self.construct(*args, **kwargs)
+        return orig(self, *args, **kwargs)
+
+    __call__.__wrapped__ = orig
+    return __call__
+
+
+def _wrap_tensor_operator(name, orig, fn):
+    if fn is None:
+        def dunder(self, other, *rest):
+            if isinstance(other, Tracer) or (type(other) is tuple and _has_tracer(other)) or (
+                    rest and _has_tracer(rest)):
+                raise _unsupported(f"Tensor.{name}", (self, other, *rest))
+            return orig(self, other, *rest)
+    else:
+        def dunder(self, other):
+            if isinstance(other, Tracer) or (type(other) is tuple and _has_tracer(other)):
+                return fn(self, other)
+            return orig(self, other)
+
+    dunder.__name__ = name
+    dunder.__wrapped__ = orig
+    return dunder
+
+
+# ---------------------------------------------------------------------------
+# Finding the entry points (once, lazily) and swapping them (every trace)
+# ---------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+class _DictPatch:
+    """Replace some names in one module's globals by wrappers of what was found there."""
+
+    __slots__ = ("module", "d", "keys", "get", "makers", "originals", "old", "new")
+
+    def __init__(self, module: str, d: dict, makers: dict):
+        self.module, self.d, self.makers = module, d, makers
+        self.keys = tuple(makers)
+        self.get = operator.itemgetter(*self.keys)
+        self.originals = self.current()
+        self.old = dict(zip(self.keys, self.originals))
+        self.new = {k: makers[k](v) for k, v in self.old.items()}
+
+    def current(self) -> tuple:
+        found = self.get(self.d)
+        return found if len(self.keys) > 1 else (found,)
+
+
+class _AttrPatch:
+    """Replace one attribute of a class by a wrapper. ``original`` is ``_MISSING`` when
+    the class did not define the attribute itself (it was inherited): restoring then
+    deletes it again."""
+
+    __slots__ = ("cls", "name", "maker", "original", "new")
+
+    def __init__(self, cls, name: str, maker: Callable):
+        self.cls, self.name, self.maker = cls, name, maker
+        self.original = cls.__dict__.get(name, _MISSING)
+        self.new = maker(getattr(cls, name))
+
+
+_dict_patches: list[_DictPatch] = []
+_attr_patches: list[_AttrPatch] = []
+_scanned_modules: set[str] = set()
+_n_modules_seen = -1
+_entry_points: dict[int, tuple[object, Callable]] = {}  # id(object) -> (object, wrap)
+
+
+def _code_names(code, out: set) -> None:
+    out.update(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            _code_names(c, out)
+
+
+def _names_used_by(module) -> set:
+    """Global names referenced by the functions and methods a module defines."""
+    out: set = set()
+    modname = module.__name__
+    for v in list(vars(module).values()):
+        if isinstance(v, types.FunctionType) and v.__module__ == modname:
+            _code_names(v.__code__, out)
+        elif isinstance(v, type) and v.__module__ == modname:
+            for a in list(vars(v).values()):
+                if isinstance(a, (staticmethod, classmethod)):
+                    a = a.__func__
+                if isinstance(a, property):
+                    for acc in (a.fget, a.fset):
+                        if isinstance(acc, types.FunctionType):
+                            _code_names(acc.__code__, out)
+                elif isinstance(a, types.FunctionType):
+                    _code_names(a.__code__, out)
+    return out
+
+
+def _module_entry_points() -> dict[int, tuple[object, Callable]]:
+    """id -> (object, wrap) for MindSpore's module-global entry points."""
+    if not _entry_points:
+        import mindspore._c_expression as C
+        from mindspore.ops import primitive
+
+        for name in dir(C):
+            obj = getattr(C, name)
+            if name.startswith("pyboost_"):
+                _entry_points[id(obj)] = (obj, _wrap_pyboost)
+            elif name.startswith("_") and name.endswith("_instance") and hasattr(obj, "name"):
+                _entry_points[id(obj)] = (obj, _wrap_overload)
+        _entry_points[id(primitive._run_op)] = (primitive._run_op, _wrap_run_op)
+    return _entry_points
+
+
+def _scan_module(modname: str, module) -> None:
+    """Record a patch of the entry points that ``module``'s own code looks up."""
+    d = getattr(module, "__dict__", None)
+    if d is None or modname == "mindspore._c_expression":
+        return
+    entry_points = _module_entry_points()
+    makers = {}
+    for k, v in list(d.items()):
+        e = entry_points.get(id(v))
+        if e is not None and e[0] is v:
+            makers[k] = e[1]
+        elif k == "_check_is_tensor" and callable(v):  # a function or a constexpr op
+            makers[k] = _wrap_check_is_tensor
+    if makers:
+        used = _names_used_by(module)
+        makers = {k: m for k, m in makers.items() if k in used}
+    if makers:
+        _dict_patches.append(_DictPatch(modname, d, makers))
+
+
+def _setup() -> None:
+    """Find the entry points: class attributes once; the module globals of every
+    MindSpore module not seen before (re-checked only when modules were imported)."""
+    global _n_modules_seen
+    if not _attr_patches:
+        _setup_classes()
+    if len(sys.modules) == _n_modules_seen:
+        return
+    for modname, module in list(sys.modules.items()):
+        if modname.startswith("mindspore") and modname not in _scanned_modules:
+            _scanned_modules.add(modname)
+            if module is not None:
+                _scan_module(modname, module)
+    _n_modules_seen = len(sys.modules)
+
+
+def _setup_classes() -> None:
+    from mindspore import Tensor, nn
+    from mindspore.ops.auto_generate import pyboost_inner_prim
+    from mindspore.ops.operations import array_ops
+    from mindspore.ops.operations.manually_defined import ops_def
+
+    patches = []
+    for name, cls in sorted(vars(pyboost_inner_prim).items()):
+        if isinstance(cls, type) and name.startswith("_Pyboost") and "__call__" in vars(cls):
+            patches.append(_AttrPatch(cls, "__call__", _wrap_prim_call))
+    for cls in (ops_def.Shape, ops_def.Rank, array_ops.DType):
+        patches.append(_AttrPatch(cls, "__call__", _wrap_prim_call))
+    patches.append(_AttrPatch(nn.Cell, "__call__", _wrap_cell_call))
+    for name, fn in _TENSOR_OPERATORS.items():
+        patches.append(_AttrPatch(
+            Tensor, name, lambda orig, name=name, fn=fn: _wrap_tensor_operator(name, orig, fn)))
+    for name in _TENSOR_UNSUPPORTED:
+        patches.append(_AttrPatch(
+            Tensor, name, lambda orig, name=name: _wrap_tensor_operator(name, orig, None)))
+    _attr_patches[:] = patches
+
 
 _depth = 0
+_installed: list = []  # what the outermost tracing() swapped in, to undo
+
+
+def _install() -> None:
+    _setup()
+    done: list = []
+    try:
+        for i, p in enumerate(_dict_patches):
+            if p.current() != p.originals:  # replaced since recorded: wrap what is there
+                p = _dict_patches[i] = _DictPatch(p.module, p.d, p.makers)
+            p.d.update(p.new)
+            done.append(p)
+        for i, a in enumerate(_attr_patches):
+            if a.cls.__dict__.get(a.name, _MISSING) is not a.original:
+                a = _attr_patches[i] = _AttrPatch(a.cls, a.name, a.maker)
+            setattr(a.cls, a.name, a.new)
+            done.append(a)
+    except BaseException:
+        _uninstall(done)
+        raise
+    _installed[:] = done
+
+
+def _uninstall(done: list) -> None:
+    for p in reversed(done):
+        if isinstance(p, _DictPatch):
+            p.d.update(p.old)
+        elif p.original is _MISSING:
+            delattr(p.cls, p.name)
+        else:
+            setattr(p.cls, p.name, p.original)
+    done.clear()
+
+
+def _tracer_type_error(e: TypeError) -> UnsupportedOpError | None:
+    """A MindSpore TypeError about a Tracer argument, as an UnsupportedOpError."""
+    if isinstance(e, FshardError) or "Tracer" not in str(e):
+        return None
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    if not frames or "mindspore" not in frames[-1].f_code.co_filename:
+        return None
+    site = _call_site(reversed(frames))
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UnsupportedOpError(
+        f"MindSpore rejected a traced value{site}: {first}\nThis MindSpore function checks "
+        "its arguments before reaching an entry point fshard intercepts.\nFix: call the "
+        "corresponding fshard.ops function or a Tensor method on the traced value, or add "
+        "the entry point to fshard/interop.py (see docs/tracing.md).")
 
 
 @contextlib.contextmanager
 def tracing():
+    """While active, MindSpore calls involving a Tracer build fshard equations.
+
+    Re-entrant: only the outermost entry swaps MindSpore's entry points in, and its exit
+    (normal or by exception) puts the original objects back.
+
+    >>> import mindspore as ms
+    >>> from mindspore import ops
+    >>> before = ms.Tensor.__add__
+    >>> with tracing():
+    ...     ms.Tensor.__add__ is before
+    False
+    >>> ms.Tensor.__add__ is before
+    True
+    """
     global _depth
+    if _depth == 0:
+        _install()
     _depth += 1
     try:
         yield
+    except TypeError as e:
+        wrapped = _tracer_type_error(e)
+        if wrapped is None:
+            raise
+        raise wrapped from e
     finally:
         _depth -= 1
+        if _depth == 0:
+            _uninstall(_installed)
+
+
+def patched_objects() -> list[tuple[object, str, object]]:
+    """``(namespace, name, original)`` for every object ``tracing()`` swaps: a module's
+    globals dict or a class, the name in it, and the object found there (``None``
+    for a class attribute that is inherited, i.e. absent from the class's own dict).
+
+    >>> len(patched_objects()) > 600
+    True
+    """
+    _setup()
+    out = []
+    for p in _dict_patches:
+        out.extend((p.d, k, v) for k, v in p.old.items())
+    for a in _attr_patches:
+        out.append((a.cls, a.name, None if a.original is _MISSING else a.original))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# What traces (enumerated by tests/test_interop.py; listed in docs/tracing.md)
+# ---------------------------------------------------------------------------
+
+#: User-facing MindSpore functions that trace into fshard Programs.
+SUPPORTED_OPS: tuple[str, ...] = (
+    # elementwise
+    "ops.add", "ops.sub", "ops.mul", "ops.div", "ops.pow", "ops.neg", "ops.abs",
+    "ops.exp", "ops.log", "ops.tanh", "ops.sigmoid", "ops.relu", "ops.gelu", "ops.sqrt",
+    "ops.rsqrt", "ops.square", "ops.erf", "ops.sin", "ops.cos", "ops.sign",
+    "ops.maximum", "ops.minimum",
+    "ops.greater", "ops.greater_equal", "ops.less", "ops.less_equal", "ops.equal",
+    "ops.not_equal", "ops.gt", "ops.ge", "ops.lt", "ops.le", "ops.eq", "ops.ne",
+    "ops.where", "ops.select", "ops.cast", "ops.zeros_like", "ops.ones_like",
+    # linear algebra and nn
+    "ops.matmul", "ops.bias_add", "ops.softmax", "ops.log_softmax", "ops.layer_norm",
+    "ops.cross_entropy", "ops.one_hot",
+    # reductions
+    "ops.sum", "ops.mean", "ops.amax", "ops.amin", "ops.max", "ops.min", "ops.argmax",
+    "ops.logsumexp",
+    # shape
+    "ops.reshape", "ops.transpose", "ops.permute", "ops.expand_dims", "ops.squeeze",
+    "ops.broadcast_to", "ops.flatten", "ops.concat", "ops.cat", "ops.split", "ops.gather",
+    # mint
+    "mint.add", "mint.sub", "mint.mul", "mint.div", "mint.matmul", "mint.bmm", "mint.exp",
+    "mint.log", "mint.tanh", "mint.sigmoid", "mint.sqrt", "mint.rsqrt", "mint.abs",
+    "mint.pow", "mint.maximum", "mint.minimum", "mint.eq", "mint.lt", "mint.gt",
+    "mint.where", "mint.sum", "mint.mean", "mint.max", "mint.min", "mint.amax",
+    "mint.argmax", "mint.softmax", "mint.reshape", "mint.permute", "mint.transpose",
+    "mint.unsqueeze", "mint.squeeze", "mint.broadcast_to", "mint.cat", "mint.split",
+    "mint.nn.functional.relu", "mint.nn.functional.gelu",
+)
+
+#: Operators and methods of mindspore.Tensor that work on traced values (and, for the
+#: binary operators, with a real Tensor on the left and a traced value on the right).
+SUPPORTED_TENSOR_METHODS: tuple[str, ...] = (
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__matmul__", "__rmatmul__", "__pow__", "__neg__", "__abs__",
+    "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__iadd__",
+    "sum", "mean", "max", "min", "argmax", "reshape", "view", "transpose", "permute",
+    "swapaxes", "expand_dims", "unsqueeze", "squeeze", "flatten", "astype", "to", "float",
+    "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "rsqrt", "abs", "square", "matmul",
+    "broadcast_to", "softmax", "log_softmax", "add", "sub", "mul", "div", "maximum",
+    "minimum", "pow", "T", "shape", "dtype", "ndim", "size", "dim",
+)
+
+#: nn Cells whose construct traces (user Cells built from these trace too).
+SUPPORTED_CELLS: tuple[str, ...] = (
+    "nn.Dense", "nn.ReLU", "nn.GELU", "nn.Sigmoid", "nn.Tanh", "nn.Flatten",
+    "nn.SequentialCell", "nn.LayerNorm", "nn.Softmax", "nn.LogSoftmax",
+    "nn.SoftmaxCrossEntropyWithLogits",
+)

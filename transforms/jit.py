@@ -44,10 +44,12 @@ class Lowered:
 class Compiled:
     """The compiled graph of one input signature."""
 
-    __slots__ = ("fn", "n_out", "out_tree")
+    __slots__ = ("fn", "n_out", "out_tree", "_bare")
 
     def __init__(self, fn, n_out: int, out_tree):
         self.fn, self.n_out, self.out_tree = fn, n_out, out_tree
+        # a function returning one array needs no unflattening
+        self._bare = n_out == 1 and out_tree.is_leaf()
 
     def call_flat(self, leaves) -> list:
         if self.n_out == 0:
@@ -55,11 +57,29 @@ class Compiled:
         out = self.fn(*leaves)
         return [out] if self.n_out == 1 else list(out)
 
+    def call_leaves(self, leaves):
+        """The output pytree for flat inputs ``leaves`` (any arrays or scalars).
+
+        This is the per-call path of ``fs.jit``: keep it short.
+        """
+        args = [x if isinstance(x, _Tensor) else backend.as_tensor(x) for x in leaves]
+        if self._bare:
+            return self.fn(*args)
+        if self.n_out == 0:
+            return tree.unflatten(self.out_tree, ())
+        out = self.fn(*args)
+        return tree.unflatten(self.out_tree, (out,) if self.n_out == 1 else out)
+
     def __call__(self, *leaves):
         return tree.unflatten(self.out_tree, self.call_flat(leaves))
 
 
+_Tensor = backend.Tensor
+
+
 def _leaf_key(x):
+    if type(x) is _Tensor:
+        return (x.shape, x.dtype)  # Tensor.shape is already a tuple
     shape = getattr(x, "shape", None)
     if shape is not None:
         return (tuple(shape), x.dtype)
@@ -78,7 +98,9 @@ class Jitted:
         self.static_argnums = tuple(static_argnums)
         self.static_argnames = tuple(static_argnames)
         self.trace_count = 0
-        self._cache: dict = {}
+        self._cache: dict = {}   # key -> Lowered
+        self._calls: dict = {}   # key -> Compiled, for signatures without static arguments
+        self._static = bool(self.static_argnums or self.static_argnames)
         functools.update_wrapper(self, fun, updated=())
 
     def _prepare(self, args, kwargs):
@@ -88,7 +110,7 @@ class Jitted:
         else:
             dyn_args, dyn_kwargs, skey, rebuild = args, kwargs, None, None
         leaves, in_tree = tree.flatten((dyn_args, dyn_kwargs))
-        key = (in_tree, tuple(map(_leaf_key, leaves)), skey)
+        key = (in_tree, tuple([_leaf_key(x) for x in leaves]), skey)
         return key, leaves, in_tree, rebuild
 
     def lower(self, *args, **kwargs) -> Lowered:
@@ -109,13 +131,22 @@ class Jitted:
     def __call__(self, *args, **kwargs):
         if type(current_trace()) is not EvalTrace:
             return self.fun(*args, **kwargs)  # inlined into the enclosing transform
+        if not self._static:
+            # the hot path of a cached call: one flatten, one key, one dict lookup
+            leaves, in_tree = tree.flatten((args, kwargs))
+            key = (in_tree, tuple([(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x)
+                                   for x in leaves]), None)
+            compiled = self._calls.get(key)
+            if compiled is None:
+                lowered = self._lower(key, leaves, in_tree, None)
+                compiled = self._calls[key] = lowered._compiled or lowered.compile()
+            return compiled.call_leaves(leaves)
         key, leaves, in_tree, rebuild = self._prepare(args, kwargs)
         lowered = self._cache.get(key)
         if lowered is None:
             lowered = self._lower(key, leaves, in_tree, rebuild)
         compiled = lowered._compiled or lowered.compile()
-        leaves = [x if backend.is_tensor(x) else backend.as_tensor(x) for x in leaves]
-        return tree.unflatten(compiled.out_tree, compiled.call_flat(leaves))
+        return compiled.call_leaves(leaves)
 
     def __repr__(self) -> str:
         return f"fs.jit({fun_name(self.fun)})"

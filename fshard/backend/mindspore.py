@@ -72,6 +72,21 @@ class LoweringContext:
         self.in_avals = in_avals    # of the equation being lowered
         self.out_avals = out_avals
         self.rank = rank            # set when lowering one rank of a multi-process job
+        self.helpers: list[str] = []  # sources of helper functions (call primitives' bodies)
+
+    def function(self, program: Program, hint: str = "call") -> str:
+        """Emit ``program`` as a helper function of the generated module; return its name.
+
+        The helper takes all of ``program``'s inputs positionally and returns a tuple
+        (how call primitives, e.g. ``custom_jvp_call``, lower their bodies).
+        """
+        i = len(self.helpers)
+        name = _py_name(f"fshard_{hint}_{i}")
+        self.helpers.append("")  # reserve the slot before lowering nested calls
+        saved = self.in_avals, self.out_avals
+        self.helpers[i] = _function_source(self, program, [], name, always_tuple=True)
+        self.in_avals, self.out_avals = saved
+        return name
 
     def ref(self, obj, hint: str = "c") -> str:
         """A global name bound to ``obj`` in the generated module."""
@@ -122,6 +137,15 @@ def lower_program(program: Program, consts: list, name: str = "fn",
     inputs positionally and returns one value or a tuple.
     """
     ctx = LoweringContext(rank=rank)
+    src = _function_source(ctx, program, consts, _py_name(f"fshard_{name}"))
+    # the entry function comes first: compile_source takes the first `def`
+    src = "\n\n".join([src] + ctx.helpers)
+    return src, ctx.globals, len(program.outputs)
+
+
+def _function_source(ctx: LoweringContext, program: Program, consts: list, fname: str,
+                     always_tuple: bool = False) -> str:
+    """Source of one generated function computing ``program``."""
     names: dict = {}
     counter = itertools.count()
 
@@ -155,13 +179,11 @@ def lower_program(program: Program, consts: list, name: str = "fn",
             lhs = "_"
         body.append(f"    {lhs} = {expr}")
     outs = [read(a) for a in program.outputs]
-    if len(outs) == 1:
+    if len(outs) == 1 and not always_tuple:
         body.append(f"    return {outs[0]}")
     else:
         body.append(f"    return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
-    fname = _py_name(f"fshard_{name}")
-    src = f"def {fname}({', '.join(params)}):\n" + "\n".join(body) + "\n"
-    return src, ctx.globals, len(outs)
+    return f"def {fname}({', '.join(params)}):\n" + "\n".join(body) + "\n"
 
 
 def load_module(src: str, globals_: dict, hint: str):
@@ -178,11 +200,126 @@ def load_module(src: str, globals_: dict, hint: str):
     return mod
 
 
-def compile_source(src: str, globals_: dict, hint: str):
-    """``mindspore.jit`` of the function defined by ``src``."""
+def compile_source(src: str, globals_: dict, hint: str) -> "GraphFunction":
+    """``mindspore.jit`` of the function defined by ``src``, with the fast call path
+    of ``GraphFunction``."""
     mod = load_module(src, globals_, hint)
     fname = src.split("(", 1)[0][4:]
-    return ms.jit(getattr(mod, fname), fullgraph=True)
+    return GraphFunction(ms.jit(getattr(mod, fname), fullgraph=True))
+
+
+# ---------------------------------------------------------------------------
+# Calling a compiled graph
+# ---------------------------------------------------------------------------
+#
+# A call of a ``mindspore.jit`` function costs ~60-90 µs of Python before the graph
+# runs: it builds a new ``_JitExecutor``, recomputes the argument key in C++, forms
+# the phase string, checks the compile cache, converts the arguments, and runs the
+# graph through the PyNative executor. For the same inputs all of that yields the
+# same phase every time. ``GraphFunction`` calls ``mindspore.jit`` once, asks
+# MindSpore (exactly as the wrapper does) which phase that call used, and from then
+# on hands the tensors straight to the graph executor with that phase: the route
+# ``nn.Cell`` itself takes for its cached predict graphs (``set_jit_config`` then
+# ``executor(args, phase)``). What it skips only matters for arguments that are not
+# plain tensors (Parameters, constant or lazily initialised tensors), under
+# PyNative autograd, and inside another jit capture; those calls, and any call after
+# an unexpected failure, take the ``mindspore.jit`` route.
+
+try:  # private MindSpore API: without it every call takes the mindspore.jit route
+    from mindspore.graph import api as _ms_api
+    from mindspore.graph.jit_context import jit_context as _jit_context
+
+    _requires_grad = _ms_api._pynative_executor.requires_grad
+    _convert_output = _ms_api._convert_python_data
+except (ImportError, AttributeError):  # pragma: no cover  (another MindSpore version)
+    _ms_api = None
+
+    def _jit_context():
+        return None
+
+    def _requires_grad():
+        return False
+
+
+def _plain_tensors(args) -> bool:
+    for a in args:
+        if type(a) is not Tensor or a.const_arg or a.has_init:
+            return False
+    return True
+
+
+class GraphFunction:
+    """A ``mindspore.jit`` function for one input signature, with a direct route
+    to its compiled graph after the first call.
+
+    >>> import fshard as fs, mindspore as ms, numpy as np
+    >>> x = ms.Tensor(np.ones(2, np.float32))
+    >>> g = fs.jit(lambda x: x * 2.0).lower(x).compile().fn   # a GraphFunction
+    >>> g(x).asnumpy(), g.fast          # first call: mindspore.jit compiles
+    (array([2., 2.], dtype=float32), True)
+    >>> g(x).asnumpy()                  # later calls: the graph executor directly
+    array([2., 2.], dtype=float32)
+
+    Every call must use arguments of the same shapes and dtypes (fshard's jit
+    cache guarantees it: one GraphFunction per signature).
+    """
+
+    __slots__ = ("jitted", "_phase", "_executor", "_config", "_tried")
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+        self._phase = None      # set once the direct route is known to be usable
+        self._executor = None
+        self._config = None
+        self._tried = False
+
+    @property
+    def fast(self) -> bool:
+        """Whether calls now go to the graph executor directly."""
+        return self._phase is not None
+
+    def __call__(self, *args):
+        phase = self._phase
+        if (phase is not None and _jit_context() is None and not _requires_grad()
+                and _plain_tensors(args)):
+            try:
+                self._executor.set_jit_config(self._config)
+                return _convert_output(self._executor(args, phase))
+            except Exception:  # noqa: BLE001  the graph is gone or changed: stop using it
+                self._phase = None
+        out = self.jitted(*args)
+        if not self._tried:
+            self._find_phase(args)
+        return out
+
+    def _find_phase(self, args) -> None:
+        """Ask MindSpore which compiled phase ``self.jitted(*args)`` just ran."""
+        if _jit_context() is not None or _requires_grad() or not _plain_tensors(args):
+            return  # this call is special; a later plain one may enable the direct route
+        self._tried = True
+        if (_ms_api is None or os.getenv("MS_JIT") == "0"
+                or os.getenv("MS_DEV_JIT_AST_ENABLE_GUARD") == "1"):
+            return
+        try:
+            # the wrapper's own settings, from the closure mindspore.jit built
+            code, cells = self.jitted.__code__, self.jitted.__closure__ or ()
+            env = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
+            func, config = env["func"], env["jit_config"]
+            ex = _ms_api._JitExecutor(func, env["hash_obj"], None, None, config, env["dynamic"],
+                                      getattr(self.jitted, "__jit_graph_name__", ""))
+            n_cached = len(_ms_api.ms_compile_cache)
+            phase = ex.compile(func.__name__, *args)
+            if len(_ms_api.ms_compile_cache) != n_cached:
+                return  # it compiled again, so it is not the wrapper's graph: don't guess
+            executor = ex._graph_executor
+            if not executor.has_compiled(phase):
+                return
+            self._executor = executor
+            self._config = (config.jit_config_dict if config is not None else None) or \
+                _ms_api._DEFAULT_JIT_CONFIG
+            self._phase = phase
+        except Exception:  # noqa: BLE001  any surprise: keep the mindspore.jit route
+            self._phase = None
 
 
 def globals_text(globals_: dict) -> str:

@@ -17,7 +17,8 @@ from fshard.core import ArrayType, Tracer, typeof
 from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives._batching import broadcasting, vectorized
 from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear
-from fshard.rules import batching, transpose, unsupported
+from fshard.rules import batching, sharding, transpose, unsupported
+from fshard.sharding import elementwise_spec
 
 FAMILY = "elementwise"
 
@@ -117,6 +118,11 @@ def _compare_type(name):
     return lambda x, y, **_: ArrayType(_same_types(name, x, y).shape, dtypes.bool_)
 
 
+def _elementwise_sharding(*avals, **params):
+    """Every operand and the output share one factor per dimension."""
+    return elementwise_spec(*avals)
+
+
 # ---------------------------------------------------------------------------
 # Unary math
 # ---------------------------------------------------------------------------
@@ -128,6 +134,7 @@ def def_unary(name, ms_fn, jvp_rule, float_only=True):
     prim = def_primitive(name, FAMILY, rule, ms_fn)
     batching.set(prim, vectorized(prim))
     defjvp(prim, jvp_rule)
+    sharding.set(prim, _elementwise_sharding)
     unsupported(prim, "transpose", "not linear")
     return prim
 
@@ -190,6 +197,7 @@ def _ms_erf(x):
 
 neg_p = def_primitive("neg", FAMILY, _unary_type, _ms_neg)
 batching.set(neg_p, vectorized(neg_p))
+sharding.set(neg_p, _elementwise_sharding)
 deflinear(neg_p, lambda ct, x: [neg(ct)])
 
 exp_p = def_unary("exp", _ms_exp, lambda t, ans, x: mul(t, ans))
@@ -211,6 +219,7 @@ erf_p = def_unary("erf", _ms_erf,
 
 sign_p = def_primitive("sign", FAMILY, _unary_type, _ms_sign)
 batching.set(sign_p, vectorized(sign_p))
+sharding.set(sign_p, _elementwise_sharding)
 defjvp(sign_p, None)  # piecewise constant: zero derivative
 unsupported(sign_p, "transpose", "not linear")
 
@@ -239,6 +248,7 @@ def _gelu_type(x, *, approximate):
 
 gelu_p = def_primitive("gelu", FAMILY, _gelu_type, _ms_gelu)
 batching.set(gelu_p, vectorized(gelu_p))
+sharding.set(gelu_p, _elementwise_sharding)
 defjvp(gelu_p, _gelu_jvp)
 unsupported(gelu_p, "transpose", "not linear")
 
@@ -283,14 +293,17 @@ def _is_undefined(x) -> bool:
 
 add_p = def_primitive("add", FAMILY, _binary_type("add"), _ms_add)
 batching.set(add_p, broadcasting(add_p))
+sharding.set(add_p, _elementwise_sharding)
 deflinear(add_p, lambda ct, x, y: [ct, ct])
 
 sub_p = def_primitive("sub", FAMILY, _binary_type("sub"), _ms_sub)
 batching.set(sub_p, broadcasting(sub_p))
+sharding.set(sub_p, _elementwise_sharding)
 deflinear(sub_p, lambda ct, x, y: [ct, neg(ct)])
 
 mul_p = def_primitive("mul", FAMILY, _binary_type("mul"), _ms_mul)
 batching.set(mul_p, broadcasting(mul_p))
+sharding.set(mul_p, _elementwise_sharding)
 defjvp(mul_p, lambda t, ans, x, y: mul(t, y), lambda t, ans, x, y: mul(x, t))
 
 
@@ -306,6 +319,7 @@ transpose.set(mul_p, _mul_transpose)
 
 div_p = def_primitive("div", FAMILY, _binary_type("div"), _ms_div)
 batching.set(div_p, broadcasting(div_p))
+sharding.set(div_p, _elementwise_sharding)
 defjvp(div_p, lambda t, ans, x, y: div(t, y),
        lambda t, ans, x, y: neg(mul(t, div(ans, y))))
 
@@ -319,6 +333,7 @@ transpose.set(div_p, _div_transpose)
 
 pow_p = def_primitive("pow", FAMILY, _binary_type("pow"), _ms_pow)
 batching.set(pow_p, broadcasting(pow_p))
+sharding.set(pow_p, _elementwise_sharding)
 defjvp(pow_p,
        lambda t, ans, x, y: mul(t, mul(y, pow(x, sub(y, 1.0)))),
        lambda t, ans, x, y: mul(t, mul(ans, log(where(greater(x, 0.0), x, 1.0)))))
@@ -340,11 +355,13 @@ def _minmax_jvp(pick_first):
 
 maximum_p = def_primitive("maximum", FAMILY, _binary_type("maximum"), _ms_maximum)
 batching.set(maximum_p, broadcasting(maximum_p))
+sharding.set(maximum_p, _elementwise_sharding)
 defjvp(maximum_p, *_minmax_jvp(lambda a, b: greater(a, b)))
 unsupported(maximum_p, "transpose", "not linear")
 
 minimum_p = def_primitive("minimum", FAMILY, _binary_type("minimum"), _ms_minimum)
 batching.set(minimum_p, broadcasting(minimum_p))
+sharding.set(minimum_p, _elementwise_sharding)
 defjvp(minimum_p, *_minmax_jvp(lambda a, b: less(a, b)))
 unsupported(minimum_p, "transpose", "not linear")
 
@@ -380,6 +397,7 @@ def _ms_greater_equal(x, y):
 def _def_compare(name, ms_fn):
     prim = def_primitive(name, FAMILY, _compare_type(name), ms_fn)
     batching.set(prim, broadcasting(prim))
+    sharding.set(prim, _elementwise_sharding)
     defjvp(prim, None, None)
     unsupported(prim, "transpose", "not linear (boolean output)")
     return prim
@@ -411,6 +429,7 @@ def _select_type(cond, x, y):
 
 select_p = def_primitive("select", FAMILY, _select_type, _ms_select)
 batching.set(select_p, broadcasting(select_p))
+sharding.set(select_p, _elementwise_sharding)
 defjvp(select_p, None,
        lambda t, ans, c, x, y: select(c, t, zeros_like(t)),
        lambda t, ans, c, x, y: select(c, zeros_like(t), t))
@@ -437,6 +456,7 @@ def _cast_type(x, *, dtype):
 
 cast_p = def_primitive("cast", FAMILY, _cast_type, _ms_cast)
 batching.set(cast_p, vectorized(cast_p))
+sharding.set(cast_p, _elementwise_sharding)
 
 
 def _cast_jvp(primals, tangents, *, dtype):

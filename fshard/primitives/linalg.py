@@ -13,7 +13,8 @@ from fshard.core import ArrayType, typeof
 from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives._batching import batch_to_front, batch_size, move_axis
 from fshard.primitives._define import def_primitive, defjvp, is_undefined
-from fshard.rules import batching, transpose
+from fshard.rules import batching, sharding, transpose
+from fshard.sharding import FactorSpec
 
 FAMILY = "linalg"
 
@@ -71,6 +72,24 @@ def _matmul_batching(args, dims, *, transpose_a, transpose_b):
 
 
 batching.set(matmul_p, _matmul_batching)
+
+
+def _matmul_sharding(x, y, *, transpose_a, transpose_b):
+    """Batch dims b*, rows m, contraction k (split k -> partial sum), columns n."""
+    nb = x.ndim - 2
+    b = tuple(f"b{i}" for i in range(nb))
+    xl = b + (("k", "m") if transpose_a else ("m", "k"))
+    yl = b + (("n", "k") if transpose_b else ("k", "n"))
+    m = x.shape[-1] if transpose_a else x.shape[-2]
+    k = x.shape[-2] if transpose_a else x.shape[-1]
+    n = y.shape[-2] if transpose_b else y.shape[-1]
+    sizes = {f"b{i}": x.shape[i] for i in range(nb)}
+    sizes.update(m=m, k=k, n=n)
+    return FactorSpec([xl, yl], [b + ("m", "n")], sizes, reduce=frozenset({"k"}),
+                      flops_per_point=2.0)
+
+
+sharding.set(matmul_p, _matmul_sharding)
 
 
 defjvp(matmul_p,

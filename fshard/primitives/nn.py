@@ -16,7 +16,8 @@ from fshard.primitives._define import def_primitive, defjvp, deflinear
 from fshard.primitives.elementwise import exp, log, mul, rsqrt, sub
 from fshard.primitives.reductions import mean, reduce_max, reduce_sum
 from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
-from fshard.rules import batching, unsupported
+from fshard.rules import batching, sharding, unsupported
+from fshard.sharding import FactorSpec
 
 FAMILY = "nn"
 
@@ -59,6 +60,15 @@ def _bias_add_batching(args, dims):
 
 
 batching.set(bias_add_p, _bias_add_batching)
+
+
+def _bias_add_sharding(x, b):
+    labels = tuple(f"d{i}" for i in range(x.ndim))
+    return FactorSpec([labels, (labels[1],)], [labels],
+                      {lab: x.shape[i] for i, lab in enumerate(labels)})
+
+
+sharding.set(bias_add_p, _bias_add_sharding)
 
 
 def _bias_add_transpose(ct, x, b):
@@ -119,6 +129,13 @@ def _softmax_type(name):
     return rule
 
 
+def _axis_sharding(x, *, axis):
+    """Parallel over every dim but the normalised axis, which stays whole."""
+    labels = tuple(f"d{i}" for i in range(x.ndim))
+    return FactorSpec([labels], [labels], {lab: x.shape[i] for i, lab in enumerate(labels)},
+                      nosplit=frozenset({labels[axis]}), flops_per_point=5.0)
+
+
 def _axis_batching(prim):
     def rule(args, dims, *, axis):
         (x,), (d,) = args, dims
@@ -129,6 +146,7 @@ def _axis_batching(prim):
 
 softmax_p = def_primitive("softmax", FAMILY, _softmax_type("softmax"), _ms_softmax)
 batching.set(softmax_p, _axis_batching(softmax_p))
+sharding.set(softmax_p, _axis_sharding)
 # d softmax = y * (t - sum(y * t))
 defjvp(softmax_p, lambda t, y, x, *, axis: mul(
     y, sub(t, reduce_sum(mul(y, t), axis, keepdims=True))))
@@ -137,6 +155,7 @@ unsupported(softmax_p, "transpose", "not linear")
 log_softmax_p = def_primitive("log_softmax", FAMILY, _softmax_type("log_softmax"),
                               _log_softmax_impl, lower=_log_softmax_lower)
 batching.set(log_softmax_p, _axis_batching(log_softmax_p))
+sharding.set(log_softmax_p, _axis_sharding)
 # d log_softmax = t - sum(softmax * t)
 defjvp(log_softmax_p, lambda t, y, x, *, axis: sub(
     t, reduce_sum(mul(exp(y), t), axis, keepdims=True)))

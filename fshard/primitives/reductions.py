@@ -10,7 +10,8 @@ from fshard import dtypes
 from fshard.core import ArrayType, typeof
 from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear
 from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
-from fshard.rules import batching, jvp, unsupported
+from fshard.rules import batching, jvp, sharding, unsupported
+from fshard.sharding import FactorSpec
 
 FAMILY = "reductions"
 
@@ -33,6 +34,21 @@ def _reducer_batching(prim):
     return rule
 
 
+def _reduce_sharding(kind):
+    """Reduced dims are a sum factor (split -> partial output) or, for max/min, never
+    split; kept dims are parallel."""
+
+    def rule(x, *, axes):
+        labels = tuple(f"d{i}" for i in range(x.ndim))
+        out = tuple(lab for i, lab in enumerate(labels) if i not in axes)
+        red = frozenset(labels[a] for a in axes)
+        return FactorSpec([labels], [out], {lab: x.shape[i] for i, lab in enumerate(labels)},
+                          reduce=red if kind == "sum" else frozenset(),
+                          nosplit=frozenset() if kind == "sum" else red)
+
+    return rule
+
+
 def _kept_shape(shape, axes):
     return tuple(1 if i in axes else d for i, d in enumerate(shape))
 
@@ -51,6 +67,7 @@ def _ms_reduce_min(x, axes):
 
 reduce_sum_p = def_primitive("reduce_sum", FAMILY, _reduce_type, _ms_reduce_sum)
 batching.set(reduce_sum_p, _reducer_batching(reduce_sum_p))
+sharding.set(reduce_sum_p, _reduce_sharding("sum"))
 deflinear(reduce_sum_p, lambda ct, x, *, axes: [
     broadcast_to(reshape(ct, _kept_shape(x.aval.shape, axes)), x.aval.shape)])
 
@@ -68,11 +85,13 @@ def _minmax_jvp(t, ans, x, *, axes):
 
 reduce_max_p = def_primitive("reduce_max", FAMILY, _reduce_type, _ms_reduce_max)
 batching.set(reduce_max_p, _reducer_batching(reduce_max_p))
+sharding.set(reduce_max_p, _reduce_sharding("max"))
 defjvp(reduce_max_p, _minmax_jvp)
 unsupported(reduce_max_p, "transpose", "not linear")
 
 reduce_min_p = def_primitive("reduce_min", FAMILY, _reduce_type, _ms_reduce_min)
 batching.set(reduce_min_p, _reducer_batching(reduce_min_p))
+sharding.set(reduce_min_p, _reduce_sharding("min"))
 defjvp(reduce_min_p, _minmax_jvp)
 unsupported(reduce_min_p, "transpose", "not linear")
 
@@ -97,6 +116,7 @@ def _def_arg(name, ms_fn):
         return [prim.bind(x, axis=axis + (axis >= d))], [d - (axis < d)]
 
     batching.set(prim, rule)
+    sharding.set(prim, lambda x, *, axis: _reduce_sharding("max")(x, axes=(axis,)))
     jvp.set(prim, lambda primals, tangents, **p: (
         [prim.bind(*primals, **p)],
         [Zero(_arg_type(typeof(primals[0]), **p))]))

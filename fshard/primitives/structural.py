@@ -7,15 +7,20 @@ rules (broadcast <-> sum, slice <-> pad, gather <-> scatter_add, concat <-> spli
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
-from fshard.core import ArrayType, typeof
+from fshard.core import ArrayType, Tracer, dims_equal, typeof
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
-from fshard.primitives._batching import batch_to_front, move_axis, vectorized
-from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear, is_undefined
-from fshard.rules import batching, jvp, transpose, unsupported
+from fshard.primitives._batching import batch_size, batch_to_front, move_axis, vectorized
+from fshard.primitives._define import (Zero, def_primitive, defjvp, deflinear, instantiate,
+                                      is_undefined)
+from fshard.rules import batching, jvp, sharding, transpose, unsupported
+from fshard.sharding import FactorSpec, elementwise_spec
+from fshard.rules import transpose as transpose_rules  # `transpose` is also an op here
 
 FAMILY = "structural"
 
@@ -73,6 +78,23 @@ def _broadcast_to_batching(args, dims, *, shape):
 batching.set(broadcast_to_p, _broadcast_to_batching)
 
 
+def _shape_param(params, local_in, local_out):
+    return {**params, "shape": tuple(local_out[0].shape)}
+
+
+def _broadcast_to_sharding(x, *, shape):
+    """Output dims are factors; an input dim shares its factor unless it is a broadcast 1."""
+    lead = len(shape) - x.ndim
+    out = tuple(f"d{i}" for i in range(len(shape)))
+    inp = tuple(out[lead + i] if x.shape[i] == shape[lead + i] else None
+                for i in range(x.ndim))
+    return FactorSpec([inp], [out], {lab: shape[i] for i, lab in enumerate(out)},
+                      flops_per_point=0.0, local_params=_shape_param)
+
+
+sharding.set(broadcast_to_p, _broadcast_to_sharding)
+
+
 def _broadcast_to_transpose(ct, x, *, shape):
     xs = x.aval.shape
     lead = len(shape) - len(xs)
@@ -124,6 +146,46 @@ def _reshape_batching(args, dims, *, shape):
 
 
 batching.set(reshape_p, _reshape_batching)
+
+
+def _reshape_groups(a: tuple, b: tuple):
+    """Pair up runs of dims of ``a`` and ``b`` with equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        gi, gj = [i] if i < len(a) else [], [j] if j < len(b) else []
+        pa = a[i] if i < len(a) else 1
+        pb = b[j] if j < len(b) else 1
+        i, j = i + bool(gi), j + bool(gj)
+        while pa != pb:
+            if pa < pb:
+                gi.append(i)
+                pa *= a[i]
+                i += 1
+            else:
+                gj.append(j)
+                pb *= b[j]
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _reshape_sharding(x, *, shape):
+    """Within each group of merged/split dims only the major dim can be split, and
+    only by a divisor of both major dims (the split then keeps whole rows)."""
+    ins, outs, sizes = [None] * x.ndim, [None] * len(shape), {}
+    if x.is_static:
+        for g, (gi, gj) in enumerate(_reshape_groups(tuple(x.shape), tuple(shape))):
+            gi = [i for i in gi if x.shape[i] != 1]
+            gj = [j for j in gj if shape[j] != 1]
+            if gi and gj:
+                lab = f"g{g}"
+                ins[gi[0]], outs[gj[0]] = lab, lab
+                sizes[lab] = math.gcd(x.shape[gi[0]], shape[gj[0]])
+    return FactorSpec([tuple(ins)], [tuple(outs)], sizes, flops_per_point=0.0,
+                      local_params=_shape_param)
+
+
+sharding.set(reshape_p, _reshape_sharding)
 deflinear(reshape_p, lambda ct, x, *, shape: [reshape(ct, x.aval.shape)])
 
 
@@ -191,6 +253,9 @@ def _transpose_batching(args, dims, *, perm):
 
 
 batching.set(transpose_p, _transpose_batching)
+sharding.set(transpose_p, lambda x, *, perm: FactorSpec(
+    [tuple(f"d{i}" for i in range(x.ndim))], [tuple(f"d{p}" for p in perm)],
+    {f"d{i}": x.shape[i] for i in range(x.ndim)}, flops_per_point=0.0))
 deflinear(transpose_p,
           lambda ct, x, *, perm: [transpose_p.bind(ct, perm=tuple(np.argsort(perm).tolist()))])
 
@@ -230,6 +295,9 @@ full_p = def_primitive("full", FAMILY, _full_type, lambda *, shape, value, dtype
                        lower=lambda ctx, *, shape, value, dtype: ctx.call(
                            _ms_full, ctx.param(shape), ctx.param(value), ctx.param(dtype)))
 batching.set(full_p, lambda args, dims, **p: ([full_p.bind(**p)], [None]))
+sharding.set(full_p, lambda *, shape, value, dtype: FactorSpec(
+    [], [tuple(f"d{i}" for i in range(len(shape)))], {f"d{i}": d for i, d in enumerate(shape)},
+    flops_per_point=0.0, local_params=_shape_param))
 jvp.set(full_p, lambda primals, tangents, **p: (
     [full_p.bind(**p)], [Zero(ArrayType(tuple(p["shape"]), p["dtype"]))]))
 unsupported(full_p, "transpose", "has no operands")
@@ -261,6 +329,7 @@ def _ms_stop_gradient(x):
 
 stop_gradient_p = def_primitive("stop_gradient", FAMILY, lambda x: x, _ms_stop_gradient)
 batching.set(stop_gradient_p, vectorized(stop_gradient_p))
+sharding.set(stop_gradient_p, lambda x: elementwise_spec(x))
 defjvp(stop_gradient_p, None)
 unsupported(stop_gradient_p, "transpose", "its JVP is zero, so it never appears in a linear program")
 
@@ -270,3 +339,810 @@ def stop_gradient(x):
     from fshard import tree
 
     return tree.map(lambda v: stop_gradient_p.bind(v), x)
+
+
+# ---------------------------------------------------------------------------
+# Helpers shared by the data-movement primitives below
+# ---------------------------------------------------------------------------
+
+
+def _static_ints(values, what: str) -> tuple:
+    """A tuple of Python ints, or an ArgumentError naming ``what``."""
+    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
+        values = (values,)
+    try:
+        out = tuple(values)
+    except TypeError:
+        raise ArgumentError(
+            f"{what} must be a tuple of ints, got {type(values).__name__} {values!r}.") from None
+    for v in out:
+        if isinstance(v, Tracer):
+            raise ArgumentError(
+                f"{what} must be static Python ints, got a traced value {v}. Sizes and "
+                "offsets fix the output shape, so they cannot depend on traced data.\n"
+                "Fix: pass Python ints (mark the argument static in fs.jit).")
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise ArgumentError(
+                f"{what} must be a tuple of ints, got {values!r} (entry {v!r} is "
+                f"{type(v).__name__}).")
+    return tuple(int(v) for v in out)
+
+
+def _int_dims(a: ArrayType, prim: str) -> None:
+    if not a.is_static:
+        raise ShapeError(f"{prim} needs static dimensions, got {a}.")
+
+
+def _is_index_dtype(dtype) -> bool:
+    return dtype in (dtypes.int32, dtypes.int64)
+
+
+def _check_rank(prim: str, x: ArrayType, what: str = "operand") -> None:
+    if x.ndim == 0:
+        raise ProgramTypeError(f"{prim} needs an {what} of rank >= 1, got {x}")
+
+
+def _check_axis(prim: str, axis: int, ndim: int) -> None:
+    if not (isinstance(axis, int) and 0 <= axis < ndim):
+        raise ProgramTypeError(f"{prim}: axis={axis!r} is not in [0, {ndim})")
+
+
+def _slice_axis(x, axis: int, start: int, stop: int):
+    """``x[..., start:stop, ...]`` along one axis (a ``slice`` equation)."""
+    shape = typeof(x).shape
+    if start == 0 and stop == shape[axis]:
+        return x
+    starts = tuple(start if i == axis else 0 for i in range(len(shape)))
+    limits = tuple(stop if i == axis else d for i, d in enumerate(shape))
+    return slice_p.bind(x, start=starts, limit=limits, strides=(1,) * len(shape))
+
+
+def _insert(t: tuple, i: int, v) -> tuple:
+    return tuple(t[:i]) + (v,) + tuple(t[i:])
+
+
+# ---------------------------------------------------------------------------
+# concat: join any number of operands along an existing axis
+# ---------------------------------------------------------------------------
+
+
+def _ms_concat(*xs, axis):
+    return ops.concat(xs, axis)
+
+
+def _concat_type(*xs, axis):
+    if not xs:
+        raise ProgramTypeError("concat needs at least one operand")
+    first = xs[0]
+    _check_rank("concat", first)
+    _check_axis("concat", axis, first.ndim)
+    for i, x in enumerate(xs):
+        if x.dtype != first.dtype or x.ndim != first.ndim or not all(
+                dims_equal(a, b) for k, (a, b) in enumerate(zip(x.shape, first.shape))
+                if k != axis):
+            raise ShapeError(
+                f"concat along axis {axis}: operand {i} is {x} but operand 0 is {first}; "
+                "operands need one dtype and equal sizes in every other dimension")
+        if not isinstance(x.shape[axis], int):
+            raise ShapeError(f"concat along a symbolic dimension is not supported, got {x}")
+    size = sum(x.shape[axis] for x in xs)
+    return ArrayType(_insert(tuple(first.shape[:axis]), axis, size) + tuple(first.shape[axis + 1:]),
+                     first.dtype)
+
+
+concat_p = def_primitive("concat", FAMILY, _concat_type, _ms_concat)
+
+
+def _concat_batching(args, dims, *, axis):
+    if all(d == dims[0] for d in dims):  # all batched along one dim
+        d = dims[0]
+        return [concat_p.bind(*args, axis=axis + (axis >= d))], [d]
+    size = batch_size(args, dims)
+    args = [batch_to_front(x, d, size) for x, d in zip(args, dims)]
+    return [concat_p.bind(*args, axis=axis + 1)], [0]
+
+
+def _concat_transpose(ct, *xs, axis):
+    """concat^T slices the cotangent back into one piece per operand."""
+    ct = instantiate(ct)
+    cts, start = [], 0
+    for x in xs:
+        n = (x.aval if is_undefined(x) else typeof(x)).shape[axis]
+        cts.append(_slice_axis(ct, axis, start, start + n) if is_undefined(x) else None)
+        start += n
+    return cts
+
+
+batching.set(concat_p, _concat_batching)
+deflinear(concat_p, _concat_transpose)
+
+
+def concat(xs, axis: int = 0):
+    """Join arrays along an existing ``axis`` (``mindspore.ops.concat``).
+
+    Operands are promoted to one dtype; every dimension other than ``axis`` must match.
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.ops.concat([np.zeros((2, 1), np.float32), np.ones((2, 2), np.float32)], 1).shape
+    (2, 3)
+
+    See also: ``stack``, ``split``.
+    """
+    if not isinstance(xs, (list, tuple)) or not xs:
+        raise ArgumentError(
+            f"concat(xs=...) must be a non-empty list or tuple of arrays, got {xs!r:.80}.")
+    avals = [typeof(x) for x in xs]
+    for i, a in enumerate(avals):
+        if a.ndim == 0:
+            raise ShapeError(
+                f"concat(xs=...): operand {i} is a scalar ({a}); concat joins arrays of "
+                "rank >= 1.\nFix: use fs.ops.stack to join scalars into a vector.")
+    nd = avals[0].ndim
+    axis = _norm_axis(axis, nd, "concat(axis=...)")
+    for i, a in enumerate(avals):
+        if a.ndim != nd or any(not dims_equal(p, q) for k, (p, q) in
+                               enumerate(zip(a.shape, avals[0].shape)) if k != axis):
+            raise ShapeError(
+                f"concat(xs=..., axis={axis}): operand {i} has shape {tuple(a.shape)} but "
+                f"operand 0 has shape {tuple(avals[0].shape)}; all dimensions except "
+                f"axis {axis} must be equal.\nFix: reshape or slice the operands so they "
+                "differ only along the concatenation axis.")
+    if len(xs) == 1:
+        return xs[0]
+    dt = dtypes.result_type(*[a.dtype for a in avals])
+    from fshard.primitives.elementwise import cast
+
+    return concat_p.bind(*[cast(x, dt) for x in xs], axis=axis)
+
+
+def stack(xs, axis: int = 0):
+    """Join arrays of one shape along a new ``axis`` (``mindspore.ops.stack``).
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.ops.stack([np.zeros(3, np.float32), np.ones(3, np.float32)], 1).shape
+    (3, 2)
+    """
+    if not isinstance(xs, (list, tuple)) or not xs:
+        raise ArgumentError(
+            f"stack(xs=...) must be a non-empty list or tuple of arrays, got {xs!r:.80}.")
+    shapes = [tuple(typeof(x).shape) for x in xs]
+    for i, s in enumerate(shapes):
+        if s != shapes[0]:
+            raise ShapeError(
+                f"stack(xs=...): operand {i} has shape {s} but operand 0 has shape "
+                f"{shapes[0]}; stacked arrays must have equal shapes.\nFix: broadcast_to "
+                "or reshape the operands first.")
+    axis = _norm_axis(axis, len(shapes[0]) + 1, "stack(axis=...)")
+    return concat([expand_dims(x, axis) for x in xs], axis)
+
+
+# ---------------------------------------------------------------------------
+# split: cut one operand into consecutive pieces of given sizes along an axis
+# ---------------------------------------------------------------------------
+
+
+def _ms_split(x, sizes, axis):
+    return ops.split(x, sizes, axis)
+
+
+def _split_type(x, *, sizes, axis):
+    _check_rank("split", x)
+    _check_axis("split", axis, x.ndim)
+    if not sizes or any(s < 0 for s in sizes) or sum(sizes) != x.shape[axis]:
+        raise ShapeError(
+            f"split: sizes {sizes} must be >= 0 and sum to dimension {axis} of {x}")
+    return [ArrayType(tuple(x.shape[:axis]) + (s,) + tuple(x.shape[axis + 1:]), x.dtype)
+            for s in sizes]
+
+
+split_p = def_primitive("split", FAMILY, _split_type, _ms_split, multiple_results=True)
+
+
+def _split_batching(args, dims, *, sizes, axis):
+    (x,), (d,) = args, dims
+    outs = split_p.bind(x, sizes=sizes, axis=axis + (axis >= d))
+    return outs, [d] * len(outs)
+
+
+def _split_transpose(cts, x, *, sizes, axis):
+    """split^T concatenates the cotangents (a zero cotangent becomes zeros)."""
+    shape = x.aval.shape
+    pieces = []
+    for ct, s in zip(cts, sizes, strict=True):
+        if ct is None or isinstance(ct, Zero):
+            ct = zeros(tuple(shape[:axis]) + (s,) + tuple(shape[axis + 1:]), x.aval.dtype)
+        pieces.append(ct)
+    return [pieces[0] if len(pieces) == 1 else concat_p.bind(*pieces, axis=axis)]
+
+
+batching.set(split_p, _split_batching)
+deflinear(split_p, _split_transpose)
+
+
+def split(x, split_size_or_sections, axis: int = 0) -> tuple:
+    """Split ``x`` along ``axis`` (``mindspore.ops.split``).
+
+    An int gives pieces of that size (the last may be smaller); a tuple or list gives
+    the size of each piece.
+
+    >>> import numpy as np, fshard as fs
+    >>> [p.shape for p in fs.ops.split(np.zeros((5, 2), np.float32), 2)]
+    [(2, 2), (2, 2), (1, 2)]
+    >>> [p.shape for p in fs.ops.split(np.zeros((5, 2), np.float32), (1, 4))]
+    [(1, 2), (4, 2)]
+
+    See also: ``concat``.
+    """
+    a = typeof(x)
+    if a.ndim == 0:
+        raise ShapeError(f"split(x=...): x is a scalar ({a}); split needs rank >= 1.")
+    axis = _norm_axis(axis, a.ndim, "split(axis=...)")
+    n = a.shape[axis]
+    _int_dims(ArrayType((n,), a.dtype), "split")
+    if isinstance(split_size_or_sections, (int, np.integer)) and not isinstance(
+            split_size_or_sections, bool):
+        s = int(split_size_or_sections)
+        if s <= 0:
+            raise ArgumentError(
+                f"split(split_size_or_sections={s}): a piece size must be >= 1.")
+        sizes = (s,) * (n // s) + ((n % s,) if n % s else ())
+    else:
+        sizes = _static_ints(split_size_or_sections, "split(split_size_or_sections=...)")
+        if not sizes or any(v < 0 for v in sizes) or sum(sizes) != n:
+            raise ShapeError(
+                f"split(split_size_or_sections={sizes}, axis={axis}): the sizes must be >= 0 "
+                f"and sum to {n}, the size of dimension {axis} of x {a}.\nFix: adjust the "
+                "sizes, or pass an int piece size.")
+    return tuple(split_p.bind(x, sizes=sizes, axis=axis))
+
+
+# ---------------------------------------------------------------------------
+# slice: static start/limit/strides (NB: lax.slice)
+# ---------------------------------------------------------------------------
+
+
+def _ms_slice(x, start, limit, strides):
+    return ops.strided_slice(x, start, limit, strides)
+
+
+def _sliced_size(start: int, limit: int, stride: int) -> int:
+    return max(0, (limit - start + stride - 1) // stride)
+
+
+def _slice_type(x, *, start, limit, strides):
+    _check_rank("slice", x)
+    _int_dims(x, "slice")
+    if not len(start) == len(limit) == len(strides) == x.ndim:
+        raise ProgramTypeError(
+            f"slice: start {start}, limit {limit} and strides {strides} need one entry "
+            f"per dimension of {x}")
+    for lo, hi, st, n in zip(start, limit, strides, x.shape):
+        if not (0 <= lo <= hi <= n and st >= 1):
+            raise ShapeError(
+                f"slice of {x}: need 0 <= start <= limit <= size and stride >= 1, got "
+                f"start={start}, limit={limit}, strides={strides}")
+    return ArrayType(tuple(_sliced_size(*a) for a in zip(start, limit, strides)), x.dtype)
+
+
+slice_p = def_primitive("slice", FAMILY, _slice_type, _ms_slice)
+
+
+def _slice_batching(args, dims, *, start, limit, strides):
+    (x,), (d,) = args, dims
+    size = typeof(x).shape[d]
+    return [slice_p.bind(x, start=_insert(start, d, 0), limit=_insert(limit, d, size),
+                         strides=_insert(strides, d, 1))], [d]
+
+
+def _slice_transpose(ct, x, *, start, limit, strides):
+    """slice^T pads the cotangent back: zeros before, between (strides) and after."""
+    shape = x.aval.shape
+    out = _slice_type(x.aval, start=start, limit=limit, strides=strides).shape
+    if 0 in out:
+        return [zeros(shape, x.aval.dtype)]
+    high = tuple(n - (lo + (m - 1) * st + 1) for n, lo, m, st in zip(shape, start, out, strides))
+    return [pad_p.bind(instantiate(ct), low=tuple(start), high=high,
+                       interior=tuple(st - 1 for st in strides))]
+
+
+batching.set(slice_p, _slice_batching)
+deflinear(slice_p, _slice_transpose)
+
+
+def slice_array(x, start, limit, strides=None):
+    """``x[start[0]:limit[0]:strides[0], ...]`` with static bounds (NB: ``lax.slice``).
+
+    >>> import numpy as np, fshard as fs
+    >>> x = np.arange(10, dtype=np.float32)
+    >>> fs.ops.slice_array(x, (1,), (8,), (3,)).asnumpy().tolist()
+    [1.0, 4.0, 7.0]
+
+    See also: ``getitem`` (``x[1:8:3]`` on a traced value), ``pad``.
+    """
+    a = typeof(x)
+    start = _static_ints(start, "slice_array(start=...)")
+    limit = _static_ints(limit, "slice_array(limit=...)")
+    strides = (1,) * a.ndim if strides is None else _static_ints(
+        strides, "slice_array(strides=...)")
+    if not len(start) == len(limit) == len(strides) == a.ndim:
+        raise ArgumentError(
+            f"slice_array: start {start}, limit {limit} and strides {strides} need one "
+            f"entry per dimension of x {a}.")
+    for i, (lo, hi, st, n) in enumerate(zip(start, limit, strides, a.shape)):
+        if not (0 <= lo <= hi <= n and st >= 1):
+            raise ShapeError(
+                f"slice_array: dimension {i} of x {a} has size {n}, but got start={lo}, "
+                f"limit={hi}, stride={st}; need 0 <= start <= limit <= {n} and stride >= "
+                "1.\nFix: clip the bounds, or use x[...] indexing for negative bounds "
+                "and steps.")
+    if start == (0,) * a.ndim and limit == tuple(a.shape) and strides == (1,) * a.ndim:
+        return x
+    return slice_p.bind(x, start=start, limit=limit, strides=strides)
+
+
+# ---------------------------------------------------------------------------
+# pad: zeros before (low), after (high) and between (interior) elements
+# ---------------------------------------------------------------------------
+
+
+def _ms_pad(x, low, high, interior):
+    # Interior padding: interleave each row with `i` zero rows, then drop the trailing
+    # ones. The loop runs over static tuples, so GRAPH mode unrolls it.
+    nd = len(low)
+    for ax in range(nd):
+        i = interior[ax]
+        if i > 0:
+            shape = x.shape
+            n = shape[ax]
+            y = ops.expand_dims(x, ax + 1)
+            z = ops.zeros(shape[:ax + 1] + (i,) + shape[ax + 1:], x.dtype)
+            y = ops.reshape(ops.concat((y, z), ax + 1),
+                            shape[:ax] + (n * (i + 1),) + shape[ax + 1:])
+            x = ops.narrow(y, ax, 0, n * (i + 1) - i)
+    pads = ()
+    for ax in range(nd):
+        pads = (low[ax], high[ax]) + pads  # ops.pad lists the last dimension first
+    return ops.pad(x, pads)
+
+
+def _padded_size(n: int, lo: int, hi: int, i: int) -> int:
+    return lo + hi + n + max(n - 1, 0) * i
+
+
+def _pad_type(x, *, low, high, interior):
+    _check_rank("pad", x)
+    _int_dims(x, "pad")
+    if not len(low) == len(high) == len(interior) == x.ndim:
+        raise ProgramTypeError(
+            f"pad: low {low}, high {high} and interior {interior} need one entry per "
+            f"dimension of {x}")
+    if any(v < 0 for v in low + high + interior):
+        raise ShapeError(f"pad: widths must be >= 0, got low={low}, high={high}, "
+                         f"interior={interior}")
+    return ArrayType(tuple(_padded_size(*a) for a in zip(x.shape, low, high, interior)),
+                     x.dtype)
+
+
+pad_p = def_primitive("pad", FAMILY, _pad_type, _ms_pad)
+
+
+def _pad_batching(args, dims, *, low, high, interior):
+    (x,), (d,) = args, dims
+    return [pad_p.bind(x, low=_insert(low, d, 0), high=_insert(high, d, 0),
+                       interior=_insert(interior, d, 0))], [d]
+
+
+def _pad_transpose(ct, x, *, low, high, interior):
+    """pad^T slices the original elements back out of the cotangent."""
+    shape = x.aval.shape
+    if 0 in shape:
+        return [zeros(shape, x.aval.dtype)]
+    limit = tuple(lo + (n - 1) * (i + 1) + 1 for lo, n, i in zip(low, shape, interior))
+    return [slice_p.bind(instantiate(ct), start=tuple(low), limit=limit,
+                         strides=tuple(i + 1 for i in interior))]
+
+
+batching.set(pad_p, _pad_batching)
+deflinear(pad_p, _pad_transpose)
+
+
+def pad(x, low, high, interior=None):
+    """Zero-pad ``x``: ``low[i]`` zeros before, ``high[i]`` after and ``interior[i]``
+    between the elements of dimension ``i`` (NB: ``lax.pad`` with non-negative widths).
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.ops.pad(np.ones(3, np.float32), (1,), (2,), (1,)).asnumpy().tolist()
+    [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+
+    See also: ``slice_array`` (its transpose).
+    """
+    a = typeof(x)
+    low = _static_ints(low, "pad(low=...)")
+    high = _static_ints(high, "pad(high=...)")
+    interior = (0,) * a.ndim if interior is None else _static_ints(interior, "pad(interior=...)")
+    if not len(low) == len(high) == len(interior) == a.ndim:
+        raise ArgumentError(
+            f"pad: low {low}, high {high} and interior {interior} need one entry per "
+            f"dimension of x {a}.")
+    if any(v < 0 for v in low + high + interior):
+        raise ArgumentError(
+            f"pad: widths must be >= 0, got low={low}, high={high}, interior={interior}.\n"
+            "Fix: use slice_array (or x[...]) to remove elements.")
+    if not any(low + high + interior):
+        return x
+    return pad_p.bind(x, low=low, high=high, interior=interior)
+
+
+# ---------------------------------------------------------------------------
+# gather: take entries along one axis at an integer index array of any shape
+# ---------------------------------------------------------------------------
+
+
+def _ms_gather(x, indices, axis):
+    return ops.gather(x, indices, axis)
+
+
+def _gather_type(x, indices, *, axis):
+    _check_rank("gather", x)
+    _check_axis("gather", axis, x.ndim)
+    if not _is_index_dtype(indices.dtype):
+        raise ProgramTypeError(f"gather needs int32 or int64 indices, got {indices}")
+    return ArrayType(tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1:]),
+                     x.dtype)
+
+
+gather_p = def_primitive("gather", FAMILY, _gather_type, _ms_gather)
+
+
+def _offset_indices(indices, n: int):
+    """Batched indices (batch dim first) into a batch-major flattening of the
+    indexed axis: row b of ``indices`` is shifted by ``b * n``."""
+    from fshard.primitives.elementwise import add
+
+    a = typeof(indices)
+    offsets = (np.arange(a.shape[0]) * n).astype(dtypes.to_numpy(a.dtype))
+    return add(indices, offsets.reshape((-1,) + (1,) * (a.ndim - 1)))
+
+
+def _gather_batching(args, dims, *, axis):
+    (x, indices), (dx, di) = args, dims
+    if di is None:
+        # Gather along the same logical axis of the batched x.
+        ax = axis + (axis >= dx)
+        out_d = dx if dx < ax else dx - 1 + typeof(indices).ndim
+        return [gather_p.bind(x, indices, axis=ax)], [out_d]
+    if dx is None:
+        return [gather_p.bind(x, indices, axis=axis)], [axis + di]
+    # Both batched: put the batch next to the indexed axis, flatten the two, and
+    # shift each example's indices into its own block.
+    size = batch_size(args, dims)
+    x = move_axis(x, dx, axis)
+    xs = typeof(x).shape
+    n = xs[axis + 1]
+    x = reshape(x, tuple(xs[:axis]) + (size * n,) + tuple(xs[axis + 2:]))
+    indices = _offset_indices(move_axis(indices, di, 0), n)
+    return [gather_p.bind(x, indices, axis=axis)], [axis]
+
+
+def _gather_transpose(ct, x, indices, *, axis):
+    """gather^T adds each cotangent row back at its index (scatter_add)."""
+    assert is_undefined(x) and not is_undefined(indices), "gather is linear in x only"
+    return [scatter_add_p.bind(instantiate(ct), indices, shape=tuple(x.aval.shape), axis=axis),
+            None]
+
+
+batching.set(gather_p, _gather_batching)
+defjvp(gather_p, lambda t, ans, x, indices, *, axis: gather_p.bind(t, indices, axis=axis), None)
+transpose_rules.set(gather_p, _gather_transpose)
+
+
+def _index_array(indices, what: str):
+    """Validate an index operand: integer Tracer/Tensor, or a list/NumPy array."""
+    if isinstance(indices, (list, tuple)) or isinstance(indices, (int, np.integer)):
+        indices = np.asarray(indices)
+        if indices.size == 0:
+            indices = indices.astype(np.int64)
+    a = typeof(indices)
+    if a.dtype == dtypes.bool_:
+        raise ArgumentError(
+            f"{what} is a boolean array {a}; boolean masks select a data-dependent number "
+            "of elements, which fshard's static shapes cannot express.\nFix: use "
+            "fs.ops.where(mask, x, 0) to zero the unselected elements instead.")
+    if not dtypes.is_int(a.dtype):
+        raise ArgumentError(
+            f"{what} must be an integer array, got {a}.\nFix: cast the indices with "
+            "fs.ops.cast(indices, mindspore.int32).")
+    if not _is_index_dtype(a.dtype):
+        from fshard.primitives.elementwise import cast
+
+        indices = cast(indices, dtypes.int32)
+    return indices
+
+
+def gather(x, indices, axis: int = 0):
+    """Take the entries of ``x`` at ``indices`` along ``axis`` (``mindspore.ops.gather``).
+
+    The result has shape ``x.shape[:axis] + indices.shape + x.shape[axis+1:]``: an
+    embedding lookup is ``gather(table, ids)``. Indices must lie in
+    ``[0, x.shape[axis])``; ``x[...]`` indexing also accepts negative ones.
+
+    >>> import numpy as np, fshard as fs
+    >>> table = np.arange(6, dtype=np.float32).reshape(3, 2)
+    >>> fs.ops.gather(table, np.array([[2, 0]], np.int32)).shape
+    (1, 2, 2)
+
+    See also: ``scatter_add`` (its transpose), ``getitem``.
+    """
+    a = typeof(x)
+    if a.ndim == 0:
+        raise ShapeError(f"gather(x=...): x is a scalar ({a}); gather needs rank >= 1.")
+    axis = _norm_axis(axis, a.ndim, "gather(axis=...)")
+    indices = _index_array(indices, "gather(indices=...)")
+    return gather_p.bind(x, indices, axis=axis)
+
+
+# ---------------------------------------------------------------------------
+# scatter_add: add slices of `updates` into zeros of `shape` at indices along an axis
+# ---------------------------------------------------------------------------
+
+
+def _ms_scatter_add(updates, indices, shape, axis):
+    # unsorted_segment_sum sums along leading dims, so move the index dims to the
+    # front, sum into `shape[axis]` segments, then move the segment dim to `axis`.
+    k = len(indices.shape)
+    if k == 0:
+        updates = ops.expand_dims(updates, axis)
+        indices = ops.reshape(indices, (1,))
+        k = 1
+    nd = len(updates.shape)
+    perm_in = tuple(range(axis, axis + k)) + tuple(range(axis)) + tuple(range(axis + k, nd))
+    out = ops.unsorted_segment_sum(ops.transpose(updates, perm_in), indices, shape[axis])
+    perm_out = tuple(range(1, axis + 1)) + (0,) + tuple(range(axis + 1, len(shape)))
+    return ops.transpose(out, perm_out)
+
+
+def _scatter_add_type(updates, indices, *, shape, axis):
+    if not shape:
+        raise ProgramTypeError("scatter_add needs an output shape of rank >= 1")
+    _check_axis("scatter_add", axis, len(shape))
+    if not _is_index_dtype(indices.dtype):
+        raise ProgramTypeError(f"scatter_add needs int32 or int64 indices, got {indices}")
+    expected = tuple(shape[:axis]) + tuple(indices.shape) + tuple(shape[axis + 1:])
+    if updates.ndim != len(expected) or not all(
+            dims_equal(a, b) for a, b in zip(updates.shape, expected)):
+        raise ShapeError(
+            f"scatter_add into shape {shape} along axis {axis} with indices {indices} "
+            f"needs updates of shape {expected}, got {updates}")
+    return ArrayType(tuple(shape), updates.dtype)
+
+
+scatter_add_p = def_primitive("scatter_add", FAMILY, _scatter_add_type, _ms_scatter_add)
+
+
+def _scatter_add_batching(args, dims, *, shape, axis):
+    (updates, indices), (du, di) = args, dims
+    size = batch_size(args, dims)
+    if di is None:
+        # Every example scatters into its own output: prepend the batch to `shape`.
+        updates = move_axis(updates, du, 0)
+        return [scatter_add_p.bind(updates, indices, shape=(size,) + tuple(shape),
+                                   axis=axis + 1)], [0]
+    # Batched indices: scatter into a batch-major flattening of the indexed axis.
+    updates = batch_to_front(updates, du, size)
+    updates = move_axis(updates, 0, axis)
+    n = shape[axis]
+    indices = _offset_indices(move_axis(indices, di, 0), n)
+    flat = tuple(shape[:axis]) + (size * n,) + tuple(shape[axis + 1:])
+    out = scatter_add_p.bind(updates, indices, shape=flat, axis=axis)
+    return [reshape(out, tuple(shape[:axis]) + (size, n) + tuple(shape[axis + 1:]))], [axis]
+
+
+def _scatter_add_transpose(ct, updates, indices, *, shape, axis):
+    """scatter_add^T reads each cotangent row back at its index (gather)."""
+    assert is_undefined(updates) and not is_undefined(indices), \
+        "scatter_add is linear in updates only"
+    return [gather_p.bind(instantiate(ct), indices, axis=axis), None]
+
+
+batching.set(scatter_add_p, _scatter_add_batching)
+defjvp(scatter_add_p,
+       lambda t, ans, u, indices, *, shape, axis: scatter_add_p.bind(
+           t, indices, shape=shape, axis=axis),
+       None)
+transpose_rules.set(scatter_add_p, _scatter_add_transpose)
+
+
+def scatter_add(updates, indices, shape, axis: int = 0):
+    """Zeros of ``shape`` with ``updates`` added at ``indices`` along ``axis``; repeated
+    indices accumulate (``mindspore.ops.unsorted_segment_sum`` along ``axis``).
+
+    ``updates`` has shape ``shape[:axis] + indices.shape + shape[axis+1:]``; this is
+    the transpose of ``gather``.
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.ops.scatter_add(np.ones(3, np.float32), np.array([0, 2, 0], np.int32), (3,)
+    ...                    ).asnumpy().tolist()
+    [2.0, 0.0, 1.0]
+    """
+    shape = _static_ints(shape, "scatter_add(shape=...)")
+    if not shape:
+        raise ArgumentError("scatter_add(shape=()): the output needs rank >= 1.")
+    axis = _norm_axis(axis, len(shape), "scatter_add(axis=...)")
+    indices = _index_array(indices, "scatter_add(indices=...)")
+    ua, ia = typeof(updates), typeof(indices)
+    expected = tuple(shape[:axis]) + tuple(ia.shape) + tuple(shape[axis + 1:])
+    if tuple(ua.shape) != expected:
+        raise ShapeError(
+            f"scatter_add(updates=..., indices=..., shape={shape}, axis={axis}): updates "
+            f"has shape {tuple(ua.shape)}, but indices of shape {tuple(ia.shape)} need "
+            f"updates of shape {expected} (shape[:axis] + indices.shape + "
+            "shape[axis+1:]).\nFix: reshape the updates or the indices.")
+    return scatter_add_p.bind(updates, indices, shape=shape, axis=axis)
+
+
+# ---------------------------------------------------------------------------
+# one_hot: integer indices -> indicator vectors along a new last axis
+# ---------------------------------------------------------------------------
+
+
+def _ms_one_hot(indices, depth, dtype):
+    hits = ops.equal(ops.expand_dims(indices, -1), ops.arange(depth, dtype=indices.dtype))
+    return ops.cast(hits, dtype)
+
+
+def _one_hot_type(indices, *, depth, dtype):
+    if not _is_index_dtype(indices.dtype):
+        raise ProgramTypeError(f"one_hot needs int32 or int64 indices, got {indices}")
+    if not (isinstance(depth, int) and depth >= 1):
+        raise ProgramTypeError(f"one_hot depth must be an int >= 1, got {depth!r}")
+    return ArrayType(tuple(indices.shape) + (depth,), dtype)
+
+
+one_hot_p = def_primitive("one_hot", FAMILY, _one_hot_type, _ms_one_hot)
+batching.set(one_hot_p, vectorized(one_hot_p))  # the new axis is last: batch dim unmoved
+jvp.set(one_hot_p, lambda primals, tangents, **p: (
+    [one_hot_p.bind(*primals, **p)], [Zero(_one_hot_type(typeof(primals[0]), **p))]))
+unsupported(one_hot_p, "transpose", "not linear (integer operand)")
+
+
+def one_hot(indices, depth: int, dtype=dtypes.float32):
+    """``out[..., j] = (indices[...] == j)`` for ``j < depth``, as ``dtype``. Indices
+    outside ``[0, depth)`` give all-zero rows.
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.ops.one_hot(np.array([2, 0], np.int32), 3).asnumpy().tolist()
+    [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
+    """
+    if isinstance(depth, Tracer) or not isinstance(depth, (int, np.integer)) or isinstance(
+            depth, bool) or depth < 1:
+        raise ArgumentError(
+            f"one_hot(depth=...) must be a Python int >= 1, got {depth!r}; the depth is "
+            "the size of the new axis, so it must be static.")
+    indices = _index_array(indices, "one_hot(indices=...)")
+    return one_hot_p.bind(indices, depth=int(depth), dtype=dtypes.canonical(dtype))
+
+
+# ---------------------------------------------------------------------------
+# getitem: NumPy indexing on traced values (Tracer.__getitem__)
+# ---------------------------------------------------------------------------
+
+
+def _is_array_index(e) -> bool:
+    return not isinstance(e, (slice, type(None), type(Ellipsis), int, np.integer))
+
+
+def getitem(x, idx):
+    """``x[idx]`` with NumPy semantics for ints, slices (any step), ``None``, ``...``
+    and one integer-array index (a ``gather``; negative entries count from the end).
+
+    >>> import numpy as np, fshard as fs
+    >>> x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    >>> fs.ops.getitem(x, (slice(None, None, -2), None, 1)).asnumpy().tolist()
+    [[9.0], [1.0]]
+    >>> fs.ops.getitem(x, (1, [3, 0])).asnumpy().tolist()
+    [7.0, 4.0]
+
+    See also: ``slice_array``, ``gather``.
+    """
+    a = typeof(x)
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    for e in idx:
+        if isinstance(e, (bool, np.bool_)):
+            raise ArgumentError(
+                f"x[{e}]: boolean scalars are not supported as indices.\nFix: use None to "
+                "add an axis.")
+    n_ellipsis = sum(e is Ellipsis for e in idx)
+    if n_ellipsis > 1:
+        raise ArgumentError(f"x[...]: an index can hold at most one Ellipsis, got {idx!r}.")
+    n_arrays = sum(_is_array_index(e) for e in idx)
+    if n_arrays > 1:
+        raise ArgumentError(
+            f"x[...] with {n_arrays} integer-array indices: fshard supports one array "
+            "index per indexing expression.\nFix: index in steps, e.g. x[i][:, j], or use "
+            "fs.ops.gather.")
+    consumed = sum(e is not None and e is not Ellipsis for e in idx)
+    if consumed > a.ndim:
+        raise ArgumentError(
+            f"x[...]: too many indices for a value of type {a}: {consumed} indexed "
+            f"dimensions, but it has {a.ndim}.")
+    fill = (slice(None),) * (a.ndim - consumed)
+    if n_ellipsis:
+        k = next(i for i, e in enumerate(idx) if e is Ellipsis)
+        idx = idx[:k] + fill + idx[k + 1:]
+    else:
+        idx = idx + fill
+
+    starts, limits, strides = [], [], []
+    result_shape = []   # after the slice and reshape; the array index keeps a full dim
+    reversed_axes = []  # result axes to flip (negative steps)
+    array_axis = array = None
+    advanced_pos = []   # positions in idx of the array index and of ints (NumPy's rule)
+    dim = 0
+    for pos, e in enumerate(idx):
+        if e is None:
+            result_shape.append(1)
+            continue
+        n = a.shape[dim]
+        if isinstance(e, slice):
+            _int_dims(ArrayType((n,), a.dtype), "indexing")
+            lo, hi, st = e.indices(n)
+            m = len(range(lo, hi, st))
+            if st < 0:  # take the same elements with a positive step, then flip them
+                lo, st = (lo + (m - 1) * st if m else 0), -st
+                if m > 1:
+                    reversed_axes.append(len(result_shape))
+            starts.append(lo)
+            limits.append(lo + (m - 1) * st + 1 if m else lo)
+            strides.append(st)
+            result_shape.append(m)
+        elif isinstance(e, (int, np.integer)):
+            i = int(e)
+            if not isinstance(n, int) or not -n <= i < n:
+                raise ArgumentError(
+                    f"x[...]: index {i} is out of bounds for dimension {dim} of {a} "
+                    f"(size {n}).")
+            i %= n
+            starts.append(i)
+            limits.append(i + 1)
+            strides.append(1)
+            advanced_pos.append(pos)
+        else:
+            array_axis, array = len(result_shape), _normalized_index(e, n, dim, a)
+            starts.append(0)
+            limits.append(n)
+            strides.append(1)
+            result_shape.append(n)
+            advanced_pos.append(pos)
+        dim += 1
+
+    y = slice_array(x, starts, limits, strides) if a.ndim else x
+    y = reshape(y, tuple(result_shape))
+    for ax in reversed_axes:
+        m = result_shape[ax]
+        y = gather_p.bind(y, np.arange(m - 1, -1, -1, dtype=np.int32), axis=ax)
+    if array is None:
+        return y
+    y = gather_p.bind(y, array, axis=array_axis)
+    k = typeof(array).ndim
+    contiguous = advanced_pos == list(range(advanced_pos[0], advanced_pos[-1] + 1))
+    if not contiguous and array_axis:
+        # NumPy puts the array's dims first when the advanced indices are separated.
+        nd = typeof(y).ndim
+        moved = list(range(array_axis, array_axis + k))
+        y = transpose(y, tuple(moved + [i for i in range(nd) if i not in moved]))
+    return y
+
+
+def _normalized_index(e, n, dim: int, a: ArrayType):
+    """An integer index array with negative entries wrapped (checked if concrete)."""
+    indices = _index_array(e, f"x[...] (the index for dimension {dim})")
+    if isinstance(indices, np.ndarray):
+        if indices.size and not ((indices >= -n) & (indices < n)).all():
+            bad = indices[(indices < -n) | (indices >= n)].ravel()[0]
+            raise ArgumentError(
+                f"x[...]: index {bad} is out of bounds for dimension {dim} of {a} "
+                f"(size {n}).")
+        return np.where(indices < 0, indices + n, indices).astype(indices.dtype)
+    from fshard.primitives.elementwise import add, less, where
+
+    return where(less(indices, 0), add(indices, n), indices)

@@ -1,0 +1,138 @@
+"""JAX baselines for the benchmark suite; runs in the JAX environment only.
+
+    .jaxenv/bin/python benchmarks/jax_baselines.py --only tiny_call,mlp_forward [--quick]
+
+Prints one JSON document on its last line: ``{name: {label: timing}, "_meta": ...}``
+where a timing is ``timing.measure``'s dict. Each baseline mirrors the fshard
+benchmark of the same name (same shapes, dtypes, data and run counts) and waits
+for its result with ``np.asarray`` (MindSpore's side uses ``.asnumpy()``).
+Add a baseline as one function registered in ``BASELINES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
+
+BASELINES = {}
+
+
+def baseline(fn):
+    BASELINES[fn.__name__] = fn
+    return fn
+
+
+def _runs(quick, full, q):
+    return q if quick else full
+
+
+@baseline
+def tiny_call(quick):
+    """Cached jit call on 2x2 inputs: matmul -> relu -> add."""
+    rng = np.random.default_rng(0)
+    a, b, c = (jnp.asarray(rng.standard_normal((2, 2), dtype=np.float32)) for _ in range(3))
+
+    def f(a, b, c):
+        return jnp.maximum(a @ b, 0.0) + c
+
+    jf = jax.jit(f)
+    jf(a, b, c).block_until_ready()
+    runs = _runs(quick, 3000, 200)
+    t = timing.compare({
+        "jax.jit + np.asarray": lambda: np.asarray(jf(a, b, c)),
+        "jax.jit + block_until_ready": lambda: jf(a, b, c).block_until_ready(),
+    }, runs=runs, warmup=20)
+    t["jax eager, 3 ops + np.asarray"] = timing.measure(
+        lambda: np.asarray(f(a, b, c)), runs=_runs(quick, 1000, 100), warmup=10)
+    return t
+
+
+def mlp_params(rng, sizes):
+    params = []
+    for m, n in zip(sizes[:-1], sizes[1:]):
+        w = (rng.standard_normal((m, n)) / np.sqrt(m)).astype(np.float32)
+        b = (0.1 * rng.standard_normal(n)).astype(np.float32)
+        params.append((w, b))
+    return params
+
+
+def mlp(params, x):
+    for i, (w, b) in enumerate(params):
+        x = x @ w + b
+        if i < len(params) - 1:
+            x = jnp.maximum(x, 0.0)
+    return x
+
+
+@baseline
+def mlp_forward(quick):
+    """Compiled MLP forward, batch 128, 784-512-512-10, relu."""
+    rng = np.random.default_rng(0)
+    params = [(jnp.asarray(w), jnp.asarray(b)) for w, b in mlp_params(rng, [784, 512, 512, 10])]
+    x = jnp.asarray(rng.standard_normal((128, 784), dtype=np.float32))
+    jf = jax.jit(mlp)
+    jf(params, x).block_until_ready()
+    return {"jax.jit + np.asarray": timing.measure(
+        lambda: np.asarray(jf(params, x)), runs=_runs(quick, 300, 30), warmup=10)}
+
+
+DEEP_LAYERS, DEEP_WIDTH, DEEP_BATCH = 100, 32, 8
+
+
+@baseline
+def trace_100(quick):
+    """Trace (and lower, and compile) a 100-layer MLP, a fresh function each time."""
+    rng = np.random.default_rng(0)
+    params = mlp_params(rng, [DEEP_WIDTH] * (DEEP_LAYERS + 1))
+    x = rng.standard_normal((DEEP_BATCH, DEEP_WIDTH), dtype=np.float32)
+
+    def fresh():
+        return lambda p, x: mlp(p, x)
+
+    runs = _runs(quick, 20, 3)
+    out = {
+        "jax.make_jaxpr": timing.measure_each(lambda: lambda: jax.make_jaxpr(fresh())(params, x),
+                                              runs=runs),
+        "jax.jit(f).lower (trace + StableHLO)": timing.measure_each(
+            lambda: lambda: jax.jit(fresh()).lower(params, x), runs=runs),
+    }
+
+    def compile_only():
+        lowered = jax.jit(fresh()).lower(params, x)
+        return lowered.compile
+
+    out["XLA compile (lowered.compile)"] = timing.measure_each(compile_only,
+                                                               runs=_runs(quick, 5, 1))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default=",".join(BASELINES))
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    names = [n for n in args.only.split(",") if n]
+    out = {"_meta": {"jax": jax.__version__, "numpy": np.__version__,
+                     "devices": [str(d) for d in jax.devices()]}}
+    for n in names:
+        if n not in BASELINES:
+            out.setdefault("_missing", []).append(n)
+            continue
+        out[n] = BASELINES[n](args.quick)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,650 @@
+"""Call primitives that carry a body Program: ``custom_jvp`` and ``custom_vjp``.
+
+``fs.custom_jvp`` and ``fs.custom_vjp`` let users replace the derivative fshard
+would compute (NB: ``jax.custom_jvp`` / ``jax.custom_vjp``, same calling
+conventions). Under any transform the decorated function is staged as one
+equation of a call primitive whose parameters are closed Programs: the body and
+the user's rules, staged when the function is called. Staging the rules at call
+time (initial style) makes every value they close over an explicit operand, so
+the rules survive any later transform: ``vmap`` batches the body *and* the rules,
+``grad(vmap(f))`` still uses the custom derivative, and ``jit`` lowers the body as
+a helper function of the generated module.
+
+Primitives: ``custom_jvp_call``, ``custom_vjp_call`` and ``custom_lin`` (the
+linear stand-in for a custom_vjp's derivative: transposing it runs ``bwd``).
+The batching rules re-enter the vmap interpreter on the bodies; that one late
+import of ``fshard.transforms.vmap`` is the price of a higher-order primitive.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from fshard import dtypes, tree
+from fshard.core import ArrayType, EvalTrace, current_trace, typeof
+from fshard.errors import DifferentiationError
+from fshard.interpret import eval_program
+from fshard.ir import Program
+from fshard.primitives._batching import batch_to_front, move_axis
+from fshard.primitives._define import Zero, def_primitive, instantiate
+from fshard.rules import batching, transpose, unsupported
+from fshard.rules import jvp as jvp_rules
+from fshard.staging import fun_name, stage
+
+FAMILY = "control"
+
+
+# ---------------------------------------------------------------------------
+# Closed Programs: every value a staged function closes over becomes an input
+# ---------------------------------------------------------------------------
+
+
+def _stage_closed(fn, in_avals) -> tuple[Program, list]:
+    """Stage ``fn(*flat) -> list`` into a Program whose inputs are ``consts + args``
+    (``n_consts == 0``: the constants are ordinary inputs) and the constants' values."""
+    program, consts = stage(fn, in_avals)
+    return Program(program.inputs, program.equations, program.outputs), consts
+
+
+def _split(xs, *counts):
+    out, i = [], 0
+    for n in counts:
+        out.append(list(xs[i:i + n]))
+        i += n
+    out.append(list(xs[i:]))
+    return out
+
+
+def _resolve_args(fun, args, kwargs, api):
+    """Keyword arguments become positional (NB: JAX's resolve_kwargs)."""
+    if not kwargs:
+        return tuple(args)
+    try:
+        bound = inspect.signature(fun).bind(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise DifferentiationError(
+            f"{api} function {fun_name(fun)} was called with arguments that do not match "
+            f"its signature: {e}") from None
+    bound.apply_defaults()
+    if bound.kwargs:
+        raise DifferentiationError(
+            f"{api} function {fun_name(fun)} has keyword-only parameters "
+            f"{sorted(bound.kwargs)}; {api} functions take their arrays positionally.\n"
+            "Fix: make them positional parameters.")
+    return tuple(bound.args)
+
+
+def _split_nondiff(args, nondiff_argnums):
+    nums = {i % len(args) for i in nondiff_argnums} if args else set()
+    nondiff = [args[i] for i in sorted(nums)]
+    diff = [a for i, a in enumerate(args) if i not in nums]
+    return nondiff, diff, sorted(nums)
+
+
+def _merge_args(nondiff, nums, diff):
+    it_n, it_d = iter(nondiff), iter(diff)
+    return [next(it_n) if i in nums else next(it_d) for i in range(len(nondiff) + len(diff))]
+
+
+def _tree_types(x) -> str:
+    return str(tree.map(lambda v: str(typeof(v)), x))
+
+
+def _check_same_types(api, fname, what, got_leaves, got_tree, want_avals, want_tree,
+                      want_what):
+    if got_tree != want_tree:
+        raise DifferentiationError(
+            f"{api} rule of {fname}: {what} must have the structure of {want_what}, "
+            f"{want_tree}; got {got_tree}.")
+    for i, (x, a) in enumerate(zip(got_leaves, want_avals)):
+        t = typeof(x)
+        if tuple(t.shape) != tuple(a.shape) or t.dtype != a.dtype:
+            raise DifferentiationError(
+                f"{api} rule of {fname}: leaf {i} of {what} has type {t}, but the "
+                f"matching leaf of {want_what} has type {a}; they must be equal.\nFix: "
+                "return arrays of the same shape and dtype (cast or broadcast them).")
+
+
+def _closure_tangent_error(name, api):
+    return DifferentiationError(
+        f"{api} function {name} closes over a value that is being differentiated (a "
+        "traced array captured from an enclosing scope, not passed as an argument). "
+        "Its custom rule only sees its arguments, so that derivative would be lost.\n"
+        "Fix: pass the value to the function as an explicit argument.")
+
+
+# ---------------------------------------------------------------------------
+# Helpers shared by the batching rules
+# ---------------------------------------------------------------------------
+
+
+def _batched_aval(a: ArrayType, d, size) -> ArrayType:
+    return a if d is None else ArrayType((size,) + tuple(a.shape), a.dtype)
+
+
+def _batch_closed(program: Program, dims: list, size: int, out_policy):
+    """Stage the batched version of a closed ``program`` whose inputs have batch dims
+    ``dims`` (each ``0`` or ``None``). ``out_policy(out_dims)`` turns each output's
+    batch dim into the dim it must have (``0`` or ``None``).
+
+    Returns ``(program, consts, out_dims)``.
+    """
+    # Late import: batching a body re-enters the vmap interpreter
+    # (NB: JAX's call-primitive batchers call batching.batch_jaxpr the same way).
+    from fshard.transforms.vmap import batch_program, current_axis
+
+    axis = current_axis()
+    in_avals = [_batched_aval(v.aval, d, size) for v, d in zip(program.inputs, dims)]
+    box = []
+
+    def fn(*xs):
+        outs, out_dims = batch_program(program, list(xs), list(dims), axis)
+        want = out_policy(out_dims)
+        box.append(want)
+        res = []
+        for o, d, w in zip(outs, out_dims, want, strict=True):
+            if w is None:
+                assert d is None, "an output asked to be unbatched is batched"
+                res.append(o)
+            else:
+                res.append(batch_to_front(o, d, size))
+        return res
+
+    closed, consts = _stage_closed(fn, in_avals)
+    return closed, consts, box[0]
+
+
+def _all_front(out_dims):
+    return [0] * len(out_dims)
+
+
+def _front_args(args, dims):
+    """Move every batched operand's batch dim to 0."""
+    return ([x if d is None else move_axis(x, d, 0) for x, d in zip(args, dims)],
+            [None if d is None else 0 for d in dims])
+
+
+# ---------------------------------------------------------------------------
+# Lowering (shared): the body becomes a helper function of the generated module
+# ---------------------------------------------------------------------------
+
+
+def _call_lowering(ctx, *exprs, body, **_):
+    return f"{ctx.function(body, 'call')}({', '.join(exprs)})"
+
+
+def _body_type(*avals, body, **_):
+    return list(body.out_avals)
+
+
+def _body_impl(*args, body, **_):
+    return eval_program(body, *args)
+
+
+# ===========================================================================
+# custom_jvp_call
+# ===========================================================================
+#
+# Operands: body_consts + jvp_consts + args.
+# Params: body (inputs body_consts + args), jvp (inputs jvp_consts + primals +
+# tangents, outputs primals_out + tangents_out), n_body_consts, n_jvp_consts, name.
+
+# Type / impl / lowering
+custom_jvp_call_p = def_primitive("custom_jvp_call", FAMILY, _body_type, _body_impl,
+                                  multiple_results=True, lower=_call_lowering)
+
+
+# Batching
+def _custom_jvp_call_batching(args, dims, *, body, jvp, n_body_consts, n_jvp_consts, name):
+    """Batch the body and the JVP rule alike; a tangent is batched like its primal."""
+    from fshard.transforms.vmap import current_axis
+
+    size = current_axis().size
+    args, dims = _front_args(args, dims)
+    bc, jc, xs = _split(args, n_body_consts, n_jvp_consts)
+    dbc, djc, dxs = _split(dims, n_body_consts, n_jvp_consts)
+    new_body, b_consts, _ = _batch_closed(body, dbc + dxs, size, _all_front)
+    new_jvp, j_consts, _ = _batch_closed(jvp, djc + dxs + dxs, size, _all_front)
+    outs = custom_jvp_call_p.bind(
+        *b_consts, *bc, *j_consts, *jc, *xs, body=new_body, jvp=new_jvp,
+        n_body_consts=len(b_consts) + len(bc), n_jvp_consts=len(j_consts) + len(jc),
+        name=name)
+    return outs, [0] * len(outs)
+
+
+batching.set(custom_jvp_call_p, _custom_jvp_call_batching)
+
+
+# Autodiff
+def _custom_jvp_call_jvp(primals, tangents, *, body, jvp, n_body_consts, n_jvp_consts, name):
+    """Run the user's rule (staged as ``jvp``) instead of differentiating the body."""
+    n_c = n_body_consts + n_jvp_consts
+    if not all(isinstance(t, Zero) for t in tangents[:n_c]):
+        raise _closure_tangent_error(name, "custom_jvp")
+    jc = primals[n_body_consts:n_c]
+    xs = primals[n_c:]
+    ts = [instantiate(t) for t in tangents[n_c:]]
+    outs = eval_program(jvp, *jc, *xs, *ts)
+    n_out = len(body.outputs)
+    return outs[:n_out], outs[n_out:]
+
+
+jvp_rules.set(custom_jvp_call_p, _custom_jvp_call_jvp)
+unsupported(custom_jvp_call_p, "transpose",
+            "not linear: its JVP rule replaces it before transposition")
+unsupported(custom_jvp_call_p, "sharding",
+            "a call primitive: inline its body (fshard.passes.inline_calls) first")
+
+
+# ===========================================================================
+# custom_vjp_call and custom_lin
+# ===========================================================================
+#
+# custom_vjp_call operands: body_consts + fwd_consts + bwd_consts + args.
+# Params: body (inputs body_consts + args), fwd (inputs fwd_consts + args, outputs
+# outs + residuals), bwd (inputs bwd_consts + residuals + cts_out, outputs one
+# cotangent per arg), n_consts = (n_body, n_fwd, n_bwd), n_res, name.
+#
+# Its JVP runs ``fwd`` and emits ``custom_lin(bwd_consts, residuals, tangents)``:
+# a linear primitive with no forward evaluation. Reverse mode transposes it, which
+# runs ``bwd``; evaluating it (forward mode) is an error, as in JAX.
+
+custom_vjp_call_p = def_primitive("custom_vjp_call", FAMILY, _body_type, _body_impl,
+                                  multiple_results=True, lower=_call_lowering)
+
+
+# Batching
+def _custom_vjp_call_batching(args, dims, *, body, fwd, bwd, n_consts, n_res, name):
+    """Batch body, fwd and bwd. bwd's cotangent for an unbatched argument is the sum
+    over the batch of the per-example cotangents."""
+    from fshard.primitives.reductions import reduce_sum
+    from fshard.transforms.vmap import current_axis
+
+    size = current_axis().size
+    args, dims = _front_args(args, dims)
+    nb, nf, nw = n_consts
+    bc, fc, wc, xs = _split(args, nb, nf, nw)
+    dbc, dfc, dwc, dxs = _split(dims, nb, nf, nw)
+    n_out = len(body.outputs)
+    new_body, b_consts, _ = _batch_closed(body, dbc + dxs, size, _all_front)
+    # Primal outputs go to the front; residuals keep "unbatched" where they are.
+    new_fwd, f_consts, f_dims = _batch_closed(
+        fwd, dfc + dxs, size,
+        lambda ds: [0] * n_out + [None if d is None else 0 for d in ds[n_out:]])
+    res_dims = f_dims[n_out:]
+
+    def ct_policy(ds):
+        # Batched argument: cotangent at 0. Unbatched: summed below, so any dim.
+        return [0 if dx is not None else (None if d is None else 0)
+                for d, dx in zip(ds, dxs, strict=True)]
+
+    new_bwd, w_consts, ct_dims = _batch_closed(bwd, dwc + res_dims + [0] * n_out, size,
+                                               ct_policy)
+    sum_dims = tuple(dx is None and d is not None for d, dx in zip(ct_dims, dxs))
+    if any(sum_dims):
+        new_bwd = _sum_unbatched(new_bwd, sum_dims, reduce_sum)
+    outs = custom_vjp_call_p.bind(
+        *b_consts, *bc, *f_consts, *fc, *w_consts, *wc, *xs,
+        body=new_body, fwd=new_fwd, bwd=new_bwd,
+        n_consts=(len(b_consts) + len(bc), len(f_consts) + len(fc), len(w_consts) + len(wc)),
+        n_res=n_res, name=name)
+    return outs, [0] * len(outs)
+
+
+def _sum_unbatched(bwd: Program, which: tuple, reduce_sum) -> Program:
+    """``bwd`` with the chosen outputs summed over their leading (batch) axis."""
+    def fn(*xs):
+        outs = eval_program(bwd, *xs)
+        return [reduce_sum(o, 0) if s else o for o, s in zip(outs, which)]
+
+    closed, consts = _stage_closed(fn, bwd.in_avals)
+    assert not consts, "summing bwd outputs captured a constant"
+    return closed
+
+
+batching.set(custom_vjp_call_p, _custom_vjp_call_batching)
+
+
+# Autodiff
+def _custom_vjp_call_jvp(primals, tangents, *, body, fwd, bwd, n_consts, n_res, name):
+    """Primal outputs from ``fwd``; tangents from ``custom_lin``, which only reverse
+    mode can evaluate (by transposing it into ``bwd``)."""
+    nb, nf, nw = n_consts
+    n_c = nb + nf + nw
+    if not all(isinstance(t, Zero) for t in tangents[:n_c]):
+        raise _closure_tangent_error(name, "custom_vjp")
+    _, fc, wc, xs = _split(primals, nb, nf, nw)
+    ts = [instantiate(t) for t in tangents[n_c:]]
+    n_out = len(body.outputs)
+    outs_res = eval_program(fwd, *fc, *xs)
+    outs, res = outs_res[:n_out], outs_res[n_out:]
+    t_outs = custom_lin_p.bind(*wc, *res, *ts, bwd=bwd, n_consts=nw, n_res=n_res,
+                               out_types=tuple(body.out_avals), name=name)
+    return outs, t_outs
+
+
+jvp_rules.set(custom_vjp_call_p, _custom_vjp_call_jvp)
+unsupported(custom_vjp_call_p, "transpose",
+            "not linear: its JVP (custom_lin) is what gets transposed")
+unsupported(custom_vjp_call_p, "sharding",
+            "a call primitive: inline its body (fshard.passes.inline_calls) first")
+
+
+def _forward_mode_error(name):
+    return DifferentiationError(
+        f"can't apply forward-mode differentiation (jvp, jacfwd, hessian) to the "
+        f"custom_vjp function {name}: it defines only a reverse-mode rule (fwd/bwd).\n"
+        "Fix: use reverse mode (fs.grad, fs.vjp, fs.jacrev), or define the derivative "
+        "with fs.custom_jvp, which serves both modes.")
+
+
+def _custom_lin_type(*avals, out_types, **_):
+    return list(out_types)
+
+
+def _custom_lin_impl(*args, name, **_):
+    raise _forward_mode_error(name)
+
+
+def _custom_lin_lowering(ctx, *exprs, name, **_):
+    raise _forward_mode_error(name)
+
+
+custom_lin_p = def_primitive("custom_lin", FAMILY, _custom_lin_type, _custom_lin_impl,
+                             multiple_results=True, lower=_custom_lin_lowering)
+
+
+def _custom_lin_batching(args, dims, *, name, **_):
+    # custom_lin only exists in tangent programs of forward mode: reverse mode
+    # transposes it away before any vmap can see it.
+    raise _forward_mode_error(name)
+
+
+batching.set(custom_lin_p, _custom_lin_batching)
+
+
+def _custom_lin_transpose(cts, *args, bwd, n_consts, n_res, out_types, name):
+    """ct of the tangents = bwd(residuals, ct of the outputs)."""
+    wc, res, _ = _split(args, n_consts, n_res)
+    cts = [instantiate(c) for c in cts]
+    cts_in = eval_program(bwd, *wc, *res, *cts)
+    return [None] * (n_consts + n_res) + list(cts_in)
+
+
+transpose.set(custom_lin_p, _custom_lin_transpose)
+unsupported(custom_lin_p, "jvp", "forward mode through a custom_vjp function is undefined")
+unsupported(custom_lin_p, "sharding", "exists only inside reverse-mode differentiation")
+
+
+# ===========================================================================
+# The user API
+# ===========================================================================
+
+
+def _eager() -> bool:
+    return type(current_trace()) is EvalTrace
+
+
+# A rule may call its own function (``return f(x), t * g(x)``, JAX's idiom), and
+# rules are staged when the function is called, so each such call stages the rule
+# again. Nesting stops at this depth: deeper calls inline the function's body,
+# which only matters for derivatives of order higher than this.
+MAX_RULE_DEPTH = 3
+
+
+class _Rules:
+    """Counts how deeply one custom function's rules are being staged."""
+
+    def __init__(self):
+        self.depth = 0
+
+    def __enter__(self):
+        self.depth += 1
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+
+
+class custom_jvp:  # noqa: N801  (mirrors jax.custom_jvp)
+    """A function with a user-defined JVP rule, used by every derivative transform.
+
+    >>> import numpy as np, fshard as fs
+    >>> @fs.custom_jvp
+    ... def softplus(x):
+    ...     return fs.ops.log(1.0 + fs.ops.exp(x))
+    >>> @softplus.defjvp
+    ... def softplus_jvp(primals, tangents):
+    ...     (x,), (t,) = primals, tangents
+    ...     return softplus(x), t * fs.ops.sigmoid(x)
+    >>> float(fs.grad(softplus)(np.float32(0.0)).asnumpy())
+    0.5
+
+    Args:
+        fun: the primal function; its arguments are pytrees of arrays.
+        nondiff_argnums: positions of arguments that are not differentiated (Python
+            values such as a threshold); they are passed first to the JVP rule.
+
+    The rule is ``jvp(primals, tangents) -> (primal_out, tangent_out)`` where
+    ``primals`` and ``tangents`` are tuples of the (differentiable) arguments and the
+    outputs have the structure, shapes and dtypes of ``fun``'s output. Reverse mode
+    (``grad``) transposes the rule, so it must be linear in ``tangents``.
+
+    See also: ``fs.custom_vjp``; docs/autodiff.md#custom-derivative-rules.
+    """
+
+    def __init__(self, fun, nondiff_argnums: tuple = ()):
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.nondiff_argnums = tuple(nondiff_argnums)
+        self.jvp_rule = None
+        self._staging = _Rules()
+
+    def defjvp(self, jvp_rule):
+        """Set the JVP rule (usable as a decorator); returns the rule."""
+        self.jvp_rule = jvp_rule
+        return jvp_rule
+
+    def defjvps(self, *rules):
+        """One rule per argument: ``rule_i(t_i, primal_out, *primals) -> tangent``
+        (``None``: no dependence on that argument); the tangents are summed."""
+        def jvp_rule(primals, tangents):
+            out = self.fun(*primals)
+            t_out = None
+            for r, t in zip(rules, tangents, strict=True):
+                if r is None:
+                    continue
+                c = r(t, out, *primals)
+                t_out = c if t_out is None else tree.map(lambda a, b: a + b, t_out, c)
+            if t_out is None:
+                from fshard.primitives.elementwise import zeros_like
+
+                t_out = tree.map(zeros_like, out)
+            return out, t_out
+
+        self.jvp_rule = jvp_rule
+
+    def __get__(self, obj, objtype=None):  # usable as a method
+        return self if obj is None else functools.partial(self, obj)
+
+    def __call__(self, *args, **kwargs):
+        name = fun_name(self.fun)
+        if self.jvp_rule is None:
+            raise DifferentiationError(
+                f"custom_jvp function {name} has no JVP rule.\nFix: define one with "
+                f"@{name}.defjvp (a function of (primals, tangents)).")
+        args = _resolve_args(self.fun, args, kwargs, "custom_jvp")
+        if _eager() or self._staging.depth >= MAX_RULE_DEPTH:
+            return self.fun(*args)
+        nondiff, diff, nums = _split_nondiff(args, self.nondiff_argnums)
+        leaves, in_tree = tree.flatten(tuple(diff))
+        avals = [typeof(x) for x in leaves]
+        n = len(leaves)
+        box = []
+
+        def body_fn(*flat):
+            out = self.fun(*_merge_args(nondiff, nums, tree.unflatten(in_tree, list(flat))))
+            out_leaves, out_tree = tree.flatten(out)
+            box.append(out_tree)
+            return out_leaves
+
+        body, b_consts = _stage_closed(body_fn, avals)
+        out_tree, out_avals = box[0], body.out_avals
+
+        def jvp_fn(*flat):
+            primals = tuple(tree.unflatten(in_tree, list(flat[:n])))
+            tangents = tuple(tree.unflatten(in_tree, list(flat[n:])))
+            res = self.jvp_rule(*nondiff, primals, tangents)
+            if not (isinstance(res, (tuple, list)) and len(res) == 2):
+                raise DifferentiationError(
+                    f"custom_jvp rule of {name} must return a pair (primal_out, "
+                    f"tangent_out); it returned {type(res).__name__}"
+                    f"{f' of length {len(res)}' if isinstance(res, (tuple, list)) else ''}.")
+            p_leaves, p_tree = tree.flatten(res[0])
+            t_leaves, t_tree = tree.flatten(res[1])
+            _check_same_types("custom_jvp", name, "the primal output", p_leaves, p_tree,
+                              out_avals, out_tree, f"{name}'s output")
+            _check_same_types("custom_jvp", name, "the tangent output", t_leaves, t_tree,
+                              out_avals, out_tree, "the primal output")
+            return p_leaves + t_leaves
+
+        with self._staging:
+            jvp_prog, j_consts = _stage_closed(jvp_fn, avals + avals)
+        outs = custom_jvp_call_p.bind(*b_consts, *j_consts, *leaves, body=body, jvp=jvp_prog,
+                                      n_body_consts=len(b_consts), n_jvp_consts=len(j_consts),
+                                      name=name)
+        return tree.unflatten(out_tree, outs)
+
+
+class custom_vjp:  # noqa: N801  (mirrors jax.custom_vjp)
+    """A function with a user-defined reverse-mode rule.
+
+    >>> import numpy as np, fshard as fs
+    >>> @fs.custom_vjp
+    ... def clip_gradient(x):
+    ...     return x
+    >>> def fwd(x):
+    ...     return x, None
+    >>> def bwd(res, g):
+    ...     return (fs.ops.maximum(fs.ops.minimum(g, 1.0), -1.0),)
+    >>> clip_gradient.defvjp(fwd, bwd)
+    >>> fs.grad(lambda x: (3.0 * clip_gradient(x)).sum())(np.ones(2, np.float32)).asnumpy()
+    array([1., 1.], dtype=float32)
+
+    Args:
+        fun: the primal function; its arguments are pytrees of arrays.
+        nondiff_argnums: positions of arguments that are not differentiated; they are
+            passed first to ``bwd``.
+
+    ``fwd(*args) -> (out, residuals)`` computes the output and what ``bwd`` needs
+    (a pytree of arrays, or None). ``bwd(residuals, ct_out) -> tuple`` returns one
+    cotangent per (differentiable) argument, with its structure, shapes and dtypes
+    (``None`` for a zero cotangent). Forward mode (``jvp``, ``jacfwd``) is an error.
+
+    See also: ``fs.custom_jvp``; docs/autodiff.md#custom-derivative-rules.
+    """
+
+    def __init__(self, fun, nondiff_argnums: tuple = ()):
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.nondiff_argnums = tuple(nondiff_argnums)
+        self.fwd = self.bwd = None
+        self._staging = _Rules()
+
+    def defvjp(self, fwd, bwd) -> None:
+        """Set the forward (``fwd``) and backward (``bwd``) rules."""
+        self.fwd, self.bwd = fwd, bwd
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else functools.partial(self, obj)
+
+    def __call__(self, *args, **kwargs):
+        name = fun_name(self.fun)
+        if self.fwd is None:
+            raise DifferentiationError(
+                f"custom_vjp function {name} has no VJP rule.\nFix: define one with "
+                f"{name}.defvjp(fwd, bwd).")
+        args = _resolve_args(self.fun, args, kwargs, "custom_vjp")
+        if _eager() or self._staging.depth >= MAX_RULE_DEPTH:
+            return self.fun(*args)
+        nondiff, diff, nums = _split_nondiff(args, self.nondiff_argnums)
+        leaves, in_tree = tree.flatten(tuple(diff))
+        avals = [typeof(x) for x in leaves]
+        box = {}
+
+        def full_args(flat):
+            return _merge_args(nondiff, nums, tree.unflatten(in_tree, list(flat)))
+
+        def body_fn(*flat):
+            out_leaves, box["out"] = tree.flatten(self.fun(*full_args(flat)))
+            return out_leaves
+
+        body, b_consts = _stage_closed(body_fn, avals)
+        out_tree, out_avals = box["out"], body.out_avals
+
+        def fwd_fn(*flat):
+            res = self.fwd(*full_args(flat))
+            if not (isinstance(res, (tuple, list)) and len(res) == 2):
+                raise DifferentiationError(
+                    f"custom_vjp fwd rule of {name} must return a pair (output, "
+                    f"residuals); it returned {type(res).__name__}.")
+            o_leaves, o_tree = tree.flatten(res[0])
+            _check_same_types("custom_vjp fwd", name, "the output", o_leaves, o_tree,
+                              out_avals, out_tree, f"{name}'s output")
+            r_leaves, box["res"] = tree.flatten(res[1])
+            return o_leaves + r_leaves
+
+        with self._staging:
+            fwd_prog, f_consts = _stage_closed(fwd_fn, avals)
+        res_avals = fwd_prog.out_avals[len(out_avals):]
+        n_res = len(res_avals)
+
+        def bwd_fn(*flat):
+            res = tree.unflatten(box["res"], list(flat[:n_res]))
+            ct = tree.unflatten(out_tree, list(flat[n_res:]))
+            cts = self.bwd(*nondiff, res, ct)
+            return _check_bwd_output(name, cts, diff, avals)
+
+        with self._staging:
+            bwd_prog, w_consts = _stage_closed(bwd_fn, list(res_avals) + list(out_avals))
+        outs = custom_vjp_call_p.bind(
+            *b_consts, *f_consts, *w_consts, *leaves, body=body, fwd=fwd_prog, bwd=bwd_prog,
+            n_consts=(len(b_consts), len(f_consts), len(w_consts)), n_res=n_res, name=name)
+        return tree.unflatten(out_tree, outs)
+
+
+def _check_bwd_output(name, cts, diff, avals) -> list:
+    """Flat cotangents from bwd's tuple (one entry per argument; None means zero)."""
+    if isinstance(cts, list):
+        cts = tuple(cts)
+    if not isinstance(cts, tuple) or len(cts) != len(diff):
+        got = (f"a tuple of length {len(cts)}" if isinstance(cts, tuple)
+               else type(cts).__name__)
+        raise DifferentiationError(
+            f"custom_vjp bwd rule of {name} must return a tuple with one cotangent per "
+            f"differentiable argument ({len(diff)}); it returned {got}.\nFix: return "
+            "(ct_x,) for a single argument; use None for a zero cotangent.")
+    flat = []
+    for i, (ct, arg) in enumerate(zip(cts, diff)):
+        arg_leaves, arg_tree = tree.flatten(arg)
+        if ct is None:
+            flat += [Zero(typeof(a)) for a in arg_leaves]
+            continue
+        ct_leaves, ct_tree = tree.flatten(ct)
+        if ct_tree != arg_tree:
+            raise DifferentiationError(
+                f"custom_vjp bwd rule of {name}: cotangent {i} must have the structure of "
+                f"argument {i}, {arg_tree}; got {ct_tree}.")
+        for c, a in zip(ct_leaves, arg_leaves):
+            tc, ta = typeof(c), typeof(a)
+            if tuple(tc.shape) != tuple(ta.shape):
+                raise DifferentiationError(
+                    f"custom_vjp bwd rule of {name}: cotangent {i} has type {tc}, but "
+                    f"argument {i} has type {ta}; shapes must be equal.")
+            if dtypes.is_float(ta.dtype) and tc.dtype != ta.dtype:
+                raise DifferentiationError(
+                    f"custom_vjp bwd rule of {name}: cotangent {i} has dtype {tc.dtype}, "
+                    f"but argument {i} has dtype {ta.dtype}; they must be equal.\nFix: "
+                    "cast the cotangent (ct.astype(x.dtype)).")
+            flat.append(c if dtypes.is_float(ta.dtype) else Zero(ta))
+    return [instantiate(c) for c in flat]

@@ -1,0 +1,109 @@
+"""``block_slice``: each device keeps its own block of a dimension it holds whole.
+
+This is the SPMD partitioner's "split further" step (a value replicated over mesh
+axes becomes split over them). No communication: device ``i`` along the axes takes
+block ``i``. Under a virtual mesh its batching rule selects each lane's block;
+under a multi-process job it lowers to a static slice at the rank's coordinates.
+Its transpose is a tiled ``all_gather`` (the blocks are disjoint).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mindspore import ops
+
+from fshard.core import ArrayType, typeof
+from fshard.errors import AxisNameError
+from fshard.primitives._batching import batch_to_front, move_axis
+from fshard.primitives._define import def_primitive, deflinear
+from fshard.rules import batching
+
+FAMILY = "spmd"
+
+
+def _type(x: ArrayType, *, axis_name, dim, sizes):
+    n = int(np.prod(sizes))
+    assert x.shape[dim] % n == 0, f"block_slice: dim {dim} of {x} not divisible by {n}"
+    shape = list(x.shape)
+    shape[dim] //= n
+    return ArrayType(tuple(shape), x.dtype)
+
+
+def _impl(x, *, axis_name, dim, sizes):
+    raise AxisNameError(
+        f"block_slice over mesh axes {axis_name} ran outside a sharded computation: no "
+        "enclosing fs.shard/fs.shard_map binds those axes.")
+
+
+def _ms_strided_slice(x, begin, end, strides):
+    return ops.strided_slice(x, begin, end, strides)
+
+
+def _lower(ctx, x, *, axis_name, dim, sizes):
+    coords = ctx.axis_coords(axis_name)
+    index = 0
+    for c, s in zip(coords, sizes):
+        index = index * s + c
+    shape = ctx.in_avals[0].shape
+    block = shape[dim] // int(np.prod(sizes))
+    begin = [0] * len(shape)
+    end = list(shape)
+    begin[dim], end[dim] = index * block, (index + 1) * block
+    return ctx.call(_ms_strided_slice, x, begin=tuple(begin), end=tuple(end),
+                    strides=(1,) * len(shape))
+
+
+block_slice_p = def_primitive("block_slice", FAMILY, _type, _impl, lower=_lower)
+
+
+def _batching(args, dims, *, axis_name, dim, sizes):
+    from fshard.primitives.elementwise import mul
+    from fshard.primitives.reductions import reduce_sum
+    from fshard.primitives.structural import reshape
+    from fshard.transforms.vmap import current_axis
+
+    (x,), (d,) = args, dims
+    axis = current_axis()
+    if axis.name not in axis_name:
+        x = move_axis(x, d, 0)
+        return [block_slice_p.bind(x, axis_name=axis_name, dim=dim + 1, sizes=sizes)], [0]
+    i = axis_name.index(axis.name)
+    n = sizes[i]
+    x = batch_to_front(x, d, axis.size)  # (n, ..., D, ...)
+    shape = typeof(x).shape
+    D = shape[dim + 1]
+    pre = int(np.prod(sizes[:i]))
+    post = D // (pre * n)
+    split = tuple(shape[:dim + 1]) + (pre, n, post) + tuple(shape[dim + 2:])
+    xs = reshape(x, split)
+    # Lane j keeps block j: multiply by a one-hot mask over (lane, block) and sum blocks.
+    mask_shape = [1] * len(split)
+    mask_shape[0], mask_shape[dim + 2] = n, n
+    from fshard import dtypes
+    from fshard.primitives.structural import broadcast_to
+
+    mask = np.eye(n, dtype=dtypes.to_numpy(typeof(x).dtype)).reshape(mask_shape)
+    picked = reduce_sum(mul(xs, broadcast_to(mask, split)), dim + 2)
+    out = reshape(picked, tuple(shape[:dim + 1]) + (pre * post,) + tuple(shape[dim + 2:]))
+    rest = axis_name[:i] + axis_name[i + 1:]
+    if rest:
+        out = block_slice_p.bind(out, axis_name=rest, dim=dim + 1,
+                                 sizes=sizes[:i] + sizes[i + 1:])
+    return [out], [0]
+
+
+batching.set(block_slice_p, _batching)
+
+
+def _transpose(ct, x, *, axis_name, dim, sizes):
+    from fshard.primitives.collectives import all_gather
+
+    return [all_gather(ct, axis_name, axis=dim, tiled=True)]
+
+
+deflinear(block_slice_p, _transpose)
+
+
+def block_slice(x, axis_name: tuple, dim: int, sizes: tuple):
+    """This device's block of dimension ``dim``, split over the mesh axes ``axis_name``."""
+    return block_slice_p.bind(x, axis_name=tuple(axis_name), dim=dim, sizes=tuple(sizes))

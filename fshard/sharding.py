@@ -1,0 +1,315 @@
+"""Sharding: layouts of values over a mesh, per-primitive factor rules, and the
+plans that move a value from one layout to another.
+
+Vocabulary (NB: Shardy's factor-based sharding rules, GSPMD's partial state):
+
+- A *mesh* for partitioning (``ShardMesh``) has axes of prime size (8 devices ->
+  (2, 2, 2)), so every MindSpore split count that divides the device count is a
+  group of consecutive axes, and MindSpore's row-major rank order is preserved.
+- A ``Sharding`` says, for every dimension of a value, which mesh axes split it
+  (major first), and over which axes the value is a *pending sum* (``partial``).
+  A value is replicated over every axis it does not mention.
+- A primitive's sharding rule returns a ``FactorSpec``: each operand and output
+  dimension is labelled with an iteration *factor* (like an einsum). Splitting a
+  factor over mesh axes splits every dimension that carries it; a split
+  contracted factor (``reduce``) leaves the output partial; ``nosplit`` factors
+  are never split. One generic engine enumerates the candidate assignments of mesh
+  axes to factors, so each primitive's rule is a few lines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fshard import dtypes
+from fshard.core import ArrayType
+
+# ---------------------------------------------------------------------------
+# Meshes and shardings
+# ---------------------------------------------------------------------------
+
+
+def prime_factors(n: int) -> list[int]:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
+
+
+@dataclass(frozen=True)
+class ShardMesh:
+    """The mesh of prime-sized axes a sharded function is partitioned over."""
+
+    sizes: tuple[int, ...]
+
+    @staticmethod
+    def for_devices(n: int) -> "ShardMesh":
+        return ShardMesh(tuple(sorted(prime_factors(n), reverse=True)))
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f"m{i}" for i in range(len(self.sizes)))
+
+    def name(self, axes) -> tuple[str, ...]:
+        return tuple(f"m{a}" for a in axes)
+
+    def count(self, axes) -> int:
+        return math.prod(self.sizes[a] for a in axes)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        out = []
+        for s in reversed(self.sizes):
+            out.append(rank % s)
+            rank //= s
+        return tuple(reversed(out))
+
+    def groups(self, axes) -> list[list[int]]:
+        """Rank groups that communicate over ``axes`` (one group per coordinate of the
+        other axes), each ordered major-first over ``axes``."""
+        others = [a for a in range(len(self.sizes)) if a not in axes]
+        groups = {}
+        for r in range(self.size):
+            c = self.coords(r)
+            groups.setdefault(tuple(c[a] for a in others), []).append(r)
+        return list(groups.values())
+
+    def axes_for_count(self, start: int, count: int) -> tuple[tuple[int, ...], int]:
+        """Consecutive axes from ``start`` whose sizes multiply to ``count``."""
+        axes, prod, a = [], 1, start
+        while prod < count and a < len(self.sizes):
+            axes.append(a)
+            prod *= self.sizes[a]
+            a += 1
+        if prod != count:
+            return None, a
+        return tuple(axes), a
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Per dimension, the mesh axes splitting it (major first); plus pending-sum axes."""
+
+    dims: tuple[tuple[int, ...], ...]
+    partial: frozenset = frozenset()
+
+    @staticmethod
+    def replicated(ndim: int) -> "Sharding":
+        return Sharding(((),) * ndim)
+
+    @property
+    def used(self) -> set:
+        return {a for d in self.dims for a in d} | set(self.partial)
+
+    def local_shape(self, shape, mesh: ShardMesh) -> tuple:
+        return tuple(d // mesh.count(ax) for d, ax in zip(shape, self.dims))
+
+    def strategy(self, mesh: ShardMesh) -> tuple[int, ...]:
+        """MindSpore's tuple-of-split-counts view."""
+        return tuple(mesh.count(ax) for ax in self.dims)
+
+    def describe(self, mesh: ShardMesh) -> str:
+        s = "(" + ", ".join(str(c) for c in self.strategy(mesh)) + (
+            ",)" if len(self.dims) == 1 else ")")
+        if self.partial:
+            s += f" partial-sum over {mesh.count(self.partial)}"
+        return s
+
+    def spec(self, mesh: ShardMesh) -> str:
+        """Exact mesh-axis form, e.g. ``(m0, m1m2)``."""
+        parts = ["".join(mesh.name(ax)) or "-" for ax in self.dims]
+        s = "(" + ", ".join(parts) + ")"
+        if self.partial:
+            s += "+sum" + "".join(mesh.name(sorted(self.partial)))
+        return s
+
+
+# ---------------------------------------------------------------------------
+# Factor rules
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class FactorSpec:
+    """An einsum-like description of how a primitive's iterations map to its arrays.
+
+    ``inputs[i][d]`` / ``outputs[j][d]`` is the factor label of that dimension (None:
+    the dimension is never split, e.g. a broadcast size-1 dim). ``sizes`` gives each
+    factor's extent. Factors split over mesh axes split every dim carrying them;
+    split ``reduce`` factors leave the outputs partial (pending sum).
+    """
+
+    inputs: list
+    outputs: list
+    sizes: dict
+    reduce: frozenset = frozenset()
+    nosplit: frozenset = frozenset()
+    flops_per_point: float = 1.0
+    # (params, local_in_avals, local_out_avals) -> params for the per-device equation
+    local_params: Callable | None = None
+
+    def splittable(self) -> list[str]:
+        labels = []
+        for lab in itertools.chain(*self.inputs, *self.outputs):
+            if lab is not None and lab not in labels and lab not in self.nosplit:
+                labels.append(lab)
+        # A factor consumed without appearing in any output must be a sum to split.
+        outs = {lab for o in self.outputs for lab in o}
+        return [lab for lab in labels if lab in outs or lab in self.reduce]
+
+
+def elementwise_spec(*avals: ArrayType, n_out: int = 1) -> FactorSpec:
+    """All operands and outputs share one factor per dimension."""
+    nd = avals[0].ndim
+    labels = tuple(f"d{i}" for i in range(nd))
+    return FactorSpec([labels] * len(avals), [labels] * n_out,
+                      {f"d{i}": avals[0].shape[i] for i in range(nd)})
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run an equation: which mesh axes split each factor."""
+
+    assign: tuple  # ((factor, axes), ...)
+
+    def axes(self, label) -> tuple:
+        for lab, ax in self.assign:
+            if lab == label:
+                return ax
+        return ()
+
+    def sharding(self, labels, partial=frozenset()) -> Sharding:
+        return Sharding(tuple(self.axes(lab) if lab is not None else () for lab in labels),
+                        frozenset(partial))
+
+
+def candidates(spec: FactorSpec, mesh: ShardMesh) -> list[Candidate]:
+    """Every assignment of mesh axes (in mesh order) to splittable factors whose split
+    counts divide the factor sizes. Replicated computation is the empty assignment."""
+    labels = spec.splittable()
+    out = []
+    for choice in itertools.product([None] + labels, repeat=len(mesh.sizes)):
+        assign: dict = {}
+        for axis, lab in enumerate(choice):
+            if lab is not None:
+                assign.setdefault(lab, []).append(axis)
+        ok = all(isinstance(spec.sizes[lab], int) and spec.sizes[lab] % mesh.count(ax) == 0
+                 for lab, ax in assign.items())
+        if ok:
+            out.append(Candidate(tuple((lab, tuple(ax)) for lab, ax in assign.items())))
+    return out
+
+
+def candidate_shardings(spec: FactorSpec, cand: Candidate):
+    """``(operand shardings, output shardings)`` a candidate requires and produces."""
+    ins = [cand.sharding(lab) for lab in spec.inputs]
+    partial = frozenset(a for lab in spec.reduce for a in cand.axes(lab))
+    outs = [cand.sharding(lab, partial) for lab in spec.outputs]
+    return ins, outs
+
+
+def compute_cost(spec: FactorSpec, cand: Candidate, mesh: ShardMesh) -> float:
+    """Iteration points per device (times flops per point)."""
+    points = math.prod(s for s in spec.sizes.values() if isinstance(s, int)) or 1
+    par = math.prod(mesh.count(ax) for _, ax in cand.assign) or 1
+    return spec.flops_per_point * points / par
+
+
+# ---------------------------------------------------------------------------
+# Redistribution: the collectives that move a value between shardings
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str          # 'all_gather' | 'psum' | 'psum_scatter' | 'slice'
+    axes: tuple        # mesh axes, major first
+    dim: int = -1      # tensor dim (not for psum)
+
+
+def plan(src: Sharding, dst: Sharding) -> list[Step]:
+    """The steps from ``src`` to ``dst`` (``dst`` must not add pending sums)."""
+    assert dst.partial <= src.partial, "a redistribution cannot create a pending sum"
+    steps: list[Step] = []
+    new_axes: dict[int, tuple] = {}
+    for d, (s, t) in enumerate(zip(src.dims, dst.dims, strict=True)):
+        k = 0
+        while k < min(len(s), len(t)) and s[k] == t[k]:
+            k += 1
+        if s[k:]:
+            steps.append(Step("all_gather", tuple(s[k:]), d))
+        if t[k:]:
+            new_axes[d] = tuple(t[k:])
+    to_reduce = set(src.partial - dst.partial)
+    for d, ax in new_axes.items():
+        if to_reduce and set(ax) <= to_reduce:
+            steps.append(Step("psum_scatter", ax, d))
+            to_reduce -= set(ax)
+            new_axes[d] = ()
+    if to_reduce:
+        steps.append(Step("psum", tuple(sorted(to_reduce))))
+    for d, ax in new_axes.items():
+        if ax:
+            steps.append(Step("slice", ax, d))
+    return steps
+
+
+def plan_bytes(src: Sharding, dst: Sharding, aval: ArrayType, mesh: ShardMesh) -> float:
+    """Bytes each device sends for the redistribution (ring algorithms)."""
+    if src == dst:
+        return 0.0
+    itemsize = dtypes.to_numpy(aval.dtype).itemsize
+    shape = list(src.local_shape(aval.shape, mesh))
+    total = 0.0
+    for st in plan(src, dst):
+        n = mesh.count(st.axes)
+        local = math.prod(shape) * itemsize
+        if st.kind == "all_gather":
+            total += local * (n - 1)
+            shape[st.dim] *= n
+        elif st.kind == "psum":
+            total += 2 * local * (n - 1) / n
+        elif st.kind == "psum_scatter":
+            total += local * (n - 1) / n
+            shape[st.dim] //= n
+        elif st.kind == "slice":
+            shape[st.dim] //= n
+    return total
+
+
+def local_bytes(sh: Sharding, aval: ArrayType, mesh: ShardMesh) -> float:
+    itemsize = dtypes.to_numpy(aval.dtype).itemsize
+    return math.prod(sh.local_shape(aval.shape, mesh)) * itemsize
+
+
+@dataclass
+class CostModel:
+    """Objective per ``level`` (0: compute/communication balance as MindSpore's
+    alpha*compute + beta*comm; 1: least memory per device; 2: fastest, with
+    bandwidth and flop rates of this kind of machine)."""
+
+    level: int = 0
+    alpha: float = 1.0
+    beta: float = 50.0          # MindSpore's GPU default weight of communication
+    flops_per_s: float = 5e9     # per device
+    bytes_per_s: float = 2e8     # per device over MCCL on loopback (measured ~0.16 GiB/s)
+    latency_s: float = 1e-3      # per collective
+    extra: dict = field(default_factory=dict)
+
+    def score(self, compute: float, comm_bytes: float, n_collectives: int, memory: float):
+        if self.level == 0:
+            return (comm_bytes > 0, self.alpha * compute + self.beta * comm_bytes, memory)
+        if self.level == 1:
+            return (memory, comm_bytes, compute)
+        t = compute / self.flops_per_s + comm_bytes / self.bytes_per_s \
+            + n_collectives * self.latency_s
+        return (t, memory)

@@ -1,0 +1,374 @@
+"""One ``PrimitiveSpec`` per fshard primitive: the OpInfo-like records that drive
+``tests/test_primitive_rules.py`` (NB: JAX's ``op_record``, PyTorch's ``OpInfo``).
+
+A spec says how to make valid operands for its primitive (``samples(rng, dtype)``:
+scalars where valid, size-1 dims, a few ranks; binary primitives take operands of
+one shape, so there is no broadcasting here), which dtypes to run, which operands
+are differentiable, in which operands the primitive is linear (for the transpose
+test), and the tolerance of float32 results. The NumPy reference is
+``tests/references.py``'s entry for the same name.
+
+Adding a primitive means adding a spec here; a primitive without one fails
+``test_every_primitive_has_a_spec``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from fshard import dtypes
+from fshard.core import ArrayType, Primitive, typeof
+from fshard.primitives import elementwise as E
+from fshard.primitives import linalg as L
+from fshard.primitives import nn as N
+from fshard.primitives import reductions as R
+from fshard.primitives import structural as S
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/ is not a package
+from references import REFERENCES  # noqa: E402
+
+F32, F64, I32, I64, BOOL = np.float32, np.float64, np.int32, np.int64, np.bool_
+
+# Every linear operand of the primitive at once (for variadic primitives like concat).
+ALL = "all"
+
+
+# ---------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Operands (NumPy arrays) and parameters for one application of a primitive."""
+
+    args: tuple
+    params: dict = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        types = ",".join(str(typeof(a)) for a in self.args)
+        params = ",".join(f"{k}={_short(v)}" for k, v in self.params.items())
+        return f"{types}|{params}" if params else types
+
+
+def _short(v) -> str:
+    if isinstance(v, tuple):
+        return "(" + ",".join(_short(e) for e in v) + ")"
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return str(v)
+    return dtypes.short_name(v)
+
+
+@dataclass(frozen=True)
+class PrimitiveSpec:
+    """Everything the registry-driven tests need to check one primitive.
+
+    Attributes:
+        prim: the primitive.
+        samples: ``samples(rng, dtype) -> list[Sample]``; ``dtype`` is the dtype of
+            the data operands (index operands keep their integer dtypes).
+        dtypes: dtypes for the impl / type-rule / jit / batching checks. Derivative
+            checks always use float64.
+        diff_argnums: operands a tangent may flow through (float data operands).
+        linear_groups: groups of operands in which the primitive is linear, the other
+            operands held fixed (``(0, 1)`` for add, ``(0,), (1,)`` for mul, ``ALL``
+            for every operand); empty if the primitive has no transpose rule.
+        zero_derivative: the derivative is zero by definition (stop_gradient, sign,
+            comparisons), so the JVP must be zero instead of matching differences.
+        tol: ``(rtol, atol)`` for float32 results.
+        jit_samples: how many samples (of the first dtype) the jit check compiles;
+            ``None`` for all of them.
+        op: applies the primitive, ``op(*operands, **params)``; defaults to ``bind``.
+    """
+
+    prim: Primitive
+    samples: Callable[[np.random.Generator, type], list]
+    dtypes: tuple = (F32,)
+    diff_argnums: tuple = (0,)
+    linear_groups: tuple = ()
+    zero_derivative: bool = False
+    tol: tuple = (1e-5, 1e-6)
+    jit_samples: int | None = 2
+    op: Callable | None = None
+
+    @property
+    def name(self) -> str:
+        return self.prim.name
+
+    @property
+    def reference(self) -> Callable:
+        return REFERENCES[self.prim.name]
+
+    def apply(self, *args, **params):
+        """Apply the primitive under the current trace (a list if multiple results)."""
+        return (self.op or self.prim.bind)(*args, **params)
+
+    def groups(self, sample: Sample) -> list[tuple]:
+        """The linear groups of ``sample`` with ``ALL`` expanded."""
+        return [tuple(range(len(sample.args))) if g == ALL else g for g in self.linear_groups]
+
+    def all_samples(self, dtype) -> list[Sample]:
+        """This spec's samples for ``dtype``, from a fixed seed."""
+        return self.samples(np.random.default_rng(0), dtype)
+
+
+# ---------------------------------------------------------------------------
+# Operand generators
+# ---------------------------------------------------------------------------
+
+# Ranks 0-3, with size-1 dimensions in several positions.
+SHAPES = [(), (1,), (3,), (2, 3), (1, 4, 1), (2, 1, 3)]
+
+
+def values(rng, shape, dtype, kind: str = "any") -> np.ndarray:
+    """Random operand: ``kind`` is 'any' (|x| in [0.1, 2], away from the kinks of
+    abs/relu/sign), 'positive' ([0.5, 2]) or 'unit' (uniform in [-1, 1])."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return np.asarray(rng.random(shape) < 0.5)
+    if dtype.kind in "iu":
+        lo = 1 if kind == "positive" else -5
+        return np.asarray(rng.integers(lo, 6, size=shape), dtype)
+    if kind == "positive":
+        v = rng.uniform(0.5, 2.0, shape)
+    elif kind == "unit":
+        v = rng.uniform(-1.0, 1.0, shape)
+    else:
+        v = rng.uniform(0.1, 2.0, shape) * rng.choice([-1.0, 1.0], shape)
+    return np.asarray(v, dtype)
+
+
+def indices(rng, shape, n: int, dtype=I32) -> np.ndarray:
+    """Valid indices into a dimension of size ``n`` (repeats allowed)."""
+    return np.asarray(rng.integers(0, n, size=shape), dtype)
+
+
+def unary(kind="any", shapes=SHAPES):
+    return lambda rng, dt: [Sample((values(rng, s, dt, kind),)) for s in shapes]
+
+
+def binary(kind_x="any", kind_y="any", shapes=SHAPES):
+    return lambda rng, dt: [Sample((values(rng, s, dt, kind_x), values(rng, s, dt, kind_y)))
+                            for s in shapes]
+
+
+# ---------------------------------------------------------------------------
+# Per-primitive sample generators (the ones that need parameters)
+# ---------------------------------------------------------------------------
+
+
+def _gelu(rng, dt):
+    return [Sample((values(rng, s, dt),), {"approximate": a})
+            for s, a in zip(SHAPES, itertools.cycle(["tanh", "none"]))]
+
+
+def _select(rng, dt):
+    return [Sample((values(rng, s, BOOL), values(rng, s, dt), values(rng, s, dt)))
+            for s in SHAPES]
+
+
+def _cast(rng, dt):
+    out = []
+    floats = [dtypes.float32, dtypes.float64]
+    for s, target in zip(SHAPES, itertools.cycle(
+            floats + [dtypes.int32, dtypes.bool_] if np.dtype(dt).kind == "f" else
+            [dtypes.float32, dtypes.int64, dtypes.bool_])):
+        out.append(Sample((values(rng, s, dt),), {"dtype": target}))
+    if np.dtype(dt) == F64:  # a float64 -> float64 cast keeps derivative checks exact
+        out.append(Sample((values(rng, (2, 3), dt),), {"dtype": dtypes.float64}))
+    return out
+
+
+def _matmul(rng, dt):
+    cases = [((2, 3), (3, 4), False, False), ((3, 2), (3, 4), True, False),
+             ((2, 3), (4, 3), False, True), ((3, 2), (4, 3), True, True),
+             ((1, 1), (1, 1), False, False), ((2, 2, 3), (2, 3, 1), False, False),
+             ((1, 3, 2), (1, 4, 3), True, True)]
+    return [Sample((values(rng, a, dt), values(rng, b, dt)),
+                   {"transpose_a": ta, "transpose_b": tb}) for a, b, ta, tb in cases]
+
+
+def _broadcast_to(rng, dt):
+    cases = [((), (2, 3)), ((3,), (2, 3)), ((1, 3), (4, 3)), ((2, 1), (2, 5)),
+             ((1,), (1,)), ((2, 1, 3), (2, 2, 4, 3))]
+    return [Sample((values(rng, a, dt),), {"shape": s}) for a, s in cases]
+
+
+def _reshape(rng, dt):
+    cases = [((2, 3), (3, 2)), ((6,), (1, 2, 3)), ((), (1, 1)), ((1, 4, 1), (4,)),
+             ((2, 1, 3), (6,))]
+    return [Sample((values(rng, a, dt),), {"shape": s}) for a, s in cases]
+
+
+def _transpose(rng, dt):
+    cases = [((), ()), ((3,), (0,)), ((2, 3), (1, 0)), ((1, 4, 2), (2, 0, 1)),
+             ((2, 1, 3), (1, 2, 0))]
+    return [Sample((values(rng, a, dt),), {"perm": p}) for a, p in cases]
+
+
+def _full(rng, dt):
+    return [Sample((), {"shape": (2, 3), "value": 1.5, "dtype": dtypes.float32}),
+            Sample((), {"shape": (), "value": 2, "dtype": dtypes.int32}),
+            Sample((), {"shape": (1, 2), "value": True, "dtype": dtypes.bool_})]
+
+
+def _reduce(rng, dt):
+    cases = [((2, 3), (1,)), ((2, 3), (0, 1)), ((1, 4, 1), (0, 2)), ((3,), (0,)),
+             ((2, 1, 3), (1,)), ((2, 4, 3), (0, 2)), ((), ())]
+    return [Sample((values(rng, a, dt),), {"axes": ax}) for a, ax in cases]
+
+
+def _arg(rng, dt):
+    cases = [((2, 3), 1), ((3,), 0), ((1, 4, 1), 1), ((2, 1, 3), 2), ((4, 3), 0)]
+    return [Sample((values(rng, a, dt),), {"axis": ax}) for a, ax in cases]
+
+
+def _bias_add(rng, dt):
+    cases = [((2, 3), (3,)), ((2, 3, 4), (3,)), ((1, 1), (1,)), ((2, 1, 2, 1), (1,))]
+    return [Sample((values(rng, a, dt), values(rng, b, dt))) for a, b in cases]
+
+
+def _softmax(rng, dt):
+    cases = [((2, 3), 1), ((3,), 0), ((2, 1, 3), 0), ((1, 4, 1), 1), ((2, 3, 2), 2)]
+    return [Sample((values(rng, a, dt),), {"axis": ax}) for a, ax in cases]
+
+
+def _concat(rng, dt):
+    cases = [([(2, 3), (2, 1)], 1), ([(1,), (3,), (2,)], 0), ([(2, 2, 3), (2, 1, 3)], 1),
+             ([(3,)], 0), ([(1, 2), (2, 2)], 0)]
+    return [Sample(tuple(values(rng, s, dt) for s in shapes), {"axis": ax})
+            for shapes, ax in cases]
+
+
+def _split(rng, dt):
+    cases = [((5, 2), (2, 3), 0), ((2, 6), (1, 2, 3), 1), ((3,), (3,), 0),
+             ((2, 4, 1), (1, 3), 1), ((4,), (0, 4), 0)]
+    return [Sample((values(rng, a, dt),), {"sizes": sz, "axis": ax}) for a, sz, ax in cases]
+
+
+def _slice(rng, dt):
+    cases = [((5,), (1,), (5,), (2,)), ((3, 4), (0, 1), (3, 4), (2, 3)),
+             ((1, 4, 1), (0, 1, 0), (1, 3, 1), (1, 1, 1)), ((4, 2), (2, 0), (2, 2), (1, 1)),
+             ((6,), (0,), (6,), (1,)), ((7, 3), (1, 0), (6, 3), (3, 2))]
+    return [Sample((values(rng, a, dt),), {"start": lo, "limit": hi, "strides": st})
+            for a, lo, hi, st in cases]
+
+
+def _pad(rng, dt):
+    cases = [((3,), (1,), (2,), (0,)), ((2, 3), (0, 1), (2, 0), (1, 2)),
+             ((1, 4, 1), (1, 0, 0), (0, 0, 1), (0, 1, 0)), ((1,), (0,), (0,), (3,)),
+             ((2, 2), (0, 0), (0, 0), (0, 0))]
+    return [Sample((values(rng, a, dt),), {"low": lo, "high": hi, "interior": i})
+            for a, lo, hi, i in cases]
+
+
+def _gather(rng, dt):
+    cases = [((5, 3), (4,), 0, I32), ((2, 5), (2, 3), 1, I64), ((4,), (), 0, I32),
+             ((2, 3, 4), (2, 2), 1, I32), ((1,), (3,), 0, I64), ((3, 2), (1, 1), 1, I32)]
+    return [Sample((values(rng, xs, dt), indices(rng, ish, xs[ax], idt)), {"axis": ax})
+            for xs, ish, ax, idt in cases]
+
+
+def _scatter_add(rng, dt):
+    cases = [((5, 3), (4,), 0, I32), ((2, 5), (2, 3), 1, I64), ((4,), (), 0, I32),
+             ((2, 3, 4), (3,), 2, I32), ((1,), (3,), 0, I64), ((3, 2), (1, 1), 1, I32)]
+    out = []
+    for shape, ish, ax, idt in cases:
+        ushape = shape[:ax] + ish + shape[ax + 1:]
+        out.append(Sample((values(rng, ushape, dt), indices(rng, ish, shape[ax], idt)),
+                          {"shape": shape, "axis": ax}))
+    return out
+
+
+def _one_hot(rng, dt):
+    cases = [((3,), 4, dtypes.float32, I32), ((), 2, dtypes.int32, I64),
+             ((2, 3), 5, dtypes.bool_, I32), ((1, 1), 1, dtypes.float64, I32)]
+    return [Sample((indices(rng, s, depth, idt),), {"depth": depth, "dtype": out_dt})
+            for s, depth, out_dt, idt in cases]
+
+
+# ---------------------------------------------------------------------------
+# The specs
+# ---------------------------------------------------------------------------
+
+NUMERIC = (F32, I32)
+DATA = (F32, I32, BOOL)  # structural primitives move any dtype
+
+
+def _specs() -> list[PrimitiveSpec]:
+    def float_unary(prim, kind="any", **kw):
+        return PrimitiveSpec(prim, unary(kind), **kw)
+
+    out = [
+        PrimitiveSpec(E.neg_p, unary(), NUMERIC, linear_groups=((0,),)),
+        float_unary(E.exp_p),
+        float_unary(E.log_p, "positive"),
+        float_unary(E.tanh_p),
+        float_unary(E.sigmoid_p),
+        PrimitiveSpec(E.relu_p, unary(), NUMERIC),
+        float_unary(E.sqrt_p, "positive"),
+        float_unary(E.rsqrt_p, "positive"),
+        PrimitiveSpec(E.abs_p, unary(), NUMERIC),
+        float_unary(E.sin_p),
+        float_unary(E.cos_p),
+        float_unary(E.erf_p),
+        PrimitiveSpec(E.sign_p, unary(), NUMERIC, zero_derivative=True),
+        PrimitiveSpec(E.gelu_p, _gelu),
+        PrimitiveSpec(E.add_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
+        PrimitiveSpec(E.sub_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
+        PrimitiveSpec(E.mul_p, binary(), NUMERIC, (0, 1), ((0,), (1,))),
+        PrimitiveSpec(E.div_p, binary("any", "positive"), (F32,), (0, 1), ((0,),)),
+        PrimitiveSpec(E.pow_p, binary("positive", "unit"), (F32,), (0, 1)),
+        PrimitiveSpec(E.maximum_p, binary(), NUMERIC, (0, 1)),
+        PrimitiveSpec(E.minimum_p, binary(), NUMERIC, (0, 1)),
+    ]
+    for prim in (E.equal_p, E.not_equal_p, E.less_p, E.less_equal_p, E.greater_p,
+                 E.greater_equal_p):
+        out.append(PrimitiveSpec(prim, binary(), NUMERIC, (0, 1), zero_derivative=True))
+    out += [
+        PrimitiveSpec(E.select_p, _select, NUMERIC, (1, 2), ((1, 2),)),
+        PrimitiveSpec(E.cast_p, _cast, NUMERIC, linear_groups=((0,),)),
+        PrimitiveSpec(L.matmul_p, _matmul, NUMERIC, (0, 1), ((0,), (1,))),
+        PrimitiveSpec(S.broadcast_to_p, _broadcast_to, DATA, linear_groups=((0,),)),
+        PrimitiveSpec(S.reshape_p, _reshape, DATA, linear_groups=((0,),)),
+        PrimitiveSpec(S.transpose_p, _transpose, DATA, linear_groups=((0,),)),
+        PrimitiveSpec(S.full_p, _full, (F32,), diff_argnums=()),
+        PrimitiveSpec(S.stop_gradient_p, unary(), DATA, zero_derivative=True),
+        PrimitiveSpec(S.concat_p, _concat, DATA, (0, 1, 2), (ALL,), jit_samples=None),
+        PrimitiveSpec(S.split_p, _split, DATA, linear_groups=((0,),), jit_samples=None),
+        PrimitiveSpec(S.slice_p, _slice, DATA, linear_groups=((0,),), jit_samples=None),
+        PrimitiveSpec(S.pad_p, _pad, DATA, linear_groups=((0,),), jit_samples=None),
+        PrimitiveSpec(S.gather_p, _gather, DATA, linear_groups=((0,),), jit_samples=None),
+        PrimitiveSpec(S.scatter_add_p, _scatter_add, NUMERIC, linear_groups=((0,),),
+                      jit_samples=None),
+        PrimitiveSpec(S.one_hot_p, _one_hot, (F32,), diff_argnums=(), jit_samples=None),
+        PrimitiveSpec(R.reduce_sum_p, _reduce, NUMERIC, linear_groups=((0,),)),
+        PrimitiveSpec(R.reduce_max_p, _reduce, NUMERIC),
+        PrimitiveSpec(R.reduce_min_p, _reduce, NUMERIC),
+        PrimitiveSpec(R.argmax_p, _arg, (F32,), zero_derivative=True),
+        PrimitiveSpec(R.argmin_p, _arg, (F32,), zero_derivative=True),
+        PrimitiveSpec(N.bias_add_p, _bias_add, (F32,), (0, 1), ((0, 1),)),
+        PrimitiveSpec(N.softmax_p, _softmax),
+        PrimitiveSpec(N.log_softmax_p, _softmax),
+    ]
+    return out
+
+
+SPECS: dict[str, PrimitiveSpec] = {}
+for _spec in _specs():
+    assert _spec.name not in SPECS, f"two specs for {_spec.name}"
+    SPECS[_spec.name] = _spec
+
+
+def out_types(prim: Primitive, args, params) -> list[ArrayType]:
+    """The abstract output types the primitive's type rule gives for ``args``."""
+    from fshard.rules import abstract_eval
+
+    return abstract_eval.lookup(prim, transform="test")(*[typeof(a) for a in args], **params)

@@ -1,0 +1,152 @@
+"""NumPy reference semantics of every fshard primitive (NB: jax/_src/lax_reference.py).
+
+``REFERENCES[name](*operands, **params)`` computes what primitive ``name`` computes,
+on NumPy arrays, with the primitive's parameters (not the op function's). Multiple-
+result primitives return a list. Dtype parameters are MindSpore dtypes, as in the IR.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fshard import dtypes
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _same_dtype(fn):
+    """Compute in NumPy, then return the operand's dtype (NumPy may widen)."""
+    return lambda x, *rest, **p: np.asarray(fn(x, *rest, **p)).astype(x.dtype)
+
+
+def erf(x):
+    return _erf(x).astype(x.dtype)
+
+
+def gelu(x, *, approximate):
+    if approximate == "tanh":
+        c = math.sqrt(2.0 / math.pi)
+        out = 0.5 * x * (1.0 + np.tanh(c * (x + 0.044715 * x**3)))
+    else:
+        out = 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+    return out.astype(x.dtype)
+
+
+def matmul(x, y, *, transpose_a, transpose_b):
+    a = np.swapaxes(x, -1, -2) if transpose_a else x
+    b = np.swapaxes(y, -1, -2) if transpose_b else y
+    return np.matmul(a, b)
+
+
+def full(*, shape, value, dtype):
+    return np.full(shape, value, dtypes.to_numpy(dtype))
+
+
+def bias_add(x, b):
+    return x + b.reshape((1, -1) + (1,) * (x.ndim - 2))
+
+
+def softmax(x, *, axis):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def log_softmax(x, *, axis):
+    m = x.max(axis=axis, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+
+
+def split(x, *, sizes, axis):
+    return np.split(x, np.cumsum(sizes)[:-1], axis=axis)
+
+
+def slice_(x, *, start, limit, strides):
+    return x[tuple(slice(a, b, c) for a, b, c in zip(start, limit, strides))]
+
+
+def pad(x, *, low, high, interior):
+    shape = tuple(lo + hi + n + max(n - 1, 0) * i
+                  for n, lo, hi, i in zip(x.shape, low, high, interior))
+    out = np.zeros(shape, x.dtype)
+    out[tuple(slice(lo, lo + (n - 1) * (i + 1) + 1, i + 1) if n else slice(lo, lo)
+              for n, lo, i in zip(x.shape, low, interior))] = x
+    return out
+
+
+def gather(x, indices, *, axis):
+    return np.take(x, indices, axis=axis)
+
+
+def scatter_add(updates, indices, *, shape, axis):
+    out = np.zeros(shape, updates.dtype)
+    np.add.at(out, (slice(None),) * axis + (indices,), updates)
+    return out
+
+
+def one_hot(indices, *, depth, dtype):
+    return (indices[..., None] == np.arange(depth)).astype(dtypes.to_numpy(dtype))
+
+
+def _reduce(fn):
+    return lambda x, *, axes: np.asarray(fn(x, axis=tuple(axes)))
+
+
+REFERENCES = {
+    # elementwise
+    "neg": np.negative,
+    "exp": np.exp,
+    "log": np.log,
+    "tanh": np.tanh,
+    "sigmoid": _same_dtype(lambda x: 1.0 / (1.0 + np.exp(-x))),
+    "relu": lambda x: np.maximum(x, 0).astype(x.dtype),
+    "sqrt": np.sqrt,
+    "rsqrt": _same_dtype(lambda x: 1.0 / np.sqrt(x)),
+    "abs": np.abs,
+    "sin": np.sin,
+    "cos": np.cos,
+    "erf": erf,
+    "sign": np.sign,
+    "gelu": gelu,
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "div": np.divide,
+    "pow": np.power,
+    "maximum": np.maximum,
+    "minimum": np.minimum,
+    "equal": np.equal,
+    "not_equal": np.not_equal,
+    "less": np.less,
+    "less_equal": np.less_equal,
+    "greater": np.greater,
+    "greater_equal": np.greater_equal,
+    "select": np.where,
+    "cast": lambda x, *, dtype: x.astype(dtypes.to_numpy(dtype)),
+    # linalg
+    "matmul": matmul,
+    # structural
+    "broadcast_to": lambda x, *, shape: np.broadcast_to(x, shape),
+    "reshape": lambda x, *, shape: np.reshape(x, shape),
+    "transpose": lambda x, *, perm: np.transpose(x, perm),
+    "full": full,
+    "stop_gradient": lambda x: x,
+    "concat": lambda *xs, axis: np.concatenate(xs, axis=axis),
+    "split": split,
+    "slice": slice_,
+    "pad": pad,
+    "gather": gather,
+    "scatter_add": scatter_add,
+    "one_hot": one_hot,
+    # reductions
+    "reduce_sum": _reduce(np.sum),
+    "reduce_max": _reduce(np.max),
+    "reduce_min": _reduce(np.min),
+    "argmax": lambda x, *, axis: np.argmax(x, axis=axis),
+    "argmin": lambda x, *, axis: np.argmin(x, axis=axis),
+    # nn
+    "bias_add": bias_add,
+    "softmax": softmax,
+    "log_softmax": log_softmax,
+}

@@ -1,0 +1,351 @@
+"""Tracing native MindSpore code (fshard/interop.py).
+
+Every entry of ``interop.SUPPORTED_OPS``, ``SUPPORTED_TENSOR_METHODS`` and
+``SUPPORTED_CELLS`` has a case here; each case is traced, then run both compiled
+(``fs.jit``) and by eager evaluation of its Program, and compared with calling
+MindSpore directly (or a NumPy reference where MindSpore has no CPU kernel). Also:
+MindSpore is restored exactly after tracing (also on errors), unsupported ops and
+Python control flow give fshard errors, and Cells trace with explicit parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, mint, nn, ops
+
+import fshard as fs
+from fshard import interop
+from fshard.interpret import eval_program
+
+RNG = np.random.default_rng(0)
+
+
+def _normal(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+X = _normal(4, 8)
+Y = _normal(4, 8)
+POS = np.abs(_normal(4, 8)) + 0.5
+W = _normal(8, 3)
+B = _normal(3)
+X3 = _normal(2, 4, 8)
+Y3 = _normal(2, 8, 4)
+G = _normal(8)
+LABELS = np.array([0, 2, 1, 2], np.int32)
+LABELS64 = LABELS.astype(np.int64)
+WT = Tensor(W)  # a MindSpore constant closed over by traced functions
+BT = Tensor(B)
+XT = Tensor(X)
+
+
+def _erf(x):
+    return np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype)
+
+
+def _log_softmax(x, axis=-1):
+    m = x.max(axis, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis, keepdims=True))
+
+
+def _layer_norm(x, g, b, eps):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * g + b
+
+
+# name -> (function, numpy arguments[, numpy reference when MindSpore cannot run it on CPU])
+OP_CASES = {
+    "ops.add": (lambda x, y: ops.add(x, y), [X, Y]),
+    "ops.sub": (lambda x: ops.sub(x, 2.0), [X]),
+    "ops.mul": (lambda x, y: ops.mul(x, y), [X, Y]),
+    "ops.div": (lambda x, y: ops.div(x, y), [X, POS]),
+    "ops.pow": (lambda x: ops.pow(x, 2.0), [X]),
+    "ops.neg": (ops.neg, [X]),
+    "ops.abs": (ops.abs, [X]),
+    "ops.exp": (ops.exp, [X]),
+    "ops.log": (ops.log, [POS]),
+    "ops.tanh": (ops.tanh, [X]),
+    "ops.sigmoid": (ops.sigmoid, [X]),
+    "ops.relu": (ops.relu, [X]),
+    "ops.gelu": (lambda x: ops.gelu(x) + ops.gelu(x, approximate="tanh"), [X]),
+    "ops.sqrt": (ops.sqrt, [POS]),
+    "ops.rsqrt": (ops.rsqrt, [POS]),
+    "ops.square": (ops.square, [X]),
+    "ops.erf": (ops.erf, [X]),
+    "ops.sin": (ops.sin, [X]),
+    "ops.cos": (ops.cos, [X]),
+    "ops.sign": (ops.sign, [X]),
+    "ops.maximum": (lambda x, y: ops.maximum(x, y) + ops.maximum(x, 0.0), [X, Y]),
+    "ops.minimum": (lambda x, y: ops.minimum(x, y), [X, Y]),
+    "ops.greater": (lambda x, y: ops.greater(x, y), [X, Y]),
+    "ops.greater_equal": (lambda x: ops.greater_equal(x, 0.0), [X]),
+    "ops.less": (lambda x, y: ops.less(x, y), [X, Y]),
+    "ops.less_equal": (lambda x, y: ops.less_equal(x, y), [X, Y]),
+    "ops.equal": (lambda x: ops.equal(x, ops.relu(x)), [X]),
+    "ops.not_equal": (lambda x: ops.not_equal(x, ops.relu(x)), [X]),
+    "ops.gt": (lambda x, y: ops.gt(x, y), [X, Y]),
+    "ops.ge": (lambda x, y: ops.ge(x, y), [X, Y]),
+    "ops.lt": (lambda x, y: ops.lt(x, y), [X, Y]),
+    "ops.le": (lambda x, y: ops.le(x, y), [X, Y]),
+    "ops.eq": (lambda x: ops.eq(x, ops.relu(x)), [X]),
+    "ops.ne": (lambda x: ops.ne(x, ops.relu(x)), [X]),
+    "ops.where": (lambda x, y: ops.where(x > 0, x, y) + ops.where(x > y, x, 0.0), [X, Y]),
+    "ops.select": (lambda x, y: ops.select(x > y, x, y), [X, Y]),
+    "ops.cast": (lambda x: ops.cast(x, ms.float16) + ops.cast(x > 0, ms.float16), [X]),
+    "ops.zeros_like": (lambda x: ops.zeros_like(x) + x, [X]),
+    "ops.ones_like": (lambda x: ops.ones_like(x) + x, [X]),
+    "ops.matmul": (lambda x, w: ops.matmul(x, w), [X, W]),
+    "ops.bias_add": (lambda x, b: ops.bias_add(ops.matmul(x, WT), b), [X, B]),
+    "ops.softmax": (lambda x: ops.softmax(x, -1) + ops.softmax(x, 0), [X]),
+    "ops.log_softmax": (lambda x: ops.log_softmax(x, -1), [X]),
+    "ops.layer_norm": (lambda x, g, b: ops.layer_norm(x, (8,), g, b, 1e-5), [X, G, G],
+                       lambda x, g, b: _layer_norm(x, g, b, 1e-5)),
+    "ops.cross_entropy": (lambda x, y: ops.cross_entropy(ops.matmul(x, WT), y),
+                          [X, LABELS]),
+    "ops.one_hot": (lambda y: ops.one_hot(y, 3, Tensor(2.0), Tensor(-1.0)) + 0.5, [LABELS]),
+    "ops.sum": (lambda x: ops.sum(x, 1) + ops.sum(x), [X]),
+    "ops.mean": (lambda x: ops.mean(x, 1, keep_dims=True) + ops.mean(x), [X]),
+    "ops.amax": (lambda x: ops.amax(x, 1), [X]),
+    "ops.amin": (lambda x: ops.amin(x, (0, 1)), [X]),
+    "ops.max": (lambda x: ops.max(x, 1), [X]),
+    "ops.min": (lambda x: ops.min(x, 0, keepdims=True), [X]),
+    "ops.argmax": (lambda x: (ops.argmax(x, 1), ops.argmax(x)), [X]),
+    "ops.logsumexp": (lambda x: ops.logsumexp(x, 1), [X]),
+    "ops.reshape": (lambda x: ops.reshape(x, (8, -1)), [X]),
+    "ops.transpose": (lambda x: ops.transpose(x, (2, 0, 1)), [X3]),
+    "ops.permute": (lambda x: ops.permute(x, (1, 0, 2)), [X3]),
+    "ops.expand_dims": (lambda x: ops.expand_dims(x, 1), [X]),
+    "ops.squeeze": (lambda x: ops.squeeze(ops.expand_dims(x, 0)), [X]),
+    "ops.broadcast_to": (lambda b: ops.broadcast_to(b, (4, 3)) + ops.broadcast_to(b, (-1,)),
+                         [B]),
+    "ops.flatten": (lambda x: ops.flatten(x), [X3]),
+    "ops.concat": (lambda x, y: ops.concat((x, y), 1), [X, Y]),
+    "ops.cat": (lambda x, y: ops.cat([x, y, x]), [X, Y]),
+    "ops.split": (lambda x: ops.split(x, 2, 1) + ops.split(x, [3, 5], 1), [X]),
+    "ops.gather": (lambda x, y: ops.gather(x, y, 0) + ops.gather(XT, y, 1).T[:, :4], [X, LABELS]),
+    "mint.add": (lambda x, y: mint.add(x, y, alpha=2), [X, Y]),
+    "mint.sub": (lambda x, y: mint.sub(x, y), [X, Y]),
+    "mint.mul": (lambda x: mint.mul(x, 2.0), [X]),
+    "mint.div": (lambda x, y: mint.div(x, y), [X, POS]),
+    "mint.matmul": (lambda x, w: mint.matmul(x, w), [X, W]),
+    "mint.bmm": (lambda x, y: mint.bmm(x, y), [X3, Y3]),
+    "mint.exp": (mint.exp, [X]),
+    "mint.log": (mint.log, [POS]),
+    "mint.tanh": (mint.tanh, [X]),
+    "mint.sigmoid": (mint.sigmoid, [X]),
+    "mint.sqrt": (mint.sqrt, [POS]),
+    "mint.rsqrt": (mint.rsqrt, [POS]),
+    "mint.abs": (mint.abs, [X]),
+    "mint.pow": (lambda x: mint.pow(x, 3.0), [X]),
+    "mint.maximum": (lambda x, y: mint.maximum(x, y), [X, Y]),
+    "mint.minimum": (lambda x, y: mint.minimum(x, y), [X, Y]),
+    "mint.eq": (lambda x: mint.eq(x, ops.relu(x)), [X]),
+    "mint.lt": (lambda x: mint.lt(x, 0.0), [X]),
+    "mint.gt": (lambda x, y: mint.gt(x, y), [X, Y]),
+    "mint.where": (lambda x, y: mint.where(x > y, x, y), [X, Y]),
+    "mint.sum": (lambda x: mint.sum(x, 1), [X]),
+    "mint.mean": (lambda x: mint.mean(x, 1), [X]),
+    "mint.max": (lambda x, y: (mint.max(x), mint.max(x, 1), mint.max(x, y)), [X, Y]),
+    "mint.min": (lambda x: (mint.min(x), mint.min(x, 0, True)), [X]),
+    "mint.amax": (lambda x: mint.amax(x, 1), [X]),
+    "mint.argmax": (lambda x: mint.argmax(x, 1), [X], lambda x: np.argmax(x, 1)),
+    "mint.softmax": (lambda x: mint.softmax(x, -1), [X]),
+    "mint.reshape": (lambda x: mint.reshape(x, (2, 16)), [X]),
+    "mint.permute": (lambda x: mint.permute(x, (2, 1, 0)), [X3]),
+    "mint.transpose": (lambda x: mint.transpose(x, 0, 2), [X3]),
+    "mint.unsqueeze": (lambda x: mint.unsqueeze(x, -1), [X]),
+    "mint.squeeze": (lambda x: mint.squeeze(mint.unsqueeze(x, 0), 0), [X]),
+    "mint.broadcast_to": (lambda b: mint.broadcast_to(b, (2, 4, 3)), [B]),
+    "mint.cat": (lambda x, y: mint.cat((x, y), 0), [X, Y]),
+    "mint.split": (lambda x: mint.split(x, 3, 1), [X]),
+    "mint.nn.functional.relu": (lambda x: mint.nn.functional.relu(x), [X]),
+    "mint.nn.functional.gelu": (lambda x: mint.nn.functional.gelu(x), [X],
+                                lambda x: 0.5 * x * (1 + _erf(x / math.sqrt(2.0)))),
+}
+
+# "<method>" or "<method>:<variant>" -> (function, numpy arguments)
+METHOD_CASES = {
+    "__add__": (lambda x, y: x + y + 1, [X, Y]),
+    "__add__:tensor_left": (lambda x: XT + x, [X]),
+    "__radd__": (lambda x: 1.0 + x, [X]),
+    "__sub__": (lambda x: XT - x - 1, [X]),
+    "__rsub__": (lambda x: 1 - x, [X]),
+    "__mul__": (lambda x, y: x * y * 2, [X, Y]),
+    "__mul__:tensor_left": (lambda x: XT * x, [X]),
+    "__rmul__": (lambda x: 3 * x, [X]),
+    "__truediv__": (lambda x, y: x / y + XT / y, [X, POS]),
+    "__rtruediv__": (lambda x: 1.0 / x, [POS]),
+    "__matmul__": (lambda x, w: x @ w + x @ WT, [X, W]),
+    "__matmul__:tensor_left": (lambda w: XT @ w, [W]),
+    "__rmatmul__": (lambda w: np.float32(2) * (XT @ w), [W]),
+    "__pow__": (lambda x: x ** 2 + Tensor(POS) ** x, [X]),
+    "__neg__": (lambda x: -x, [X]),
+    "__abs__": (lambda x: abs(x), [X]),
+    "__lt__": (lambda x: (x < 0, XT < x), [X]),
+    "__le__": (lambda x: (x <= 0, XT <= x), [X]),
+    "__gt__": (lambda x: (x > 0, XT > x), [X]),
+    "__ge__": (lambda x: (x >= 0, XT >= x), [X]),
+    "__eq__": (lambda x: (x == 0, XT == x), [X]),
+    "__ne__": (lambda x: (x != 0, XT != x), [X]),
+    "__iadd__": (lambda x: _iadd(Tensor(Y), x), [X]),
+    "sum": (lambda x: (x.sum(), x.sum(1), x.sum(axis=0, keepdims=True), x.sum(1, True)), [X]),
+    "mean": (lambda x: (x.mean(), x.mean(1), x.mean(axis=0, keep_dims=True)), [X]),
+    "max": (lambda x: (x.max(), x.max(1), x.max(axis=1), x.max(0, True)), [X]),
+    "min": (lambda x: (x.min(), x.min(0), x.min(axis=1, keepdims=True)), [X]),
+    "argmax": (lambda x: (x.argmax(), x.argmax(1), x.argmax(axis=0, keepdims=True)), [X]),
+    "reshape": (lambda x: (x.reshape(8, 4), x.reshape((2, -1)), x.reshape([32])), [X]),
+    "view": (lambda x: (x.view(8, 4), x.view((-1,))), [X]),
+    "transpose": (lambda x: (x.transpose(), x.transpose(2, 0, 1), x.transpose(0, 2),
+                             x.transpose((1, 0, 2))), [X3]),
+    "permute": (lambda x: (x.permute(2, 0, 1), x.permute((1, 0, 2))), [X3]),
+    "swapaxes": (lambda x: x.swapaxes(0, 2), [X3]),
+    "expand_dims": (lambda x: x.expand_dims(1), [X]),
+    "unsqueeze": (lambda x: x.unsqueeze(-1), [X]),
+    "squeeze": (lambda x: (x.unsqueeze(0).squeeze(), x.unsqueeze(1).squeeze(1)), [X]),
+    "flatten": (lambda x: (x.flatten(), x.flatten(start_dim=1), x.flatten(0, 1)), [X3]),
+    "astype": (lambda x: x.astype(ms.float16), [X]),
+    "to": (lambda x: x.to(ms.float16), [X]),
+    "float": (lambda y: y.float(), [LABELS]),
+    "exp": (lambda x: x.exp(), [X]),
+    "log": (lambda x: x.log(), [POS]),
+    "tanh": (lambda x: x.tanh(), [X]),
+    "sigmoid": (lambda x: x.sigmoid(), [X]),
+    "relu": (lambda x: x.relu(), [X]),
+    "sqrt": (lambda x: x.sqrt(), [POS]),
+    "rsqrt": (lambda x: x.rsqrt(), [POS]),
+    "abs": (lambda x: x.abs(), [X]),
+    "square": (lambda x: x.square(), [X]),
+    "matmul": (lambda x, w: x.matmul(w), [X, W]),
+    "broadcast_to": (lambda b: b.broadcast_to((4, 3)), [B]),
+    "softmax": (lambda x: x.softmax(-1), [X]),
+    "log_softmax": (lambda x: x.log_softmax(-1), [X]),
+    "add": (lambda x, y: (x.add(y), x.add(1.0)), [X, Y]),
+    "sub": (lambda x, y: x.sub(y), [X, Y]),
+    "mul": (lambda x, y: x.mul(y), [X, Y]),
+    "div": (lambda x, y: x.div(y), [X, POS]),
+    "maximum": (lambda x, y: x.maximum(y), [X, Y]),
+    "minimum": (lambda x, y: x.minimum(y), [X, Y]),
+    "pow": (lambda x: x.pow(2), [X]),
+    "T": (lambda x: x.T, [X]),
+    "shape": (lambda x: x.reshape(x.shape[1], x.shape[0]), [X]),
+    "dtype": (lambda y: y.astype(XT.dtype) if y.dtype != XT.dtype else y, [LABELS]),
+    "ndim": (lambda x: x.sum(x.ndim - 1), [X3]),
+    "size": (lambda x: x.sum() / x.size, [X]),
+    "dim": (lambda x: x.sum(x.dim() - 2), [X3]),
+}
+
+
+def _iadd(t, x):
+    t += x
+    return t
+
+
+def _mlp():
+    return nn.SequentialCell([nn.Dense(8, 16, activation="relu"), nn.Dense(16, 3)])
+
+
+CELL_CASES = {
+    "nn.Dense": (lambda: nn.Dense(8, 3), [X]),
+    "nn.Dense:activation": (lambda: nn.Dense(8, 3, activation="relu"), [X3]),
+    "nn.Dense:no_bias": (lambda: nn.Dense(8, 3, has_bias=False, activation=nn.Tanh()), [X]),
+    "nn.ReLU": (lambda: nn.ReLU(), [X]),
+    "nn.GELU": (lambda: nn.GELU(), [X]),
+    "nn.GELU:exact": (lambda: nn.GELU(approximate=False), [X]),
+    "nn.Sigmoid": (lambda: nn.Sigmoid(), [X]),
+    "nn.Tanh": (lambda: nn.Tanh(), [X]),
+    "nn.Flatten": (lambda: nn.Flatten(), [X3]),
+    "nn.SequentialCell": (_mlp, [X]),
+    "nn.LayerNorm": (lambda: nn.LayerNorm((8,)), [X3]),
+    "nn.LayerNorm:2d": (lambda: nn.LayerNorm((4, 8), begin_norm_axis=1, begin_params_axis=1),
+                        [X3]),
+    "nn.Softmax": (lambda: nn.Softmax(), [X]),
+    "nn.LogSoftmax": (lambda: nn.LogSoftmax(), [X]),
+    "nn.SoftmaxCrossEntropyWithLogits": (
+        lambda: nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"), [X[:, :3], LABELS]),
+    "nn.SoftmaxCrossEntropyWithLogits:dense": (
+        lambda: nn.SoftmaxCrossEntropyWithLogits(reduction="sum"),
+        [X[:, :3], np.eye(3, dtype=np.float32)[LABELS]]),
+}
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def _leaves(tree):
+    return fs.tree.leaves(tree)
+
+
+def _eval_ir(fn, *args):
+    """Trace ``fn`` and evaluate its Program eagerly (not compiled)."""
+    traced = fs.make_ir(fn)(*args)
+    leaves = [Tensor(a) if isinstance(a, np.ndarray) else a for a in _leaves((args, {}))]
+    outs = eval_program(traced.program, *traced.consts, *leaves)
+    return fs.tree.unflatten(traced.out_tree, outs), traced
+
+
+def _assert_same(got, expected, where):
+    got_l, exp_l = _leaves(got), _leaves(expected)
+    assert len(got_l) == len(exp_l), f"{where}: {len(got_l)} outputs, expected {len(exp_l)}"
+    for g, e in zip(got_l, exp_l):
+        g_np = g.asnumpy() if hasattr(g, "asnumpy") else np.asarray(g)
+        e_np = e.asnumpy() if hasattr(e, "asnumpy") else np.asarray(e)
+        if isinstance(e, Tensor):
+            assert g.dtype == e.dtype, f"{where}: dtype {g.dtype}, MindSpore gives {e.dtype}"
+        assert g_np.shape == e_np.shape, f"{where}: shape {g_np.shape} vs {e_np.shape}"
+        tol = 2e-3 if g_np.dtype == np.float16 else 2e-5
+        np.testing.assert_allclose(g_np.astype(np.float64), e_np.astype(np.float64),
+                                   rtol=tol, atol=tol, err_msg=where)
+
+
+def _check(fn, args, reference=None):
+    if reference is not None:
+        expected = reference(*args)
+    else:
+        expected = fn(*[Tensor(a) for a in args])
+    eager, traced = _eval_ir(fn, *args)
+    assert traced.program.equations, "nothing was traced"
+    _assert_same(eager, expected, "eager evaluation of the Program")
+    _assert_same(fs.jit(fn)(*args), expected, "fs.jit")
+
+
+def _base(name):
+    return name.split(":")[0]
+
+
+# ---------------------------------------------------------------------------
+# The supported lists, enumerated
+# ---------------------------------------------------------------------------
+
+
+def test_every_supported_entry_has_a_case():
+    assert set(interop.SUPPORTED_OPS) == set(OP_CASES)
+    assert set(interop.SUPPORTED_TENSOR_METHODS) == {_base(k) for k in METHOD_CASES}
+    assert set(interop.SUPPORTED_CELLS) == {_base(k) for k in CELL_CASES}
+
+
+@pytest.mark.parametrize("name", list(OP_CASES))
+def test_op_traces(name):
+    _check(*OP_CASES[name])
+
+
+@pytest.mark.parametrize("name", list(METHOD_CASES))
+def test_tensor_method_traces(name):
+    _check(*METHOD_CASES[name])
+
+
+@pytest.mark.parametrize("name", list(CELL_CASES))
+def test_cell_traces(name):
+    make, args = CELL_CASES[name]
+    cell = make()
+    expected = cell(*[Tensor(a) for a in args])
+    apply, params = fs.functional(cell)
+    eager, traced = _eval_ir(apply, params, *args)
+    _assert_same(eager, expected, "eager evaluation of the Program")
+    _assert_same(fs.jit(cell)(*args), expected, "fs.jit")

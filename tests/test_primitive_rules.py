@@ -1,0 +1,429 @@
+"""Registry-driven checks of every primitive's rules (see docs/adding_a_primitive.md).
+
+Parametrized over ``fshard.rules.all_primitives()`` and each primitive's samples in
+``tests/primitive_specs.py``:
+
+- impl vs the NumPy reference (NB: JAX ``testOpAgainstNumpy``);
+- the type rule vs the type of the real output;
+- ``fs.jit(op)`` vs eager, for a few samples per primitive (each compiles a graph);
+- the batching rule vs loop-and-stack, for every batch-dim placement of every
+  operand, unbatched operands included (NB: JAX ``_CheckBatching``);
+- the JVP rule vs central finite differences in float64;
+- the transpose rule by the dot-product test ``<ct, L t> == <L^T ct, t>``;
+- completeness: every primitive has a spec, and every rule kind is present or
+  recorded as unsupported with a reason.
+
+The rule-level checks call the rules directly on concrete values (they run eagerly:
+each rule's ``bind`` calls go to the eager trace), so they pinpoint the broken rule.
+The transform-level checks in ``test_primitive_transforms.py`` run the same specs
+through ``fs.vmap``, ``fs.jvp`` and ``fs.vjp``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import fshard as fs
+from fshard import rules
+from fshard.core import typeof
+from fshard.primitives._define import UndefinedPrimal, Zero
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/ is not a package
+from primitive_specs import SPECS, F64, out_types  # noqa: E402
+
+# Rule kinds that the completeness test does not require yet: sharding rules are
+# added with the SPMD partitioner. Remove a kind from this set to require it.
+KINDS_NOT_YET_REQUIRED = {"sharding"}
+
+PRIMS = rules.all_primitives()
+BATCH = 3  # examples per vmapped call in the batching checks
+
+
+# ---------------------------------------------------------------------------
+# Parametrization
+# ---------------------------------------------------------------------------
+
+
+def _no_spec(prim):
+    return pytest.param(prim.name, None, None, id=f"{prim.name}-NO-SPEC")
+
+
+def cases(*, dtypes=None, first_dtype_only=False, which=None, limit_jit=False,
+          needs_args=False):
+    """``(name, spec, sample)`` params for every primitive (a failing param for a
+    primitive without a spec). ``dtypes(spec)`` chooses the dtypes, ``which(spec)``
+    whether the spec takes part at all."""
+    out = []
+    for prim in PRIMS:
+        spec = SPECS.get(prim.name)
+        if spec is None:
+            out.append(_no_spec(prim))
+            continue
+        if which is not None and not which(spec):
+            continue
+        dts = dtypes(spec) if dtypes else spec.dtypes
+        if first_dtype_only:
+            dts = dts[:1]
+        for dt in dts:
+            samples = spec.all_samples(dt)
+            if limit_jit and spec.jit_samples is not None:
+                samples = samples[:spec.jit_samples]
+            for s in samples:
+                if needs_args and not s.args:
+                    continue
+                out.append(pytest.param(prim.name, spec, s, id=f"{prim.name}[{s.id}]"))
+    return out
+
+
+def require(name, spec):
+    if spec is None:
+        pytest.fail(f"primitive '{name}' has no PrimitiveSpec in tests/primitive_specs.py "
+                    "(see docs/adding_a_primitive.md)")
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def to_np(x) -> np.ndarray:
+    return x.asnumpy() if hasattr(x, "asnumpy") else np.asarray(x)
+
+
+def as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def eager(spec, args, params) -> list[np.ndarray]:
+    return [to_np(o) for o in rules.impl.lookup(spec.prim, transform="test")(*args, **params)]
+
+
+def tolerance(spec, dtype) -> dict:
+    if dtype == np.float32:
+        rtol, atol = spec.tol
+        return dict(rtol=rtol, atol=atol)
+    if dtype == np.float64:
+        return dict(rtol=1e-9, atol=1e-12)
+    return dict(rtol=0, atol=0)
+
+
+def assert_outputs_close(actual, expected, spec, what: str) -> None:
+    assert len(actual) == len(expected), f"{what}: {len(actual)} outputs, expected {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape, f"{what}: output {i} has shape {a.shape}, expected {e.shape}"
+        assert a.dtype.kind == e.dtype.kind, (
+            f"{what}: output {i} has dtype {a.dtype}, expected a {e.dtype} kind")
+        np.testing.assert_allclose(a, e, err_msg=f"{what}: output {i}",
+                                   **tolerance(spec, a.dtype))
+
+
+def vdot(a, b) -> float:
+    return float(np.sum(np.asarray(a, np.float64) * np.asarray(b, np.float64)))
+
+
+def is_float(a) -> bool:
+    return np.asarray(a).dtype.kind == "f"
+
+
+# ---------------------------------------------------------------------------
+# impl, type rule, lowering
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,spec,sample", cases())
+def test_impl_matches_reference(name, spec, sample):
+    require(name, spec)
+    actual = eager(spec, sample.args, sample.params)
+    expected = [np.asarray(e) for e in as_list(spec.reference(*sample.args, **sample.params))]
+    assert_outputs_close(actual, expected, spec, f"{name} impl vs NumPy")
+
+
+@pytest.mark.parametrize("name,spec,sample", cases())
+def test_type_rule_matches_impl(name, spec, sample):
+    require(name, spec)
+    outs = rules.impl.lookup(spec.prim, transform="test")(*sample.args, **sample.params)
+    predicted = out_types(spec.prim, sample.args, sample.params)
+    actual = [typeof(o) for o in outs]
+    assert [str(t) for t in predicted] == [str(t) for t in actual]
+    assert predicted == actual
+
+
+@pytest.mark.parametrize("name,spec,sample", cases(first_dtype_only=True, limit_jit=True))
+def test_jit_matches_eager(name, spec, sample):
+    require(name, spec)
+    params = sample.params
+    jitted = fs.jit(lambda *xs: spec.apply(*xs, **params))
+    actual = [to_np(o) for o in as_list(jitted(*sample.args))]
+    assert_outputs_close(actual, eager(spec, sample.args, params), spec, f"fs.jit({name})")
+
+
+# ---------------------------------------------------------------------------
+# Batching: every placement of the batch dim, unbatched operands included
+# ---------------------------------------------------------------------------
+
+
+def batch_dim_cases(ndims, rng) -> list[tuple]:
+    """``in_axes`` tuples: all of them when few, else a set in which every operand
+    takes every placement (None included) at least once."""
+    options = [[None] + list(range(nd + 1)) for nd in ndims]
+    every = [c for c in itertools.product(*options) if any(d is not None for d in c)]
+    if len(every) <= 16:
+        return every
+    chosen = {tuple(0 for _ in ndims)}
+    for k, opts in enumerate(options):
+        for o in opts:
+            c = [other[rng.integers(len(other))] for other in options]
+            c[k] = o
+            if all(d is None for d in c):
+                c[(k + 1) % len(c)] = 0
+            chosen.add(tuple(c))
+    return sorted(chosen, key=str)
+
+
+def example_variants(args, rng, size=BATCH) -> list[tuple]:
+    """``size`` valid operand tuples: the sample, then shuffles of it (floats also
+    rescaled). Shuffling keeps every value in its domain (positive, valid index)."""
+    out = [tuple(args)]
+    for b in range(1, size):
+        variant = []
+        for a in args:
+            v = rng.permutation(a.ravel()).reshape(a.shape)
+            if a.dtype.kind == "f":
+                v = v * (1.0 + 0.25 * b)
+            variant.append(np.asarray(v, a.dtype))
+        out.append(tuple(variant))
+    return out
+
+
+def loop_and_stack(spec, examples, params) -> list[np.ndarray]:
+    per_example = [eager(spec, ex, params) for ex in examples]
+    return [np.stack(outs) for outs in zip(*per_example)]
+
+
+def check_batching(spec, sample, run_batched, rng) -> None:
+    """Compare ``run_batched(batched_args, in_axes) -> outputs with the batch at
+    axis 0`` with applying the primitive to each example and stacking."""
+    variants = example_variants(sample.args, rng)
+    for dims in batch_dim_cases([np.ndim(a) for a in sample.args], rng):
+        examples = [tuple(v[k] if d is not None else sample.args[k]
+                          for k, d in enumerate(dims)) for v in variants]
+        batched = [np.stack([ex[k] for ex in examples], axis=d) if d is not None else a
+                   for k, (a, d) in enumerate(zip(sample.args, dims))]
+        expected = loop_and_stack(spec, examples, sample.params)
+        actual = run_batched(batched, dims)
+        assert_outputs_close(actual, expected, spec, f"{spec.name} batched with in_axes={dims}")
+
+
+def _rule_batched(spec, params):
+    rule = rules.batching.lookup(spec.prim, transform="test")
+
+    def run(batched, dims):
+        outs, out_dims = rule(list(batched), list(dims), **params)
+        result = []
+        for o, d in zip(outs, out_dims, strict=True):
+            o = to_np(o)
+            result.append(np.broadcast_to(o, (BATCH,) + o.shape) if d is None
+                          else np.moveaxis(o, d, 0))
+        return result
+
+    return run
+
+
+@pytest.mark.parametrize("name,spec,sample", cases(needs_args=True))
+def test_batching_rule_matches_loop(name, spec, sample):
+    require(name, spec)
+    rng = np.random.default_rng(0)
+    check_batching(spec, sample, _rule_batched(spec, sample.params), rng)
+
+
+# ---------------------------------------------------------------------------
+# JVP: central finite differences in float64
+# ---------------------------------------------------------------------------
+
+
+def tangent_subsets(spec, sample) -> list[tuple]:
+    """Which operands get a nonzero tangent: all differentiable ones, and each alone."""
+    diff = tuple(k for k in spec.diff_argnums if k < len(sample.args) and is_float(sample.args[k]))
+    if not diff:
+        return []
+    return [diff] + ([(k,) for k in diff] if len(diff) > 1 else [])
+
+
+def random_tangents(args, subset, rng) -> list:
+    return [rng.standard_normal(np.shape(a)).astype(np.asarray(a).dtype) if k in subset
+            else Zero(typeof(a)) for k, a in enumerate(args)]
+
+
+def numerical_jvp(spec, args, tangents, params) -> tuple[list, list]:
+    """Central differences of the primitive's impl along ``tangents``; also returns the
+    eps-dependent tolerance (float32 outputs need a larger step)."""
+    outs = eager(spec, args, params)
+    eps = 1e-6 if all(o.dtype != np.float32 for o in outs) else 1e-3
+
+    def shifted(sign):
+        return eager(spec, [a if isinstance(t, Zero) else a + sign * eps * t
+                            for a, t in zip(args, tangents)], params)
+
+    plus, minus = shifted(1.0), shifted(-1.0)
+    return [(p.astype(np.float64) - m.astype(np.float64)) / (2 * eps)
+            for p, m in zip(plus, minus)], eps
+
+
+def check_jvp(spec, sample, run_jvp, rng) -> None:
+    """``run_jvp(primals, tangents) -> (outs, tangents_out)``; a Zero tangent in
+    ``tangents`` marks an operand held fixed."""
+    for subset in tangent_subsets(spec, sample):
+        tangents = random_tangents(sample.args, subset, rng)
+        outs, t_outs = run_jvp(list(sample.args), tangents)
+        what = f"{spec.name} JVP with tangents on operands {subset}"
+        assert_outputs_close([to_np(o) for o in outs], eager(spec, sample.args, sample.params),
+                             spec, f"{what}: primal output")
+        expected, eps = numerical_jvp(spec, sample.args, tangents, sample.params)
+        for i, (t, e, o) in enumerate(zip(t_outs, expected, outs, strict=True)):
+            zero_expected = spec.zero_derivative or not is_float(to_np(o))
+            if isinstance(t, Zero):
+                assert zero_expected, f"{what}: output {i} has a symbolic Zero tangent"
+                continue
+            t = to_np(t)
+            assert t.shape == e.shape, f"{what}: tangent {i} has shape {t.shape}, not {e.shape}"
+            if zero_expected:
+                np.testing.assert_array_equal(t, np.zeros_like(t), err_msg=what)
+            else:
+                tol = 1e-6 if eps < 1e-5 else 1e-3
+                np.testing.assert_allclose(t, e, rtol=tol, atol=tol,
+                                           err_msg=f"{what}: tangent {i} vs finite differences")
+
+
+def _rule_jvp(spec, params):
+    rule = rules.jvp.lookup(spec.prim, transform="test")
+    return lambda primals, tangents: rule(primals, tangents, **params)
+
+
+@pytest.mark.parametrize("name,spec,sample",
+                         cases(dtypes=lambda s: (F64,), which=lambda s: bool(s.diff_argnums)))
+def test_jvp_rule_matches_finite_differences(name, spec, sample):
+    require(name, spec)
+    check_jvp(spec, sample, _rule_jvp(spec, sample.params), np.random.default_rng(0))
+
+
+# ---------------------------------------------------------------------------
+# Transpose: the dot-product test <ct, L t> == <L^T ct, t>
+# ---------------------------------------------------------------------------
+
+
+def check_transpose(spec, sample, group, run_transpose, rng) -> None:
+    """``run_transpose(cts, undefined_args) -> cts_in`` for the linear map
+    ``L(t) = prim(args with operands in group replaced by t)``."""
+    args = list(sample.args)
+    ts = {k: rng.standard_normal(np.shape(args[k])) for k in group}
+    lin_args = [ts[k] if k in group else a for k, a in enumerate(args)]
+    l_t = eager(spec, lin_args, sample.params)
+    cts = [rng.standard_normal(o.shape) for o in l_t]
+    undefined = [UndefinedPrimal(typeof(a)) if k in group else a for k, a in enumerate(args)]
+    cts_in = run_transpose(cts, undefined)
+    assert len(cts_in) == len(args), f"{spec.name} transpose returned {len(cts_in)} cotangents"
+    lhs = sum(vdot(c, o) for c, o in zip(cts, l_t))
+    rhs = 0.0
+    for k in group:
+        ct = cts_in[k]
+        assert ct is not None and not isinstance(ct, Zero), (
+            f"{spec.name} transpose gave no cotangent for linear operand {k}")
+        assert typeof(ct) == typeof(args[k]), (
+            f"{spec.name} transpose: cotangent {k} is {typeof(ct)}, operand is {typeof(args[k])}")
+        rhs += vdot(to_np(ct), ts[k])
+    np.testing.assert_allclose(lhs, rhs, rtol=1e-9, atol=1e-9,
+                               err_msg=f"{spec.name} transpose in operands {group}")
+
+
+def _rule_transpose(spec, params):
+    rule = rules.transpose.lookup(spec.prim, transform="test")
+
+    def run(cts, undefined):
+        ct = cts if spec.prim.multiple_results else cts[0]
+        return rule(ct, *undefined, **params)
+
+    return run
+
+
+def transpose_cases():
+    out = []
+    for prim in PRIMS:
+        spec = SPECS.get(prim.name)
+        if spec is None:
+            out.append(pytest.param(prim.name, None, None, None, id=f"{prim.name}-NO-SPEC"))
+            continue
+        for sample in spec.all_samples(F64) if spec.linear_groups else []:
+            outs = out_types(spec.prim, sample.args, sample.params)
+            for group in spec.groups(sample):
+                # L is linear only where the group's operands and the outputs are float.
+                if all(is_float(sample.args[k]) for k in group) and all(
+                        fs.dtypes.is_float(o.dtype) for o in outs):
+                    out.append(pytest.param(prim.name, spec, sample, group,
+                                            id=f"{prim.name}[{sample.id}]-linear_in={group}"))
+    return out
+
+
+@pytest.mark.parametrize("name,spec,sample,group", transpose_cases())
+def test_transpose_rule_dot_product(name, spec, sample, group):
+    require(name, spec)
+    check_transpose(spec, sample, group, _rule_transpose(spec, sample.params),
+                    np.random.default_rng(0))
+
+
+# ---------------------------------------------------------------------------
+# Completeness
+# ---------------------------------------------------------------------------
+
+REQUIRED_KINDS = [k for k in rules.TABLES if k not in KINDS_NOT_YET_REQUIRED]
+
+
+@pytest.mark.parametrize("prim", PRIMS, ids=lambda p: p.name)
+def test_every_primitive_has_a_spec(prim):
+    assert prim.name in SPECS, (
+        f"primitive '{prim.name}' ({rules.family_of(prim)}) has no PrimitiveSpec: add one to "
+        "tests/primitive_specs.py and a NumPy reference to tests/references.py "
+        "(see docs/adding_a_primitive.md)")
+
+
+def test_every_spec_names_a_registered_primitive():
+    registered = {p.name for p in PRIMS}
+    stale = sorted(set(SPECS) - registered)
+    assert not stale, f"specs for primitives that are not registered: {stale}"
+
+
+@pytest.mark.parametrize(
+    "prim,kind", [(p, k) for p in PRIMS for k in REQUIRED_KINDS],
+    ids=[f"{p.name}-{k}" for p in PRIMS for k in REQUIRED_KINDS])
+def test_every_rule_kind_is_present_or_unsupported(prim, kind):
+    status = rules.rule_status(prim)[kind]
+    assert status != "missing", (
+        f"primitive '{prim.name}' has no {kind} rule and none is recorded as unsupported. "
+        f"Register one in fshard/primitives/{rules.family_of(prim)}.py, or call "
+        f"rules.unsupported({prim.name}_p, '{kind}', reason=...).")
+
+
+@pytest.mark.parametrize("prim", PRIMS, ids=lambda p: p.name)
+def test_unsupported_rules_give_a_reason(prim):
+    for kind, status in rules.rule_status(prim).items():
+        if status.startswith("unsupported"):
+            assert len(status) > len("unsupported: ") + 3, f"{prim.name} {kind}: empty reason"
+
+
+@pytest.mark.parametrize("prim", PRIMS, ids=lambda p: p.name)
+def test_linear_groups_match_transpose_rules(prim):
+    spec = SPECS.get(prim.name)
+    require(prim.name, spec)
+    has_rule = prim in rules.transpose
+    assert bool(spec.linear_groups) == has_rule, (
+        f"{prim.name}: the spec's linear_groups={spec.linear_groups} but the registry "
+        f"{'has' if has_rule else 'has no'} transpose rule")
+
+
+def test_not_yet_required_kinds_are_rule_kinds():
+    assert KINDS_NOT_YET_REQUIRED <= set(rules.TABLES)

@@ -249,7 +249,7 @@ class EvalTrace(Trace):
     """The outermost trace: run each primitive's eager implementation now."""
 
     def process(self, prim, args, params):
-        from fshard.rules import impl  # late: rules imports core
+        from fshard.rules import abstract_eval, impl  # late: rules imports core
 
         for x in args:
             if isinstance(x, Tracer):
@@ -258,6 +258,9 @@ class EvalTrace(Trace):
                     "created it. It escaped through a global, a closure cell, or an "
                     "attribute set during tracing.\nFix: return the value from the "
                     "transformed function instead of storing it.")
+        # Type-check first, so a bad operand is an fshard error, never a MindSpore one.
+        abstract_eval.lookup(prim, transform="eager evaluation")(
+            *[typeof(x) for x in args], **params)
         return impl.lookup(prim, transform="eager evaluation")(*args, **params)
 
 

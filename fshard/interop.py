@@ -13,10 +13,11 @@ objects it found, also when the traced function raises.
 The entry points (MindSpore 2.10): the generated ``pyboost_*`` functions in the module
 globals of ``gen_ops_prim`` (and ``ops_def``), ``ops.primitive._run_op`` (legacy
 primitives such as ``BiasAdd``), ``_Pyboost*Prim.__call__`` (``pyboost_inner_prim``),
-the ``functional_overload`` instances behind ``mint``, the ``isinstance`` checks of
-``Shape``/``Rank``/``DType`` and of ``_check_is_tensor``, ``nn.Cell.__call__`` (a Cell
-called on a Tracer runs its ``construct`` directly), and the Tensor dunders that never
-fall back to a Tracer's reflected operator (``tensor + tracer``).
+the ``functional_overload`` instances behind ``mint``, ``nn.Cell.__call__`` (a Cell
+called on a Tracer runs its ``construct`` directly) and the Tensor operators that never
+fall back to a Tracer's reflected operator (``tensor + tracer``). MindSpore's Python
+argument checks (``isinstance(x, Tensor)`` in ``Shape``, ``DType``, ``_check_is_tensor``,
+``ops.flatten``, ...) see a module-global ``isinstance`` that accepts a Tracer.
 
 This module imports MindSpore; nothing else in fshard's tracing depends on it.
 """
@@ -46,8 +47,8 @@ Converter = Callable[..., object]
 #: MindSpore primitive name -> converter. A converter receives the MindSpore primitive
 #: object (for its attributes) and the arguments exactly as MindSpore's entry point got
 #: them, and returns fshard values (a tuple for multi-output primitives). Overloaded
-#: ``mint`` functions are keyed ``'functional.<name>'``; the ``isinstance``-checking
-#: primitives ``Shape``, ``Rank``, ``DType`` and ``typeof`` return Python values.
+#: ``mint`` functions are keyed ``'functional.<name>'`` and get the Python call's own
+#: arguments.
 CONVERTERS: dict[str, Converter] = {}
 
 
@@ -438,22 +439,7 @@ def _strided_slice(prim, x, begin, end, strides, begin_mask=0, end_mask=0, ellip
     return fo.getitem(x, idx)
 
 
-# -- isinstance-checking primitives: answer with static information ---------------
-
-
-@converts("Shape")
-def _shape(prim, x):
-    return tuple(typeof(x).shape)
-
-
-@converts("Rank")
-def _rank(prim, x):
-    return typeof(x).ndim
-
-
-@converts("DType")
-def _dtype_prim(prim, x):
-    return typeof(x).dtype
+# -- answered with static information -----------------------------------------
 
 
 @converts("typeof")
@@ -666,14 +652,18 @@ def _wrap_overload(orig):
     return overload
 
 
-def _wrap_check_is_tensor(orig):
-    def _check_is_tensor(*args, **kwargs):
-        if not _has_tracer(args):
-            return orig(*args, **kwargs)
-        return None
+_builtin_isinstance = isinstance
+_TENSOR_CLASSES: tuple = ()  # mindspore.Tensor and its C++ base, set up lazily
 
-    _check_is_tensor.__wrapped__ = orig
-    return _check_is_tensor
+
+def _isinstance(obj, cls):
+    """``isinstance`` for MindSpore's Python modules while tracing: a Tracer counts as a
+    Tensor, so argument checks (``_check_is_tensor``, ``Shape``, ``DType``, ...) accept it."""
+    if _builtin_isinstance(obj, Tracer):
+        if cls in _TENSOR_CLASSES or (type(cls) is tuple and any(
+                c in _TENSOR_CLASSES for c in cls)):
+            return True
+    return _builtin_isinstance(obj, cls)
 
 
 def _wrap_prim_call(orig):
@@ -755,6 +745,11 @@ class _AttrPatch:
 
 
 _dict_patches: list[_DictPatch] = []
+_isinstance_modules: list[dict] = []  # module globals that get an `isinstance` while tracing
+# MindSpore's Python-level ops, layers and argument checks (not its Tensor class, its
+# compiler or C++ bindings): there a Tracer must pass `isinstance(x, Tensor)`.
+_ISINSTANCE_SCOPE = ("mindspore.ops.", "mindspore.nn.layer.", "mindspore.nn.loss.",
+                     "mindspore.mint", "mindspore._checkparam")
 _attr_patches: list[_AttrPatch] = []
 _scanned_modules: set[str] = set()
 _n_modules_seen = -1
@@ -815,13 +810,13 @@ def _scan_module(modname: str, module) -> None:
         e = entry_points.get(id(v))
         if e is not None and e[0] is v:
             makers[k] = e[1]
-        elif k == "_check_is_tensor" and callable(v):  # a function or a constexpr op
-            makers[k] = _wrap_check_is_tensor
-    if makers:
-        used = _names_used_by(module)
-        makers = {k: m for k, m in makers.items() if k in used}
+    used = _names_used_by(module) if makers or modname.startswith(_ISINSTANCE_SCOPE) else ()
+    makers = {k: m for k, m in makers.items() if k in used}
     if makers:
         _dict_patches.append(_DictPatch(modname, d, makers))
+    if modname.startswith(_ISINSTANCE_SCOPE) and "isinstance" in used and (
+            "isinstance" not in d):
+        _isinstance_modules.append(d)
 
 
 def _setup() -> None:
@@ -842,16 +837,15 @@ def _setup() -> None:
 
 def _setup_classes() -> None:
     from mindspore import Tensor, nn
+    from mindspore._c_expression import TensorPy
     from mindspore.ops.auto_generate import pyboost_inner_prim
-    from mindspore.ops.operations import array_ops
-    from mindspore.ops.operations.manually_defined import ops_def
 
+    global _TENSOR_CLASSES
+    _TENSOR_CLASSES = (Tensor, TensorPy)
     patches = []
     for name, cls in sorted(vars(pyboost_inner_prim).items()):
         if isinstance(cls, type) and name.startswith("_Pyboost") and "__call__" in vars(cls):
             patches.append(_AttrPatch(cls, "__call__", _wrap_prim_call))
-    for cls in (ops_def.Shape, ops_def.Rank, array_ops.DType):
-        patches.append(_AttrPatch(cls, "__call__", _wrap_prim_call))
     patches.append(_AttrPatch(nn.Cell, "__call__", _wrap_cell_call))
     for name, fn in _TENSOR_OPERATORS.items():
         patches.append(_AttrPatch(
@@ -880,6 +874,10 @@ def _install() -> None:
                 a = _attr_patches[i] = _AttrPatch(a.cls, a.name, a.maker)
             setattr(a.cls, a.name, a.new)
             done.append(a)
+        for d in _isinstance_modules:
+            if "isinstance" not in d:  # a module defining its own `isinstance` keeps it
+                d["isinstance"] = _isinstance
+                done.append(d)
     except BaseException:
         _uninstall(done)
         raise
@@ -888,7 +886,9 @@ def _install() -> None:
 
 def _uninstall(done: list) -> None:
     for p in reversed(done):
-        if isinstance(p, _DictPatch):
+        if type(p) is dict:
+            del p["isinstance"]
+        elif isinstance(p, _DictPatch):
             p.d.update(p.old)
         elif p.original is _MISSING:
             delattr(p.cls, p.name)
@@ -952,8 +952,8 @@ def tracing():
 
 def patched_objects() -> list[tuple[object, str, object]]:
     """``(namespace, name, original)`` for every object ``tracing()`` swaps: a module's
-    globals dict or a class, the name in it, and the object found there (``None``
-    for a class attribute that is inherited, i.e. absent from the class's own dict).
+    globals dict or a class, the name in it, and the object found there (``None`` when
+    the name is absent: an inherited class attribute, or a module's ``isinstance``).
 
     >>> len(patched_objects()) > 600
     True
@@ -964,6 +964,7 @@ def patched_objects() -> list[tuple[object, str, object]]:
         out.extend((p.d, k, v) for k, v in p.old.items())
     for a in _attr_patches:
         out.append((a.cls, a.name, None if a.original is _MISSING else a.original))
+    out.extend((d, "isinstance", None) for d in _isinstance_modules)
     return out
 
 
@@ -1009,8 +1010,9 @@ SUPPORTED_TENSOR_METHODS: tuple[str, ...] = (
     "sum", "mean", "max", "min", "argmax", "reshape", "view", "transpose", "permute",
     "swapaxes", "expand_dims", "unsqueeze", "squeeze", "flatten", "astype", "to", "float",
     "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "rsqrt", "abs", "square", "matmul",
-    "broadcast_to", "softmax", "log_softmax", "add", "sub", "mul", "div", "maximum",
-    "minimum", "pow", "T", "shape", "dtype", "ndim", "size", "dim",
+    "broadcast_to", "expand_as", "softmax", "add", "sub", "mul", "div", "maximum",
+    "minimum", "pow", "neg", "masked_fill", "half", "int", "long", "bool", "numel", "T",
+    "mT", "shape", "dtype", "ndim", "size", "dim",
 )
 
 #: nn Cells whose construct traces (user Cells built from these trace too).

@@ -35,6 +35,7 @@ __all__ = [
     "shard_slices",
     "block_owners",
     "replica_groups",
+    "einsum_layouts",
     "REPEAT_AXIS",
 ]
 
@@ -478,6 +479,62 @@ def check_shape(
     return layout
 
 
+def einsum_layouts(
+    subscripts: str, strategies: Sequence[Sequence[int]], n_devices: int
+) -> tuple[Layout, ...]:
+    """Layout views of an operator's operands and result on its shared device matrix.
+
+    MindSpore builds one device matrix per operator from its input strategies: one
+    axis per iteration index, in order of first appearance (``MatMul`` "ij,jk->ik"
+    gives ``[i, j, k]``), plus the repeated-calculation axis last. Every operand is a
+    view of that matrix, so operands that do not use an index are replicated over it.
+
+    >>> x, w, out = einsum_layouts("ij,jk->ik", ((2, 1), (1, 4)), 8)
+    >>> x.to_dict()["device_matrix"], x.tensor_map, w.tensor_map, out.tensor_map
+    ((2, 1, 4), (2, 1), (1, 0), (2, 0))
+    >>> replica_groups(w)                 # W0 on ranks 0 and 4, W1 on 1 and 5, ...
+    [(0, 4), (1, 5), (2, 6), (3, 7)]
+
+    Returns:
+        One view per operand, then one for the result (if ``->`` is given).
+
+    Raises:
+        ShardingError: when an index gets different split counts in two operands, or
+            a strategy does not match its operand's subscripts.
+    """
+    if not isinstance(subscripts, str) or subscripts.count("->") > 1:
+        raise ShardingError(f"subscripts must be an einsum string like 'ij,jk->ik'; "
+                            f"got {subscripts!r}.")
+    lhs, _, out = subscripts.replace(" ", "").partition("->")
+    operands = lhs.split(",")
+    if len(operands) != len(strategies):
+        raise ShardingError(
+            f"{subscripts!r} has {len(operands)} operands but {len(strategies)} strategies "
+            f"were given: {tuple(strategies)!r}. Fix: give one strategy per operand."
+        )
+    counts: dict[str, int] = {}
+    for k, (sub, strat) in enumerate(zip(operands, strategies, strict=True)):
+        strat = check_strategy(strat, n_devices, ndim=len(sub), name=f"strategies[{k}]")
+        for letter, c in zip(sub, strat, strict=True):
+            if counts.setdefault(letter, c) != c:
+                raise ShardingError(
+                    f"index {letter!r} of {subscripts!r} is split {counts[letter]} ways in one "
+                    f"operand and {c} ways in strategies[{k}] = {strat!r}. An index shared by "
+                    f"operands must have the same split count everywhere."
+                )
+    letters = tuple(counts)
+    check_strategy(tuple(counts.values()), n_devices, name=f"the device matrix of {subscripts!r}")
+    dm, names = tuple(counts.values()), letters
+    repeat = n_devices // math.prod(dm)
+    if repeat > 1 or not dm:
+        dm, names = dm + (repeat,), names + (REPEAT_AXIS,)
+    base = Layout(dm, names)
+    views = [base(*sub) for sub in operands]
+    if out or "->" in subscripts:
+        views.append(base(*out))
+    return tuple(views)
+
+
 # ---------------------------------------------------------------------------
 # Which rank holds which block
 # ---------------------------------------------------------------------------
@@ -516,12 +573,19 @@ def shard_slices(
 ) -> tuple[tuple[int, int], ...]:
     """The ``(start, stop)`` per dim of the block of a ``shape`` tensor held by ``rank``.
 
-    MindSpore's documented example: ``((2, 1), (1, 4))`` on 8 devices (a MatMul):
+    A strategy alone uses the tensor's own device matrix, with repeated calculation
+    on the last axis; ``(2,)`` on 4 devices puts rows 0:2 on ranks 0 and 1:
 
-    >>> [shard_slices((4, 8), (2, 1), r, 8) for r in (0, 3, 4)]
-    [((0, 2), (0, 8)), ((0, 2), (0, 8)), ((2, 4), (0, 8))]
-    >>> [shard_slices((8, 8), (1, 4), r, 8) for r in (0, 1, 4)]
-    [((0, 8), (0, 2)), ((0, 8), (0, 2)), ((0, 8), (0, 2))]
+    >>> [shard_slices((4,), (2,), r, 4) for r in range(4)]
+    [((0, 2),), ((0, 2),), ((2, 4),), ((2, 4),)]
+
+    Operands of one operator share the operator's device matrix instead (see
+    ``einsum_layouts``): MindSpore's ``MatMul.shard(((2, 1), (1, 4)))`` on 8 devices
+    gives W's column block 0 to ranks 0 and 4:
+
+    >>> x, w, out = einsum_layouts("ij,jk->ik", ((2, 1), (1, 4)), 8)
+    >>> [shard_slices((8, 8), w, r) for r in (0, 1, 4)]
+    [((0, 8), (0, 2)), ((0, 8), (2, 4)), ((0, 8), (0, 2))]
 
     See also: ``block_owners``, ``replica_groups``.
     """

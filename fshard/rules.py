@@ -80,11 +80,14 @@ class RuleTable(Generic[R]):
         if rule is None:
             reason = self._unsupported.get(prim)
             why = f" ({reason})" if reason else ""
+            family = family_of(prim)
+            where = (f"fshard/primitives/{family}.py" if family != "?" else
+                     "the module that declares it")
             raise MissingRuleError(
                 f"{transform} needs the {self.what} of primitive '{prim}', which has "
-                f"none{why}.\nFix: register one in fshard/primitives/{family_of(prim)}.py "
-                "(see docs/adding_a_primitive.md), or avoid this primitive under "
-                f"{transform}.")
+                f"none{why}.\nFix: register one with fshard.rules.{self.kind}.register"
+                f"({prim}) in {where} (see docs/adding_a_primitive.md), or avoid this "
+                f"primitive under {transform}.")
         return rule
 
 

@@ -6,6 +6,8 @@ MindSpore Tensors (``x @ w + b``, ``x.sum(axis=1)``, ``x.reshape(...)``) traces.
 
 from __future__ import annotations
 
+import numpy as np
+
 from fshard import dtypes, ops
 from fshard.core import Tracer
 
@@ -36,6 +38,80 @@ def _view(self, *shape):
     return _reshape(self, *shape)
 
 
+# MindSpore 2.10 resolves several Tensor methods between a PyTorch-style and a
+# NumPy-style overload; the helpers below follow its choices (checked against MindSpore
+# in tests/test_interop.py): a positional int `dim` to max/min returns (values, indices),
+# `transpose(a, b)` swaps two axes, and a dtype may come second in `sum`.
+
+
+def _reduce_args(axis, rest, kw):
+    """(axis, keepdims, dtype) from MindSpore's ``sum``/``mean`` overloads."""
+    axis = kw.pop("dim", axis)
+    keepdims = kw.pop("keepdim", kw.pop("keepdims", kw.pop("keep_dims", False)))
+    dtype = kw.pop("dtype", None)
+    for r in rest:
+        if isinstance(r, bool):
+            keepdims = r
+        else:
+            dtype = r
+    if kw:
+        raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
+    if isinstance(axis, (tuple, list)) and not axis:
+        axis = None
+    return axis, keepdims, dtype
+
+
+def _sum(self, axis=None, *rest, **kw):
+    axis, keepdims, dtype = _reduce_args(axis, rest, kw)
+    return ops.reduce_sum(self if dtype is None else ops.cast(self, dtype), axis, keepdims)
+
+
+def _mean(self, axis=None, *rest, **kw):
+    axis, keepdims, dtype = _reduce_args(axis, rest, kw)
+    return ops.mean(self if dtype is None else ops.cast(self, dtype), axis, keepdims)
+
+
+def _index64(x):
+    return ops.cast(x, dtypes.int64)  # MindSpore's index dtype
+
+
+def _extremum(reduce, arg):
+    def method(self, dim=None, keepdim=False, *, axis=None, keepdims=None):
+        if dim is not None:  # max(dim[, keepdim]) -> (values, indices)
+            return reduce(self, dim, keepdim), _index64(arg(self, dim, keepdim))
+        return reduce(self, axis, keepdim if keepdims is None else keepdims)
+
+    return method
+
+
+def _argmax(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+    axis = dim if dim is not None else axis
+    keepdims = keepdim if keepdim is not None else keepdims
+    if axis is None:
+        out = ops.argmax(ops.reshape(self, (-1,)), 0)
+        return _index64(ops.reshape(out, (1,) * self.ndim) if keepdims else out)
+    return _index64(ops.argmax(self, axis, keepdims))
+
+
+def _torch_transpose(self, *axes):
+    if len(axes) == 2 and all(isinstance(a, int) for a in axes):
+        return ops.swapaxes(self, *axes)
+    return _transpose(self, *axes)
+
+
+def _flatten(self, start_dim=0, end_dim=-1):
+    nd = max(self.ndim, 1)
+    start, end = start_dim % nd, end_dim % nd
+    shape = tuple(self.shape)
+    return ops.reshape(self, shape[:start] + (-1,) + shape[end + 1:])
+
+
+def _squeeze(self, *axis):
+    if len(axis) == 1:
+        axis = axis[0]
+    return ops.squeeze(self, axis if axis != () else None)
+
+
 METHODS = {
     "__add__": ops.add, "__radd__": _r(ops.add),
     "__sub__": ops.sub, "__rsub__": _r(ops.sub),
@@ -48,30 +124,38 @@ METHODS = {
     "__gt__": ops.greater, "__ge__": ops.greater_equal,
     "__eq__": ops.equal, "__ne__": ops.not_equal,
     "__getitem__": _getitem,
-    "sum": lambda self, axis=None, keepdims=False, dtype=None: ops.reduce_sum(
-        self if dtype is None else ops.cast(self, dtype), axis, keepdims),
-    "mean": lambda self, axis=None, keep_dims=False: ops.mean(self, axis, keep_dims),
-    "max": lambda self, axis=None, keepdims=False: ops.reduce_max(self, axis, keepdims),
-    "min": lambda self, axis=None, keepdims=False: ops.reduce_min(self, axis, keepdims),
-    "argmax": lambda self, axis=None, keepdims=False: ops.argmax(
-        ops.reshape(self, (-1,)) if axis is None else self, -1 if axis is None else axis,
-        keepdims),
+    "sum": _sum, "mean": _mean,
+    "max": _extremum(ops.reduce_max, ops.argmax),
+    "min": _extremum(ops.reduce_min, ops.argmin),
+    "argmax": _argmax,
     "reshape": _reshape, "view": _view,
-    "transpose": _transpose, "permute": _transpose,
+    "transpose": _torch_transpose, "permute": _transpose,
     "swapaxes": ops.swapaxes,
     "expand_dims": ops.expand_dims, "unsqueeze": ops.expand_dims,
-    "squeeze": lambda self, axis=None: ops.squeeze(self, axis),
-    "flatten": lambda self, start_dim=0: ops.flatten(self, start_dim),
-    "astype": ops.cast, "to": ops.cast,
+    "squeeze": _squeeze,
+    "flatten": _flatten,
+    "astype": lambda self, dtype, copy=True: ops.cast(self, dtype), "to": ops.cast,
     "float": lambda self: ops.cast(self, dtypes.float32),
+    "half": lambda self: ops.cast(self, dtypes.canonical(np.float16)),
+    "int": lambda self: ops.cast(self, dtypes.int32),
+    "long": lambda self: ops.cast(self, dtypes.int64),
+    "bool": lambda self: ops.cast(self, dtypes.bool_),
+    "masked_fill": lambda self, mask, value: ops.where(mask, ops.cast(value, self.dtype), self),
+    "numel": lambda self: self.size,
+    "neg": ops.neg,
     "exp": ops.exp, "log": ops.log, "tanh": ops.tanh, "sigmoid": ops.sigmoid,
     "relu": ops.relu, "sqrt": ops.sqrt, "rsqrt": ops.rsqrt, "abs": ops.abs,
     "square": ops.square, "sign": ops.sign, "sin": ops.sin, "cos": ops.cos,
     "matmul": ops.matmul,
     "broadcast_to": ops.broadcast_to, "expand_as": lambda self, o: ops.broadcast_to(self, o.shape),
-    "softmax": lambda self, axis=-1: ops.softmax(self, axis),
+    "softmax": lambda self, axis=-1, dtype=None: ops.softmax(
+        self if dtype is None else ops.cast(self, dtype), axis),
     "log_softmax": lambda self, axis=-1: ops.log_softmax(self, axis),
-    "add": ops.add, "sub": ops.sub, "mul": ops.mul, "div": ops.div,
+    "add": lambda self, other, *, alpha=1: ops.add(self, other if alpha == 1 else ops.mul(
+        other, alpha)),
+    "sub": lambda self, other, *, alpha=1: ops.sub(self, other if alpha == 1 else ops.mul(
+        other, alpha)),
+    "mul": ops.mul, "div": ops.div,
     "maximum": ops.maximum, "minimum": ops.minimum, "pow": ops.pow,
 }
 

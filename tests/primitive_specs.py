@@ -355,8 +355,8 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(R.argmax_p, _arg, (F32,), zero_derivative=True),
         PrimitiveSpec(R.argmin_p, _arg, (F32,), zero_derivative=True),
         PrimitiveSpec(N.bias_add_p, _bias_add, (F32,), (0, 1), ((0, 1),)),
-        PrimitiveSpec(N.softmax_p, _softmax),
-        PrimitiveSpec(N.log_softmax_p, _softmax),
+        PrimitiveSpec(N.softmax_p, _softmax, tol=(1e-5, 1e-5)),
+        PrimitiveSpec(N.log_softmax_p, _softmax, tol=(1e-5, 1e-5)),
     ]
     return out
 

@@ -179,6 +179,8 @@ class Propagated:
     choice: list             # per equation: (spec, candidate)
     in_shardings: list       # per program input
     out_shardings: list      # requested output shardings
+    given_inputs: list = None  # the annotations propagation started from
+    level: int = 0
 
 
 def _spec(eq):
@@ -260,7 +262,7 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
         if choice[i] is None:
             decide(i)
     ins = [known.get(v, Sharding.replicated(v.aval.ndim)) for v in program.inputs]
-    return Propagated(program, mesh, known, choice, ins, out_shardings)
+    return Propagated(program, mesh, known, choice, ins, out_shardings, list(in_shardings), level)
 
 
 # ---------------------------------------------------------------------------

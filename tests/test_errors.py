@@ -1,0 +1,145 @@
+"""Golden messages of fshard's errors, and docs/errors.md documents every class."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fshard as fs
+from fshard import errors
+from fshard import ops as F
+from fshard.core import Primitive
+from fshard.rules import abstract_eval, impl
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+x = np.ones((4, 3), np.float32)
+
+
+def _message(fn, cls):
+    with pytest.raises(cls) as info:
+        fn()
+    return str(info.value)
+
+
+def test_every_error_class_is_documented():
+    text = DOCS.read_text()
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
+               if issubclass(c, errors.FshardError)]
+    for cls in classes:
+        assert f"## {cls.__name__}" in text, f"docs/errors.md has no section for {cls.__name__}"
+        assert cls.__doc__, f"{cls.__name__} has no docstring"
+
+
+def test_error_classes_subclass_the_expected_builtins():
+    assert issubclass(fs.TracerConversionError, TypeError)
+    assert issubclass(fs.ShapeError, ValueError)
+    assert issubclass(fs.BatchingError, ValueError)
+    assert issubclass(fs.ShardingError, ValueError)
+    assert issubclass(fs.MissingRuleError, NotImplementedError)
+    assert issubclass(fs.UnsupportedOpError, NotImplementedError)
+
+
+def test_tracer_conversion_error():
+    msg = _message(lambda: fs.jit(lambda x: x if x.sum() > 0 else -x)(x),
+                   fs.TracerConversionError)
+    assert msg == (
+        "bool() (an `if`, `while`, `and`/`or` or `assert`) was called on a traced value of "
+        "type bool[]. Inside fshard transforms (jit, vmap, grad, shard) values are abstract: "
+        "their contents are not known while the function is traced, so Python control flow "
+        "cannot depend on them.\nFix: express the choice as data with fs.ops.where(cond, x, "
+        "y) (or fs.ops.maximum/minimum), or pass the value as a static argument "
+        "(fs.jit(f, static_argnums=...)) so it is concrete.\n"
+        "See docs/errors.md#tracerconversionerror")
+
+
+@pytest.mark.parametrize("call", ["float", "int", "item", "asnumpy"])
+def test_concrete_conversions_are_refused(call):
+    fns = {"float": float, "int": int, "item": lambda t: t.item(),
+           "asnumpy": lambda t: t.asnumpy()}
+    with pytest.raises(fs.TracerConversionError, match="traced value of type f32"):
+        fs.make_ir(lambda v: fns[call](v.sum()))(x)
+
+
+def test_shape_error():
+    msg = _message(lambda: F.add(np.ones((3, 2), np.float32), np.ones((4, 2), np.float32)),
+                   fs.ShapeError)
+    assert msg == (
+        "shapes (3, 2) and (4, 2) cannot be broadcast together (dimension 0 from the "
+        "right-aligned end: 3 vs 4).\nFix: reshape or expand_dims one operand so each "
+        "dimension is equal or 1.\nSee docs/errors.md#shapeerror")
+
+
+def test_program_type_error_in_eager_mode_is_ours_not_mindsporess():
+    msg = _message(lambda: F.select(x, x, x), fs.ProgramTypeError)
+    assert msg == ("select needs a bool condition, got f32[4,3]\n"
+                   "See docs/errors.md#programtypeerror")
+
+
+def test_argument_error_symbol():
+    assert _message(lambda: fs.Symbol(divisor=0), fs.ArgumentError) == (
+        "Symbol(divisor=...) must be >= 1, got 0.\nSee docs/errors.md#argumenterror")
+    assert "remainder" in _message(lambda: fs.Symbol(divisor=4, remainder=4), fs.ArgumentError)
+    assert "min" in _message(lambda: fs.Symbol(min=0), fs.ArgumentError)
+
+
+def test_batching_error_names_key_paths():
+    msg = _message(lambda: fs.vmap(lambda a, b: a + b)(np.ones((3, 2), np.float32),
+                                                       np.ones((4, 2), np.float32)),
+                   fs.BatchingError)
+    assert msg == (
+        "vmap(<lambda>) got inconsistent sizes for the mapped axis:\n"
+        "  args[0]: axis size 3\n  args[1]: axis size 4\n"
+        "Fix: every mapped argument must have the same size along its in_axes; use "
+        "in_axes=None for arguments that are not batched.\nSee docs/errors.md#batchingerror")
+
+
+def test_differentiation_error_non_scalar():
+    msg = _message(lambda: fs.grad(lambda v: v * 2.0)(x), fs.DifferentiationError)
+    assert msg.startswith("grad(<lambda>) needs a function that returns a scalar float, but "
+                          "it returned f32[4,3].")
+
+
+def test_differentiation_error_integer_input():
+    msg = _message(lambda: fs.grad(lambda v: v.sum())(np.ones(3, np.int32)),
+                   fs.DifferentiationError)
+    assert "args[0] has dtype Int32, but only floating-point inputs" in msg
+
+
+def test_missing_rule_error():
+    toy = Primitive("toy_identity")
+    abstract_eval.set(toy, lambda a: [a])
+    impl.set(toy, lambda v: [v])
+    msg = _message(lambda: fs.vmap(lambda v: toy.bind(v))(x), fs.MissingRuleError)
+    assert msg.startswith("vmap needs the batching rule of primitive 'toy_identity', which "
+                          "has none.\nFix: register one with fshard.rules.batching.register"
+                          "(toy_identity)")
+
+
+def test_tracer_leak_error():
+    leaked = []
+    fs.jit(lambda v: leaked.append(v) or v)(x)
+    msg = _message(lambda: F.exp(leaked[0]), fs.TracerLeakError)
+    assert re.match(r"a traced value Traced<f32\[4,3\]> reached 'exp' outside the transform",
+                    msg)
+
+
+def test_sharding_error():
+    msg = _message(lambda: fs.shard(lambda v: v, in_strategy=((3, 1),), mesh=8)(x),
+                   fs.ShardingError)
+    assert msg == (
+        "shard(<lambda>): in_strategy[0] = (3, 1) splits over 3 devices, which does not "
+        "divide the 8 devices of the mesh.\nFix: use split counts whose product divides 8; "
+        "the remaining devices then hold replicas.\nSee docs/errors.md#shardingerror")
+
+
+def test_composition_error():
+    msg = _message(lambda: fs.vmap(fs.shard(lambda v: v, in_strategy=((1,),), mesh=2))(x),
+                   fs.CompositionError)
+    assert msg == (
+        "shard(<lambda>) is applied inside vmap, which fshard does not allow: shard must sit "
+        "outside vmap.\nAllowed form: fs.shard(fs.vmap(f), in_strategy=...). Refused: "
+        "fs.vmap(fs.shard(f, ...)).\nSee docs/errors.md#compositionerror")

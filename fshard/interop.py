@@ -1009,7 +1009,7 @@ SUPPORTED_TENSOR_METHODS: tuple[str, ...] = (
     "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__iadd__",
     "sum", "mean", "max", "min", "argmax", "reshape", "view", "transpose", "permute",
     "swapaxes", "expand_dims", "unsqueeze", "squeeze", "flatten", "astype", "to", "float",
-    "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "rsqrt", "abs", "square", "matmul",
+    "exp", "log", "tanh", "sigmoid", "sqrt", "rsqrt", "abs", "square", "matmul",
     "broadcast_to", "expand_as", "softmax", "add", "sub", "mul", "div", "maximum",
     "minimum", "pow", "neg", "masked_fill", "half", "int", "long", "bool", "numel", "T",
     "mT", "shape", "dtype", "ndim", "size", "dim",

@@ -41,8 +41,9 @@ _MS_LOG_LINE = re.compile(r"^\[(?:DEBUG|INFO|WARNING)\] [A-Z_]+\(\d+[,:]")
 
 # Loads this file as a standalone module in a fresh interpreter and calls one entry.
 _BOOT = (
-    "import importlib.util as u; s = u.spec_from_file_location('_fshard_launch', {path!r}); "
-    "m = u.module_from_spec(s); s.loader.exec_module(m); m.{entry}()"
+    "import importlib.util as u, sys; s = u.spec_from_file_location('_fshard_launch', {path!r}); "
+    "m = sys.modules['_fshard_launch'] = u.module_from_spec(s); s.loader.exec_module(m); "
+    "m.{entry}()"
 )
 
 EXIT_TIMEOUT = 124
@@ -194,6 +195,7 @@ class _Worker:
         self.log_path = log_path
         self.lines: list[str] = []
         self.done = False
+        self.eof = False
         self.reader: threading.Thread | None = None
 
 
@@ -361,11 +363,16 @@ def run(
         released = False
         deadline = start + timeout
         while True:
-            pending = [w.status_r for w in workers if not w.done]
-            ready = select.select(pending, [], [], 0.05)[0] if pending else time.sleep(0.05)
+            pending = [w.status_r for w in workers if not (w.done or w.eof)]
+            ready = select.select(pending, [], [], 0.05)[0] if pending else []
+            if not pending:
+                time.sleep(0.05)
             for w in workers:
-                if ready and w.status_r in ready and os.read(w.status_r, 16):
-                    w.done = True
+                if w.status_r in ready:
+                    if os.read(w.status_r, 16):
+                        w.done = True
+                    else:  # the worker exited without reporting; poll() tells how
+                        w.eof = True
             codes = [w.proc.poll() for w in workers]
             failed = [w.rank for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
             if failed:

@@ -25,7 +25,7 @@ os.environ.setdefault("GLOG_v", "3")  # MindSpore: errors only, keep the tables 
 
 from benchmarks import harness, jax_env  # noqa: E402
 
-MODULES = ["foundation"]
+MODULES = ["foundation", "vmap_grad"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "latest.json")
 
@@ -69,6 +69,7 @@ def main(argv=None) -> int:
         else:
             print(f"  done in {time.perf_counter() - t0:.1f} s", flush=True)
 
+    load_before = os.getloadavg()
     ctx = harness.Context(quick=args.quick, jax_results=jax_results)
     results: dict = {}
     for b in selected:
@@ -86,8 +87,13 @@ def main(argv=None) -> int:
         with open(args.output) as fh:
             previous = json.load(fh).get("benchmarks", {})
         results = {**previous, **results}
+    # other work on a shared machine shows in the load average: keep it with the numbers
     meta = dict(harness.machine(), jax=jax_version or jax_env.version(), quick=args.quick,
-                argv=sys.argv[1:] if argv is None else list(argv))
+                argv=sys.argv[1:] if argv is None else list(argv),
+                loadavg_before=[round(x, 2) for x in load_before],
+                loadavg_after=[round(x, 2) for x in os.getloadavg()])
+    print(f"load average (1/5/15 min): before {meta['loadavg_before']}, "
+          f"after {meta['loadavg_after']}")
     harness.write_json(args.output, results, meta)
     print(f"\nwrote {os.path.relpath(args.output)}")
     return 0

@@ -117,6 +117,52 @@ def trace_100(quick):
     return out
 
 
+def _mlp_data(rng, batch=128):
+    """The data of ``benchmarks/vmap_grad.py``: params, inputs, integer labels."""
+    params = [(jnp.asarray(w), jnp.asarray(b)) for w, b in mlp_params(rng, [784, 512, 512, 10])]
+    x = jnp.asarray(rng.standard_normal((batch, 784), dtype=np.float32))
+    y = jnp.asarray(rng.integers(0, 10, batch).astype(np.int32))
+    return params, x, y
+
+
+def _xent(logits, y):
+    logp = jax.nn.log_softmax(logits, -1)
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
+
+
+def _sync(out):
+    for t in jax.tree_util.tree_leaves(out):
+        np.asarray(t)
+
+
+@baseline
+def per_example_grads(quick):
+    """jit(vmap(grad(loss))) of the MLP, batch 128 (benchmarks/vmap_grad.py)."""
+    params, x, y = _mlp_data(np.random.default_rng(0))
+
+    def example_loss(p, x, y):
+        return _xent(mlp(p, x[None]), y[None])
+
+    f = jax.jit(jax.vmap(jax.grad(example_loss), in_axes=(None, 0, 0)))
+    _sync(f(params, x, y))
+    return {"jax.jit(jax.vmap(jax.grad(loss)))": timing.measure(
+        lambda: _sync(f(params, x, y)), runs=_runs(quick, 30, 3), warmup=2)}
+
+
+@baseline
+def train_step(quick):
+    """jit(value_and_grad(loss)) of the MLP, batch 128 (benchmarks/vmap_grad.py)."""
+    params, x, y = _mlp_data(np.random.default_rng(0))
+
+    def loss(p, x, y):
+        return _xent(mlp(p, x), y)
+
+    f = jax.jit(jax.value_and_grad(loss))
+    _sync(f(params, x, y))
+    return {"jax.jit(jax.value_and_grad(loss))": timing.measure(
+        lambda: _sync(f(params, x, y)), runs=_runs(quick, 400, 30), warmup=10)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--only", default=",".join(BASELINES))

@@ -8,6 +8,7 @@ MindSpore GRAPH-mode program.
 >>> import fshard as fs
 """
 
+from fshard import distributed as distributed
 from fshard import dtypes as dtypes
 from fshard import errors as errors
 from fshard import ops as ops
@@ -35,11 +36,26 @@ from fshard.errors import (  # noqa: F401
     UnsupportedOpError as UnsupportedOpError,
 )
 from fshard.ir import verify as verify
+from fshard.layout import Layout as Layout
+from fshard.mesh import Mesh as Mesh
+from fshard.primitives.collectives import (  # noqa: F401
+    all_gather as all_gather,
+    all_to_all as all_to_all,
+    axis_index as axis_index,
+    broadcast as broadcast,
+    pmax as pmax,
+    pmean as pmean,
+    pmin as pmin,
+    ppermute as ppermute,
+    psum as psum,
+    psum_scatter as psum_scatter,
+)
 from fshard.primitives.control import custom_jvp as custom_jvp
 from fshard.primitives.control import custom_vjp as custom_vjp
 from fshard.primitives.structural import stop_gradient as stop_gradient
 from fshard.staging import make_ir as make_ir
 from fshard.transforms.jit import jit as jit
+from fshard.visualize import visualize_sharding as visualize_sharding
 from fshard.transforms.ad import grad as grad
 from fshard.transforms.ad import hessian as hessian
 from fshard.transforms.ad import jacfwd as jacfwd
@@ -48,6 +64,7 @@ from fshard.transforms.ad import jvp as jvp
 from fshard.transforms.ad import value_and_grad as value_and_grad
 from fshard.transforms.ad import vjp as vjp
 from fshard.transforms.shard import shard as shard
+from fshard.transforms.shard_map import shard_map as shard_map
 from fshard.transforms.vmap import vmap as vmap
 
 __version__ = "0.1.0"

@@ -64,9 +64,9 @@ def init() -> None:
         return
     if not in_launcher():
         raise DistributedError(
-            "fs.distributed.init() was called in a process that no launcher started (none of "
-            "MS_ROLE, MS_SCHED_HOST/MS_SCHED_PORT, RANK_TABLE_FILE is set), so there is no "
-            "job to join. Fix: start the script with `python -m fshard.launch -n 2 "
+            "fs.distributed.init() was called in a process that no launcher started "
+            "(MS_ROLE and RANK_TABLE_FILE are unset), so there is no job to join. "
+            "Fix: start the script with `python -m fshard.launch -n 2 "
             "script.py` (or msrun); to run in one process, skip init() and use a virtual "
             "mesh: fs.Mesh((8,), ('d',)) or FSHARD_DEVICES=8."
         )

@@ -84,5 +84,13 @@ def is_int(dtype) -> bool:
 
 
 def result_type(*dtypes) -> mstype.Type:
-    """NumPy's promotion restricted to fshard's dtypes (int + float -> the float)."""
+    """MindSpore's promotion of tensor dtypes: NumPy's within a kind, and bool/int with
+    float gives the float (int32 + float32 -> float32, where NumPy says float64).
+
+    >>> result_type(int32, float32), result_type(int32, int64)
+    (mindspore.float32, mindspore.int64)
+    """
+    floats = [d for d in dtypes if is_float(d)]
+    if floats:
+        dtypes = floats
     return from_numpy(np.result_type(*[to_numpy(d) for d in dtypes]))

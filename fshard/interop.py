@@ -14,8 +14,9 @@ The entry points (MindSpore 2.10): the generated ``pyboost_*`` functions in the 
 globals of ``gen_ops_prim`` (and ``ops_def``), ``ops.primitive._run_op`` (legacy
 primitives such as ``BiasAdd``), ``_Pyboost*Prim.__call__`` (``pyboost_inner_prim``),
 the ``functional_overload`` instances behind ``mint``, ``nn.Cell.__call__`` (a Cell
-called on a Tracer runs its ``construct`` directly) and the Tensor operators that never
-fall back to a Tracer's reflected operator (``tensor + tracer``). MindSpore's Python
+called on a Tracer runs its ``construct`` directly), ``Tensor.__new__``
+(``Tensor(traced)``) and the Tensor operators that never fall back to a Tracer's
+reflected operator (``tensor + tracer``). MindSpore's Python
 argument checks (``isinstance(x, Tensor)`` in ``Shape``, ``DType``, ``_check_is_tensor``,
 ``ops.flatten``, ...) see a module-global ``isinstance`` that accepts a Tracer.
 
@@ -118,14 +119,6 @@ def _with_dtype(x, dtype):
     return x if dtype is None else fo.cast(x, _dtype(dtype))
 
 
-def _keep(x, in_shape, axis):
-    """Re-insert the reduced ``axis`` (None: all) of ``in_shape`` as size-1 dims."""
-    nd = len(in_shape)
-    axes = range(nd) if axis is None else [
-        a % nd for a in (axis if isinstance(axis, tuple) else (axis,))]
-    return fo.reshape(x, tuple(1 if i in axes else d for i, d in enumerate(in_shape)))
-
-
 # -- elementwise -------------------------------------------------------------
 
 for _names, _fn in (
@@ -144,14 +137,20 @@ for _names, _fn in (
     converts(*_names)(lambda prim, *args, _fn=_fn: _fn(*args))
 
 
+def _scaled(y, alpha):
+    """``alpha * y`` (MindSpore's ``alpha`` argument of add/sub)."""
+    alpha = _scalar(alpha)
+    return y if not isinstance(alpha, Tracer) and alpha == 1 else fo.mul(y, alpha)
+
+
 @converts("Add", "AddExt", "AddScalar")
 def _add(prim, x, y, alpha=1):
-    return fo.add(x, y if _scalar(alpha) == 1 else fo.mul(y, _scalar(alpha)))
+    return fo.add(x, _scaled(y, alpha))
 
 
 @converts("Sub", "SubExt", "SubScalar")
 def _sub(prim, x, y, alpha=1):
-    return fo.sub(x, y if _scalar(alpha) == 1 else fo.mul(y, _scalar(alpha)))
+    return fo.sub(x, _scaled(y, alpha))
 
 
 @converts("GeLU")
@@ -296,11 +295,16 @@ def _nll_loss(prim, logp, target, weight, reduction=1, ignore_index=-100):
 # -- reductions --------------------------------------------------------------
 
 
-@converts("SumExt", "ReduceSum")
+@converts("SumExt")
 def _sum(prim, x, axis=None, keepdims=False, dtype=None):
-    if prim.name == "ReduceSum":
-        axis, keepdims = axis, prim.attrs.get("keep_dims", keepdims)
     return fo.reduce_sum(_with_dtype(x, dtype), _axis(axis), bool(keepdims))
+
+
+@converts("ReduceSum")
+def _reduce_sum(prim, x, axis=(), keep_dims=False, skip_mode=False):
+    if skip_mode and not axis:  # MindSpore: an empty axis with skip_mode is the identity
+        return x
+    return fo.reduce_sum(x, _axis(axis), bool(keep_dims))
 
 
 @converts("MeanExt", "ReduceMean")
@@ -596,6 +600,21 @@ def _unsupported(name: str, args) -> UnsupportedOpError:
         "function and pass it in.")
 
 
+def _unsupported_operator(name: str, args) -> UnsupportedOpError:
+    if name == "__setitem__":
+        return UnsupportedOpError(
+            f"a traced value was written into a MindSpore Tensor (tensor[...] = traced)"
+            f"{_call_site(_stack())}. That is an in-place update of a concrete Tensor, which "
+            "a traced program cannot record.\nFix: build the new array functionally, e.g. "
+            "with fs.ops.where(mask, traced, tensor), fs.ops.concat or fs.ops.scatter_add.")
+    return UnsupportedOpError(
+        f"fshard cannot trace the MindSpore Tensor operator {name}{_call_site(_stack())} "
+        f"with a traced operand: it has no mapping to fshard ops. It was called on "
+        f"({_describe(args)}).\nFix: add '{name}' to _TENSOR_OPERATORS in "
+        "fshard/interop.py, mapped to an fshard op function (declare a primitive first if "
+        "needed; see docs/adding_a_primitive.md), or compute the value another way.")
+
+
 def _convert(name: str, prim, args, kwargs):
     conv = CONVERTERS.get(name)
     if conv is None:
@@ -676,11 +695,19 @@ def _wrap_prim_call(orig):
     return __call__
 
 
+def _holds_tracer(cell) -> bool:
+    """Whether ``fs.functional`` swapped a traced value in for a parameter of ``cell``
+    or of one of its sub-Cells (then even a call on concrete inputs must trace)."""
+    return (any(isinstance(p, Tracer) for p in cell._params.values())
+            or any(c is not None and _holds_tracer(c) for c in cell._cells.values()))
+
+
 def _wrap_cell_call(orig):
     # A Cell called on a Tracer runs its construct directly: GRAPH_MODE compilation,
     # requires_grad bookkeeping and hooks would all hand the Tracer to C++.
     def __call__(self, *args, **kwargs):
-        if _has_tracer(args) or (kwargs and _has_tracer(kwargs.values())):
+        if (_has_tracer(args) or (kwargs and _has_tracer(kwargs.values()))
+                or _holds_tracer(self)):
             return self.construct(*args, **kwargs)
         return orig(self, *args, **kwargs)
 
@@ -688,12 +715,25 @@ def _wrap_cell_call(orig):
     return __call__
 
 
+def _wrap_tensor_new(orig):
+    # Tensor(traced[, dtype]) is the traced value (cast): a Tensor cannot hold it.
+    def __new__(cls, *args, **kwargs):
+        x = args[0] if args else kwargs.get("input_data")
+        if isinstance(x, Tracer):
+            dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+            return x if dtype is None else fo.cast(x, dtype)
+        return orig(cls, *args, **kwargs)
+
+    __new__.__wrapped__ = orig
+    return staticmethod(__new__)
+
+
 def _wrap_tensor_operator(name, orig, fn):
     if fn is None:
         def dunder(self, other, *rest):
             if isinstance(other, Tracer) or (type(other) is tuple and _has_tracer(other)) or (
                     rest and _has_tracer(rest)):
-                raise _unsupported(f"Tensor.{name}", (self, other, *rest))
+                raise _unsupported_operator(name, (self, other, *rest))
             return orig(self, other, *rest)
     else:
         def dunder(self, other):
@@ -847,6 +887,7 @@ def _setup_classes() -> None:
         if isinstance(cls, type) and name.startswith("_Pyboost") and "__call__" in vars(cls):
             patches.append(_AttrPatch(cls, "__call__", _wrap_prim_call))
     patches.append(_AttrPatch(nn.Cell, "__call__", _wrap_cell_call))
+    patches.append(_AttrPatch(Tensor, "__new__", _wrap_tensor_new))
     for name, fn in _TENSOR_OPERATORS.items():
         patches.append(_AttrPatch(
             Tensor, name, lambda orig, name=name, fn=fn: _wrap_tensor_operator(name, orig, fn)))
@@ -906,15 +947,20 @@ def _tracer_type_error(e: TypeError) -> UnsupportedOpError | None:
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
-    if not frames or "mindspore" not in frames[-1].f_code.co_filename:
+    # MindSpore's C++ argument parser names the offending class ("<class 'fshard...");
+    # a Python check names it too, and then the error comes from a MindSpore frame.
+    if "<class 'fshard." not in str(e) and not (
+            frames and "mindspore" in frames[-1].f_code.co_filename):
         return None
     site = _call_site(reversed(frames))
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return UnsupportedOpError(
-        f"MindSpore rejected a traced value{site}: {first}\nThis MindSpore function checks "
-        "its arguments before reaching an entry point fshard intercepts.\nFix: call the "
-        "corresponding fshard.ops function or a Tensor method on the traced value, or add "
-        "the entry point to fshard/interop.py (see docs/tracing.md).")
+        f"MindSpore rejected a traced value{site}: {first}\nfshard traces MindSpore ops "
+        "and nn Cells called on traced values, and the methods of the traced values "
+        "themselves, but not this call (for example a method of a concrete Tensor given a "
+        "traced argument).\nFix: call the corresponding fshard.ops function or a method "
+        "of the traced value instead, or teach fshard/interop.py this entry point (see "
+        "docs/tracing.md).")
 
 
 @contextlib.contextmanager

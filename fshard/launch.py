@@ -132,6 +132,41 @@ def _scheduler_main() -> None:
     init()
 
 
+def _record_exit_funcs() -> list:
+    """Record the Python exit handlers the script registers (they still register too)."""
+    import atexit
+
+    funcs: list = []
+    register = atexit.register
+
+    def recording_register(func, *args, **kwargs):
+        funcs.append((func, args, kwargs))
+        return register(func, *args, **kwargs)
+
+    atexit.register = recording_register
+    return funcs
+
+
+def _run_exit_funcs(funcs: list) -> None:
+    """Run the recorded exit handlers written in Python, last first, then flush logging.
+
+    Handlers implemented in C++ (MindSpore's runtime and cluster teardown, 1-4 s per
+    rank) are skipped: the process ends with ``os._exit`` right after.
+    """
+    import inspect
+    import traceback
+
+    for func, args, kwargs in reversed(funcs):
+        if inspect.isbuiltin(func) or not callable(func):
+            continue
+        try:
+            func(*args, **kwargs)
+        except Exception:
+            traceback.print_exc()
+    if "logging" in sys.modules:
+        sys.modules["logging"].shutdown()
+
+
 def _worker_main() -> None:
     """Run the user's script as ``__main__``, report, wait for the others, exit."""
     import runpy
@@ -142,6 +177,7 @@ def _worker_main() -> None:
     release_fd = int(os.environ.pop("FSHARD_LAUNCH_RELEASE_FD"))
     module = os.environ.pop("FSHARD_LAUNCH_MODULE") == "1"
     target, args = sys.argv[1], sys.argv[2:]
+    exit_funcs = _record_exit_funcs()
     code = 0
     try:
         sys.argv = [target, *args]
@@ -157,8 +193,12 @@ def _worker_main() -> None:
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as e:
+        # Show the user's frames only, as `python script.py` would.
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb)
         code = 1
     if "mindspore" in sys.modules:
         try:  # let queued PyNative work (and its collectives) finish first
@@ -167,9 +207,7 @@ def _worker_main() -> None:
             _pynative_executor.sync()
         except Exception:
             pass
-    import atexit
-
-    atexit._run_exitfuncs()
+    _run_exit_funcs(exit_funcs)
     sys.stdout.flush()
     sys.stderr.flush()
     if code == 0:

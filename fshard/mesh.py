@@ -379,6 +379,8 @@ def resolve_mesh(mesh: Mesh | None = None) -> Mesh:
                 f"mesh must be an fs.Mesh or None; got {mesh!r} ({type(mesh).__name__}). "
                 f"Fix: pass mesh=fs.Mesh((2, 4), ('dp', 'mp'))."
             )
+        if not mesh.is_virtual:
+            mesh._check_world()
         return mesh
     inner = current_mesh()
     if inner is not None:

@@ -15,6 +15,10 @@ Vocabulary (NB: Shardy's factor-based sharding rules, GSPMD's partial state):
   contracted factor (``reduce``) leaves the output partial; ``nosplit`` factors
   are never split. One generic engine enumerates the candidate assignments of mesh
   axes to factors, so each primitive's rule is a few lines.
+- A primitive that is linear in some operands lets a pending sum *pass through*
+  (``FactorSpec.linear``, default from ``LINEAR_GROUPS``): ``add`` of two partial
+  values is partial, ``reduce_sum`` of a partial value is partial, so the AllReduce
+  is paid once, late, on the smallest value (GSPMD's partial propagation).
 """
 
 from __future__ import annotations
@@ -124,6 +128,17 @@ class Sharding:
             s += f" partial-sum over {mesh.count(self.partial)}"
         return s
 
+    def to_layout(self, mesh: ShardMesh):
+        """The ``fs.Layout`` view of this sharding over the prime mesh axes (pending
+        sums are not shown), e.g. for ``fs.visualize_sharding``."""
+        from fshard.layout import Layout
+
+        names = mesh.names
+        base = Layout(mesh.sizes, names) if names else Layout((1,), ("m0",))
+        entries = [tuple(names[a] for a in ax) if len(ax) > 1 else
+                   (names[ax[0]] if ax else "None") for ax in self.dims]
+        return base(*entries)
+
     def spec(self, mesh: ShardMesh) -> str:
         """Exact mesh-axis form, e.g. ``(m0, m1m2)``."""
         parts = ["".join(mesh.name(ax)) or "-" for ax in self.dims]
@@ -156,6 +171,10 @@ class FactorSpec:
     flops_per_point: float = 1.0
     # (params, local_in_avals, local_out_avals) -> params for the per-device equation
     local_params: Callable | None = None
+    # Groups of operand indices in which the primitive is linear: when every operand
+    # of a group is a pending sum over the same axes (and the others are not), the
+    # output is a pending sum over them too. None: ``LINEAR_GROUPS`` by name.
+    linear: tuple | None = None
 
     def splittable(self) -> list[str]:
         labels = []
@@ -175,11 +194,32 @@ def elementwise_spec(*avals: ArrayType, n_out: int = 1) -> FactorSpec:
                       {f"d{i}": avals[0].shape[i] for i in range(nd)})
 
 
+# Pending sums pass through these primitives (operand groups in which each is linear).
+# ``cast`` only between float dtypes: rounding a sum's terms is the cast of the sum up
+# to rounding, which an integer cast would not be. (See ``FactorSpec.linear``.)
+LINEAR_GROUPS: dict[str, tuple] = {
+    "neg": ((0,),), "add": ((0, 1),), "sub": ((0, 1),), "mul": ((0,), (1,)),
+    "div": ((0,),), "select": ((1, 2),), "cast": ((0,),), "matmul": ((0,), (1,)),
+    "bias_add": ((0, 1),), "broadcast_to": ((0,),), "reshape": ((0,),),
+    "transpose": ((0,),), "reduce_sum": ((0,),), "slice": ((0,),), "pad": ((0,),),
+    "concat": ("all",), "stop_gradient": ((0,),),
+}
+
+
+def linear_groups(prim_name: str, spec: FactorSpec, n_operands: int) -> tuple:
+    """The operand groups a pending sum may pass through (see ``LINEAR_GROUPS``)."""
+    groups = spec.linear if spec.linear is not None else LINEAR_GROUPS.get(prim_name, ())
+    return tuple(tuple(range(n_operands)) if g == "all" else tuple(g) for g in groups)
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """One way to run an equation: which mesh axes split each factor."""
+    """One way to run an equation: which mesh axes split each factor, and the pending
+    sum (``carry`` axes) that operands ``carry_ops`` pass through to the outputs."""
 
     assign: tuple  # ((factor, axes), ...)
+    carry: frozenset = frozenset()
+    carry_ops: tuple = ()
 
     def axes(self, label) -> tuple:
         for lab, ax in self.assign:
@@ -193,8 +233,11 @@ class Candidate:
 
 
 def candidates(spec: FactorSpec, mesh: ShardMesh) -> list[Candidate]:
-    """Every assignment of mesh axes (in mesh order) to splittable factors whose split
-    counts divide the factor sizes. Replicated computation is the empty assignment."""
+    """Every assignment of mesh axes to splittable factors whose split counts divide
+    the factor sizes. Replicated computation is the empty assignment. A factor split
+    over several axes comes in every order of them (major first), mesh order first:
+    a ``Layout`` view such as ``(("mp", "dp"),)`` asks for a non-row-major one, and
+    without its candidate every equation would redistribute it."""
     labels = spec.splittable()
     out = []
     for choice in itertools.product([None] + labels, repeat=len(mesh.sizes)):
@@ -205,16 +248,40 @@ def candidates(spec: FactorSpec, mesh: ShardMesh) -> list[Candidate]:
         ok = all(isinstance(spec.sizes[lab], int) and spec.sizes[lab] % mesh.count(ax) == 0
                  for lab, ax in assign.items())
         if ok:
-            out.append(Candidate(tuple((lab, tuple(ax)) for lab, ax in assign.items())))
+            labs = list(assign)
+            for orders in itertools.product(*[itertools.permutations(assign[lab])
+                                              for lab in labs]):
+                out.append(Candidate(tuple(zip(labs, orders))))
     return out
 
 
 def candidate_shardings(spec: FactorSpec, cand: Candidate):
     """``(operand shardings, output shardings)`` a candidate requires and produces."""
-    ins = [cand.sharding(lab) for lab in spec.inputs]
-    partial = frozenset(a for lab in spec.reduce for a in cand.axes(lab))
+    ins = [cand.sharding(lab, cand.carry if i in cand.carry_ops else frozenset())
+           for i, lab in enumerate(spec.inputs)]
+    partial = frozenset(a for lab in spec.reduce for a in cand.axes(lab)) | cand.carry
     outs = [cand.sharding(lab, partial) for lab in spec.outputs]
     return ins, outs
+
+
+def carry_variants(spec: FactorSpec, cand: Candidate, prim_name: str, operand_partials: list
+                   ) -> list[Candidate]:
+    """``cand`` with a pending sum passed through a linear operand group: every operand
+    of the group is partial over the same axes ``P`` (``operand_partials[i]``; None for
+    literals), the others are not, and the candidate splits nothing over ``P``."""
+    out = []
+    used = {a for _, ax in cand.assign for a in ax}
+    for group in linear_groups(prim_name, spec, len(spec.inputs)):
+        parts = {operand_partials[i] for i in group}
+        if len(parts) != 1:
+            continue
+        p = parts.pop()
+        if not p or p & used:
+            continue
+        if any(operand_partials[i] for i in range(len(spec.inputs)) if i not in group):
+            continue
+        out.append(Candidate(cand.assign, frozenset(p), tuple(group)))
+    return out
 
 
 def compute_cost(spec: FactorSpec, cand: Candidate, mesh: ShardMesh) -> float:
@@ -303,6 +370,10 @@ class CostModel:
     flops_per_s: float = 5e9     # per device
     bytes_per_s: float = 2e8     # per device over MCCL on loopback (measured ~0.16 GiB/s)
     latency_s: float = 1e-3      # per collective
+    # Weight of communication that resolves a pending sum at a program output (e.g.
+    # a gradient's AllReduce, which overlaps the rest of the step): MindSpore's
+    # costmodel_gamma in comm_with_partial_para.
+    gamma: float = 0.001
     extra: dict = field(default_factory=dict)
 
     def score(self, compute: float, comm_bytes: float, n_collectives: int, memory: float):

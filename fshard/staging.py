@@ -220,9 +220,16 @@ def make_ir(fun, static_argnums=(), static_argnames=()):
         d:f32[3] = mul b c
       in (d) }
 
+    For a function made by ``fs.shard``, the result is its per-device program instead
+    (``Partitioned``): every value's layout and the inserted collectives.
+
     See also: ``fs.jit(f).lower(*args).as_text()`` for the MindSpore program.
     """
     from fshard import tree
+    from fshard.transforms.shard import Sharded
+
+    if isinstance(fun, Sharded):
+        return fun.partitioned
 
     if isinstance(static_argnums, int):
         static_argnums = (static_argnums,)

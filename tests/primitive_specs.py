@@ -24,19 +24,27 @@ import numpy as np
 
 from fshard import dtypes
 from fshard.core import ArrayType, Primitive, typeof
+from fshard.ir import Program
+import fshard as fs
+from fshard.errors import AxisNameError, DifferentiationError
+from fshard.primitives import control as C
 from fshard.primitives import elementwise as E
 from fshard.primitives import linalg as L
 from fshard.primitives import nn as N
 from fshard.primitives import reductions as R
+from fshard.primitives import spmd as P
 from fshard.primitives import structural as S
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/ is not a package
-from references import REFERENCES  # noqa: E402
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tests/ is not a package
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from references import REFERENCES, W  # noqa: E402
 
 F32, F64, I32, I64, BOOL = np.float32, np.float64, np.int32, np.int64, np.bool_
 
 # Every linear operand of the primitive at once (for variadic primitives like concat).
 ALL = "all"
+# The linear operands depend on the parameters: each Sample gives its linear_groups.
+PER_SAMPLE = "per sample"
 
 
 # ---------------------------------------------------------------------------
@@ -50,6 +58,10 @@ class Sample:
 
     args: tuple
     params: dict = field(default_factory=dict)
+    # Per-sample overrides of the spec's (operands that are constants are not
+    # differentiable; a call primitive's linear operands depend on its parameters).
+    diff_argnums: tuple | None = None
+    linear_groups: tuple | None = None
 
     @property
     def id(self) -> str:
@@ -62,6 +74,10 @@ def _short(v) -> str:
     if isinstance(v, tuple):
         return "(" + ",".join(_short(e) for e in v) + ")"
     if isinstance(v, (int, float, str, bool)) or v is None:
+        return str(v)
+    if isinstance(v, Program):
+        return "{...}"
+    if isinstance(v, ArrayType):
         return str(v)
     return dtypes.short_name(v)
 
@@ -83,9 +99,20 @@ class PrimitiveSpec:
         zero_derivative: the derivative is zero by definition (stop_gradient, sign,
             comparisons), so the JVP must be zero instead of matching differences.
         tol: ``(rtol, atol)`` for float32 results.
-        jit_samples: how many samples (of the first dtype) the jit check compiles;
-            ``None`` for all of them.
+        jit_samples: how many samples (of the first dtype) the jit check compiles
+            (each costs a graph compilation); ``None`` for all of them.
+        rule_samples: how many samples the batching and derivative checks use (spread
+            over the list, first and last included); ``None`` for all of them.
         op: applies the primitive, ``op(*operands, **params)``; defaults to ``bind``.
+        eager_error: the error the primitive raises, by design, when evaluated outside
+            the transform that gives it meaning (``block_slice`` outside a sharded
+            computation, ``custom_lin`` in forward mode). The checks then assert that
+            error, and forward values come from the NumPy reference.
+        forward_mode: False if forward-mode differentiation is an error by design
+            (``custom_vjp_call``): the JVP check asserts the error, and derivatives are
+            checked in reverse mode against finite differences.
+        custom_checks: ``{kind: check(spec, sample)}`` replacing the generic check of
+            that kind, for primitives whose semantics need a context (a named axis).
     """
 
     prim: Primitive
@@ -95,8 +122,12 @@ class PrimitiveSpec:
     linear_groups: tuple = ()
     zero_derivative: bool = False
     tol: tuple = (1e-5, 1e-6)
-    jit_samples: int | None = 2
+    jit_samples: int | None = 1
+    rule_samples: int | None = 4
     op: Callable | None = None
+    eager_error: type | None = None
+    forward_mode: bool = True
+    custom_checks: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -110,13 +141,39 @@ class PrimitiveSpec:
         """Apply the primitive under the current trace (a list if multiple results)."""
         return (self.op or self.prim.bind)(*args, **params)
 
+    def evaluate(self, *args, **params) -> list[np.ndarray]:
+        """Concrete outputs: the eager impl, or the reference if the primitive has no
+        eager meaning (``eager_error``)."""
+        if self.eager_error is not None:
+            return [np.asarray(o) for o in _as_list(self.reference(*args, **params))]
+        from fshard.rules import impl
+
+        outs = impl.lookup(self.prim, transform="test")(*args, **params)
+        return [o.asnumpy() if hasattr(o, "asnumpy") else np.asarray(o) for o in outs]
+
+    def diff(self, sample: Sample) -> tuple:
+        """Operands of ``sample`` a tangent may flow through."""
+        nums = self.diff_argnums if sample.diff_argnums is None else sample.diff_argnums
+        return tuple(k for k in nums if k < len(sample.args)
+                     and np.asarray(sample.args[k]).dtype.kind == "f")
+
     def groups(self, sample: Sample) -> list[tuple]:
         """The linear groups of ``sample`` with ``ALL`` expanded."""
-        return [tuple(range(len(sample.args))) if g == ALL else g for g in self.linear_groups]
+        groups = self.linear_groups if sample.linear_groups is None else sample.linear_groups
+        return [tuple(range(len(sample.args))) if g == ALL else g for g in groups]
 
     def all_samples(self, dtype) -> list[Sample]:
         """This spec's samples for ``dtype``, from a fixed seed."""
         return self.samples(np.random.default_rng(0), dtype)
+
+    def rule_check_samples(self, dtype) -> list[Sample]:
+        """The samples the batching and derivative checks use."""
+        samples = self.all_samples(dtype)
+        k = self.rule_samples
+        if k is None or len(samples) <= k:
+            return samples
+        return [samples[i] for i in sorted({round(j * (len(samples) - 1) / (k - 1))
+                                            for j in range(k)})]
 
 
 # ---------------------------------------------------------------------------
@@ -295,11 +352,227 @@ def _one_hot(rng, dt):
 
 
 # ---------------------------------------------------------------------------
+# Call primitives: samples are staged from fs.custom_jvp / fs.custom_vjp functions
+# ---------------------------------------------------------------------------
+
+
+_W = {np.dtype(d): W.astype(d) for d in (F32, F64)}
+
+
+def _w(x):
+    """The constant ``W`` in ``x``'s dtype (closed over: it becomes an operand)."""
+    return _W[dtypes.to_numpy(typeof(x).dtype)]
+
+
+@fs.custom_jvp
+def sin_times(x, y):
+    """Two operands, two outputs."""
+    return fs.ops.sin(x) * y, x + y
+
+
+@sin_times.defjvp
+def _sin_times_jvp(primals, tangents):
+    (x, y), (tx, ty) = primals, tangents
+    return sin_times(x, y), (fs.ops.cos(x) * y * tx + fs.ops.sin(x) * ty, tx + ty)
+
+
+@fs.custom_jvp
+def scaled(x):
+    """Closes over W, so the body and the rule have constant operands."""
+    return x * _w(x)
+
+
+@scaled.defjvp
+def _scaled_jvp(primals, tangents):
+    return scaled(primals[0]), tangents[0] * _w(primals[0])
+
+
+@fs.custom_vjp
+def sin_vjp(x):
+    return fs.ops.sin(x)
+
+
+sin_vjp.defvjp(lambda x: (fs.ops.sin(x), fs.ops.cos(x)), lambda c, ct: (c * ct,))
+
+
+@fs.custom_vjp
+def scaled_vjp(x):
+    return x * _w(x)
+
+
+scaled_vjp.defvjp(lambda x: (x * _w(x), None), lambda res, ct: (ct * _w(ct),))
+
+
+def _staged_equation(fn, args, prim):
+    """The first ``prim`` equation of ``fn`` staged on ``args``, with the concrete
+    values of its operands (the equations before it are evaluated eagerly)."""
+    from fshard.ir import Literal
+    from fshard.rules import impl
+
+    traced = fs.make_ir(fn)(*args)
+    env = dict(zip(traced.program.inputs, list(traced.consts) + list(args)))
+
+    def read(a):
+        return a.value if isinstance(a, Literal) else env[a]
+
+    for eq in traced.program.equations:
+        vals = [read(a) for a in eq.inputs]
+        if eq.prim is prim:
+            return eq, tuple(np.asarray(v.asnumpy() if hasattr(v, "asnumpy") else v)
+                             for v in vals)
+        env.update(zip(eq.outputs, impl.lookup(eq.prim, transform="test")(*vals, **eq.params)))
+    raise AssertionError(f"{fn} staged no {prim} equation")
+
+
+def _call_shapes(dt):
+    return [(2, 3), (1, 3)] if np.dtype(dt) == F64 else [(2, 3), (1, 3), (3, 3)]
+
+
+def _custom_jvp_call(rng, dt):
+    out = []
+    for shape in _call_shapes(dt):
+        x, y = values(rng, shape, dt), values(rng, shape, dt)
+        for fn, args in ((sin_times, (x, y)), (scaled, (x,))):
+            eq, vals = _staged_equation(fn, args, C.custom_jvp_call_p)
+            n_c = eq.params["n_body_consts"] + eq.params["n_jvp_consts"]
+            out.append(Sample(vals, eq.params, diff_argnums=tuple(range(n_c, len(vals)))))
+    return out
+
+
+def _custom_vjp_call(rng, dt):
+    out = []
+    for shape in _call_shapes(dt):
+        x = values(rng, shape, dt)
+        for fn in (sin_vjp, scaled_vjp):
+            eq, vals = _staged_equation(fn, (x,), C.custom_vjp_call_p)
+            n_c = sum(eq.params["n_consts"])
+            out.append(Sample(vals, eq.params, diff_argnums=tuple(range(n_c, len(vals)))))
+    return out
+
+
+def _custom_lin(rng, dt):
+    """custom_lin equations from the JVP of custom_vjp functions (forward mode stages
+    them; only transposition can evaluate them)."""
+    out = []
+    for shape in _call_shapes(dt):
+        x, t = values(rng, shape, dt), values(rng, shape, dt)
+        for fn in (sin_vjp, scaled_vjp):
+            eq, vals = _staged_equation(lambda x, t: fs.jvp(fn, (x,), (t,)), (x, t),
+                                        C.custom_lin_p)
+            n_lin = eq.params["n_consts"] + eq.params["n_res"]
+            out.append(Sample(vals, eq.params, diff_argnums=(),
+                              linear_groups=(tuple(range(n_lin, len(vals))),)))
+    return out
+
+
+def _custom_lin_batching(spec, sample):
+    """custom_lin exists only between forward and reverse mode; vmap never sees it
+    unless forward mode is applied to a custom_vjp function, which is an error."""
+    import pytest
+
+    batched = [np.stack([a, a]) for a in sample.args]
+    with pytest.raises(DifferentiationError, match="forward-mode"):
+        fs.vmap(lambda *xs: spec.apply(*xs, **sample.params))(*batched)
+
+
+# ---------------------------------------------------------------------------
+# block_slice: a device's block of a dimension, along named mesh axes
+# ---------------------------------------------------------------------------
+
+
+def _block_slice(rng, dt):
+    cases = [((4, 3), ("i",), 0, (2,)), ((2, 6), ("i",), 1, (3,)),
+             ((4, 2), ("i", "j"), 0, (2, 2))]
+    return [Sample((values(rng, a, dt),), {"axis_name": names, "dim": d, "sizes": sz})
+            for a, names, d, sz in cases]
+
+
+def _over_mesh(f, names, sizes, in_axes=None):
+    """``f`` vmapped over the mesh axes, outermost first: lane ``(i, j, ...)`` is
+    device ``i * sizes[1] + j ...`` (row-major, as the partitioner numbers them)."""
+    for k in reversed(range(len(names))):
+        f = fs.vmap(f, in_axes=in_axes if k == 0 else None, axis_size=sizes[k],
+                    axis_name=names[k])
+    return f
+
+
+def _blocks(x, dim, n) -> np.ndarray:
+    return np.stack(np.split(np.asarray(x), n, axis=dim))
+
+
+def _block_slice_batching(spec, sample):
+    """On a virtual mesh (vmap with the axis names), lane k keeps block k of x; a plain
+    batch axis inside the mesh axes is carried through."""
+    (x,), p = sample.args, sample.params
+    names, sizes, dim = p["axis_name"], p["sizes"], p["dim"]
+    n = int(np.prod(sizes))
+    f = lambda v: spec.apply(v, **p)  # noqa: E731
+    got = np.asarray(_over_mesh(f, names, sizes)(x).asnumpy())
+    want = _blocks(x, dim, n).reshape(tuple(sizes) + got.shape[len(sizes):])
+    np.testing.assert_array_equal(got, want, err_msg="x replicated over the mesh")
+    # Each lane of the first mesh axis with its own x.
+    xs = np.stack([x * (1 + k) for k in range(sizes[0])])
+    got = np.asarray(_over_mesh(f, names, sizes, in_axes=0)(xs).asnumpy())
+    per = n // sizes[0]
+    want = np.stack([_blocks(xs[i], dim, n)[i * per:(i + 1) * per] for i in range(sizes[0])])
+    np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg="x mapped per lane")
+    # A plain batch axis (not a mesh axis) inside the mesh axes.
+    xb = np.stack([x, -x])
+    got = np.asarray(_over_mesh(fs.vmap(f), names, sizes)(xb).asnumpy())
+    want = np.stack([_blocks(xb[b], dim, n) for b in range(2)], axis=1)
+    np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg="inner batch axis")
+
+
+def _block_slice_jvp(spec, sample):
+    """d block_slice(x) = block_slice(t), on every lane."""
+    (x,), p = sample.args, sample.params
+    t = np.random.default_rng(1).standard_normal(x.shape).astype(x.dtype)
+    names, sizes, dim = p["axis_name"], p["sizes"], p["dim"]
+    n = int(np.prod(sizes))
+    out, t_out = _over_mesh(lambda v, w: fs.jvp(lambda u: spec.apply(u, **p), (v,), (w,)),
+                            names, sizes)(x, t)
+    np.testing.assert_array_equal(np.asarray(t_out.asnumpy()).reshape((n,) + t_out.shape[
+        len(sizes):]), _blocks(t, dim, n))
+
+
+def _block_slice_transpose(spec, sample):
+    """Dot-product test across the mesh: lane k's cotangent is for block k, and every
+    lane's transposed cotangent is the tiled gather of all of them."""
+    (x,), p = sample.args, sample.params
+    names, sizes, dim = p["axis_name"], p["sizes"], p["dim"]
+    n = int(np.prod(sizes))
+    rng = np.random.default_rng(2)
+    block_shape = _blocks(x, dim, n).shape[1:]
+    cts = rng.standard_normal(tuple(sizes) + block_shape).astype(x.dtype)
+
+    def lane(v, ct):
+        _, vjp_fn = fs.vjp(lambda u: spec.apply(u, **p), v)
+        return vjp_fn(ct)[0]
+
+    got = np.asarray(_over_mesh(lambda v, ct: lane(v, ct), names, sizes, in_axes=(None, 0))(
+        x, cts).asnumpy()) if len(names) == 1 else None
+    if got is None:  # several mesh axes: map the cotangent over every axis
+        f = lane
+        for k in reversed(range(len(names))):
+            f = fs.vmap(f, in_axes=(None, 0), axis_name=names[k])
+        got = np.asarray(f(x, cts).asnumpy())
+    full = np.concatenate(list(cts.reshape((n,) + block_shape)), axis=dim)
+    want = np.broadcast_to(full, tuple(sizes) + full.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
 # The specs
 # ---------------------------------------------------------------------------
 
 NUMERIC = (F32, I32)
 DATA = (F32, I32, BOOL)  # structural primitives move any dtype
+# Primitives whose samples each take a different path through the rules.
+THOROUGH = dict(jit_samples=3, rule_samples=None)
+
+
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def _specs() -> list[PrimitiveSpec]:
@@ -341,14 +614,13 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(S.transpose_p, _transpose, DATA, linear_groups=((0,),)),
         PrimitiveSpec(S.full_p, _full, (F32,), diff_argnums=()),
         PrimitiveSpec(S.stop_gradient_p, unary(), DATA, zero_derivative=True),
-        PrimitiveSpec(S.concat_p, _concat, DATA, (0, 1, 2), (ALL,), jit_samples=None),
-        PrimitiveSpec(S.split_p, _split, DATA, linear_groups=((0,),), jit_samples=None),
-        PrimitiveSpec(S.slice_p, _slice, DATA, linear_groups=((0,),), jit_samples=None),
-        PrimitiveSpec(S.pad_p, _pad, DATA, linear_groups=((0,),), jit_samples=None),
-        PrimitiveSpec(S.gather_p, _gather, DATA, linear_groups=((0,),), jit_samples=None),
-        PrimitiveSpec(S.scatter_add_p, _scatter_add, NUMERIC, linear_groups=((0,),),
-                      jit_samples=None),
-        PrimitiveSpec(S.one_hot_p, _one_hot, (F32,), diff_argnums=(), jit_samples=None),
+        PrimitiveSpec(S.concat_p, _concat, DATA, (0, 1, 2), (ALL,), **THOROUGH),
+        PrimitiveSpec(S.split_p, _split, DATA, linear_groups=((0,),), **THOROUGH),
+        PrimitiveSpec(S.slice_p, _slice, DATA, linear_groups=((0,),), **THOROUGH),
+        PrimitiveSpec(S.pad_p, _pad, DATA, linear_groups=((0,),), **THOROUGH),
+        PrimitiveSpec(S.gather_p, _gather, DATA, linear_groups=((0,),), **THOROUGH),
+        PrimitiveSpec(S.scatter_add_p, _scatter_add, NUMERIC, linear_groups=((0,),), **THOROUGH),
+        PrimitiveSpec(S.one_hot_p, _one_hot, (F32,), diff_argnums=(), **THOROUGH),
         PrimitiveSpec(R.reduce_sum_p, _reduce, NUMERIC, linear_groups=((0,),)),
         PrimitiveSpec(R.reduce_max_p, _reduce, NUMERIC),
         PrimitiveSpec(R.reduce_min_p, _reduce, NUMERIC),
@@ -357,6 +629,19 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(N.bias_add_p, _bias_add, (F32,), (0, 1), ((0, 1),)),
         PrimitiveSpec(N.softmax_p, _softmax, tol=(1e-5, 1e-5)),
         PrimitiveSpec(N.log_softmax_p, _softmax, tol=(1e-5, 1e-5)),
+        # Call primitives (control)
+        PrimitiveSpec(C.custom_jvp_call_p, _custom_jvp_call, rule_samples=None,
+                      jit_samples=2),
+        PrimitiveSpec(C.custom_vjp_call_p, _custom_vjp_call, rule_samples=None,
+                      jit_samples=2, forward_mode=False),
+        PrimitiveSpec(C.custom_lin_p, _custom_lin, diff_argnums=(), linear_groups=(PER_SAMPLE,),
+                      eager_error=DifferentiationError,
+                      custom_checks={"batching": _custom_lin_batching}),
+        # Per-device primitives (spmd)
+        PrimitiveSpec(P.block_slice_p, _block_slice, eager_error=AxisNameError,
+                      linear_groups=((0,),), custom_checks={
+                          "batching": _block_slice_batching, "jvp": _block_slice_jvp,
+                          "transpose": _block_slice_transpose}),
     ]
     return out
 

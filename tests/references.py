@@ -93,6 +93,41 @@ def _reduce(fn):
     return lambda x, *, axes: np.asarray(fn(x, axis=tuple(axes)))
 
 
+# Call primitives: the functions tests/primitive_specs.py stages with fs.custom_jvp
+# and fs.custom_vjp, by name; W is the constant some of them close over.
+W = np.asarray([[0.5, -1.0, 2.0]])
+
+CALLS = {
+    "sin_times": lambda x, y: [np.sin(x) * y, x + y],
+    "scaled": lambda x: [x * W.astype(x.dtype)],
+    "sin_vjp": lambda x: [np.sin(x)],
+    "scaled_vjp": lambda x: [x * W.astype(x.dtype)],
+}
+
+# custom_lin(consts, residuals, tangents) is the JVP its bwd rule transposes.
+LINEARIZED = {
+    "sin_vjp": lambda cos_x, t: [cos_x * t],
+    "scaled_vjp": lambda t: [t * W.astype(t.dtype)],
+}
+
+
+def custom_jvp_call(*args, n_body_consts, n_jvp_consts, name, **_):
+    return CALLS[name](*args[n_body_consts + n_jvp_consts:])
+
+
+def custom_vjp_call(*args, n_consts, name, **_):
+    return CALLS[name](*args[sum(n_consts):])
+
+
+def custom_lin(*args, n_consts, name, **_):
+    return LINEARIZED[name](*args[n_consts:])
+
+
+def block_slice(x, *, axis_name, dim, sizes):
+    """Device 0's block (each device keeps the block of its mesh coordinates)."""
+    return np.split(x, int(np.prod(sizes)), axis=dim)[0]
+
+
 REFERENCES = {
     # elementwise
     "neg": np.negative,
@@ -149,4 +184,10 @@ REFERENCES = {
     "bias_add": bias_add,
     "softmax": softmax,
     "log_softmax": log_softmax,
+    # control
+    "custom_jvp_call": custom_jvp_call,
+    "custom_vjp_call": custom_vjp_call,
+    "custom_lin": custom_lin,
+    # spmd
+    "block_slice": block_slice,
 }

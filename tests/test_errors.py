@@ -92,7 +92,8 @@ def test_batching_error_names_key_paths():
                    fs.BatchingError)
     assert msg == (
         "vmap(<lambda>) got inconsistent sizes for the mapped axis:\n"
-        "  args[0]: axis size 3\n  args[1]: axis size 4\n"
+        "  args[0] (parameter 'a'): size 3 along in_axes=0\n"
+        "  args[1] (parameter 'b'): size 4 along in_axes=0\n"
         "Fix: every mapped argument must have the same size along its in_axes; use "
         "in_axes=None for arguments that are not batched.\nSee docs/errors.md#batchingerror")
 
@@ -106,7 +107,7 @@ def test_differentiation_error_non_scalar():
 def test_differentiation_error_integer_input():
     msg = _message(lambda: fs.grad(lambda v: v.sum())(np.ones(3, np.int32)),
                    fs.DifferentiationError)
-    assert "args[0] has dtype Int32, but only floating-point inputs" in msg
+    assert "args[0] (parameter 'v') has dtype Int32 (i32[3]), but only floating-point inputs" in msg
 
 
 def test_missing_rule_error():

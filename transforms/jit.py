@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 from fshard import tree
+from fshard import passes
 from fshard.backend import mindspore as backend
 from fshard.core import EvalTrace, current_trace, typeof
 from fshard.staging import Traced, fun_name, split_static, trace_fun
@@ -122,8 +123,10 @@ class Jitted:
         if lowered is None:
             self.trace_count += 1
             traced = trace_fun(self.fun, in_tree, [typeof(x) for x in leaves], rebuild)
+            # the IR cleanup passes (fshard/passes.py) run on what is compiled only:
+            # make_ir and .program show the staged Program as traced
             src, globals_, n_out = backend.lower_program(
-                traced.program, traced.consts, traced.name)
+                passes.simplify(traced.program), traced.consts, traced.name)
             lowered = Lowered(traced, src, globals_, n_out)
             self._cache[key] = lowered
         return lowered

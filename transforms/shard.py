@@ -23,13 +23,16 @@ Because execution goes through the same interpreters as everything else,
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
+import json
 import math
 import os
 from collections import deque
 from dataclasses import dataclass
 
-from fshard import tree
+from fshard import dtypes, tree
 from fshard.core import ArrayType, bind, typeof
 from fshard.errors import CompositionError, ShardingError
 from fshard.interpret import eval_program
@@ -41,6 +44,7 @@ from fshard.sharding import (
     Sharding,
     candidate_shardings,
     candidates,
+    carry_variants,
     compute_cost,
     local_bytes,
     plan,
@@ -55,113 +59,209 @@ _shard_depth = 0  # > 0 while a sharded function is being staged or run
 # ---------------------------------------------------------------------------
 
 
-def _fmt(entry) -> str:
-    return repr(entry)
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
-def parse_strategy(entry, aval: ArrayType, mesh: ShardMesh, where: str) -> Sharding | None:
-    """A user strategy (tuple of split counts or Layout view) as a Sharding."""
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _or_list(xs) -> str:
+    xs = [str(x) for x in xs]
+    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " or " + xs[-1]
+
+
+def _is_count(c) -> bool:
+    import numpy as np
+
+    return isinstance(c, (int, np.integer)) and not isinstance(c, (bool, np.bool_))
+
+
+def parse_strategy(entry, aval: ArrayType, mesh: ShardMesh, where: str,
+                   what: str = "the value") -> Sharding | None:
+    """A user strategy (tuple of split counts, ``fs.Layout`` view, or None) as a Sharding.
+
+    ``where`` names the strategy in messages (``"shard(f): in_strategy[0]"``) and
+    ``what`` the value it describes (``"argument 'x' (f32[32,128])"``).
+
+    >>> from fshard.core import ArrayType
+    >>> from fshard import dtypes
+    >>> parse_strategy((4, 2), ArrayType((32, 128), dtypes.float32), ShardMesh.for_devices(8),
+    ...                "in_strategy[0]").dims
+    ((0, 1), (2,))
+    """
+    from fshard.layout import Layout
+
     if entry is None:
         return None
-    if hasattr(entry, "to_dict") and "tensor_map" in entry.to_dict():
-        return _layout_to_sharding(entry, aval, mesh, where)
+    if isinstance(entry, Layout):
+        return _layout_to_sharding(entry, aval, mesh, where, what)
     if not isinstance(entry, (tuple, list)):
         raise ShardingError(
-            f"{where} must be a tuple of split counts (one per dimension), a fs.Layout view, "
-            f"or None; got {type(entry).__name__} {entry!r}.")
+            f"{where} must be a tuple of split counts (one per dimension), an fs.Layout "
+            f"view, or None; got {type(entry).__name__} {entry!r}.\nFix: e.g. "
+            f"{tuple([1] * aval.ndim)} for {what} unsplit, or None to let propagation "
+            "choose.")
+    entry = tuple(entry)
+    for i, c in enumerate(entry):
+        if not _is_count(c):
+            raise ShardingError(
+                f"{where} = {entry!r} has the split count {c!r} ({type(c).__name__}) for "
+                f"dimension {i}.\nRule: split counts are positive ints.\nFix: use 1 for a "
+                "dimension that is not split.")
+        if c <= 0:
+            raise ShardingError(
+                f"{where} = {entry!r} has the split count {c} for dimension {i}.\nRule: "
+                "split counts are positive ints.\nFix: use 1 for a dimension that is not "
+                "split.")
+    entry = tuple(int(c) for c in entry)
     if len(entry) != aval.ndim:
         raise ShardingError(
-            f"{where} = {_fmt(entry)} has {len(entry)} entries, but the value it describes "
-            f"has rank {aval.ndim} ({aval}).\nFix: give one split count per dimension, e.g. "
-            f"{tuple([1] * aval.ndim)} for no split.")
-    for i, c in enumerate(entry):
-        if not isinstance(c, int) or isinstance(c, bool):
-            raise ShardingError(
-                f"{where}[{i}] must be a positive int split count, got {type(c).__name__} "
-                f"{c!r}.")
-        if c <= 0:
-            raise ShardingError(f"{where}[{i}] must be a positive split count, got {c}.")
+            f"{where} = {entry!r} has {_plural(len(entry), 'entry', 'entries')}, but {what} "
+            f"has rank {aval.ndim}.\nRule: a strategy gives one split count per dimension.\nFix: "
+            f"give {aval.ndim} split counts, e.g. {tuple([1] * aval.ndim)!r} for no split.")
     total = math.prod(entry)
-    if total > mesh.size:
+    if total > mesh.size or mesh.size % total:
+        how = (f"but the mesh has only {_plural(mesh.size, 'device', 'devices')}"
+               if total > mesh.size else
+               f"which does not divide the {mesh.size} devices of the mesh")
         raise ShardingError(
-            f"{where} = {_fmt(entry)} splits over {total} devices, but the mesh has "
-            f"{mesh.size}.\nFix: make the product of the split counts at most {mesh.size} "
-            "(and a divisor of it), or use a larger mesh (fs.Mesh / FSHARD_DEVICES).")
-    if mesh.size % total:
-        raise ShardingError(
-            f"{where} = {_fmt(entry)} splits over {total} devices, which does not divide the "
-            f"{mesh.size} devices of the mesh.\nFix: use split counts whose product divides "
-            f"{mesh.size}; the remaining devices then hold replicas.")
+            f"{where} = {entry!r} splits {what} into {total} blocks, {how}.\nRule: the "
+            "product of the split counts must divide the device count (the remaining "
+            "factor holds replicas).\nFix: use split counts whose product is "
+            f"{_or_list(_divisors(mesh.size))}, or another mesh (fs.Mesh, mesh=N or "
+            "FSHARD_DEVICES).")
     for i, (c, d) in enumerate(zip(entry, aval.shape)):
-        if isinstance(d, int) and d % c:
+        if d % c if isinstance(d, int) else _symbol_bad(d, c):
             raise ShardingError(
-                f"{where}[{i}] = {c} does not divide dimension {i} of size {d} ({aval}).\n"
-                "fshard never replicates silently: every split dimension must be divisible "
-                f"by its split count. Fix: choose a divisor of {d} or pad the input.")
+                f"{where} = {entry!r} splits dimension {i} (size {d}) of {what} into {c} "
+                f"parts, but {d} is not divisible by {c}.\nRule: every split dimension must "
+                "be divisible by its split count; fshard never falls back to replication."
+                f"\nFix: {_divisible_fix(d, c, mesh)}")
     dims, used, start = [], set(), 0
     for c in entry:
         axes = _axes_for(mesh, c, start, used)
         if axes is None:
             raise ShardingError(
-                f"{where} = {_fmt(entry)} cannot be laid out on a mesh of {mesh.size} devices "
-                f"(its prime axes {mesh.sizes} cannot supply a split of {c} after the "
-                "previous dimensions).\nFix: reorder or change the split counts.")
+                f"{where} = {entry!r} cannot be laid out on {mesh.size} devices: after the "
+                f"previous dimensions, the remaining devices cannot be split {c} ways.\n"
+                "Fix: reorder or change the split counts, or give an fs.Layout view.")
         used.update(axes)
         start = max(axes) + 1 if axes else start
         dims.append(axes)
     return Sharding(tuple(dims))
 
 
+def _symbol_bad(d, c) -> bool:
+    # A symbolic dimension is divisible when its divisor is and it has no remainder.
+    return getattr(d, "divisor", 1) % c != 0 or getattr(d, "remainder", 0) != 0
+
+
+def _divisible_fix(d, c, mesh) -> str:
+    if not isinstance(d, int):
+        return f"declare the dimension with fs.Symbol(divisor={c}) (or a multiple of {c})."
+    ok = [k for k in _divisors(d) if mesh.size % k == 0]
+    return f"split it into {_or_list(ok)} parts, or pad it to a multiple of {c}."
+
+
 def _axes_for(mesh: ShardMesh, count: int, start: int, used: set):
     """Mesh axes supplying a split of ``count``: consecutive from ``start`` when possible
-    (MindSpore's row-major rank order), else any unused ones."""
+    (MindSpore's row-major rank order: the replicas of a strategy that uses fewer devices
+    are neighbours), else any unused ones."""
     if count == 1:
         return ()
-    axes, a = mesh.axes_for_count(start, count)
+    axes, _ = mesh.axes_for_count(start, count)
     if axes is not None and not (set(axes) & used):
         return axes
     free = [a for a in range(len(mesh.sizes)) if a not in used]
     for r in range(1, len(free) + 1):
-        import itertools
-
         for combo in itertools.combinations(free, r):
             if mesh.count(combo) == count:
                 return tuple(combo)
     return None
 
 
-def _layout_to_sharding(view, aval: ArrayType, mesh: ShardMesh, where: str) -> Sharding:
-    d = view.to_dict()
-    dev = tuple(d["device_matrix"])
-    if math.prod(dev) != mesh.size:
+def _layout_axes(view, mesh: ShardMesh, where: str) -> list[tuple[int, ...]]:
+    """Per device-matrix axis of a Layout, the prime mesh axes it is made of (major
+    first), such that the Layout's ``rank_list`` puts every device where the mesh has
+    it. Ranks are row-major on both; a rank_list that permutes whole axes (e.g. ranks
+    ``[0, 4, 2, 6, 1, 5, 3, 7]`` for (2, 2, 2)) maps to a reordering of them."""
+    import numpy as np
+
+    dev = tuple(view.device_matrix)
+    ranks = list(view.rank_list)
+    coords = [np.unravel_index(p, dev) for p in range(len(ranks))]
+    want = [mesh.coords(r) for r in ranks]
+
+    def fits(groups) -> bool:
+        for c, q in zip(coords, want):
+            for axis, axes in enumerate(groups):
+                idx = 0
+                for a in axes:
+                    idx = idx * mesh.sizes[a] + q[a]
+                if idx != c[axis]:
+                    return False
+        return True
+
+    def search(k, used, groups):
+        if k == len(dev):
+            return groups if fits(groups) else None
+        if dev[k] == 1:
+            return search(k + 1, used, groups + [()])
+        free = [a for a in range(len(mesh.sizes)) if a not in used]
+        options = []
+        for r in range(1, len(free) + 1):
+            for combo in itertools.permutations(free, r):
+                if mesh.count(combo) == dev[k]:
+                    options.append(combo)
+        # Consecutive, in mesh order, first: the identity rank_list is found at once.
+        options.sort(key=lambda c: (list(c) != sorted(c), c))
+        for combo in options:
+            found = search(k + 1, used | set(combo), groups + [combo])
+            if found is not None:
+                return found
+        return None
+
+    groups = search(0, frozenset(), [])
+    if groups is None:
         raise ShardingError(
-            f"{where}: the Layout's device matrix {dev} has {math.prod(dev)} devices, but the "
-            f"mesh has {mesh.size}.\nFix: build the Layout with a device matrix whose product "
-            f"is {mesh.size}.")
-    # Device-matrix dims consume the prime mesh axes left to right (row-major ranks).
-    groups, start = [], 0
-    for size in dev:
-        axes, start2 = mesh.axes_for_count(start, size)
-        if axes is None and size != 1:
-            raise ShardingError(
-                f"{where}: the Layout's device matrix {dev} cannot be mapped onto the prime "
-                f"axes {mesh.sizes} of {mesh.size} devices in order.")
-        groups.append(axes or ())
-        start = start2 if axes else start
-    tmap = d["tensor_map"]
-    if len(tmap) != aval.ndim:
+            f"{where} = {view!r}: its rank_list places the devices in an order fshard "
+            "cannot express on this mesh (it must reorder whole device-matrix axes).\nFix: "
+            "use rank_list=None (row-major ranks), or an order that permutes whole axes.")
+    return groups
+
+
+def _layout_to_sharding(view, aval: ArrayType, mesh: ShardMesh, where: str,
+                        what: str = "the value") -> Sharding:
+    if not view.is_view:
         raise ShardingError(
-            f"{where}: the Layout view names {len(tmap)} dimensions, but the value has rank "
-            f"{aval.ndim} ({aval}).")
+            f"{where} = {view!r} is a Layout, not a view of a tensor.\nFix: call it with one "
+            f"entry per dimension, e.g. layout({view.alias_name[0]!r}, 'None').")
+    n = view.n_devices
+    if n != mesh.size:
+        raise ShardingError(
+            f"{where} = {view!r} has a device matrix of {n} devices, but the mesh has "
+            f"{mesh.size}.\nRule: the product of a Layout's device_matrix must equal the "
+            f"device count.\nFix: use a device matrix whose product is {mesh.size}, or a "
+            f"mesh of {n} devices.")
+    if view.ndim != aval.ndim:
+        raise ShardingError(
+            f"{where} = {view!r} has {_plural(view.ndim, 'entry', 'entries')}, but {what} "
+            f"has rank {aval.ndim}."
+            "\nRule: a Layout view gives one entry per dimension.\nFix: give "
+            f"{aval.ndim} entries ('None' for a dimension that is not split).")
+    groups = _layout_axes(view, mesh, where)
     dims = []
-    for i, m in enumerate(tmap):
-        ms = m if isinstance(m, (tuple, list)) else (m,)
-        axes = tuple(a for t in ms if t != -1 for a in groups[len(dev) - 1 - t])
-        n = mesh.count(axes)
-        if isinstance(aval.shape[i], int) and aval.shape[i] % n:
+    for i, dim_axes in enumerate(view.dim_axes):
+        axes = tuple(a for k in dim_axes for a in groups[k])
+        c, d = mesh.count(axes), aval.shape[i]
+        if d % c if isinstance(d, int) else _symbol_bad(d, c):
             raise ShardingError(
-                f"{where}: dimension {i} of size {aval.shape[i]} is split {n} ways by the "
-                "Layout, which does not divide it.")
+                f"{where} = {view!r} splits dimension {i} (size {d}) of {what} into {c} "
+                f"parts, but {d} is not divisible by {c}.\nRule: every split dimension must "
+                "be divisible by its split count; fshard never falls back to replication."
+                f"\nFix: {_divisible_fix(d, c, mesh)}")
         dims.append(axes)
     return Sharding(tuple(dims))
 
@@ -188,9 +288,10 @@ def _spec(eq):
     return rule(*[a.aval for a in eq.inputs], **eq.params)
 
 
-def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel):
+def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
+             extra_comm: float = 0.0, out_demand: dict | None = None):
     ins, outs = candidate_shardings(spec, cand)
-    comm, n_coll = 0.0, 0
+    comm, n_coll = extra_comm, 0
     for a, req in zip(eq.inputs, ins):
         if isinstance(a, Var) and a in known:
             b = plan_bytes(known[a], req, a.aval, mesh)
@@ -202,8 +303,38 @@ def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel):
                 b = plan_bytes(out, req, v.aval, mesh)
                 comm += b
                 n_coll += bool(b)
+        for req in (out_demand or {}).get(v, ()):
+            steps = plan(out, req)
+            b = plan_bytes(out, req, v.aval, mesh)
+            # A pending sum resolved at a program output (a gradient's AllReduce) runs
+            # after everything else and overlaps the rest of the step: MindSpore weighs
+            # such communication by gamma (comm_with_partial_para).
+            if steps and all(st.kind == "psum" for st in steps):
+                b *= model.gamma
+            comm += b
+            n_coll += bool(b)
     memory = sum(local_bytes(o, v.aval, mesh) for o, v in zip(outs, eq.outputs))
     return model.score(compute_cost(spec, cand, mesh), comm, n_coll, memory)
+
+
+def _may_carry(eq) -> bool:
+    """Whether a pending sum may pass through ``eq`` at all (a cast must stay float)."""
+    if eq.prim.name == "cast":
+        return dtypes.is_float(eq.inputs[0].aval.dtype) and \
+            dtypes.is_float(eq.outputs[0].aval.dtype)
+    return True
+
+
+def _deferral_bytes(eq, spec, cand, mesh) -> float:
+    """What passing a pending sum through ``eq`` costs later: the AllReduce then runs
+    on the output instead of the operand, which costs more when the output is larger
+    (a broadcast), and less (never negative here) when it is smaller (a reduction)."""
+    ins, outs = candidate_shardings(spec, cand)
+    n = mesh.count(cand.carry)
+    before = max(local_bytes(s, a.aval, mesh) for k, (a, s) in enumerate(zip(eq.inputs, ins))
+                 if k in cand.carry_ops)
+    after = max(local_bytes(s, v.aval, mesh) for v, s in zip(eq.outputs, outs))
+    return max(0.0, 2.0 * (after - before) * (n - 1) / n)
 
 
 def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: ShardMesh,
@@ -211,10 +342,11 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
     """Give every value a sharding (MindSpore's BFS; see the module docstring)."""
     model = CostModel(level=level)
     known: dict = {v: s for v, s in zip(program.inputs, in_shardings) if s is not None}
-    demand: dict = {}
+    demand: dict = {}     # Var -> layouts its decided consumers need
+    out_demand: dict = {}  # Var -> layouts requested for it as a program output
     for v, s in zip(program.outputs, out_shardings):
         if isinstance(v, Var) and s is not None:
-            demand.setdefault(v, []).append(s)
+            out_demand.setdefault(v, []).append(s)
     consumers: dict = {}
     producer: dict = {}
     for i, eq in enumerate(program.equations):
@@ -229,10 +361,19 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
     def decide(i):
         eq, spec = program.equations[i], specs[i]
         best, best_score = None, None
-        for cand in candidates(spec, mesh):
-            score = _eq_cost(eq, spec, cand, known, demand, mesh, model)
-            if best_score is None or score < best_score:
-                best, best_score = cand, score
+        partials = [known[a].partial if isinstance(a, Var) and a in known else frozenset()
+                    for a in eq.inputs]
+        carry = any(partials) and _may_carry(eq)
+        for base in candidates(spec, mesh):
+            options = [(base, 0.0)]
+            if carry:
+                options += [(c, _deferral_bytes(eq, spec, c, mesh))
+                            for c in carry_variants(spec, base, eq.prim.name, partials)]
+            for cand, extra in options:
+                score = _eq_cost(eq, spec, cand, known, demand, mesh, model, extra,
+                                 out_demand)
+                if best_score is None or score < best_score:
+                    best, best_score = cand, score
         choice[i] = (spec, best)
         ins, outs = candidate_shardings(spec, best)
         for a, req in zip(eq.inputs, ins):
@@ -245,7 +386,10 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
             known[v] = out
 
     queue = deque()  # breadth-first from the annotated values only (as MindSpore)
-    for v in list(known):
+    # A replicated annotation constrains nothing (any block of it is a free local
+    # slice): start from the split ones, so their layouts reach those consumers first.
+    seeds = [v for v, s in known.items() if s.used] or list(known)
+    for v in seeds:
         queue.extend(consumers.get(v, []))
     while queue:
         i = queue.popleft()
@@ -288,6 +432,11 @@ def redistribute(x, src: Sharding, dst: Sharding, mesh: ShardMesh):
     return x
 
 
+#: Primitives that communicate between devices.
+COLLECTIVE_NAMES = frozenset({"psum", "all_gather", "psum_scatter", "all_to_all", "ppermute",
+                              "pmax", "pmin", "pmean", "pbroadcast", "broadcast"})
+
+
 @dataclass
 class Partitioned:
     """The per-device Program and the layouts at its boundary."""
@@ -298,6 +447,7 @@ class Partitioned:
     in_shardings: list
     out_shardings: list
     annotations: dict         # per-device Var -> Sharding (for printing)
+    name: str = ""
 
     def __str__(self) -> str:
         mesh = self.prop.mesh
@@ -306,40 +456,93 @@ class Partitioned:
             sh = self.annotations.get(v)
             return "{" + sh.describe(mesh) + "}" if sh is not None else ""
 
-        head = (f"# per-device program on {mesh.size} devices (mesh axes {mesh.names} of "
-                f"sizes {mesh.sizes}); {{strategy}} after each value\n")
+        of = f" of {self.name}" if self.name else ""
+        axes = ", ".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.sizes)) or "none"
+        colls = ", ".join(self.collectives()) or "none"
+        head = (f"# per-device program{of} on {mesh.size} devices (prime mesh axes {axes})\n"
+                "# {split counts per dimension} after each value, as MindSpore writes "
+                "strategies\n"
+                f"# collectives: {colls}\n")
         return head + pretty(self.program, annotate)
 
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_pretty_(self, p, cycle):  # IPython
+        p.text(str(self))
+
+    def input_layouts(self) -> list:
+        """The ``fs.Layout`` view of every input (for ``fs.visualize_sharding``)."""
+        return [s.to_layout(self.prop.mesh) for s in self.in_shardings]
+
+    def output_layouts(self) -> list:
+        """The ``fs.Layout`` view of every output."""
+        return [s.to_layout(self.prop.mesh) for s in self.out_shardings]
+
     def collectives(self) -> list[str]:
-        """Names of the collective equations, in order."""
-        names = {"psum", "all_gather", "psum_scatter", "all_to_all", "ppermute", "pmax",
-                 "pmin", "block_slice", "broadcast"}
-        return [eq.prim.name for eq in self.program.equations if eq.prim.name in names]
+        """Names of the communicating equations (collectives), in order. Local slices
+        (``block_slice``: keep this device's block of a value it holds whole) are not
+        communication and are not listed."""
+        return [eq.prim.name for eq in self.program.equations
+                if eq.prim.name in COLLECTIVE_NAMES]
 
     def strategies(self) -> dict:
-        """The strategy of every input, equation and output (a strategy file's content)."""
+        """The strategy of every input, equation and output (a strategy file's content,
+        JSON-ready): MindSpore's split counts per operand, plus the exact mesh axes
+        (``layout``, ``assignment``) that ``Sharded.load_strategies`` reads back."""
         mesh = self.prop.mesh
+
+        def value(s: Sharding) -> dict:
+            d = {"strategy": list(s.strategy(mesh)),
+                 "layout": [list(mesh.name(ax)) for ax in s.dims]}
+            if s.partial:
+                d["partial_sum"] = list(mesh.name(sorted(s.partial)))
+            return d
+
         eqs = []
         for eq, (spec, cand) in zip(self.prop.program.equations, self.prop.choice):
             ins, outs = candidate_shardings(spec, cand)
-            eqs.append({"primitive": eq.prim.name,
-                        "in_strategy": [s.strategy(mesh) for s in ins],
-                        "out_strategy": [s.strategy(mesh) for s in outs],
-                        "partial_sum": [mesh.count(s.partial) for s in outs if s.partial]})
+            entry = {"primitive": eq.prim.name,
+                     "in_strategy": [list(s.strategy(mesh)) for s in ins],
+                     "out_strategy": [list(s.strategy(mesh)) for s in outs],
+                     "partial_sum": [mesh.count(s.partial) for s in outs if s.partial],
+                     "assignment": [[lab, list(mesh.name(ax))] for lab, ax in cand.assign]}
+            if cand.carry:
+                entry["carry"] = list(mesh.name(sorted(cand.carry)))
+                entry["carry_operands"] = list(cand.carry_ops)
+            eqs.append(entry)
         return {"device_num": mesh.size,
-                "inputs": [s.strategy(mesh) for s in self.prop.in_shardings],
+                "mesh_axes": list(mesh.sizes),
+                "inputs": [value(s) for s in self.prop.in_shardings],
                 "equations": eqs,
-                "outputs": [s.strategy(mesh) for s in self.out_shardings]}
+                "outputs": [value(s) for s in self.out_shardings]}
 
 
 def _local_aval(aval, sh, mesh):
     return ArrayType(sh.local_shape(aval.shape, mesh), aval.dtype)
 
 
+def _as_produced(versions: dict, produced: Sharding) -> Sharding:
+    """The layout of an output left to propagation: as produced, except that a pending
+    sum is resolved, reusing a reduced version of it that a consumer already made."""
+    if not produced.partial:
+        return produced
+    for sh in versions:
+        if not sh.partial:
+            return sh
+    return Sharding(produced.dims)
+
+
 def partition(prop: Propagated) -> Partitioned:
+    """The per-device Program of a propagated one: each equation on local blocks, and
+    the collectives its operands' layout changes need.
+
+    Each value keeps every layout it has been moved to, so a second consumer that needs
+    the same layout (e.g. the reduced form of a pending sum) reuses it instead of
+    communicating again, and a new layout is reached from the cheapest one held.
+    """
     program, mesh = prop.program, prop.mesh
-    outs_sh = [s if s is not None else Sharding.replicated(v.aval.ndim)
-               for v, s in zip(program.outputs, prop.out_shardings)]
+    outs_sh = list(prop.out_shardings)
     annotations: dict = {}
 
     def note(x, sh):
@@ -350,16 +553,22 @@ def partition(prop: Propagated) -> Partitioned:
     def per_device(*local_inputs):
         for x, sh in zip(local_inputs, prop.in_shardings):
             note(x, sh)
-        env = dict(zip(program.inputs, local_inputs))
-        cur = dict(zip(program.inputs, prop.in_shardings))
+        held = {v: {s: x} for v, x, s in zip(program.inputs, local_inputs, prop.in_shardings)}
+
+        def get(a, req):
+            versions = held[a]
+            if req in versions:
+                return versions[req]
+            sources = [s for s in versions if req.partial <= s.partial]
+            src = min(sources, key=lambda s: (plan_bytes(s, req, a.aval, mesh),
+                                              len(plan(s, req))))
+            x = versions[req] = note(redistribute(versions[src], src, req, mesh), req)
+            return x
+
         for eq, (spec, cand) in zip(program.equations, prop.choice):
             ins, outs = candidate_shardings(spec, cand)
-            args = []
-            for a, req in zip(eq.inputs, ins):
-                if isinstance(a, Literal):
-                    args.append(a.value)
-                else:
-                    args.append(note(redistribute(env[a], cur[a], req, mesh), req))
+            args = [a.value if isinstance(a, Literal) else get(a, req)
+                    for a, req in zip(eq.inputs, ins)]
             params = eq.params
             if spec.local_params is not None:
                 params = spec.local_params(
@@ -368,17 +577,25 @@ def partition(prop: Propagated) -> Partitioned:
             res = bind(eq.prim, *args, **params)
             res = res if eq.prim.multiple_results else [res]
             for v, r, s in zip(eq.outputs, res, outs):
-                env[v], cur[v] = note(r, s), s
+                held[v] = {s: note(r, s)}
         results = []
-        for a, s in zip(program.outputs, outs_sh):
+        for k, a in enumerate(program.outputs):
             if isinstance(a, Literal):
+                outs_sh[k] = Sharding.replicated(a.aval.ndim)
                 results.append(a.value)
-            else:
-                results.append(note(redistribute(env[a], cur[a], s, mesh), s))
+                continue
+            if outs_sh[k] is None:
+                outs_sh[k] = _as_produced(held[a], prop.shardings.get(a) or next(iter(held[a])))
+            results.append(get(a, outs_sh[k]))
         return results
 
     local_avals = [_local_aval(v.aval, s, mesh) for v, s in zip(program.inputs, prop.in_shardings)]
-    pd_program, pd_consts = stage(per_device, local_avals)
+    from fshard.primitives.collectives import named_axis
+
+    with contextlib.ExitStack() as stack:
+        for name, size in zip(mesh.names, mesh.sizes):  # collectives read the axis sizes
+            stack.enter_context(named_axis(name, size))
+        pd_program, pd_consts = stage(per_device, local_avals)
     return Partitioned(prop, pd_program, pd_consts, prop.in_shardings, outs_sh, annotations)
 
 
@@ -453,116 +670,426 @@ def run_virtual(part: Partitioned, args: list):
 
 
 # ---------------------------------------------------------------------------
+# shard_call: one sharded computation as one equation
+# ---------------------------------------------------------------------------
+#
+# ``fs.shard`` binds ``shard_call`` with a ShardPlan: the *global* body Program, the
+# layouts at its boundary (None: left to propagation), the mesh and the objective.
+# Keeping the global body is what makes the derivative of a sharded function sharded
+# as well as the function itself (NB: JAX's pjit_p keeps its jaxpr the same way):
+#
+# - JVP: the body's JVP is split (partial evaluation) into a *known* shard_call
+#   (primal outputs + residuals) and a *linear* shard_call (residuals + tangents),
+#   both with the layouts the primal call's propagation chose;
+# - transpose: the linear body is transposed as a global Program, then propagated and
+#   partitioned like any other, so ``grad(shard(f))`` pays the collectives the
+#   backward math needs (one AllReduce for a Megatron MLP), never a per-device
+#   transpose of the forward collectives;
+# - lowering: on a virtual mesh, the per-device Program batched over the devices
+#   becomes one helper function of the generated MindSpore module.
+
+
+class ShardPlan:
+    """What one ``shard_call`` runs. Propagated and partitioned once, on first use."""
+
+    def __init__(self, body: Program, in_shardings, out_shardings, mesh: ShardMesh,
+                 level: int = 0, name: str = "f", search: bool = False, fixed=None):
+        assert body.n_consts == 0, "a shard_call body takes its constants as inputs"
+        self.body, self.mesh, self.level, self.name = body, mesh, level, name
+        self.in_shardings, self.out_shardings = list(in_shardings), list(out_shardings)
+        self.search, self.fixed = search, fixed
+        self._part = None
+        self._virtual = None
+
+    def partitioned(self) -> Partitioned:
+        if self._part is None:
+            prop = propagate(self.body, self.in_shardings, self.out_shardings, self.mesh,
+                             self.level)
+            if self.fixed is not None:
+                prop = _apply_fixed(prop, self.fixed)
+            elif self.search:
+                from fshard.search import refine
+
+                prop = refine(prop)
+            self._part = partition(prop)
+            self._part.name = self.name
+        return self._part
+
+    def virtual_program(self) -> tuple[Program, list]:
+        """The whole virtual-mesh run (split, per-device Program batched over the
+        devices, reassemble) as one Program, for lowering."""
+        if self._virtual is None:
+            part = self.partitioned()
+            self._virtual = stage(lambda *xs: run_virtual(part, list(xs)),
+                                  [v.aval for v in self.body.inputs])
+        return self._virtual
+
+    def __str__(self) -> str:
+        return f"<{self.name} on {self.mesh.size} devices>"
+
+    __repr__ = __str__
+
+
+def _shard_call_type(*avals, plan):
+    assert [tuple(a.shape) for a in avals] == [tuple(v.aval.shape) for v in plan.body.inputs], \
+        f"shard_call operands {avals} do not match its body"
+    return list(plan.body.out_avals)
+
+
+def _shard_call_impl(*args, plan):
+    part = plan.partitioned()
+    return run_virtual(part, list(args))
+
+
+def _shard_call_lowering(ctx, *exprs, plan):
+    from fshard.backend.mindspore import as_tensor
+
+    program, consts = plan.virtual_program()
+    closed = Program(program.inputs, program.equations, program.outputs)
+    args = [ctx.ref(as_tensor(c), "const") for c in consts] + list(exprs)
+    return f"{ctx.function(closed, 'shard')}({', '.join(args)})"
+
+
+def _closed(program: Program) -> Program:
+    return Program(program.inputs, program.equations, program.outputs)
+
+
+def _shard_call_jvp(primals, tangents, *, plan):
+    """Known shard_call (primal outputs + residuals), then linear shard_call."""
+    from fshard.primitives._define import Zero, instantiate
+    from fshard.transforms.ad import jvp_program, partial_eval
+
+    body, part = plan.body, plan.partitioned()
+    ins, outs = part.in_shardings, part.out_shardings
+    nz = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
+    in_avals = [v.aval for v in body.inputs]
+    n_in, n_out = len(in_avals), len(body.outputs)
+
+    def jvp_flat(*xs):
+        ts = [Zero(a) for a in in_avals]
+        for i, t in zip(nz, xs[n_in:]):
+            ts[i] = t
+        o, to = jvp_program(body, list(xs[:n_in]), ts)
+        return list(o) + [instantiate(t) for t in to]
+
+    jprog, jconsts = stage(jvp_flat, in_avals + [in_avals[i] for i in nz])
+    n_jc = len(jconsts)
+    known, linear = partial_eval(jprog, [False] * (n_jc + n_in) + [True] * len(nz))
+    primal_out = {}
+    for j, a in enumerate(jprog.outputs[:n_out]):
+        if isinstance(a, Var):
+            primal_out.setdefault(a, outs[j])
+    const_sh = [Sharding.replicated(v.aval.ndim) for v in jprog.inputs[:n_jc]]
+    known_plan = ShardPlan(_closed(known), const_sh + list(ins),
+                           [primal_out.get(r) for r in known.outputs], plan.mesh, plan.level,
+                           f"{plan.name}:primal")
+    res = shard_call_p.bind(*jconsts, *primals, plan=known_plan)
+    value = dict(zip(known.outputs, res))
+    primals_out = [a.value if isinstance(a, Literal) else value[a]
+                   for a in jprog.outputs[:n_out]]
+    res_sh = known_plan.partitioned().out_shardings
+    lin = Program(linear.inputs, linear.equations, linear.outputs[n_out:])
+    lin_plan = ShardPlan(lin, list(res_sh) + [ins[i] for i in nz], list(outs), plan.mesh,
+                         plan.level, f"{plan.name}:tangent")
+    tangents_out = shard_call_p.bind(*res, *[tangents[i] for i in nz], plan=lin_plan)
+    return primals_out, list(tangents_out)
+
+
+def _shard_call_transpose(cts, *args, plan):
+    """Transpose the global body, then shard it like any Program."""
+    from fshard.primitives._define import Zero, instantiate, is_undefined
+    from fshard.transforms.ad import backward_pass, partial_eval
+
+    body, part = plan.body, plan.partitioned()
+    ins, outs = part.in_shardings, part.out_shardings
+    lin = [i for i, a in enumerate(args) if is_undefined(a)]
+    res = [i for i, a in enumerate(args) if not is_undefined(a)]
+    nzc = [j for j, c in enumerate(cts) if not isinstance(c, Zero)]
+    if not nzc:
+        return [Zero(args[i].aval) if i in lin else None for i in range(len(args))]
+    reordered = Program([body.inputs[i] for i in res] + [body.inputs[i] for i in lin],
+                        body.equations, body.outputs)
+    known, linear = partial_eval(reordered, [False] * len(res) + [True] * len(lin))
+
+    def transposed(*xs):
+        residuals = eval_program(known, *xs[:len(res)])
+        cs = [Zero(a.aval) for a in body.outputs]
+        for j, c in zip(nzc, xs[len(res):]):
+            cs[j] = c
+        cts_in = backward_pass(linear, len(known.outputs), residuals, cs)
+        return [instantiate(c) for c in cts_in]
+
+    t_prog, t_consts = stage(transposed, [body.inputs[i].aval for i in res]
+                             + [body.outputs[j].aval for j in nzc])
+    t_plan = ShardPlan(
+        _closed(t_prog),
+        [Sharding.replicated(v.aval.ndim) for v in t_prog.inputs[:len(t_consts)]]
+        + [ins[i] for i in res] + [outs[j] for j in nzc],
+        [ins[i] for i in lin], plan.mesh, plan.level, f"{plan.name}:transpose")
+    cts_in = shard_call_p.bind(*t_consts, *[args[i] for i in res],
+                               *[cts[j] for j in nzc], plan=t_plan)
+    it = iter(cts_in)
+    return [next(it) if i in lin else None for i in range(len(args))]
+
+
+def _shard_call_batching(args, dims, *, plan):
+    """A batched shard_call shards the batched body; the batch dimension is replicated
+    (this serves ``jacrev``/``hessian`` of a sharded function; ``vmap(shard(f))`` itself
+    is refused before it gets here, see ``Sharded.__call__``)."""
+    from fshard.primitives._batching import move_axis
+    from fshard.transforms.vmap import batch_program, current_axis
+
+    axis = current_axis()
+    args = [x if d is None else move_axis(x, d, 0) for x, d in zip(args, dims)]
+    dims = [None if d is None else 0 for d in dims]
+    body = plan.body
+    in_avals = [v.aval if d is None else ArrayType((axis.size,) + tuple(v.aval.shape),
+                                                   v.aval.dtype)
+                for v, d in zip(body.inputs, dims)]
+
+    def batched(*xs):
+        from fshard.primitives._batching import batch_to_front
+
+        o, od = batch_program(body, list(xs), list(dims), axis)
+        return [batch_to_front(y, d, axis.size) for y, d in zip(o, od)]
+
+    b_prog, b_consts = stage(batched, in_avals)
+
+    def lift(sh):
+        return None if sh is None else Sharding(((),) + tuple(sh.dims), sh.partial)
+
+    b_plan = ShardPlan(
+        _closed(b_prog),
+        [Sharding.replicated(v.aval.ndim) for v in b_prog.inputs[:len(b_consts)]]
+        + [sh if d is None else lift(sh) for sh, d in zip(plan.in_shardings, dims)],
+        [lift(sh) for sh in plan.out_shardings], plan.mesh, plan.level,
+        f"{plan.name}:batched")
+    outs = shard_call_p.bind(*b_consts, *args, plan=b_plan)
+    return list(outs), [0] * len(outs)
+
+
+def _def_shard_call():
+    from fshard.core import Primitive
+    from fshard.rules import (
+        abstract_eval,
+        batching,
+        impl,
+        jvp,
+        lowering,
+        register_primitive,
+        transpose,
+        unsupported,
+    )
+
+    prim = Primitive("shard_call", multiple_results=True)
+    register_primitive(prim, "spmd")
+    abstract_eval.set(prim, _shard_call_type)
+    impl.set(prim, _shard_call_impl)
+    lowering.set(prim, _shard_call_lowering)
+    jvp.set(prim, _shard_call_jvp)
+    transpose.set(prim, _shard_call_transpose)
+    batching.set(prim, _shard_call_batching)
+    unsupported(prim, "sharding", "fs.shard cannot nest: a shard_call is never re-sharded")
+    return prim
+
+
+shard_call_p = _def_shard_call()
+
+
+# ---------------------------------------------------------------------------
 # The user API
 # ---------------------------------------------------------------------------
 
 _DEVICES = ("CPU", "GPU", "Ascend")
 
 
-def _check_device(device):
+def _check_device(device, fname: str):
+    """``device`` names where MindSpore runs ("CPU", "GPU", "Ascend", any case) or is None."""
     if device is None:
-        return
-    if device not in _DEVICES:
+        return None
+    names = {d.lower(): d for d in _DEVICES}
+    if not isinstance(device, str) or device.lower() not in names:
         raise ShardingError(
-            f"device must be one of {_DEVICES} or None, got {device!r}.")
+            f"shard({fname}): device must be 'CPU', 'GPU', 'Ascend' or None; got "
+            f"{device!r}.\nFix: pass the device MindSpore runs on, or None to use it.")
+    device = names[device.lower()]
     import mindspore as ms
 
     target = ms.get_context("device_target")
     if device != target:
         raise ShardingError(
-            f"device={device!r} is not where MindSpore runs here (device_target is "
-            f"{target!r}).\nFix: pass device={target!r} or None, or set "
-            "mindspore.set_device(...) first.")
+            f"shard({fname}): device={device!r} is not available: MindSpore runs on "
+            f"{target!r} here (mindspore.get_context('device_target')).\nFix: pass "
+            f"device={target!r} or None, or run where {device} devices exist and call "
+            f"mindspore.set_device({device!r}) first.")
+    return device
 
 
-def _device_count(mesh) -> int:
-    if mesh is not None:
-        if isinstance(mesh, int):
-            return mesh
-        return mesh.size
-    try:
-        from fshard.mesh import resolve_mesh
+def _device_count(mesh, fname: str) -> int:
+    """The number of devices: ``mesh`` (an int or fs.Mesh), else the mesh in effect."""
+    from fshard.mesh import Mesh, resolve_mesh
 
+    if mesh is None:
         return resolve_mesh(None).size
-    except ImportError:  # pragma: no cover - mesh module always present when installed
-        return int(os.environ.get("FSHARD_DEVICES", "1"))
+    if isinstance(mesh, Mesh):
+        return mesh.size
+    if _is_count(mesh) and mesh >= 1:
+        return int(mesh)
+    raise ShardingError(
+        f"shard({fname}): mesh must be an fs.Mesh, a positive device count, or None; got "
+        f"{type(mesh).__name__} {mesh!r}.\nFix: mesh=8 or mesh=fs.Mesh((2, 4), ('dp', 'mp')).")
+
+
+def _is_strategy_leaf(s) -> bool:
+    """A strategy (not a container of strategies): None, a Layout, or a flat tuple."""
+    from fshard.layout import Layout
+
+    if s is None or isinstance(s, Layout):
+        return True
+    if isinstance(s, (tuple, list)):
+        return all(not isinstance(c, (tuple, list, dict, Layout)) and c is not None
+                   for c in s)
+    return not isinstance(s, dict)
+
+
+def _arg_names(fn) -> list[str]:
+    import inspect
+
+    try:
+        target = fn.construct if hasattr(fn, "construct") else fn
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in sig.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 class Sharded:
-    """The callable returned by ``fs.shard``."""
+    """The callable returned by ``fs.shard`` (see ``shard``).
+
+    Besides calling it: ``partitioned(*args)`` gives the per-device program,
+    ``strategies(*args)`` the strategy of every value (a strategy file's content),
+    ``save_strategies(path, *args)`` / ``load_strategies(path)`` write and reuse them.
+    """
 
     def __init__(self, fn, in_strategy, out_strategy, parameter_plan, device, level, mesh,
                  dataset_strategy, search):
-        if level not in (0, 1, 2):
+        fname = fun_name(fn)
+        from fshard.cells import functional, is_cell
+
+        if not callable(fn):
             raise ShardingError(
-                f"level must be 0 (best compute/communication ratio), 1 (least memory) or "
-                f"2 (fastest), got {level!r}.")
+                f"fs.shard expects a function or an nn.Cell; got {type(fn).__name__} {fn!r}.")
+        if isinstance(level, bool) or level not in (0, 1, 2):
+            raise ShardingError(
+                f"shard({fname}): level must be 0 (best compute/communication ratio), 1 "
+                f"(least memory) or 2 (fastest); got {level!r}.\nFix: pass level=0, 1 or 2.")
         if dataset_strategy not in ("full_batch", "data_parallel"):
             raise ShardingError(
-                f"dataset_strategy must be 'full_batch' or 'data_parallel', got "
+                f"shard({fname}): dataset_strategy must be 'full_batch' (inputs and outputs "
+                "whole) or 'data_parallel' (inputs and outputs split along the batch); got "
                 f"{dataset_strategy!r}.")
         if not isinstance(in_strategy, (tuple, list)):
             raise ShardingError(
-                f"in_strategy must be a tuple with one entry per positional input, got "
-                f"{type(in_strategy).__name__} {in_strategy!r}.\nFix: e.g. "
+                f"shard({fname}): in_strategy must be a tuple with one entry per positional "
+                f"argument; got {type(in_strategy).__name__} {in_strategy!r}.\nFix: e.g. "
                 "in_strategy=((4, 2), None, None).")
-        _check_device(device)
+        self.device = _check_device(device, fname)
+        if mesh is None:  # made inside `with fs.Mesh(...)`: keep that mesh
+            from fshard.mesh import current_mesh
+
+            mesh = current_mesh()
+        else:
+            _device_count(mesh, fname)
         self.fn, self.in_strategy, self.out_strategy = fn, tuple(in_strategy), out_strategy
         self.parameter_plan, self.level, self.mesh = parameter_plan, level, mesh
         self.dataset_strategy, self.search = dataset_strategy, search
         self._cache: dict = {}
+        self._fixed = None
         self._cell = None
-        self._param_names: list = []
-        from fshard.cells import functional, is_cell
-
+        self._param_plan: dict = {}
+        self._arg_names = _arg_names(fn)
         if is_cell(fn):
             self._cell = fn
-            self._apply, params = functional(fn)
-            self._param_names = list(params)
-            self._param_plan = _resolve_parameter_plan(fn, parameter_plan, self._param_names)
+            self._apply, _ = functional(fn)
+            self._param_plan = _resolve_parameter_plan(fn, parameter_plan, fname)
         elif parameter_plan:
-            raise ShardingError("parameter_plan is only valid when sharding an nn.Cell.")
-        functools.update_wrapper(self, fn if callable(fn) else self.__call__, updated=())
+            raise ShardingError(
+                f"shard({fname}): parameter_plan applies to the parameters of an nn.Cell, "
+                f"but {fname} is a function.\nFix: pass the function's arrays as arguments "
+                "and give their strategies in in_strategy.")
+        functools.update_wrapper(self, fn, updated=())
 
     # -- tracing -----------------------------------------------------------
+    def _what(self, i: int, path, x) -> str:
+        name = self._arg_names[i] if i < len(self._arg_names) else None
+        label = f"argument {name!r}" if name else f"argument {i}"
+        return f"{label}{tree.keystr(path)} ({typeof(x)})"
+
     def _flat_call(self, args):
-        """(function of flat leaves, leaves, per-leaf strategy entries, in_tree)."""
+        """(function of flat leaves, leaves, per-leaf (entry, where, what), in_tree)."""
         fname = fun_name(self.fn)
         if len(args) != len(self.in_strategy):
+            hint = ""
+            if self.in_strategy and all(_is_count(c) for c in self.in_strategy):
+                hint = (f" For one argument, write in_strategy=({self.in_strategy!r},) "
+                        "(a tuple of strategies).")
             raise ShardingError(
-                f"shard({fname}): in_strategy has {len(self.in_strategy)} entries but the "
-                f"function was called with {len(args)} positional inputs.\nFix: give one "
-                "strategy (or None) per positional input.")
+                f"shard({fname}): in_strategy has "
+                f"{_plural(len(self.in_strategy), 'entry', 'entries')}, but {fname} was "
+                f"called with {_plural(len(args), 'positional argument', 'positional arguments')}."
+                "\nRule: in_strategy gives one strategy (or None) per positional argument."
+                f"\nFix: give {_plural(len(args), 'entry', 'entries')}; None lets "
+                f"propagation choose.{hint}")
         entries = []
         for i, (a, s) in enumerate(zip(args, self.in_strategy)):
-            n = len(tree.leaves(a))
-            if s is not None and n != 1:
+            paths, leaves_i, _ = tree.flatten_with_path(a)
+            try:
+                per_leaf = tree.broadcast_prefix(s, a, is_leaf=_is_strategy_leaf)
+            except ValueError as e:
                 raise ShardingError(
-                    f"shard({fname}): in_strategy[{i}] is set, but input {i} is a pytree with "
-                    f"{n} arrays; strategies apply to single arrays.\nFix: pass None for it.")
-            entries.extend([s] * n)
+                    f"shard({fname}): in_strategy[{i}] = {s!r} does not match the structure "
+                    f"of argument {i}: {e}\nFix: give one strategy per array (a pytree "
+                    "prefix of the argument), or None.") from None
+            for p, x, e in zip(paths, leaves_i, per_leaf):
+                entries.append((e, f"shard({fname}): in_strategy[{i}]{tree.keystr(p)}",
+                                self._what(i, p, x), True))
         fn = self.fn
         if self._cell is not None:
-            params = {n: p for n, p in self._cell.parameters_and_names()}
+            params = dict(self._cell.parameters_and_names())
+            order = tree.leaves({n: n for n in params})
+            p_entries = []
+            for n in order:
+                key, strat = self._param_plan.get(n, (None, None))
+                p_entries.append((strat, f"shard({fname}): parameter_plan[{key!r}]",
+                                  f"parameter {n!r} ({typeof(params[n])})", False))
+            entries = p_entries + entries
             args = (params,) + tuple(args)
-            entries = [self._param_plan.get(n) for n in sorted(params)] + entries
             fn = self._apply
         leaves, in_tree = tree.flatten((tuple(args), {}))
+        assert len(leaves) == len(entries), "one strategy per leaf"
         return fn, leaves, entries, in_tree
 
-    def partitioned(self, *args) -> Partitioned:
-        """Propagate and partition for these arguments (cached by signature)."""
+    def _prepare(self, args):
         fn, leaves, entries, in_tree = self._flat_call(args)
-        return self._partition(fn, leaves, entries, in_tree)[0]
+        plan, traced = self._plan(fn, leaves, entries, in_tree)
+        return plan, traced, leaves
 
-    def _partition(self, fn, leaves, entries, in_tree):
-        n = _device_count(self.mesh)
+    def partitioned(self, *args) -> Partitioned:
+        """The per-device program for these arguments (print it to read it).
+
+        Its ``collectives()`` lists the communication, ``strategies()`` the layouts.
+        """
+        return self._prepare(args)[0].partitioned()
+
+    def _plan(self, fn, leaves, entries, in_tree):
+        fname = fun_name(self.fn)
+        n = _device_count(self.mesh, fname)
         key = (in_tree, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves), n)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         mesh = ShardMesh.for_devices(n)
-        fname = fun_name(self.fn)
         global _shard_depth
         _shard_depth += 1
         try:
@@ -573,93 +1100,200 @@ class Sharded:
         avals = [v.aval for v in prog.inputs]
         n_c = prog.n_consts
         in_sh = [Sharding.replicated(a.ndim) for a in avals[:n_c]]
-        for i, (e, a) in enumerate(zip(entries, avals[n_c:])):
-            where = f"shard({fname}): in_strategy[{i}]" if self._cell is None else \
-                f"shard({fname}): strategy of input {i}"
-            sh = parse_strategy(e, a, mesh, where)
-            if sh is None and self.dataset_strategy == "data_parallel" and a.ndim and \
-                    i >= len(self._param_names):
-                sh = parse_strategy((mesh.size,) + (1,) * (a.ndim - 1), a, mesh, where)
-            in_sh.append(sh)
+        for (e, where, what, is_arg), a in zip(entries, avals[n_c:]):
+            if e is None and is_arg and self.dataset_strategy == "data_parallel" and a.ndim:
+                e = (n,) + (1,) * (a.ndim - 1)
+                where = (f"shard({fname}): dataset_strategy='data_parallel' makes each "
+                         "unannotated argument a batch slice per device, the strategy")
+            in_sh.append(parse_strategy(e, a, mesh, where, what))
         out_sh = self._out_shardings(prog, mesh, fname, traced.out_tree)
-        prop = propagate(prog, in_sh, out_sh, mesh, self.level)
-        if self.search:
-            from fshard.search import refine
-
-            prop = refine(prop)
-        part = partition(prop)
-        self._cache[key] = (part, traced)
-        return part, traced
+        body = Program(prog.inputs, prog.equations, prog.outputs)
+        plan = ShardPlan(body, in_sh, out_sh, mesh, self.level, fname, self.search,
+                         self._fixed)
+        self._cache[key] = (plan, traced)
+        return plan, traced
 
     def _out_shardings(self, prog, mesh, fname, out_tree):
         outs = prog.out_avals
         if self.out_strategy is None:
             if self.dataset_strategy == "data_parallel":
                 return [parse_strategy((mesh.size,) + (1,) * (a.ndim - 1), a, mesh,
-                                       f"shard({fname}) data_parallel output") if a.ndim else
-                        Sharding.replicated(0) for a in outs]
+                                       f"shard({fname}): dataset_strategy='data_parallel' "
+                                       "splits each output along the batch, the strategy",
+                                       f"output {k} ({a})") if a.ndim else
+                        Sharding.replicated(0) for k, a in enumerate(outs)]
             return [Sharding.replicated(a.ndim) for a in outs]
         strat = self.out_strategy
-        if not isinstance(strat, (tuple, list)) or (outs and len(outs) == 1 and
-                                                     strat and isinstance(strat[0], int)):
-            strat = (strat,)
-        if len(strat) != len(outs):
-            raise ShardingError(
-                f"shard({fname}): out_strategy has {len(strat)} entries but the function "
-                f"returns {len(outs)} arrays.")
-        return [parse_strategy(s, a, mesh, f"shard({fname}): out_strategy[{i}]") or
-                Sharding.replicated(a.ndim) for i, (s, a) in enumerate(zip(strat, outs))]
+        shape = tree.unflatten(out_tree, [str(a) for a in outs])
+        if out_tree.is_leaf():
+            if isinstance(strat, (tuple, list)) and not _is_strategy_leaf(strat):
+                if len(strat) != 1:
+                    raise ShardingError(
+                        f"shard({fname}): out_strategy has {len(strat)} entries, but {fname} "
+                        f"returns 1 array ({outs[0]}).\nRule: out_strategy gives one strategy "
+                        "per output.\nFix: give one entry, e.g. out_strategy=((8, 1),), or "
+                        "None for the default layout.")
+                strat = strat[0]
+            per_leaf = [strat]
+        else:
+            if isinstance(strat, (tuple, list)) and isinstance(shape, (tuple, list)) and \
+                    not _is_strategy_leaf(strat) and len(strat) != len(shape):
+                raise ShardingError(
+                    f"shard({fname}): out_strategy has {len(strat)} entries, but {fname} "
+                    f"returns {len(shape)} outputs {shape}.\nRule: out_strategy gives one "
+                    "strategy per output.\nFix: give one entry per output (None for the "
+                    "default layout of that output).")
+            try:
+                per_leaf = tree.broadcast_prefix(strat, shape, is_leaf=_is_strategy_leaf)
+            except ValueError as e:
+                raise ShardingError(
+                    f"shard({fname}): out_strategy = {strat!r} does not match the outputs "
+                    f"{shape}: {e}\nFix: give a pytree prefix of the outputs.") from None
+        paths, _, _ = tree.flatten_with_path(shape)
+        out = []
+        for k, (s, a, p) in enumerate(zip(per_leaf, outs, paths)):
+            sh = parse_strategy(s, a, mesh, f"shard({fname}): out_strategy{tree.keystr(p)}",
+                                f"output {k} ({a})")
+            out.append(sh if sh is not None else Sharding.replicated(a.ndim))
+        return out
 
     # -- calling -------------------------------------------------------------
-    def __call__(self, *args):
-        global _shard_depth
+    def __call__(self, *args, **kwargs):
         from fshard.transforms.vmap import inside_vmap
 
         fname = fun_name(self.fn)
         if inside_vmap():
             raise CompositionError(
-                f"shard({fname}) is applied inside vmap, which fshard does not allow: shard "
-                "must sit outside vmap.\nAllowed form: fs.shard(fs.vmap(f), in_strategy=...). "
-                "Refused: fs.vmap(fs.shard(f, ...)).")
+                f"shard({fname}) is applied inside vmap, which fshard does not allow.\nRule: "
+                "shard must sit outside vmap (as in MindSpore).\nAllowed form: "
+                f"fs.shard(fs.vmap({fname}), in_strategy=...); refused: "
+                f"fs.vmap(fs.shard({fname}, ...)).")
         if _shard_depth:
             raise CompositionError(
-                f"shard({fname}) is nested inside another fs.shard, which is not allowed.\n"
-                "Allowed form: one fs.shard around the whole computation; annotate inner "
-                "values through its in_strategy/out_strategy instead.")
-        fn, leaves, entries, in_tree = self._flat_call(args)
-        part, traced = self._partition(fn, leaves, entries, in_tree)
-        _shard_depth += 1
-        try:
-            outs = run_virtual(part, list(traced.consts) + list(leaves))
-        finally:
-            _shard_depth -= 1
+                f"shard({fname}) is nested inside another fs.shard, which fshard does not "
+                "allow.\nRule: shard cannot nest (as in MindSpore).\nAllowed form: one "
+                "fs.shard around the whole computation; fix inner layouts with its "
+                "in_strategy/out_strategy.")
+        if kwargs:
+            raise ShardingError(
+                f"shard({fname}) was called with keyword arguments {sorted(kwargs)}; a "
+                "sharded function takes its arrays positionally (one in_strategy entry "
+                "each).\nFix: pass them positionally.")
+        plan, traced, leaves = self._prepare(args)
+        outs = shard_call_p.bind(*traced.consts, *leaves, plan=plan)
         return tree.unflatten(traced.out_tree, outs)
+
+    # -- strategies ----------------------------------------------------------
+    def strategies(self, *args) -> dict:
+        """The strategy of every input, equation and output for these arguments: what
+        MindSpore writes to a strategy file, plus the exact mesh axes.
+
+        >>> import numpy as np, fshard as fs
+        >>> f = fs.shard(lambda x: x * 2.0, in_strategy=((2, 1),), mesh=2)
+        >>> f.strategies(np.ones((4, 3), np.float32))["inputs"][0]["strategy"]
+        [2, 1]
+        """
+        out = self.partitioned(*args).strategies()
+        out["function"] = fun_name(self.fn)
+        return out
+
+    def save_strategies(self, path, *args) -> dict:
+        """Write ``strategies(*args)`` to ``path`` as JSON; returns it."""
+        data = self.strategies(*args)
+        with open(path, "w") as fh:
+            json.dump(data, fh, indent=1)
+        return data
+
+    def load_strategies(self, path) -> "Sharded":
+        """Use the strategies saved in ``path`` instead of propagating (checked against
+        the program when called). Returns ``self``."""
+        with open(path) as fh:
+            self._fixed = json.load(fh)
+        self._cache.clear()
+        return self
 
     def __repr__(self) -> str:
         return f"fs.shard({fun_name(self.fn)})"
 
 
-def _resolve_parameter_plan(cell, plan_, names) -> dict:
-    """parameter_plan keys -> parameter names; accepts 'self.'-prefixed and path names."""
+def _resolve_parameter_plan(cell, plan_, fname) -> dict:
+    """parameter_plan keys -> ``{path inside the Cell: (key, strategy)}``.
+
+    A key names a parameter by its path inside the sharded Cell (``'dense2.weight'``)
+    or by its MindSpore name (``Parameter.name``, e.g. ``'block1.dense2.weight'`` for a
+    sub-cell), either with a leading ``'self.'``. A key that names no parameter is an
+    error (MindSpore skips it silently).
+    """
     if not plan_:
         return {}
-    out = {}
-    prefix = getattr(cell, "param_prefix", "") or ""
+    if not isinstance(plan_, dict):
+        raise ShardingError(
+            f"shard({fname}): parameter_plan must be a dict {{parameter name: strategy}}; "
+            f"got {type(plan_).__name__} {plan_!r}.")
+    params = list(cell.parameters_and_names())
+    by_name = {}
+    for path, p in params:
+        by_name.setdefault(path, path)
+        by_name.setdefault(getattr(p, "name", path), path)
+    out: dict = {}
     for key, strat in plan_.items():
-        k = key[5:] if key.startswith("self.") else key
-        match = [n for n in names if n == k or (prefix and f"{prefix}.{n}" == k)
-                 or k.endswith("." + n) and _suffix_ok(k, n)]
-        if not match:
+        k = key[5:] if isinstance(key, str) and key.startswith("self.") else key
+        path = by_name.get(k)
+        if path is None:
+            listing = ", ".join(path if p.name == path else f"{path} ({p.name})"
+                                for path, p in params)
             raise ShardingError(
-                f"parameter_plan key {key!r} matches no parameter of "
-                f"{type(cell).__name__}; its parameters are {names}.\nFix: use one of "
-                "those names (optionally prefixed with 'self.' or the Cell's own path).")
-        out[match[0]] = strat
+                f"shard({fname}): parameter_plan key {key!r} names no parameter of the "
+                f"sharded {type(cell).__name__}.\nIts parameters (path inside the Cell, "
+                f"and MindSpore name) are: {listing}.\nFix: use one of those names, "
+                "optionally prefixed with 'self.'.")
+        if path in out:
+            raise ShardingError(
+                f"shard({fname}): parameter_plan names the parameter {path!r} twice (as "
+                f"{out[path][0]!r} and {key!r}).\nFix: keep one entry.")
+        out[path] = (key, strat)
     return out
 
 
-def _suffix_ok(key: str, name: str) -> bool:
-    return key.endswith("." + name)
+def _apply_fixed(prop: Propagated, data: dict) -> Propagated:
+    """Replace propagation's choices by those of a loaded strategy file."""
+    from fshard.sharding import Candidate
+
+    mesh, program = prop.mesh, prop.program
+
+    def axes_of(names):
+        return tuple(int(n[1:]) for n in names)
+
+    def bad(why):
+        raise ShardingError(
+            f"the loaded strategy file does not fit this program: {why}.\nFix: save the "
+            "strategies again (save_strategies) for this function and these argument "
+            "shapes.")
+
+    if data.get("device_num") != mesh.size:
+        bad(f"it is for {data.get('device_num')} devices, the mesh has {mesh.size}")
+    eqs = data.get("equations", [])
+    if len(eqs) != len(program.equations):
+        bad(f"it has {len(eqs)} equations, the program {len(program.equations)}")
+    known = {}
+    ins = []
+    for v, entry in zip(program.inputs, data["inputs"]):
+        sh = Sharding(tuple(axes_of(d) for d in entry["layout"]))
+        known[v] = sh
+        ins.append(sh)
+    choice = []
+    for k, (eq, entry, (spec, _)) in enumerate(zip(program.equations, eqs, prop.choice)):
+        if entry["primitive"] != eq.prim.name:
+            bad(f"equation {k} is '{eq.prim.name}' here but '{entry['primitive']}' in the "
+                "file")
+        cand = Candidate(tuple((lab, axes_of(ax)) for lab, ax in entry["assignment"]),
+                         frozenset(axes_of(entry.get("carry", []))),
+                         tuple(entry.get("carry_operands", [])))
+        choice.append((spec, cand))
+        _, outs = candidate_shardings(spec, cand)
+        known.update(zip(eq.outputs, outs))
+    return Propagated(program, mesh, known, choice, ins, prop.out_shardings,
+                      prop.given_inputs, prop.level)
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device=None, level=0,
@@ -674,25 +1308,42 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device=None, 
     >>> fs.shard(dense_relu, in_strategy=((4, 2), None), mesh=8)(x, w).shape
     (8, 2)
 
-    Args:
-        fn: a function or ``nn.Cell``.
-        in_strategy: one entry per positional input: split counts per dimension (e.g.
-            ``(4, 2)``), a ``fs.Layout`` view, or None (derived by propagation).
-        out_strategy: the same for the outputs; None: replicated (``full_batch``) or
-            split along the batch (``data_parallel``).
-        parameter_plan: for a Cell, ``{parameter name: strategy}``.
-        device: "CPU", "GPU" or "Ascend" (checked against where MindSpore runs) or None.
-        level: propagation objective: 0 compute/communication ratio, 1 memory, 2 speed.
-        mesh: a ``fs.Mesh`` or a device count; default from ``with fs.Mesh``, the
-            launcher's world, or ``FSHARD_DEVICES``.
-        dataset_strategy: "full_batch" (default) or "data_parallel".
-        search: refine propagation by exact search (small programs).
+    The result equals ``fn``'s, whatever the strategies; only where the work and the
+    communication happen changes. Inspect it with ``fs.make_ir(sharded)(*args)`` (the
+    per-device program, with each value's layout and the collectives) and
+    ``sharded.strategies(*args)``.
 
-    See also: docs/shard.md, ``Sharded.partitioned(*args)`` for the per-device program.
+    Args:
+        fn: a function of arrays (pytrees allowed) or an ``nn.Cell``.
+        in_strategy: one entry per positional argument: split counts per dimension
+            (``(4, 2)``: dim 0 in 4 parts, dim 1 in 2), an ``fs.Layout`` view, or None
+            (derived by propagation). A product of split counts smaller than the device
+            count leaves replicas. For a pytree argument, a pytree prefix of it.
+        out_strategy: the same for the outputs (a pytree prefix of them); None:
+            replicated (``full_batch``) or split along the batch (``data_parallel``).
+        parameter_plan: for a Cell, ``{parameter name: strategy}``; names are paths
+            inside the Cell or MindSpore names, optionally with ``'self.'``.
+        device: "CPU", "GPU" or "Ascend" (checked against where MindSpore runs) or None.
+        level: propagation objective: 0 compute/communication ratio, 1 least memory,
+            2 fastest.
+        mesh: an ``fs.Mesh`` or a device count; default: the ``with fs.Mesh`` block,
+            the launcher's world, or ``FSHARD_DEVICES``.
+        dataset_strategy: "full_batch" (default: whole inputs, replicated outputs) or
+            "data_parallel" (an unannotated argument is each device's batch slice; the
+            outputs are split along the batch).
+        search: refine propagation by a search over the whole program's cost.
+
+    Raises:
+        ShardingError: an invalid strategy, layout, mesh, device, level or parameter
+            name (checked when the function is called, against the arguments).
+        CompositionError: ``vmap(shard(f))`` or a shard nested in a shard.
+
+    See also: docs/shard.md, ``fs.Layout``, ``fs.visualize_sharding``.
     """
     if isinstance(fn, Sharded):
         raise CompositionError(
-            "fs.shard was applied to a function that is already sharded; nested shard is "
-            "not allowed.\nAllowed form: a single fs.shard around the whole computation.")
+            f"fs.shard was applied to {fn!r}, which is already sharded.\nRule: shard cannot "
+            "nest (as in MindSpore).\nAllowed form: a single fs.shard around the whole "
+            "computation.")
     return Sharded(fn, in_strategy, out_strategy, parameter_plan, device, level, mesh,
                    dataset_strategy, search)

@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 from fshard import dtypes, tree
 from fshard.core import ArrayType, EvalTrace, current_trace, typeof
 from fshard.errors import DifferentiationError
 from fshard.interpret import eval_program
 from fshard.ir import Program
-from fshard.primitives._batching import batch_to_front, move_axis
+from fshard.primitives._batching import batch_size, batch_to_front, move_axis
 from fshard.primitives._define import Zero, def_primitive, instantiate
-from fshard.rules import batching, transpose, unsupported
+from fshard.rules import batching, sharding, transpose, unsupported
 from fshard.rules import jvp as jvp_rules
+from fshard.sharding import FactorSpec
 from fshard.staging import fun_name, stage
 
 FAMILY = "control"
@@ -87,8 +89,14 @@ def _merge_args(nondiff, nums, diff):
     return [next(it_n) if i in nums else next(it_d) for i in range(len(nondiff) + len(diff))]
 
 
-def _tree_types(x) -> str:
-    return str(tree.map(lambda v: str(typeof(v)), x))
+def _describe(x) -> str:
+    """``a tuple of length 3`` / ``f32[3]``: what a rule returned, for error messages."""
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of length {len(x)}"
+    try:
+        return str(typeof(x))
+    except Exception:  # noqa: BLE001  (not an array: its Python type says enough)
+        return type(x).__name__
 
 
 def _check_same_types(api, fname, what, got_leaves, got_tree, want_avals, want_tree,
@@ -134,7 +142,7 @@ def _batch_closed(program: Program, dims: list, size: int, out_policy):
     # (NB: JAX's call-primitive batchers call batching.batch_jaxpr the same way).
     from fshard.transforms.vmap import batch_program, current_axis
 
-    axis = current_axis()
+    axis = current_axis(size)
     in_avals = [_batched_aval(v.aval, d, size) for v, d in zip(program.inputs, dims)]
     box = []
 
@@ -170,16 +178,39 @@ def _front_args(args, dims):
 # ---------------------------------------------------------------------------
 
 
-def _call_lowering(ctx, *exprs, body, **_):
-    return f"{ctx.function(body, 'call')}({', '.join(exprs)})"
+def _body_operands(args, params) -> list:
+    """The operands of a call equation that its body reads: its own constants and the
+    arguments (the rules' constants sit between them)."""
+    if "n_body_consts" in params:  # custom_jvp_call
+        nb, n_rules = params["n_body_consts"], params["n_jvp_consts"]
+    else:  # custom_vjp_call
+        nb, nf, nw = params["n_consts"]
+        n_rules = nf + nw
+    return list(args[:nb]) + list(args[nb + n_rules:])
+
+
+def _call_lowering(ctx, *exprs, body, **params):
+    helper = ctx.function(body, "call")
+    return f"{helper}({', '.join(_body_operands(exprs, params))})"
 
 
 def _body_type(*avals, body, **_):
     return list(body.out_avals)
 
 
-def _body_impl(*args, body, **_):
-    return eval_program(body, *args)
+def _body_impl(*args, body, **params):
+    return eval_program(body, *_body_operands(args, params))
+
+
+def _call_sharding(avals, out_avals):
+    """Sharding of a call primitive: every device runs the whole call on replicated
+    operands. The equation then stays one equation of the per-device program, so its
+    custom derivative still applies under ``grad(shard(f))``; splitting its body would
+    need the body partitioned as a program of its own."""
+    points = sum(math.prod(a.shape) for a in out_avals if a.is_static)
+    return FactorSpec([(None,) * a.ndim for a in avals],
+                      [(None,) * a.ndim for a in out_avals], {},
+                      flops_per_point=float(max(points, 1)))
 
 
 # ===========================================================================
@@ -198,9 +229,7 @@ custom_jvp_call_p = def_primitive("custom_jvp_call", FAMILY, _body_type, _body_i
 # Batching
 def _custom_jvp_call_batching(args, dims, *, body, jvp, n_body_consts, n_jvp_consts, name):
     """Batch the body and the JVP rule alike; a tangent is batched like its primal."""
-    from fshard.transforms.vmap import current_axis
-
-    size = current_axis().size
+    size = batch_size(args, dims)
     args, dims = _front_args(args, dims)
     bc, jc, xs = _split(args, n_body_consts, n_jvp_consts)
     dbc, djc, dxs = _split(dims, n_body_consts, n_jvp_consts)
@@ -233,8 +262,8 @@ def _custom_jvp_call_jvp(primals, tangents, *, body, jvp, n_body_consts, n_jvp_c
 jvp_rules.set(custom_jvp_call_p, _custom_jvp_call_jvp)
 unsupported(custom_jvp_call_p, "transpose",
             "not linear: its JVP rule replaces it before transposition")
-unsupported(custom_jvp_call_p, "sharding",
-            "a call primitive: inline its body (fshard.passes.inline_calls) first")
+sharding.set(custom_jvp_call_p,
+             lambda *avals, body, **_: _call_sharding(avals, body.out_avals))
 
 
 # ===========================================================================
@@ -259,9 +288,8 @@ def _custom_vjp_call_batching(args, dims, *, body, fwd, bwd, n_consts, n_res, na
     """Batch body, fwd and bwd. bwd's cotangent for an unbatched argument is the sum
     over the batch of the per-example cotangents."""
     from fshard.primitives.reductions import reduce_sum
-    from fshard.transforms.vmap import current_axis
 
-    size = current_axis().size
+    size = batch_size(args, dims)
     args, dims = _front_args(args, dims)
     nb, nf, nw = n_consts
     bc, fc, wc, xs = _split(args, nb, nf, nw)
@@ -327,8 +355,8 @@ def _custom_vjp_call_jvp(primals, tangents, *, body, fwd, bwd, n_consts, n_res, 
 jvp_rules.set(custom_vjp_call_p, _custom_vjp_call_jvp)
 unsupported(custom_vjp_call_p, "transpose",
             "not linear: its JVP (custom_lin) is what gets transposed")
-unsupported(custom_vjp_call_p, "sharding",
-            "a call primitive: inline its body (fshard.passes.inline_calls) first")
+sharding.set(custom_vjp_call_p,
+             lambda *avals, body, **_: _call_sharding(avals, body.out_avals))
 
 
 def _forward_mode_error(name):
@@ -374,7 +402,9 @@ def _custom_lin_transpose(cts, *args, bwd, n_consts, n_res, out_types, name):
 
 transpose.set(custom_lin_p, _custom_lin_transpose)
 unsupported(custom_lin_p, "jvp", "forward mode through a custom_vjp function is undefined")
-unsupported(custom_lin_p, "sharding", "exists only inside reverse-mode differentiation")
+# Linear programs that grad(shard(f)) partitions contain it: replicated, like the call.
+sharding.set(custom_lin_p,
+             lambda *avals, out_types, **_: _call_sharding(avals, list(out_types)))
 
 
 # ===========================================================================
@@ -498,8 +528,8 @@ class custom_jvp:  # noqa: N801  (mirrors jax.custom_jvp)
             if not (isinstance(res, (tuple, list)) and len(res) == 2):
                 raise DifferentiationError(
                     f"custom_jvp rule of {name} must return a pair (primal_out, "
-                    f"tangent_out); it returned {type(res).__name__}"
-                    f"{f' of length {len(res)}' if isinstance(res, (tuple, list)) else ''}.")
+                    f"tangent_out); it returned {_describe(res)}.\nFix: return "
+                    f"({name}(*primals), tangent_out).")
             p_leaves, p_tree = tree.flatten(res[0])
             t_leaves, t_tree = tree.flatten(res[1])
             _check_same_types("custom_jvp", name, "the primal output", p_leaves, p_tree,
@@ -587,7 +617,8 @@ class custom_vjp:  # noqa: N801  (mirrors jax.custom_vjp)
             if not (isinstance(res, (tuple, list)) and len(res) == 2):
                 raise DifferentiationError(
                     f"custom_vjp fwd rule of {name} must return a pair (output, "
-                    f"residuals); it returned {type(res).__name__}.")
+                    f"residuals); it returned {_describe(res)}.\nFix: return "
+                    "(output, residuals), with residuals=None if bwd needs nothing.")
             o_leaves, o_tree = tree.flatten(res[0])
             _check_same_types("custom_vjp fwd", name, "the output", o_leaves, o_tree,
                               out_avals, out_tree, f"{name}'s output")

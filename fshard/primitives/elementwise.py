@@ -28,7 +28,8 @@ FAMILY = "elementwise"
 
 
 def _is_weak(x) -> bool:
-    return isinstance(x, (bool, int, float))
+    # NumPy scalars (np.float64 subclasses float) carry their dtype: they are strong.
+    return isinstance(x, (bool, int, float)) and not isinstance(x, np.generic)
 
 
 def broadcast_shapes(*shapes) -> tuple:
@@ -62,12 +63,15 @@ def promote(*xs):
     from fshard.primitives.structural import broadcast_to
 
     strong = [typeof(x).dtype for x in xs if not _is_weak(x)]
-    if strong:
-        dt = dtypes.result_type(*strong)
-        if not dtypes.is_float(dt) and any(isinstance(x, float) for x in xs):
-            dt = dtypes.float32
-    else:
-        dt = dtypes.result_type(*[typeof(x).dtype for x in xs])
+    weak_float = any(isinstance(x, float) for x in xs)
+    weak_int = any(isinstance(x, int) and not isinstance(x, bool) for x in xs)
+    # As MindSpore: a Python float makes an integer or bool result float32, and a Python
+    # int makes a bool result int64; otherwise the tensors' dtype wins.
+    dt = dtypes.result_type(*strong) if strong else dtypes.bool_
+    if weak_float and not dtypes.is_float(dt):
+        dt = dtypes.float32
+    elif weak_int and dt == dtypes.bool_:
+        dt = dtypes.int64
     shape = broadcast_shapes(*[() if _is_weak(x) else tuple(typeof(x).shape) for x in xs])
     out = []
     for x in xs:
@@ -456,7 +460,17 @@ def _cast_type(x, *, dtype):
 
 cast_p = def_primitive("cast", FAMILY, _cast_type, _ms_cast)
 batching.set(cast_p, vectorized(cast_p))
-sharding.set(cast_p, _elementwise_sharding)
+
+
+def _cast_sharding(x, *, dtype):
+    """Elementwise. A pending sum passes through a cast between float dtypes only: the
+    sum of truncated or booleanised terms is not the cast of their sum."""
+    spec = elementwise_spec(x)
+    spec.linear = ((0,),) if dtypes.is_float(x.dtype) and dtypes.is_float(dtype) else ()
+    return spec
+
+
+sharding.set(cast_p, _cast_sharding)
 
 
 def _cast_jvp(primals, tangents, *, dtype):

@@ -53,15 +53,25 @@ def _kept_shape(shape, axes):
     return tuple(1 if i in axes else d for i, d in enumerate(shape))
 
 
+# MindSpore reduces every axis when given none, so axes=() (a rank-0 operand, or a
+# batched one) returns x itself.
+
+
 def _ms_reduce_sum(x, axes):
-    return ops.sum(x, axes, False)
+    if len(axes) == 0:
+        return x
+    return ops.ReduceSum(False)(x, axes)  # keeps the dtype (ops.sum widens int32)
 
 
 def _ms_reduce_max(x, axes):
+    if len(axes) == 0:
+        return x
     return ops.amax(x, axes, False)
 
 
 def _ms_reduce_min(x, axes):
+    if len(axes) == 0:
+        return x
     return ops.amin(x, axes, False)
 
 

@@ -16,7 +16,7 @@ from fshard.core import ArrayType, typeof
 from fshard.errors import AxisNameError
 from fshard.primitives._batching import batch_to_front, move_axis
 from fshard.primitives._define import def_primitive, deflinear
-from fshard.rules import batching
+from fshard.rules import batching, unsupported
 
 FAMILY = "spmd"
 
@@ -57,14 +57,14 @@ block_slice_p = def_primitive("block_slice", FAMILY, _type, _impl, lower=_lower)
 
 
 def _batching(args, dims, *, axis_name, dim, sizes):
-    from fshard.primitives.elementwise import mul
-    from fshard.primitives.reductions import reduce_sum
-    from fshard.primitives.structural import reshape
+    from fshard.primitives.structural import gather_p, reshape
     from fshard.transforms.vmap import current_axis
 
     (x,), (d,) = args, dims
     axis = current_axis()
     if axis.name not in axis_name:
+        if d is None:  # the same value in every lane: slice it once
+            return [block_slice_p.bind(x, axis_name=axis_name, dim=dim, sizes=sizes)], [None]
         x = move_axis(x, d, 0)
         return [block_slice_p.bind(x, axis_name=axis_name, dim=dim + 1, sizes=sizes)], [0]
     i = axis_name.index(axis.name)
@@ -75,15 +75,13 @@ def _batching(args, dims, *, axis_name, dim, sizes):
     pre = int(np.prod(sizes[:i]))
     post = D // (pre * n)
     split = tuple(shape[:dim + 1]) + (pre, n, post) + tuple(shape[dim + 2:])
-    xs = reshape(x, split)
-    # Lane j keeps block j: multiply by a one-hot mask over (lane, block) and sum blocks.
-    mask_shape = [1] * len(split)
-    mask_shape[0], mask_shape[dim + 2] = n, n
-    from fshard import dtypes
-    from fshard.primitives.structural import broadcast_to
-
-    mask = np.eye(n, dtype=dtypes.to_numpy(typeof(x).dtype)).reshape(mask_shape)
-    picked = reduce_sum(mul(xs, broadcast_to(mask, split)), dim + 2)
+    xs = move_axis(reshape(x, split), dim + 2, 1)  # (lane, block, ...)
+    # Lane j keeps block j: the diagonal of (lane, block), gathered from their merged
+    # axis at j * (n + 1). (A one-hot mask and a sum would turn booleans into integers
+    # and an inf in another block into NaN.)
+    rest_shape = tuple(typeof(xs).shape[2:])
+    diag = np.arange(n, dtype=np.int32) * (n + 1)
+    picked = gather_p.bind(reshape(xs, (n * n,) + rest_shape), diag, axis=0)
     out = reshape(picked, tuple(shape[:dim + 1]) + (pre * post,) + tuple(shape[dim + 2:]))
     rest = axis_name[:i] + axis_name[i + 1:]
     if rest:
@@ -93,6 +91,10 @@ def _batching(args, dims, *, axis_name, dim, sizes):
 
 
 batching.set(block_slice_p, _batching)
+unsupported(block_slice_p, "sharding",
+            "it exists only in per-device programs: fs.shard's partitioner emits it on "
+            "local blocks, naming mesh axes that the partitioned program binds; programs "
+            "of global values, which fs.shard partitions, never contain it")
 
 
 def _transpose(ct, x, *, axis_name, dim, sizes):

@@ -457,6 +457,18 @@ batching.set(concat_p, _concat_batching)
 deflinear(concat_p, _concat_transpose)
 
 
+def _concat_sharding(*xs, axis):
+    """Every dim but ``axis`` is parallel across all operands; ``axis`` stays whole
+    (concatenated blocks would interleave the operands)."""
+    labels = tuple(None if i == axis else f"d{i}" for i in range(xs[0].ndim))
+    return FactorSpec([labels] * len(xs), [labels],
+                      {lab: xs[0].shape[i] for i, lab in enumerate(labels) if lab},
+                      flops_per_point=0.0)
+
+
+sharding.set(concat_p, _concat_sharding)
+
+
 def concat(xs, axis: int = 0):
     """Join arrays along an existing ``axis`` (``mindspore.ops.concat``).
 
@@ -559,6 +571,17 @@ batching.set(split_p, _split_batching)
 deflinear(split_p, _split_transpose)
 
 
+def _split_sharding(x, *, sizes, axis):
+    """Every dim but ``axis`` is parallel across the operand and all pieces."""
+    labels = tuple(None if i == axis else f"d{i}" for i in range(x.ndim))
+    return FactorSpec([labels], [labels] * len(sizes),
+                      {lab: x.shape[i] for i, lab in enumerate(labels) if lab},
+                      flops_per_point=0.0, linear=((0,),))
+
+
+sharding.set(split_p, _split_sharding)
+
+
 def split(x, split_size_or_sections, axis: int = 0) -> tuple:
     """Split ``x`` along ``axis`` (``mindspore.ops.split``).
 
@@ -647,6 +670,41 @@ def _slice_transpose(ct, x, *, start, limit, strides):
 
 batching.set(slice_p, _slice_batching)
 deflinear(slice_p, _slice_transpose)
+
+
+def _slice_splittable(n: int, lo: int, hi: int, st: int) -> bool:
+    """Whether dim ``x[lo:hi:st]`` of size ``n`` commutes with splitting: every block of
+    ``st * k`` elements yields ``k`` consecutive outputs when the slice starts in the
+    first stride (``lo < st``) and runs to the end (one output per stride of ``n``)."""
+    return lo < st and n % st == 0 and _sliced_size(lo, hi, st) == n // st
+
+
+def _slice_sharding(x, *, start, limit, strides):
+    """A dim is parallel when the slice takes one element per stride of the whole dim
+    (full dims, and ``x[1::2]``-style strided dims whose blocks are multiples of the
+    stride); other dims stay whole."""
+    ins, outs, sizes = [], [], {}
+    for i, (n, lo, hi, st) in enumerate(zip(x.shape, start, limit, strides)):
+        lab = f"d{i}" if _slice_splittable(n, lo, hi, st) else None
+        ins.append(lab)
+        outs.append(lab)
+        if lab:
+            sizes[lab] = n // st  # a split count must divide the output extent
+    return FactorSpec([tuple(ins)], [tuple(outs)], sizes, flops_per_point=0.0,
+                      local_params=_slice_local_params)
+
+
+def _slice_local_params(params, local_in, local_out):
+    """A split dim slices its block from the same offset up to the block's end."""
+    start, limit, strides = params["start"], params["limit"], params["strides"]
+    glob = [_sliced_size(*a) for a in zip(start, limit, strides)]
+    limit = tuple(hi if m == g else min(local_in[0].shape[i], lo + max(m - 1, 0) * st + 1)
+                  for i, (lo, hi, st, m, g) in enumerate(
+                      zip(start, limit, strides, local_out[0].shape, glob)))
+    return {**params, "limit": limit}
+
+
+sharding.set(slice_p, _slice_sharding)
 
 
 def slice_array(x, start, limit, strides=None):
@@ -746,6 +804,21 @@ batching.set(pad_p, _pad_batching)
 deflinear(pad_p, _pad_transpose)
 
 
+def _pad_sharding(x, *, low, high, interior):
+    """A dim is parallel when its padding repeats with every element: none, or
+    ``interior`` zeros before each element (``low == interior``, ``high == 0``) or after
+    each (``low == 0``, ``high == interior``); each block is then padded alike. Other
+    padded dims stay whole (their zeros sit at the ends of the whole dim)."""
+    labels = tuple(f"d{i}" if (lo, hi) in ((it, 0), (0, it)) else None
+                   for i, (lo, hi, it) in enumerate(zip(low, high, interior)))
+    return FactorSpec([labels], [labels],
+                      {lab: x.shape[i] for i, lab in enumerate(labels) if lab},
+                      flops_per_point=0.0)
+
+
+sharding.set(pad_p, _pad_sharding)
+
+
 def pad(x, low, high, interior=None):
     """Zero-pad ``x``: ``low[i]`` zeros before, ``high[i]`` after and ``interior[i]``
     between the elements of dimension ``i`` (NB: ``lax.pad`` with non-negative widths).
@@ -834,6 +907,21 @@ def _gather_transpose(ct, x, indices, *, axis):
 batching.set(gather_p, _gather_batching)
 defjvp(gather_p, lambda t, ans, x, indices, *, axis: gather_p.bind(t, indices, axis=axis), None)
 transpose_rules.set(gather_p, _gather_transpose)
+
+
+def _gather_sharding(x, indices, *, axis):
+    """The indices' dims and the table's other dims are parallel. The gathered axis
+    stays whole: a device holding rows [lo, hi) would need shifted, masked indices
+    (a different local computation), which a factor rule cannot express."""
+    xl = tuple(None if i == axis else f"x{i}" for i in range(x.ndim))
+    il = tuple(f"i{j}" for j in range(indices.ndim))
+    out = xl[:axis] + il + xl[axis + 1:]
+    sizes = {lab: x.shape[i] for i, lab in enumerate(xl) if lab}
+    sizes.update({lab: indices.shape[j] for j, lab in enumerate(il)})
+    return FactorSpec([xl, il], [out], sizes, flops_per_point=0.0, linear=((0,),))
+
+
+sharding.set(gather_p, _gather_sharding)
 
 
 def _index_array(indices, what: str):
@@ -952,6 +1040,22 @@ defjvp(scatter_add_p,
 transpose_rules.set(scatter_add_p, _scatter_add_transpose)
 
 
+def _scatter_add_sharding(updates, indices, *, shape, axis):
+    """The output's other dims are parallel. The indices' dims are a sum: a device
+    holding some of the updates (and their indices) scatters them into zeros, and the
+    per-device outputs add up to the result (a pending sum). The scattered axis of the
+    output stays whole."""
+    ol = tuple(None if i == axis else f"o{i}" for i in range(len(shape)))
+    il = tuple(f"i{j}" for j in range(indices.ndim))
+    sizes = {lab: shape[i] for i, lab in enumerate(ol) if lab}
+    sizes.update({lab: indices.shape[j] for j, lab in enumerate(il)})
+    return FactorSpec([ol[:axis] + il + ol[axis + 1:], il], [ol], sizes,
+                      reduce=frozenset(il), local_params=_shape_param, linear=((0,),))
+
+
+sharding.set(scatter_add_p, _scatter_add_sharding)
+
+
 def scatter_add(updates, indices, shape, axis: int = 0):
     """Zeros of ``shape`` with ``updates`` added at ``indices`` along ``axis``; repeated
     indices accumulate (``mindspore.ops.unsorted_segment_sum`` along ``axis``).
@@ -1000,6 +1104,12 @@ def _one_hot_type(indices, *, depth, dtype):
 
 one_hot_p = def_primitive("one_hot", FAMILY, _one_hot_type, _ms_one_hot)
 batching.set(one_hot_p, vectorized(one_hot_p))  # the new axis is last: batch dim unmoved
+sharding.set(one_hot_p, lambda indices, *, depth, dtype: FactorSpec(
+    # The indices' dims are parallel; the new depth axis stays whole (a block of it
+    # would need indices shifted by the block's offset).
+    [tuple(f"d{i}" for i in range(indices.ndim))],
+    [tuple(f"d{i}" for i in range(indices.ndim)) + (None,)],
+    {f"d{i}": n for i, n in enumerate(indices.shape)}, flops_per_point=0.0))
 jvp.set(one_hot_p, lambda primals, tangents, **p: (
     [one_hot_p.bind(*primals, **p)], [Zero(_one_hot_type(typeof(primals[0]), **p))]))
 unsupported(one_hot_p, "transpose", "not linear (integer operand)")

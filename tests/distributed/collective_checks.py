@@ -1,0 +1,178 @@
+"""Collectives and shard_map in a real multi-process job, against a virtual mesh.
+
+``python -m fshard.launch -n N tests/distributed/collective_checks.py OUT_DIR`` (N = 2
+or 4). Every rank joins the job and, for each check, runs a function under
+``fs.jit(fs.shard_map(...))`` on the world mesh (real MindSpore collectives) and the
+same function on a virtual mesh of the same shape in this process, and records the
+largest difference. It also differentiates through shard_map (outside and inside),
+trains the data-parallel example for a few steps, and writes the lowered source of
+one many-collective program. Each rank writes ``OUT_DIR/rank<k>.json`` and
+``OUT_DIR/lowered_rank<k>.py``; tests/distributed/test_collectives_multiprocess.py
+reads them. Launches cost ~15 s each, so all checks share one job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
+
+EXAMPLE_STEPS = 8
+
+
+def main(out_dir: str) -> None:
+    import fshard as fs
+
+    fs.distributed.init()
+    rank, world = fs.distributed.rank(), fs.distributed.world_size()
+    rng = np.random.default_rng(0)  # the same data on every rank
+    results: dict = {"rank": rank, "world": world, "checks": {}, "grads": {}, "checksums": {}}
+    t0 = time.perf_counter()
+
+    def compare(cases: dict, x, shape, names, grads: tuple) -> None:
+        """All ``cases`` (name -> (f, in_strategy entry, out_strategy entry)) as one
+        shard_map of one input per case: one graph for the values, one for the
+        gradients of the ``grads`` cases (each case's input gets only its own
+        gradient, so the results stay per collective)."""
+        names_ = list(cases)
+        fns = [cases[k][0] for k in names_]
+        ins = tuple(cases[k][1] for k in names_)
+        outs = tuple(cases[k][2] for k in names_)
+
+        def many(*xs):
+            return tuple(f(v) for f, v in zip(fns, xs))
+
+        real = fs.Mesh(shape, names)
+        virtual = fs.Mesh(shape, names, virtual=True)
+        assert not real.is_virtual and virtual.is_virtual
+        fr = fs.shard_map(many, ins, outs, mesh=real)
+        fv = fs.shard_map(many, ins, outs, mesh=virtual)
+        args = [x] * len(names_)
+        # Every rank runs the real collectives; rank 0 alone also runs the virtual mesh
+        # (the ranks share two cores) and records the differences. Every rank records a
+        # checksum of its (replicated) results, so the test sees that the ranks agree.
+        real_out = [o.asnumpy() for o in fs.jit(fr)(*args)]
+        virt_out = [o.asnumpy() for o in fv(*args)] if rank == 0 else real_out
+        for k, a, b in zip(names_, real_out, virt_out):
+            assert a.shape == b.shape, (k, a.shape, b.shape)
+            results["checks"][k] = float(np.abs(a - b).max())
+            results["checksums"][f"checks/{k}"] = float(np.abs(a).sum())
+        # d/dx of a weighted sum of the outputs, through the shard_map
+        which = [names_.index(k) for k in grads]
+        ws = [rng.standard_normal(real_out[i].shape).astype(np.float32) for i in which]
+
+        def weighted(f):
+            def loss(*xs):
+                out = f(*xs)
+                return sum((out[i] * w).sum() for i, w in zip(which, ws))
+            return loss
+
+        argnums = tuple(which)
+        gr = fs.jit(fs.grad(weighted(fr), argnums=argnums))(*args)
+        gv = fs.grad(weighted(fv), argnums=argnums)(*args) if rank == 0 else gr
+        for k, a, b in zip(grads, gr, gv):
+            a, b = a.asnumpy(), b.asnumpy()
+            results["grads"][k] = float(np.abs(a - b).max())
+            results["checksums"][f"grads/{k}"] = float(np.abs(a).sum())
+
+    n = world
+    x = rng.standard_normal((n * 4, 3)).astype(np.float32)
+    split, rep = (n, 1), None
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    cases = {
+        "psum": (lambda v: fs.psum(v, "d"), split, None),
+        "pmean": (lambda v: fs.pmean(v, "d"), split, None),
+        "pmax": (lambda v: fs.pmax(v, "d"), split, None),
+        "pmin": (lambda v: fs.pmin(v, "d"), split, None),
+        "all_gather": (lambda v: fs.all_gather(v, "d"), split, None),
+        "all_gather_tiled": (lambda v: fs.all_gather(v, "d", axis=1, tiled=True), split, None),
+        "psum_scatter": (lambda v: fs.psum_scatter(v, "d", tiled=True), rep, (n, 1)),
+        "all_to_all": (lambda v: fs.all_to_all(v, "d", 0, 1, tiled=True), split, (n, 1)),
+        "ppermute_ring": (lambda v: fs.ppermute(v, "d", ring), split, (n, 1)),
+        "ppermute_partial": (lambda v: fs.ppermute(v, "d", [(0, n - 1)]), split, (n, 1)),
+        "broadcast": (lambda v: fs.broadcast(v, "d", root=n - 1), split, None),
+        "axis_index": (lambda v: v * fs.axis_index("d").astype(v.dtype), split, (n, 1)),
+    }
+    compare(cases, x, (n,), ("d",), grads=("psum", "all_gather_tiled", "psum_scatter",
+                                             "all_to_all", "ppermute_partial", "broadcast",
+                                             "pmax"))
+
+    # Without fs.jit: a multi-process shard_map compiles itself.
+    f = fs.shard_map(lambda v: fs.psum(v * v, "d"), (split,), None, mesh=fs.Mesh((n,), ("d",)))
+    eager = f(x).asnumpy()
+    expected = (x * x).reshape(n, 4, 3).sum(0)
+    results["checks"]["eager_shard_map"] = float(np.abs(eager - expected).max())
+
+    # value_and_grad inside shard_map: gradients averaged by pmean's transpose.
+    w = rng.standard_normal((3, 2)).astype(np.float32)
+
+    def loss(w, v):
+        return (fs.ops.tanh(v @ w) ** 2).mean()
+
+    dp = fs.Layout((n,), ("d",))
+    step = fs.jit(fs.shard_map(fs.value_and_grad(lambda w, v: fs.pmean(loss(w, v), "d")),
+                               (None, dp("d", "None")), ((), None), mesh=fs.Mesh((n,), ("d",))))
+    val, g = step(w, x)
+    val0, g0 = fs.value_and_grad(loss)(w, x)
+    results["checks"]["grad_inside_value"] = float(abs(val.asnumpy() - val0.asnumpy()))
+    results["checks"]["grad_inside_grads"] = float(np.abs(g.asnumpy() - g0.asnumpy()).max())
+
+    if n == 4:  # a 2x2 mesh: sub-group collectives and both axis orders
+        y = rng.standard_normal((4, 6)).astype(np.float32)
+        ab = fs.Layout((2, 2), ("a", "b"))
+        both = ab("a", "b")
+        cases2 = {
+            "2d_psum_a": (lambda v: fs.psum(v, "a"), both, ab("None", "b")),
+            "2d_psum_b": (lambda v: fs.psum(v, "b"), both, ab("a", "None")),
+            "2d_psum_ab": (lambda v: fs.psum(v, ("a", "b")), both, None),
+            "2d_pmax_b": (lambda v: fs.pmax(v, "b"), both, ab("a", "None")),
+            "2d_all_gather_b": (lambda v: fs.all_gather(v, "b", axis=1, tiled=True), both,
+                                ab("a", "None")),
+            "2d_all_gather_ba": (lambda v: fs.all_gather(v, ("b", "a")), both, None),
+            "2d_psum_scatter_a": (lambda v: fs.psum_scatter(v, "a", tiled=True), both,
+                                  ab("a", "b")),
+            "2d_all_to_all_b": (lambda v: fs.all_to_all(v, "b", 0, 1, tiled=True), both,
+                                ab(("a", "b"), "None")),
+            "2d_ppermute_a": (lambda v: fs.ppermute(v, "a", [(0, 1), (1, 0)]), both, ab("a", "b")),
+            "2d_broadcast_b": (lambda v: fs.broadcast(v, "b", root=1), both, ab("a", "None")),
+            "2d_axis_index_ba": (lambda v: v * fs.axis_index(("b", "a")).astype(v.dtype), both,
+                                 ab("a", "b")),
+        }
+        compare(cases2, y, (2, 2), ("a", "b"), grads=("2d_psum_a", "2d_all_gather_b",
+                                                         "2d_psum_scatter_a", "2d_broadcast_b"))
+
+    # The same program lowered on every rank: the test compares the collective calls.
+    mesh = fs.Mesh((2, n // 2), ("a", "b")) if n >= 4 else fs.Mesh((n,), ("a",))
+    axes = mesh.axis_names
+
+    def many(v):
+        v = fs.psum(v, axes[0])
+        v = fs.all_gather(v, axes[-1], axis=1, tiled=True)
+        v = fs.pmax(v, axes)
+        v = fs.ppermute(v, axes[0], [(0, 1)])
+        return fs.psum_scatter(v, axes[-1], scatter_dimension=1, tiled=True)
+
+    lowered = fs.jit(fs.shard_map(many, (None,), None, mesh=mesh, check_vma=False)).lower(
+        rng.standard_normal((4, 6)).astype(np.float32))
+    with open(os.path.join(out_dir, f"lowered_rank{rank}.py"), "w") as fh:
+        fh.write(lowered.as_text())
+
+    # The example: data-parallel training losses over the world.
+    import data_parallel_mlp as example
+
+    results["losses"] = example.train(EXAMPLE_STEPS, fs.Mesh((n,), ("dp",)))
+    results["seconds"] = round(time.perf_counter() - t0, 1)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(results, fh)
+    print(f"rank {rank}: {len(results['checks'])} checks, {len(results['grads'])} grads, "
+          f"{results['seconds']} s", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

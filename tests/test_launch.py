@@ -1,0 +1,82 @@
+"""fshard.launch and fshard.distributed: real multi-process jobs, kept few.
+
+Each real launch costs 10-20 s on 2 cores, so the success checks are batched into one
+job (tests/distributed/launch_checks.py). Every launch has a free port, its own log
+directory and a timeout, so nothing can hang the suite.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import fshard as fs
+from fshard import launch
+
+SCRIPT = str(Path(__file__).resolve().parent / "distributed" / "launch_checks.py")
+
+
+def test_two_rank_job_runs_collectives(tmp_path):
+    result = launch.run(SCRIPT, 2, ["ok"], timeout=240, log_dir=str(tmp_path))
+    assert result.ok, result.message
+    assert result.message.startswith("fshard.launch: 2 ranks finished in ")
+    for rank in range(2):
+        out = result.output(rank)
+        assert "ALL CHECKS PASSED" in out, out
+        assert out.splitlines().count("before init") == 1
+        assert "[WARNING]" not in out  # MindSpore's log lines stay in the log file
+        assert result.ranks[rank].status == "ok" and result.ranks[rank].returncode == 0
+        log = (tmp_path / f"rank_{rank}.log").read_text()
+        assert "ALL CHECKS PASSED" in log
+    # the scheduler runs a stub, not the script: nothing of the script's output twice
+    assert "before init" not in result.scheduler_log.splitlines()
+    assert (tmp_path / "scheduler.log").exists()
+
+
+def test_failing_rank_stops_the_job_and_is_named(tmp_path):
+    result = launch.run(SCRIPT, 2, ["fail"], timeout=120, log_dir=str(tmp_path))
+    assert not result.timed_out, result.message
+    assert result.returncode == 1 and result.failed_ranks == [1]
+    assert [r.status for r in result.ranks] == ["stopped", "failed"]
+    assert result.message.startswith("fshard.launch: rank 1 failed (exit code 1) after ")
+    assert "; stopped rank 0." in result.message
+    assert "ValueError: rank 1 fails on purpose" in result.message
+    assert 'File "' in result.output(1) and "launch.py" not in result.output(1)
+    with pytest.raises(fs.DistributedError, match="rank 1 failed"):
+        result.check()
+
+
+def test_cli_timeout_stops_every_rank(tmp_path, capsys):
+    code = launch.main(["-n", "2", "--timeout", "5", "--log-dir", str(tmp_path), SCRIPT, "hang"])
+    assert code == launch.EXIT_TIMEOUT == 124
+    captured = capsys.readouterr()
+    assert "[rank 0] hanging" in captured.out and "[rank 1] hanging" in captured.out
+    assert "fshard.launch: timed out after 5 s; stopped ranks 0, 1, still running." in captured.err
+
+
+def test_run_argument_errors(tmp_path):
+    with pytest.raises(fs.ArgumentError, match="n must be a positive int"):
+        launch.run(SCRIPT, 0)
+    with pytest.raises(fs.ArgumentError, match="does not exist"):
+        launch.run(str(tmp_path / "missing.py"), 2)
+    with pytest.raises(SystemExit):
+        launch.main(["-n", "2", str(tmp_path / "missing.py")])
+
+
+def test_init_outside_a_launcher_is_a_clear_error(monkeypatch):
+    for var in ("MS_ROLE", "RANK_TABLE_FILE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(fs.DistributedError) as info:
+        fs.distributed.init()
+    assert str(info.value) == (
+        "fs.distributed.init() was called in a process that no launcher started (MS_ROLE and "
+        "RANK_TABLE_FILE are unset), so there is no job to join. Fix: start the script with "
+        "`python -m fshard.launch -n 2 script.py` (or msrun); to run in one process, skip "
+        "init() and use a virtual mesh: fs.Mesh((8,), ('d',)) or FSHARD_DEVICES=8."
+        "\nSee docs/errors.md#distributederror"
+    )
+    assert not fs.distributed.is_initialized()
+    assert fs.distributed.rank() == 0 and fs.distributed.world_size() == 1
+    with pytest.raises(fs.DistributedError, match="needs a joined job"):
+        fs.distributed.group_for([0])

@@ -1,0 +1,533 @@
+"""``fs.shard_map``: run a function on each device's block, with explicit collectives
+(NB: ``jax.shard_map``, in MindSpore's strategy vocabulary).
+
+``shard_map(f, in_strategy, out_strategy, mesh)`` splits each input over mesh axes,
+calls ``f`` on every device's local block (``f`` communicates with ``fs.psum`` and
+the other collectives, naming mesh axes), and reassembles the global outputs.
+
+- **Strategies.** Each entry is a ``fs.Layout`` view (it names the mesh axes), a
+  tuple of split counts, or None (replicated); docs/shard_map.md defines how split
+  counts map onto mesh axes. An output not split over a mesh axis is promised to be
+  the same on every device of that axis (checked unless ``check_vma=False``).
+- **Virtual mesh** (one process): nested batching, one level per mesh axis with that
+  axis's name, over the blocks; the collectives' batching rules do the
+  communication as array ops.
+- **Multi-process job** (the mesh is the world): each process runs ``f`` once on its
+  own block. The body is interpreted into the enclosing trace with the mesh
+  attached to every collective; ``shard_in``/``shard_out`` mark the boundary. Called
+  eagerly, the whole shard_map is compiled first: collectives only run in graphs.
+- **Differentiation** inside ``f`` treats replicated values by the boundary rules of
+  fshard.primitives.collectives (seeds split over replicas, replicated inputs' cotangents
+  summed); the varying-manual-axes (VMA) pass below tells, in a multi-process job,
+  which values are replicated over which axes.
+
+This module owns the transform only; the primitives are in fshard/primitives/collectives.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import numpy as np
+
+from fshard import tree
+from fshard.core import ArrayType, EvalTrace, Tracer, bind, current_trace, typeof
+from fshard.errors import AxisNameError, CompositionError, ShardingError
+from fshard.interpret import equation_note
+from fshard.ir import Literal
+from fshard.layout import Layout
+from fshard.mesh import Mesh, current_mesh, resolve_mesh
+from fshard.primitives import collectives as C
+from fshard.staging import fun_name, stage, trace_fun
+
+_depth = 0  # > 0 while a shard_map body is staged or run
+
+
+# ---------------------------------------------------------------------------
+# Strategies -> per-dimension mesh axes
+# ---------------------------------------------------------------------------
+
+
+def _is_counts(entry) -> bool:
+    return isinstance(entry, (tuple, list)) and all(
+        isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in entry)
+
+
+def _is_strategy_leaf(entry) -> bool:
+    return entry is None or isinstance(entry, Layout) or _is_counts(entry)
+
+
+def _counts_to_dims(counts, ndim: int, mesh: Mesh, where: str) -> tuple:
+    """Split counts -> mesh axes: dims take consecutive mesh axes in order, each dim
+    the shortest run (from the first unused axis) whose sizes multiply to its count."""
+    counts = tuple(int(c) for c in counts)
+    names, sizes = mesh.axis_names, mesh.shape
+    if len(counts) != ndim:
+        raise ShardingError(
+            f"{where} = {counts!r} has {len(counts)} entries, but the value has rank {ndim}."
+            f"\nFix: give one split count per dimension, e.g. {(1,) * ndim!r} for none.")
+    dims, a = [], 0
+    for k, c in enumerate(counts):
+        if c < 1:
+            raise ShardingError(f"{where}[{k}] = {c} must be a positive split count.")
+        axes, prod = [], 1
+        while prod < c and a < len(names):
+            axes.append(names[a])
+            prod *= sizes[a]
+            a += 1
+        if prod != c:
+            unused = ", ".join(f"{n!r} ({s})" for n, s in zip(names, sizes)
+                               if n not in {x for d in dims for x in d})
+            raise ShardingError(
+                f"{where} = {counts!r} splits dimension {k} into {c} parts, but the mesh "
+                f"{mesh!r} has no run of consecutive unused axes of total size {c} there "
+                f"(unused axes in order: {unused or 'none'}). A tuple of split counts takes "
+                "mesh axes in order, dimension by dimension.\nFix: pass a Layout view that "
+                f"names the axes, e.g. mesh.layout(...), or choose counts that are products "
+                "of consecutive mesh axis sizes.")
+        dims.append(tuple(axes))
+    return tuple(dims)
+
+
+def _layout_to_dims(view: Layout, ndim: int, mesh: Mesh, where: str) -> tuple:
+    if not view.is_view:
+        raise ShardingError(
+            f"{where} is the Layout {view!r}, not a view of a tensor.\nFix: call it with one "
+            f"entry per dimension, e.g. layout({view.alias_name[0]!r}, 'None').")
+    if view.ndim != ndim:
+        raise ShardingError(
+            f"{where} = {view!r} names {view.ndim} dimensions, but the value has rank {ndim}."
+            "\nFix: give the Layout view one entry per dimension ('None' for unsplit).")
+    dims = []
+    for entry in view.spec:
+        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
+                     if a != "None")
+        for a in axes:
+            if a not in mesh.axis_names:
+                raise ShardingError(
+                    f"{where} = {view!r} splits over the axis {a!r}, which the mesh {mesh!r} "
+                    "does not have.\nFix: use the mesh's axis names in the Layout, or pass "
+                    "the matching mesh=fs.Mesh(...).")
+            size = view.device_matrix[view.alias_name.index(a)]
+            if size != mesh.axis_size(a):
+                raise ShardingError(
+                    f"{where} = {view!r} gives axis {a!r} {size} devices, but in the mesh "
+                    f"{mesh!r} it has {mesh.axis_size(a)}.\nFix: build the Layout from the "
+                    "mesh: mesh.layout(...).")
+        dims.append(axes)
+    return tuple(dims)
+
+
+def _to_dims(entry, ndim: int, mesh: Mesh, where: str) -> tuple:
+    if entry is None:
+        return ((),) * ndim
+    if isinstance(entry, Layout):
+        return _layout_to_dims(entry, ndim, mesh, where)
+    if _is_counts(entry):
+        return _counts_to_dims(entry, ndim, mesh, where)
+    hint = ""
+    if isinstance(entry, (int, np.integer)):
+        hint = (" A bare int is not a strategy: if the function has one argument, wrap its "
+                "strategy in a 1-tuple, e.g. in_strategy=((4, 1),).")
+    raise ShardingError(
+        f"{where} must be a tuple of split counts (one per dimension), a fs.Layout view, or "
+        f"None (replicated); got {entry!r} ({type(entry).__name__}).{hint}")
+
+
+def _axes_of(dims) -> frozenset:
+    return frozenset(a for axes in dims for a in axes)
+
+
+def _count(dims_k, mesh: Mesh) -> int:
+    return math.prod(mesh.axis_size(a) for a in dims_k)
+
+
+def _spec_text(dims) -> str:
+    return "(" + ", ".join("+".join(d) if d else "-" for d in dims) + \
+        ("," if len(dims) == 1 else "") + ")"
+
+
+# ---------------------------------------------------------------------------
+# Virtual mesh: nested batching over the mesh axes
+# ---------------------------------------------------------------------------
+
+
+def _to_blocks(x, dims, mesh: Mesh):
+    """Global value -> (blocks along its split axes, in mesh order) + local dims."""
+    from fshard.primitives.structural import reshape, transpose
+
+    shape = typeof(x).shape
+    split, axis_pos, local_pos = [], {}, []
+    for n, axes in zip(shape, dims):
+        for a in axes:
+            axis_pos[a] = len(split)
+            split.append(mesh.axis_size(a))
+        local_pos.append(len(split))
+        split.append(n // _count(axes, mesh))
+    if not axis_pos:
+        return x
+    x = reshape(x, tuple(split))
+    lead = [axis_pos[a] for a in mesh.axis_names if a in axis_pos]
+    return transpose(x, tuple(lead + local_pos))
+
+
+def _from_blocks(y, dims, mesh: Mesh):
+    """(blocks along the output's split axes, in mesh order) + local dims -> global."""
+    from fshard.primitives.structural import reshape, transpose
+
+    used = [a for a in mesh.axis_names if a in _axes_of(dims)]
+    if not used:
+        return y
+    shape = typeof(y).shape
+    k = len(used)
+    perm, out = [], []
+    for d, axes in enumerate(dims):
+        perm.extend(used.index(a) for a in axes)
+        perm.append(k + d)
+        out.append(shape[k + d] * _count(axes, mesh))
+    return reshape(transpose(y, tuple(perm)), tuple(out))
+
+
+def _run_virtual(sm, program, args, in_splits, out_dims, mesh: Mesh, out_names):
+    from fshard.interpret import eval_program
+    from fshard.primitives._batching import batch_to_front
+    from fshard.primitives.structural import gather_p
+    from fshard.transforms.vmap import AxisData, batch_program
+
+    axes = list(zip(mesh.axis_names, mesh.shape))
+    out_splits = [_axes_of(d) for d in out_dims]
+
+    def level(k, xs):
+        if k == len(axes):
+            return eval_program(program, *xs)
+        name, size = axes[k]
+        dims = [0 if name in s else None for s in in_splits]
+        avals = []
+        for x, d in zip(xs, dims):
+            a = typeof(x)
+            avals.append(a if d is None else ArrayType(tuple(a.shape[1:]), a.dtype))
+        inner, consts = stage(lambda *ys: level(k + 1, ys), avals)
+        outs, out_ds = batch_program(inner, list(consts) + list(xs),
+                                     [None] * len(consts) + dims, AxisData(name, size))
+        res = []
+        for j, (o, d) in enumerate(zip(outs, out_ds)):
+            if name in out_splits[j]:
+                res.append(batch_to_front(o, d, size))
+            elif d is None:
+                res.append(o)
+            elif sm.check_vma:
+                raise _varying_output_error(sm, out_names[j], name, out_dims[j])
+            else:  # the promise is not checked: device 0 of the axis speaks for all
+                res.append(gather_p.bind(o, np.int32(0), axis=d))
+        return res
+
+    return level(0, list(args))
+
+
+def _varying_output_error(sm, out_name, axis, dims) -> ShardingError:
+    return ShardingError(
+        f"shard_map({sm.name}): {out_name} varies over the mesh axis {axis!r}, but "
+        f"out_strategy {_spec_text(dims)} does not split it over {axis!r}, which promises "
+        f"the same value on every device of {axis!r}.\nFix: split that output over "
+        f"{axis!r} in out_strategy, or make it the same everywhere (e.g. fs.psum/fs.pmean/"
+        f"fs.all_gather over {axis!r}); pass check_vma=False to skip this check (device 0 "
+        "of the axis then gives the value).")
+
+
+# ---------------------------------------------------------------------------
+# Multi-process job: the body on this rank, with the VMA pass
+# ---------------------------------------------------------------------------
+
+
+def _vma_out(eq, in_vmas) -> list:
+    rule = C.VMA_RULES.get(eq.prim)
+    if rule is not None:
+        return [frozenset(v) for v in rule(in_vmas, **eq.params)]
+    union = frozenset().union(*in_vmas) if in_vmas else frozenset()
+    return [union] * len(eq.outputs)
+
+
+def _run_body_on_rank(sm, program, args, in_vmas, out_dims, mesh: Mesh, out_names):
+    """Interpret the body into the current trace: collectives get the mesh, replica
+    markers become psums/divisions by what the VMA pass knows, and outputs promised
+    replicated are checked."""
+    from fshard.primitives.elementwise import div
+
+    env = dict(zip(program.inputs, zip(args, in_vmas), strict=True))
+    names = frozenset(mesh.axis_names)
+
+    def read(a):
+        return (a.value, frozenset()) if isinstance(a, Literal) else env[a]
+
+    for eq in program.equations:
+        vals, vmas = zip(*[read(a) for a in eq.inputs]) if eq.inputs else ((), ())
+        out_vmas = _vma_out(eq, list(vmas))
+        try:
+            if eq.prim is C.replica_sum_p:
+                axes = tuple(a for a in mesh.axis_names
+                             if a in eq.params["axis_name"] and a not in vmas[1])
+                outs = [C.psum_p.bind(vals[0], axis_name=axes, mesh=mesh) if axes else vals[0]]
+            elif eq.prim is C.replica_split_p:
+                n = math.prod(mesh.axis_size(a) for a in eq.params["axis_name"]
+                              if a not in vmas[1])
+                outs = [div(vals[0], C._scalar(n, vals[0])) if n > 1 else vals[0]]
+            else:
+                params = eq.params
+                if eq.prim in C.COLLECTIVES:
+                    params = dict(params, mesh=mesh)
+                outs = bind(eq.prim, *vals, **params)
+                outs = outs if eq.prim.multiple_results else [outs]
+        except Exception as e:
+            e.add_note(equation_note(eq, f"running shard_map({sm.name}) on its rank:"))
+            raise
+        for v, o, m in zip(eq.outputs, outs, out_vmas, strict=True):
+            env[v] = (o, m & names)
+    results = []
+    for j, (a, dims) in enumerate(zip(program.outputs, out_dims)):
+        value, vma = read(a)
+        extra = [n for n in mesh.axis_names if n in vma and n not in _axes_of(dims)]
+        if extra and sm.check_vma:
+            raise _varying_output_error(sm, out_names[j], extra[0], dims)
+        results.append(value)
+    return results
+
+
+# ---------------------------------------------------------------------------
+# The transform
+# ---------------------------------------------------------------------------
+
+
+class ShardMapped:
+    """The callable returned by ``fs.shard_map``."""
+
+    def __init__(self, fun, in_strategy, out_strategy, mesh, check_vma):
+        self.fun = fun
+        self.name = fun_name(fun)
+        if not isinstance(in_strategy, (tuple, list)):
+            raise ShardingError(
+                f"shard_map({self.name}): in_strategy must be a tuple with one entry per "
+                f"positional argument, got {in_strategy!r}.\nFix: e.g. in_strategy="
+                "((4, 1), None) for f(x, w); a function of one argument needs a 1-tuple: "
+                "in_strategy=((4, 1),).")
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise ShardingError(
+                f"shard_map({self.name}): mesh must be an fs.Mesh or None, got {mesh!r}.\n"
+                "Fix: mesh=fs.Mesh((4,), ('dp',)).")
+        self.in_strategy = tuple(in_strategy)
+        self.out_strategy = out_strategy
+        self.mesh = mesh
+        self.check_vma = bool(check_vma)
+        self._jitted = None
+        functools.update_wrapper(self, fun, updated=())
+
+    def __repr__(self) -> str:
+        return f"fs.shard_map({self.name})"
+
+    # -- mesh and strategies ------------------------------------------------------
+
+    def _resolve_mesh(self) -> Mesh:
+        if self.mesh is not None:
+            return self.mesh
+        views = [e for e in tree.leaves(self.in_strategy, is_leaf=_is_strategy_leaf)
+                 if isinstance(e, Layout)] if self.in_strategy else []
+        if views and current_mesh() is None:
+            v = views[0]  # the mesh the Layout describes
+            return Mesh(v.device_matrix, v.alias_name)
+        return resolve_mesh(None)
+
+    def _in_dims(self, args, mesh):
+        from fshard.transforms.vmap import arg_path, type_tree
+
+        if len(args) != len(self.in_strategy):
+            raise ShardingError(
+                f"shard_map({self.name}): in_strategy has {len(self.in_strategy)} entries but "
+                f"the function was called with {len(args)} positional arguments.\nFix: give "
+                "one entry (a strategy, a Layout view or None) per positional argument.")
+        out = []
+        for i, (entry, a) in enumerate(zip(self.in_strategy, args)):
+            try:
+                flat = tree.broadcast_prefix(entry, a, is_leaf=_is_strategy_leaf)
+            except ValueError:
+                raise ShardingError(
+                    f"shard_map({self.name}): in_strategy[{i}] = {entry!r} is neither a "
+                    f"strategy nor a pytree prefix of {arg_path(self.fun, i)}, which is "
+                    f"{type_tree(a)}.\nFix: one strategy for the whole argument, or its "
+                    "containers with a strategy at each leaf.") from None
+            paths, leaves, _ = tree.flatten_with_path(a)
+            for p, x, e in zip(paths, leaves, flat):
+                where = f"shard_map({self.name}): in_strategy[{i}]" + (
+                    f" (for {arg_path(self.fun, i, p)})" if p else "")
+                aval = typeof(x)
+                dims = _to_dims(e, aval.ndim, mesh, where)
+                for k, (n, axes) in enumerate(zip(aval.shape, dims)):
+                    c = _count(axes, mesh)
+                    if isinstance(n, int) and n % c:
+                        raise ShardingError(
+                            f"{where} splits dimension {k} of {arg_path(self.fun, i, p)} "
+                            f"({aval}) over mesh axes {axes} ({c} devices), but {n} is not "
+                            f"divisible by {c}. Each dimension split over mesh axes must be "
+                            f"divisible by their total size.\nFix: pad dimension {k} to a "
+                            f"multiple of {c}, or split it over fewer devices.")
+                out.append(dims)
+        return out
+
+    def _out_dims(self, out_tree, out_avals, mesh):
+        skeleton = tree.unflatten(out_tree, list(range(len(out_avals))))
+        try:
+            flat = tree.broadcast_prefix(self.out_strategy, skeleton, is_leaf=_is_strategy_leaf)
+        except ValueError:
+            raise ShardingError(
+                f"shard_map({self.name}): out_strategy = {self.out_strategy!r} is not a "
+                f"strategy nor a pytree prefix of the output, which is "
+                f"{tree.unflatten(out_tree, [str(a) for a in out_avals])} (per device).\n"
+                "Fix: one strategy per output leaf (None: replicated), in the output's "
+                "containers, e.g. out_strategy=((), None) for (loss, grads).") from None
+        paths = tree.flatten_with_path(skeleton)[0]
+        names = [f"output{tree.keystr(p)}" if p else "the output" for p in paths]
+        dims = [_to_dims(e, a.ndim, mesh, f"shard_map({self.name}): out_strategy for {n}")
+                for e, a, n in zip(flat, out_avals, names)]
+        return dims, names
+
+    # -- calling ------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            raise ShardingError(
+                f"shard_map({self.name}) takes positional arguments only (in_strategy has "
+                f"one entry per position); got keyword arguments {sorted(kwargs)}.")
+        if _depth:
+            raise CompositionError(
+                f"shard_map({self.name}) is called inside another fs.shard_map body, which "
+                "fshard does not allow.\nAllowed form: one fs.shard_map over all the mesh "
+                "axes, with collectives naming them inside.")
+        mesh = self._resolve_mesh()
+        if not mesh.is_virtual and type(current_trace()) is EvalTrace:
+            # Collectives run only in compiled graphs: compile the whole shard_map.
+            if self._jitted is None:
+                from fshard.transforms.jit import jit
+
+                self._jitted = jit(functools.wraps(self.fun)(lambda *a: self._call(a)))
+            return self._jitted(*args)
+        return self._call(args)
+
+    def _call(self, args):
+        global _depth
+        mesh = self._resolve_mesh()
+        if not mesh.is_virtual:
+            from fshard import distributed
+
+            if mesh.size != distributed.world_size():
+                raise ShardingError(
+                    f"shard_map({self.name}): the mesh {mesh!r} has {mesh.size} devices but "
+                    f"this job has {distributed.world_size()} processes (one device each).\n"
+                    f"Fix: use a mesh of {distributed.world_size()} devices, or "
+                    "fs.Mesh(..., virtual=True) to simulate it in each process.")
+        in_dims = self._in_dims(args, mesh)
+        leaves, in_tree = tree.flatten((tuple(args), {}))
+        local = []
+        for x, dims in zip(leaves, in_dims):
+            a = typeof(x)
+            local.append(ArrayType(tuple(n // _count(d, mesh) for n, d in zip(a.shape, dims)),
+                                   a.dtype))
+        outer = {a.name for a in C.bound_axes()}
+        with contextlib.ExitStack() as stack:
+            for name, size in zip(mesh.axis_names, mesh.shape):
+                stack.enter_context(C.named_axis(name, size))
+            _depth += 1
+            stack.callback(_leave)
+            stack.enter_context(C.replica_axes_of_body(mesh.axis_names))
+            traced = trace_fun(self.fun, in_tree, local)
+        program = traced.program
+        self._check_axis_names(program, mesh, outer)
+        out_dims, out_names = self._out_dims(traced.out_tree, program.out_avals, mesh)
+        n_c = len(traced.consts)
+        with contextlib.ExitStack() as stack:
+            for name, size in zip(mesh.axis_names, mesh.shape):
+                stack.enter_context(C.named_axis(name, size))
+            _depth += 1
+            stack.callback(_leave)
+            if mesh.is_virtual:
+                blocks = [_to_blocks(x, d, mesh) for x, d in zip(leaves, in_dims)]
+                splits = [frozenset()] * n_c + [_axes_of(d) for d in in_dims]
+                outs = _run_virtual(self, program, list(traced.consts) + blocks, splits,
+                                    out_dims, mesh, out_names)
+                outs = [_from_blocks(y, d, mesh) for y, d in zip(outs, out_dims)]
+            else:
+                consts = [C.shard_in_p.bind(c, dims=((),) * typeof(c).ndim, mesh=mesh)
+                          if isinstance(c, Tracer) else c for c in traced.consts]
+                blocks = [C.shard_in_p.bind(x, dims=d, mesh=mesh)
+                          for x, d in zip(leaves, in_dims)]
+                vmas = [frozenset()] * n_c + [_axes_of(d) for d in in_dims]
+                outs = _run_body_on_rank(self, program, consts + blocks, vmas, out_dims, mesh,
+                                         out_names)
+                outs = [C.shard_out_p.bind(y, dims=d, mesh=mesh)
+                        for y, d in zip(outs, out_dims)]
+        return tree.unflatten(traced.out_tree, outs)
+
+    def _check_axis_names(self, program, mesh, outer):
+        known = set(mesh.axis_names) | outer
+        for eq in program.equations:
+            names = eq.params.get("axis_name") if eq.prim in C.COLLECTIVES else None
+            for n in names or ():
+                if n not in known:
+                    raise AxisNameError(
+                        f"shard_map({self.name}): the body calls fs.{eq.prim.name} over the "
+                        f"axis {n!r}, which is not an axis of the mesh {mesh!r} (axes "
+                        f"{mesh.axis_names!r}).\nFix: name one of the mesh's axes, or add "
+                        f"{n!r} to the mesh." + (f" (called at {eq.source})" if eq.source
+                                                 else ""))
+
+
+def _leave():
+    global _depth
+    _depth -= 1
+
+
+def shard_map(f, in_strategy, out_strategy, mesh: Mesh | None = None, *,
+              check_vma: bool = True) -> ShardMapped:
+    """Run ``f`` on every device's block of its inputs; ``f`` communicates with
+    collectives over the mesh axes (NB: ``jax.shard_map``).
+
+    >>> import numpy as np, fshard as fs
+    >>> mesh = fs.Mesh((4,), ("dp",))
+    >>> def local_sum(x):                  # x: this device's block, f32[2]
+    ...     return fs.psum(x.sum(), "dp")
+    >>> f = fs.shard_map(local_sum, in_strategy=((4,),), out_strategy=(), mesh=mesh)
+    >>> float(f(np.arange(8, dtype=np.float32)).asnumpy())
+    28.0
+
+    Args:
+        f: a function of the local blocks (pytrees of arrays), returning a pytree.
+        in_strategy: one entry per positional argument, applied to each of its arrays
+            (or a pytree prefix of the argument): a tuple of split counts per dimension
+            (``(4, 1)``; counts take mesh axes in order, see docs/shard_map.md), a
+            ``fs.Layout`` view naming mesh axes (``layout("dp", "None")``), or None
+            (replicated: every device gets the whole value).
+        out_strategy: the same for the outputs (a pytree prefix of ``f``'s output);
+            ``()`` for a replicated scalar. A dimension not split over a mesh axis is
+            promised equal on every device of that axis.
+        mesh: an ``fs.Mesh``; default: the mesh the Layout views describe, else
+            ``with fs.Mesh(...)``, the launcher's world, or ``FSHARD_DEVICES``.
+        check_vma: check that outputs promised replicated do not vary over any axis.
+
+    Returns:
+        A callable taking the global inputs and returning the global outputs.
+
+    Raises:
+        ShardingError: a strategy of the wrong rank, a dimension not divisible by its
+            split, an axis the mesh lacks, or an output varying over an axis its
+            out_strategy does not split.
+        AxisNameError: ``f`` names an axis that no mesh or enclosing vmap binds.
+        CompositionError: a shard_map inside another shard_map's body.
+
+    See also: ``fs.psum`` and the other collectives; docs/shard_map.md.
+    """
+    if isinstance(f, ShardMapped):
+        raise CompositionError(
+            f"fs.shard_map was applied to {f!r}, which is already a shard_map; nesting is "
+            "not allowed.\nAllowed form: one fs.shard_map over all the mesh axes.")
+    if not callable(f):
+        raise ShardingError(f"shard_map expects a function, got {type(f).__name__}.")
+    return ShardMapped(f, in_strategy, out_strategy, mesh, check_vma)

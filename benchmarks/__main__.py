@@ -1,4 +1,4 @@
-"""``python -m benchmarks [--quick] [--only NAME[,NAME]] [--no-jax] [--list]``
+"""``python -m benchmarks [--quick] [--only NAME[,NAME]] [--no-jax] [--list] [--report]``
 
 Runs the registered benchmarks (run from the repository root with fshard's
 environment), prints one table per benchmark and writes
@@ -25,7 +25,7 @@ os.environ.setdefault("GLOG_v", "3")  # MindSpore: errors only, keep the tables 
 
 from benchmarks import harness, jax_env  # noqa: E402
 
-MODULES = ["foundation", "vmap_grad"]
+MODULES = ["foundation", "vmap_grad", "collectives"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "latest.json")
 
@@ -42,9 +42,20 @@ def main(argv=None) -> int:
                    help="run only these benchmarks (comma-separated or repeated)")
     p.add_argument("--no-jax", action="store_true", help="skip the JAX baselines")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    p.add_argument("--report", action="store_true",
+                   help="print the stored results (--output) as Markdown tables and exit")
     p.add_argument("--output", default=RESULTS, help=f"JSON file to write (default {RESULTS})")
     args = p.parse_args(argv)
 
+    if args.report:
+        with open(args.output) as fh:
+            doc = json.load(fh)
+        only = [n for o in args.only for n in o.split(",") if n]
+        print(f"Machine: {json.dumps(doc['meta'])}\n")
+        for name, entry in doc["benchmarks"].items():
+            if not only or name in only:
+                print(harness.markdown(name, entry) + "\n")
+        return 0
     _load()
     if args.list:
         for name, b in harness.REGISTRY.items():
@@ -79,7 +90,8 @@ def main(argv=None) -> int:
         harness.print_table(b.name, b, result)
         entry = harness.to_json(b.name, b, result)
         entry.update(quick=args.quick, seconds=round(time.perf_counter() - t0, 1),
-                     date=time.strftime("%Y-%m-%d %H:%M:%S"))
+                     date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                     loadavg=[round(x, 2) for x in os.getloadavg()])
         results[b.name] = entry
 
     # a partial run (--only) updates its benchmarks and keeps the others' last results

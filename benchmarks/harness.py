@@ -201,6 +201,21 @@ def print_table(name: str, bench: Benchmark, result: Result) -> None:
             print(f"  note: {n}")
 
 
+def markdown(name: str, entry: dict) -> str:
+    """A stored result (one entry of latest.json) as a Markdown table, for the docs."""
+    lines = [f"`{name}`: {entry['title']}"
+             + (" (quick run: not a measurement)" if entry.get("quick") else ""), "",
+             "| system | variant | median | min | runs | ratio |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in entry["rows"]:
+        label = r["label"] + (f" ({r['note']})" if r.get("note") else "")
+        lines.append(f"| {r['system']} | {label} | {fmt_time(r['median_s'])} | "
+                     f"{fmt_time(r['min_s'])} | {r['runs']} | {r['ratio']} |")
+    lines.append("")
+    lines.append(f"Ratio: median relative to *{entry['baseline']}*. Measured {entry.get('date', '?')}.")
+    return "\n".join(lines)
+
+
 def to_json(name: str, bench: Benchmark, result: Result) -> dict:
     rs = ratios(result)
     return {

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 
+import mindspore as ms
 import numpy as np
 
 import fshard as fs
@@ -39,13 +40,13 @@ def load_data():
 
 
 def init_params(seed: int = 0) -> dict:
-    """He-initialised weights and zero biases of the MLP, as a dict of arrays."""
+    """He-initialised weights and zero biases of the MLP, as a dict of Tensors."""
     rng = np.random.default_rng(seed)
     params = {}
     for i, (n_in, n_out) in enumerate(zip(SIZES[:-1], SIZES[1:])):
-        params[f"w{i}"] = (rng.standard_normal((n_in, n_out)) * np.sqrt(2.0 / n_in)
-                           ).astype(np.float32)
-        params[f"b{i}"] = np.zeros((n_out,), np.float32)
+        params[f"w{i}"] = ms.Tensor((rng.standard_normal((n_in, n_out)) * np.sqrt(2.0 / n_in)
+                                     ).astype(np.float32))
+        params[f"b{i}"] = ms.Tensor(np.zeros((n_out,), np.float32))
     return params
 
 

@@ -55,7 +55,6 @@ from fshard.primitives.control import custom_vjp as custom_vjp
 from fshard.primitives.structural import stop_gradient as stop_gradient
 from fshard.staging import make_ir as make_ir
 from fshard.transforms.jit import jit as jit
-from fshard.visualize import visualize_sharding as visualize_sharding
 from fshard.transforms.ad import grad as grad
 from fshard.transforms.ad import hessian as hessian
 from fshard.transforms.ad import jacfwd as jacfwd
@@ -66,5 +65,6 @@ from fshard.transforms.ad import vjp as vjp
 from fshard.transforms.shard import shard as shard
 from fshard.transforms.shard_map import shard_map as shard_map
 from fshard.transforms.vmap import vmap as vmap
+from fshard.visualize import visualize_sharding as visualize_sharding
 
 __version__ = "0.1.0"

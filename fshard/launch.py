@@ -12,7 +12,7 @@ Differences from msrun, each for a measured reason (docs/launch.md):
 - when one rank fails, the others are killed at once, and the exit status names the
   failed rank; an overall ``--timeout`` bounds every job;
 - after its script succeeds, a worker waits until every rank has succeeded, then
-  exits without MindSpore's slow cluster teardown (it cost 4-6 s per job).
+  exits without MindSpore's slow C++ teardown (it cost 4-6 s per job).
 
 This module imports only the standard library at top level: workers load it as a
 standalone file to run ``_worker_main`` (no ``import fshard`` in the worker).
@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence, TextIO
 
 __all__ = ["run", "main", "LaunchResult", "RankResult", "free_port"]
@@ -79,7 +79,6 @@ class LaunchResult:
     log_dir: str
     message: str
     scheduler_log: str = ""
-    _lines: dict = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -148,16 +147,15 @@ def _record_exit_funcs() -> list:
 
 
 def _run_exit_funcs(funcs: list) -> None:
-    """Run the recorded exit handlers written in Python, last first, then flush logging.
+    """Run the recorded exit handlers, last first, then flush logging.
 
-    Handlers implemented in C++ (MindSpore's runtime and cluster teardown, 1-4 s per
-    rank) are skipped: the process ends with ``os._exit`` right after.
+    Handlers bound through pybind11 (MindSpore's C++ runtime and cluster teardown,
+    1-4 s per rank) are skipped: the process ends with ``os._exit`` right after.
     """
-    import inspect
     import traceback
 
     for func, args, kwargs in reversed(funcs):
-        if inspect.isbuiltin(func) or not callable(func):
+        if type(getattr(func, "__self__", None)).__name__ == "PyCapsule":
             continue
         try:
             func(*args, **kwargs)

@@ -319,7 +319,7 @@ def check_strategy(
     >>> check_strategy((4, 4), 8)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    fshard.errors.ShardingError: strategy = (4, 4) splits a tensor into 16 blocks, more than the 8 devices. ...
+    fshard.errors.ShardingError: strategy = (4, 4) splits a tensor into 16 blocks, more than ...
 
     Args:
         strategy: split counts, one per tensor dimension.
@@ -455,7 +455,7 @@ def check_shape(
     >>> check_shape((8, 6), (2, 4), 8)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    fshard.errors.ShardingError: strategy = (2, 4) splits dimension 1 of the argument (size 6) into 4 parts, but 6 is not divisible by 4. ...
+    fshard.errors.ShardingError: strategy = (2, 4) splits dimension 1 of the argument (size 6) ...
 
     Args:
         shape: the tensor's global shape.
@@ -469,7 +469,7 @@ def check_shape(
     shown = spec if not isinstance(spec, Layout) else layout
     for i, (size, count) in enumerate(zip(shape, layout.to_strategy(), strict=True)):
         if _is_int(size) and size % count:
-            ok = [d for d in _divisors(size) if d <= layout.n_devices and layout.n_devices % d == 0]
+            ok = [d for d in _divisors(size) if layout.n_devices % d == 0]
             raise ShardingError(
                 f"{name} = {shown!r} splits dimension {i} of {arg} (size {size}) into {count} "
                 f"parts, but {size} is not divisible by {count}. Each dimension must be "

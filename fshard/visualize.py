@@ -86,8 +86,10 @@ class ShardingVisualization:
         from rich.console import Console
 
         buf = io.StringIO()
+        # force_jupyter=False: inside a notebook rich would otherwise display the table
+        # itself instead of writing it to ``buf``.
         Console(file=buf, width=width, color_system=None, force_terminal=False,
-                legacy_windows=False).print(self)
+                force_jupyter=False, legacy_windows=False).print(self)
         return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
 
     def print(self) -> None:

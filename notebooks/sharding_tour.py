@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -31,7 +33,6 @@
 
 # %%
 import numpy as np
-import mindspore as ms
 from mindspore import Tensor, ops
 
 import fshard as fs

@@ -27,6 +27,7 @@ from fshard.core import ArrayType, Primitive, typeof
 from fshard.ir import Program
 import fshard as fs
 from fshard.errors import AxisNameError, DifferentiationError
+from fshard.primitives import collectives as K
 from fshard.primitives import control as C
 from fshard.primitives import elementwise as E
 from fshard.primitives import linalg as L
@@ -37,7 +38,7 @@ from fshard.primitives import structural as S
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tests/ is not a package
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from references import REFERENCES, W  # noqa: E402
+from references import LANES, REFERENCES, W  # noqa: E402
 
 F32, F64, I32, I64, BOOL = np.float32, np.float64, np.int32, np.int64, np.bool_
 
@@ -112,7 +113,8 @@ class PrimitiveSpec:
             (``custom_vjp_call``): the JVP check asserts the error, and derivatives are
             checked in reverse mode against finite differences.
         custom_checks: ``{kind: check(spec, sample)}`` replacing the generic check of
-            that kind, for primitives whose semantics need a context (a named axis).
+            that kind ("batching", "jvp", "transpose", "vjp"), for primitives whose
+            semantics need a context (a named axis).
     """
 
     prim: Primitive
@@ -487,11 +489,12 @@ def _block_slice(rng, dt):
             for a, names, d, sz in cases]
 
 
-def _over_mesh(f, names, sizes, in_axes=None):
-    """``f`` vmapped over the mesh axes, outermost first: lane ``(i, j, ...)`` is
-    device ``i * sizes[1] + j ...`` (row-major, as the partitioner numbers them)."""
+def _over_mesh(f, names, sizes, in_axes=None, inner_axes=None):
+    """``f`` vmapped over the mesh axes, outermost first (a virtual mesh): lane
+    ``(i, j, ...)`` is device ``i * sizes[1] + j ...`` (row-major, as the partitioner
+    numbers them). ``in_axes`` maps the outermost axis, ``inner_axes`` the others."""
     for k in reversed(range(len(names))):
-        f = fs.vmap(f, in_axes=in_axes if k == 0 else None, axis_size=sizes[k],
+        f = fs.vmap(f, in_axes=in_axes if k == 0 else inner_axes, axis_size=sizes[k],
                     axis_name=names[k])
     return f
 
@@ -562,13 +565,224 @@ def _block_slice_transpose(spec, sample):
 
 
 # ---------------------------------------------------------------------------
+# Collectives: checked on a virtual mesh against their semantics over all devices
+# ---------------------------------------------------------------------------
+
+
+def _collective(cases):
+    """Samples ``(shape, axis_name, axis_sizes, extra params)``."""
+    def samples(rng, dt):
+        return [Sample((values(rng, shape, dt),) if shape is not None else (),
+                       {"axis_name": names, "axis_sizes": sizes, **extra})
+                for shape, names, sizes, extra in cases]
+
+    return samples
+
+
+def _lanes_np(x):
+    return np.asarray(x.asnumpy() if hasattr(x, "asnumpy") else x)
+
+
+def _collective_setup(spec, sample, dtype=None):
+    p = sample.params
+    names, sizes = p["axis_name"], p["axis_sizes"]
+    n = int(np.prod(sizes))
+    return p, names, sizes, n, (lambda *v: spec.apply(*v, **p)), LANES[spec.name]
+
+
+def _lane_operands(x, n, rng) -> np.ndarray:
+    return rng.standard_normal((n,) + np.shape(x)).astype(np.asarray(x).dtype)
+
+
+def _collective_batching(spec, sample):
+    """On a virtual mesh: every device with its own operand, every device with the same
+    operand, and a plain batch axis inside the mesh axes."""
+    p, names, sizes, n, f, lanes = _collective_setup(spec, sample)
+    if not sample.args:  # axis_index
+        got = _lanes_np(_over_mesh(f, names, sizes)())
+        np.testing.assert_array_equal(got.reshape(n), lanes(n, p))
+        return
+    x = sample.args[0]
+    xs = _lane_operands(x, n, np.random.default_rng(3))
+    got = _lanes_np(_over_mesh(f, names, sizes, 0, 0)(xs.reshape(tuple(sizes) + x.shape)))
+    want = lanes(xs, p)
+    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6,
+                               err_msg="one operand per device")
+    got = _lanes_np(_over_mesh(f, names, sizes)(x))
+    want = lanes(np.stack([x] * n), p)
+    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6,
+                               err_msg="the same operand on every device")
+    xb = np.stack([xs, -2 * xs], axis=1)  # (n, 2, ...): batch axis inside the mesh axes
+    got = _lanes_np(_over_mesh(fs.vmap(f), names, sizes, 0, 0)(
+        xb.reshape(tuple(sizes) + xb.shape[1:])))
+    want = np.stack([lanes(xb[:, b], p) for b in range(2)], axis=1)
+    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6,
+                               err_msg="a batch axis inside the mesh axes")
+
+
+def _collective_jvp(spec, sample):
+    """Forward mode on every device vs central differences of the global semantics."""
+    p, names, sizes, n, f, lanes = _collective_setup(spec, sample)
+    x = sample.args[0]
+    rng = np.random.default_rng(4)
+    xs, ts = _lane_operands(x, n, rng), _lane_operands(x, n, rng)
+    shape = tuple(sizes) + x.shape
+    _, t_out = _over_mesh(lambda v, t: fs.jvp(f, (v,), (t,)), names, sizes, 0, 0)(
+        xs.reshape(shape), ts.reshape(shape))
+    eps = 1e-6
+    want = (lanes(xs + eps * ts, p) - lanes(xs - eps * ts, p)) / (2 * eps)
+    np.testing.assert_allclose(_lanes_np(t_out).reshape(want.shape), want, rtol=1e-6,
+                               atol=1e-6)
+
+
+def _collective_transpose(spec, sample):
+    """Dot-product test over all devices: sum_i <ct_i, (L t)_i> == sum_i <(L^T ct)_i, t_i>
+    with L^T from fs.vjp on every device."""
+    p, names, sizes, n, f, lanes = _collective_setup(spec, sample)
+    x = sample.args[0]
+    rng = np.random.default_rng(5)
+    ts = _lane_operands(x, n, rng)
+    l_t = lanes(ts, p)
+    cts = rng.standard_normal(l_t.shape).astype(l_t.dtype)
+
+    def lane(v, ct):
+        return fs.vjp(f, v)[1](ct)[0]
+
+    got = _lanes_np(_over_mesh(lane, names, sizes, 0, 0)(
+        ts.reshape(tuple(sizes) + x.shape), cts.reshape(tuple(sizes) + l_t.shape[1:])))
+    lhs = float(np.sum(cts.astype(np.float64) * l_t))
+    rhs = float(np.sum(got.reshape(ts.shape).astype(np.float64) * ts))
+    np.testing.assert_allclose(lhs, rhs, rtol=1e-9, atol=1e-9)
+
+
+def _collective_vjp(spec, sample):
+    """Reverse mode on every device: sum_i <ct_i, (J t)_i> == sum_i <vjp(ct)_i, t_i>,
+    with J t from central differences of the global semantics."""
+    p, names, sizes, n, f, lanes = _collective_setup(spec, sample)
+    x = sample.args[0]
+    rng = np.random.default_rng(6)
+    xs, ts = _lane_operands(x, n, rng), _lane_operands(x, n, rng)
+    eps = 1e-6
+    j_t = (lanes(xs + eps * ts, p) - lanes(xs - eps * ts, p)) / (2 * eps)
+    cts = rng.standard_normal(j_t.shape).astype(xs.dtype)
+    got = _lanes_np(_over_mesh(lambda v, ct: fs.vjp(f, v)[1](ct)[0], names, sizes, 0, 0)(
+        xs.reshape(tuple(sizes) + x.shape), cts.reshape(tuple(sizes) + j_t.shape[1:])))
+    lhs = float(np.sum(cts * j_t))
+    rhs = float(np.sum(got.reshape(ts.shape) * ts))
+    np.testing.assert_allclose(lhs, rhs, rtol=1e-6, atol=1e-6)
+
+
+def _collective_spec(prim, cases, *, linear=True, differentiable=True):
+    checks = {"batching": _collective_batching}
+    if differentiable:
+        checks["jvp"] = _collective_jvp
+        checks["vjp"] = _collective_vjp
+    if linear:
+        checks["transpose"] = _collective_transpose
+    return PrimitiveSpec(prim, _collective(cases), diff_argnums=(0,) if differentiable else (),
+                         linear_groups=((0,),) if linear else (), eager_error=AxisNameError,
+                         custom_checks=checks)
+
+
+# replica_sum / replica_split: the cotangent boundary of a replicated value inside a
+# shard_map body. Over an axis where ``like`` is replicated, replica_sum sums the
+# devices' cotangents and replica_split divides a seed among them; where ``like`` is
+# split they are the identity.
+MARKER_MESH = {("i",): (3,), ("i", "j"): (2, 2)}
+MARKERS = {
+    "replica_sum": lambda cts, n: np.broadcast_to(cts.sum(0), cts.shape),
+    "replica_split": lambda cts, n: cts / n,
+}
+
+
+def _markers(rng, dt):
+    return [Sample((values(rng, s, dt), values(rng, s, dt)), {"axis_name": names})
+            for s, names in (((2, 3), ("i",)), ((), ("i",)), ((3,), ("i", "j")))]
+
+
+def _marker_setup(spec, sample):
+    names = sample.params["axis_name"]
+    sizes = MARKER_MESH[names]
+    n = int(np.prod(sizes))
+    f = lambda ct, like: spec.apply(ct, like, **sample.params)  # noqa: E731
+    return names, sizes, n, f
+
+
+def _marker_lanes(spec, cts, replicated, n):
+    return MARKERS[spec.name](cts, n) if replicated else cts
+
+
+def _marker_batching(spec, sample):
+    names, sizes, n, f = _marker_setup(spec, sample)
+    ct, like = sample.args
+    cts = _lane_operands(ct, n, np.random.default_rng(7))
+    shape = tuple(sizes) + ct.shape
+    for replicated in (True, False):
+        like_arg = like if replicated else np.stack([like] * n).reshape(shape)
+        got = _lanes_np(_over_mesh(f, names, sizes, (0, None if replicated else 0),
+                                   (0, None if replicated else 0))(cts.reshape(shape), like_arg))
+        want = _marker_lanes(spec, cts, replicated, n)
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-6, atol=1e-6,
+                                   err_msg=f"like replicated={replicated}")
+
+
+def _marker_jvp(spec, sample):
+    """Linear in the cotangent operand: the tangent goes through the same map."""
+    names, sizes, n, f = _marker_setup(spec, sample)
+    ct, like = sample.args
+    rng = np.random.default_rng(8)
+    cts, ts = _lane_operands(ct, n, rng), _lane_operands(ct, n, rng)
+    shape = tuple(sizes) + ct.shape
+    _, t_out = _over_mesh(lambda c, t: fs.jvp(lambda u: f(u, like), (c,), (t,)), names,
+                          sizes, 0, 0)(cts.reshape(shape), ts.reshape(shape))
+    want = _marker_lanes(spec, ts, True, n)
+    np.testing.assert_allclose(_lanes_np(t_out).reshape(want.shape), want, rtol=1e-9)
+
+
+def _marker_transpose(spec, sample):
+    """Self-adjoint: the dot-product test over all devices, with fs.vjp on each."""
+    names, sizes, n, f = _marker_setup(spec, sample)
+    ct, like = sample.args
+    rng = np.random.default_rng(9)
+    ts, cs = _lane_operands(ct, n, rng), _lane_operands(ct, n, rng)
+    shape = tuple(sizes) + ct.shape
+    got = _lanes_np(_over_mesh(lambda t, c: fs.vjp(lambda u: f(u, like), t)[1](c)[0], names,
+                               sizes, 0, 0)(ts.reshape(shape), cs.reshape(shape)))
+    lhs = float(np.sum(cs * _marker_lanes(spec, ts, True, n)))
+    rhs = float(np.sum(got.reshape(ts.shape) * ts))
+    np.testing.assert_allclose(lhs, rhs, rtol=1e-9, atol=1e-9)
+
+
+def _marker_spec(prim):
+    return PrimitiveSpec(prim, _markers, linear_groups=((0,),), eager_error=AxisNameError,
+                         custom_checks={"batching": _marker_batching, "jvp": _marker_jvp,
+                                        "transpose": _marker_transpose,
+                                        "jit": _marker_jit})
+
+
+def _marker_jit(spec, sample):
+    """The markers never reach lowering: on a virtual mesh the batching rule resolves
+    them, so fs.jit of the mapped function compiles and matches eager."""
+    names, sizes, n, f = _marker_setup(spec, sample)
+    ct, like = sample.args
+    cts = _lane_operands(ct, n, np.random.default_rng(10)).reshape(tuple(sizes) + ct.shape)
+    mapped = _over_mesh(f, names, sizes, (0, None), (0, None))
+    np.testing.assert_allclose(_lanes_np(fs.jit(mapped)(cts, like)),
+                               _lanes_np(mapped(cts, like)), rtol=1e-6)
+
+
+ONE, TWO = (("i",), (3,)), (("i", "j"), (2, 2))
+_REDUCE_CASES = [((2, 3), *ONE, {}), ((), ("i",), (2,), {}), ((4,), *TWO, {})]
+
+
+# ---------------------------------------------------------------------------
 # The specs
 # ---------------------------------------------------------------------------
 
 NUMERIC = (F32, I32)
 DATA = (F32, I32, BOOL)  # structural primitives move any dtype
 # Primitives whose samples each take a different path through the rules.
-THOROUGH = dict(jit_samples=3, rule_samples=None)
+THOROUGH = dict(jit_samples=2, rule_samples=None)
 
 
 def _as_list(x) -> list:
@@ -642,6 +856,31 @@ def _specs() -> list[PrimitiveSpec]:
                       linear_groups=((0,),), custom_checks={
                           "batching": _block_slice_batching, "jvp": _block_slice_jvp,
                           "transpose": _block_slice_transpose}),
+        # Collectives
+        _collective_spec(K.psum_p, _REDUCE_CASES),
+        _collective_spec(K.pmean_p, _REDUCE_CASES),
+        _collective_spec(K.pmax_p, _REDUCE_CASES, linear=False),
+        _collective_spec(K.pmin_p, _REDUCE_CASES, linear=False),
+        _collective_spec(K.all_gather_p, [((2, 3), *ONE, {"axis": 0}),
+                                          ((2, 3), ("i",), (2,), {"axis": 1}),
+                                          ((1, 2), *TWO, {"axis": 1})]),
+        _collective_spec(K.psum_scatter_p, [((6, 2), *ONE, {"scatter_dimension": 0}),
+                                            ((2, 4), ("i",), (2,), {"scatter_dimension": 1}),
+                                            ((4,), *TWO, {"scatter_dimension": 0})]),
+        _collective_spec(K.all_to_all_p, [((6, 2), *ONE, {"split_axis": 0, "concat_axis": 1}),
+                                          ((2, 4), ("i",), (2,),
+                                           {"split_axis": 1, "concat_axis": 0}),
+                                          ((4, 2), *TWO, {"split_axis": 0, "concat_axis": 0})]),
+        _collective_spec(K.ppermute_p, [((2, 3), *ONE, {"perm": ((0, 1), (1, 2), (2, 0))}),
+                                        ((3,), *ONE, {"perm": ((0, 1),)}),
+                                        ((2,), *TWO, {"perm": ((0, 3), (3, 0), (1, 2))})]),
+        _collective_spec(K.broadcast_p, [((2, 3), *ONE, {"root": 1}),
+                                         ((), ("i",), (2,), {"root": 0}),
+                                         ((3,), *TWO, {"root": 2})]),
+        _collective_spec(K.axis_index_p, [(None, *ONE, {}), (None, ("i", "j"), (2, 3), {})],
+                         linear=False, differentiable=False),
+        _marker_spec(K.replica_sum_p),
+        _marker_spec(K.replica_split_p),
     ]
     return out
 

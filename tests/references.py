@@ -128,6 +128,44 @@ def block_slice(x, *, axis_name, dim, sizes):
     return np.split(x, int(np.prod(sizes)), axis=dim)[0]
 
 
+# Collectives: the global semantics over the n devices (lanes) of the named axes, in
+# device order. ``xs`` stacks every device's operand: shape (n, ...).
+
+
+def _split_lanes(a, n, axis):
+    return np.split(a, n, axis=axis)
+
+
+LANES = {
+    "psum": lambda xs, p: np.broadcast_to(xs.sum(0), xs.shape),
+    "pmean": lambda xs, p: np.broadcast_to(xs.mean(0), xs.shape),
+    "pmax": lambda xs, p: np.broadcast_to(xs.max(0), xs.shape),
+    "pmin": lambda xs, p: np.broadcast_to(xs.min(0), xs.shape),
+    "all_gather": lambda xs, p: np.stack([np.concatenate(list(xs), axis=p["axis"])] * len(xs)),
+    "psum_scatter": lambda xs, p: np.stack(
+        _split_lanes(xs.sum(0), len(xs), p["scatter_dimension"])),
+    "all_to_all": lambda xs, p: np.stack([
+        np.concatenate([_split_lanes(x, len(xs), p["split_axis"])[i] for x in xs],
+                       axis=p["concat_axis"]) for i in range(len(xs))]),
+    "ppermute": lambda xs, p: np.stack([
+        next((xs[s] for s, t in p["perm"] if t == i), np.zeros_like(xs[0]))
+        for i in range(len(xs))]),
+    "broadcast": lambda xs, p: np.broadcast_to(xs[p["root"]], xs.shape),
+    "axis_index": lambda n, p: np.arange(n, dtype=np.int32),
+}
+
+
+def _one_device(name):
+    """Device 0's output when every device holds the same operand."""
+    def ref(*args, **p):
+        n = int(np.prod(p["axis_sizes"]))
+        if not args:
+            return LANES[name](n, p)[0]
+        return np.asarray(LANES[name](np.stack([args[0]] * n), p)[0])
+
+    return ref
+
+
 REFERENCES = {
     # elementwise
     "neg": np.negative,
@@ -190,4 +228,10 @@ REFERENCES = {
     "custom_lin": custom_lin,
     # spmd
     "block_slice": block_slice,
+    # collectives
+    **{name: _one_device(name) for name in LANES},
+    # cotangent markers of shard_map bodies: one device's view where `like` is split
+    # (tests/primitive_specs.py checks the replicated case on a virtual mesh)
+    "replica_sum": lambda ct, like, **_: ct,
+    "replica_split": lambda ct, like, **_: ct,
 }

@@ -403,7 +403,9 @@ XS = np.array([-30.0, -1.0, 0.0, 2.0, 30.0])
 
 
 def test_custom_jvp_rule_is_used_by_grad_and_jvp():
+    close(log1pexp(XS), np.logaddexp(0, XS))           # eager: just the function
     close(fs.vmap(log1pexp)(XS), np.logaddexp(0, XS))
+    close(fs.jit(log1pexp)(XS), np.logaddexp(0, XS))   # the body lowered as a helper
     close(fs.vmap(fs.grad(log1pexp))(XS), sigmoid_np(XS))
     _, t = fs.jvp(log1pexp, (XS,), (np.full(5, 2.0),))
     close(t, 2 * sigmoid_np(XS))
@@ -517,6 +519,8 @@ def clipped_loss(x):
 def test_custom_vjp_replaces_the_gradient():
     x = np.array([-2.0, 0.1, 0.5, 3.0])
     close(clipped_loss(x), (3 * x ** 2).sum())           # eager: just the function
+    close(fs.jit(clipped_loss)(x), (3 * x ** 2).sum())
+    close(fs.vmap(functools.partial(clip_gradient, -1.0, 1.0))(x), x)
     close(fs.grad(clipped_loss)(x), np.clip(6 * x, -1, 1))  # the gradient is clipped
 
 

@@ -132,15 +132,18 @@ def test_sharding_error():
     msg = _message(lambda: fs.shard(lambda v: v, in_strategy=((3, 1),), mesh=8)(x),
                    fs.ShardingError)
     assert msg == (
-        "shard(<lambda>): in_strategy[0] = (3, 1) splits over 3 devices, which does not "
-        "divide the 8 devices of the mesh.\nFix: use split counts whose product divides 8; "
-        "the remaining devices then hold replicas.\nSee docs/errors.md#shardingerror")
+        "shard(<lambda>): in_strategy[0] = (3, 1) splits argument 'v' (f32[4,3]) into 3 "
+        "blocks, which does not divide the 8 devices of the mesh.\nRule: the product of the "
+        "split counts must divide the device count (the remaining factor holds replicas).\n"
+        "Fix: use split counts whose product is 1, 2, 4 or 8, or another mesh (fs.Mesh, "
+        "mesh=N or FSHARD_DEVICES).\nSee docs/errors.md#shardingerror")
 
 
 def test_composition_error():
     msg = _message(lambda: fs.vmap(fs.shard(lambda v: v, in_strategy=((1,),), mesh=2))(x),
                    fs.CompositionError)
     assert msg == (
-        "shard(<lambda>) is applied inside vmap, which fshard does not allow: shard must sit "
-        "outside vmap.\nAllowed form: fs.shard(fs.vmap(f), in_strategy=...). Refused: "
-        "fs.vmap(fs.shard(f, ...)).\nSee docs/errors.md#compositionerror")
+        "shard(<lambda>) is applied inside vmap, which fshard does not allow.\nRule: shard "
+        "must sit outside vmap (as in MindSpore).\nAllowed form: "
+        "fs.shard(fs.vmap(<lambda>), in_strategy=...); refused: "
+        "fs.vmap(fs.shard(<lambda>, ...)).\nSee docs/errors.md#compositionerror")

@@ -48,11 +48,11 @@ def test_failing_rank_stops_the_job_and_is_named(tmp_path):
 
 
 def test_cli_timeout_stops_every_rank(tmp_path, capsys):
-    code = launch.main(["-n", "2", "--timeout", "5", "--log-dir", str(tmp_path), SCRIPT, "hang"])
+    code = launch.main(["-n", "2", "--timeout", "6", "--log-dir", str(tmp_path), SCRIPT, "hang"])
     assert code == launch.EXIT_TIMEOUT == 124
     captured = capsys.readouterr()
     assert "[rank 0] hanging" in captured.out and "[rank 1] hanging" in captured.out
-    assert "fshard.launch: timed out after 5 s; stopped ranks 0, 1, still running." in captured.err
+    assert "fshard.launch: timed out after 6 s; stopped ranks 0, 1, still running." in captured.err
 
 
 def test_run_argument_errors(tmp_path):

@@ -49,7 +49,8 @@ def test_binary_op_functions_broadcast_like_numpy(name, xs, ys):
     np.testing.assert_allclose(to_np(out), want, rtol=1e-6)
 
 
-@pytest.mark.parametrize("xs,ys", BROADCAST_PAIRS[:3], ids=[f"{a}&{b}" for a, b in BROADCAST_PAIRS[:3]])
+@pytest.mark.parametrize("xs,ys", BROADCAST_PAIRS[:3],
+                         ids=[f"{a}&{b}" for a, b in BROADCAST_PAIRS[:3]])
 def test_broadcasting_shows_in_the_ir_and_compiles(xs, ys):
     x, y = rand(*xs), rand(*ys)
     program = fs.make_ir(fs.ops.mul)(x, y).program
@@ -137,6 +138,11 @@ def test_incompatible_broadcast_names_both_shapes_and_a_fix():
     with pytest.raises(ShapeError, match=r"\(3, 2\) and \(4, 2\) cannot be broadcast") as e:
         fs.ops.add(rand(3, 2), rand(4, 2))
     assert "Fix:" in str(e.value) and "docs/errors.md" in str(e.value)
+
+
+def test_bool_addition_is_an_fshard_error_not_a_mindspore_one():
+    with pytest.raises(fs.ProgramTypeError, match=r"(?s)add of bool operands.*Fix: cast"):
+        fs.ops.add(T["bool"], T["bool"])
 
 
 def test_matmul_contraction_mismatch_names_operands():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import sys
+import zlib
 
 import mindspore as ms
 import numpy as np
@@ -186,8 +187,8 @@ def test_rule_matches_ground_truth(prim, sample, n):
     if sample is None:
         pytest.fail(f"primitive '{prim.name}' has a sharding rule but no samples: add a "
                     "PrimitiveSpec in tests/primitive_specs.py")
-    report = check_sharding_rule(prim, sample.args, sample.params, mesh=n, max_candidates=24,
-                                 max_layouts=16)
+    report = check_sharding_rule(prim, sample.args, sample.params, mesh=n, max_candidates=16,
+                                 max_layouts=12)
     assert not report.wrong, str(report)
     if prim.name not in KNOWN_UNCLAIMED:
         assert not report.unclaimed, str(report)
@@ -263,7 +264,7 @@ def _layouts(prim, sample, n, rng) -> list:
 
 @pytest.mark.parametrize("prim,sample,n", _e2e_cases())
 def test_shard_matches_unsharded(prim, sample, n):
-    rng = np.random.default_rng(abs(hash((prim.name, sample.id))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{prim.name}{sample.id}".encode()))
     params = sample.params
 
     def op(*xs):
@@ -330,3 +331,15 @@ def test_non_row_major_layout_needs_no_communication():
     sh = Sharding(((1, 0), ()))
     part = check_sharding(lambda a: fs.ops.exp(a) * 2.0, (x,), (sh,), mesh=4, out_strategy=sh)
     assert part.collectives() == []
+
+
+def test_redistribution_keeps_booleans_and_infinities():
+    """Splitting a replicated value (block_slice on the virtual mesh) selects each
+    device's block exactly: booleans stay booleans, an inf elsewhere is no NaN here."""
+    x = np.array([[1.0, np.inf], [-np.inf, 2.0], [3.0, 4.0], [np.nan, 5.0]], np.float32)
+    c = np.array([[True, False], [False, True], [True, True], [False, False]])
+    for n in MESHES[:2]:
+        check_sharding(lambda a: a, (x,), (None,), mesh=n,
+                       out_strategy=Sharding((tuple(range(n.bit_length() - 1)), ())))
+        check_sharding(lambda m: m, (c,), (None,), mesh=n,
+                       out_strategy=Sharding(((), (0,))))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from fshard import dtypes, tree
-from fshard.core import ArrayType, bind, typeof
+from fshard.core import bind, typeof
 from fshard.errors import DifferentiationError
 from fshard.interpret import equation_note, eval_program
 from fshard.ir import Literal, Program, Var

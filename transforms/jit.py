@@ -20,11 +20,13 @@ from fshard.staging import Traced, fun_name, split_static, trace_fun
 class Lowered:
     """A staged and lowered function: ``as_text()`` shows the MindSpore program."""
 
-    def __init__(self, traced: Traced, source: str, globals_: dict, n_out: int):
+    def __init__(self, traced: Traced, source: str, globals_: dict, n_out: int,
+                 wait: int | None = None):
         self.traced = traced
         self.source = source
         self.globals = globals_
         self.n_out = n_out
+        self.wait = wait  # see Compiled
         self._compiled = None
 
     @property
@@ -38,24 +40,34 @@ class Lowered:
     def compile(self) -> "Compiled":
         if self._compiled is None:
             fn = backend.compile_source(self.source, self.globals, self.traced.name)
-            self._compiled = Compiled(fn, self.n_out, self.traced.out_tree)
+            self._compiled = Compiled(fn, self.n_out, self.traced.out_tree, self.wait)
         return self._compiled
 
 
 class Compiled:
-    """The compiled graph of one input signature."""
+    """The compiled graph of one input signature.
 
-    __slots__ = ("fn", "n_out", "out_tree", "_bare")
+    A graph with several outputs returns once its last-computed output is ready
+    (``wait``). MindSpore 2.10's CPU runtime waits for an output inefficiently once
+    another output of the same running graph is ready: reading the loss of a
+    ``value_and_grad`` step first, as training loops do, made the step twice as slow.
+    Waiting here for the output the graph computes last avoids that.
+    """
 
-    def __init__(self, fn, n_out: int, out_tree):
+    __slots__ = ("fn", "n_out", "out_tree", "_bare", "_wait")
+
+    def __init__(self, fn, n_out: int, out_tree, wait: int | None = None):
         self.fn, self.n_out, self.out_tree = fn, n_out, out_tree
         # a function returning one array needs no unflattening
         self._bare = n_out == 1 and out_tree.is_leaf()
+        self._wait = wait if n_out > 1 else None
 
     def call_flat(self, leaves) -> list:
         if self.n_out == 0:
             return []
         out = self.fn(*leaves)
+        if self._wait is not None:
+            out[self._wait].asnumpy()
         return [out] if self.n_out == 1 else list(out)
 
     def call_leaves(self, leaves):
@@ -69,6 +81,8 @@ class Compiled:
         if self.n_out == 0:
             return tree.unflatten(self.out_tree, ())
         out = self.fn(*args)
+        if self._wait is not None:
+            out[self._wait].asnumpy()
         return tree.unflatten(self.out_tree, (out,) if self.n_out == 1 else out)
 
     def __call__(self, *leaves):
@@ -76,6 +90,17 @@ class Compiled:
 
 
 _Tensor = backend.Tensor
+
+
+def _last_computed(program) -> int | None:
+    """Which output the graph computes last (None: fewer than two outputs, or not on
+    CPU, where waiting would copy device memory to the host)."""
+    if len(program.outputs) < 2 or backend.ms.get_context("device_target") != "CPU":
+        return None
+    defined = {v: i for i, eq in enumerate(program.equations) for v in eq.outputs}
+    order = [defined.get(a, -1) for a in program.outputs]
+    last = max(range(len(order)), key=order.__getitem__)
+    return last if order[last] >= 0 else None
 
 
 def _leaf_key(x):
@@ -125,9 +150,9 @@ class Jitted:
             traced = trace_fun(self.fun, in_tree, [typeof(x) for x in leaves], rebuild)
             # the IR cleanup passes (fshard/passes.py) run on what is compiled only:
             # make_ir and .program show the staged Program as traced
-            src, globals_, n_out = backend.lower_program(
-                passes.simplify(traced.program), traced.consts, traced.name)
-            lowered = Lowered(traced, src, globals_, n_out)
+            program = passes.simplify(traced.program)
+            src, globals_, n_out = backend.lower_program(program, traced.consts, traced.name)
+            lowered = Lowered(traced, src, globals_, n_out, _last_computed(program))
             self._cache[key] = lowered
         return lowered
 

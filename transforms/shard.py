@@ -7,18 +7,23 @@
 2. **propagation** — every unannotated value gets a sharding. MindSpore's
    algorithm: breadth-first from the annotated values, choosing for each equation
    the candidate that needs no communication on its edges, then the cheapest under
-   the cost model of ``level``; ``search=True`` refines it by exact search;
+   the cost model of ``level``; pending sums pass through linear primitives;
+   ``search=True`` refines it by a search over the whole program;
 3. **partitioning** — the Program is rewritten into the *per-device* Program: each
    equation runs on local blocks with per-device parameters, and the collectives
    its operands' layout changes need (``all_gather``, ``psum``, ``psum_scatter``,
-   ``block_slice``) are inserted as ordinary equations;
-4. **execution** — on a virtual mesh the per-device Program runs batched over the
-   device axes (nested ``vmap`` with one axis name per mesh axis); in a
+   ``block_slice``) are inserted as ordinary equations, each layout of a value
+   computed once;
+4. **execution** — one ``shard_call`` equation holds the global Program and its
+   boundary layouts (a ``ShardPlan``). On a virtual mesh the per-device Program runs
+   batched over the device axes (nested ``vmap``, one axis name per mesh axis); in a
    multi-process job each process runs it on its own block with real collectives.
 
-Because execution goes through the same interpreters as everything else,
-``fs.jit``, ``fs.grad`` and ``fs.value_and_grad`` compose with ``shard``.
-``shard`` must sit outside ``vmap`` and cannot nest.
+``shard_call``'s JVP and transpose rules work on the *global* Program, so the
+derivative of a sharded function is propagated and partitioned as a program of its
+own: ``fs.grad(fs.shard(f))`` pays the collectives of the backward math, and
+``fs.jit`` of any composition is one MindSpore graph. ``shard`` must sit outside
+``vmap`` and cannot nest. docs/shard.md is the user guide.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ import functools
 import itertools
 import json
 import math
-import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -669,6 +673,50 @@ def run_virtual(part: Partitioned, args: list):
     return [_from_blocks(y, sh, mesh) for y, sh in zip(outs, part.out_shardings)]
 
 
+def world_mesh(mesh: ShardMesh):
+    """The ``fs.Mesh`` of ``mesh``'s prime axes over the ranks of this job (row-major,
+    so rank r has the same coordinates on both)."""
+    from fshard.mesh import Mesh
+
+    return Mesh(mesh.sizes, mesh.names) if mesh.sizes else Mesh((1,), ("m0",))
+
+
+def run_on_rank(part: Partitioned, args: list, mesh):
+    """Run this rank's share of a partitioned program in a multi-process job: every
+    process holds the global inputs; it keeps its blocks (``shard_in``), runs the
+    per-device Program with the job's collectives, and gathers the global outputs
+    (``shard_out``). ``mesh`` is ``world_mesh(...)``."""
+    from fshard.primitives import collectives as C
+    from fshard.primitives.spmd import block_slice_p
+
+    pmesh = part.prop.mesh
+
+    def dims(sh: Sharding) -> tuple:
+        return tuple(pmesh.name(ax) for ax in sh.dims)
+
+    blocks = [C.shard_in_p.bind(x, dims=dims(sh), mesh=mesh)
+              for x, sh in zip(args, part.in_shardings)]
+    program = part.program
+    env = dict(zip(program.inputs, list(part.consts) + blocks, strict=True))
+
+    def read(a):
+        return a.value if isinstance(a, Literal) else env[a]
+
+    for eq in program.equations:
+        vals = [read(a) for a in eq.inputs]
+        if eq.prim is block_slice_p:  # this rank's block of a value it holds whole
+            d = [()] * eq.inputs[0].aval.ndim
+            d[eq.params["dim"]] = tuple(eq.params["axis_name"])
+            outs = [C.shard_in_p.bind(vals[0], dims=tuple(d), mesh=mesh)]
+        else:
+            params = dict(eq.params, mesh=mesh) if eq.prim in C.COLLECTIVES else eq.params
+            outs = bind(eq.prim, *vals, **params)
+            outs = outs if eq.prim.multiple_results else [outs]
+        env.update(zip(eq.outputs, outs, strict=True))
+    return [C.shard_out_p.bind(read(a), dims=dims(sh), mesh=mesh)
+            for a, sh in zip(program.outputs, part.out_shardings)]
+
+
 # ---------------------------------------------------------------------------
 # shard_call: one sharded computation as one equation
 # ---------------------------------------------------------------------------
@@ -693,13 +741,24 @@ class ShardPlan:
     """What one ``shard_call`` runs. Propagated and partitioned once, on first use."""
 
     def __init__(self, body: Program, in_shardings, out_shardings, mesh: ShardMesh,
-                 level: int = 0, name: str = "f", search: bool = False, fixed=None):
+                 level: int = 0, name: str = "f", search: bool = False, fixed=None,
+                 world=None):
         assert body.n_consts == 0, "a shard_call body takes its constants as inputs"
         self.body, self.mesh, self.level, self.name = body, mesh, level, name
         self.in_shardings, self.out_shardings = list(in_shardings), list(out_shardings)
         self.search, self.fixed = search, fixed
+        # The fs.Mesh of prime axes of a multi-process job (one device per process), or
+        # None on a virtual mesh.
+        self.world = world
         self._part = None
         self._virtual = None
+        self._compiled = None
+
+    def derive(self, body: Program, in_shardings, out_shardings, what: str) -> "ShardPlan":
+        """A plan for a program derived from this one (its JVP, transpose, batching):
+        same mesh, objective and place of execution."""
+        return ShardPlan(body, in_shardings, out_shardings, self.mesh, self.level,
+                         f"{self.name}:{what}", world=self.world)
 
     def partitioned(self) -> Partitioned:
         if self._part is None:
@@ -716,13 +775,31 @@ class ShardPlan:
         return self._part
 
     def virtual_program(self) -> tuple[Program, list]:
-        """The whole virtual-mesh run (split, per-device Program batched over the
-        devices, reassemble) as one Program, for lowering."""
+        """The whole run as one Program, for lowering: on a virtual mesh, split the
+        inputs, run the per-device Program batched over the devices, reassemble; in a
+        multi-process job, this rank's blocks in, its per-device Program with the
+        job's collectives, the global outputs out."""
         if self._virtual is None:
+            from fshard import passes
+
             part = self.partitioned()
-            self._virtual = stage(lambda *xs: run_virtual(part, list(xs)),
-                                  [v.aval for v in self.body.inputs])
+            run = run_virtual if self.world is None else functools.partial(
+                run_on_rank, mesh=self.world)
+            program, consts = stage(lambda *xs: run(part, list(xs)),
+                                    [v.aval for v in self.body.inputs])
+            # The block shuffles around the batched program fold into few operations.
+            self._virtual = passes.simplify(program), consts
         return self._virtual
+
+    def compiled(self):
+        """The whole run compiled (collectives of a job only run in graphs)."""
+        if self._compiled is None:
+            from fshard.backend import mindspore as backend
+
+            program, consts = self.virtual_program()
+            src, globals_, _ = backend.lower_program(program, consts, f"shard_{self.name}")
+            self._compiled = backend.compile_source(src, globals_, f"shard_{self.name}")
+        return self._compiled
 
     def __str__(self) -> str:
         return f"<{self.name} on {self.mesh.size} devices>"
@@ -737,8 +814,12 @@ def _shard_call_type(*avals, plan):
 
 
 def _shard_call_impl(*args, plan):
-    part = plan.partitioned()
-    return run_virtual(part, list(args))
+    if plan.world is not None:
+        from fshard.backend.mindspore import as_tensor
+
+        out = plan.compiled()(*[as_tensor(x) for x in args])
+        return [out] if len(plan.body.outputs) == 1 else list(out)
+    return run_virtual(plan.partitioned(), list(args))
 
 
 def _shard_call_lowering(ctx, *exprs, plan):
@@ -780,17 +861,15 @@ def _shard_call_jvp(primals, tangents, *, plan):
         if isinstance(a, Var):
             primal_out.setdefault(a, outs[j])
     const_sh = [Sharding.replicated(v.aval.ndim) for v in jprog.inputs[:n_jc]]
-    known_plan = ShardPlan(_closed(known), const_sh + list(ins),
-                           [primal_out.get(r) for r in known.outputs], plan.mesh, plan.level,
-                           f"{plan.name}:primal")
+    known_plan = plan.derive(_closed(known), const_sh + list(ins),
+                             [primal_out.get(r) for r in known.outputs], "primal")
     res = shard_call_p.bind(*jconsts, *primals, plan=known_plan)
     value = dict(zip(known.outputs, res))
     primals_out = [a.value if isinstance(a, Literal) else value[a]
                    for a in jprog.outputs[:n_out]]
     res_sh = known_plan.partitioned().out_shardings
     lin = Program(linear.inputs, linear.equations, linear.outputs[n_out:])
-    lin_plan = ShardPlan(lin, list(res_sh) + [ins[i] for i in nz], list(outs), plan.mesh,
-                         plan.level, f"{plan.name}:tangent")
+    lin_plan = plan.derive(lin, list(res_sh) + [ins[i] for i in nz], list(outs), "tangent")
     tangents_out = shard_call_p.bind(*res, *[tangents[i] for i in nz], plan=lin_plan)
     return primals_out, list(tangents_out)
 
@@ -821,11 +900,11 @@ def _shard_call_transpose(cts, *args, plan):
 
     t_prog, t_consts = stage(transposed, [body.inputs[i].aval for i in res]
                              + [body.outputs[j].aval for j in nzc])
-    t_plan = ShardPlan(
+    t_plan = plan.derive(
         _closed(t_prog),
         [Sharding.replicated(v.aval.ndim) for v in t_prog.inputs[:len(t_consts)]]
         + [ins[i] for i in res] + [outs[j] for j in nzc],
-        [ins[i] for i in lin], plan.mesh, plan.level, f"{plan.name}:transpose")
+        [ins[i] for i in lin], "transpose")
     cts_in = shard_call_p.bind(*t_consts, *[args[i] for i in res],
                                *[cts[j] for j in nzc], plan=t_plan)
     it = iter(cts_in)
@@ -858,12 +937,11 @@ def _shard_call_batching(args, dims, *, plan):
     def lift(sh):
         return None if sh is None else Sharding(((),) + tuple(sh.dims), sh.partial)
 
-    b_plan = ShardPlan(
+    b_plan = plan.derive(
         _closed(b_prog),
         [Sharding.replicated(v.aval.ndim) for v in b_prog.inputs[:len(b_consts)]]
         + [sh if d is None else lift(sh) for sh, d in zip(plan.in_shardings, dims)],
-        [lift(sh) for sh in plan.out_shardings], plan.mesh, plan.level,
-        f"{plan.name}:batched")
+        [lift(sh) for sh in plan.out_shardings], "batched")
     outs = shard_call_p.bind(*b_consts, *args, plan=b_plan)
     return list(outs), [0] * len(outs)
 
@@ -938,6 +1016,27 @@ def _device_count(mesh, fname: str) -> int:
     raise ShardingError(
         f"shard({fname}): mesh must be an fs.Mesh, a positive device count, or None; got "
         f"{type(mesh).__name__} {mesh!r}.\nFix: mesh=8 or mesh=fs.Mesh((2, 4), ('dp', 'mp')).")
+
+
+def _devices_and_place(mesh, fname: str) -> tuple[int, bool]:
+    """``(device count, whether the devices are this multi-process job's ranks)``."""
+    from fshard import distributed
+    from fshard.mesh import Mesh, resolve_mesh
+
+    n = _device_count(mesh, fname)
+    if isinstance(mesh, Mesh):
+        in_job = not mesh.is_virtual
+    elif mesh is None:
+        in_job = not resolve_mesh(None).is_virtual
+    else:
+        in_job = distributed.is_initialized()
+    if in_job and n != distributed.world_size():
+        raise ShardingError(
+            f"shard({fname}): the mesh has {n} devices but this job has "
+            f"{distributed.world_size()} processes (one device each).\nFix: use a mesh of "
+            f"{distributed.world_size()} devices, or fs.Mesh(..., virtual=True) to simulate "
+            "it in each process.")
+    return n, in_job
 
 
 def _is_strategy_leaf(s) -> bool:
@@ -1084,12 +1183,19 @@ class Sharded:
 
     def _plan(self, fn, leaves, entries, in_tree):
         fname = fun_name(self.fn)
-        n = _device_count(self.mesh, fname)
-        key = (in_tree, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves), n)
+        n, in_job = _devices_and_place(self.mesh, fname)
+        key = (in_tree, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves), n,
+               in_job)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         mesh = ShardMesh.for_devices(n)
+        if in_job and self.dataset_strategy == "data_parallel":
+            raise ShardingError(
+                f"shard({fname}): dataset_strategy='data_parallel' in a multi-process job "
+                "is not supported yet (each process would pass its own batch slice).\nFix: "
+                "pass the global batch in every process with dataset_strategy='full_batch' "
+                "and in_strategy=((N, 1), ...), or use fs.shard_map for per-process data.")
         global _shard_depth
         _shard_depth += 1
         try:
@@ -1109,7 +1215,7 @@ class Sharded:
         out_sh = self._out_shardings(prog, mesh, fname, traced.out_tree)
         body = Program(prog.inputs, prog.equations, prog.outputs)
         plan = ShardPlan(body, in_sh, out_sh, mesh, self.level, fname, self.search,
-                         self._fixed)
+                         self._fixed, world=world_mesh(mesh) if in_job else None)
         self._cache[key] = (plan, traced)
         return plan, traced
 

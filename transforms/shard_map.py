@@ -330,8 +330,8 @@ class ShardMapped:
     def _resolve_mesh(self) -> Mesh:
         if self.mesh is not None:
             return self.mesh
-        views = [e for e in tree.leaves(self.in_strategy, is_leaf=_is_strategy_leaf)
-                 if isinstance(e, Layout)] if self.in_strategy else []
+        entries = tree.flatten(self.in_strategy, is_leaf=_is_strategy_leaf)[0]
+        views = [e for e in entries if isinstance(e, Layout)]
         if views and current_mesh() is None:
             v = views[0]  # the mesh the Layout describes
             return Mesh(v.device_matrix, v.alias_name)

@@ -66,12 +66,17 @@ def _is_literal_param(v) -> bool:
 class LoweringContext:
     """Collects module globals while one Program is lowered."""
 
-    def __init__(self, in_avals=(), out_avals=(), rank: int | None = None):
+    def __init__(self, in_avals=(), out_avals=(), rank: int | None = None, mesh=None):
         self.globals: dict[str, object] = {}
         self._ids: dict[int, str] = {}
         self.in_avals = in_avals    # of the equation being lowered
         self.out_avals = out_avals
         self.rank = rank            # set when lowering one rank of a multi-process job
+        self.mesh = mesh            # the mesh of collectives whose equations carry none
+        # Collectives run in Program order on every rank: a rule that emits one sets
+        # `sequenced`, and the next one's input waits for this equation's output.
+        self.sequenced = False
+        self.token: str | None = None
         self.helpers: list[str] = []  # sources of helper functions (call primitives' bodies)
 
     def function(self, program: Program, hint: str = "call") -> str:
@@ -130,13 +135,13 @@ def _py_name(s: str) -> str:
 
 
 def lower_program(program: Program, consts: list, name: str = "fn",
-                  rank: int | None = None) -> tuple[str, dict, int]:
+                  rank: int | None = None, mesh=None) -> tuple[str, dict, int]:
     """Source of a function computing ``program`` (consts baked in as globals).
 
     Returns ``(source, globals, n_outputs)``; the function takes the non-constant
     inputs positionally and returns one value or a tuple.
     """
-    ctx = LoweringContext(rank=rank)
+    ctx = LoweringContext(rank=rank, mesh=mesh)
     src = _function_source(ctx, program, consts, _py_name(f"fshard_{name}"))
     # the entry function comes first: compile_source takes the first `def`
     src = "\n\n".join([src] + ctx.helpers)
@@ -165,12 +170,16 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
         return names[a]
 
     body = []
+    saved_token, ctx.token = ctx.token, None
     for eq in program.equations:
         ctx.in_avals = [a.aval for a in eq.inputs]
         ctx.out_avals = [v.aval for v in eq.outputs]
         rule = lowering.lookup(eq.prim, transform="jit")
+        ctx.sequenced = False
         expr = rule(ctx, *[read(a) for a in eq.inputs], **eq.params)
         outs = [fresh() for _ in eq.outputs]
+        if ctx.sequenced and outs:
+            ctx.token = outs[0]
         for v, n in zip(eq.outputs, outs):
             names[v] = n
         lhs = outs[0] if not eq.prim.multiple_results else (
@@ -178,6 +187,7 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
         if not outs:
             lhs = "_"
         body.append(f"    {lhs} = {expr}")
+    ctx.token = saved_token
     outs = [read(a) for a in program.outputs]
     if len(outs) == 1 and not always_tuple:
         body.append(f"    return {outs[0]}")

@@ -911,10 +911,6 @@ COLLECTIVES = (psum_p, pmean_p, pmax_p, pmin_p, all_gather_p, psum_scatter_p, al
 # it between the replicas (docs/collectives.md#differentiation).
 
 
-def _mesh_of(params):
-    return params["mesh"]
-
-
 def _unmentioned(dims, mesh) -> tuple:
     used = {a for axes in dims for a in axes}
     return tuple(n for n in mesh.axis_names if n not in used)
@@ -1108,15 +1104,22 @@ class _Comm:
 
     # -- building blocks ----------------------------------------------------------
 
+    def _after(self, x: str) -> str:
+        """``x``, made to wait for the previous collective of the program: MindSpore
+        may otherwise run independent collectives in a different order on each rank."""
+        self.ctx.sequenced = True
+        token = getattr(self.ctx, "token", None)
+        return x if token is None else self.ctx.call(_ms_after, x, token)
+
     def all_reduce(self, x: str, op: str = "sum") -> str:
         kind = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}[op]
-        return f"{self._op(ops.AllReduce, 'AllReduce', op=kind)}({x})"
+        return f"{self._op(ops.AllReduce, 'AllReduce', op=kind)}({self._after(x)})"
 
     def gather_stacked(self, x: str, aval: ArrayType) -> str:
         """Every member's ``x`` stacked along a new leading dim, in member order."""
         ctx = self.ctx
         if self.native("all_gather"):
-            gathered = f"{self._op(ops.AllGather, 'AllGather')}({ctx.call(_ms_expand0, x)})"
+            gathered = f"{self._op(ops.AllGather, 'AllGather')}({self._after(ctx.call(_ms_expand0, x))})"
             order = sorted(self.group)  # native results come in rank order
             perm = [order.index(r) for r in self.group]
             if perm == list(range(self.n)):
@@ -1136,6 +1139,9 @@ class _Comm:
     def all_gather(self, x: str, aval: ArrayType, axis: int) -> str:
         if self.n == 1:
             return x
+        if axis == 0 and self.native("all_gather") and self.sorted:
+            # MindSpore's AllGather concatenates along dim 0 in rank order already
+            return f"{self._op(ops.AllGather, 'AllGather')}({self._after(x)})"
         stacked = self.gather_stacked(x, aval)
         return self.ctx.call(_ms_lanes_into_dim, stacked, **_merge_params(aval.shape, self.n, axis))
 
@@ -1146,7 +1152,7 @@ class _Comm:
         if self.native("reduce_scatter") and self.sorted:
             perm = _to_front(len(shape), dim)
             y = x if dim == 0 else self.ctx.call(_ms_transpose, x, perm=perm)
-            y = f"{self._op(ops.ReduceScatter, 'ReduceScatter')}({y})"
+            y = f"{self._op(ops.ReduceScatter, 'ReduceScatter')}({self._after(y)})"
             return y if dim == 0 else self.ctx.call(_ms_transpose, y, perm=_inverse(perm))
         block = shape[dim] // self.n
         begin, end = [0] * len(shape), list(shape)
@@ -1173,18 +1179,16 @@ class _Comm:
         # Every member takes part in the gather, receiving or not: all ranks must
         # issue the same collectives.
         stacked = self.gather_stacked(x, aval)
-        if source is None:
-            return self.ctx.call(_ms_zeros_row, stacked)
-        return self.ctx.call(_ms_row, stacked, index=source)
+        return self.ctx.call(_ms_pick, stacked, index=source or 0, keep=source is not None)
 
     def broadcast(self, x: str, root: int) -> str:
         if self.n == 1:
             return x
         if self.native("broadcast") and self.sorted:
             op = self._op(ops.Broadcast, "Broadcast", root_rank=self.group[root])
-            return f"{op}(({x},))[0]"
-        mine = x if self.index == root else self.ctx.call(_ms_zeros_like, x)
-        return self.all_reduce(mine)
+            return f"{op}(({self._after(x)},))[0]"
+        # The root contributes its value, the others zeros: the same code on every rank.
+        return self.all_reduce(self.ctx.call(_ms_keep, x, keep=self.index == root))
 
 
 def _merge_params(shape, n: int, axis: int) -> dict:
@@ -1210,6 +1214,10 @@ def _inverse(perm) -> tuple:
 # MindSpore functions called by the generated graph source (GRAPH-mode Python).
 
 
+def _ms_after(x, token):
+    return ops.depend(x, token)
+
+
 def _ms_scale(x, factor):
     return x * factor
 
@@ -1226,17 +1234,14 @@ def _ms_take(x, index):
     return ops.gather(x, index, 0)
 
 
-def _ms_row(x, index):
-    return x[index]
+def _ms_pick(x, index, keep):
+    y = x[index]
+    # depend: this rank's graph keeps the gather even when it uses no value of it
+    return ops.depend(y if keep else ops.zeros_like(y), x)
 
 
-def _ms_zeros_row(x):
-    # depend: keep the gather in this rank's graph although no value of it is used
-    return ops.depend(ops.zeros_like(x[0]), x)
-
-
-def _ms_zeros_like(x):
-    return ops.zeros_like(x)
+def _ms_keep(x, keep):
+    return x if keep else ops.zeros_like(x)
 
 
 def _ms_lanes_into_dim(x, perm, shape):

@@ -63,8 +63,9 @@ def promote(*xs):
     from fshard.primitives.structural import broadcast_to
 
     strong = [typeof(x).dtype for x in xs if not _is_weak(x)]
-    weak_float = any(isinstance(x, float) for x in xs)
-    weak_int = any(isinstance(x, int) and not isinstance(x, bool) for x in xs)
+    weak = [x for x in xs if _is_weak(x)]
+    weak_float = any(isinstance(x, float) for x in weak)
+    weak_int = any(isinstance(x, int) and not isinstance(x, bool) for x in weak)
     # As MindSpore: a Python float makes an integer or bool result float32, and a Python
     # int makes a bool result int64; otherwise the tensors' dtype wins.
     dt = dtypes.result_type(*strong) if strong else dtypes.bool_
@@ -116,6 +117,20 @@ def _same_types(name, *avals):
 
 def _binary_type(name):
     return lambda x, y, **_: _same_types(name, x, y)
+
+
+def _numeric_binary_type(name):
+    """add and sub: MindSpore has no bool kernels for them (it raises from C++)."""
+    def rule(x, y, **_):
+        out = _same_types(name, x, y)
+        if out.dtype == dtypes.bool_:
+            raise ProgramTypeError(
+                f"{name} of bool operands ({x}, {y}) is not supported: MindSpore has no bool "
+                f"{name}.\nFix: cast the operands to an integer dtype first "
+                "(x.astype(mindspore.int32)).")
+        return out
+
+    return rule
 
 
 def _compare_type(name):
@@ -295,12 +310,12 @@ def _is_undefined(x) -> bool:
     return is_undefined(x)
 
 
-add_p = def_primitive("add", FAMILY, _binary_type("add"), _ms_add)
+add_p = def_primitive("add", FAMILY, _numeric_binary_type("add"), _ms_add)
 batching.set(add_p, broadcasting(add_p))
 sharding.set(add_p, _elementwise_sharding)
 deflinear(add_p, lambda ct, x, y: [ct, ct])
 
-sub_p = def_primitive("sub", FAMILY, _binary_type("sub"), _ms_sub)
+sub_p = def_primitive("sub", FAMILY, _numeric_binary_type("sub"), _ms_sub)
 batching.set(sub_p, broadcasting(sub_p))
 sharding.set(sub_p, _elementwise_sharding)
 deflinear(sub_p, lambda ct, x, y: [ct, neg(ct)])

@@ -40,6 +40,10 @@ def _ms_strided_slice(x, begin, end, strides):
 
 
 def _lower(ctx, x, *, axis_name, dim, sizes):
+    if not hasattr(ctx, "axis_coords"):
+        # Only a multi-process lowering knows this rank's coordinates; fs.shard's
+        # per-rank run replaces block_slice by shard_in, which carries its mesh.
+        _impl(x, axis_name=axis_name, dim=dim, sizes=sizes)
     coords = ctx.axis_coords(axis_name)
     index = 0
     for c, s in zip(coords, sizes):

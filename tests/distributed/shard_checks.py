@@ -1,0 +1,72 @@
+"""Checks of ``fs.shard`` inside a job started by ``fshard.launch`` (see
+tests/test_shard.py::test_shard_in_a_multi_process_job).
+
+Every rank holds the same global inputs (``full_batch``); each runs its block of the
+per-device program with the job's real collectives and gets the global result, which
+must equal the unsharded function's. Prints ``CHECK <name> ok`` per check, then
+``ALL CHECKS PASSED``. Launches are slow (10-20 s), so the checks share one job.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def check(name: str, got, want, tol: float = 1e-4) -> None:
+    got = got.asnumpy() if hasattr(got, "asnumpy") else np.asarray(got)
+    want = want.asnumpy() if hasattr(want, "asnumpy") else np.asarray(want)
+    err = float(np.max(np.abs(got - want))) if got.size else 0.0
+    if got.shape != want.shape or not err <= tol:
+        raise AssertionError(f"CHECK {name} failed: shape {got.shape} vs {want.shape}, "
+                             f"max error {err}")
+    print(f"CHECK {name} ok", flush=True)
+
+
+def main() -> None:
+    from mindspore import Tensor, ops
+
+    import fshard as fs
+
+    fs.distributed.init()
+    n = fs.distributed.world_size()
+    rng = np.random.default_rng(0)  # the same inputs on every rank
+
+    def t(*shape):
+        return Tensor(rng.standard_normal(shape).astype(np.float32))
+
+    def dense_relu(x, weight, bias):
+        return ops.relu(ops.bias_add(ops.matmul(x, weight), bias))
+
+    x, w, b = t(16, 32), t(32, 8), t(8)
+    sharded = fs.shard(dense_relu, in_strategy=((n, 1), None, None))
+    check("row-split dense_relu", sharded(x, w, b), dense_relu(x, w, b))
+    sharded = fs.shard(dense_relu, in_strategy=((1, n), None, None))
+    check("contraction-split dense_relu", sharded(x, w, b), dense_relu(x, w, b))
+    if n % 4 == 0:  # collectives over sub-groups of the world: half the ranks each
+        sharded = fs.shard(dense_relu, in_strategy=((n // 2, 2), None, None))
+        colls = sharded.partitioned(x, w, b).collectives()
+        check("2-D dense_relu", sharded(x, w, b), dense_relu(x, w, b))
+        print(f"CHECK sub-group collectives {colls} ok", flush=True)
+
+    def mlp_sum(x, w1, w2):
+        return ops.matmul(ops.relu(ops.matmul(x, w1)), w2).sum()
+
+    x, w1, w2 = t(8, 16), t(16, 32), t(32, 16)
+    megatron = fs.shard(mlp_sum, in_strategy=(None, (1, n), (n, 1)))
+    check("megatron forward", megatron(x, w1, w2), mlp_sum(x, w1, w2))
+    want = fs.grad(mlp_sum, argnums=(0, 1, 2))(x, w1, w2)
+    for name, fn in (("grad(shard)", fs.grad(megatron, argnums=(0, 1, 2))),
+                     ("jit(grad(shard))", fs.jit(fs.grad(megatron, argnums=(0, 1, 2))))):
+        for i, (g, wg) in enumerate(zip(fn(x, w1, w2), want)):
+            check(f"{name} gradient {i}", g, wg)
+    vg = fs.shard(fs.value_and_grad(mlp_sum, argnums=(0, 1, 2)), in_strategy=(None, (1, n),
+                                                                              (n, 1)))
+    value, grads = vg(x, w1, w2)
+    check("shard(value_and_grad) value", value, mlp_sum(x, w1, w2))
+    for i, (g, wg) in enumerate(zip(grads, want)):
+        check(f"shard(value_and_grad) gradient {i}", g, wg)
+    print("ALL CHECKS PASSED", flush=True)
+
+
+if __name__ == "__main__":
+    main()

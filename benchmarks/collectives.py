@@ -1,7 +1,8 @@
 """Collective benchmarks: fshard's collectives in real 2- and 4-process jobs.
 
 For 1 MiB and 64 MiB of float32 per rank, each collective runs as
-``fs.jit(fs.shard_map(f, ...))`` (the graph fshard lowers for one rank) and, where
+``fs.jit(fs.shard_map(f, ...))`` on a block split over the ranks (the graph fshard
+lowers for one rank: a slice at the boundary, then the collective) and, where
 MindSpore has the op on CPU (AllReduce, AllGather, Broadcast), as
 ``ms.jit`` of that op called directly. The collectives MindSpore's CPU backend lacks
 are emulated by fshard (docs/collectives.md#lowering); their rows compare the
@@ -45,15 +46,19 @@ def _variants(n: int, size: int):
 
     import fshard as fs
 
-    elems = size // 4
-    x = ms.Tensor(np.random.default_rng(0).standard_normal((elems // 64, 64), np.float32))
+    rows = size // 4 // 64
+    rng = np.random.default_rng(0)
+    x = ms.Tensor(rng.standard_normal((rows, 64), np.float32))          # one rank's block
+    xs = ms.Tensor(rng.standard_normal((n * rows, 64), np.float32))     # every rank's block
     S = float(size)
     mesh = fs.Mesh((n,), ("d",))
 
-    def sm(f, out=None):
-        # replicated input: the block is the whole array, so no slicing at the boundary;
-        # check_vma=False: varying outputs stay per rank (no gather at the boundary)
-        return fs.jit(fs.shard_map(f, (None,), out, mesh=mesh, check_vma=False))
+    def sm(f, out=None, m=mesh):
+        # The input is split over the ranks (each rank's block differs, so no collective
+        # can be skipped as a no-op); the boundary costs one slice. check_vma=False:
+        # varying outputs stay per rank (no gather at the boundary).
+        split = fs.Layout(m.shape, m.axis_names)(m.axis_names, "None")
+        return fs.jit(fs.shard_map(f, (split,), out, mesh=m, check_vma=False))
 
     ring = [(i, (i + 1) % n) for i in range(n)]
     ar, ag, bc = ops.AllReduce(), ops.AllGather(), ops.Broadcast(0)
@@ -71,31 +76,30 @@ def _variants(n: int, size: int):
     allreduce_bytes = 2 * (n - 1) / n * S
     allgather_bytes = (n - 1) * S
     out = [
-        ("psum", "fshard", sm(lambda v: fs.psum(v, "d")), x, allreduce_bytes, allreduce_bytes),
-        ("psum", "mindspore", ms_ar, x, allreduce_bytes, allreduce_bytes),
-        ("pmean", "fshard", sm(lambda v: fs.pmean(v, "d")), x, allreduce_bytes,
+        ("psum", "fshard", sm(lambda v: fs.psum(v, "d")), xs, allreduce_bytes,
          allreduce_bytes),
-        ("all_gather", "fshard", sm(lambda v: fs.all_gather(v, "d", tiled=True)), x,
+        ("psum", "mindspore", ms_ar, x, allreduce_bytes, allreduce_bytes),
+        ("pmean", "fshard", sm(lambda v: fs.pmean(v, "d")), xs, allreduce_bytes,
+         allreduce_bytes),
+        ("all_gather", "fshard", sm(lambda v: fs.all_gather(v, "d", tiled=True)), xs,
          allgather_bytes, allgather_bytes),
         ("all_gather", "mindspore", ms_ag, x, allgather_bytes, allgather_bytes),
-        ("broadcast", "fshard", sm(lambda v: fs.broadcast(v, "d", root=0)), x, S, S),
+        ("broadcast", "fshard", sm(lambda v: fs.broadcast(v, "d", root=0)), xs, S, S),
         ("broadcast", "mindspore", ms_bc, x, S, S),
         ("psum_scatter (AllReduce + slice)", "fshard",
-         sm(lambda v: fs.psum_scatter(v, "d", tiled=True)), x, (n - 1) / n * S,
+         sm(lambda v: fs.psum_scatter(v, "d", tiled=True)), xs, (n - 1) / n * S,
          allreduce_bytes),
-        ("pmax (AllGather + max)", "fshard", sm(lambda v: fs.pmax(v, "d")), x,
+        ("pmax (AllGather + max)", "fshard", sm(lambda v: fs.pmax(v, "d")), xs,
          allreduce_bytes, allgather_bytes),
         ("ppermute ring (AllGather + index)", "fshard",
-         sm(lambda v: fs.ppermute(v, "d", ring)), x, S, allgather_bytes),
+         sm(lambda v: fs.ppermute(v, "d", ring)), xs, S, allgather_bytes),
         ("all_to_all (AllGather + slice)", "fshard",
-         sm(lambda v: fs.all_to_all(v, "d", 0, 0, tiled=True)), x, (n - 1) / n * S,
+         sm(lambda v: fs.all_to_all(v, "d", 0, 0, tiled=True)), xs, (n - 1) / n * S,
          allgather_bytes),
     ]
     if n == 4:  # a gather over one axis of a 2x2 mesh: a sub-group of 2 ranks
-        mesh2 = fs.Mesh((2, 2), ("a", "b"))
-        sub = fs.jit(fs.shard_map(lambda v: fs.all_gather(v, "b", tiled=True), (None,), None,
-                                  mesh=mesh2, check_vma=False))
-        out.append(("sub-group all_gather (slot + AllReduce)", "fshard", sub, x, S,
+        sub = sm(lambda v: fs.all_gather(v, "b", tiled=True), m=fs.Mesh((2, 2), ("a", "b")))
+        out.append(("sub-group all_gather (slot + AllReduce)", "fshard", sub, xs, S,
                     2 * (2 - 1) * S))
     return out
 

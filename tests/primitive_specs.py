@@ -71,6 +71,12 @@ class Sample:
         return f"{types}|{params}" if params else types
 
 
+def _shard_call_p():
+    from fshard.transforms.shard import shard_call_p
+
+    return shard_call_p
+
+
 def _short(v) -> str:
     if isinstance(v, tuple):
         return "(" + ",".join(_short(e) for e in v) + ")"
@@ -79,6 +85,8 @@ def _short(v) -> str:
     if isinstance(v, Program):
         return "{...}"
     if isinstance(v, ArrayType):
+        return str(v)
+    if hasattr(v, "partitioned"):  # shard_call's plan
         return str(v)
     return dtypes.short_name(v)
 
@@ -565,6 +573,36 @@ def _block_slice_transpose(spec, sample):
 
 
 # ---------------------------------------------------------------------------
+# shard_call: a sharded computation (fs.shard) as one equation
+# ---------------------------------------------------------------------------
+#
+# Samples are the equations fs.shard stages, on 2 virtual devices: a bilinear body
+# (linear in each operand) and a nonlinear one; the reference (tests/references.py,
+# SHARDED) is the unsharded function, looked up by the plan's name.
+
+
+def sharded_matmul(x, w):
+    return fs.ops.matmul(x, w)
+
+
+def sharded_tanh(x, w):
+    return fs.ops.tanh(fs.ops.matmul(x, w)).sum(axis=1)
+
+
+def _shard_call(rng, dt):
+    from fshard.transforms.shard import shard_call_p
+
+    out = []
+    for fn, strategy, groups in ((sharded_matmul, ((2, 1), None), ((0,), (1,))),
+                                 (sharded_tanh, ((1, 2), None), ())):
+        x, w = values(rng, (4, 6), dt), values(rng, (6, 3), dt)
+        sharded = fs.shard(fn, strategy, mesh=2)
+        eq, vals = _staged_equation(lambda x, w: sharded(x, w), (x, w), shard_call_p)
+        out.append(Sample(vals, eq.params, linear_groups=groups))
+    return out
+
+
+# ---------------------------------------------------------------------------
 # Collectives: checked on a virtual mesh against their semantics over all devices
 # ---------------------------------------------------------------------------
 
@@ -856,6 +894,9 @@ def _specs() -> list[PrimitiveSpec]:
                       linear_groups=((0,),), custom_checks={
                           "batching": _block_slice_batching, "jvp": _block_slice_jvp,
                           "transpose": _block_slice_transpose}),
+        # fs.shard's call primitive
+        PrimitiveSpec(_shard_call_p(), _shard_call, diff_argnums=(0, 1),
+                      linear_groups=(PER_SAMPLE,), rule_samples=None, tol=(1e-4, 1e-4)),
         # Collectives
         _collective_spec(K.psum_p, _REDUCE_CASES),
         _collective_spec(K.pmean_p, _REDUCE_CASES),

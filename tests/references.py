@@ -123,6 +123,17 @@ def custom_lin(*args, n_consts, name, **_):
     return LINEARIZED[name](*args[n_consts:])
 
 
+# shard_call: the unsharded functions tests/primitive_specs.py shards, by name.
+SHARDED = {
+    "sharded_matmul": lambda x, w: [x @ w],
+    "sharded_tanh": lambda x, w: [np.tanh(x @ w).sum(axis=1)],
+}
+
+
+def shard_call(*args, plan):
+    return SHARDED[plan.name](*args)
+
+
 def block_slice(x, *, axis_name, dim, sizes):
     """Device 0's block (each device keeps the block of its mesh coordinates)."""
     return np.split(x, int(np.prod(sizes)), axis=dim)[0]
@@ -228,6 +239,7 @@ REFERENCES = {
     "custom_lin": custom_lin,
     # spmd
     "block_slice": block_slice,
+    "shard_call": shard_call,
     # collectives
     **{name: _one_device(name) for name in LANES},
     # cotangent markers of shard_map bodies: one device's view where `like` is split

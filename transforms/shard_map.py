@@ -136,6 +136,17 @@ def _to_dims(entry, ndim: int, mesh: Mesh, where: str) -> tuple:
         f"None (replicated); got {entry!r} ({type(entry).__name__}).{hint}")
 
 
+class _Slot:
+    """Stands for one array of an argument or output while strategies are broadcast
+    over its pytree (so that a container of ints is never taken for a strategy)."""
+
+
+def _broadcast(prefix, structure) -> list:
+    """One strategy per leaf of ``structure`` (a treedef) from the prefix tree."""
+    slots = tree.unflatten(structure, [_Slot() for _ in range(structure.num_leaves)])
+    return tree.broadcast_prefix(prefix, slots, is_leaf=_is_strategy_leaf)
+
+
 def _axes_of(dims) -> frozenset:
     return frozenset(a for axes in dims for a in axes)
 
@@ -249,11 +260,16 @@ def _vma_out(eq, in_vmas) -> list:
     return [union] * len(eq.outputs)
 
 
+#: Collectives whose result, for an operand replicated over their axes, is local:
+#: psum is n * x, the others x itself.
+_LOCAL_IF_REPLICATED = (C.psum_p, C.pmean_p, C.pmax_p, C.pmin_p, C.broadcast_p)
+
+
 def _run_body_on_rank(sm, program, args, in_vmas, out_dims, mesh: Mesh, out_names):
     """Interpret the body into the current trace: collectives get the mesh, replica
-    markers become psums/divisions by what the VMA pass knows, and outputs promised
-    replicated are checked."""
-    from fshard.primitives.elementwise import div
+    markers become psums/divisions by what the VMA pass knows, reductions of values
+    already replicated stay local, and outputs promised replicated are checked."""
+    from fshard.primitives.elementwise import div, mul
 
     env = dict(zip(program.inputs, zip(args, in_vmas), strict=True))
     names = frozenset(mesh.axis_names)
@@ -273,6 +289,11 @@ def _run_body_on_rank(sm, program, args, in_vmas, out_dims, mesh: Mesh, out_name
                 n = math.prod(mesh.axis_size(a) for a in eq.params["axis_name"]
                               if a not in vmas[1])
                 outs = [div(vals[0], C._scalar(n, vals[0])) if n > 1 else vals[0]]
+            elif eq.prim in _LOCAL_IF_REPLICATED and not (vmas[0] & set(eq.params["axis_name"])):
+                # the operand is the same on every device of the axes: no communication
+                n = math.prod(mesh.axis_size(a) for a in eq.params["axis_name"])
+                outs = [mul(vals[0], C._scalar(n, vals[0]))
+                        if eq.prim is C.psum_p and n > 1 else vals[0]]
             else:
                 params = eq.params
                 if eq.prim in C.COLLECTIVES:
@@ -348,7 +369,7 @@ class ShardMapped:
         out = []
         for i, (entry, a) in enumerate(zip(self.in_strategy, args)):
             try:
-                flat = tree.broadcast_prefix(entry, a, is_leaf=_is_strategy_leaf)
+                flat = _broadcast(entry, tree.structure(a))
             except ValueError:
                 raise ShardingError(
                     f"shard_map({self.name}): in_strategy[{i}] = {entry!r} is neither a "
@@ -376,7 +397,7 @@ class ShardMapped:
     def _out_dims(self, out_tree, out_avals, mesh):
         skeleton = tree.unflatten(out_tree, list(range(len(out_avals))))
         try:
-            flat = tree.broadcast_prefix(self.out_strategy, skeleton, is_leaf=_is_strategy_leaf)
+            flat = _broadcast(self.out_strategy, out_tree)
         except ValueError:
             raise ShardingError(
                 f"shard_map({self.name}): out_strategy = {self.out_strategy!r} is not a "

@@ -1119,7 +1119,8 @@ class _Comm:
         """Every member's ``x`` stacked along a new leading dim, in member order."""
         ctx = self.ctx
         if self.native("all_gather"):
-            gathered = f"{self._op(ops.AllGather, 'AllGather')}({self._after(ctx.call(_ms_expand0, x))})"
+            expanded = self._after(ctx.call(_ms_expand0, x))
+            gathered = f"{self._op(ops.AllGather, 'AllGather')}({expanded})"
             order = sorted(self.group)  # native results come in rank order
             perm = [order.index(r) for r in self.group]
             if perm == list(range(self.n)):

@@ -162,15 +162,14 @@ def main(out_dir: str) -> None:
     mesh = fs.Mesh((2, n // 2), ("a", "b")) if n >= 4 else fs.Mesh((n,), ("a",))
     axes = mesh.axis_names
 
-    def many(v):
-        v = fs.psum(v, axes[0])
-        v = fs.all_gather(v, axes[-1], axis=1, tiled=True)
-        v = fs.pmax(v, axes)
-        v = fs.ppermute(v, axes[0], [(0, 1)])
-        return fs.psum_scatter(v, axes[-1], scatter_dimension=1, tiled=True)
+    def many(v):  # independent collectives of a value that varies over every axis
+        return (fs.psum(v, axes[0]), fs.all_gather(v, axes[-1], axis=1, tiled=True),
+                fs.pmax(v, axes), fs.ppermute(v, axes[0], [(0, 1)]),
+                fs.psum_scatter(v, axes[-1], scatter_dimension=1, tiled=True))
 
-    lowered = fs.jit(fs.shard_map(many, (None,), None, mesh=mesh, check_vma=False)).lower(
-        rng.standard_normal((4, 6)).astype(np.float32))
+    split_all = (fs.Layout(mesh.shape, axes)(*(axes if len(axes) == 2 else (axes[0], "None"))),)
+    lowered = fs.jit(fs.shard_map(many, split_all, None, mesh=mesh, check_vma=False)).lower(
+        rng.standard_normal((4, 8)).astype(np.float32))
     with open(os.path.join(out_dir, f"lowered_rank{rank}.py"), "w") as fh:
         fh.write(lowered.as_text())
 

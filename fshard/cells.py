@@ -34,6 +34,7 @@ def _owner(cell, name):
 @contextlib.contextmanager
 def swapped(cell, values: dict):
     """Temporarily replace the Cell's parameters by ``values`` (restored on exit)."""
+    _first_call_checks(cell)
     saved = []
     try:
         for name, v in values.items():
@@ -44,6 +45,17 @@ def swapped(cell, values: dict):
     finally:
         for owner, leaf, old in reversed(saved):
             owner._params[leaf] = old
+
+
+def _first_call_checks(cell) -> None:
+    """Run MindSpore's once-per-Cell checks (parameter names, lazy initialisation) on
+    the real Parameters, before any are swapped for plain Tensors or tracers: the
+    checks read ``Parameter.name``, which a Tensor lacks."""
+    for c in [cell] + [c for _, c in cell.cells_and_names()]:
+        if not getattr(c, "_is_check_and_refresh", True):
+            c._self_check()
+    if not getattr(cell, "_init_flag", True):
+        cell._init_check()
 
 
 def functional(cell):

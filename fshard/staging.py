@@ -226,10 +226,10 @@ def make_ir(fun, static_argnums=(), static_argnames=()):
     See also: ``fs.jit(f).lower(*args).as_text()`` for the MindSpore program.
     """
     from fshard import tree
-    from fshard.transforms.shard import Sharded
 
-    if isinstance(fun, Sharded):
-        return fun.partitioned
+    custom = getattr(fun, "__fshard_make_ir__", None)  # e.g. fs.shard's per-device program
+    if custom is not None:
+        return custom
 
     if isinstance(static_argnums, int):
         static_argnums = (static_argnums,)

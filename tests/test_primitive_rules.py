@@ -44,7 +44,7 @@ from primitive_specs import F64, SPECS, out_types  # noqa: E402
 
 # Rule kinds the completeness test does not require yet: sharding rules arrive with
 # the SPMD partitioner, primitive by primitive. Remove a kind to require it everywhere.
-KINDS_NOT_YET_REQUIRED = {"sharding"}
+KINDS_NOT_YET_REQUIRED: set = set()
 
 PRIMS = rules.all_primitives()
 BATCH = 3  # examples per batched call in the batching checks

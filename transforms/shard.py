@@ -1174,6 +1174,11 @@ class Sharded:
         plan, traced = self._plan(fn, leaves, entries, in_tree)
         return plan, traced, leaves
 
+    @property
+    def __fshard_make_ir__(self):
+        """What ``fs.make_ir`` shows for a sharded function: its per-device program."""
+        return self.partitioned
+
     def partitioned(self, *args) -> Partitioned:
         """The per-device program for these arguments (print it to read it).
 

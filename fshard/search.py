@@ -1,126 +1,674 @@
-"""Search over sharding choices: the global cost of a propagated program, exhaustive
-enumeration for small programs, and coordinate descent for larger ones.
+"""Sharding search: the cost of a whole sharded program, and the search for its best
+layouts.
 
-MindSpore's propagation is greedy (breadth-first, each equation picks the cheapest
-candidate given its already-decided neighbours). ``refine`` starts from that result
-and searches for a lower total cost under the same cost model; ``exhaustive`` finds
-the optimum by enumeration (for benchmarks and tests on small programs).
+One objective is the single source of truth. ``Problem.evaluate`` simulates what
+``partition`` (transforms/shard.py) executes for a full *assignment* (a candidate per
+equation, a layout per input), without staging anything: each operand is moved from
+the cheapest layout its value already holds (the partitioner keeps every layout a value
+has been moved to), pending sums pass through linear operations as the candidates
+say, the outputs are moved to their requested layouts, and a pending sum resolved only
+at an output is weighted by ``CostModel.gamma``. It returns a ``Cost``; ``Cost.score``
+orders assignments by ``level``:
+
+- 0: ``alpha * compute + beta * bytes`` (MindSpore's cost, gamma-weighted), then memory;
+- 1: peak memory per device, then the level-0 cost;
+- 2: estimated time (compute / flop rate + bytes / bandwidth + latency per
+  collective, unweighted), then memory.
+
+Its users: ``cost(prop)`` (what greedy propagation costs), ``exhaustive`` (branch and
+bound over every assignment: the reference on small programs), ``search`` (a dynamic
+program over the equations in program order whose states are the layouts each live
+value holds, exact while the states fit in ``width``, a beam search beyond; the greedy
+path is always kept, and coordinate descent polishes the result) and ``refine``
+(``fs.shard(..., search=True)``). This module does not import MindSpore.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import time
+from dataclasses import dataclass, replace
 
-from fshard.ir import Var
+from fshard import dtypes
+from fshard.ir import Literal, Var
 from fshard.sharding import (
+    Candidate,
     CostModel,
     Sharding,
     candidate_shardings,
     candidates,
+    carry_variants,
     compute_cost,
-    local_bytes,
     plan,
-    plan_bytes,
 )
 
+# ---------------------------------------------------------------------------
+# The objective
+# ---------------------------------------------------------------------------
 
-def total_cost(prop, choice=None) -> float:
-    """The scalar objective of ``level`` for a whole program with these choices.
 
-    Unannotated inputs take the layout their first consumer needs; every other edge
-    pays for its redistribution, and outputs pay to reach their requested layouts.
+def _q(x: float) -> float:
+    # Sums of the same terms in another order differ in the last bits; ten significant
+    # digits make equal costs compare equal.
+    return float(f"{x:.10g}")
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one assignment costs per device.
+
+    ``comm_bytes`` is what each device sends (ring algorithms: AllGather ``(n-1)·S``,
+    AllReduce ``2(n-1)/n·S``, ReduceScatter ``(n-1)/n·S``); ``weighted_bytes`` the same
+    with an AllReduce that only resolves an output weighted by ``CostModel.gamma``;
+    ``memory`` the peak bytes a device holds (every value and each layout it was moved
+    to, from its definition to its last use, plus the transients of a move).
+
+    >>> Cost(compute=100.0, comm_bytes=8.0, weighted_bytes=8.0).score(0)
+    (500.0, 0.0)
     """
-    from fshard.transforms.shard import propagate  # noqa: F401  (same module family)
 
-    program, mesh = prop.program, prop.mesh
-    choice = prop.choice if choice is None else choice
-    model = CostModel(level=getattr(prop, "level", 0))
-    annotated = {v: s for v, s in zip(program.inputs, prop.given_inputs)
-                 if s is not None} if hasattr(prop, "given_inputs") else {}
-    cur: dict = dict(annotated)
-    compute = comm = memory = 0.0
-    n_coll = 0
-    for eq, (spec, cand) in zip(program.equations, choice):
+    compute: float = 0.0
+    comm_bytes: float = 0.0
+    weighted_bytes: float = 0.0
+    collectives: int = 0
+    memory: float = 0.0
+
+    def score(self, level: int, model: CostModel | None = None) -> tuple:
+        """The objective of ``level`` (a tuple, compared lexicographically)."""
+        return _score(model or CostModel(level=level), self.compute, self.weighted_bytes,
+                      self.comm_bytes, self.collectives, self.memory)
+
+
+def _score(model: CostModel, compute, wbytes, nbytes, ncoll, memory) -> tuple:
+    if model.level == 2:
+        t = compute / model.flops_per_s + nbytes / model.bytes_per_s + ncoll * model.latency_s
+        return (_q(t), _q(memory))
+    s = _q(model.alpha * compute + model.beta * wbytes)
+    return (s, _q(memory)) if model.level == 0 else (_q(memory), s)
+
+
+class _State:
+    """The partitioner's state after some equations: the layouts each live value holds
+    (in the order they were made; the first is the produced one) and the running costs."""
+
+    __slots__ = ("held", "live", "peak", "compute", "comm", "wcomm", "ncoll")
+
+    def __init__(self):
+        self.held: dict = {}
+        self.live = self.peak = self.compute = self.comm = self.wcomm = 0.0
+        self.ncoll = 0
+
+    def copy(self) -> "_State":
+        s = _State.__new__(_State)
+        s.held = dict(self.held)
+        s.live, s.peak, s.compute = self.live, self.peak, self.compute
+        s.comm, s.wcomm, s.ncoll = self.comm, self.wcomm, self.ncoll
+        return s
+
+    def cost(self) -> Cost:
+        return Cost(self.compute, self.comm, self.wcomm, self.ncoll, self.peak)
+
+
+def _strip(sh: Sharding) -> Sharding:
+    return Sharding(sh.dims) if sh.partial else sh
+
+
+class Problem:
+    """A program to shard: its equations' factor specs, the mesh, the fixed input and
+    requested output layouts, the objective; the decisions open at each equation and
+    the one simulator (``step``, ``finish``) every cost in this module comes from.
+
+    ``given_inputs[k]`` is None for an input whose layout is free: it is decided at its
+    first consumer, as the layout that consumer needs, or (when the input has other
+    consumers) whole or as any other consumer could need it.
+    """
+
+    def __init__(self, program, mesh, specs, given_inputs, out_shardings, level: int = 0,
+                 model: CostModel | None = None):
+        from fshard.transforms.shard import _may_carry
+
+        self.program, self.mesh, self.specs = program, mesh, list(specs)
+        self.eqs = program.equations
+        self.n = len(self.eqs)
+        self.level = level
+        self.model = model or CostModel(level=level)
+        self.out_shardings = list(out_shardings)
+        uses: dict = {}
+        last: dict = {}
+        first: dict = {}
+        for i, eq in enumerate(self.eqs):
+            for a in eq.inputs:
+                if isinstance(a, Var):
+                    uses[a] = uses.get(a, 0) + 1
+                    last[a] = i
+                    first.setdefault(a, i)
+        for a in program.outputs:
+            if isinstance(a, Var):
+                last[a] = self.n
+        # Values freed after equation i (every layout they hold).
+        self.dying = [[] for _ in range(max(self.n, 1))]
+        for v, i in last.items():
+            if i < self.n:
+                self.dying[i].append(v)
+        for i, eq in enumerate(self.eqs):
+            self.dying[i].extend(v for v in eq.outputs if v not in last)
+        self.given: dict = {}
+        self.free_at = [[] for _ in range(self.n)]  # free inputs first consumed at i
+        self.free_unused = []
+        for v, g in zip(program.inputs, given_inputs, strict=True):
+            if g is not None:
+                self.given[v] = g
+            elif v in first:
+                self.free_at[first[v]].append(v)
+            else:
+                self.free_unused.append(v)
+            if v not in last and self.n:
+                self.dying[0].append(v)
+        self.base = [candidates(spec, mesh) for spec in self.specs]
+        self.may_carry = [_may_carry(eq) for eq in self.eqs]
+        # Layouts a free input with several uses may take: whole, or as a use needs it.
+        self.input_options: dict = {}
+        free = {x for f in self.free_at for x in f}
+        for i, eq in enumerate(self.eqs):
+            for pos, a in enumerate(eq.inputs):
+                if isinstance(a, Var) and uses.get(a, 0) > 1 and a in free:
+                    opts = self.input_options.setdefault(a, {Sharding.replicated(a.aval.ndim): None})
+                    for c in self.base[i]:
+                        opts.setdefault(_strip(candidate_shardings(self.specs[i], c)[0][pos]))
+        # A lower bound of the compute still to come (a carry computes as its base).
+        self.min_compute = [0.0] * (self.n + 1)
+        for i in reversed(range(self.n)):
+            self.min_compute[i] = self.min_compute[i + 1] + min(
+                compute_cost(self.specs[i], c, mesh) for c in self.base[i])
+        self._plans: dict = {}
+        self._bytes: dict = {}
+
+    @staticmethod
+    def from_propagated(prop) -> "Problem":
+        """The problem ``propagate`` solved greedily (same boundary layouts and level)."""
+        given = prop.given_inputs if prop.given_inputs is not None else prop.in_shardings
+        return Problem(prop.program, prop.mesh, [spec for spec, _ in prop.choice], given,
+                       prop.out_shardings, prop.level)
+
+    # -- sizes and moves ---------------------------------------------------------
+    def nbytes(self, v, sh: Sharding) -> float:
+        key = (v.aval, sh)
+        b = self._bytes.get(key)
+        if b is None:
+            itemsize = dtypes.to_numpy(v.aval.dtype).itemsize
+            b = self._bytes[key] = float(math.prod(sh.local_shape(v.aval.shape, self.mesh))
+                                         * itemsize)
+        return b
+
+    def _plan(self, aval, src: Sharding, dst: Sharding) -> tuple:
+        """``(bytes sent, steps, collectives, transient bytes, only psums)`` of a move,
+        with ``sharding.plan``'s steps and ``sharding.plan_bytes``'s ring volumes."""
+        key = (aval, src, dst)
+        info = self._plans.get(key)
+        if info is not None:
+            return info
+        mesh = self.mesh
+        itemsize = dtypes.to_numpy(aval.dtype).itemsize
+        steps = plan(src, dst)
+        shape = list(src.local_shape(aval.shape, mesh))
+        sent, sizes = 0.0, []
+        for st in steps:
+            n = mesh.count(st.axes)
+            local = math.prod(shape) * itemsize
+            if st.kind == "all_gather":
+                sent += local * (n - 1)
+                shape[st.dim] *= n
+            elif st.kind == "psum":
+                sent += 2 * local * (n - 1) / n
+            elif st.kind == "psum_scatter":
+                sent += local * (n - 1) / n
+                shape[st.dim] //= n
+            else:  # a local slice
+                shape[st.dim] //= n
+            sizes.append(float(math.prod(shape) * itemsize))
+        # While a step runs, its operand (if not the held source) and result both exist.
+        transient = max((s + (sizes[j - 1] if j else 0.0) for j, s in enumerate(sizes)),
+                        default=0.0)
+        info = (sent, len(steps), sum(st.kind != "slice" for st in steps), transient,
+                bool(steps) and all(st.kind == "psum" for st in steps))
+        self._plans[key] = info
+        return info
+
+    def _move(self, st: _State, v, req: Sharding, at_output: bool) -> bool:
+        """Give ``v`` the layout ``req`` from the cheapest one it holds (as ``partition``'s
+        ``get``); False if no held layout can reach it (a pending sum cannot be made)."""
+        versions = st.held[v]
+        if req in versions:
+            return True
+        best = None
+        for s in versions:
+            if req.partial <= s.partial:
+                info = self._plan(v.aval, s, req)
+                if best is None or info[:2] < best[:2]:
+                    best = info
+        if best is None:
+            return False
+        sent, _, ncoll, transient, only_psum = best
+        st.comm += sent
+        # A pending sum resolved at an output (a gradient's AllReduce) overlaps the rest
+        # of a step: MindSpore's costmodel_gamma, as propagation weighs it.
+        st.wcomm += sent * (self.model.gamma if at_output and only_psum else 1.0)
+        st.ncoll += ncoll
+        st.peak = max(st.peak, st.live + transient)
+        st.live += self.nbytes(v, req)
+        st.held[v] = versions + (req,)
+        return True
+
+    # -- the simulator -----------------------------------------------------------
+    def initial(self, layouts: dict | None = None) -> _State:
+        """The state before the first equation: the inputs not decided at a consumer."""
+        st = _State()
+        for v in self.program.inputs:
+            if v in self.given:
+                sh = layouts.get(v, self.given[v]) if layouts else self.given[v]
+            elif v in self.free_unused:
+                sh = layouts[v] if layouts else Sharding.replicated(v.aval.ndim)
+            else:
+                continue
+            if v not in st.held:
+                st.held[v] = (sh,)
+                st.live += self.nbytes(v, sh)
+        st.peak = st.live
+        return st
+
+    def step(self, st: _State, i: int, cand: Candidate, inputs=()) -> _State | None:
+        """The state after equation ``i`` runs as ``cand``; ``inputs`` gives the layouts
+        of the free inputs first consumed here. None if the candidate is infeasible."""
+        st = st.copy()
+        for x, sh in inputs:
+            b = self.nbytes(x, sh)
+            st.held[x] = (sh,)
+            st.live += b
+            st.peak += b  # an input is held from the start: every earlier moment grows
+        eq, spec = self.eqs[i], self.specs[i]
         ins, outs = candidate_shardings(spec, cand)
-        compute += compute_cost(spec, cand, mesh)
         for a, req in zip(eq.inputs, ins):
-            if not isinstance(a, Var):
+            if isinstance(a, Literal):
+                if req.partial:  # a literal is whole: it cannot be one term of a sum
+                    return None
                 continue
-            if a not in cur:
-                cur[a] = req  # an unannotated input adopts its first consumer's layout
-                continue
-            b = plan_bytes(cur[a], req, a.aval, mesh)
-            comm += b
-            n_coll += len(plan(cur[a], req)) if b else 0
+            if not self._move(st, a, req, False):
+                return None
+        st.compute += compute_cost(spec, cand, self.mesh)
         for v, o in zip(eq.outputs, outs):
-            cur[v] = o
-            memory += local_bytes(o, v.aval, mesh)
-    for v, s in zip(program.outputs, prop.out_shardings):
-        if isinstance(v, Var) and v in cur:
-            s = s if s is not None else Sharding.replicated(v.aval.ndim)
-            b = plan_bytes(cur[v], s, v.aval, mesh)
-            comm += b
-            n_coll += len(plan(cur[v], s)) if b else 0
-    if model.level == 0:
-        return model.alpha * compute + model.beta * comm
-    if model.level == 1:
-        return memory + 1e-6 * (model.alpha * compute + model.beta * comm)
-    return (compute / model.flops_per_s + comm / model.bytes_per_s
-            + n_coll * model.latency_s)
+            st.held[v] = (o,)
+            st.live += self.nbytes(v, o)
+        st.peak = max(st.peak, st.live)
+        for v in self.dying[i]:
+            versions = st.held.pop(v, ())
+            st.live -= sum(self.nbytes(v, s) for s in versions)
+        return st
+
+    def finish(self, st: _State) -> _State | None:
+        """The state after the outputs are moved to their layouts, in order (as
+        ``partition``): requested, or as produced with a pending sum resolved."""
+        from fshard.transforms.shard import _as_produced
+
+        st = st.copy()
+        for a, req in zip(self.program.outputs, self.out_shardings):
+            if isinstance(a, Literal):
+                continue
+            if req is None:
+                req = _as_produced(dict.fromkeys(st.held[a]), st.held[a][0])
+            if not self._move(st, a, req, True):
+                return None
+        return st
+
+    def score(self, st: _State) -> tuple:
+        return _score(self.model, st.compute, st.wcomm, st.comm, st.ncoll, st.peak)
+
+    def bound(self, st: _State, i: int) -> tuple:
+        """A lower bound of the score of every completion of ``st`` (from equation i)."""
+        return _score(self.model, st.compute + self.min_compute[i], st.wcomm, st.comm,
+                      st.ncoll, st.peak)
+
+    def evaluate(self, in_shardings, choice) -> Cost | None:
+        """The cost of a full assignment (None if infeasible): the objective.
+
+        ``in_shardings`` gives every input's layout, ``choice`` every equation's
+        candidate (``Candidate`` or ``(spec, Candidate)``).
+        """
+        layouts = dict(zip(self.program.inputs, in_shardings, strict=True))
+        st = self.initial(layouts)
+        for i, c in enumerate(choice):
+            c = c[1] if isinstance(c, tuple) else c
+            st = self.step(st, i, c, tuple((x, layouts[x]) for x in self.free_at[i]))
+            if st is None:
+                return None
+        st = self.finish(st)
+        return None if st is None else st.cost()
+
+    # -- the decisions -----------------------------------------------------------
+    def decisions(self, st: _State, i: int, first=None):
+        """Every ``(candidate, input layouts)`` open at equation ``i`` in state ``st``:
+        the factor rule's candidates, those passing on the operands' pending sums
+        (as propagation makes them), and the layouts of the free inputs first
+        consumed here. ``first`` (a decision) is yielded first when it is open."""
+        eq, spec = self.eqs[i], self.specs[i]
+        cands = list(self.base[i])
+        if self.may_carry[i]:
+            partials = [st.held[a][0].partial if isinstance(a, Var) and a in st.held
+                        else frozenset() for a in eq.inputs]
+            if any(partials):
+                cands += [c for b in self.base[i]
+                          for c in carry_variants(spec, b, eq.prim.name, partials)]
+        new = self.free_at[i]
+        out = []
+        for cand in cands:
+            if not new:
+                out.append((cand, ()))
+                continue
+            ins, _ = candidate_shardings(spec, cand)
+            opts = []
+            for x in new:
+                adopt = _strip(next(r for a, r in zip(eq.inputs, ins) if a is x))
+                opts.append([adopt] + [s for s in self.input_options.get(x, ()) if s != adopt])
+            for combo in itertools.product(*opts):
+                out.append((cand, tuple(zip(new, combo))))
+        if first is not None and first in out:
+            out.remove(first)
+            out.insert(0, first)
+        return out
+
+    def assignment(self, decisions) -> tuple[list, list]:
+        """``(in_shardings, candidates)`` of a list of decisions (one per equation)."""
+        layouts = {v: self.given.get(v, Sharding.replicated(v.aval.ndim))
+                   for v in self.program.inputs}
+        for _, inputs in decisions:
+            layouts.update(inputs)
+        return [layouts[v] for v in self.program.inputs], [c for c, _ in decisions]
+
+    def decisions_of(self, in_shardings, choice) -> list:
+        """The decisions of an assignment (e.g. greedy propagation's)."""
+        layouts = dict(zip(self.program.inputs, in_shardings, strict=True))
+        return [(c[1] if isinstance(c, tuple) else c,
+                 tuple((x, layouts[x]) for x in self.free_at[i]))
+                for i, c in enumerate(choice)]
+
+    def run(self, decisions) -> list:
+        """The states along a list of decisions (``len + 1`` of them; None once
+        infeasible)."""
+        states = [self.initial()]
+        for i, (c, inputs) in enumerate(decisions):
+            prev = states[-1]
+            states.append(None if prev is None else self.step(prev, i, c, inputs))
+        return states
 
 
-def _all_candidates(prop):
-    return [[(spec, c) for c in candidates(spec, prop.mesh)] for spec, _ in prop.choice]
+# ---------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------
 
 
-def exhaustive(prop, limit: int = 200_000):
-    """The optimal choices by enumeration (``None`` if more than ``limit`` combinations)."""
-    options = _all_candidates(prop)
-    if math.prod(len(o) for o in options) > limit:
+@dataclass
+class Found:
+    """An assignment and its cost: ``in_shardings`` per input, ``choice`` a candidate
+    per equation. ``exact``: proven optimal. ``evaluations``: simulated equations."""
+
+    in_shardings: list
+    choice: list
+    cost: Cost
+    score: tuple
+    exact: bool
+    evaluations: int
+    seconds: float = 0.0
+
+
+def cost(prop) -> Cost:
+    """The cost of a propagated program as ``partition`` will run it (e.g. greedy
+    propagation's).
+
+    >>> import numpy as np, fshard as fs
+    >>> from fshard.transforms.shard import propagate
+    >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((2, 1), None), mesh=2)
+    >>> p = f._prepare((np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)))[0]
+    >>> prop = propagate(p.body, p.in_shardings, p.out_shardings, p.mesh)
+    >>> cost(prop).collectives  # the output is gathered: one AllGather
+    1
+    """
+    problem = Problem.from_propagated(prop)
+    c = problem.evaluate(prop.in_shardings, prop.choice)
+    assert c is not None, "a propagated program is always feasible"
+    return c
+
+
+class _Budget(Exception):
+    pass
+
+
+def exhaustive(prop, limit: int = 5_000_000, prune: bool = True) -> Found | None:
+    """The optimal assignment, by enumerating every one (None past ``limit`` simulated
+    equations).
+
+    Depth-first over the equations in program order; with ``prune`` it skips a branch
+    whose lower bound (costs so far plus the least compute still to come) cannot beat
+    the best found (branch and bound: still exact). Greedy's path is explored first.
+
+    >>> import numpy as np, fshard as fs
+    >>> from fshard.transforms.shard import propagate
+    >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((2, 1), None), mesh=2)
+    >>> p = f._prepare((np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)))[0]
+    >>> prop = propagate(p.body, p.in_shardings, p.out_shardings, p.mesh)
+    >>> exhaustive(prop).exact
+    True
+    """
+    t0 = time.perf_counter()
+    P = Problem.from_propagated(prop)
+    greedy = P.decisions_of(prop.in_shardings, prop.choice)
+    best: list = [None, None]  # score, decisions
+    count = [0]
+
+    def dfs(i, st, path):
+        if i == P.n:
+            fin = P.finish(st)
+            if fin is not None:
+                sc = P.score(fin)
+                if best[0] is None or sc < best[0]:
+                    best[0], best[1] = sc, list(path)
+            return
+        for d in P.decisions(st, i, greedy[i]):
+            count[0] += 1
+            if count[0] > limit:
+                raise _Budget
+            s2 = P.step(st, i, *d)
+            if s2 is None:
+                continue
+            if prune and best[0] is not None and P.bound(s2, i + 1) >= best[0]:
+                continue
+            path.append(d)
+            dfs(i + 1, s2, path)
+            path.pop()
+
+    try:
+        dfs(0, P.initial(), [])
+    except _Budget:
         return None
-    best, best_cost = None, None
-    for combo in itertools.product(*options):
-        c = total_cost(prop, list(combo))
-        if best_cost is None or c < best_cost:
-            best, best_cost = list(combo), c
-    return best
+    ins, choice = P.assignment(best[1])
+    c = P.evaluate(ins, choice)
+    return Found(ins, choice, c, c.score(P.level, P.model), True, count[0],
+                 time.perf_counter() - t0)
 
 
-def refine(prop, rounds: int = 4, exhaustive_limit: int = 20_000):
-    """Improve a propagated program: exact search when small, else coordinate descent
-    (each equation in turn takes its best candidate given all the others)."""
-    from dataclasses import replace
+def _dominates(level: int, a: tuple, b: tuple) -> bool:
+    """Whether entry ``a`` (additive score, peak) is at least as good as ``b`` in every
+    completion. Levels 0 and 2 rank by the additive score first, so the lexicographic
+    order is exact; level 1 ranks by the peak (a maximum) first: both must be no worse."""
+    if level == 1:
+        return a[0] <= b[0] and a[1] <= b[1]
+    return a <= b
 
-    best = exhaustive(prop, exhaustive_limit)
-    if best is not None:
-        return _with_choice(prop, best, replace)
-    options = _all_candidates(prop)
-    choice = list(prop.choice)
-    cost = total_cost(prop, choice)
-    for _ in range(rounds):
+
+def search(prop, width: int = 48, polish: int = 50_000) -> Found:
+    """The best assignment found by a dynamic program over the equations.
+
+    The states after equation ``i`` are the layouts each live value holds: two partial
+    assignments that reach the same state have the same future, so only the better
+    (for level 1: each on the Pareto front of peak memory and cost) is kept. While no
+    more than ``width`` states survive a step, the result is optimal (``exact``); past
+    that, the ``width`` states with the lowest bound are kept (a beam), plus the state
+    on greedy propagation's path, so the result is never worse than greedy. Coordinate
+    descent (each equation in turn tries every decision, the others fixed) then
+    polishes it, within ``polish`` simulated equations.
+
+    >>> import numpy as np, fshard as fs
+    >>> from fshard.transforms.shard import propagate
+    >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((2, 1), None), mesh=2)
+    >>> p = f._prepare((np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)))[0]
+    >>> prop = propagate(p.body, p.in_shardings, p.out_shardings, p.mesh)
+    >>> search(prop).score <= cost(prop).score(0)
+    True
+    """
+    t0 = time.perf_counter()
+    P = Problem.from_propagated(prop)
+    level = P.level
+    greedy = P.decisions_of(prop.in_shardings, prop.choice)
+    greedy_states = P.run(greedy)
+    count = 0
+    exact = True
+
+    def key(st):
+        return tuple((id(v), vs) for v, vs in st.held.items())
+
+    merit = P.score  # the costs so far, for dominance between equal states
+    # entries: state key -> list of (merit, state, path); a path is (parent path, decision)
+    entries = {key(greedy_states[0]): [(merit(greedy_states[0]), greedy_states[0], None)]}
+    for i in range(P.n):
+        new: dict = {}
+        for front in entries.values():
+            for _, st, path in front:
+                for d in P.decisions(st, i):
+                    count += 1
+                    s2 = P.step(st, i, *d)
+                    if s2 is None:
+                        continue
+                    _insert(new, key(s2), merit(s2), s2, (path, d), level)
+        flat = [(P.bound(e[1], i + 1), k, e) for k, front in new.items() for e in front]
+        if len(flat) > width:
+            exact = False
+            flat.sort(key=lambda t: t[0])
+            flat = flat[:width]
+        entries = {}
+        for _, k, e in flat:
+            entries.setdefault(k, []).append(e)
+        g = greedy_states[i + 1]
+        if g is not None:  # greedy's path survives every cut
+            _insert(entries, key(g), merit(g), g, _path_of(greedy[:i + 1]), level)
+    best = None
+    for front in entries.values():
+        for _, st, path in front:
+            fin = P.finish(st)
+            if fin is not None:
+                sc = P.score(fin)
+                if best is None or sc < best[0]:
+                    best = (sc, _unpath(path))
+    decisions = best[1]
+    if not exact and polish:
+        decisions, n = _coordinate_descent(P, decisions, polish)
+        count += n
+    ins, choice = P.assignment(decisions)
+    c = P.evaluate(ins, choice)
+    return Found(ins, choice, c, c.score(level, P.model), exact, count,
+                 time.perf_counter() - t0)
+
+
+def _insert(table: dict, k, m, st, path, level: int) -> None:
+    front = table.get(k)
+    if front is None:
+        table[k] = [(m, st, path)]
+        return
+    if any(_dominates(level, f[0], m) for f in front):
+        return
+    front[:] = [f for f in front if not _dominates(level, m, f[0])]
+    front.append((m, st, path))
+
+
+def _path_of(decisions) -> tuple | None:
+    path = None
+    for d in decisions:
+        path = (path, d)
+    return path
+
+
+def _unpath(path) -> list:
+    out = []
+    while path is not None:
+        path, d = path
+        out.append(d)
+    return out[::-1]
+
+
+def _coordinate_descent(P: Problem, decisions: list, budget: int) -> tuple[list, int]:
+    """Each equation in turn takes its best decision with the others fixed (a later
+    candidate that can no longer carry a pending sum falls back to its base), until no
+    move improves or ``budget`` simulated equations are spent."""
+    count = 0
+
+    def complete(states, i, d, best_score):
+        """Score of the assignment with decision ``d`` at ``i`` (None: worse/infeasible)."""
+        nonlocal count
+        st = P.step(states[i], i, *d)
+        count += 1
+        path = [d]
+        for j in range(i + 1, P.n):
+            if st is None or P.bound(st, j) >= best_score:
+                return None
+            c, inputs = decisions[j]
+            s2 = P.step(st, j, c, inputs)
+            count += 1
+            if s2 is None and c.carry:
+                c = Candidate(c.assign)
+                s2 = P.step(st, j, c, inputs)
+                count += 1
+            st = s2
+            path.append((c, inputs))
+        if st is None:
+            return None
+        fin = P.finish(st)
+        return None if fin is None else (P.score(fin), path)
+
+    states = P.run(decisions)
+    best_score = P.score(P.finish(states[-1]))
+    improved = True
+    while improved and count < budget:
         improved = False
-        for i, opts in enumerate(options):
-            for opt in opts:
-                trial = choice[:i] + [opt] + choice[i + 1:]
-                c = total_cost(prop, trial)
-                if c < cost - 1e-9:
-                    choice, cost, improved = trial, c, True
-        if not improved:
-            break
-    return _with_choice(prop, choice, replace)
+        for i in range(P.n):
+            for d in P.decisions(states[i], i):
+                if d == decisions[i]:
+                    continue
+                r = complete(states, i, d, best_score)
+                if r is not None and r[0] < best_score:
+                    best_score, decisions = r[0], decisions[:i] + r[1]
+                    states = P.run(decisions)
+                    improved = True
+                if count >= budget:
+                    return decisions, count
+    return decisions, count
 
 
-def _with_choice(prop, choice, replace):
-    """A Propagated with new choices; unannotated inputs re-adopt their consumers' needs."""
+def refine(prop, width: int = 48):
+    """``prop`` with the choices of ``search`` (``fs.shard(..., search=True)``); ``prop``
+    itself when the shapes are symbolic or the search finds nothing better."""
+    if not all(v.aval.is_static for v in prop.program.inputs) or not all(
+            v.aval.is_static for eq in prop.program.equations for v in eq.outputs):
+        return prop
+    found = search(prop, width)
+    if found.score >= cost(prop).score(prop.level):
+        return prop
+    return with_assignment(prop, found.in_shardings, found.choice)
+
+
+def with_assignment(prop, in_shardings, choice):
+    """A Propagated running ``choice`` (a candidate per equation) from ``in_shardings``."""
     program = prop.program
-    given = getattr(prop, "given_inputs", [None] * len(program.inputs))
-    known = {v: s for v, s in zip(program.inputs, given) if s is not None}
-    for eq, (spec, cand) in zip(program.equations, choice):
-        ins, outs = candidate_shardings(spec, cand)
-        for a, req in zip(eq.inputs, ins):
-            if isinstance(a, Var) and a not in known:
-                known[a] = req
-        known.update(zip(eq.outputs, outs))
-    ins = [known.get(v, Sharding.replicated(v.aval.ndim)) for v in program.inputs]
-    return replace(prop, choice=choice, shardings=known, in_shardings=ins)
+    known = dict(zip(program.inputs, in_shardings, strict=True))
+    pairs = []
+    for eq, (spec, _), cand in zip(program.equations, prop.choice, choice, strict=True):
+        known.update(zip(eq.outputs, candidate_shardings(spec, cand)[1]))
+        pairs.append((spec, cand))
+    return replace(prop, choice=pairs, shardings=known, in_shardings=list(in_shardings))

@@ -169,8 +169,12 @@ def _make_impl(prim: Primitive):
         mesh = params.get("mesh")
         if mesh is not None and not getattr(mesh, "is_virtual", True):
             return _run_compiled(prim, args, params)
-        names = params.get("axis_name", ())
-        raise AxisNameError(_unbound_message(prim.name, names))
+        if "axis_name" not in params:  # shard_in / shard_out
+            raise AxisNameError(
+                f"{prim.name} is the boundary of a multi-process fs.shard_map and runs only "
+                f"inside a job, on the mesh of the job's world; here its mesh is {mesh!r}.\n"
+                "Fix: call the shard_map itself; it inserts these where they apply.")
+        raise AxisNameError(_unbound_message(prim.name, params["axis_name"]))
 
     return run
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 from typing import Iterable, Sequence
 
@@ -340,6 +341,15 @@ def current_mesh() -> Mesh | None:
     """The innermost ``with mesh:`` mesh of this thread, or None."""
     stack = _stack()
     return stack[-1] if stack else None
+
+
+def context_key() -> tuple:
+    """A cheap summary of what the default mesh depends on (part of ``fs.jit``'s cache
+    key, so a graph compiled for one mesh is never reused under another)."""
+    stack = _stack()
+    if stack:
+        return (stack[-1].shape, stack[-1].axis_names)
+    return (os.environ.get(ENV_DEVICES), "mindspore.communication._comm_helper" in sys.modules)
 
 
 def _env_devices() -> int:

@@ -257,3 +257,19 @@ def test_runtime_errors_still_surface():
     jf(x), jf(x)
     with pytest.raises(Exception):
         graph_fn(jf, x)(T(rand(2)), T(rand(2)))  # wrong arity: both routes refuse
+
+
+def test_cache_key_includes_the_default_mesh():
+    # A graph compiled under one default mesh must not be reused under another.
+    import fshard as fs
+
+    f = fs.jit(lambda x: x * 2.0)
+    x = np.ones(4, np.float32)
+    f(x)
+    with fs.Mesh((2,), ("d",)):
+        f(x)
+        f(x)
+    f(x)
+    assert f.trace_count == 2
+    f.lower(x)
+    assert f.trace_count == 2  # lower() and a call share one cache entry

@@ -14,6 +14,7 @@ from fshard import tree
 from fshard import passes
 from fshard.backend import mindspore as backend
 from fshard.core import EvalTrace, current_trace, typeof
+from fshard.mesh import context_key as _mesh_key
 from fshard.staging import Traced, fun_name, split_static, trace_fun
 
 
@@ -136,7 +137,7 @@ class Jitted:
         else:
             dyn_args, dyn_kwargs, skey, rebuild = args, kwargs, None, None
         leaves, in_tree = tree.flatten((dyn_args, dyn_kwargs))
-        key = (in_tree, tuple([_leaf_key(x) for x in leaves]), skey)
+        key = (in_tree, tuple([_leaf_key(x) for x in leaves]), skey, _mesh_key())
         return key, leaves, in_tree, rebuild
 
     def lower(self, *args, **kwargs) -> Lowered:
@@ -163,7 +164,7 @@ class Jitted:
             # the hot path of a cached call: one flatten, one key, one dict lookup
             leaves, in_tree = tree.flatten((args, kwargs))
             key = (in_tree, tuple([(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x)
-                                   for x in leaves]), None)
+                                   for x in leaves]), None, _mesh_key())
             compiled = self._calls.get(key)
             if compiled is None:
                 lowered = self._lower(key, leaves, in_tree, None)

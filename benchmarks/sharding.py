@@ -148,7 +148,14 @@ def traffic(part) -> list[dict]:
     """Every collective of a per-device program (``Sharded.partitioned(*args)``): its
     kind, group size ``n``, input block and the bytes each device sends, as written
     (``bytes``) and as MindSpore's CPU backend runs it (``cpu_bytes``: a ReduceScatter
-    is an AllReduce + slice, an AllGather over a sub-group a slot buffer + AllReduce)."""
+    is an AllReduce + slice, an AllGather over a sub-group a slot buffer + AllReduce).
+
+    >>> import numpy as np, fshard as fs
+    >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((1, 2), (2, 1)), mesh=2)
+    >>> x, w = np.ones((4, 6), np.float32), np.ones((6, 3), np.float32)
+    >>> [(c["kind"], c["n"], c["type"], c["bytes"]) for c in traffic(f.partitioned(x, w))]
+    [('psum', 2, 'f32[4,3]', 48.0)]
+    """
     from fshard import dtypes
     from fshard.transforms.shard import COLLECTIVE_NAMES
 
@@ -170,7 +177,7 @@ def traffic(part) -> list[dict]:
             cpu = COST["psum"](S, n)
         elif kind == "all_gather" and n < mesh.size:
             cpu = COST["psum"](n * S, n)  # = 2(n-1)·S
-        out.append({"kind": kind, "n": n, "shape": list(aval.shape),
+        out.append({"kind": kind, "n": n, "type": str(aval),
                     "bytes": COST[kind](S, n), "cpu_bytes": cpu})
     return out
 
@@ -188,8 +195,7 @@ def _describe(colls: list[dict]) -> str:
 
 def _detail(colls: list[dict]) -> str:
     """``"AllReduce/8 f32[128,512]; ..."``: each collective, its group size and input."""
-    return "; ".join(f"{_NAMES[c['kind']]}/{c['n']} f32[{','.join(map(str, c['shape']))}]"
-                     for c in colls)
+    return "; ".join(f"{_NAMES[c['kind']]}/{c['n']} {c['type']}" for c in colls)
 
 
 def _megatron_data(rng, batch=128, d=512, hidden=2048):
@@ -227,8 +233,8 @@ def comm_cases() -> list[dict]:
                     mesh=n).partitioned(params, x, labels)
     n_params = sum(math.prod(p.shape) for p in params.values())
     cases.append(dict(
-        name="data-parallel step", what="shard(value_and_grad(loss)), MLP 784-512-512-10, "
-        "batch 128 split 8 ways", colls=traffic(part),
+        name="data-parallel step (MLP 784-512-512-10, batch 128 split 8 ways)",
+        colls=traffic(part),
         min_count=len(params) + 1, min_bytes=AR(f32 * (n_params + 1), n),
         formula=f"one AllReduce per gradient + one for the loss: 2(n-1)/n x 4 B x "
                 f"({n_params} parameters + 1), n = 8; 1 collective if the gradients are "
@@ -236,13 +242,13 @@ def comm_cases() -> list[dict]:
 
     # (b) Megatron MLP on 8 devices: y = relu(x W1) W2 with W1 by columns, W2 by rows.
     x, w1, w2, target = _megatron_data(rng)
-    y_bytes = f32 * math.prod(x.shape[:1]) * w2.shape[1]
+    y_bytes = f32 * x.shape[0] * w2.shape[1]
     x_bytes = f32 * math.prod(x.shape)
     mega = (None, (1, n), (n, 1))
     part = fs.shard(_mm_relu_mm, in_strategy=mega, mesh=n).partitioned(x, w1, w2)
     cases.append(dict(
-        name="Megatron MLP forward", what="x 128x512, W1 512x2048 (1, 8), W2 2048x512 "
-        "(8, 1)", colls=traffic(part), min_count=1, min_bytes=AR(y_bytes, n),
+        name="Megatron MLP forward (x 128x512, W1 512x2048 (1, 8), W2 2048x512 (8, 1))",
+        colls=traffic(part), min_count=1, min_bytes=AR(y_bytes, n),
         formula="y = relu(x W1) W2 is a pending sum over the 8 devices: one AllReduce "
                 "of y (128x512): 2(n-1)/n x |y|"))
     for argnums, label in (((1, 2), "weights"), ((0, 1, 2), "weights and x")):
@@ -252,9 +258,8 @@ def comm_cases() -> list[dict]:
         part = sh.partitioned(x, w1, w2, target)
         with_x = 0 in argnums
         cases.append(dict(
-            name=f"Megatron MLP forward+backward (grads of {label})",
-            what="value_and_grad of mean((y - t)^2), gradients kept in their weights' "
-                 "layouts", colls=traffic(part), min_count=1 + with_x,
+            name=f"Megatron MLP value_and_grad of mean((y - t)^2) (grads of {label})",
+            colls=traffic(part), min_count=1 + with_x,
             min_bytes=AR(y_bytes, n) + with_x * AR(x_bytes, n),
             formula="the AllReduce of y (the loss is nonlinear in y); the backward needs "
                     "nothing for dW1, dW2 (dy is replicated like y)"
@@ -271,8 +276,8 @@ def comm_cases() -> list[dict]:
     part = sh.partitioned(x, w1, w2, target)
     w_block = f32 * math.prod(w1.shape) // 4
     cases.append(dict(
-        name="2-D (dp 2 x mp 4) MLP step", what="x, t (dp, -); W1 (-, mp); W2 (mp, -); "
-        "grads of W1, W2 in their layouts", colls=traffic(part), min_count=4,
+        name="2-D MLP step (dp 2 x mp 4: x, t (dp, -); W1 (-, mp); W2 (mp, -))",
+        colls=traffic(part), min_count=4,
         min_bytes=AR(y_bytes // 2, 4) + AR(f32, 2) + 2 * AR(w_block, 2),
         formula="AllReduce over mp (n = 4) of y's dp block (64x512); the loss over dp "
                 "(n = 2, a scalar); dW1 and dW2 over dp (n = 2, each a 512x512 block)"))
@@ -515,7 +520,8 @@ def sharding(ctx):
                          ("shard_total", "stage + propagate + partition")):
             rows.append(r("fshard", f"100-layer MLP {name}: {label}", pt[k],
                           f"{pt[k]['median_s'] / stage:.1f}x staging" if k != "stage"
-                          else f"{p['equations']} equations"))
+                          else f"{p['equations']} equations; per-device program: "
+                          f"{p['collectives']}"))
     notes = comm_notes(cases) + [
         f"steps: MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, softmax cross-entropy; "
         f"loss and gradients, every output read with .asnumpy(); variants timed "

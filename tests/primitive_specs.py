@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,7 +39,8 @@ from fshard.primitives import structural as S
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tests/ is not a package
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from references import LANES, REFERENCES, W  # noqa: E402
+from references import (LANES, REFERENCES, W, block_index, shard_in_block,  # noqa: E402
+                        shard_in_transpose, shard_out_global)
 
 F32, F64, I32, I64, BOOL = np.float32, np.float64, np.int32, np.int64, np.bool_
 
@@ -809,6 +811,230 @@ def _marker_jit(spec, sample):
                                _lanes_np(mapped(cts, like)), rtol=1e-6)
 
 
+# ---------------------------------------------------------------------------
+# shard_in / shard_out: the boundary of a multi-process shard_map
+# ---------------------------------------------------------------------------
+#
+# They have no eager meaning outside a job (eager_error) and no virtual-mesh batching
+# (their batching rule re-binds them), so their values are checked where they run:
+# the Program is lowered once for EVERY rank of a simulated job (``LoweringContext``
+# ``rank=``, ``mesh=``), as each process of the job would. shard_in is a static slice
+# per rank: each rank's graph is compiled and run here and compared with the NumPy
+# block of that rank (tests/references.py). shard_out gathers, which needs real
+# communication: per rank its source must issue the same collectives and differ only
+# in constants; its numerics run in tests/distributed/test_collectives_multiprocess.py.
+
+# (global shape, mesh shape, mesh axis names, dims): the axes splitting each dimension.
+BOUNDARY_CASES = [
+    ((4, 3), (2,), ("i",), (("i",), ())),
+    ((2, 6), (2,), ("i",), ((), ("i",))),
+    ((3,), (2,), ("i",), ((),)),                      # replicated over the mesh
+    ((4, 6), (2, 2), ("i", "j"), (("i",), ("j",))),   # one axis per dimension
+    ((8, 3), (2, 2), ("i", "j"), (("i", "j"), ())),   # two axes on one dimension
+    ((2, 4), (2, 2), ("i", "j"), ((), ("j", "i"))),   # two axes, the minor one major
+    ((4, 2), (2, 2), ("i", "j"), (("j",), ())),       # split over j, replicated over i
+    ((), (2, 2), ("i", "j"), ()),
+]
+_COLLECTIVE_CALL = re.compile(r"\b(AllReduce|AllGather|Broadcast|ReduceScatter)_\d+\(")
+
+
+def _block_shape(shape, dims, mesh) -> tuple:
+    return tuple(s // n for s, (_, n) in zip(shape, block_index(dims, mesh, 0)))
+
+
+def _boundary(kind):
+    """Samples of shard_in (operand: the global value) or shard_out (operand: a block)."""
+    def samples(rng, dt):
+        out = []
+        for shape, mesh_shape, names, dims in BOUNDARY_CASES:
+            mesh = fs.Mesh(mesh_shape, names)
+            if kind == "shard_out":
+                shape = _block_shape(shape, dims, mesh)
+            out.append(Sample((values(rng, shape, dt),), {"dims": dims, "mesh": mesh}))
+        return out
+
+    return samples
+
+
+def _staged(fn, args):
+    """``fn(*tracers) -> list`` staged once on the types of ``args``."""
+    from fshard import staging
+
+    return staging.stage(fn, [typeof(a) for a in args])
+
+
+def _per_rank_sources(program, consts, mesh) -> list:
+    """``(source, globals)`` of ``program`` lowered for each rank of a job on ``mesh``."""
+    from fshard.backend import mindspore as backend
+
+    return [backend.lower_program(program, consts, name=f"rank{r}", rank=r, mesh=mesh)[:2]
+            for r in range(mesh.size)]
+
+
+def _run_per_rank(program, consts, mesh, *args) -> list[list[np.ndarray]]:
+    """Every rank's outputs of a Program without communication, each rank's graph
+    compiled and run in this process."""
+    from fshard.backend import mindspore as backend
+
+    out = []
+    for r, (src, globals_) in enumerate(_per_rank_sources(program, consts, mesh)):
+        assert not _COLLECTIVE_CALL.findall(src), f"rank {r} communicates:\n{src}"
+        res = backend.compile_source(src, globals_, f"rank{r}")(
+            *[backend.as_tensor(a) for a in args])
+        out.append([_lanes_np(o) for o in _as_list(res)])
+    return out
+
+
+def _assert_same_collectives(program, consts, mesh, expected: int) -> None:
+    """Every rank issues the same ``expected`` collectives, in the same order, and the
+    ranks' sources differ only in constants (numbers)."""
+    sources = [src for src, _ in _per_rank_sources(program, consts, mesh)]
+    sequences = [_COLLECTIVE_CALL.findall(s) for s in sources]
+    assert len(sequences[0]) == expected, sources[0]
+    assert all(seq == sequences[0] for seq in sequences), sequences
+    masked = [re.sub(r"\d+|True|False", "#", s) for s in sources]
+    assert all(m == masked[0] for m in masked), sources
+
+
+def _n_split(dims) -> int:
+    return sum(1 for axes in dims if axes)
+
+
+def _boundary_jit(spec, sample):
+    """Lowering, rank by rank: shard_in runs as each rank's static slice; shard_out
+    issues the same gathers on every rank (one per split dimension)."""
+    (x,), p = sample.args, sample.params
+    mesh = p["mesh"]
+    program, consts = _staged(lambda v: [spec.apply(v, **p)], (x,))
+    if spec.name == "shard_out":
+        _assert_same_collectives(program, consts, mesh, _n_split(p["dims"]))
+        return
+    for r, (got,) in enumerate(_run_per_rank(program, consts, mesh, x)):
+        want = shard_in_block(x, dims=p["dims"], mesh=mesh, rank=r)
+        assert got.shape == want.shape, f"rank {r}: {got.shape} vs {want.shape}"
+        np.testing.assert_array_equal(got, want, err_msg=f"rank {r}'s block")
+
+
+def _boundary_batching(spec, sample):
+    """The rule re-binds with a leading unsplit dimension: for every placement of the
+    batch dim (and none), the staged output's type, and for shard_in each rank's
+    values (lowered and run) against the per-example NumPy blocks."""
+    from fshard import rules
+    from fshard.transforms.vmap import AxisData, _axis
+
+    (x,), p = sample.args, sample.params
+    mesh, dims = p["mesh"], p["dims"]
+    rule = rules.batching.lookup(spec.prim, transform="test")
+    examples = [x, (2 * x + 1).astype(x.dtype), (-x).astype(x.dtype)]
+    want_type = out_types(spec.prim, (x,), p)[0]
+    for d in [None] + list(range(x.ndim + 1)):
+        xb = x if d is None else np.stack(examples, axis=d)
+        out_dims = []
+
+        def batched(v):
+            with _axis(AxisData(None, len(examples))):
+                outs, od = rule([v], [d], **p)
+            out_dims.extend(od)
+            return outs
+
+        program, consts = _staged(batched, (xb,))
+        got_type = program.outputs[0].aval
+        if d is None:
+            assert out_dims == [None] and got_type == want_type, (d, out_dims, got_type)
+            continue
+        assert out_dims == [0], f"in dim {d}: out dim {out_dims}"
+        assert got_type == ArrayType((len(examples),) + want_type.shape, want_type.dtype), (
+            f"in dim {d}: {got_type}")
+        eq = program.equations[-1]
+        assert eq.prim is spec.prim and eq.params["dims"] == ((),) + tuple(dims), eq
+        if spec.name == "shard_out":
+            _assert_same_collectives(program, consts, mesh, _n_split(dims))
+            continue
+        for r, (got,) in enumerate(_run_per_rank(program, consts, mesh, xb)):
+            want = np.stack([shard_in_block(e, dims=dims, mesh=mesh, rank=r)
+                             for e in examples])
+            np.testing.assert_array_equal(got, want, err_msg=f"in dim {d}, rank {r}")
+
+
+def _boundary_jvp(spec, sample):
+    """Linear: the tangent goes through the same primitive (shard_in: run per rank)."""
+    from fshard import rules
+
+    (x,), p = sample.args, sample.params
+    mesh, dims = p["mesh"], p["dims"]
+    t = np.random.default_rng(11).standard_normal(x.shape).astype(x.dtype)
+    rule = rules.jvp.lookup(spec.prim, transform="test")
+    program, consts = _staged(lambda v, w: [o for outs in rule([v], [w], **p) for o in outs],
+                              (x, t))
+    want_type = out_types(spec.prim, (x,), p)[0]
+    assert [o.aval for o in program.outputs] == [want_type, want_type]
+    if spec.name == "shard_out":
+        assert [e.prim for e in program.equations] == [spec.prim] * 2, program.equations
+        assert all(e.params == p for e in program.equations)
+        return
+    for r, (out, t_out) in enumerate(_run_per_rank(program, consts, mesh, x, t)):
+        np.testing.assert_array_equal(out, shard_in_block(x, dims=dims, mesh=mesh, rank=r))
+        np.testing.assert_array_equal(t_out, shard_in_block(t, dims=dims, mesh=mesh, rank=r))
+
+
+def _boundary_transpose(spec, sample):
+    """Dot-product test summed over the ranks of the simulated job.
+
+    shard_in^T (gathers and psums: it communicates) runs on a virtual mesh of the
+    same axes, every rank with its own block cotangent ct_r; each rank must get the
+    full cotangent sum_r place_r(ct_r) (NumPy), and <x, that> == sum_r <ct_r,
+    block_r(x)>. shard_out^T (a static slice and a division by the replica count) is
+    lowered per rank and run: rank r gets block_r(ct) / replicas, and
+    sum_r <ct^T_r, b_r> == <ct, shard_out(b)> for consistent blocks b_r.
+    """
+    from fshard import rules
+    from fshard.primitives._define import UndefinedPrimal
+
+    (x,), p = sample.args, sample.params
+    mesh, dims = p["mesh"], p["dims"]
+    x = x.astype(np.float64)
+    rule = rules.transpose.lookup(spec.prim, transform="test")
+    rng = np.random.default_rng(12)
+    out_type = out_types(spec.prim, (x,), p)[0]
+    undefined = UndefinedPrimal(typeof(x))
+    # the transposed cotangent has the operand's type
+    program, _ = _staged(lambda c: rule(c, undefined, **p), (np.zeros(out_type.shape),))
+    assert program.outputs[0].aval == typeof(x), program.outputs[0].aval
+    if spec.name == "shard_in":
+        cts = rng.standard_normal((mesh.size,) + out_type.shape)
+        f = lambda c: rule(c, undefined, **p)[0]  # noqa: E731
+        for k in reversed(range(mesh.ndim)):
+            f = fs.vmap(f, axis_name=mesh.axis_names[k], axis_size=mesh.shape[k])
+        got = _lanes_np(f(cts.reshape(tuple(mesh.shape) + out_type.shape)))
+        got = got.reshape((mesh.size,) + x.shape)
+        want = shard_in_transpose(list(cts), dims=dims, mesh=mesh)
+        for r in range(mesh.size):
+            np.testing.assert_allclose(got[r], want, rtol=1e-12, atol=1e-12,
+                                       err_msg=f"rank {r}'s cotangent")
+        lhs = sum(float(np.sum(c * shard_in_block(x, dims=dims, mesh=mesh, rank=r)))
+                  for r, c in enumerate(cts))
+        np.testing.assert_allclose(lhs, float(np.sum(got[0] * x)), rtol=1e-12)
+        return
+    ct = rng.standard_normal(out_type.shape)
+    program, consts = _staged(lambda c: rule(c, undefined, **p), (ct,))
+    got = [o for (o,) in _run_per_rank(program, consts, mesh, ct)]
+    replicas = mesh.size // int(np.prod([n for _, n in block_index(dims, mesh, 0)]))
+    g = shard_out_global([x] * mesh.size, dims=dims, mesh=mesh)
+    blocks = [shard_in_block(g, dims=dims, mesh=mesh, rank=r) for r in range(mesh.size)]
+    for r in range(mesh.size):
+        np.testing.assert_allclose(got[r], shard_in_block(ct, dims=dims, mesh=mesh, rank=r)
+                                   / replicas, rtol=1e-12, err_msg=f"rank {r}")
+    rhs = sum(float(np.sum(c * b)) for c, b in zip(got, blocks))
+    np.testing.assert_allclose(float(np.sum(ct * g)), rhs, rtol=1e-12)
+
+
+def _boundary_spec(prim):
+    return PrimitiveSpec(prim, _boundary(prim.name), (F32, I32), linear_groups=((0,),),
+                         eager_error=AxisNameError, jit_samples=None, custom_checks={
+                             "jit": _boundary_jit, "batching": _boundary_batching,
+                             "jvp": _boundary_jvp, "transpose": _boundary_transpose})
+
+
 ONE, TWO = (("i",), (3,)), (("i", "j"), (2, 2))
 _REDUCE_CASES = [((2, 3), *ONE, {}), ((), ("i",), (2,), {}), ((4,), *TWO, {})]
 
@@ -922,6 +1148,8 @@ def _specs() -> list[PrimitiveSpec]:
                          linear=False, differentiable=False),
         _marker_spec(K.replica_sum_p),
         _marker_spec(K.replica_split_p),
+        _boundary_spec(K.shard_in_p),
+        _boundary_spec(K.shard_out_p),
     ]
     return out
 

@@ -177,6 +177,59 @@ def _one_device(name):
     return ref
 
 
+# shard_in / shard_out: the boundary of a multi-process shard_map. ``dims[k]`` names
+# the mesh axes splitting dimension k (major first); rank r sits at the row-major
+# coordinates of r in the mesh, and its block of dimension k is the one at its
+# position along dims[k]'s axes. Ranks that differ only along other axes are replicas.
+
+
+def block_index(dims, mesh, rank: int) -> tuple:
+    """The slices of the global value that are ``rank``'s block (per dimension, as
+    fractions: (position, number of blocks))."""
+    names, sizes = tuple(mesh.axis_names), tuple(mesh.shape)
+    coords = np.unravel_index(rank, sizes)
+    out = []
+    for axes in dims:
+        if not axes:
+            out.append((0, 1))
+            continue
+        ax = [names.index(a) for a in axes]
+        pos = int(np.ravel_multi_index([coords[a] for a in ax], [sizes[a] for a in ax]))
+        out.append((pos, int(np.prod([sizes[a] for a in ax]))))
+    return tuple(out)
+
+
+def _block_slices(shape, dims, mesh, rank) -> tuple:
+    return tuple(slice(p * (s // n), (p + 1) * (s // n))
+                 for s, (p, n) in zip(shape, block_index(dims, mesh, rank)))
+
+
+def shard_in_block(x, *, dims, mesh, rank):
+    """``rank``'s block of the global value ``x``."""
+    return np.asarray(x)[_block_slices(np.shape(x), dims, mesh, rank)]
+
+
+def shard_out_global(blocks, *, dims, mesh):
+    """The global value from every rank's block (``blocks[r]``; replicas agree)."""
+    b = np.asarray(blocks[0])
+    shape = tuple(s * n for s, (_, n) in zip(b.shape, block_index(dims, mesh, 0)))
+    out = np.zeros(shape, b.dtype)
+    for r, block in enumerate(blocks):
+        out[_block_slices(shape, dims, mesh, r)] = block
+    return out
+
+
+def shard_in_transpose(cts, *, dims, mesh):
+    """The true transpose of shard_in: every rank's block cotangent added into its
+    place (a sum over all ranks; replicas add up). The same on every rank."""
+    ct0 = np.asarray(cts[0])
+    shape = tuple(s * n for s, (_, n) in zip(ct0.shape, block_index(dims, mesh, 0)))
+    out = np.zeros(shape, np.float64)
+    for r, ct in enumerate(cts):
+        out[_block_slices(shape, dims, mesh, r)] += ct
+    return out
+
+
 REFERENCES = {
     # elementwise
     "neg": np.negative,
@@ -246,4 +299,9 @@ REFERENCES = {
     # (tests/primitive_specs.py checks the replicated case on a virtual mesh)
     "replica_sum": lambda ct, like, **_: ct,
     "replica_split": lambda ct, like, **_: ct,
+    # boundary of a multi-process shard_map: rank 0's view (tests/primitive_specs.py
+    # checks every rank through per-rank lowering); shard_out with every rank holding x
+    "shard_in": lambda x, *, dims, mesh: shard_in_block(x, dims=dims, mesh=mesh, rank=0),
+    "shard_out": lambda x, *, dims, mesh: shard_out_global([x] * mesh.size, dims=dims,
+                                                           mesh=mesh),
 }

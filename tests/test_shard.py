@@ -485,3 +485,39 @@ def test_shard_in_a_multi_process_job(tmp_path):
         out = result.output(rank)
         assert "ALL CHECKS PASSED" in out, out
         assert "CHECK sub-group collectives ['psum_scatter', 'all_gather'] ok" in out
+
+
+def test_pytree_argument_of_tuples_with_no_strategy():
+    # A list of (w, b) pairs is a pytree of arrays, not a strategy.
+    import numpy as np
+
+    import fshard as fs
+
+    rng = np.random.default_rng(0)
+    params = [(rng.standard_normal((4, 4)).astype(np.float32),
+               rng.standard_normal(4).astype(np.float32)) for _ in range(2)]
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+
+    def mlp(params, x):
+        for w, b in params:
+            x = fs.ops.relu(x @ w + b)
+        return x
+
+    out = fs.shard(mlp, in_strategy=(None, (8, 1)), mesh=8)(params, x)
+    np.testing.assert_allclose(out.asnumpy(), fs.jit(mlp)(params, x).asnumpy(), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_jit_waits_for_the_last_computed_output_inside_a_shard_call():
+    import numpy as np
+
+    import fshard as fs
+    from fshard.transforms.jit import _last_computed
+
+    def loss(w, x):
+        return ((x @ w) ** 2).mean()
+
+    step = fs.jit(fs.shard(fs.value_and_grad(loss), in_strategy=(None, (8, 1)), mesh=8))
+    w, x = np.ones((4, 2), np.float32), np.ones((16, 4), np.float32)
+    program = step.lower(w, x).program
+    assert _last_computed(program) == 1  # the gradient, not the loss computed first

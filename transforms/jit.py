@@ -98,10 +98,26 @@ def _last_computed(program) -> int | None:
     CPU, where waiting would copy device memory to the host)."""
     if len(program.outputs) < 2 or backend.ms.get_context("device_target") != "CPU":
         return None
-    defined = {v: i for i, eq in enumerate(program.equations) for v in eq.outputs}
-    order = [defined.get(a, -1) for a in program.outputs]
-    last = max(range(len(order)), key=order.__getitem__)
-    return last if order[last] >= 0 else None
+    return _last_output(program)
+
+
+def _last_output(program) -> int | None:
+    defined = {v: (i, k) for i, eq in enumerate(program.equations)
+               for k, v in enumerate(eq.outputs)}
+    where = [defined.get(a, (-1, -1)) for a in program.outputs]
+    last = max(range(len(where)), key=lambda j: where[j][0])
+    if where[last][0] < 0:
+        return None
+    eq = program.equations[where[last][0]]
+    # All outputs of one call equation (e.g. a shard_call): look inside its body.
+    body = getattr(eq.params.get("plan"), "body", None)
+    if body is not None and all(w[0] == where[last][0] for w in where):
+        inner = _last_output(body)
+        if inner is not None:
+            for j, w in enumerate(where):
+                if w[1] == inner:
+                    return j
+    return last
 
 
 def _leaf_key(x):

@@ -34,6 +34,8 @@ import itertools
 import json
 import math
 from collections import deque
+
+import numpy as np
 from dataclasses import dataclass
 
 from fshard import dtypes, tree
@@ -1046,8 +1048,9 @@ def _is_strategy_leaf(s) -> bool:
     if s is None or isinstance(s, Layout):
         return True
     if isinstance(s, (tuple, list)):
+        # Split counts, not a container of arrays (a tuple (w, b) of parameters).
         return all(not isinstance(c, (tuple, list, dict, Layout)) and c is not None
-                   for c in s)
+                   and (isinstance(c, np.generic) or not hasattr(c, "shape")) for c in s)
     return not isinstance(s, dict)
 
 

@@ -1029,6 +1029,11 @@ def _boundary_transpose(spec, sample):
 
 
 def _boundary_spec(prim):
+    """shard_in / shard_out, checked on a 1-D mesh of 2 and a (2, 2) mesh. Type rule:
+    vs the NumPy block (gathered value) shapes. Eager: AxisNameError. Lowering: per
+    rank; shard_in's graphs run here, shard_out's need real communication, so only
+    their collective sequence is checked here and their numerics in
+    tests/distributed/test_collectives_multiprocess.py."""
     return PrimitiveSpec(prim, _boundary(prim.name), (F32, I32), linear_groups=((0,),),
                          eager_error=AxisNameError, jit_samples=None, custom_checks={
                              "jit": _boundary_jit, "batching": _boundary_batching,

@@ -470,21 +470,27 @@ def test_sharded_is_a_callable_with_the_function_name(seed_inputs):
 # ---------------------------------------------------------------------------
 
 
-def test_shard_in_a_multi_process_job(tmp_path):
-    """4 processes (one launch, ~30 s): each runs its block of the per-device program
-    with MindSpore's collectives (sub-groups included) and returns the global result;
-    forward, grad(shard), jit(grad(shard)) and shard(value_and_grad) all match."""
+@pytest.mark.parametrize("processes", [2, 4])
+def test_shard_in_a_multi_process_job(tmp_path, processes):
+    """2 and 4 processes (one launch each, ~15-30 s): each runs its block of the
+    per-device program with MindSpore's collectives (sub-groups included) and returns
+    the global result; the seed's examples (a function and a Cell with a parameter
+    plan), forward, grad(shard), jit(grad(shard)), shard(value_and_grad) and three
+    steps of a sharded training loop all match one process."""
     from pathlib import Path
 
     from fshard import launch
 
     script = str(Path(__file__).resolve().parent / "distributed" / "shard_checks.py")
-    result = launch.run(script, 4, [], timeout=300, log_dir=str(tmp_path))
+    result = launch.run(script, processes, [], timeout=300, log_dir=str(tmp_path))
     assert result.ok, result.message
-    for rank in range(4):
+    for rank in range(processes):
         out = result.output(rank)
         assert "ALL CHECKS PASSED" in out, out
-        assert "CHECK sub-group collectives ['psum_scatter', 'all_gather'] ok" in out
+        assert "CHECK seed Cell with parameter_plan ok" in out
+        assert "CHECK training step 2 loss ok" in out
+        if processes == 4:
+            assert "CHECK sub-group collectives ['psum_scatter', 'all_gather'] ok" in out
 
 
 def test_pytree_argument_of_tuples_with_no_strategy():

@@ -442,13 +442,22 @@ class _Budget(Exception):
     pass
 
 
-def exhaustive(prop, limit: int = 5_000_000, prune: bool = True) -> Found | None:
+def _key(st: _State) -> tuple:
+    """What the future of a state depends on: the layouts each live value holds."""
+    return tuple((id(v), vs) for v, vs in st.held.items())
+
+
+def exhaustive(prop, limit: int = 5_000_000, prune: bool = True, memo: bool = True
+               ) -> Found | None:
     """The optimal assignment, by enumerating every one (None past ``limit`` simulated
     equations).
 
-    Depth-first over the equations in program order; with ``prune`` it skips a branch
-    whose lower bound (costs so far plus the least compute still to come) cannot beat
-    the best found (branch and bound: still exact). Greedy's path is explored first.
+    Depth-first over the equations in program order, greedy's path first. Two exact
+    cuts (both can be turned off, e.g. to check them): ``prune`` skips a branch whose
+    lower bound (costs so far plus the least compute still to come) cannot beat the best
+    found (branch and bound); ``memo`` skips a branch that reaches a state (the layouts
+    each live value holds) already reached with costs at least as good, since both have
+    the same completions.
 
     >>> import numpy as np, fshard as fs
     >>> from fshard.transforms.shard import propagate
@@ -463,6 +472,7 @@ def exhaustive(prop, limit: int = 5_000_000, prune: bool = True) -> Found | None
     greedy = P.decisions_of(prop.in_shardings, prop.choice)
     best: list = [None, None]  # score, decisions
     count = [0]
+    seen: dict = {}  # (i, state key) -> costs-so-far front
 
     def dfs(i, st, path):
         if i == P.n:
@@ -480,6 +490,8 @@ def exhaustive(prop, limit: int = 5_000_000, prune: bool = True) -> Found | None
             if s2 is None:
                 continue
             if prune and best[0] is not None and P.bound(s2, i + 1) >= best[0]:
+                continue
+            if memo and not _insert(seen, (i, _key(s2)), P.score(s2), None, None, P.level):
                 continue
             path.append(d)
             dfs(i + 1, s2, path)
@@ -531,10 +543,7 @@ def search(prop, width: int = 48, polish: int = 50_000) -> Found:
     greedy_states = P.run(greedy)
     count = 0
     exact = True
-
-    def key(st):
-        return tuple((id(v), vs) for v, vs in st.held.items())
-
+    key = _key
     merit = P.score  # the costs so far, for dominance between equal states
     # entries: state key -> list of (merit, state, path); a path is (parent path, decision)
     entries = {key(greedy_states[0]): [(merit(greedy_states[0]), greedy_states[0], None)]}
@@ -577,15 +586,18 @@ def search(prop, width: int = 48, polish: int = 50_000) -> Found:
                  time.perf_counter() - t0)
 
 
-def _insert(table: dict, k, m, st, path, level: int) -> None:
+def _insert(table: dict, k, m, st, path, level: int) -> bool:
+    """Add ``(m, st, path)`` to the front of state ``k`` unless an entry there dominates
+    it (then False); drop the entries it dominates."""
     front = table.get(k)
     if front is None:
         table[k] = [(m, st, path)]
-        return
+        return True
     if any(_dominates(level, f[0], m) for f in front):
-        return
+        return False
     front[:] = [f for f in front if not _dominates(level, m, f[0])]
     front.append((m, st, path))
+    return True
 
 
 def _path_of(decisions) -> tuple | None:

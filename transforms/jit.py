@@ -109,8 +109,9 @@ def _last_output(program) -> int | None:
     if where[last][0] < 0:
         return None
     eq = program.equations[where[last][0]]
-    # All outputs of one call equation (e.g. a shard_call): look inside its body.
-    body = getattr(eq.params.get("plan"), "body", None)
+    # All outputs of one call equation (e.g. a shard_call): look inside the program
+    # it executes.
+    body = getattr(eq.params.get("plan"), "executed", None)
     if body is not None and all(w[0] == where[last][0] for w in where):
         inner = _last_output(body)
         if inner is not None:

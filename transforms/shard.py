@@ -762,6 +762,12 @@ class ShardPlan:
         return ShardPlan(body, in_shardings, out_shardings, self.mesh, self.level,
                          f"{self.name}:{what}", world=self.world)
 
+    @property
+    def executed(self) -> Program:
+        """The Program whose equations actually run: the per-device program (its
+        outputs correspond one to one with the body's)."""
+        return self.partitioned().program
+
     def partitioned(self) -> Partitioned:
         if self._part is None:
             prop = propagate(self.body, self.in_shardings, self.out_shardings, self.mesh,

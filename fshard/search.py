@@ -20,7 +20,8 @@ bound over every assignment: the reference on small programs), ``search`` (a dyn
 program over the equations in program order whose states are the layouts each live
 value holds, exact while the states fit in ``width``, a beam search beyond; the greedy
 path is always kept, and coordinate descent polishes the result) and ``refine``
-(``fs.shard(..., search=True)``). This module does not import MindSpore.
+(``fs.shard(..., search=True)``). It reads transforms/shard.py's rules for carries and
+output layouts, and imports no MindSpore itself.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from fshard.sharding import (
     candidates,
     carry_variants,
     compute_cost,
+    linear_groups,
     plan,
 )
 
@@ -114,18 +116,46 @@ def _strip(sh: Sharding) -> Sharding:
     return Sharding(sh.dims) if sh.partial else sh
 
 
+def _coarser(sh: Sharding) -> list:
+    """``sh`` and every layout it is a local slice of (each dimension's axes cut to a
+    prefix), ``sh`` first.
+
+    >>> [s.dims for s in _coarser(Sharding(((0, 1), ())))]
+    [((0, 1), ()), ((0,), ()), ((), ())]
+    """
+    per_dim = [[ax[:k] for k in range(len(ax), -1, -1)] for ax in sh.dims]
+    return [Sharding(tuple(dims)) for dims in itertools.product(*per_dim)]
+
+
+def _axis_permutations(mesh) -> list[dict]:
+    """Every permutation of the mesh axes that only swaps axes of equal size."""
+    groups: dict = {}
+    for a, size in enumerate(mesh.sizes):
+        groups.setdefault(size, []).append(a)
+    gs = [g for g in groups.values() if len(g) > 1]
+    flat = [a for g in gs for a in g]
+    return [dict(zip(flat, [a for p in ps for a in p]))
+            for ps in itertools.product(*[itertools.permutations(g) for g in gs])]
+
+
+def _permuted(sh: Sharding, m: dict) -> Sharding:
+    return Sharding(tuple(tuple(m.get(a, a) for a in ax) for ax in sh.dims),
+                    frozenset(m.get(a, a) for a in sh.partial))
+
+
 class Problem:
     """A program to shard: its equations' factor specs, the mesh, the fixed input and
     requested output layouts, the objective; the decisions open at each equation and
     the one simulator (``step``, ``finish``) every cost in this module comes from.
 
     ``given_inputs[k]`` is None for an input whose layout is free: it is decided at its
-    first consumer, as the layout that consumer needs, or (when the input has other
-    consumers) whole or as any other consumer could need it.
+    first consumer, as the layout that consumer needs, or, when the input has other
+    consumers, as any coarser layout (fewer axes at the end of a dimension's split, down
+    to whole) from which that need is a local slice, so later consumers may slice it too.
     """
 
     def __init__(self, program, mesh, specs, given_inputs, out_shardings, level: int = 0,
-                 model: CostModel | None = None):
+                 model: CostModel | None = None, seed_inputs=None):
         from fshard.transforms.shard import _may_carry
 
         self.program, self.mesh, self.specs = program, mesh, list(specs)
@@ -166,16 +196,20 @@ class Problem:
             if v not in last and self.n:
                 self.dying[0].append(v)
         self.base = [candidates(spec, mesh) for spec in self.specs]
+        # Mesh axes the fixed layouts mention (for the symmetry of the others).
+        self.fixed_axes = frozenset(a for sh in list(self.given.values()) + [
+            o for o in self.out_shardings if o is not None] for a in sh.used)
         self.may_carry = [_may_carry(eq) for eq in self.eqs]
-        # Layouts a free input with several uses may take: whole, or as a use needs it.
-        self.input_options: dict = {}
-        free = {x for f in self.free_at for x in f}
-        for i, eq in enumerate(self.eqs):
-            for pos, a in enumerate(eq.inputs):
-                if isinstance(a, Var) and uses.get(a, 0) > 1 and a in free:
-                    opts = self.input_options.setdefault(a, {Sharding.replicated(a.aval.ndim): None})
-                    for c in self.base[i]:
-                        opts.setdefault(_strip(candidate_shardings(self.specs[i], c)[0][pos]))
+        # A free input with several uses may be held coarser than its first use needs,
+        # or as ``seed_inputs`` holds it (propagation's choice), up to a swap of equal
+        # mesh axes (so the options stay symmetric).
+        self.multi_use = {v for f in self.free_at for v in f if uses[v] > 1}
+        self.seed_options: dict = {}
+        seeds = dict(zip(program.inputs, seed_inputs or [None] * len(program.inputs)))
+        for v in self.multi_use:
+            if seeds.get(v) is not None:
+                self.seed_options[v] = list(dict.fromkeys(
+                    _permuted(seeds[v], m) for m in _axis_permutations(mesh)))
         # A lower bound of the compute still to come (a carry computes as its base).
         self.min_compute = [0.0] * (self.n + 1)
         for i in reversed(range(self.n)):
@@ -183,35 +217,55 @@ class Problem:
                 compute_cost(self.specs[i], c, mesh) for c in self.base[i])
         self._plans: dict = {}
         self._bytes: dict = {}
+        self._cands: dict = {}
+        self._akeys: dict = {}
+
+    def shardings(self, i: int, cand: Candidate) -> tuple:
+        """``(operand layouts, output layouts, compute)`` of equation ``i`` as ``cand``."""
+        key = (i, cand)
+        out = self._cands.get(key)
+        if out is None:
+            ins, outs = candidate_shardings(self.specs[i], cand)
+            out = self._cands[key] = (ins, outs, compute_cost(self.specs[i], cand, self.mesh))
+        return out
 
     @staticmethod
     def from_propagated(prop) -> "Problem":
         """The problem ``propagate`` solved greedily (same boundary layouts and level)."""
         given = prop.given_inputs if prop.given_inputs is not None else prop.in_shardings
         return Problem(prop.program, prop.mesh, [spec for spec, _ in prop.choice], given,
-                       prop.out_shardings, prop.level)
+                       prop.out_shardings, prop.level, seed_inputs=prop.in_shardings)
 
     # -- sizes and moves ---------------------------------------------------------
+    def _aval_key(self, v) -> tuple:
+        # ArrayType hashes slowly (symbolic dims); a value's static shape and item size
+        # say all that sizes need.
+        k = self._akeys.get(v)
+        if k is None:
+            k = self._akeys[v] = (tuple(v.aval.shape), dtypes.to_numpy(v.aval.dtype).itemsize)
+        return k
+
     def nbytes(self, v, sh: Sharding) -> float:
-        key = (v.aval, sh)
+        key = (v, sh)
         b = self._bytes.get(key)
         if b is None:
-            itemsize = dtypes.to_numpy(v.aval.dtype).itemsize
-            b = self._bytes[key] = float(math.prod(sh.local_shape(v.aval.shape, self.mesh))
+            shape, itemsize = self._aval_key(v)
+            b = self._bytes[key] = float(math.prod(sh.local_shape(shape, self.mesh))
                                          * itemsize)
         return b
 
-    def _plan(self, aval, src: Sharding, dst: Sharding) -> tuple:
-        """``(bytes sent, steps, collectives, transient bytes, only psums)`` of a move,
-        with ``sharding.plan``'s steps and ``sharding.plan_bytes``'s ring volumes."""
-        key = (aval, src, dst)
+    def _plan(self, v, src: Sharding, dst: Sharding) -> tuple:
+        """``(bytes sent, steps, collectives, transient bytes, only psums)`` of moving
+        ``v``, with ``sharding.plan``'s steps and ``sharding.plan_bytes``'s ring volumes."""
+        akey = self._aval_key(v)
+        key = (akey, src, dst)
         info = self._plans.get(key)
         if info is not None:
             return info
         mesh = self.mesh
-        itemsize = dtypes.to_numpy(aval.dtype).itemsize
+        gshape, itemsize = akey
         steps = plan(src, dst)
-        shape = list(src.local_shape(aval.shape, mesh))
+        shape = list(src.local_shape(gshape, mesh))
         sent, sizes = 0.0, []
         for st in steps:
             n = mesh.count(st.axes)
@@ -244,7 +298,7 @@ class Problem:
         best = None
         for s in versions:
             if req.partial <= s.partial:
-                info = self._plan(v.aval, s, req)
+                info = self._plan(v, s, req)
                 if best is None or info[:2] < best[:2]:
                     best = info
         if best is None:
@@ -286,8 +340,8 @@ class Problem:
             st.held[x] = (sh,)
             st.live += b
             st.peak += b  # an input is held from the start: every earlier moment grows
-        eq, spec = self.eqs[i], self.specs[i]
-        ins, outs = candidate_shardings(spec, cand)
+        eq = self.eqs[i]
+        ins, outs, flops = self.shardings(i, cand)
         for a, req in zip(eq.inputs, ins):
             if isinstance(a, Literal):
                 if req.partial:  # a literal is whole: it cannot be one term of a sum
@@ -295,7 +349,7 @@ class Problem:
                 continue
             if not self._move(st, a, req, False):
                 return None
-        st.compute += compute_cost(spec, cand, self.mesh)
+        st.compute += flops
         for v, o in zip(eq.outputs, outs):
             st.held[v] = (o,)
             st.live += self.nbytes(v, o)
@@ -349,7 +403,8 @@ class Problem:
         """Every ``(candidate, input layouts)`` open at equation ``i`` in state ``st``:
         the factor rule's candidates, those passing on the operands' pending sums
         (as propagation makes them), and the layouts of the free inputs first
-        consumed here. ``first`` (a decision) is yielded first when it is open."""
+        consumed here. ``first`` (a decision, e.g. greedy propagation's) comes first when
+        it is among them."""
         eq, spec = self.eqs[i], self.specs[i]
         cands = list(self.base[i])
         if self.may_carry[i]:
@@ -364,11 +419,12 @@ class Problem:
             if not new:
                 out.append((cand, ()))
                 continue
-            ins, _ = candidate_shardings(spec, cand)
+            ins = self.shardings(i, cand)[0]
             opts = []
             for x in new:
                 adopt = _strip(next(r for a, r in zip(eq.inputs, ins) if a is x))
-                opts.append([adopt] + [s for s in self.input_options.get(x, ()) if s != adopt])
+                opts.append(list(dict.fromkeys(_coarser(adopt) + self.seed_options.get(x, [])))
+                            if x in self.multi_use else [adopt])
             for combo in itertools.product(*opts):
                 out.append((cand, tuple(zip(new, combo))))
         if first is not None and first in out:
@@ -447,17 +503,46 @@ def _key(st: _State) -> tuple:
     return tuple((id(v), vs) for v, vs in st.held.items())
 
 
-def exhaustive(prop, limit: int = 5_000_000, prune: bool = True, memo: bool = True
-               ) -> Found | None:
+def _fresh_groups(P: Problem, st: _State) -> list:
+    """Mesh axes of equal size that nothing held or requested mentions: swapping them
+    maps every completion to one of equal cost (the candidates are closed under it)."""
+    used = set(P.fixed_axes)
+    for versions in st.held.values():
+        for sh in versions:
+            used |= sh.used
+    groups: dict = {}
+    for a, size in enumerate(P.mesh.sizes):
+        if a not in used:
+            groups.setdefault(size, []).append(a)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _canonical(d, perms) -> tuple:
+    """The least key of decision ``d`` over the axis permutations ``perms``."""
+    cand, inputs = d
+
+    def key(m):
+        assign = tuple(sorted((lab, tuple(m.get(a, a) for a in ax)) for lab, ax in cand.assign))
+        carry = tuple(sorted(m.get(a, a) for a in cand.carry))
+        ins = tuple((tuple(tuple(m.get(a, a) for a in ax) for ax in sh.dims),
+                     tuple(sorted(m.get(a, a) for a in sh.partial))) for _, sh in inputs)
+        return (assign, carry, cand.carry_ops, ins)
+
+    return min(key(m) for m in perms)
+
+
+def exhaustive(prop, limit: int = 5_000_000, prune: bool = True, memo: bool = True,
+               symmetry: bool = True) -> Found | None:
     """The optimal assignment, by enumerating every one (None past ``limit`` simulated
     equations).
 
-    Depth-first over the equations in program order, greedy's path first. Two exact
-    cuts (both can be turned off, e.g. to check them): ``prune`` skips a branch whose
+    Depth-first over the equations in program order, greedy's path first. Three exact
+    cuts (each can be turned off, e.g. to check them): ``prune`` skips a branch whose
     lower bound (costs so far plus the least compute still to come) cannot beat the best
     found (branch and bound); ``memo`` skips a branch that reaches a state (the layouts
     each live value holds) already reached with costs at least as good, since both have
-    the same completions.
+    the same completions; ``symmetry`` tries one decision of each class that differs
+    only by a swap of equal mesh axes nothing mentions yet.
 
     >>> import numpy as np, fshard as fs
     >>> from fshard.transforms.shard import propagate
@@ -482,7 +567,20 @@ def exhaustive(prop, limit: int = 5_000_000, prune: bool = True, memo: bool = Tr
                 if best[0] is None or sc < best[0]:
                     best[0], best[1] = sc, list(path)
             return
-        for d in P.decisions(st, i, greedy[i]):
+        options = P.decisions(st, i, greedy[i])
+        groups = _fresh_groups(P, st) if symmetry else []
+        if groups:
+            perms = [dict(zip(sum(groups, []), sum(map(list, p), [])))
+                     for p in itertools.product(*[itertools.permutations(g) for g in groups])]
+            classes: set = set()
+            kept = []
+            for d in options:
+                k = _canonical(d, perms)
+                if k not in classes:
+                    classes.add(k)
+                    kept.append(d)
+            options = kept
+        for d in options:
             count[0] += 1
             if count[0] > limit:
                 raise _Budget
@@ -505,6 +603,134 @@ def exhaustive(prop, limit: int = 5_000_000, prune: bool = True, memo: bool = Tr
     c = P.evaluate(ins, choice)
     return Found(ins, choice, c, c.score(P.level, P.model), True, count[0],
                  time.perf_counter() - t0)
+
+
+class _Estimate:
+    """The cost still to come from a state, to rank the beam's states (not a bound).
+
+    Each equation is valued by its best candidate given one operand's layout (its first
+    operand that is not a free input: the one charged with it) plus the estimated
+    futures of its outputs; every other operand adds what its own layout forces beyond
+    the equation's unconstrained best (its excess). Equations without such an operand
+    are valued on their own. Memoized per (value, consumer, layout), filled in reverse
+    program order.
+    """
+
+    def __init__(self, P: Problem):
+        self.P = P
+        self.cons: dict = {}
+        for j, eq in enumerate(P.eqs):
+            for a in eq.inputs:
+                if isinstance(a, Var):
+                    lst = self.cons.setdefault(a, [])
+                    if not lst or lst[-1] != j:
+                        lst.append(j)
+        free = {x for f in P.free_at for x in f}
+        self.primary = []
+        for eq in P.eqs:
+            vs = [a for a in eq.inputs if isinstance(a, Var) and a not in free]
+            self.primary.append(vs[0] if vs else None)
+        self.out_req: dict = {}
+        for a, req in zip(P.program.outputs, P.out_shardings):
+            if isinstance(a, Var):
+                self.out_req.setdefault(a, []).append(req)
+        self._edge: dict = {}
+        self._future: dict = {}
+        self._tables: dict = {}
+        self._rest: dict = {}
+        self.best = [0.0] * P.n  # each equation's unconstrained best
+        self.rootless = [0.0] * (P.n + 1)  # suffix sums of the equations valued alone
+        for j in reversed(range(P.n)):  # futures first, so the recursion stays shallow
+            self.best[j] = min(self.rest(j, c) for c in P.base[j])
+            alone = self.best[j] if self.primary[j] is None else 0.0
+            self.rootless[j] = self.rootless[j + 1] + alone
+
+    def rest(self, j: int, c: Candidate) -> float:
+        """Equation ``j``'s compute as ``c`` plus the futures of its outputs."""
+        key = (j, c)
+        r = self._rest.get(key)
+        if r is None:
+            _, outs, flops = self.P.shardings(j, c)
+            r = self._rest[key] = self.unit(flops) + sum(
+                self.future(w, o) for w, o in zip(self.P.eqs[j].outputs, outs))
+        return r
+
+    def unit(self, compute=0.0, nbytes=0.0, wbytes=0.0, ncoll=0) -> float:
+        """The additive part of the objective of the level."""
+        m = self.P.model
+        if m.level == 2:
+            return compute / m.flops_per_s + nbytes / m.bytes_per_s + ncoll * m.latency_s
+        return m.alpha * compute + m.beta * wbytes
+
+    def move(self, v, src: Sharding, req: Sharding, at_output: bool = False) -> float:
+        if src == req:
+            return 0.0
+        if not req.partial <= src.partial:
+            return math.inf
+        sent, _, ncoll, _, only_psum = self.P._plan(v, src, req)
+        w = sent * (self.P.model.gamma if at_output and only_psum else 1.0)
+        return self.unit(0.0, sent, w, ncoll)
+
+    def _table(self, j: int, v, partial) -> list:
+        """``[(layouts v needs, best rest of j)]`` over the candidates of consumer ``j``
+        (with those passing on a pending sum over ``partial``)."""
+        key = (j, v, partial)
+        table = self._tables.get(key)
+        if table is not None:
+            return table
+        P, eq, spec = self.P, self.P.eqs[j], self.P.specs[j]
+        cands = list(P.base[j])
+        if partial and P.may_carry[j]:
+            pos = {k for k, a in enumerate(eq.inputs) if a is v}
+            for g in linear_groups(eq.prim.name, spec, len(eq.inputs)):
+                if pos & set(g):
+                    partials = [partial if k in g else frozenset() for k in range(len(eq.inputs))]
+                    cands += [c for b in P.base[j]
+                              for c in carry_variants(spec, b, eq.prim.name, partials)]
+        best: dict = {}
+        for c in cands:
+            ins = P.shardings(j, c)[0]
+            reqs = tuple(dict.fromkeys(req for a, req in zip(eq.inputs, ins) if a is v))
+            r = self.rest(j, c)
+            if r < best.get(reqs, math.inf):
+                best[reqs] = r
+        table = self._tables[key] = list(best.items())
+        return table
+
+    def edge(self, v, j: int, src: Sharding) -> float:
+        """What consumer ``j`` of ``v`` costs when ``v`` is held as ``src``: all of it
+        for its charged operand, the excess over its best for another."""
+        key = (v, j, src)
+        r = self._edge.get(key)
+        if r is None:
+            r = min((rest + sum(self.move(v, src, req) for req in reqs)
+                     for reqs, rest in self._table(j, v, src.partial)), default=0.0)
+            if self.primary[j] is not v:
+                r = max(0.0, r - self.best[j])
+            self._edge[key] = r
+        return r
+
+    def future(self, w, sh: Sharding) -> float:
+        """What every consumer of ``w`` (and its output move) costs from ``sh``."""
+        key = (w, sh)
+        r = self._future.get(key)
+        if r is None:
+            r = sum(self.edge(w, j, sh) for j in self.cons.get(w, ()))
+            for req in self.out_req.get(w, ()):
+                r += self.move(w, sh, req or Sharding(sh.dims), True)
+            self._future[key] = r
+        return r
+
+    def __call__(self, st: _State, i: int) -> float:
+        """The estimated cost of equations ``i``.. and the output moves."""
+        h = self.rootless[i]
+        for v, versions in st.held.items():
+            for j in self.cons.get(v, ()):
+                if j >= i:
+                    h += min(self.edge(v, j, s) for s in versions)
+            for req in self.out_req.get(v, ()):
+                h += min(self.move(v, s, req or Sharding(s.dims), True) for s in versions)
+        return h
 
 
 def _dominates(level: int, a: tuple, b: tuple) -> bool:
@@ -545,19 +771,29 @@ def search(prop, width: int = 48, polish: int = 50_000) -> Found:
     exact = True
     key = _key
     merit = P.score  # the costs so far, for dominance between equal states
+    estimate = None  # built when the first cut is needed
+
+    def rank(st, i):
+        total = estimate.unit(st.compute, st.comm, st.wcomm, st.ncoll) + estimate(st, i)
+        return (_q(st.peak), total) if level == 1 else (total, _q(st.peak))
     # entries: state key -> list of (merit, state, path); a path is (parent path, decision)
     entries = {key(greedy_states[0]): [(merit(greedy_states[0]), greedy_states[0], None)]}
     for i in range(P.n):
         new: dict = {}
         for front in entries.values():
             for _, st, path in front:
-                for d in P.decisions(st, i):
+                for d in P.decisions(st, i, greedy[i]):
                     count += 1
                     s2 = P.step(st, i, *d)
                     if s2 is None:
                         continue
                     _insert(new, key(s2), merit(s2), s2, (path, d), level)
-        flat = [(P.bound(e[1], i + 1), k, e) for k, front in new.items() for e in front]
+        if sum(len(f) for f in new.values()) > width:
+            if estimate is None:
+                estimate = _Estimate(P)
+            flat = [(rank(e[1], i + 1), k, e) for k, front in new.items() for e in front]
+        else:
+            flat = [(None, k, e) for k, front in new.items() for e in front]
         if len(flat) > width:
             exact = False
             flat.sort(key=lambda t: t[0])
@@ -663,13 +899,18 @@ def _coordinate_descent(P: Problem, decisions: list, budget: int) -> tuple[list,
     return decisions, count
 
 
-def refine(prop, width: int = 48):
+def refine(prop, budget: int = 100_000):
     """``prop`` with the choices of ``search`` (``fs.shard(..., search=True)``); ``prop``
-    itself when the shapes are symbolic or the search finds nothing better."""
+    itself when the shapes are symbolic or the search finds nothing better.
+
+    ``budget`` bounds the work: the beam is as wide as about ``budget`` simulated
+    equations allow (between 4 and 48 states), about 0.1 ms each.
+    """
     if not all(v.aval.is_static for v in prop.program.inputs) or not all(
             v.aval.is_static for eq in prop.program.equations for v in eq.outputs):
         return prop
-    found = search(prop, width)
+    per_state = sum(len(candidates(spec, prop.mesh)) for spec, _ in prop.choice) or 1
+    found = search(prop, width=max(4, min(48, budget // per_state)), polish=budget // 2)
     if found.score >= cost(prop).score(prop.level):
         return prop
     return with_assignment(prop, found.in_shardings, found.choice)

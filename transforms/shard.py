@@ -758,9 +758,9 @@ class ShardPlan:
 
     def derive(self, body: Program, in_shardings, out_shardings, what: str) -> "ShardPlan":
         """A plan for a program derived from this one (its JVP, transpose, batching):
-        same mesh, objective and place of execution."""
+        same mesh, objective, search and place of execution."""
         return ShardPlan(body, in_shardings, out_shardings, self.mesh, self.level,
-                         f"{self.name}:{what}", world=self.world)
+                         f"{self.name}:{what}", self.search, world=self.world)
 
     @property
     def executed(self) -> Program:

@@ -742,7 +742,8 @@ def _dominates(level: int, a: tuple, b: tuple) -> bool:
     return a <= b
 
 
-def search(prop, width: int = 48, polish: int = 50_000) -> Found:
+def search(prop, width: int | None = None, polish: int | None = None,
+           budget: int = 60_000) -> Found:
     """The best assignment found by a dynamic program over the equations.
 
     The states after equation ``i`` are the layouts each live value holds: two partial
@@ -754,6 +755,10 @@ def search(prop, width: int = 48, polish: int = 50_000) -> Found:
     descent (each equation in turn tries every decision, the others fixed) then
     polishes it, within ``polish`` simulated equations.
 
+    By default both follow from ``budget`` (simulated equations, about 0.1 ms each):
+    the beam is as wide as the budget allows for the program's candidates (4 to 48
+    states), and the polish gets half of it.
+
     >>> import numpy as np, fshard as fs
     >>> from fshard.transforms.shard import propagate
     >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((2, 1), None), mesh=2)
@@ -764,6 +769,10 @@ def search(prop, width: int = 48, polish: int = 50_000) -> Found:
     """
     t0 = time.perf_counter()
     P = Problem.from_propagated(prop)
+    if width is None:
+        width = max(4, min(48, budget // max(1, sum(len(b) for b in P.base))))
+    if polish is None:
+        polish = budget // 2
     level = P.level
     greedy = P.decisions_of(prop.in_shardings, prop.choice)
     greedy_states = P.run(greedy)
@@ -899,18 +908,22 @@ def _coordinate_descent(P: Problem, decisions: list, budget: int) -> tuple[list,
     return decisions, count
 
 
-def refine(prop, budget: int = 100_000):
+def refine(prop, budget: int = 60_000):
     """``prop`` with the choices of ``search`` (``fs.shard(..., search=True)``); ``prop``
     itself when the shapes are symbolic or the search finds nothing better.
 
-    ``budget`` bounds the work: the beam is as wide as about ``budget`` simulated
-    equations allow (between 4 and 48 states), about 0.1 ms each.
+    >>> import numpy as np, fshard as fs
+    >>> from fshard.transforms.shard import propagate
+    >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((2, 1), None), mesh=2)
+    >>> p = f._prepare((np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)))[0]
+    >>> prop = propagate(p.body, p.in_shardings, p.out_shardings, p.mesh)
+    >>> cost(refine(prop)).score(0) <= cost(prop).score(0)
+    True
     """
     if not all(v.aval.is_static for v in prop.program.inputs) or not all(
             v.aval.is_static for eq in prop.program.equations for v in eq.outputs):
         return prop
-    per_state = sum(len(candidates(spec, prop.mesh)) for spec, _ in prop.choice) or 1
-    found = search(prop, width=max(4, min(48, budget // per_state)), polish=budget // 2)
+    found = search(prop, budget=budget)
     if found.score >= cost(prop).score(prop.level):
         return prop
     return with_assignment(prop, found.in_shardings, found.choice)

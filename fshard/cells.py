@@ -23,24 +23,31 @@ def parameters(cell) -> dict:
     return dict(cell.parameters_and_names())
 
 
-def _owner(cell, name):
-    *path, leaf = name.split(".")
-    owner = cell
-    for p in path:
-        owner = owner._cells[p]
-    return owner, leaf
+def _locations(cell) -> dict:
+    """``{name: [(owner, leaf), ...]}``: every place each parameter is stored.
+
+    ``parameters_and_names`` lists a Parameter shared by several sub-cells (tied
+    weights) once, under its first name; swapping it there alone would leave the
+    other uses reading the old Parameter, so every slot holding it is found."""
+    slots: dict[int, list] = {}
+    for _, c in [("", cell)] + list(cell.cells_and_names()):
+        for leaf, p in c._params.items():
+            if p is not None and (c, leaf) not in slots.setdefault(id(p), []):
+                slots[id(p)].append((c, leaf))
+    return {name: slots[id(p)] for name, p in parameters(cell).items()}
 
 
 @contextlib.contextmanager
 def swapped(cell, values: dict):
     """Temporarily replace the Cell's parameters by ``values`` (restored on exit)."""
     _first_call_checks(cell)
+    where = _locations(cell)
     saved = []
     try:
         for name, v in values.items():
-            owner, leaf = _owner(cell, name)
-            saved.append((owner, leaf, owner._params[leaf]))
-            owner._params[leaf] = v
+            for owner, leaf in where[name]:
+                saved.append((owner, leaf, owner._params[leaf]))
+                owner._params[leaf] = v
         yield
     finally:
         for owner, leaf, old in reversed(saved):

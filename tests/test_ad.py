@@ -755,3 +755,25 @@ def test_golden_error(case):
 def test_differentiation_error_is_a_type_error():
     with pytest.raises(TypeError, match=re.escape("needs a function that returns a scalar")):
         fs.grad(loss_vec)(X3)
+
+
+# ---------------------------------------------------------------------------
+# Repeated argnums: every listed position gets its gradient (as in JAX)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["grad", "value_and_grad", "jacrev", "jacfwd"])
+def test_repeated_argnums_give_each_position_its_gradient(api):
+    x = rng().standard_normal(3)
+    y = rng().standard_normal(3) + 2.0
+    if api in ("grad", "value_and_grad"):
+        f = lambda a, b: (a * b * a).sum()  # noqa: E731
+        dx, dy = 2 * x * y, x * x
+    else:
+        f = lambda a, b: a * b * a  # noqa: E731
+        dx, dy = np.diag(2 * x * y), np.diag(x * x)
+    out = getattr(fs, api)(f, argnums=(0, 1, 0))(x, y)
+    grads = out[1] if api == "value_and_grad" else out
+    assert len(grads) == 3
+    for g, want in zip(grads, (dx, dy, dx)):
+        close(g, want)

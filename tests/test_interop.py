@@ -576,3 +576,50 @@ def test_tensor_constructor_on_a_traced_value():
         return Tensor(x) + Tensor(x, ms.float16).astype(ms.float32)
 
     _check(f, [X])
+
+
+# ---------------------------------------------------------------------------
+# Tied weights: one Parameter used by several sub-Cells
+# ---------------------------------------------------------------------------
+
+
+class _Tied(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Dense(3, 3, has_bias=False)
+        self.b = nn.Dense(3, 3, has_bias=False)
+        self.b.weight = self.a.weight  # the same Parameter in two places
+
+    def construct(self, x):
+        return (self.b(ops.tanh(self.a(x))) ** 2).sum()
+
+
+def test_tied_weights_see_one_value_and_sum_their_gradients():
+    net = _Tied()
+    x = Tensor(_normal(2, 3))
+    apply, params = fs.functional(net)
+    assert list(params) == ["a.weight"]
+    w = _normal(3, 3)
+    xs = x.asnumpy()
+
+    def ref(w):  # both uses read w
+        return float(((np.tanh(xs @ w.T) @ w.T) ** 2).sum())
+
+    got = apply({"a.weight": Tensor(w)}, x)
+    np.testing.assert_allclose(got.asnumpy(), ref(w), rtol=1e-4)
+    np.testing.assert_allclose(fs.jit(apply)({"a.weight": Tensor(w)}, x).asnumpy(), ref(w),
+                               rtol=1e-4)
+    g = fs.grad(apply)({"a.weight": Tensor(w)}, x)["a.weight"].asnumpy()
+    w64, eps = w.astype(np.float64), 1e-6
+    fd = np.zeros_like(w64)
+    for i in np.ndindex(w.shape):
+        d = np.zeros_like(w64)
+        d[i] = eps
+        fd[i] = (ref(w64 + d) - ref(w64 - d)) / (2 * eps)
+    np.testing.assert_allclose(g, fd, rtol=1e-3, atol=1e-3 * np.abs(fd).max())
+    # the Cell form differentiates the same way MindSpore does
+    ms_g = ms.grad(net, None, net.trainable_params())(x)[0].asnumpy()
+    fs_g = fs.grad(net)(x)["a.weight"].asnumpy()
+    np.testing.assert_allclose(fs_g, ms_g, rtol=1e-5, atol=1e-5 * np.abs(ms_g).max())
+    # and the Cell is left as it was
+    assert net.b.weight is net.a.weight

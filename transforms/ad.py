@@ -359,6 +359,20 @@ def _normalize_argnums(fname, api, argnums, nargs):
     return single, tuple(i % nargs for i in nums)
 
 
+def _distinct(nums):
+    """``(unique, expand)``: differentiate each argument once, then give every listed
+    position its gradient (``argnums=(0, 0)`` returns the gradient twice, as in JAX;
+    substituting one input twice would leave the first substitution unused)."""
+    unique = tuple(dict.fromkeys(nums))
+    where = [unique.index(i) for i in nums]
+
+    def expand(per_unique):
+        per_unique = tuple(per_unique)
+        return tuple(per_unique[w] for w in where)
+
+    return unique, expand
+
+
 def _partial(fun, fname, args, kwargs, nums):
     """``fun`` as a function of the arguments at ``nums`` only."""
     def partial(*diff):
@@ -399,7 +413,8 @@ def _value_and_grad(fun, argnums, has_aux, api):
 
     @functools.wraps(fun)
     def vg(*args, **kwargs):
-        single, nums = _normalize_argnums(fname, api, argnums, len(args))
+        single, listed = _normalize_argnums(fname, api, argnums, len(args))
+        nums, expand = _distinct(listed)
         partial = _partial(fun, fname, args, kwargs, nums)
         diff_args = [args[i] for i in nums]
         for i, a in zip(nums, diff_args):
@@ -420,7 +435,7 @@ def _value_and_grad(fun, argnums, has_aux, api):
         from fshard.primitives.structural import ones
 
         grads = vjp_fn(ones((), o.dtype))
-        grads = grads[0] if single else tuple(grads)
+        grads = grads[0] if single else expand(grads)
         return ((out, aux), grads) if has_aux else (out, grads)
 
     return vg
@@ -480,13 +495,14 @@ def _split_leading(x, sizes, axis):
 
 def _jac_setup(fun, api, argnums, args):
     fname = fun_name(fun)
-    single, nums = _normalize_argnums(fname, api, argnums, len(args))
+    single, listed = _normalize_argnums(fname, api, argnums, len(args))
+    nums, expand = _distinct(listed)
     diff_args = tuple(args[i] for i in nums)
     for i in nums:
         paths, leaves, _ = tree.flatten_with_path(args[i])
         _check_float(fname, api, leaves, [arg_path(fun, i, p) for p in paths],
                      "cast it to float32, or leave it out of argnums.")
-    return fname, single, nums, diff_args
+    return fname, single, nums, diff_args, expand
 
 
 def jacfwd(fun, argnums=0, has_aux: bool = False):
@@ -515,7 +531,7 @@ def jacfwd(fun, argnums=0, has_aux: bool = False):
 
     @functools.wraps(fun)
     def jac(*args, **kwargs):
-        fname, single, nums, diff_args = _jac_setup(fun, "jacfwd", argnums, args)
+        fname, single, nums, diff_args, expand = _jac_setup(fun, "jacfwd", argnums, args)
         partial = _partial(fun, fname, args, kwargs, nums)
         in_leaves, in_tree = tree.flatten(diff_args)
         in_avals = [typeof(x) for x in in_leaves]
@@ -539,7 +555,7 @@ def jacfwd(fun, argnums=0, has_aux: bool = False):
             pieces = _split_leading(c, [a.size for a in in_avals], nd - 1)
             blocks = [reshape(p, out_shape + tuple(a.shape)) for p, a in zip(pieces, in_avals)]
             arg_tree = tree.unflatten(in_tree, blocks)
-            per_out.append(arg_tree[0] if single else arg_tree)
+            per_out.append(arg_tree[0] if single else expand(arg_tree))
         result = tree.unflatten(out_tree, per_out)
         return (result, aux) if has_aux else result
 
@@ -569,7 +585,7 @@ def jacrev(fun, argnums=0, has_aux: bool = False):
 
     @functools.wraps(fun)
     def jac(*args, **kwargs):
-        fname, single, nums, diff_args = _jac_setup(fun, "jacrev", argnums, args)
+        fname, single, nums, diff_args, expand = _jac_setup(fun, "jacrev", argnums, args)
         partial = _partial(fun, fname, args, kwargs, nums)
         res = _vjp(partial, diff_args, has_aux, "jacrev")
         out, vjp_fn = res[0], res[1]
@@ -588,7 +604,7 @@ def jacrev(fun, argnums=0, has_aux: bool = False):
         per_out = []
         for k in range(len(out_avals)):
             arg_tree = tree.unflatten(in_tree, blocks[k])
-            per_out.append(arg_tree[0] if single else arg_tree)
+            per_out.append(arg_tree[0] if single else expand(arg_tree))
         result = tree.unflatten(out_tree, per_out)
         return (result, res[2]) if has_aux else result
 

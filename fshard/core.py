@@ -12,14 +12,13 @@ This module imports no transform and runs no MindSpore op.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from fshard import dtypes
+from fshard import context, dtypes
 from fshard.errors import ArgumentError, TracerConversionError, TracerLeakError
 
 # ---------------------------------------------------------------------------
@@ -261,29 +260,26 @@ class EvalTrace(Trace):
         # Type-check first, so a bad operand is an fshard error, never a MindSpore one.
         abstract_eval.lookup(prim, transform="eager evaluation")(
             *[typeof(x) for x in args], **params)
-        return impl.lookup(prim, transform="eager evaluation")(*args, **params)
+        kernel = impl.lookup(prim, transform="eager evaluation")
+        with context.runtime_lock:  # MindSpore runs one op at a time (fshard.context)
+            return kernel(*args, **params)
 
 
-_current: Trace = EvalTrace()
+_EVAL = EvalTrace()
 
 
 def current_trace() -> Trace:
-    return _current
+    return context.trace.get() or _EVAL
 
 
-@contextlib.contextmanager
-def set_trace(trace: Trace) -> Iterator[Trace]:
-    global _current
-    previous, _current = _current, trace
-    try:
-        yield trace
-    finally:
-        _current = previous
+def set_trace(trace: Trace):
+    """``trace`` is the current trace inside the block (per thread; see fshard.context)."""
+    return context.setting(context.trace, trace)
 
 
 def bind(prim: Primitive, *args, **params):
     """Apply ``prim`` under the current trace. Operands positional, parameters keyword."""
-    outs = _current.process(prim, args, params)
+    outs = (context.trace.get() or _EVAL).process(prim, args, params)
     return outs if prim.multiple_results else outs[0]
 
 

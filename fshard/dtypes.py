@@ -83,6 +83,23 @@ def is_int(dtype) -> bool:
     return dtype in (mstype.int8, mstype.int16, mstype.int32, mstype.int64, mstype.uint8)
 
 
+# (mantissa bits, exponent bits) of each float dtype.
+_FLOAT_BITS = {mstype.float16: (10, 5), mstype.bfloat16: (7, 8), mstype.float32: (23, 8),
+               mstype.float64: (52, 11)}
+
+
+def is_widening_float(src, dst) -> bool:
+    """Whether a cast from ``src`` to ``dst`` represents every ``src`` value exactly
+    (float16 -> float32, float32 -> float64; not float32 -> float16, nor
+    float16 <-> bfloat16).
+
+    >>> is_widening_float(mstype.float16, float32), is_widening_float(float64, float32)
+    (True, False)
+    """
+    a, b = _FLOAT_BITS.get(src), _FLOAT_BITS.get(dst)
+    return a is not None and b is not None and b[0] >= a[0] and b[1] >= a[1]
+
+
 def result_type(*dtypes) -> mstype.Type:
     """MindSpore's promotion of tensor dtypes: NumPy's within a kind, and bool/int with
     float gives the float (int32 + float32 -> float32, where NumPy says float64).

@@ -29,6 +29,7 @@ import contextlib
 import operator
 import os
 import sys
+import threading
 import types
 from typing import Callable
 
@@ -897,8 +898,14 @@ def _setup_classes() -> None:
     _attr_patches[:] = patches
 
 
+# The patches are process-wide (they replace MindSpore's module and class attributes),
+# so how many tracing() blocks are open is process state, not per-thread state: two
+# threads tracing at once share one installation, made by the first to enter and
+# undone by the last to leave, under a lock (the wrappers pass calls without a
+# Tracer through to MindSpore, so other threads' eager code is unaffected).
 _depth = 0
 _installed: list = []  # what the outermost tracing() swapped in, to undo
+_lock = threading.RLock()
 
 
 def _install() -> None:
@@ -980,9 +987,10 @@ def tracing():
     True
     """
     global _depth
-    if _depth == 0:
-        _install()
-    _depth += 1
+    with _lock:
+        if _depth == 0:
+            _install()
+        _depth += 1
     try:
         yield
     except TypeError as e:
@@ -991,9 +999,10 @@ def tracing():
             raise
         raise wrapped from e
     finally:
-        _depth -= 1
-        if _depth == 0:
-            _uninstall(_installed)
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                _uninstall(_installed)
 
 
 def patched_objects() -> list[tuple[object, str, object]]:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 import os
 import sys
-import threading
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from fshard import context
 from fshard.errors import ShardingError
 
 __all__ = ["Mesh", "resolve_mesh", "current_mesh", "DEFAULT_AXIS", "ENV_DEVICES"]
@@ -300,13 +300,13 @@ class Mesh:
     def __enter__(self) -> "Mesh":
         if not self.is_virtual:
             self._check_world()
-        _stack().append(self)
+        context.meshes.set(context.meshes.get() + (self,))
         return self
 
     def __exit__(self, *exc) -> None:
-        stack = _stack()
+        stack = context.meshes.get()
         assert stack and stack[-1] is self, "Mesh contexts must be exited in LIFO order"
-        stack.pop()
+        context.meshes.set(stack[:-1])
 
     # -- value semantics --------------------------------------------------------------
 
@@ -328,25 +328,15 @@ class Mesh:
 # Which mesh is in effect
 # ---------------------------------------------------------------------------
 
-_local = threading.local()
-
-
-def _stack() -> list[Mesh]:
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    return _local.stack
-
-
 def current_mesh() -> Mesh | None:
     """The innermost ``with mesh:`` mesh of this thread, or None."""
-    stack = _stack()
-    return stack[-1] if stack else None
+    return context.innermost(context.meshes)
 
 
 def context_key() -> tuple:
     """A cheap summary of what the default mesh depends on (part of ``fs.jit``'s cache
     key, so a graph compiled for one mesh is never reused under another)."""
-    stack = _stack()
+    stack = context.meshes.get()
     if stack:
         return (stack[-1].shape, stack[-1].axis_names)
     return (os.environ.get(ENV_DEVICES), "mindspore.communication._comm_helper" in sys.modules)

@@ -195,8 +195,9 @@ def elementwise_spec(*avals: ArrayType, n_out: int = 1) -> FactorSpec:
 
 
 # Pending sums pass through these primitives (operand groups in which each is linear).
-# ``cast`` only between float dtypes: rounding a sum's terms is the cast of the sum up
-# to rounding, which an integer cast would not be. (See ``FactorSpec.linear``.)
+# ``cast`` only when it widens a float (its sharding rule says so): the sum of the
+# exactly cast terms is then the sum computed in the wider type, while a narrowing or
+# integer cast of each term is not the cast of their sum. (See ``FactorSpec.linear``.)
 LINEAR_GROUPS: dict[str, tuple] = {
     "neg": ((0,),), "add": ((0, 1),), "sub": ((0, 1),), "mul": ((0,), (1,)),
     "div": ((0,),), "select": ((1, 2),), "cast": ((0,),), "matmul": ((0,), (1,)),

@@ -17,6 +17,7 @@ import pytest
 from mindspore import nn
 
 import fshard as fs
+from fshard.testing import assert_close
 from fshard import ops
 
 F64 = np.float64
@@ -31,7 +32,7 @@ def np_(x):
 
 
 def close(a, b, tol=1e-9):
-    np.testing.assert_allclose(np_(a), np_(b), rtol=tol, atol=tol)
+    assert_close(a, b, rtol=tol, atol=tol)
 
 
 def numerical_grad(f, x, eps=1e-6):

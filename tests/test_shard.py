@@ -15,6 +15,7 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 import fshard as fs
+from fshard.testing import assert_close
 from fshard.transforms.shard import Sharded, shard_call_p
 
 
@@ -23,7 +24,7 @@ def _np(x):
 
 
 def close(a, b, rtol=1e-5, atol=1e-5):
-    np.testing.assert_allclose(_np(a), _np(b), rtol=rtol, atol=atol)
+    assert_close(a, b, rtol=rtol, atol=atol)
 
 
 def tensors(rng, *shapes, low=None):
@@ -527,3 +528,38 @@ def test_jit_waits_for_the_last_computed_output_inside_a_shard_call():
     w, x = np.ones((4, 2), np.float32), np.ones((16, 4), np.float32)
     program = step.lower(w, x).program
     assert _last_computed(program) == 1  # the gradient, not the loss computed first
+
+
+# ---------------------------------------------------------------------------
+# A pending sum meets a cast: reduced first unless the cast widens
+# ---------------------------------------------------------------------------
+
+
+def test_narrowing_cast_of_a_pending_sum_reduces_first():
+    a = Tensor(np.array([[1024.5, -1024.0]], np.float32))
+    b = Tensor(np.ones((2, 1), np.float32))
+    f = lambda a, b: ops.matmul(a, b).astype(ms.float16)  # noqa: E731
+    got = fs.shard(f, in_strategy=((1, 2), (2, 1)), mesh=2)(a, b)
+    assert got.dtype == ms.float16 and float(got.asnumpy()[0, 0]) == 0.5
+
+    v = Tensor(np.array([1e8 + 1, -1e8], np.float64))
+    g = lambda v: v.sum().astype(ms.float32)  # noqa: E731
+    assert float(fs.shard(g, in_strategy=((2,),), mesh=2)(v).asnumpy()) == 1.0
+
+
+def test_widening_cast_lets_a_pending_sum_pass():
+    from fshard.core import ArrayType
+    from fshard.primitives.elementwise import cast_p
+    from fshard.rules import sharding
+
+    def linear(src, dst):
+        return sharding.get(cast_p)(ArrayType((4,), src), dtype=dst).linear
+
+    assert linear(ms.float16, ms.float32) == linear(ms.float32, ms.float64) == ((0,),)
+    for src, dst in [(ms.float32, ms.float16), (ms.float64, ms.float32),
+                     (ms.float16, ms.bfloat16), (ms.float32, ms.int32)]:
+        assert linear(src, dst) == ()
+    rng = np.random.default_rng(3)
+    a, b = tensors(rng, (4, 8), (8, 4))
+    f = lambda a, b: ops.matmul(a, b).astype(ms.float64) * 2.0  # noqa: E731
+    close(fs.shard(f, in_strategy=((1, 2), (2, 1)), mesh=2)(a, b), f(a, b))

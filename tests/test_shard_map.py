@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fshard as fs
+from fshard.testing import assert_close
 
 RNG = np.random.default_rng(0)
 
@@ -22,9 +23,7 @@ def f32(*shape):
 
 
 def close(a, b, tol=1e-5):
-    np.testing.assert_allclose(np.asarray(a.asnumpy() if hasattr(a, "asnumpy") else a),
-                               np.asarray(b.asnumpy() if hasattr(b, "asnumpy") else b),
-                               rtol=tol, atol=tol)
+    assert_close(a, b, rtol=tol, atol=tol)
 
 
 MESH = fs.Mesh((2, 4), ("dp", "mp"))

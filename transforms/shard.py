@@ -38,7 +38,7 @@ from collections import deque
 import numpy as np
 from dataclasses import dataclass
 
-from fshard import dtypes, tree
+from fshard import context, dtypes, tree
 from fshard.core import ArrayType, bind, typeof
 from fshard.errors import CompositionError, ShardingError
 from fshard.interpret import eval_program
@@ -58,7 +58,6 @@ from fshard.sharding import (
 )
 from fshard.staging import StagedTracer, fun_name, stage, trace_fun
 
-_shard_depth = 0  # > 0 while a sharded function is being staged or run
 
 # ---------------------------------------------------------------------------
 # Strategies -> Shardings
@@ -1210,12 +1209,8 @@ class Sharded:
                 "is not supported yet (each process would pass its own batch slice).\nFix: "
                 "pass the global batch in every process with dataset_strategy='full_batch' "
                 "and in_strategy=((N, 1), ...), or use fs.shard_map for per-process data.")
-        global _shard_depth
-        _shard_depth += 1
-        try:
+        with context.counted(context.shard_depth):
             traced = trace_fun(fn, in_tree, [typeof(x) for x in leaves])
-        finally:
-            _shard_depth -= 1
         prog = traced.program
         avals = [v.aval for v in prog.inputs]
         n_c = prog.n_consts
@@ -1288,7 +1283,7 @@ class Sharded:
                 "shard must sit outside vmap (as in MindSpore).\nAllowed form: "
                 f"fs.shard(fs.vmap({fname}), in_strategy=...); refused: "
                 f"fs.vmap(fs.shard({fname}, ...)).")
-        if _shard_depth:
+        if context.shard_depth.get():
             raise CompositionError(
                 f"shard({fname}) is nested inside another fs.shard, which fshard does not "
                 "allow.\nRule: shard cannot nest (as in MindSpore).\nAllowed form: one "

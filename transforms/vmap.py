@@ -1,6 +1,7 @@
 """``fs.vmap``: vectorise a function over a batch axis (NB: JAX's batching.py).
 
-The function is staged once on *unbatched* types; ``batch_program`` then walks the
+The function is staged once on *unbatched* types; ``batch_program`` (the batching
+interpreter, in fshard/interpret.py beside the eager one) then walks the
 Program, applying each primitive's batching rule to ``(value, batch_dim)`` pairs and
 binding the rule's operations into the current trace. A batched Program is
 therefore vectorised, never a loop: each equation becomes one equation (plus, at
@@ -13,85 +14,20 @@ handled by their batching rules, which read the axis being batched from
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from dataclasses import dataclass
 
-from fshard import tree
-from fshard.core import ArrayType, bind, typeof
+from fshard import context, tree
+from fshard.core import ArrayType, typeof
 from fshard.errors import BatchingError
-from fshard.interpret import equation_note
-from fshard.ir import Literal, Program
+from fshard.interpret import AxisData, batch_program, current_axis  # noqa: F401
 from fshard.primitives._batching import move_axis
 from fshard.primitives.collectives import named_axis
-from fshard.rules import batching
 from fshard.staging import fun_name, trace_fun
-
-
-@dataclass(frozen=True)
-class AxisData:
-    """The axis a batching interpreter is mapping over."""
-
-    name: object  # the axis_name, or None
-    size: int
-
-
-_axis_stack: list[AxisData] = []
-_staging_depth = 0  # > 0 while a function is being staged for vmap
 
 
 def inside_vmap() -> bool:
     """Whether code runs while being staged for ``vmap`` (``shard`` must not)."""
-    return _staging_depth > 0
-
-
-def current_axis(size: int | None = None) -> AxisData:
-    """The axis of the innermost ``batch_program`` running now (for collectives and
-    call primitives). A batching rule called directly, outside vmap, passes ``size``
-    and gets an anonymous axis of that size."""
-    if not _axis_stack and size is not None:
-        return AxisData(None, size)
-    assert _axis_stack, "current_axis() called outside a batching rule"
-    return _axis_stack[-1]
-
-
-@contextlib.contextmanager
-def _axis(data: AxisData):
-    _axis_stack.append(data)
-    try:
-        yield
-    finally:
-        _axis_stack.pop()
-
-
-def batch_program(program: Program, args: list, dims: list, axis: AxisData):
-    """Evaluate ``program`` on batched ``args`` (batch dim per arg, or None).
-
-    Returns ``(outs, out_dims)``.
-    """
-    env = dict(zip(program.inputs, zip(args, dims), strict=True))
-
-    def read(a):
-        return (a.value, None) if isinstance(a, Literal) else env[a]
-
-    with _axis(axis):
-        for eq in program.equations:
-            vals, ds = zip(*[read(a) for a in eq.inputs]) if eq.inputs else ((), ())
-            try:
-                if all(d is None for d in ds) and "axis_name" not in eq.params:
-                    outs = bind(eq.prim, *vals, **eq.params)
-                    outs = outs if eq.prim.multiple_results else [outs]
-                    out_ds = [None] * len(outs)
-                else:
-                    rule = batching.lookup(eq.prim, transform="vmap")
-                    outs, out_ds = rule(list(vals), list(ds), **eq.params)
-            except Exception as e:
-                e.add_note(equation_note(eq, "batching"))
-                raise
-            for v, o, d in zip(eq.outputs, outs, out_ds, strict=True):
-                env[v] = (o, d)
-    outs = [read(a) for a in program.outputs]
-    return [o for o, _ in outs], [d for _, d in outs]
+    return context.vmap_staging.get() > 0
 
 
 def type_tree(x) -> str:
@@ -229,13 +165,8 @@ def _vmap(fun, in_axes, out_axes, axis_name, axis_size, params_first=False):
             a = typeof(x)
             shape = a.shape if d is None else a.shape[:d] + a.shape[d + 1:]
             in_avals.append(ArrayType(tuple(shape), a.dtype))
-        global _staging_depth
-        _staging_depth += 1
-        try:
-            with named_axis(axis_name, size):  # collectives staged in fun read its size
-                traced = trace_fun(fun, in_tree, in_avals)
-        finally:
-            _staging_depth -= 1
+        with context.counted(context.vmap_staging), named_axis(axis_name, size):
+            traced = trace_fun(fun, in_tree, in_avals)  # collectives in fun read its size
         n = len(traced.consts)
         outs, out_dims = batch_program(traced.program, traced.consts + list(leaves),
                                        [None] * n + dims, AxisData(axis_name, size))

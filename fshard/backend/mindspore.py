@@ -20,7 +20,7 @@ import threading
 import mindspore as ms
 import numpy as np
 
-from fshard import dtypes
+from fshard import context, dtypes
 from fshard.core import ArrayType
 from fshard.ir import Literal, Program
 from fshard.rules import lowering
@@ -289,6 +289,12 @@ class GraphFunction:
         return self._phase is not None
 
     def __call__(self, *args):
+        # MindSpore's graph compiler and executor keep process-global state (call
+        # depth, compile cache): threads run graphs one at a time.
+        with context.runtime_lock:
+            return self._call(*args)
+
+    def _call(self, *args):
         phase = self._phase
         if (phase is not None and _jit_context() is None and not _requires_grad()
                 and _plain_tensors(args)):

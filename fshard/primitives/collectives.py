@@ -40,9 +40,10 @@ from typing import Callable, Iterator
 import numpy as np
 from mindspore import ops
 
-from fshard import dtypes
+from fshard import context, dtypes
 from fshard.core import ArrayType, Primitive, typeof
 from fshard.errors import ArgumentError, AxisNameError, ProgramTypeError, ShapeError
+from fshard.interpret import AxisData, batch_program, current_axis
 from fshard.primitives._batching import batch_to_front, move_axis
 from fshard.primitives._define import Zero, deflinear, instantiate
 from fshard.rules import (abstract_eval, batching, impl, jvp, lowering, register_primitive,
@@ -53,9 +54,6 @@ FAMILY = "collectives"
 # ---------------------------------------------------------------------------
 # Axis names and the environment of bound axes
 # ---------------------------------------------------------------------------
-
-_env: list = []  # AxisData of named axes being staged (innermost last)
-
 
 @contextlib.contextmanager
 def named_axis(name, size: int) -> Iterator[None]:
@@ -70,20 +68,14 @@ def named_axis(name, size: int) -> Iterator[None]:
     if name is None:
         yield
         return
-    from fshard.transforms.vmap import AxisData
-
-    _env.append(AxisData(name, size))
-    try:
+    with context.pushed(context.named_axes, AxisData(name, size)):
         yield
-    finally:
-        _env.pop()
 
 
 def bound_axes() -> list:
     """Every named axis bound here: staged ones and the one being batched (innermost last)."""
-    from fshard.transforms import vmap
-
-    return list(_env) + [a for a in vmap._axis_stack if a.name is not None]
+    return list(context.named_axes.get()) + [a for a in context.batch_axes.get()
+                                             if a.name is not None]
 
 
 def _bound_names() -> str:
@@ -217,8 +209,6 @@ def _total(axis_sizes) -> int:
 
 
 def _current():
-    from fshard.transforms.vmap import current_axis
-
     return current_axis()
 
 
@@ -578,7 +568,6 @@ def _batch_expansion(expansion, args, dims, **params):
     """Batch ``expansion(*args, **params)`` (written with other collectives) over the
     current axis: stage it on unbatched types and run the batching interpreter."""
     from fshard.staging import stage
-    from fshard.transforms.vmap import batch_program
 
     avals = []
     for x, d in zip(args, dims):
@@ -767,22 +756,14 @@ deflinear(broadcast_p, _broadcast_transpose)
 # (batching: the value is unbatched; multi-process: the shard_map VMA pass), so
 # both are primitives whose ``like`` operand is the primal value in question.
 
-_replica_stack: list = []  # mesh axis names of the shard_map bodies being staged
-
-
-@contextlib.contextmanager
-def replica_axes_of_body(names: tuple) -> Iterator[None]:
+def replica_axes_of_body(names: tuple):
     """While a shard_map body is staged: vjps inside it use ``names`` as mesh axes."""
-    _replica_stack.append(tuple(names))
-    try:
-        yield
-    finally:
-        _replica_stack.pop()
+    return context.pushed(context.replica_axes, tuple(names))
 
 
 def replica_axes() -> tuple:
     """Mesh axes of the innermost shard_map body being staged (empty outside)."""
-    return _replica_stack[-1] if _replica_stack else ()
+    return context.innermost(context.replica_axes, ())
 
 
 def _marker_type(ct, like, *, axis_name, **_):

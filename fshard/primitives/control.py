@@ -12,8 +12,8 @@ a helper function of the generated module.
 
 Primitives: ``custom_jvp_call``, ``custom_vjp_call`` and ``custom_lin`` (the
 linear stand-in for a custom_vjp's derivative: transposing it runs ``bwd``).
-The batching rules re-enter the vmap interpreter on the bodies; that one late
-import of ``fshard.transforms.vmap`` is the price of a higher-order primitive.
+The batching rules re-enter the batching interpreter (``fshard.interpret``) on the
+bodies.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 from fshard import dtypes, tree
 from fshard.core import ArrayType, EvalTrace, current_trace, typeof
 from fshard.errors import DifferentiationError
-from fshard.interpret import eval_program
+from fshard.interpret import batch_program, current_axis, eval_program
 from fshard.ir import Program
 from fshard.primitives._batching import batch_size, batch_to_front, move_axis
 from fshard.primitives._define import Zero, def_primitive, instantiate
@@ -138,10 +138,8 @@ def _batch_closed(program: Program, dims: list, size: int, out_policy):
 
     Returns ``(program, consts, out_dims)``.
     """
-    # Late import: batching a body re-enters the vmap interpreter
-    # (NB: JAX's call-primitive batchers call batching.batch_jaxpr the same way).
-    from fshard.transforms.vmap import batch_program, current_axis
-
+    # Batching a body re-enters the batching interpreter (NB: JAX's call-primitive
+    # batchers call batching.batch_jaxpr the same way).
     axis = current_axis(size)
     in_avals = [_batched_aval(v.aval, d, size) for v, d in zip(program.inputs, dims)]
     box = []

@@ -478,10 +478,12 @@ batching.set(cast_p, vectorized(cast_p))
 
 
 def _cast_sharding(x, *, dtype):
-    """Elementwise. A pending sum passes through a cast between float dtypes only: the
-    sum of truncated or booleanised terms is not the cast of their sum."""
+    """Elementwise. A pending sum passes through a widening float cast only: the sum of
+    truncated or booleanised terms is not the cast of their sum, and a narrowing cast
+    rounds each partial sum before the reduction (float32 partials 1024.5 and -1024.0
+    cast to float16 sum to 0, the float16 cast of their sum is 0.5)."""
     spec = elementwise_spec(x)
-    spec.linear = ((0,),) if dtypes.is_float(x.dtype) and dtypes.is_float(dtype) else ()
+    spec.linear = ((0,),) if dtypes.is_widening_float(x.dtype, dtype) else ()
     return spec
 
 

@@ -14,6 +14,7 @@ from mindspore import ops
 
 from fshard.core import ArrayType, typeof
 from fshard.errors import AxisNameError
+from fshard.interpret import current_axis
 from fshard.primitives._batching import batch_to_front, move_axis
 from fshard.primitives._define import def_primitive, deflinear
 from fshard.rules import batching, unsupported
@@ -62,7 +63,6 @@ block_slice_p = def_primitive("block_slice", FAMILY, _type, _impl, lower=_lower)
 
 def _batching(args, dims, *, axis_name, dim, sizes):
     from fshard.primitives.structural import gather_p, reshape
-    from fshard.transforms.vmap import current_axis
 
     (x,), (d,) = args, dims
     axis = current_axis()

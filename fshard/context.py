@@ -1,0 +1,68 @@
+"""The state tracing needs, in one place, as ``contextvars``.
+
+Every transform keeps a little state while it runs: the trace that ``bind`` sends
+equations to, the named axes bound by ``vmap(axis_name=...)`` and ``shard_map``, the
+axis a batching interpreter maps over, whether ``vmap`` or ``shard`` is staging, the
+mesh axes of the ``shard_map`` body being staged, and the ``with fs.Mesh(...)`` in
+effect. Each is a ``ContextVar`` holding an immutable value (a tuple for stacks), so
+two threads tracing at once each see only their own (a thread starts from the
+defaults), and a context manager restores the previous value by token even when an
+exception unwinds it (NB: JAX's ``jax._src.core.trace_ctx``).
+
+This module imports nothing from fshard: every layer may read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from contextvars import ContextVar
+from typing import Iterator
+
+#: The current trace (``core.current_trace``); None means core's eager trace.
+trace: ContextVar = ContextVar("fshard_trace", default=None)
+#: Named axes bound while staging (``AxisData``, innermost last).
+named_axes: ContextVar[tuple] = ContextVar("fshard_named_axes", default=())
+#: Axes the batching interpreter is mapping over (``AxisData``, innermost last).
+batch_axes: ContextVar[tuple] = ContextVar("fshard_batch_axes", default=())
+#: How many ``vmap`` stagings enclose the running code.
+vmap_staging: ContextVar[int] = ContextVar("fshard_vmap_staging", default=0)
+#: How many ``shard`` stagings or runs enclose the running code.
+shard_depth: ContextVar[int] = ContextVar("fshard_shard_depth", default=0)
+#: Mesh axis names of the ``shard_map`` bodies being staged (innermost last).
+replica_axes: ContextVar[tuple] = ContextVar("fshard_replica_axes", default=())
+#: The ``with fs.Mesh(...)`` meshes in effect (innermost last).
+meshes: ContextVar[tuple] = ContextVar("fshard_meshes", default=())
+
+
+#: Held while MindSpore runs an eager op or a compiled graph. Its PyNative runtime and
+#: graph executor keep process-global state (measured: concurrent eager ops from two
+#: threads crash it, concurrent graph calls fail with "call depth is already 0"), so
+#: threads tracing at once take turns only for the MindSpore calls themselves.
+runtime_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def setting(var: ContextVar, value) -> Iterator:
+    """``var`` set to ``value`` inside the block, restored after it."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
+def pushed(var: ContextVar, item):
+    """``item`` appended to the stack ``var`` holds, inside the block."""
+    return setting(var, var.get() + (item,))
+
+
+def counted(var: ContextVar):
+    """The counter ``var`` holds, one higher inside the block."""
+    return setting(var, var.get() + 1)
+
+
+def innermost(var: ContextVar, default=None):
+    """The last item of the stack ``var`` holds, or ``default``."""
+    stack = var.get()
+    return stack[-1] if stack else default

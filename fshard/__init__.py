@@ -11,6 +11,7 @@ MindSpore GRAPH-mode program.
 from fshard import distributed as distributed
 from fshard import dtypes as dtypes
 from fshard import errors as errors
+from fshard import interop as _interop  # noqa: F401  (MindSpore code traces: see staging)
 from fshard import ops as ops
 from fshard import rules as rules
 from fshard import tensor_methods as _tensor_methods  # noqa: F401  (Tracer operators)

@@ -20,6 +20,7 @@ import numpy as np
 
 from fshard import context, dtypes
 from fshard.errors import ArgumentError, TracerConversionError, TracerLeakError
+from fshard.rules import abstract_eval, impl
 
 # ---------------------------------------------------------------------------
 # Symbols: dimensions whose size is known only by its constraints
@@ -248,8 +249,6 @@ class EvalTrace(Trace):
     """The outermost trace: run each primitive's eager implementation now."""
 
     def process(self, prim, args, params):
-        from fshard.rules import abstract_eval, impl  # late: rules imports core
-
         for x in args:
             if isinstance(x, Tracer):
                 raise TracerLeakError(

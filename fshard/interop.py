@@ -39,6 +39,7 @@ from fshard import dtypes
 from fshard import ops as fo
 from fshard.core import Tracer, typeof
 from fshard.errors import FshardError, UnsupportedOpError
+from fshard.staging import register_user_code_hook
 
 # ---------------------------------------------------------------------------
 # The converter table: MindSpore primitive name -> converter(prim, *args, **kwargs)
@@ -1076,3 +1077,6 @@ SUPPORTED_CELLS: tuple[str, ...] = (
     "nn.SequentialCell", "nn.LayerNorm", "nn.Softmax", "nn.LogSoftmax",
     "nn.SoftmaxCrossEntropyWithLogits",
 )
+
+
+register_user_code_hook(tracing)

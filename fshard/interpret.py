@@ -61,6 +61,12 @@ def current_axis(size: int | None = None) -> AxisData:
     return stack[-1]
 
 
+def batching_axis(axis: AxisData):
+    """Inside the block, ``current_axis()`` is ``axis`` (what ``batch_program`` does
+    around its walk; for calling batching rules directly)."""
+    return context.pushed(context.batch_axes, axis)
+
+
 def batch_program(program: Program, args: list, dims: list, axis: AxisData):
     """Evaluate ``program`` on batched ``args`` (batch dim per arg, or None).
 
@@ -71,7 +77,7 @@ def batch_program(program: Program, args: list, dims: list, axis: AxisData):
     def read(a):
         return (a.value, None) if isinstance(a, Literal) else env[a]
 
-    with context.pushed(context.batch_axes, axis):
+    with batching_axis(axis):
         for eq in program.equations:
             vals, ds = zip(*[read(a) for a in eq.inputs]) if eq.inputs else ((), ())
             try:

@@ -15,6 +15,7 @@ import numpy as np
 
 from fshard.core import ArrayType, Primitive
 from fshard.errors import ProgramTypeError
+from fshard.rules import abstract_eval
 
 _var_ids = itertools.count()
 
@@ -142,8 +143,6 @@ def pretty(prog: Program, annotate=None) -> str:
 def verify(prog: Program) -> None:
     """Type-check a Program: every var defined once before use, every equation's
     output types equal to what its primitive's type rule says."""
-    from fshard.rules import abstract_eval  # late: rules imports ir
-
     defined = set()
     for v in prog.inputs:
         if v in defined:

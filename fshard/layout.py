@@ -48,6 +48,39 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+def check_axis_names(names, what: str, fix: str) -> tuple[str, ...]:
+    """Validate axis names: unique non-empty strings, not "None" (MindSpore's "no axis")."""
+    if isinstance(names, str):
+        names = (names,)
+    try:
+        names = tuple(names)
+    except TypeError:
+        raise ShardingError(
+            f"{what} must be a tuple of axis-name strings, e.g. ('dp', 'mp'); "
+            f"got {names!r} ({type(names).__name__}). {fix}"
+        ) from None
+    for name in names:
+        if not isinstance(name, str):
+            raise ShardingError(
+                f"{what} must contain only strings; got {name!r} ({type(name).__name__}) "
+                f"in {names!r}. {fix}"
+            )
+        if not name:
+            raise ShardingError(f"{what} contains an empty name in {names!r}. {fix}")
+        if name == "None":
+            raise ShardingError(
+                f"{what} cannot contain 'None': in layouts 'None' means 'not sharded'. "
+                f"Got {names!r}. {fix}"
+            )
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ShardingError(
+            f"{what} must be unique; {', '.join(map(repr, dups))} appears more than once "
+            f"in {names!r}. {fix}"
+        )
+    return names
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -108,9 +141,7 @@ class Layout:
                     f"Layout device_matrix[{i}] must be a positive int; got {s!r} "
                     f"({type(s).__name__}) in {dm!r}. {fix}"
                 )
-        from fshard.mesh import _check_axis_names
-
-        names = _check_axis_names(alias_name, "Layout alias_name", fix)
+        names = check_axis_names(alias_name, "Layout alias_name", fix)
         if _INTERLEAVED in names:
             raise ShardingError(
                 f"Layout alias {_INTERLEAVED!r} (MindSpore's virtual split of one device "

@@ -23,6 +23,7 @@ import numpy as np
 
 from fshard import context
 from fshard.errors import ShardingError
+from fshard.layout import Layout, check_axis_names
 
 __all__ = ["Mesh", "resolve_mesh", "current_mesh", "DEFAULT_AXIS", "ENV_DEVICES"]
 
@@ -34,39 +35,6 @@ ENV_DEVICES = "FSHARD_DEVICES"
 
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _check_axis_names(names, what: str, fix: str) -> tuple[str, ...]:
-    """Validate axis names: unique non-empty strings, not "None" (MindSpore's "no axis")."""
-    if isinstance(names, str):
-        names = (names,)
-    try:
-        names = tuple(names)
-    except TypeError:
-        raise ShardingError(
-            f"{what} must be a tuple of axis-name strings, e.g. ('dp', 'mp'); "
-            f"got {names!r} ({type(names).__name__}). {fix}"
-        ) from None
-    for name in names:
-        if not isinstance(name, str):
-            raise ShardingError(
-                f"{what} must contain only strings; got {name!r} ({type(name).__name__}) "
-                f"in {names!r}. {fix}"
-            )
-        if not name:
-            raise ShardingError(f"{what} contains an empty name in {names!r}. {fix}")
-        if name == "None":
-            raise ShardingError(
-                f"{what} cannot contain 'None': in layouts 'None' means 'not sharded'. "
-                f"Got {names!r}. {fix}"
-            )
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ShardingError(
-            f"{what} must be unique; {', '.join(map(repr, dups))} appears more than once "
-            f"in {names!r}. {fix}"
-        )
-    return names
 
 
 class Mesh:
@@ -123,7 +91,7 @@ class Mesh:
                     f"Mesh shape[{i}] must be a positive int (a number of devices); got "
                     f"{s!r} ({type(s).__name__}) in {shape!r}. {fix}"
                 )
-        names = _check_axis_names(axis_names, "Mesh axis_names", fix)
+        names = check_axis_names(axis_names, "Mesh axis_names", fix)
         if len(names) != len(shape):
             raise ShardingError(
                 f"Mesh needs one axis name per axis: shape {shape!r} has {len(shape)} axes "
@@ -273,8 +241,6 @@ class Mesh:
         >>> Mesh((2, 4), ("dp", "mp")).layout("dp", "mp").to_strategy()
         (2, 4)
         """
-        from fshard.layout import Layout
-
         return Layout(self._shape, self._names)(*tensor_map)
 
     # -- world / context --------------------------------------------------------------

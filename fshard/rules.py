@@ -18,10 +18,12 @@ Rule signatures (x: operands, t: tangents, ct: cotangents, d: batch dims):
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
-from fshard.core import Primitive
 from fshard.errors import MissingRuleError
+
+if TYPE_CHECKING:  # rules sits below core: primitives are only looked up here
+    from fshard.core import Primitive
 
 R = TypeVar("R", bound=Callable)
 
@@ -39,9 +41,8 @@ _families: dict[str, str] = {}
 
 
 def all_primitives() -> list[Primitive]:
-    """Every declared primitive, in declaration order."""
-    import fshard.primitives  # noqa: F401  (declares them)
-
+    """Every declared primitive, in declaration order (``import fshard`` declares
+    them all)."""
     return list(_registry.values())
 
 

@@ -37,6 +37,7 @@ from fshard.sharding import (
     Candidate,
     CostModel,
     Sharding,
+    as_produced,
     candidate_shardings,
     candidates,
     carry_variants,
@@ -156,8 +157,6 @@ class Problem:
 
     def __init__(self, program, mesh, specs, given_inputs, out_shardings, level: int = 0,
                  model: CostModel | None = None, seed_inputs=None):
-        from fshard.transforms.shard import _may_carry
-
         self.program, self.mesh, self.specs = program, mesh, list(specs)
         self.eqs = program.equations
         self.n = len(self.eqs)
@@ -199,7 +198,6 @@ class Problem:
         # Mesh axes the fixed layouts mention (for the symmetry of the others).
         self.fixed_axes = frozenset(a for sh in list(self.given.values()) + [
             o for o in self.out_shardings if o is not None] for a in sh.used)
-        self.may_carry = [_may_carry(eq) for eq in self.eqs]
         # A free input with several uses may be held coarser than its first use needs,
         # or as ``seed_inputs`` holds it (propagation's choice), up to a swap of equal
         # mesh axes (so the options stay symmetric).
@@ -362,14 +360,12 @@ class Problem:
     def finish(self, st: _State) -> _State | None:
         """The state after the outputs are moved to their layouts, in order (as
         ``partition``): requested, or as produced with a pending sum resolved."""
-        from fshard.transforms.shard import _as_produced
-
         st = st.copy()
         for a, req in zip(self.program.outputs, self.out_shardings):
             if isinstance(a, Literal):
                 continue
             if req is None:
-                req = _as_produced(dict.fromkeys(st.held[a]), st.held[a][0])
+                req = as_produced(dict.fromkeys(st.held[a]), st.held[a][0])
             if not self._move(st, a, req, True):
                 return None
         return st
@@ -407,12 +403,11 @@ class Problem:
         it is among them."""
         eq, spec = self.eqs[i], self.specs[i]
         cands = list(self.base[i])
-        if self.may_carry[i]:
-            partials = [st.held[a][0].partial if isinstance(a, Var) and a in st.held
-                        else frozenset() for a in eq.inputs]
-            if any(partials):
-                cands += [c for b in self.base[i]
-                          for c in carry_variants(spec, b, eq.prim.name, partials)]
+        partials = [st.held[a][0].partial if isinstance(a, Var) and a in st.held
+                    else frozenset() for a in eq.inputs]
+        if any(partials):  # each spec's linear groups say where a pending sum may pass
+            cands += [c for b in self.base[i]
+                      for c in carry_variants(spec, b, eq.prim.name, partials)]
         new = self.free_at[i]
         out = []
         for cand in cands:
@@ -680,7 +675,7 @@ class _Estimate:
             return table
         P, eq, spec = self.P, self.P.eqs[j], self.P.specs[j]
         cands = list(P.base[j])
-        if partial and P.may_carry[j]:
+        if partial:
             pos = {k for k, a in enumerate(eq.inputs) if a is v}
             for g in linear_groups(eq.prim.name, spec, len(eq.inputs)):
                 if pos & set(g):

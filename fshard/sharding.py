@@ -292,6 +292,17 @@ def compute_cost(spec: FactorSpec, cand: Candidate, mesh: ShardMesh) -> float:
     return spec.flops_per_point * points / par
 
 
+def as_produced(versions: dict, produced: Sharding) -> Sharding:
+    """The layout of an output left to propagation: as produced, except that a pending
+    sum is resolved, reusing a reduced version of it that a consumer already made."""
+    if not produced.partial:
+        return produced
+    for sh in versions:
+        if not sh.partial:
+            return sh
+    return Sharding(produced.dims)
+
+
 # ---------------------------------------------------------------------------
 # Redistribution: the collectives that move a value between shardings
 # ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ Tensor operators and ``nn.Cell``s trace too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Callable, Sequence
@@ -88,18 +89,30 @@ def _np_scalar(x, aval):
     return _np_of(aval).type(x)
 
 
+# Context managers entered around the user code ``stage`` runs. fshard.interop
+# registers the one that lets MindSpore's ops, Tensor methods and Cells trace: it
+# knows every primitive, so it sits above them and staging cannot import it.
+_user_code_hooks: list[Callable] = []
+
+
+def register_user_code_hook(hook: Callable) -> None:
+    """Enter ``hook()`` around every function ``stage`` runs."""
+    if hook not in _user_code_hooks:
+        _user_code_hooks.append(hook)
+
+
 def stage(fn: Callable, in_avals: Sequence[ArrayType]) -> tuple[Program, list]:
     """Stage ``fn(*tracers) -> list`` into ``(program, consts)``.
 
     ``program.inputs`` is ``const_vars + arg_vars``; ``consts`` are the concrete (or
     outer-trace) values of the constants, in order.
     """
-    from fshard import interop
-
     trace = StagingTrace()
     args = [trace.new_arg(a) for a in in_avals]
     try:
-        with set_trace(trace), interop.tracing():
+        with set_trace(trace), contextlib.ExitStack() as around:
+            for hook in _user_code_hooks:
+                around.enter_context(hook())
             outs = fn(*args)
     finally:
         trace.active = False

@@ -920,7 +920,8 @@ def _boundary_batching(spec, sample):
     batch dim (and none), the staged output's type, and for shard_in each rank's
     values (lowered and run) against the per-example NumPy blocks."""
     from fshard import rules
-    from fshard.transforms.vmap import AxisData, _axis
+    from fshard.interpret import AxisData
+    from fshard.interpret import batching_axis as _axis
 
     (x,), p = sample.args, sample.params
     mesh, dims = p["mesh"], p["dims"]

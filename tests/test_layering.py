@@ -34,36 +34,126 @@ def test_transforms_is_only_importable_as_fshard_transforms():
     assert "import it under that name" in out.stderr
 
 
-def _imports(path: Path) -> set[str]:
+# The layers of fshard, lowest first. A module may import (at module level or inside a
+# function) only modules of its own layer or of a lower one; the longest matching
+# prefix gives a module's layer.
+LAYERS = [
+    ("fshard.errors", "fshard.dtypes", "fshard.context", "fshard.tree"),
+    ("fshard.rules",),
+    ("fshard.core",),
+    ("fshard.ir",),
+    ("fshard.interpret", "fshard.staging"),
+    ("fshard.backend",),
+    ("fshard.layout", "fshard.mesh", "fshard.sharding", "fshard.distributed"),
+    ("fshard.primitives",),
+    ("fshard.ops", "fshard.tensor_methods", "fshard.interop", "fshard.cells"),
+    ("fshard.search", "fshard.visualize", "fshard.passes"),
+    ("fshard.transforms",),
+    ("fshard.launch", "fshard.testing"),
+]
+
+# Within the primitives layer the families call each other's user functions inside
+# rules (a JVP rule of `mul` builds `broadcast_to`, the transpose of `broadcast_to`
+# builds `reduce_sum`): these function-level edges form the one known cycle. The list
+# may only shrink; any other cycle fails the test.
+KNOWN_CYCLE_EDGES = {
+    ("fshard.primitives._batching", "fshard.primitives.structural"),
+    ("fshard.primitives._define", "fshard.primitives.elementwise"),
+    ("fshard.primitives._define", "fshard.primitives.structural"),
+    ("fshard.primitives.elementwise", "fshard.primitives.structural"),
+    ("fshard.primitives.structural", "fshard.primitives.reductions"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for base, pkg in ((ROOT / "fshard", ("fshard",)), (ROOT / "transforms",
+                                                        ("fshard", "transforms"))):
+        for path in base.rglob("*.py"):
+            parts = pkg + path.relative_to(base).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(path: Path, known: dict) -> set[str]:
+    """Every fshard module ``path`` imports, anywhere in the file (not under
+    ``if TYPE_CHECKING:``, which never runs)."""
     tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            node.body = []
     names = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                names.add(sub if sub in known else node.module)
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-    return names
+    return {n for n in names if n in known}
 
 
-def test_primitives_never_import_transforms_at_module_level():
-    # Rules may import a transform lazily inside a function (batching rules of named-axis
-    # primitives read the current vmap axis); module-level imports would be a cycle.
-    for path in (ROOT / "fshard" / "primitives").glob("*.py"):
-        top = ast.parse(path.read_text()).body
-        for node in top:
-            if isinstance(node, ast.ImportFrom) and node.module:
-                assert not node.module.startswith("fshard.transforms"), (path, node.module)
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(p, mods) - {m} for m, p in mods.items()}
 
 
-def test_core_modules_import_no_transform():
-    for name in ("core", "ir", "rules", "staging", "interpret", "tree", "errors"):
-        mods = _imports(ROOT / "fshard" / f"{name}.py")
-        assert not any(m.startswith("fshard.transforms") for m in mods), name
+def _layer(mod: str) -> int | None:
+    best = None
+    for i, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if (mod == prefix or mod.startswith(prefix + ".")) and (
+                    best is None or len(prefix) > best[1]):
+                best = (i, len(prefix))
+    return None if best is None else best[0]
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in _graph() if m != "fshard" and _layer(m) is None)
+    assert not missing, f"add these modules to LAYERS in tests/test_layering.py: {missing}"
+
+
+def test_imports_only_go_down_the_layers():
+    up = [f"{m} -> {o}" for m, outs in sorted(_graph().items()) if m != "fshard"
+          for o in sorted(outs) if _layer(o) is not None and _layer(m) is not None
+          and _layer(o) > _layer(m)]
+    assert not up, "imports from a lower layer into a higher one:\n" + "\n".join(up)
+
+
+def test_the_import_graph_has_no_new_cycle():
+    graph = {m: {o for o in outs if (m, o) not in KNOWN_CYCLE_EDGES}
+             for m, outs in _graph().items()}
+    state: dict = {}
+    cycles = []
+
+    def visit(m, path):
+        state[m] = "open"
+        for o in sorted(graph[m]):
+            if state.get(o) == "open":
+                cycles.append(path[path.index(o):] + [o])
+            elif o not in state:
+                visit(o, path + [o])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    stale = sorted(e for e in KNOWN_CYCLE_EDGES if e[1] not in _graph().get(e[0], ()))
+    assert not stale, f"remove from KNOWN_CYCLE_EDGES (no longer imported): {stale}"
+
+
+def test_the_layer_check_sees_function_level_imports():
+    mods = _modules()
+    assert "fshard.primitives.structural" in _imports(
+        mods["fshard.primitives._batching"], mods)  # imported inside move_axis
 
 
 def test_core_stays_small():
     # A line budget keeps the core readable (autodidax is ~3k lines in all).
-    budget = {"core.py": 400, "ir.py": 250, "rules.py": 200, "interpret.py": 80,
+    budget = {"core.py": 400, "ir.py": 250, "rules.py": 200, "interpret.py": 150,
               "staging.py": 350}
     for name, limit in budget.items():
         n = len((ROOT / "fshard" / name).read_text().splitlines())

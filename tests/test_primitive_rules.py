@@ -35,8 +35,8 @@ from fshard import rules
 from fshard.core import typeof
 from fshard.errors import DifferentiationError
 from fshard.primitives._define import UndefinedPrimal, Zero
-from fshard.transforms.vmap import AxisData
-from fshard.transforms.vmap import _axis as vmap_axis
+from fshard.interpret import AxisData
+from fshard.interpret import batching_axis as vmap_axis
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tests/ is not a package
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

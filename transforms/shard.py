@@ -38,7 +38,7 @@ from collections import deque
 import numpy as np
 from dataclasses import dataclass
 
-from fshard import context, dtypes, tree
+from fshard import context, tree
 from fshard.core import ArrayType, bind, typeof
 from fshard.errors import CompositionError, ShardingError
 from fshard.interpret import eval_program
@@ -48,6 +48,7 @@ from fshard.sharding import (
     CostModel,
     ShardMesh,
     Sharding,
+    as_produced,
     candidate_shardings,
     candidates,
     carry_variants,
@@ -322,14 +323,6 @@ def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
     return model.score(compute_cost(spec, cand, mesh), comm, n_coll, memory)
 
 
-def _may_carry(eq) -> bool:
-    """Whether a pending sum may pass through ``eq`` at all (a cast must stay float)."""
-    if eq.prim.name == "cast":
-        return dtypes.is_float(eq.inputs[0].aval.dtype) and \
-            dtypes.is_float(eq.outputs[0].aval.dtype)
-    return True
-
-
 def _deferral_bytes(eq, spec, cand, mesh) -> float:
     """What passing a pending sum through ``eq`` costs later: the AllReduce then runs
     on the output instead of the operand, which costs more when the output is larger
@@ -368,7 +361,7 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
         best, best_score = None, None
         partials = [known[a].partial if isinstance(a, Var) and a in known else frozenset()
                     for a in eq.inputs]
-        carry = any(partials) and _may_carry(eq)
+        carry = any(partials)  # the spec's linear groups say where it may pass
         for base in candidates(spec, mesh):
             options = [(base, 0.0)]
             if carry:
@@ -527,17 +520,6 @@ def _local_aval(aval, sh, mesh):
     return ArrayType(sh.local_shape(aval.shape, mesh), aval.dtype)
 
 
-def _as_produced(versions: dict, produced: Sharding) -> Sharding:
-    """The layout of an output left to propagation: as produced, except that a pending
-    sum is resolved, reusing a reduced version of it that a consumer already made."""
-    if not produced.partial:
-        return produced
-    for sh in versions:
-        if not sh.partial:
-            return sh
-    return Sharding(produced.dims)
-
-
 def partition(prop: Propagated) -> Partitioned:
     """The per-device Program of a propagated one: each equation on local blocks, and
     the collectives its operands' layout changes need.
@@ -590,7 +572,7 @@ def partition(prop: Propagated) -> Partitioned:
                 results.append(a.value)
                 continue
             if outs_sh[k] is None:
-                outs_sh[k] = _as_produced(held[a], prop.shardings.get(a) or next(iter(held[a])))
+                outs_sh[k] = as_produced(held[a], prop.shardings.get(a) or next(iter(held[a])))
             results.append(get(a, outs_sh[k]))
         return results
 

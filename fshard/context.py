@@ -29,6 +29,8 @@ batch_axes: ContextVar[tuple] = ContextVar("fshard_batch_axes", default=())
 vmap_staging: ContextVar[int] = ContextVar("fshard_vmap_staging", default=0)
 #: How many ``shard`` stagings or runs enclose the running code.
 shard_depth: ContextVar[int] = ContextVar("fshard_shard_depth", default=0)
+#: How many ``shard_map`` bodies are being staged or run around the running code.
+shard_map_depth: ContextVar[int] = ContextVar("fshard_shard_map_depth", default=0)
 #: Mesh axis names of the ``shard_map`` bodies being staged (innermost last).
 replica_axes: ContextVar[tuple] = ContextVar("fshard_replica_axes", default=())
 #: The ``with fs.Mesh(...)`` meshes in effect (innermost last).

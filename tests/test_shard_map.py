@@ -379,3 +379,11 @@ def test_data_parallel_example_matches_full_batch_training():
     sharded = example.train(3, fs.Mesh((4,), ("dp",)))
     np.testing.assert_allclose(sharded, reference, rtol=1e-5)
     assert reference[-1] < reference[0]
+
+
+def test_single_output_accepts_a_tuple_of_one_strategy():
+    mesh = fs.Mesh((2,), ("d",))
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    for out in [((2, 1),), (2, 1)]:
+        f = fs.shard_map(lambda a: a * 2, in_strategy=((2, 1),), out_strategy=out, mesh=mesh)
+        close(f(x), x * 2)

@@ -188,6 +188,89 @@ def _axes_for(mesh: ShardMesh, count: int, start: int, used: set):
     return None
 
 
+def split_alternatives(sh: Sharding, mesh: ShardMesh) -> list[Sharding]:
+    """Every layout splitting each dimension as many ways as ``sh`` does, over disjoint
+    mesh axes (each dimension's in mesh order), ``sh`` first.
+
+    A tuple strategy says how many ways each dimension is split, not over which devices
+    (MindSpore derives each operator's device matrix from the split counts of all its
+    operands), so the mesh axes of tuple strategies are chosen together, by the cost
+    of the whole plan (``ShardPlan``); a ``Layout`` pins them.
+
+    >>> mesh = ShardMesh.for_devices(4)
+    >>> [s.dims for s in split_alternatives(Sharding(((0,), ())), mesh)]
+    [((0,), ()), ((1,), ())]
+    """
+    counts = [mesh.count(ax) for ax in sh.dims]
+    out = [sh]
+
+    def extend(i, used, dims):
+        if i == len(counts):
+            cand = Sharding(tuple(dims), sh.partial)
+            if cand not in out:
+                out.append(cand)
+            return
+        if counts[i] == 1:
+            extend(i + 1, used, dims + [()])
+            return
+        free = [a for a in range(len(mesh.sizes)) if a not in used]
+        for r in range(1, len(free) + 1):
+            for combo in itertools.combinations(free, r):
+                if mesh.count(combo) == counts[i]:
+                    extend(i + 1, used | set(combo), dims + [combo])
+
+    extend(0, frozenset(), [])
+    return out
+
+
+def choose_split_axes(body: Program, in_shardings: list, out_shardings: list,
+                      mesh: ShardMesh, level: int, flexible) -> tuple[list, list]:
+    """``(in_shardings, out_shardings)`` with the layouts at ``flexible`` (``("in", k)``
+    or ``("out", k)``: those given as tuple strategies) moved to the mesh axes that
+    make the whole plan cheapest: every combination when there are few, else
+    coordinate descent from the row-major default (which wins ties, so a plan only
+    changes when another assignment is strictly cheaper)."""
+    from fshard.search import cost
+
+    start = {"in": list(in_shardings), "out": list(out_shardings)}
+    options = {(side, k): split_alternatives(start[side][k], mesh) for side, k in flexible
+               if start[side][k] is not None}
+    options = {key: v for key, v in options.items() if len(v) > 1}
+    if not options or not all(v.aval.is_static for v in body.inputs):
+        return start["in"], start["out"]
+
+    def with_(base, changes):
+        new = {"in": list(base["in"]), "out": list(base["out"])}
+        for (side, k), sh in changes:
+            new[side][k] = sh
+        return new
+
+    def score(s):
+        return cost(propagate(body, s["in"], s["out"], mesh, level)).score(level)
+
+    best, best_score = start, score(start)
+    if math.prod(len(v) for v in options.values()) <= 64:
+        for combo in itertools.product(*options.values()):
+            trial = with_(start, zip(options, combo))
+            s = score(trial)
+            if s < best_score:
+                best, best_score = trial, s
+        return best["in"], best["out"]
+    for _ in range(3):
+        improved = False
+        for (side, k), alts in options.items():
+            for sh in alts:
+                if sh == best[side][k]:
+                    continue
+                trial = with_(best, [((side, k), sh)])
+                s = score(trial)
+                if s < best_score:
+                    best, best_score, improved = trial, s, True
+        if not improved:
+            break
+    return best["in"], best["out"]
+
+
 def _layout_axes(view, mesh: ShardMesh, where: str) -> list[tuple[int, ...]]:
     """Per device-matrix axis of a Layout, the prime mesh axes it is made of (major
     first), such that the Layout's ``rank_list`` puts every device where the mesh has
@@ -725,11 +808,13 @@ class ShardPlan:
 
     def __init__(self, body: Program, in_shardings, out_shardings, mesh: ShardMesh,
                  level: int = 0, name: str = "f", search: bool = False, fixed=None,
-                 world=None):
+                 world=None, flexible=()):
         assert body.n_consts == 0, "a shard_call body takes its constants as inputs"
         self.body, self.mesh, self.level, self.name = body, mesh, level, name
         self.in_shardings, self.out_shardings = list(in_shardings), list(out_shardings)
         self.search, self.fixed = search, fixed
+        # Inputs given as tuple strategies: their mesh axes are chosen with the plan.
+        self.flexible = tuple(flexible)
         # The fs.Mesh of prime axes of a multi-process job (one device per process), or
         # None on a virtual mesh.
         self.world = world
@@ -751,6 +836,11 @@ class ShardPlan:
 
     def partitioned(self) -> Partitioned:
         if self._part is None:
+            if self.flexible and self.fixed is None:
+                self.in_shardings, self.out_shardings = choose_split_axes(
+                    self.body, self.in_shardings, self.out_shardings, self.mesh, self.level,
+                    self.flexible)
+                self.flexible = ()
             prop = propagate(self.body, self.in_shardings, self.out_shardings, self.mesh,
                              self.level)
             if self.fixed is not None:
@@ -1197,16 +1287,20 @@ class Sharded:
         avals = [v.aval for v in prog.inputs]
         n_c = prog.n_consts
         in_sh = [Sharding.replicated(a.ndim) for a in avals[:n_c]]
+        flexible = [("in", n_c + k) for k, (e, *_) in enumerate(entries)
+                    if isinstance(e, (tuple, list))]
         for (e, where, what, is_arg), a in zip(entries, avals[n_c:]):
             if e is None and is_arg and self.dataset_strategy == "data_parallel" and a.ndim:
                 e = (n,) + (1,) * (a.ndim - 1)
                 where = (f"shard({fname}): dataset_strategy='data_parallel' makes each "
                          "unannotated argument a batch slice per device, the strategy")
             in_sh.append(parse_strategy(e, a, mesh, where, what))
-        out_sh = self._out_shardings(prog, mesh, fname, traced.out_tree)
+        out_sh, out_flexible = self._out_shardings(prog, mesh, fname, traced.out_tree)
+        flexible += [("out", k) for k in out_flexible]
         body = Program(prog.inputs, prog.equations, prog.outputs)
         plan = ShardPlan(body, in_sh, out_sh, mesh, self.level, fname, self.search,
-                         self._fixed, world=world_mesh(mesh) if in_job else None)
+                         self._fixed, world=world_mesh(mesh) if in_job else None,
+                         flexible=flexible)
         self._cache[key] = (plan, traced)
         return plan, traced
 
@@ -1214,12 +1308,12 @@ class Sharded:
         outs = prog.out_avals
         if self.out_strategy is None:
             if self.dataset_strategy == "data_parallel":
-                return [parse_strategy((mesh.size,) + (1,) * (a.ndim - 1), a, mesh,
+                return ([parse_strategy((mesh.size,) + (1,) * (a.ndim - 1), a, mesh,
                                        f"shard({fname}): dataset_strategy='data_parallel' "
                                        "splits each output along the batch, the strategy",
                                        f"output {k} ({a})") if a.ndim else
-                        Sharding.replicated(0) for k, a in enumerate(outs)]
-            return [Sharding.replicated(a.ndim) for a in outs]
+                        Sharding.replicated(0) for k, a in enumerate(outs)], [])
+            return [Sharding.replicated(a.ndim) for a in outs], []
         strat = self.out_strategy
         shape = tree.unflatten(out_tree, [str(a) for a in outs])
         if out_tree.is_leaf():
@@ -1252,7 +1346,8 @@ class Sharded:
             sh = parse_strategy(s, a, mesh, f"shard({fname}): out_strategy{tree.keystr(p)}",
                                 f"output {k} ({a})")
             out.append(sh if sh is not None else Sharding.replicated(a.ndim))
-        return out
+        flexible = [k for k, s in enumerate(per_leaf) if isinstance(s, (tuple, list))]
+        return out, flexible
 
     # -- calling -------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from fshard import tree
+from fshard import context, tree
 from fshard.core import ArrayType, EvalTrace, Tracer, bind, current_trace, typeof
 from fshard.errors import AxisNameError, CompositionError, ShardingError
 from fshard.interpret import equation_note
@@ -41,9 +41,6 @@ from fshard.layout import Layout
 from fshard.mesh import Mesh, current_mesh, resolve_mesh
 from fshard.primitives import collectives as C
 from fshard.staging import fun_name, stage, trace_fun
-
-_depth = 0  # > 0 while a shard_map body is staged or run
-
 
 # ---------------------------------------------------------------------------
 # Strategies -> per-dimension mesh axes
@@ -396,8 +393,12 @@ class ShardMapped:
 
     def _out_dims(self, out_tree, out_avals, mesh):
         skeleton = tree.unflatten(out_tree, list(range(len(out_avals))))
+        strat = self.out_strategy
+        if (out_tree.is_leaf() and isinstance(strat, (tuple, list)) and len(strat) == 1
+                and not _is_strategy_leaf(strat) and _is_strategy_leaf(strat[0])):
+            strat = strat[0]  # MindSpore's tuple of one strategy for a single output
         try:
-            flat = _broadcast(self.out_strategy, out_tree)
+            flat = _broadcast(strat, out_tree)
         except ValueError:
             raise ShardingError(
                 f"shard_map({self.name}): out_strategy = {self.out_strategy!r} is not a "
@@ -418,7 +419,7 @@ class ShardMapped:
             raise ShardingError(
                 f"shard_map({self.name}) takes positional arguments only (in_strategy has "
                 f"one entry per position); got keyword arguments {sorted(kwargs)}.")
-        if _depth:
+        if context.shard_map_depth.get():
             raise CompositionError(
                 f"shard_map({self.name}) is called inside another fs.shard_map body, which "
                 "fshard does not allow.\nAllowed form: one fs.shard_map over all the mesh "
@@ -434,7 +435,6 @@ class ShardMapped:
         return self._call(args)
 
     def _call(self, args):
-        global _depth
         mesh = self._resolve_mesh()
         if not mesh.is_virtual:
             from fshard import distributed
@@ -456,8 +456,7 @@ class ShardMapped:
         with contextlib.ExitStack() as stack:
             for name, size in zip(mesh.axis_names, mesh.shape):
                 stack.enter_context(C.named_axis(name, size))
-            _depth += 1
-            stack.callback(_leave)
+            stack.enter_context(context.counted(context.shard_map_depth))
             stack.enter_context(C.replica_axes_of_body(mesh.axis_names))
             traced = trace_fun(self.fun, in_tree, local)
         program = traced.program
@@ -467,8 +466,7 @@ class ShardMapped:
         with contextlib.ExitStack() as stack:
             for name, size in zip(mesh.axis_names, mesh.shape):
                 stack.enter_context(C.named_axis(name, size))
-            _depth += 1
-            stack.callback(_leave)
+            stack.enter_context(context.counted(context.shard_map_depth))
             if mesh.is_virtual:
                 blocks = [_to_blocks(x, d, mesh) for x, d in zip(leaves, in_dims)]
                 splits = [frozenset()] * n_c + [_axes_of(d) for d in in_dims]
@@ -499,11 +497,6 @@ class ShardMapped:
                         f"{mesh.axis_names!r}).\nFix: name one of the mesh's axes, or add "
                         f"{n!r} to the mesh." + (f" (called at {eq.source})" if eq.source
                                                  else ""))
-
-
-def _leave():
-    global _depth
-    _depth -= 1
 
 
 def shard_map(f, in_strategy, out_strategy, mesh: Mesh | None = None, *,

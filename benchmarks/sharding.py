@@ -146,9 +146,10 @@ def _time_steps(fns: dict, args, runs: int) -> dict:
 
 def traffic(part) -> list[dict]:
     """Every collective of a per-device program (``Sharded.partitioned(*args)``): its
-    kind, group size ``n``, input block and the bytes each device sends, as written
-    (``bytes``) and as MindSpore's CPU backend runs it (``cpu_bytes``: a ReduceScatter
-    is an AllReduce + slice, an AllGather over a sub-group a slot buffer + AllReduce).
+    kind, group size ``n``, input block and the bytes each device sends, with every
+    collective native (``bytes``) and as MindSpore's CPU backend runs it (``cpu_bytes``:
+    a ReduceScatter is an AllReduce + slice, an AllGather over a sub-group a slot
+    buffer + AllReduce), both from ``fshard.sharding.step_bytes``, the planner's own.
 
     >>> import numpy as np, fshard as fs
     >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((1, 2), (2, 1)), mesh=2)
@@ -157,6 +158,8 @@ def traffic(part) -> list[dict]:
     [('psum', 2, 'f32[4,3]', 48.0)]
     """
     from fshard import dtypes
+    from fshard.backend.mindspore import NATIVE_COLLECTIVES
+    from fshard.sharding import step_bytes
     from fshard.transforms.shard import COLLECTIVE_NAMES
 
     mesh = part.prop.mesh
@@ -172,13 +175,10 @@ def traffic(part) -> list[dict]:
         n = math.prod(sizes[a] for a in names)
         aval = eq.inputs[0].aval
         S = math.prod(aval.shape) * dtypes.to_numpy(aval.dtype).itemsize
-        cpu = COST[kind](S, n)
-        if kind == "psum_scatter":
-            cpu = COST["psum"](S, n)
-        elif kind == "all_gather" and n < mesh.size:
-            cpu = COST["psum"](n * S, n)  # = 2(n-1)·S
+        world = n == mesh.size
         out.append({"kind": kind, "n": n, "type": str(aval),
-                    "bytes": COST[kind](S, n), "cpu_bytes": cpu})
+                    "bytes": step_bytes(kind, S, n, world, NATIVE_COLLECTIVES["GPU"]),
+                    "cpu_bytes": step_bytes(kind, S, n, world, NATIVE_COLLECTIVES["CPU"])})
     return out
 
 

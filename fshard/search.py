@@ -37,13 +37,14 @@ from fshard.sharding import (
     Candidate,
     CostModel,
     Sharding,
+    after,
     as_produced,
     candidate_shardings,
     candidates,
     carry_variants,
     compute_cost,
     linear_groups,
-    plan,
+    redistribution,
 )
 
 # ---------------------------------------------------------------------------
@@ -254,36 +255,25 @@ class Problem:
 
     def _plan(self, v, src: Sharding, dst: Sharding) -> tuple:
         """``(bytes sent, steps, collectives, transient bytes, only psums)`` of moving
-        ``v``, with ``sharding.plan``'s steps and ``sharding.plan_bytes``'s ring volumes."""
+        ``v``: ``sharding.redistribution``, the one cost of a move."""
         akey = self._aval_key(v)
         key = (akey, src, dst)
         info = self._plans.get(key)
         if info is not None:
             return info
-        mesh = self.mesh
         gshape, itemsize = akey
-        steps = plan(src, dst)
-        shape = list(src.local_shape(gshape, mesh))
-        sent, sizes = 0.0, []
-        for st in steps:
-            n = mesh.count(st.axes)
-            local = math.prod(shape) * itemsize
-            if st.kind == "all_gather":
-                sent += local * (n - 1)
-                shape[st.dim] *= n
-            elif st.kind == "psum":
-                sent += 2 * local * (n - 1) / n
-            elif st.kind == "psum_scatter":
-                sent += local * (n - 1) / n
-                shape[st.dim] //= n
-            else:  # a local slice
-                shape[st.dim] //= n
-            sizes.append(float(math.prod(shape) * itemsize))
+        sent, steps, sizes = redistribution(src, dst, gshape, itemsize, self.mesh,
+                                            self.model.native)
         # While a step runs, its operand (if not the held source) and result both exist.
         transient = max((s + (sizes[j - 1] if j else 0.0) for j, s in enumerate(sizes)),
                         default=0.0)
+        # Every layout passed through is held too (as the partitioner keeps them).
+        passed, sh = [], src
+        for st in steps[:-1]:
+            sh = after(sh, st)
+            passed.append(sh)
         info = (sent, len(steps), sum(st.kind != "slice" for st in steps), transient,
-                bool(steps) and all(st.kind == "psum" for st in steps))
+                bool(steps) and all(st.kind == "psum" for st in steps), tuple(passed))
         self._plans[key] = info
         return info
 
@@ -301,15 +291,16 @@ class Problem:
                     best = info
         if best is None:
             return False
-        sent, _, ncoll, transient, only_psum = best
+        sent, _, ncoll, transient, only_psum, passed = best
         st.comm += sent
         # A pending sum resolved at an output (a gradient's AllReduce) overlaps the rest
         # of a step: MindSpore's costmodel_gamma, as propagation weighs it.
         st.wcomm += sent * (self.model.gamma if at_output and only_psum else 1.0)
         st.ncoll += ncoll
         st.peak = max(st.peak, st.live + transient)
-        st.live += self.nbytes(v, req)
-        st.held[v] = versions + (req,)
+        passed = tuple(p for p in passed if p not in versions and p != req)
+        st.live += self.nbytes(v, req) + sum(self.nbytes(v, p) for p in passed)
+        st.held[v] = versions + passed + (req,)
         return True
 
     # -- the simulator -----------------------------------------------------------
@@ -662,7 +653,7 @@ class _Estimate:
             return 0.0
         if not req.partial <= src.partial:
             return math.inf
-        sent, _, ncoll, _, only_psum = self.P._plan(v, src, req)
+        sent, _, ncoll, _, only_psum, _ = self.P._plan(v, src, req)
         w = sent * (self.P.model.gamma if at_output and only_psum else 1.0)
         return self.unit(0.0, sent, w, ncoll)
 

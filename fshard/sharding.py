@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fshard import dtypes
+from fshard.backend.mindspore import native_collectives
 from fshard.core import ArrayType
 
 # ---------------------------------------------------------------------------
@@ -315,8 +316,10 @@ class Step:
     dim: int = -1      # tensor dim (not for psum)
 
 
-def plan(src: Sharding, dst: Sharding) -> list[Step]:
-    """The steps from ``src`` to ``dst`` (``dst`` must not add pending sums)."""
+def plan(src: Sharding, dst: Sharding, reduce_scatter: bool = True) -> list[Step]:
+    """The steps from ``src`` to ``dst`` (``dst`` must not add pending sums). Without
+    ``reduce_scatter`` (a backend that would emulate it by an AllReduce and a slice) a
+    pending sum is reduced whole and then sliced, so the whole value is held too."""
     assert dst.partial <= src.partial, "a redistribution cannot create a pending sum"
     steps: list[Step] = []
     new_axes: dict[int, tuple] = {}
@@ -330,7 +333,7 @@ def plan(src: Sharding, dst: Sharding) -> list[Step]:
             new_axes[d] = tuple(t[k:])
     to_reduce = set(src.partial - dst.partial)
     for d, ax in new_axes.items():
-        if to_reduce and set(ax) <= to_reduce:
+        if reduce_scatter and to_reduce and set(ax) <= to_reduce:
             steps.append(Step("psum_scatter", ax, d))
             to_reduce -= set(ax)
             new_axes[d] = ()
@@ -342,27 +345,80 @@ def plan(src: Sharding, dst: Sharding) -> list[Step]:
     return steps
 
 
-def plan_bytes(src: Sharding, dst: Sharding, aval: ArrayType, mesh: ShardMesh) -> float:
-    """Bytes each device sends for the redistribution (ring algorithms)."""
+def after(sh: Sharding, st: Step) -> Sharding:
+    """The layout a value has after step ``st``."""
+    dims = list(sh.dims)
+    if st.kind == "all_gather":
+        dims[st.dim] = dims[st.dim][:len(dims[st.dim]) - len(st.axes)]
+    elif st.kind in ("psum_scatter", "slice"):
+        dims[st.dim] = dims[st.dim] + tuple(st.axes)
+    partial = sh.partial - set(st.axes) if st.kind in ("psum", "psum_scatter") else sh.partial
+    return Sharding(tuple(dims), frozenset(partial))
+
+
+def native_reduce_scatter(native: dict) -> bool:
+    """Whether the backend (its row of ``NATIVE_COLLECTIVES``) has a ReduceScatter for
+    any group; else ``plan`` reduces whole and slices, as the emulation would."""
+    return native.get("reduce_scatter") == "any"
+
+
+def step_bytes(kind: str, local: float, n: int, world: bool, native: dict) -> float:
+    """Bytes each device sends for one step on ``local`` bytes over ``n`` devices, as
+    the backend runs it (ring algorithms). ``native`` is the backend's row of
+    ``NATIVE_COLLECTIVES``; what is not native runs as its emulation (see
+    ``_Comm`` in fshard/primitives/collectives.py): a reduce-scatter as an AllReduce
+    and a slice, a gather over a sub-group as an AllReduce of a buffer n times larger.
+
+    >>> step_bytes("psum_scatter", 800.0, 2, True, {"reduce_scatter": "any"})
+    400.0
+    >>> step_bytes("psum_scatter", 800.0, 2, True, {"all_reduce_sum": "any"})  # emulated
+    800.0
+    """
+    def has(kind):
+        where = native.get(kind)
+        return where == "any" or (where == "world" and world)
+
+    if kind == "slice" or n == 1:
+        return 0.0
+    all_reduce = 2 * local * (n - 1) / n
+    if kind == "psum":
+        return all_reduce
+    if kind == "psum_scatter":
+        return local * (n - 1) / n if has("reduce_scatter") else all_reduce
+    assert kind == "all_gather", kind
+    return local * (n - 1) if has("all_gather") else 2 * local * (n - 1)
+
+
+def redistribution(src: Sharding, dst: Sharding, shape, itemsize: int, mesh: ShardMesh,
+                   native: dict) -> tuple[float, list, list]:
+    """``(bytes each device sends, steps, local bytes after each step)`` of moving a
+    value of global ``shape`` from ``src`` to ``dst``: the one cost of a move, used by
+    propagation, partitioning and search."""
+    steps = plan(src, dst, native_reduce_scatter(native)) if src != dst else []
+    local_shape = list(src.local_shape(shape, mesh))
+    sent, sizes = 0.0, []
+    for st in steps:
+        n = mesh.count(st.axes)
+        local = math.prod(local_shape) * itemsize
+        sent += step_bytes(st.kind, local, n, n == mesh.size, native)
+        if st.kind == "all_gather":
+            local_shape[st.dim] *= n
+        elif st.kind in ("psum_scatter", "slice"):
+            local_shape[st.dim] //= n
+        sizes.append(float(math.prod(local_shape) * itemsize))
+    return sent, steps, sizes
+
+
+def plan_bytes(src: Sharding, dst: Sharding, aval: ArrayType, mesh: ShardMesh,
+               native: dict | None = None) -> float:
+    """Bytes each device sends for the redistribution, as the backend runs it
+    (``native``: its row of ``NATIVE_COLLECTIVES``; default the device target's)."""
     if src == dst:
         return 0.0
-    itemsize = dtypes.to_numpy(aval.dtype).itemsize
-    shape = list(src.local_shape(aval.shape, mesh))
-    total = 0.0
-    for st in plan(src, dst):
-        n = mesh.count(st.axes)
-        local = math.prod(shape) * itemsize
-        if st.kind == "all_gather":
-            total += local * (n - 1)
-            shape[st.dim] *= n
-        elif st.kind == "psum":
-            total += 2 * local * (n - 1) / n
-        elif st.kind == "psum_scatter":
-            total += local * (n - 1) / n
-            shape[st.dim] //= n
-        elif st.kind == "slice":
-            shape[st.dim] //= n
-    return total
+    if native is None:
+        native = native_collectives()
+    return redistribution(src, dst, aval.shape, dtypes.to_numpy(aval.dtype).itemsize, mesh,
+                          native)[0]
 
 
 def local_bytes(sh: Sharding, aval: ArrayType, mesh: ShardMesh) -> float:
@@ -387,6 +443,9 @@ class CostModel:
     # costmodel_gamma in comm_with_partial_para.
     gamma: float = 0.001
     extra: dict = field(default_factory=dict)
+    # Which collectives the backend in use runs natively (the others are priced as
+    # their emulations): its row of NATIVE_COLLECTIVES.
+    native: dict = field(default_factory=native_collectives)
 
     def score(self, compute: float, comm_bytes: float, n_collectives: int, memory: float):
         if self.level == 0:

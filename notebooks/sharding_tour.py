@@ -146,9 +146,11 @@ print(fs.make_ir(sharded)(x, weight, bias))
 
 # %% [markdown]
 # The contraction dimension of the matmul is split 2 ways, so its output is a partial
-# sum. The bias add is not linear in it, so the partial sum is reduced there, as a
-# *ReduceScatter* (`psum_scatter`): the bias and ReLU then run on an `(8, 1)` block,
-# and one AllGather gives the replicated output that `full_batch` asks for.
+# sum. The bias add is not linear in it, so the partial sum is reduced there. On a
+# backend with a ReduceScatter (`psum_scatter`) that is what the plan uses; on CPU,
+# which would emulate it with an AllReduce, the plan is an AllReduce (`psum`) and a
+# local slice (`block_slice`). Either way the bias and ReLU then run on an `(8, 1)`
+# block, and one AllGather gives the replicated output that `full_batch` asks for.
 
 # %% [markdown]
 # ## 4. Counting collectives

@@ -16,6 +16,7 @@ from mindspore import Tensor, ops
 
 import fshard as fs
 from fshard import dtypes, search
+from fshard.sharding import native_collectives, step_bytes
 from fshard.transforms.shard import propagate, shard_call_p
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,21 +25,20 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import search as bench  # noqa: E402
 
-RING = {"psum": lambda s, n: 2 * s * (n - 1) / n, "all_gather": lambda s, n: s * (n - 1),
-        "psum_scatter": lambda s, n: s * (n - 1) / n}
-
-
 def collective_bytes(part) -> tuple[float, int]:
-    """Bytes each device sends for the collectives of a per-device program (ring
-    algorithms, from each collective's local operand), and their number."""
-    sizes = dict(zip(part.prop.mesh.names, part.prop.mesh.sizes))
+    """Bytes each device sends for the collectives of a per-device program (each
+    counted from its local operand as the backend in use runs it: ``step_bytes``),
+    and their number."""
+    mesh = part.prop.mesh
+    sizes = dict(zip(mesh.names, mesh.sizes))
+    native = native_collectives()
     total, count = 0.0, 0
     for eq in part.program.equations:
-        if eq.prim.name in RING:
+        if eq.prim.name in ("psum", "all_gather", "psum_scatter"):
             a = eq.inputs[0].aval
             local = math.prod(a.shape) * dtypes.to_numpy(a.dtype).itemsize
             n = math.prod(sizes[name] for name in eq.params["axis_name"])
-            total += RING[eq.prim.name](local, n)
+            total += step_bytes(eq.prim.name, local, n, n == mesh.size, native)
             count += 1
     assert count == len(part.collectives()), "only these collectives are inserted"
     return total, count

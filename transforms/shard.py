@@ -53,7 +53,10 @@ from fshard.sharding import (
     candidates,
     carry_variants,
     compute_cost,
+    after,
     local_bytes,
+    native_collectives,
+    native_reduce_scatter,
     plan,
     plan_bytes,
 )
@@ -383,18 +386,18 @@ def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
     comm, n_coll = extra_comm, 0
     for a, req in zip(eq.inputs, ins):
         if isinstance(a, Var) and a in known:
-            b = plan_bytes(known[a], req, a.aval, mesh)
+            b = plan_bytes(known[a], req, a.aval, mesh, model.native)
             comm += b
-            n_coll += bool(plan(known[a], req) and b)
+            n_coll += bool(plan(known[a], req, native_reduce_scatter(model.native)) and b)
     for v, out in zip(eq.outputs, outs):
         for req in demand.get(v, ()):
             if req.partial <= out.partial:
-                b = plan_bytes(out, req, v.aval, mesh)
+                b = plan_bytes(out, req, v.aval, mesh, model.native)
                 comm += b
                 n_coll += bool(b)
         for req in (out_demand or {}).get(v, ()):
-            steps = plan(out, req)
-            b = plan_bytes(out, req, v.aval, mesh)
+            steps = plan(out, req, native_reduce_scatter(model.native))
+            b = plan_bytes(out, req, v.aval, mesh, model.native)
             # A pending sum resolved at a program output (a gradient's AllReduce) runs
             # after everything else and overlaps the rest of the step: MindSpore weighs
             # such communication by gamma (comm_with_partial_para).
@@ -495,12 +498,15 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
 # ---------------------------------------------------------------------------
 
 
-def redistribute(x, src: Sharding, dst: Sharding, mesh: ShardMesh):
-    """Emit the collectives moving ``x`` from ``src`` to ``dst``."""
+def redistribute(x, src: Sharding, dst: Sharding, mesh: ShardMesh, native: dict) -> list:
+    """Emit the collectives moving ``x`` from ``src`` to ``dst``; returns ``(layout,
+    value)`` after each step (the last is ``dst``'s), so that a caller can keep the
+    whole value an AllReduce made on its way to a slice."""
     from fshard.primitives import collectives as C
     from fshard.primitives.spmd import block_slice
 
-    for st in plan(src, dst):
+    out = []
+    for st in plan(src, dst, native_reduce_scatter(native)):
         names = mesh.name(st.axes)
         if st.kind == "all_gather":
             x = C.all_gather(x, names, axis=st.dim, tiled=True)
@@ -510,7 +516,9 @@ def redistribute(x, src: Sharding, dst: Sharding, mesh: ShardMesh):
             x = C.psum_scatter(x, names, scatter_dimension=st.dim, tiled=True)
         else:
             x = block_slice(x, names, st.dim, tuple(mesh.sizes[a] for a in st.axes))
-    return x
+        src = after(src, st)
+        out.append((src, x))
+    return out
 
 
 #: Primitives that communicate between devices.
@@ -612,6 +620,8 @@ def partition(prop: Propagated) -> Partitioned:
     communicating again, and a new layout is reached from the cheapest one held.
     """
     program, mesh = prop.program, prop.mesh
+    native = native_collectives()
+    scatter = native_reduce_scatter(native)
     outs_sh = list(prop.out_shardings)
     annotations: dict = {}
 
@@ -630,10 +640,11 @@ def partition(prop: Propagated) -> Partitioned:
             if req in versions:
                 return versions[req]
             sources = [s for s in versions if req.partial <= s.partial]
-            src = min(sources, key=lambda s: (plan_bytes(s, req, a.aval, mesh),
-                                              len(plan(s, req))))
-            x = versions[req] = note(redistribute(versions[src], src, req, mesh), req)
-            return x
+            src = min(sources, key=lambda s: (plan_bytes(s, req, a.aval, mesh, native),
+                                              len(plan(s, req, scatter))))
+            for sh, x in redistribute(versions[src], src, req, mesh, native):
+                versions.setdefault(sh, note(x, sh))
+            return versions[req]
 
         for eq, (spec, cand) in zip(program.equations, prop.choice):
             ins, outs = candidate_shardings(spec, cand)

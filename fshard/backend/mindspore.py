@@ -258,6 +258,36 @@ def _plain_tensors(args) -> bool:
     return True
 
 
+# ---------------------------------------------------------------------------
+# Collectives: which run natively
+# ---------------------------------------------------------------------------
+
+#: What MindSpore runs natively inside a compiled graph, per device target:
+#: "any" group, or the "world" group only. Everything else is emulated with these
+#: (AllReduce + slice for reduce-scatter, AllGather + reduce for pmax/pmin, AllGather
+#: + static index for all_to_all and ppermute, and a one-hot slot buffer + sub-group
+#: AllReduce for gathers over a sub-group). CPU is measured (2.10); the GPU and
+#: Ascend rows follow MindSpore's documentation and are not exercised here.
+NATIVE_COLLECTIVES: dict = {
+    "CPU": {"all_reduce_sum": "any", "all_gather": "world", "broadcast": "world"},
+    "GPU": {"all_reduce_sum": "any", "all_reduce_max": "any", "all_reduce_min": "any",
+            "all_gather": "any", "reduce_scatter": "any", "broadcast": "any"},
+    "Ascend": {"all_reduce_sum": "any", "all_reduce_max": "any", "all_reduce_min": "any",
+               "all_gather": "any", "reduce_scatter": "any", "broadcast": "any"},
+}
+
+
+def device_target() -> str:
+    """MindSpore's device target, which selects the row of ``NATIVE_COLLECTIVES``."""
+    return ms.get_context("device_target")
+
+
+def native_collectives() -> dict:
+    """The row of ``NATIVE_COLLECTIVES`` for the device target in use (the cost model
+    prices each collective as it will run: natively, or emulated)."""
+    return NATIVE_COLLECTIVES.get(device_target(), {})
+
+
 class GraphFunction:
     """A ``mindspore.jit`` function for one input signature, with a direct route
     to its compiled graph after the first call.

@@ -43,6 +43,7 @@ from mindspore import ops
 from fshard import context, dtypes
 from fshard.core import ArrayType, Primitive, typeof
 from fshard.errors import ArgumentError, AxisNameError, ProgramTypeError, ShapeError
+from fshard.backend.mindspore import NATIVE_COLLECTIVES, device_target
 from fshard.interpret import AxisData, batch_program, current_axis
 from fshard.primitives._batching import batch_to_front, move_axis
 from fshard.primitives._define import Zero, deflinear, instantiate
@@ -991,28 +992,6 @@ deflinear(shard_out_p, _shard_out_transpose)
 # ---------------------------------------------------------------------------
 # Lowering: one rank's graph
 # ---------------------------------------------------------------------------
-
-#: What MindSpore runs natively inside a compiled graph, per device target:
-#: "any" group, or the "world" group only. Everything else is emulated with these
-#: (AllReduce + slice for reduce-scatter, AllGather + reduce for pmax/pmin, AllGather
-#: + static index for all_to_all and ppermute, and a one-hot slot buffer + sub-group
-#: AllReduce for gathers over a sub-group). CPU is measured (2.10); the GPU and
-#: Ascend rows follow MindSpore's documentation and are not exercised here.
-NATIVE_COLLECTIVES: dict = {
-    "CPU": {"all_reduce_sum": "any", "all_gather": "world", "broadcast": "world"},
-    "GPU": {"all_reduce_sum": "any", "all_reduce_max": "any", "all_reduce_min": "any",
-            "all_gather": "any", "reduce_scatter": "any", "broadcast": "any"},
-    "Ascend": {"all_reduce_sum": "any", "all_reduce_max": "any", "all_reduce_min": "any",
-               "all_gather": "any", "reduce_scatter": "any", "broadcast": "any"},
-}
-
-
-def device_target() -> str:
-    """MindSpore's device target, which selects the row of ``NATIVE_COLLECTIVES``."""
-    import mindspore as ms
-
-    return ms.get_context("device_target")
-
 
 def _rank(ctx) -> int:
     if getattr(ctx, "rank", None) is not None:

@@ -13,7 +13,8 @@ import functools
 from fshard import tree
 from fshard import passes
 from fshard.backend import mindspore as backend
-from fshard.core import EvalTrace, current_trace, typeof
+from fshard.core import EvalTrace, Symbol, current_trace, typeof
+from fshard.errors import ShapeError
 from fshard.mesh import context_key as _mesh_key
 from fshard.staging import Traced, fun_name, split_static, trace_fun
 
@@ -41,7 +42,10 @@ class Lowered:
     def compile(self) -> "Compiled":
         if self._compiled is None:
             fn = backend.compile_source(self.source, self.globals, self.traced.name)
-            self._compiled = Compiled(fn, self.n_out, self.traced.out_tree, self.wait)
+            prog = self.traced.program
+            self._compiled = Compiled(fn, self.n_out, self.traced.out_tree, self.wait,
+                                      [v.aval for v in prog.inputs[prog.n_consts:]],
+                                      prog.out_avals, self.traced.name)
         return self._compiled
 
 
@@ -55,10 +59,12 @@ class Compiled:
     Waiting here for the output the graph computes last avoids that.
     """
 
-    __slots__ = ("fn", "n_out", "out_tree", "_bare", "_wait")
+    __slots__ = ("fn", "n_out", "out_tree", "_bare", "_wait", "in_avals", "out_avals", "name")
 
-    def __init__(self, fn, n_out: int, out_tree, wait: int | None = None):
+    def __init__(self, fn, n_out: int, out_tree, wait: int | None = None, in_avals=(),
+                 out_avals=(), name: str = "f"):
         self.fn, self.n_out, self.out_tree = fn, n_out, out_tree
+        self.in_avals, self.out_avals, self.name = list(in_avals), list(out_avals), name
         # a function returning one array needs no unflattening
         self._bare = n_out == 1 and out_tree.is_leaf()
         self._wait = wait if n_out > 1 else None
@@ -87,10 +93,62 @@ class Compiled:
         return tree.unflatten(self.out_tree, (out,) if self.n_out == 1 else out)
 
     def __call__(self, *leaves):
-        return tree.unflatten(self.out_tree, self.call_flat(leaves))
+        """Run on flat inputs, checked against the types the program was traced for:
+        a static dimension must match, a ``Symbol`` dimension must satisfy it (and one
+        Symbol bind one size everywhere), and the outputs must have the shapes the
+        program promises for that binding."""
+        sizes = _bind(self.name, "input", self.in_avals, leaves, {})
+        out = self.call_flat([x if isinstance(x, _Tensor) else backend.as_tensor(x)
+                              for x in leaves])
+        try:
+            _bind(self.name, "output", self.out_avals, out, sizes)
+        except ShapeError as e:  # never hand back a result of another shape
+            raise ShapeError(
+                f"{self.name}: the compiled program returned outputs of other shapes than "
+                f"it promises for these inputs ({e.args[0].splitlines()[0]}). fshard does "
+                "not compile shape-polymorphic graphs yet.\nFix: call fs.jit(f)(...) "
+                "directly (it compiles once per input shape).") from None
+        return tree.unflatten(self.out_tree, out)
 
 
 _Tensor = backend.Tensor
+
+
+def _bind(name: str, what: str, avals, values, sizes: dict) -> dict:
+    """Check ``values`` against ``avals``, binding each Symbol to the size it meets
+    (``sizes``: Symbol -> (size, where)); an fshard error names the mismatch."""
+    if len(values) != len(avals):
+        raise ShapeError(
+            f"{name}: the compiled program takes {len(avals)} array {what}s, got "
+            f"{len(values)}.\nFix: pass the flat arrays the program was lowered for.")
+    for k, (a, x) in enumerate(zip(avals, values)):
+        t = typeof(x)
+        where = f"{what} {k}"
+        if t.dtype != a.dtype or t.ndim != a.ndim:
+            raise ShapeError(
+                f"{name}: {where} has type {t}, but the program was compiled for {a}.\n"
+                f"Fix: pass a {a} (or call fs.jit({name}) directly, which compiles for "
+                "each new type).")
+        for d, (want, got) in enumerate(zip(a.shape, t.shape)):
+            if isinstance(want, Symbol):
+                if not want.accepts(got):
+                    raise ShapeError(
+                        f"{name}: {where} has size {got} in dimension {d}, which {want!r} "
+                        "does not accept (size = divisor * N + remainder, within [min, max])."
+                        f"\nFix: pad or trim that dimension to a size the Symbol accepts.")
+                bound = sizes.setdefault(want, (got, f"{where} dimension {d}"))
+                if bound[0] != got:
+                    raise ShapeError(
+                        f"{name}: {where} has size {got} in dimension {d}, but the same "
+                        f"{want!r} has size {bound[0]} in {bound[1]}; one Symbol object is one "
+                        "size in every place it appears.\nFix: make those dimensions equal, "
+                        "or declare them with different Symbol objects.")
+            elif want != got:
+                raise ShapeError(
+                    f"{name}: {where} has shape {tuple(t.shape)}, but the program was "
+                    f"compiled for {a}: dimension {d} must be {want}.\nFix: pass that "
+                    f"shape, or declare the dimension with fs.Symbol(...) when lowering.")
+    return sizes
 
 
 def _last_computed(program) -> int | None:

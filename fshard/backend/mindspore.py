@@ -304,7 +304,7 @@ class GraphFunction:
     cache guarantees it: one GraphFunction per signature).
     """
 
-    __slots__ = ("jitted", "_phase", "_executor", "_config", "_tried")
+    __slots__ = ("jitted", "_phase", "_executor", "_config", "_tried", "_sig")
 
     def __init__(self, jitted):
         self.jitted = jitted
@@ -312,6 +312,7 @@ class GraphFunction:
         self._executor = None
         self._config = None
         self._tried = False
+        self._sig = None        # the input shapes the direct route's graph was compiled for
 
     @property
     def fast(self) -> bool:
@@ -327,7 +328,7 @@ class GraphFunction:
     def _call(self, *args):
         phase = self._phase
         if (phase is not None and _jit_context() is None and not _requires_grad()
-                and _plain_tensors(args)):
+                and _plain_tensors(args) and [a.shape for a in args] == self._sig):
             try:
                 self._executor.set_jit_config(self._config)
                 return _convert_output(self._executor(args, phase))
@@ -364,6 +365,7 @@ class GraphFunction:
             self._config = (config.jit_config_dict if config is not None else None) or \
                 _ms_api._DEFAULT_JIT_CONFIG
             self._phase = phase
+            self._sig = [a.shape for a in args]
         except Exception:  # noqa: BLE001  any surprise: keep the mindspore.jit route
             self._phase = None
 

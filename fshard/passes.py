@@ -21,15 +21,20 @@ its signature. This module imports primitives, never transforms.
 
 from __future__ import annotations
 
+import heapq
 import os
 import sys
 from typing import Callable
 
 import numpy as np
 
+from fshard import dtypes
+from fshard.core import ArrayType
 from fshard.ir import Equation, Literal, Program, Var
+from fshard.primitives.collectives import psum_p
 from fshard.primitives.elementwise import cast_p
-from fshard.primitives.structural import broadcast_to_p, reshape_p, transpose_p
+from fshard.primitives.structural import (broadcast_to_p, concat_p, reshape_p, split_p,
+                                          transpose_p)
 
 PassFn = Callable[[Program], Program]
 
@@ -203,3 +208,115 @@ def simplify(program: Program, max_rounds: int = 4) -> Program:
         if len(program.equations) == n:
             break
     return program
+
+
+# ---------------------------------------------------------------------------
+# fuse_allreduces: bucket independent AllReduces into few large ones
+# ---------------------------------------------------------------------------
+
+
+def fuse_allreduces(program: Program, bucket_bytes: float) -> Program:
+    """``program`` with its ``psum`` equations over the same mesh axes and of the same
+    dtype merged into buckets of at most ``bucket_bytes`` (one flattened, concatenated
+    AllReduce per bucket, split back after): a data-parallel step's gradients then
+    cost a few collectives instead of one per tensor (NB: PyTorch DDP's gradient
+    buckets, MindSpore's ``comm_fusion``/``all_reduce_fusion_config``).
+
+    Buckets fill in program order; a psum whose operand depends on a psum of the open
+    bucket starts a new one (one AllReduce cannot wait for its own result). The
+    equations are then re-ordered (stably, dependencies first) so that each bucket's
+    AllReduce runs once all its operands are ready and before any reader of its
+    results. Every element is still reduced once: the sums are the same.
+    """
+    eqs = program.equations
+    producer = {v: i for i, eq in enumerate(eqs) for v in eq.outputs}
+    # deps[i]: bit set of the equations equation i depends on, transitively
+    deps = [0] * len(eqs)
+    for i, eq in enumerate(eqs):
+        d = 0
+        for a in eq.inputs:
+            j = producer.get(a) if isinstance(a, Var) else None
+            if j is not None:
+                d |= deps[j] | (1 << j)
+        deps[i] = d
+
+    def nbytes(v) -> float:
+        return float(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(
+            dtypes.to_numpy(v.aval.dtype)).itemsize
+
+    buckets: list = []   # lists of equation indices
+    open_: dict = {}     # key -> (bucket index, bytes, member bit set)
+    for i, eq in enumerate(eqs):
+        if not (eq.prim is psum_p and len(eq.inputs) == 1 and isinstance(eq.inputs[0], Var)
+                and eq.inputs[0].aval.is_static):
+            continue
+        key = (tuple(eq.params["axis_name"]), eq.inputs[0].aval.dtype)
+        b = nbytes(eq.inputs[0])
+        cur = open_.get(key)
+        if cur is None or cur[1] + b > bucket_bytes or deps[i] & cur[2]:
+            buckets.append([i])
+            open_[key] = (len(buckets) - 1, b, 1 << i)
+        else:
+            k, size, members = cur
+            buckets[k].append(i)
+            open_[key] = (k, size + b, members | (1 << i))
+    fused = [bk for bk in buckets if len(bk) > 1]
+    if not fused:
+        return program
+    # Nodes: each equation, except that a bucket's members are one node (its first).
+    node_of = list(range(len(eqs)))
+    for bk in fused:
+        for i in bk:
+            node_of[i] = bk[0]
+    members = {bk[0]: bk for bk in fused}
+    preds: dict = {n: set() for n in set(node_of)}
+    for i, eq in enumerate(eqs):
+        for a in eq.inputs:
+            j = producer.get(a) if isinstance(a, Var) else None
+            if j is not None and node_of[j] != node_of[i]:
+                preds[node_of[i]].add(node_of[j])
+    succs: dict = {n: [] for n in preds}
+    for n, ps in preds.items():
+        for p in ps:
+            succs[p].append(n)
+    # A bucket is ready when its last member would have been: order by that index.
+    order_key = {n: max(members.get(n, [n])) for n in preds}
+    waiting = {n: len(ps) for n, ps in preds.items()}
+
+    ready = [(order_key[n], n) for n, w in waiting.items() if w == 0]
+    heapq.heapify(ready)
+    out: list = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        if n in members:
+            out.extend(_fused_psum([eqs[i] for i in members[n]]))
+        else:
+            out.append(eqs[n])
+        for m in succs[n]:
+            waiting[m] -= 1
+            if waiting[m] == 0:
+                heapq.heappush(ready, (order_key[m], m))
+    assert len(out) >= len(eqs), "fuse_allreduces lost equations (a cycle)"
+    return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)
+
+
+def _fused_psum(eqs: list) -> list:
+    """One AllReduce for several: flatten, concatenate, reduce, split, reshape back."""
+    out, flat = [], []
+    for eq in eqs:
+        (x,) = eq.inputs
+        v = Var(ArrayType((int(np.prod(x.aval.shape, dtype=np.int64)),), x.aval.dtype))
+        out.append(Equation(reshape_p, [x], {"shape": v.aval.shape}, [v], eq.source))
+        flat.append(v)
+    lengths = tuple(v.aval.shape[0] for v in flat)
+    total = Var(ArrayType((sum(lengths),), flat[0].aval.dtype))
+    out.append(Equation(concat_p, flat, {"axis": 0}, [total]))
+    reduced = Var(total.aval)
+    out.append(Equation(psum_p, [total], dict(eqs[0].params), [reduced]))
+    pieces = [Var(v.aval) for v in flat]
+    out.append(Equation(split_p, [reduced], {"sizes": lengths, "axis": 0}, pieces))
+    for eq, piece in zip(eqs, pieces):
+        (y,) = eq.outputs
+        out.append(Equation(reshape_p, [piece], {"shape": tuple(y.aval.shape)}, [y],
+                            eq.source))
+    return out

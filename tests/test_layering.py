@@ -49,6 +49,7 @@ LAYERS = [
     ("fshard.ops", "fshard.tensor_methods", "fshard.interop", "fshard.cells"),
     ("fshard.search", "fshard.visualize", "fshard.passes"),
     ("fshard.transforms",),
+    ("fshard.parallel",),
     ("fshard.launch", "fshard.testing"),
 ]
 

@@ -381,7 +381,8 @@ def _spec(eq):
 
 
 def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
-             extra_comm: float = 0.0, out_demand: dict | None = None):
+             extra_comm: float = 0.0, out_demand: dict | None = None,
+             desired: dict | None = None):
     ins, outs = candidate_shardings(spec, cand)
     comm, n_coll = extra_comm, 0
     for a, req in zip(eq.inputs, ins):
@@ -405,6 +406,11 @@ def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
                 b *= model.gamma
             comm += b
             n_coll += bool(b)
+        want = (desired or {}).get(v)
+        if want is not None and not demand.get(v) and not (out_demand or {}).get(v):
+            b = plan_bytes(out, want, v.aval, mesh, model.native)
+            comm += b
+            n_coll += bool(b)
     memory = sum(local_bytes(o, v.aval, mesh) for o, v in zip(outs, eq.outputs))
     return model.score(compute_cost(spec, cand, mesh), comm, n_coll, memory)
 
@@ -419,6 +425,32 @@ def _deferral_bytes(eq, spec, cand, mesh) -> float:
                  if k in cand.carry_ops)
     after = max(local_bytes(s, v.aval, mesh) for v, s in zip(eq.outputs, outs))
     return max(0.0, 2.0 * (after - before) * (n - 1) / n)
+
+
+def _desired(program: Program, specs: list, out_demand: dict, mesh: ShardMesh) -> dict:
+    """The layouts values should end in so that the requested output layouts need no
+    move: each output's requested layout, pulled back through the equations that map
+    every operand dimension to an output dimension (elementwise operations,
+    broadcasts), last equation first. Propagation counts the move to a value's desired
+    layout when nothing else asks for it yet, so it does not split a computation that
+    the outputs want whole (a free local slice now, an AllGather at the end)."""
+    desired = {v: reqs[0] for v, reqs in out_demand.items() if not reqs[0].partial}
+    for eq, spec in zip(reversed(program.equations), reversed(specs)):
+        if len(eq.outputs) != 1 or eq.outputs[0] not in desired:
+            continue
+        want, out_labels = desired[eq.outputs[0]], spec.outputs[0]
+        for a, labels in zip(eq.inputs, spec.inputs):
+            if not isinstance(a, Var) or a in desired or len(labels) != a.aval.ndim:
+                continue
+            if any(lab is not None and lab not in out_labels for lab in labels):
+                continue
+            dims = tuple(want.dims[out_labels.index(lab)] if lab is not None else ()
+                         for lab in labels)
+            if any(d and (not isinstance(a.aval.shape[k], int)
+                          or a.aval.shape[k] % mesh.count(d)) for k, d in enumerate(dims)):
+                continue
+            desired[a] = Sharding(dims)
+    return desired
 
 
 def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: ShardMesh,
@@ -441,6 +473,7 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
             producer[v] = i
     specs = [_spec(eq) for eq in program.equations]
     choice: list = [None] * len(program.equations)
+    desired = _desired(program, specs, out_demand, mesh)
 
     def decide(i):
         eq, spec = program.equations[i], specs[i]
@@ -455,7 +488,7 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
                             for c in carry_variants(spec, base, eq.prim.name, partials)]
             for cand, extra in options:
                 score = _eq_cost(eq, spec, cand, known, demand, mesh, model, extra,
-                                 out_demand)
+                                 out_demand, desired)
                 if best_score is None or score < best_score:
                     best, best_score = cand, score
         choice[i] = (spec, best)
@@ -819,13 +852,15 @@ class ShardPlan:
 
     def __init__(self, body: Program, in_shardings, out_shardings, mesh: ShardMesh,
                  level: int = 0, name: str = "f", search: bool = False, fixed=None,
-                 world=None, flexible=()):
+                 world=None, flexible=(), fusion: float | None = None):
         assert body.n_consts == 0, "a shard_call body takes its constants as inputs"
         self.body, self.mesh, self.level, self.name = body, mesh, level, name
         self.in_shardings, self.out_shardings = list(in_shardings), list(out_shardings)
         self.search, self.fixed = search, fixed
         # Inputs given as tuple strategies: their mesh axes are chosen with the plan.
         self.flexible = tuple(flexible)
+        # Bucket size (bytes) for fusing the per-device AllReduces (None: no fusion).
+        self.fusion = fusion
         # The fs.Mesh of prime axes of a multi-process job (one device per process), or
         # None on a virtual mesh.
         self.world = world
@@ -837,7 +872,8 @@ class ShardPlan:
         """A plan for a program derived from this one (its JVP, transpose, batching):
         same mesh, objective, search and place of execution."""
         return ShardPlan(body, in_shardings, out_shardings, self.mesh, self.level,
-                         f"{self.name}:{what}", self.search, world=self.world)
+                         f"{self.name}:{what}", self.search, world=self.world,
+                         fusion=self.fusion)
 
     @property
     def executed(self) -> Program:
@@ -862,6 +898,10 @@ class ShardPlan:
                 prop = refine(prop)
             self._part = partition(prop)
             self._part.name = self.name
+            if self.fusion is not None:
+                from fshard.passes import fuse_allreduces
+
+                self._part.program = fuse_allreduces(self._part.program, self.fusion)
         return self._part
 
     def virtual_program(self) -> tuple[Program, list]:
@@ -1194,6 +1234,9 @@ class Sharded:
         self.fn, self.in_strategy, self.out_strategy = fn, tuple(in_strategy), out_strategy
         self.parameter_plan, self.level, self.mesh = parameter_plan, level, mesh
         self.dataset_strategy, self.search = dataset_strategy, search
+        # Bucket size in bytes for fusing gradient AllReduces (``fs.AutoParallel``'s
+        # ``comm_fusion``); None: one AllReduce per value.
+        self.comm_fusion = None
         self._cache: dict = {}
         self._fixed = None
         self._cell = None
@@ -1311,7 +1354,7 @@ class Sharded:
         body = Program(prog.inputs, prog.equations, prog.outputs)
         plan = ShardPlan(body, in_sh, out_sh, mesh, self.level, fname, self.search,
                          self._fixed, world=world_mesh(mesh) if in_job else None,
-                         flexible=flexible)
+                         flexible=flexible, fusion=self.comm_fusion)
         self._cache[key] = (plan, traced)
         return plan, traced
 

@@ -1,0 +1,532 @@
+"""``fs.AutoParallel``: MindSpore's interface over a training step, on fshard's ``shard``.
+
+One train step (loss, gradients, optimizer update) is one sharded, compiled program:
+
+    step(params, opt_state, step, *batch) -> (TrainState(params', opt_state', step + 1), loss)
+
+``AutoParallel`` writes the strategies of that step from its configuration and hands
+it to ``fs.jit(fs.shard(step, ...))``:
+
+- the batch: ``dataset_strategy("data_parallel")`` splits every batch input along its
+  first dimension over all devices (in a multi-process job each process passes its
+  own slice), ``"full_batch"`` keeps it whole, or one strategy per batch input;
+- the parameters: whole (data parallel) unless ``parameter_plan`` gives a strategy,
+  or, in ``"sharding_propagation"`` and ``"recursive_programming"`` modes, left to
+  the plan;
+- the rest of the step: ``fs.shard``'s whole-program search (``search=True``) in
+  ``"semi_auto"`` and ``"recursive_programming"`` modes, greedy propagation in
+  ``"sharding_propagation"`` mode (a training step is a long chain whose best
+  layouts greedy choices miss: with the search, a data-parallel step is the textbook
+  one AllReduce per gradient and one for the loss);
+- ZeRO (``hsdp``): the optimizer state (level1), also the gradients (level2: the
+  plan reduce-scatters them to the state's layout) and the parameters (level3:
+  gathered where used) are split along their first dimension over the data-parallel
+  group, except tensors smaller than ``threshold`` KB or not divisible;
+- ``comm_fusion``: the per-device program's AllReduces are bucketed
+  (``fshard.passes.fuse_allreduces``).
+
+fshard differentiates the global loss, so gradients are exact whatever the layouts:
+there is no per-device loss to average (``enable_gradients_mean`` is refused, with
+the reason). The seed's knobs that only configure Ascend's graph compiler raise an
+error that says so; none is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from fshard import tree
+from fshard.cells import functional, is_cell
+from fshard.core import typeof
+from fshard.errors import ArgumentError, ShardingError
+from fshard.mesh import Mesh, resolve_mesh
+from fshard.staging import fun_name
+from fshard.transforms.ad import value_and_grad
+from fshard.transforms.jit import jit
+from fshard.transforms.shard import shard
+
+MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
+LEVELS = ("level1", "level2", "level3")
+
+
+class TrainState(NamedTuple):
+    """What a train step carries: ``params``, ``opt_state`` and ``step`` (an int32
+    scalar), each a pytree (as laid out on the devices by the plan)."""
+
+    params: Any
+    opt_state: Any
+    step: Any
+
+
+def _refuse(knob: str, why: str):
+    raise ArgumentError(f"AutoParallel.{knob}(): {why}")
+
+
+class AutoParallel:
+    """A training step, sharded and compiled (MindSpore's ``AutoParallel``).
+
+    >>> import numpy as np, fshard as fs
+    >>> def loss(p, x, y):
+    ...     return ((x @ p["w"] - y) ** 2).mean()
+    >>> class SGD:  # any object with init/update, as fs.optim's optimizers
+    ...     def init(self, params):
+    ...         return {}
+    ...     def update(self, grads, state, params=None):
+    ...         return fs.tree.map(lambda g: g * -0.1, grads), state
+    >>> ap = fs.AutoParallel(loss, SGD(), mesh=2)
+    >>> state = ap.init({"w": np.zeros((3, 1), np.float32)})
+    >>> x, y = np.ones((4, 3), np.float32), np.ones((4, 1), np.float32)
+    >>> state, l = ap(state, x, y)
+    >>> float(l.asnumpy()), int(state.step.asnumpy())
+    (1.0, 1)
+
+    Args:
+        network: ``loss_fn(params, *batch) -> loss`` (a float scalar; ``(loss, aux)``
+            with ``has_aux=True``), or an ``nn.Cell`` whose ``construct(*batch)``
+            returns the loss (its Parameters are the params, as ``fs.functional``).
+        optimizer: an ``fs.optim`` optimizer (``init(params)``, ``update(grads, state,
+            params)``).
+        parallel_mode: ``"semi_auto"`` (the strategies given; data parallel
+            elsewhere), ``"sharding_propagation"`` (propagation derives the rest), or
+            ``"recursive_programming"`` (the whole step planned by fshard's search).
+        mesh: an ``fs.Mesh``, a device count, or None (the default mesh).
+        has_aux: ``network`` returns ``(loss, aux)``.
+    """
+
+    def __init__(self, network, optimizer, parallel_mode: str = "semi_auto", *, mesh=None,
+                 has_aux: bool = False):
+        if not callable(network):
+            raise ArgumentError(
+                f"AutoParallel(network=...) must be a loss function or an nn.Cell; got "
+                f"{type(network).__name__} {network!r}.")
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise ArgumentError(
+                f"AutoParallel(optimizer=...) must have init(params) and update(grads, "
+                f"state, params), as fs.optim optimizers do; got {type(optimizer).__name__}."
+                "\nFix: pass e.g. fs.optim.adam(1e-3).")
+        if parallel_mode not in MODES:
+            raise ArgumentError(
+                f"AutoParallel(parallel_mode=...) must be one of {MODES}; got "
+                f"{parallel_mode!r}.")
+        if isinstance(mesh, bool) or not (mesh is None or isinstance(mesh, (int, Mesh))):
+            raise ArgumentError(
+                f"AutoParallel(mesh=...) must be an fs.Mesh, a device count or None; got "
+                f"{mesh!r}.")
+        self.cell = network if is_cell(network) else None
+        if self.cell is not None:
+            self.loss_fn, _ = functional(network)
+        else:
+            self.loss_fn = network
+        self.name = fun_name(self.loss_fn)
+        self.optimizer = optimizer
+        self.parallel_mode = parallel_mode
+        self.mesh = mesh
+        self.has_aux = has_aux
+        self._dataset = "data_parallel"
+        self._param_plan: dict = {}
+        self._hsdp = None  # (shard_size, threshold_bytes, level)
+        self._fusion = None  # bucket bytes
+        self._fixed_params = None  # loaded parameter strategies
+        self._steps: dict = {}
+
+    # -- the mesh ------------------------------------------------------------------
+    @property
+    def n_devices(self) -> int:
+        if isinstance(self.mesh, int):
+            return self.mesh
+        return resolve_mesh(self.mesh).size
+
+    # -- configuration (seed 001's names) -----------------------------------------
+    def dataset_strategy(self, config) -> "AutoParallel":
+        """``"data_parallel"`` (default: each batch input split along dim 0 over all
+        devices), ``"full_batch"`` (whole), or a tuple with one strategy per batch
+        input (tuples of split counts or ``fs.Layout`` views)."""
+        if config not in ("data_parallel", "full_batch") and not isinstance(config, tuple):
+            raise ArgumentError(
+                "AutoParallel.dataset_strategy(config): config must be 'data_parallel', "
+                f"'full_batch' or a tuple of per-input strategies; got {config!r}.")
+        self._dataset = config
+        self._steps.clear()
+        return self
+
+    def parameter_plan(self, plan: dict) -> "AutoParallel":
+        """Strategies for parameters, by name (``'dense1.weight'`` for a Cell, the key
+        path such as ``"['w1']"`` or ``'w1'`` for a dict of parameters)."""
+        if not isinstance(plan, dict):
+            raise ArgumentError(
+                f"AutoParallel.parameter_plan(plan): plan must be a dict of name -> "
+                f"strategy; got {type(plan).__name__}.")
+        self._param_plan = dict(plan)
+        self._steps.clear()
+        return self
+
+    def hsdp(self, shard_size: int = -1, threshold: int = 64,
+             optimizer_level: str = "level1") -> "AutoParallel":
+        """ZeRO over the data-parallel group: ``level1`` splits the optimizer state,
+        ``level2`` also the gradients, ``level3`` also the parameters, along their
+        first dimension in groups of ``shard_size`` devices (-1: all), leaving tensors
+        under ``threshold`` KB whole."""
+        if optimizer_level not in LEVELS:
+            raise ArgumentError(
+                f"AutoParallel.hsdp(optimizer_level=...) must be one of {LEVELS}; got "
+                f"{optimizer_level!r}.")
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ArgumentError(
+                f"AutoParallel.hsdp(threshold=...) must be an int >= 0 (KB); got "
+                f"{threshold!r}.")
+        if isinstance(shard_size, bool) or not isinstance(shard_size, int) or (
+                shard_size != -1 and shard_size < 1):
+            raise ArgumentError(
+                f"AutoParallel.hsdp(shard_size=...) must be -1 (all devices) or a positive "
+                f"int; got {shard_size!r}.")
+        self._hsdp = (shard_size, threshold * 1024, optimizer_level)
+        self._steps.clear()
+        return self
+
+    def comm_fusion(self, config: dict) -> "AutoParallel":
+        """Bucket the gradients' AllReduces: ``{"allreduce": {"mode": "auto" | "size",
+        "config": MB}}`` ("auto": 64 MB buckets; "size": ``config`` MB), or
+        ``{"openstate": False}`` to turn fusion off."""
+        if not isinstance(config, dict):
+            raise ArgumentError(
+                f"AutoParallel.comm_fusion(config): config must be a dict; got "
+                f"{type(config).__name__}.")
+        unknown = set(config) - {"openstate", "allreduce", "allgather", "reducescatter"}
+        if unknown:
+            raise ArgumentError(
+                f"AutoParallel.comm_fusion(config): unknown keys {sorted(unknown)}; use "
+                "'openstate' and 'allreduce'.")
+        for kind in ("allgather", "reducescatter"):
+            if kind in config:
+                raise ArgumentError(
+                    f"AutoParallel.comm_fusion(config): fusing {kind} is not supported by "
+                    "fshard (only AllReduce buckets); remove that key.")
+        if config.get("openstate", True) is False:
+            self._fusion = None
+        else:
+            ar = config.get("allreduce", {"mode": "auto", "config": None})
+            mode, size = ar.get("mode", "auto"), ar.get("config")
+            if mode == "auto":
+                self._fusion = 64 * 2**20
+            elif mode == "size":
+                if isinstance(size, bool) or not isinstance(size, (int, float)) or size <= 0:
+                    raise ArgumentError(
+                        "AutoParallel.comm_fusion: allreduce mode 'size' needs config = a "
+                        f"bucket size in MB > 0; got {size!r}.")
+                self._fusion = float(size) * 2**20
+            else:
+                raise ArgumentError(
+                    f"AutoParallel.comm_fusion: allreduce mode must be 'auto' or 'size'; got "
+                    f"{mode!r} ('index' names MindSpore's graph-compiler fusion indices, "
+                    "which fshard has no use for).")
+        self._steps.clear()
+        return self
+
+    def enable_gradients_mean(self):
+        _refuse("enable_gradients_mean",
+                "fshard differentiates the global loss, so the gradients are already those "
+                "of the whole batch (a mean if the loss is a mean); averaging per-device "
+                "gradients again would divide them by the device count.\nFix: remove the "
+                "call; write the loss as a mean over the batch.")
+
+    def disable_loss_repeated_mean(self):
+        _refuse("disable_loss_repeated_mean",
+                "fshard returns the global loss, computed once; there is no repeated mean "
+                "to disable.\nFix: remove the call.")
+
+    def enable_fp32_communication(self):
+        _refuse("enable_fp32_communication",
+                "not supported by fshard yet: collectives communicate in the dtype of the "
+                "values.\nFix: cast the gradients to float32 in the loss function if needed.")
+
+    def disable_gradient_fp32_sync(self):
+        _refuse("disable_gradient_fp32_sync",
+                "this configures MindSpore's Ascend graph compiler; fshard reduces "
+                "gradients in their own dtype.\nFix: remove the call.")
+
+    def print_local_norm(self):
+        _refuse("print_local_norm", "not supported by fshard yet.")
+
+    def dump_local_norm(self, path):
+        _refuse("dump_local_norm", "not supported by fshard yet.")
+
+    def pipeline(self, *args, **kwargs):
+        _refuse("pipeline", "pipeline parallelism is not supported by fshard yet.")
+
+    # -- the train state -----------------------------------------------------------
+    def init(self, params=None) -> TrainState:
+        """The train state for ``params`` (for a Cell: its current parameters)."""
+        if params is None:
+            if self.cell is None:
+                raise ArgumentError(
+                    f"AutoParallel({self.name}).init(params): params is required for a "
+                    "loss function (only a Cell has its own).")
+            params = {k: v for k, v in functional(self.cell)[1].items()}
+        import mindspore as ms
+
+        from fshard.backend.mindspore import as_tensor
+
+        params = tree.map(lambda x: x if isinstance(x, ms.Tensor) else as_tensor(x), params)
+        # Parameters become plain Tensors: the state is values, not the Cell's objects.
+        params = tree.map(lambda x: ms.Tensor(x.asnumpy()) if isinstance(x, ms.Parameter)
+                          else x, params)
+        opt_state = self.optimizer.init(params)
+        return TrainState(params, opt_state, ms.Tensor(np.int32(0)))
+
+    # -- strategies ----------------------------------------------------------------
+    def _group(self) -> int:
+        n = self.n_devices
+        if self._hsdp is None:
+            return 1
+        size = self._hsdp[0]
+        if size == -1:
+            return n
+        if n % size:
+            raise ShardingError(
+                f"AutoParallel.hsdp(shard_size={size}) must divide the {n} devices.")
+        return size
+
+    def _zero(self, x, level_needed: str):
+        """The ZeRO strategy of a leaf at ``level_needed`` (None: not at this level)."""
+        if self._hsdp is None or LEVELS.index(self._hsdp[2]) < LEVELS.index(level_needed):
+            return None
+        a = typeof(x)
+        g = self._group()
+        nbytes = a.size * np.dtype(_np_dtype(a.dtype)).itemsize
+        if a.ndim == 0 or g == 1 or a.shape[0] % g or nbytes < self._hsdp[1]:
+            return None
+        return (g,) + (1,) * (a.ndim - 1)
+
+    def _whole(self, x):
+        return (1,) * typeof(x).ndim
+
+    def _param_strategies(self, params):
+        paths, leaves, spec = tree.flatten_with_path(params)
+        out = []
+        for p, x in zip(paths, leaves):
+            name = _name(p)
+            given = self._param_plan.get(name, self._param_plan.get(tree.keystr(p)))
+            if self._fixed_params is not None and name in self._fixed_params:
+                given = tuple(self._fixed_params[name])
+            if given is None:
+                given = self._zero(x, "level3")
+            if given is None:
+                given = self._whole(x) if self.parallel_mode == "semi_auto" else None
+            out.append(given)
+        return tree.unflatten(spec, out)
+
+    def _state_strategies(self, opt_state):
+        leaves, spec = tree.flatten(opt_state)
+        out = []
+        for x in leaves:
+            s = self._zero(x, "level1")
+            if s is None:
+                s = self._whole(x) if self.parallel_mode == "semi_auto" else None
+            out.append(s)
+        return tree.unflatten(spec, out)
+
+    def _batch_strategies(self, batch):
+        if isinstance(self._dataset, tuple):
+            if len(self._dataset) != len(batch):
+                raise ArgumentError(
+                    f"AutoParallel({self.name}).dataset_strategy has "
+                    f"{len(self._dataset)} entries but the step got {len(batch)} batch "
+                    "inputs.\nFix: one strategy per batch input.")
+            return list(self._dataset)
+        if self._dataset == "full_batch":
+            return [tree.map(self._whole, b) if self.parallel_mode == "semi_auto" else None
+                    for b in batch]
+        n = self.n_devices
+
+        def split(x):
+            a = typeof(x)
+            if a.ndim == 0 or a.shape[0] % n:
+                raise ShardingError(
+                    f"AutoParallel({self.name}): dataset_strategy('data_parallel') splits "
+                    f"every batch input along dimension 0 over the {n} devices, but a batch "
+                    f"input is {a}.\nFix: use a batch size divisible by {n}, or "
+                    "dataset_strategy('full_batch') / per-input strategies.")
+            return (n,) + (1,) * (a.ndim - 1)
+
+        return [tree.map(split, b) for b in batch]
+
+    # -- the step ------------------------------------------------------------------
+    def _step_fn(self, grad_vars: list):
+        """The step; while ``fs.shard`` stages it, the Vars of the gradients are noted
+        in ``grad_vars`` (for ``memory_report``)."""
+        loss_fn, opt, has_aux = self.loss_fn, self.optimizer, self.has_aux
+
+        def train_step(params, opt_state, step, *batch):
+            out, grads = value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
+            grad_vars[:] = [getattr(g, "var", None) for g in tree.leaves(grads)]
+            updates, opt_state = opt.update(grads, opt_state, params)
+            params = tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+            return TrainState(params, opt_state, step + 1), out
+
+        train_step.__name__ = f"train_step_{self.name}"
+        return train_step
+
+    def sharded(self, state: TrainState, *batch):
+        """The ``fs.shard``-ed step for these arguments (``partitioned(...)`` shows the
+        per-device program)."""
+        key = (tree.structure(state), tuple(
+            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))))
+        hit = self._steps.get(key)
+        if hit is not None:
+            return hit
+        p_sh = self._param_strategies(state.params)
+        o_sh = self._state_strategies(state.opt_state)
+        b_sh = self._batch_strategies(batch)
+        in_strategy = (p_sh, o_sh, ()) + tuple(b_sh)
+        out_strategy = (TrainState(p_sh, o_sh, ()), None)
+        dataset = "data_parallel" if self._dataset == "data_parallel" else "full_batch"
+        grad_vars: list = []
+        s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
+                  mesh=self.mesh,
+                  search=self.parallel_mode != "sharding_propagation")
+        s.comm_fusion = self._fusion
+        s.grad_vars = grad_vars
+        entry = (s, jit(s))
+        self._steps[key] = entry
+        return entry
+
+    def __call__(self, state: TrainState, *batch):
+        """One train step: ``(new state, loss)`` (``(new state, (loss, aux))`` with
+        ``has_aux``)."""
+        if not isinstance(state, TrainState):
+            raise ArgumentError(
+                f"AutoParallel({self.name})(state, *batch): state must be the TrainState "
+                f"from ap.init(...); got {type(state).__name__}.")
+        _, step = self.sharded(state, *batch)
+        return step(state.params, state.opt_state, state.step, *batch)
+
+    def partitioned(self, state: TrainState, *batch):
+        """The per-device program of the step (print it; ``.collectives()``)."""
+        s, _ = self.sharded(state, *batch)
+        return s.partitioned(state.params, state.opt_state, state.step, *batch)
+
+    # -- reports and files -----------------------------------------------------------
+    def memory_report(self, state: TrainState, *batch) -> dict:
+        """Bytes per device of ``params``, ``grads`` and ``optimizer_state`` as the plan
+        lays them out: parameters and optimizer state as the step receives them, each
+        gradient as the optimizer update consumes it."""
+        from fshard.sharding import candidate_shardings, local_bytes
+
+        part = self.partitioned(state, *batch)
+        prop, mesh = part.prop, part.prop.mesh
+        n_p = len(tree.leaves(state.params))
+        n_o = len(tree.leaves(state.opt_state))
+        program = prop.program
+        ins = program.inputs[program.n_consts:]
+        report = {
+            "params": sum(local_bytes(sh, v.aval, mesh) for v, sh in
+                          zip(ins[:n_p], part.in_shardings[program.n_consts:][:n_p])),
+            "optimizer_state": sum(local_bytes(sh, v.aval, mesh) for v, sh in zip(
+                ins[n_p:n_p + n_o], part.in_shardings[program.n_consts:][n_p:n_p + n_o])),
+        }
+        # Each gradient as its first consumer reads it (the optimizer update: reduced,
+        # and split like the optimizer state at ZeRO level 2 and above).
+        s, _ = self.sharded(state, *batch)
+        grads = 0.0
+        for g in s.grad_vars:
+            for eq, (spec, cand) in zip(program.equations, prop.choice):
+                if g is not None and g in eq.inputs:
+                    req = candidate_shardings(spec, cand)[0][eq.inputs.index(g)]
+                    grads += local_bytes(req, g.aval, mesh)
+                    break
+        report["grads"] = grads
+        return report
+
+    def save_param_strategy_file(self, path, state: TrainState, *batch) -> dict:
+        """Write each parameter's strategy (split counts), keyed by parameter name, to
+        ``path`` as JSON, atomically."""
+        part = self.partitioned(state, *batch)
+        mesh = part.prop.mesh
+        paths, _, _ = tree.flatten_with_path(state.params)
+        n_c = part.prop.program.n_consts
+        shs = part.in_shardings[n_c:n_c + len(paths)]
+        data = {"format": "fshard-param-strategy", "devices": mesh.size,
+                "params": {_name(p): list(sh.strategy(mesh)) for p, sh in zip(paths, shs)}}
+        _write_json(path, data)
+        return data
+
+    def load_param_strategy_file(self, path) -> "AutoParallel":
+        """Use the parameter strategies of a file written by
+        ``save_param_strategy_file`` (checked against the parameters when stepping)."""
+        data = _read_json(path, "fshard-param-strategy")
+        if data.get("devices") != self.n_devices:
+            raise ShardingError(
+                f"load_param_strategy_file({path!r}): the file was written for "
+                f"{data.get('devices')} devices, this AutoParallel has {self.n_devices}.")
+        self._fixed_params = data["params"]
+        self._steps.clear()
+        return self
+
+    def save_operator_strategy_file(self, path, state: TrainState, *batch) -> dict:
+        """Write the strategy of every equation of the step (``fs.shard``'s strategy
+        file) to ``path``."""
+        s, _ = self.sharded(state, *batch)
+        return s.save_strategies(path, state.params, state.opt_state, state.step, *batch)
+
+    def load_operator_strategy_file(self, path) -> "AutoParallel":
+        """Reuse a plan saved by ``save_operator_strategy_file`` (checked on use)."""
+        self._operator_file = path
+        for s, _ in self._steps.values():
+            s.load_strategies(path)
+        return self
+
+    def __repr__(self) -> str:
+        return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode!r})"
+
+
+def _np_dtype(dtype):
+    from fshard import dtypes
+
+    return dtypes.to_numpy(dtype)
+
+
+def _name(path) -> str:
+    """A parameter's name from its key path: ``'dense1.weight'`` for a Cell's dict
+    key, ``'w1'`` for ``{'w1': ...}``, ``'0.w'`` for ``[{'w': ...}]``."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _write_json(path, data) -> None:
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ArgumentError(f"cannot write {path!r}: the directory {folder!r} does not exist.")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".fshard-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _read_json(path, fmt: str) -> dict:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise ArgumentError(f"strategy file {path!r} does not exist.") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ArgumentError(
+            f"strategy file {path!r} is not a readable JSON strategy file ({e}).") from None
+    if not isinstance(data, dict) or data.get("format") != fmt or not isinstance(
+            data.get("params"), dict):
+        raise ArgumentError(
+            f"strategy file {path!r} is not an fshard {fmt} file (written by "
+            "save_param_strategy_file).")
+    return data
+

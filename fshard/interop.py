@@ -640,8 +640,37 @@ def _has_tracer(args) -> bool:
 # ---------------------------------------------------------------------------
 
 
+# MindSpore's stateful random ops: traced once, a draw would become a constant of the
+# Program (the same numbers at every call of a jitted function, in every vmap lane).
+_STATEFUL_RANDOM = frozenset({
+    "StandardNormal", "UniformReal", "UniformInt", "Uniform", "RandpermV2", "Randperm",
+    "RandpermExt", "RandExt", "Randn", "RandInt", "RandLikeExt", "RandnLike", "RandIntLike",
+    "NormalFloatFloat", "NormalTensorTensor", "NormalTensorFloat", "NormalFloatTensor",
+    "Gamma", "RandomGamma", "Poisson", "RandomPoisson", "RandomCategorical", "Multinomial",
+    "MultinomialExt", "RandomShuffle", "Bernoulli", "BernoulliExt", "Dropout", "DropoutExt",
+    "DropoutGenMask", "DropoutDoMask", "TruncatedNormal", "LogNormalReverse",
+    "StandardLaplace", "RandomChoiceWithMask", "UniformCandidateSampler",
+    "LogUniformCandidateSampler", "InplaceUniform", "InplaceNormal", "InplaceRandom"})
+
+
+def _refuse_random(name: str) -> None:
+    """Raise for a stateful random op called while a transform traces."""
+    if name not in _STATEFUL_RANDOM:
+        return
+    keys = ("\nOr thread a key: key, sub = fs.random.split(key); noise = "
+            "fs.random.normal(sub, shape) (docs/random.md)." if "fshard.random" in sys.modules
+            else "")
+    raise UnsupportedOpError(
+        f"fshard refuses the stateful MindSpore random op '{name}'{_call_site(_stack())} "
+        "inside a transform: traced once, its draw would be frozen into the program (the "
+        "same numbers at every call of a jitted function and in every vmap lane).\nFix: "
+        "draw the random numbers outside the transformed function and pass them in, e.g. "
+        "fs.jit(f)(x, ops.randn(x.shape))." + keys)
+
+
 def _wrap_pyboost(orig):
     def pyboost(prim, args):
+        _refuse_random(prim.name)
         if _has_tracer(args):
             return _convert(prim.name, prim, args, {})
         return orig(prim, args)
@@ -653,6 +682,7 @@ def _wrap_pyboost(orig):
 
 def _wrap_run_op(orig):
     def _run_op(obj, op_name, args):
+        _refuse_random(op_name)
         if _has_tracer(args):
             return _convert(op_name, obj, args, {})
         return orig(obj, op_name, args)
@@ -665,6 +695,7 @@ def _wrap_overload(orig):
     key = f"functional.{orig.name}"
 
     def overload(*args, **kwargs):
+        _refuse_random(orig.name)
         if _has_tracer(args) or (kwargs and _has_tracer(kwargs.values())):
             return _convert(key, orig, args, kwargs)
         return orig(*args, **kwargs)
@@ -689,6 +720,7 @@ def _isinstance(obj, cls):
 
 def _wrap_prim_call(orig):
     def __call__(self, *args, **kwargs):
+        _refuse_random(self.name)
         if _has_tracer(args) or (kwargs and _has_tracer(kwargs.values())):
             return _convert(self.name, self, args, kwargs)
         return orig(self, *args, **kwargs)

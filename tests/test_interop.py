@@ -623,3 +623,52 @@ def test_tied_weights_see_one_value_and_sum_their_gradients():
     np.testing.assert_allclose(fs_g, ms_g, rtol=1e-5, atol=1e-5 * np.abs(ms_g).max())
     # and the Cell is left as it was
     assert net.b.weight is net.a.weight
+
+
+# ---------------------------------------------------------------------------
+# Stateful random ops: refused inside a transform (a draw would be frozen)
+# ---------------------------------------------------------------------------
+
+RANDOM_CALLS = {
+    "ops.randn": lambda a: a + ops.randn((3,)),
+    "ops.rand": lambda a: a + ops.rand((3,)),
+    "ops.uniform": lambda a: a + ops.uniform((3,), Tensor(0.0), Tensor(1.0)),
+    "ops.normal": lambda a: a + ops.normal((3,), Tensor(0.0), Tensor(1.0)),
+    "ops.randint": lambda a: a + ops.randint(0, 5, (3,)).astype(ms.float32),
+    "ops.randperm": lambda a: a + ops.randperm(3).astype(ms.float32),
+    "ops.rand_like": lambda a: a + ops.rand_like(a),
+    "ops.randn_like": lambda a: a + ops.randn_like(a),
+    "ops.standard_normal": lambda a: a + ops.standard_normal((3,)),
+    "ops.multinomial": lambda a: a + ops.multinomial(a, 3).astype(ms.float32),
+    "ops.shuffle": lambda a: ops.shuffle(a),
+    "ops.dropout": lambda a: ops.dropout(a, p=0.5),
+    "mint.rand": lambda a: a + mint.rand(3),
+    "mint.randn": lambda a: a + mint.randn(3),
+    "mint.randint": lambda a: a + mint.randint(0, 4, (3,)).astype(ms.float32),
+    "mint.rand_like": lambda a: a + mint.rand_like(a),
+}
+
+
+@pytest.mark.parametrize("name", list(RANDOM_CALLS))
+@pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
+def test_stateful_random_ops_are_refused_inside_transforms(name, transform):
+    x = Tensor(np.ones(3, np.float32))
+    f = RANDOM_CALLS[name]
+    if transform == "grad":
+        wrapped = fs.grad(lambda a: f(a).astype(ms.float32).sum())
+    elif transform == "vmap":
+        wrapped, x = fs.vmap(f), Tensor(np.ones((2, 3), np.float32))
+    else:
+        wrapped = fs.jit(f)
+    with pytest.raises(fs.UnsupportedOpError, match=r"stateful MindSpore random op .* frozen "
+                                                     r"into the program(.|\n)*pass them in"):
+        wrapped(x)
+
+
+def test_random_ops_run_normally_outside_transforms():
+    a, b = ops.randn((1000,)), ops.randn((1000,))
+    assert not np.array_equal(a.asnumpy(), b.asnumpy())
+    # drawn outside and passed in, as the error suggests
+    noise = ops.randn((3,))
+    out = fs.jit(lambda x, n: x + n)(Tensor(np.ones(3, np.float32)), noise)
+    np.testing.assert_allclose(out.asnumpy(), 1 + noise.asnumpy(), rtol=1e-6)

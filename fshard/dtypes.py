@@ -35,6 +35,7 @@ _SHORT = {
 
 float32 = mstype.float32
 float64 = mstype.float64
+float16 = mstype.float16
 int32 = mstype.int32
 int64 = mstype.int64
 bool_ = mstype.bool_

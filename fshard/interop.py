@@ -40,6 +40,7 @@ from fshard import ops as fo
 from fshard.core import Tracer, typeof
 from fshard.errors import FshardError, UnsupportedOpError
 from fshard.staging import register_user_code_hook
+from fshard.tensor_methods import ms_mean, ms_sum
 
 # ---------------------------------------------------------------------------
 # The converter table: MindSpore primitive name -> converter(prim, *args, **kwargs)
@@ -299,19 +300,22 @@ def _nll_loss(prim, logp, target, weight, reduction=1, ignore_index=-100):
 
 @converts("SumExt")
 def _sum(prim, x, axis=None, keepdims=False, dtype=None):
-    return fo.reduce_sum(_with_dtype(x, dtype), _axis(axis), bool(keepdims))
+    return ms_sum(x, _axis(axis), bool(keepdims), None if dtype is None else _dtype(dtype))
 
 
 @converts("ReduceSum")
 def _reduce_sum(prim, x, axis=(), keep_dims=False, skip_mode=False):
     if skip_mode and not axis:  # MindSpore: an empty axis with skip_mode is the identity
         return x
-    return fo.reduce_sum(x, _axis(axis), bool(keep_dims))
+    # The primitive keeps the dtype: integers wrap, bool gives "any".
+    out = fo.reduce_sum(x, _axis(axis), bool(keep_dims))
+    return fo.cast(out, typeof(x).dtype) if typeof(x).dtype != typeof(out).dtype else out
 
 
 @converts("MeanExt", "ReduceMean")
 def _mean(prim, x, axis=None, keepdims=False, dtype=None):
-    return fo.mean(_with_dtype(x, dtype), _axis(axis), bool(keepdims))
+    return ms_mean(x, _axis(axis), bool(keepdims), None if dtype is None else _dtype(dtype),
+                   _call_site(_stack()))
 
 
 @converts("ReduceMax", "ReduceMin")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from fshard import dtypes, ops
-from fshard.core import Tracer
+from fshard.core import Tracer, typeof
 
 
 def _r(fn):
@@ -61,14 +61,49 @@ def _reduce_args(axis, rest, kw):
     return axis, keepdims, dtype
 
 
+# MindSpore's dtype rules for sums and means (checked against eager MindSpore for every
+# dtype in tests/test_ms_oracle.py): ``sum`` adds bool and integers as int64; ``mean``
+# keeps the dtype: integers are summed in their own dtype (wrapping, as MindSpore does)
+# and divided with truncation, float16 is accumulated in float32, bool is refused.
+
+
+def ms_sum(x, axis=None, keepdims=False, dtype=None):
+    """``Tensor.sum`` / ``ops.sum`` / ``mint.sum`` with MindSpore's result dtype."""
+    if dtype is not None:
+        x = ops.cast(x, dtype)
+    if not dtypes.is_float(typeof(x).dtype):
+        x = ops.cast(x, dtypes.int64)
+    return ops.reduce_sum(x, axis, keepdims)
+
+
+def ms_mean(x, axis=None, keepdims=False, dtype=None, where=""):
+    """``Tensor.mean`` / ``ops.mean`` / ``mint.mean`` with MindSpore's result dtype."""
+    from fshard.errors import UnsupportedOpError
+
+    if dtype is not None:
+        x = ops.cast(x, dtype)
+    dt = typeof(x).dtype
+    if dt == dtypes.bool_:
+        raise UnsupportedOpError(
+            f"MindSpore's mean does not accept bool inputs{where}.\nFix: cast to a number "
+            "first, e.g. x.astype(mindspore.float32).mean().")
+    if dtypes.is_float(dt):
+        if dt != dtypes.float16:
+            return ops.mean(x, axis, keepdims)
+        return ops.cast(ops.mean(ops.cast(x, dtypes.float32), axis, keepdims), dt)
+    total = ops.reduce_sum(x, axis, keepdims)  # in x's dtype, wrapping as MindSpore
+    n = typeof(x).size // max(typeof(total).size, 1)
+    return ops.cast(ops.div(ops.cast(total, dtypes.float64), float(n)), dt)  # truncates
+
+
 def _sum(self, axis=None, *rest, **kw):
     axis, keepdims, dtype = _reduce_args(axis, rest, kw)
-    return ops.reduce_sum(self if dtype is None else ops.cast(self, dtype), axis, keepdims)
+    return ms_sum(self, axis, keepdims, dtype)
 
 
 def _mean(self, axis=None, *rest, **kw):
     axis, keepdims, dtype = _reduce_args(axis, rest, kw)
-    return ops.mean(self if dtype is None else ops.cast(self, dtype), axis, keepdims)
+    return ms_mean(self, axis, keepdims, dtype)
 
 
 def _index64(x):

@@ -62,3 +62,29 @@ def test_a_static_program_refuses_another_shape():
         compiled(_x(16))
     with pytest.raises(fs.ShapeError, match="has type f64"):
         compiled(np.ones((8, 784)))
+
+
+# ---------------------------------------------------------------------------
+# NaN constants survive compilation (MindSpore folds an all-NaN graph constant as
+# the identity of the op using it: x + nan gave x)
+# ---------------------------------------------------------------------------
+
+NAN_CASES = {
+    "full(nan) + x": lambda a: fs.ops.full((2, 3), float("nan")) + a,
+    "x * nan": lambda a: a * float("nan"),
+    "x + nan": lambda a: a + float("nan"),
+    "x / nan": lambda a: a / float("nan"),
+    "where(.., nan)": lambda a: fs.ops.where(a > 100, a, float("nan")),
+    "maximum(x, nan)": lambda a: ops.maximum(a, ms.Tensor(np.float32("nan"))),
+    "x + nan tensor": lambda a: a + ms.Tensor(np.full((2, 3), np.nan, np.float32)),
+    "mean of nothing": lambda a: a[:0].mean(0),
+    "x + inf - inf": lambda a: a + float("inf") - float("inf"),
+}
+
+
+@pytest.mark.parametrize("name", list(NAN_CASES))
+def test_nan_constants_survive_compilation(name):
+    x = ms.Tensor(np.full((2, 3), 2.0, np.float32))
+    f = NAN_CASES[name]
+    got = fs.jit(f)(x).asnumpy()
+    assert np.isnan(got).all(), got

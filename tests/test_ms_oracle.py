@@ -227,3 +227,55 @@ def test_custom_vjp_matches_mindspore_custom_bprop():
     want = ms.grad(lambda x: ops.sum(3.0 * cell(x) ** 2))(x)
     got = fs.grad(lambda x: ops.sum(3.0 * clip(x) ** 2))(x)
     agree(got, want)
+
+
+# ---------------------------------------------------------------------------
+# Result dtypes and values of reductions, for every input dtype
+# ---------------------------------------------------------------------------
+
+REDUCTIONS = {
+    "ops.sum": lambda a: ops.sum(a), "Tensor.sum": lambda a: a.sum(),
+    "mint.sum": lambda a: ms.mint.sum(a), "ops.sum(axis)": lambda a: ops.sum(a, 0),
+    "ops.ReduceSum": lambda a: ops.ReduceSum()(a),
+    "ops.ReduceSum(keep_dims)": lambda a: ops.ReduceSum(keep_dims=True)(a, 0),
+    "ops.mean": lambda a: ops.mean(a), "Tensor.mean": lambda a: a.mean(),
+    "mint.mean": lambda a: ms.mint.mean(a), "ops.mean(axis)": lambda a: ops.mean(a, 0),
+    "ops.ReduceMean": lambda a: ops.ReduceMean()(a),
+    "ops.amax": lambda a: ops.amax(a), "ops.amin": lambda a: ops.amin(a),
+    "ops.argmax": lambda a: ops.argmax(a),
+}
+# Values chosen where dtype rules matter: sums that overflow the input dtype, means
+# that are not integers, a float16 sum beyond float16's range.
+REDUCTION_INPUTS = {
+    "bool": np.array([True, True, False, True]),
+    "int8": np.array([100, 100, -3, 7], np.int8),
+    "int16": np.array([30000, 30000, -5, 2], np.int16),
+    "int32": np.array([2**31 - 1, 1, 5, -2], np.int32),
+    "int64": np.array([2**40, 3, -7, 1], np.int64),
+    "uint8": np.array([250, 10, 3, 1], np.uint8),
+    "float16": np.array([60000, 60000, -1.5, 2.25], np.float16),
+    "float32": np.array([1.5, -2.25, 3.0, 1e-3], np.float32),
+    "float64": np.array([1e8 + 1, -1e8, 0.5, 0.25], np.float64),
+}
+
+
+def _result(fn, x):
+    try:
+        out = fn(x)
+    except Exception as e:  # noqa: BLE001  (compared: both must refuse)
+        return ("error", type(e).__name__)
+    return (out.dtype, out.asnumpy().tolist())
+
+
+@pytest.mark.parametrize("dtype", list(REDUCTION_INPUTS))
+@pytest.mark.parametrize("name", list(REDUCTIONS))
+def test_reductions_keep_mindspores_dtype_and_value(name, dtype):
+    fn, x = REDUCTIONS[name], ms.Tensor(REDUCTION_INPUTS[dtype])
+    want = _result(fn, x)
+    got = _result(fs.jit(fn), x)
+    if want[0] == "error":
+        assert got[0] == "error", f"MindSpore refuses {name} of {dtype}, fshard gave {got}"
+        return
+    assert got[0] == want[0], f"{name} of {dtype}: dtype {got[0]}, MindSpore {want[0]}"
+    np.testing.assert_allclose(np.asarray(got[1], np.float64), np.asarray(want[1], np.float64),
+                               rtol=1e-6 if dtype != "float16" else 1e-3)

@@ -63,6 +63,20 @@ def _is_literal_param(v) -> bool:
     return False
 
 
+def _nan_safe(obj, name: str):
+    """A graph constant that MindSpore keeps exact. MindSpore 2.10's graph compiler
+    folds a constant Tensor that is all NaN as if it were the identity of the op using
+    it (``x + nan`` gives ``x``, ``x * nan`` gives ``x``: measured on CPU, O0 and O1); a
+    Parameter is not folded, so a float constant holding a NaN becomes one."""
+    if type(obj) is not Tensor or not dtypes.is_float(obj.dtype):
+        return obj
+    try:
+        has_nan = bool(np.isnan(obj.asnumpy()).any())
+    except (TypeError, RuntimeError):  # a dtype NumPy cannot hold
+        return obj
+    return ms.Parameter(obj, name=f"fshard_{name}", requires_grad=False) if has_nan else obj
+
+
 class LoweringContext:
     """Collects module globals while one Program is lowered."""
 
@@ -99,7 +113,7 @@ class LoweringContext:
         if name is None:
             base = getattr(obj, "__name__", hint).lstrip("_") or hint
             name = f"{base}_{len(self.globals)}"
-            self.globals[name] = obj
+            self.globals[name] = _nan_safe(obj, name)
             self._ids[id(obj)] = name
         return name
 

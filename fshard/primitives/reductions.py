@@ -185,7 +185,8 @@ def mean(x, axis=None, keepdims: bool = False):
     n = 1
     for a in _axes(x, axis):
         n *= shape[a]
-    return mul(reduce_sum(x, axis, keepdims), 1.0 / n)
+    # The mean of nothing is nan, as in MindSpore and NumPy.
+    return mul(reduce_sum(x, axis, keepdims), 1.0 / n if n else float("nan"))
 
 
 def argmax(x, axis: int = -1, keepdims: bool = False):

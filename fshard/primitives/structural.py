@@ -290,10 +290,23 @@ def _full_type(*, shape, value, dtype):
     return ArrayType(tuple(shape), dtype)
 
 
+def _ms_broadcast_scalar(t, shape):
+    return ops.broadcast_to(t, shape)
+
+
+def _lower_full(ctx, *, shape, value, dtype):
+    if isinstance(value, float) and math.isnan(value):
+        # A NaN fill value is folded away by MindSpore's graph compiler; a constant
+        # Tensor goes through the backend's NaN-safe constants (a Parameter).
+        from mindspore import Tensor
+
+        return ctx.call(_ms_broadcast_scalar, ctx.ref(Tensor(value, dtype), "nan"),
+                        ctx.param(tuple(shape)))
+    return ctx.call(_ms_full, ctx.param(shape), ctx.param(value), ctx.param(dtype))
+
+
 full_p = def_primitive("full", FAMILY, _full_type, lambda *, shape, value, dtype:
-                       _ms_full(shape, value, dtype),
-                       lower=lambda ctx, *, shape, value, dtype: ctx.call(
-                           _ms_full, ctx.param(shape), ctx.param(value), ctx.param(dtype)))
+                       _ms_full(shape, value, dtype), lower=_lower_full)
 batching.set(full_p, lambda args, dims, **p: ([full_p.bind(**p)], [None]))
 sharding.set(full_p, lambda *, shape, value, dtype: FactorSpec(
     [], [tuple(f"d{i}" for i in range(len(shape)))], {f"d{i}": d for i, d in enumerate(shape)},

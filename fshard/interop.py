@@ -432,10 +432,21 @@ def _gather_d(prim, x, dim, index):
         raise UnsupportedOpError(
             f"MindSpore GatherD with index {typeof(index)} smaller than x {a} outside "
             f"dim {dim} has no fshard converter.")
-    onehot = fo.one_hot(index, a.shape[dim], dtype=a.dtype)
+    # MindSpore's index range is [-n, n) (a negative index counts from the end, so a
+    # label -1 is the last class); an index outside it is an error in MindSpore, which a
+    # traced index cannot raise: its result is NaN (for integer x, the dtype's minimum),
+    # never a plausible number.
+    n = a.shape[dim]
+    index = fo.where(fo.less(index, 0), fo.add(index, n), index)
+    low = fo.less(index, 0)
+    bad = fo.where(low, low, fo.greater_equal(index, n))
+    onehot = fo.one_hot(index, n, dtype=a.dtype)
     perm = tuple(i for i in range(a.ndim) if i != dim) + (dim,)
     xt = fo.expand_dims(fo.transpose(x, perm), dim)
-    return fo.reduce_sum(fo.mul(onehot, xt), -1)
+    out = fo.reduce_sum(fo.mul(onehot, xt), -1)
+    flag = float("nan") if dtypes.is_float(a.dtype) else int(np.iinfo(
+        dtypes.to_numpy(a.dtype)).min) if a.dtype != dtypes.bool_ else False
+    return fo.where(bad, fo.cast(flag, a.dtype), out)
 
 
 @converts("StridedSlice")

@@ -672,3 +672,37 @@ def test_random_ops_run_normally_outside_transforms():
     noise = ops.randn((3,))
     out = fs.jit(lambda x, n: x + n)(Tensor(np.ones(3, np.float32)), noise)
     np.testing.assert_allclose(out.asnumpy(), 1 + noise.asnumpy(), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# cross_entropy labels: MindSpore's range [-C, C) (negative counts from the end),
+# ignore_index ignored, anything else never a plausible number
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [{}, {"reduction": "sum"}, {"reduction": "none"},
+                                {"ignore_index": 1}, {"label_smoothing": 0.1}])
+@pytest.mark.parametrize("labels", [[0, 1, 2], [0, -1, 2], [0, -4, 3], [0, -100, 2],
+                                    [-100, -100, -100]])
+def test_cross_entropy_labels_follow_mindspore(labels, kw):
+    logits = Tensor(_normal(3, 4))
+    y = Tensor(np.array(labels, np.int32))
+    f = lambda lg, t: ops.cross_entropy(lg, t, **kw)  # noqa: E731
+    try:
+        want = f(logits, y).asnumpy()
+    except RuntimeError:  # MindSpore refuses a label out of range: fshard gives NaN
+        assert np.isnan(fs.jit(f)(logits, y).asnumpy()).any()
+        return
+    np.testing.assert_allclose(fs.jit(f)(logits, y).asnumpy(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("labels", [[0, 9, 2], [0, -5, 2]])
+def test_cross_entropy_label_out_of_range_is_nan_for_that_example(labels):
+    logits = Tensor(_normal(3, 4))
+    y = Tensor(np.array(labels, np.int32))
+    per_example = fs.jit(lambda lg, t: ops.cross_entropy(lg, t, reduction="none"))(logits, y)
+    out = per_example.asnumpy()
+    assert np.isnan(out[1]) and np.isfinite(out[[0, 2]]).all()
+    assert np.isnan(fs.jit(lambda lg, t: ops.cross_entropy(lg, t))(logits, y).asnumpy())
+    g = fs.grad(lambda lg: ops.cross_entropy(lg, y, reduction="none")[0])(logits)
+    assert np.isfinite(g.asnumpy()).all()  # the valid examples still differentiate

@@ -83,6 +83,7 @@ class LoweringContext:
     def __init__(self, in_avals=(), out_avals=(), rank: int | None = None, mesh=None):
         self.globals: dict[str, object] = {}
         self._ids: dict[int, str] = {}
+        self._keep: list = []  # the objects whose ids key _ids
         self.in_avals = in_avals    # of the equation being lowered
         self.out_avals = out_avals
         self.rank = rank            # set when lowering one rank of a multi-process job
@@ -114,7 +115,9 @@ class LoweringContext:
             base = getattr(obj, "__name__", hint).lstrip("_") or hint
             name = f"{base}_{len(self.globals)}"
             self.globals[name] = _nan_safe(obj, name)
+            # keyed by id(obj): keep obj alive, or a later object could reuse its id
             self._ids[id(obj)] = name
+            self._keep.append(obj)
         return name
 
     def param(self, v) -> str:

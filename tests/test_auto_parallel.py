@@ -85,6 +85,18 @@ def test_every_configuration_trains_like_one_device(reference, name):
     assert int(state.step.asnumpy()) == 4
 
 
+def test_adam_state_trains_like_one_device_at_zero_level1():
+    params, x, y = _data()
+    ref = _train(fs.AutoParallel(mse, fs.optim.adam(1e-2), mesh=1), params, x, y)
+    ap = fs.AutoParallel(mse, fs.optim.adam(1e-2), mesh=4).hsdp(threshold=0)
+    state, losses = _train(ap, params, x, y)
+    np.testing.assert_allclose(losses, ref[1], rtol=1e-5)
+    # Adam's two moments of every splittable tensor live split over the 4 devices
+    report = ap.memory_report(state, x, y)
+    split = sum(_split_bytes(p, 4) for p in params.values())
+    assert report["optimizer_state"] == 2 * split + 4  # + the int32 step count
+
+
 def test_data_parallel_step_is_one_allreduce_per_gradient_and_one_for_the_loss():
     # (with a batch this large, reducing the gradients moves fewer bytes than
     # gathering the activations, which the plan would otherwise do)

@@ -49,7 +49,7 @@ LAYERS = [
     ("fshard.ops", "fshard.tensor_methods", "fshard.interop", "fshard.cells"),
     ("fshard.search", "fshard.visualize", "fshard.passes"),
     ("fshard.transforms",),
-    ("fshard.parallel",),
+    ("fshard.optim", "fshard.parallel"),
     ("fshard.launch", "fshard.testing"),
 ]
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 
-from fshard import tree
+import numpy as np
+
+from fshard import dtypes, tree
 from fshard import passes
 from fshard.backend import mindspore as backend
 from fshard.core import EvalTrace, Symbol, current_trace, typeof
@@ -182,6 +184,8 @@ def _last_output(program) -> int | None:
 def _leaf_key(x):
     if type(x) is _Tensor:
         return (x.shape, x.dtype)  # Tensor.shape is already a tuple
+    if isinstance(x, np.ndarray):  # the same key as the Tensor it becomes: no retrace
+        return (x.shape, dtypes.from_numpy(x.dtype))
     shape = getattr(x, "shape", None)
     if shape is not None:
         return (tuple(shape), x.dtype)

@@ -45,6 +45,7 @@ from fshard.cells import functional, is_cell
 from fshard.core import typeof
 from fshard.errors import ArgumentError, ShardingError
 from fshard.mesh import Mesh, resolve_mesh
+from fshard.optim import apply_updates
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
 from fshard.transforms.jit import jit
@@ -73,12 +74,7 @@ class AutoParallel:
     >>> import numpy as np, fshard as fs
     >>> def loss(p, x, y):
     ...     return ((x @ p["w"] - y) ** 2).mean()
-    >>> class SGD:  # any object with init/update, as fs.optim's optimizers
-    ...     def init(self, params):
-    ...         return {}
-    ...     def update(self, grads, state, params=None):
-    ...         return fs.tree.map(lambda g: g * -0.1, grads), state
-    >>> ap = fs.AutoParallel(loss, SGD(), mesh=2)
+    >>> ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=2)
     >>> state = ap.init({"w": np.zeros((3, 1), np.float32)})
     >>> x, y = np.ones((4, 3), np.float32), np.ones((4, 1), np.float32)
     >>> state, l = ap(state, x, y)
@@ -365,7 +361,7 @@ class AutoParallel:
             out, grads = value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
             grad_vars[:] = [getattr(g, "var", None) for g in tree.leaves(grads)]
             updates, opt_state = opt.update(grads, opt_state, params)
-            params = tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+            params = apply_updates(params, updates)
             return TrainState(params, opt_state, step + 1), out
 
         train_step.__name__ = f"train_step_{self.name}"

@@ -62,6 +62,10 @@ class Symbol:
                 f"Symbol(remainder=...) must be in [0, divisor={divisor}), got {remainder}.")
         if max < 0:
             raise ArgumentError(f"Symbol(max=...) must be >= 0 (0: unbounded), got {max}.")
+        if max and max < min:
+            raise ArgumentError(
+                f"Symbol(max={max}, min={min}): max is below min, so no size satisfies it.\n"
+                "Fix: max >= min, or max=0 for no upper bound.")
         if not isinstance(unique, bool):
             raise ArgumentError(f"Symbol(unique=...) must be a bool, got {unique!r}.")
         self.max, self.min, self.divisor, self.remainder = max, min, divisor, remainder
@@ -300,6 +304,11 @@ def typeof(x) -> ArrayType:
     if isinstance(x, bool):
         return ArrayType((), dtypes.bool_)
     if isinstance(x, int):
+        if not -2**63 <= x < 2**63:
+            raise ArgumentError(
+                f"the Python int {x} does not fit in int64, the widest integer dtype of "
+                "MindSpore.\nFix: pass it as a float, or as a static argument "
+                "(static_argnums) if it is a Python value the function uses.")
         return ArrayType((), dtypes.int64)
     if isinstance(x, float):
         return ArrayType((), dtypes.float32)

@@ -162,6 +162,55 @@ def fun_name(fun) -> str:
     return getattr(fun, "__name__", None) or type(fun).__name__
 
 
+def check_function(api: str, fun) -> None:
+    """Every transform checks its function when it is applied, not at the first call."""
+    if not callable(fun):
+        from fshard.errors import ArgumentError
+
+        raise ArgumentError(
+            f"{api} expects a function (or an nn.Cell) as its first argument; got "
+            f"{type(fun).__name__} {fun!r}.\nFix: pass the function itself, e.g. "
+            f"{api}(loss_fn).")
+
+
+def check_static_args(api: str, fun, static_argnums, static_argnames) -> tuple[tuple, tuple]:
+    """``(static_argnums, static_argnames)`` as tuples, checked: ints and names of
+    ``fun``'s parameters."""
+    import inspect
+
+    from fshard.errors import ArgumentError
+
+    if isinstance(static_argnums, int) and not isinstance(static_argnums, bool):
+        static_argnums = (static_argnums,)
+    if isinstance(static_argnames, str):
+        static_argnames = (static_argnames,)
+    if not isinstance(static_argnums, (tuple, list)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in static_argnums):
+        raise ArgumentError(
+            f"{api}(static_argnums=...) must be an int or a tuple of ints (argument "
+            f"positions); got {static_argnums!r}.\nFix: e.g. static_argnums=(1,), or "
+            "static_argnames=('name',) for keyword arguments.")
+    if not isinstance(static_argnames, (tuple, list)) or not all(
+            isinstance(n, str) for n in static_argnames):
+        raise ArgumentError(
+            f"{api}(static_argnames=...) must be a str or a tuple of str (parameter names); "
+            f"got {static_argnames!r}.")
+    if static_argnames:
+        try:
+            sig = inspect.signature(fun)
+        except (TypeError, ValueError):
+            sig = None
+        if sig is not None and not any(p.kind is p.VAR_KEYWORD
+                                       for p in sig.parameters.values()):
+            unknown = [n for n in static_argnames if n not in sig.parameters]
+            if unknown:
+                raise ArgumentError(
+                    f"{api}(static_argnames={tuple(static_argnames)!r}): {fun_name(fun)} has "
+                    f"no parameter named {', '.join(map(repr, unknown))} (its parameters: "
+                    f"{', '.join(sig.parameters)}).")
+    return tuple(static_argnums), tuple(static_argnames)
+
+
 def split_static(fun, args, kwargs, static_argnums, static_argnames):
     """Separate static arguments (hashed, passed as Python values) from dynamic ones.
 
@@ -240,14 +289,12 @@ def make_ir(fun, static_argnums=(), static_argnames=()):
     """
     from fshard import tree
 
+    check_function("fs.make_ir", fun)
     custom = getattr(fun, "__fshard_make_ir__", None)  # e.g. fs.shard's per-device program
     if custom is not None:
         return custom
-
-    if isinstance(static_argnums, int):
-        static_argnums = (static_argnums,)
-    if isinstance(static_argnames, str):
-        static_argnames = (static_argnames,)
+    static_argnums, static_argnames = check_static_args("fs.make_ir", fun, static_argnums,
+                                                        static_argnames)
 
     def wrapped(*args, **kwargs):
         dyn_args, dyn_kwargs, _, rebuild = split_static(

@@ -29,7 +29,7 @@ from fshard.primitives.collectives import input_cotangents, replica_axes, seed_c
 from fshard.primitives.elementwise import add_tangents
 from fshard.rules import jvp as jvp_rules
 from fshard.rules import transpose as transpose_rules
-from fshard.staging import fun_name, stage, trace_fun
+from fshard.staging import check_function, fun_name, stage, trace_fun
 from fshard.transforms.vmap import arg_path, type_tree
 
 # ---------------------------------------------------------------------------
@@ -93,6 +93,7 @@ def jvp(fun, primals, tangents, has_aux: bool = False):
 
     See also: ``fs.jacfwd``, ``fs.vjp``; docs/autodiff.md.
     """
+    check_function("fs.jvp", fun)
     fname = fun_name(fun)
     if not isinstance(primals, (tuple, list)) or not isinstance(tangents, (tuple, list)):
         raise DifferentiationError(
@@ -200,6 +201,16 @@ def backward_pass(linear: Program, n_res: int, residuals: list, cts_out: list) -
                 args.append(UndefinedPrimal(a.aval))
             else:
                 args.append(res_env[a])
+        undefined = [i for i, x in enumerate(args) if isinstance(x, UndefinedPrimal)]
+        if (len(undefined) > 1 and eq.prim.name in _LINEAR_IN_ONE) or (
+                eq.prim.name == "div" and 1 in undefined):
+            raise DifferentiationError(
+                f"reverse-mode differentiation met '{eq.prim.name}' of two values that both "
+                "depend on the tangents: the linearized program is not linear. This happens "
+                "when a custom_jvp rule's tangent output is not linear in the input "
+                "tangents (e.g. t * t).\nFix: make the JVP rule linear in the tangents "
+                "(multiply tangents only by primal values)."
+                + (f" (created at {eq.source})" if eq.source else ""))
         try:
             rule = transpose_rules.lookup(eq.prim, transform="reverse-mode differentiation")
             cts_in = rule(cts if eq.prim.multiple_results else cts[0], *args, **eq.params)
@@ -210,6 +221,11 @@ def backward_pass(linear: Program, n_res: int, residuals: list, cts_out: list) -
             if isinstance(a, Var) and a in lin_vars:
                 add_ct(a, ct)
     return [ct_env.get(v, Zero(v.aval)) for v in linear.inputs[n_res:]]
+
+
+# Bilinear primitives: linear in each operand, so a linear program uses them with at
+# most one operand depending on the tangents.
+_LINEAR_IN_ONE = frozenset({"mul", "matmul", "div", "gather", "dot_general", "conv"})
 
 
 def _linearize_flat(program: Program, consts: list, primals: list):
@@ -268,6 +284,7 @@ def vjp(fun, *primals, has_aux: bool = False):
 
     See also: ``fs.grad``, ``fs.jacrev``; docs/autodiff.md.
     """
+    check_function("fs.vjp", fun)
     return _vjp(fun, primals, has_aux, "vjp")
 
 
@@ -302,10 +319,13 @@ def _vjp(fun, primals, has_aux, api):
                 f"is {type_tree(out)}; got {type_tree(ct)}.\nFix: pass one cotangent per "
                 "output leaf, in the output's containers.")
         for i, (c, a) in enumerate(zip(ct_leaves, out_avals)):
-            if tuple(typeof(c).shape) != tuple(a.shape):
+            t = typeof(c)
+            weak = isinstance(c, (int, float)) and not isinstance(c, bool)
+            if tuple(t.shape) != tuple(a.shape) or (not weak and t.dtype != a.dtype):
                 raise DifferentiationError(
-                    f"{api}({fname}): cotangent leaf {i} has type {typeof(c)}, but the output "
-                    f"leaf has type {a}; shapes must be equal.")
+                    f"{api}({fname}): cotangent leaf {i} has type {t}, but the output leaf "
+                    f"has type {a}; a cotangent must have its output's shape and dtype.\n"
+                    f"Fix: cast it, e.g. ct.astype(mindspore.{a.dtype}).")
         ct_leaves = [_as_dtype(c, a.dtype) for c, a in zip(ct_leaves, out_avals)]
         ct_leaves = seed_cotangents(ct_leaves, primals_out[:n_main], replicas)
         cts = ct_leaves + [Zero(typeof(x)) for x in primals_out[n_main:n_all]]
@@ -359,6 +379,17 @@ def _normalize_argnums(fname, api, argnums, nargs):
     return single, tuple(i % nargs for i in nums)
 
 
+def _tensors(x):
+    """NumPy arrays as Tensors: arguments that are not differentiated reach the user's
+    MindSpore code as they are, and MindSpore ops refuse NumPy arrays (jit, vmap and
+    shard convert them the same way)."""
+    import numpy as np
+
+    from fshard.backend.mindspore import as_tensor
+
+    return tree.map(lambda a: as_tensor(a) if isinstance(a, np.ndarray) else a, x)
+
+
 def _distinct(nums):
     """``(unique, expand)``: differentiate each argument once, then give every listed
     position its gradient (``argnums=(0, 0)`` returns the gradient twice, as in JAX;
@@ -405,6 +436,7 @@ def value_and_grad(fun, argnums=0, has_aux: bool = False):
     """
     from fshard.cells import maybe_cell
 
+    check_function("fs.value_and_grad", fun)
     return maybe_cell(fun, lambda f: _value_and_grad(f, argnums, has_aux, "value_and_grad"))
 
 
@@ -413,6 +445,7 @@ def _value_and_grad(fun, argnums, has_aux, api):
 
     @functools.wraps(fun)
     def vg(*args, **kwargs):
+        args, kwargs = _tensors((args, kwargs))
         single, listed = _normalize_argnums(fname, api, argnums, len(args))
         nums, expand = _distinct(listed)
         partial = _partial(fun, fname, args, kwargs, nums)
@@ -449,6 +482,8 @@ def grad(fun, argnums=0, has_aux: bool = False):
     array([2., 4.], dtype=float32)
     """
     from fshard.cells import maybe_cell
+
+    check_function("fs.grad", fun)
 
     def make(f):
         vg = _value_and_grad(f, argnums, has_aux, "grad")
@@ -526,11 +561,13 @@ def jacfwd(fun, argnums=0, has_aux: bool = False):
 
     See also: ``fs.jacrev`` (cheaper when outputs are fewer than inputs), ``fs.hessian``.
     """
+    check_function("fs.jacfwd", fun)
     from fshard.primitives.structural import reshape
     from fshard.transforms.vmap import vmap
 
     @functools.wraps(fun)
     def jac(*args, **kwargs):
+        args, kwargs = _tensors((args, kwargs))
         fname, single, nums, diff_args, expand = _jac_setup(fun, "jacfwd", argnums, args)
         partial = _partial(fun, fname, args, kwargs, nums)
         in_leaves, in_tree = tree.flatten(diff_args)
@@ -580,11 +617,13 @@ def jacrev(fun, argnums=0, has_aux: bool = False):
 
     See also: ``fs.jacfwd`` (cheaper when inputs are fewer than outputs), ``fs.hessian``.
     """
+    check_function("fs.jacrev", fun)
     from fshard.primitives.structural import reshape
     from fshard.transforms.vmap import vmap
 
     @functools.wraps(fun)
     def jac(*args, **kwargs):
+        args, kwargs = _tensors((args, kwargs))
         fname, single, nums, diff_args, expand = _jac_setup(fun, "jacrev", argnums, args)
         partial = _partial(fun, fname, args, kwargs, nums)
         res = _vjp(partial, diff_args, has_aux, "jacrev")
@@ -621,4 +660,5 @@ def hessian(fun, argnums=0, has_aux: bool = False):
 
     See also: ``fs.jacfwd``, ``fs.jacrev``.
     """
+    check_function("fs.hessian", fun)
     return jacfwd(jacrev(fun, argnums, has_aux=has_aux), argnums, has_aux=has_aux)

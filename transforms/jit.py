@@ -18,7 +18,8 @@ from fshard.backend import mindspore as backend
 from fshard.core import EvalTrace, Symbol, current_trace, typeof
 from fshard.errors import ShapeError
 from fshard.mesh import context_key as _mesh_key
-from fshard.staging import Traced, fun_name, split_static, trace_fun
+from fshard.staging import (Traced, check_function, check_static_args, fun_name, split_static,
+                            trace_fun)
 
 
 class Lowered:
@@ -260,7 +261,10 @@ class Jitted:
         return f"fs.jit({fun_name(self.fun)})"
 
 
-def jit(fun=None, *, static_argnums=(), static_argnames=()):
+_DECORATOR = object()  # jit(static_argnums=...) without a function: a decorator
+
+
+def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=()):
     """Compile ``fun`` into one MindSpore GRAPH-mode program per input signature.
 
     >>> import numpy as np, fshard as fs
@@ -282,13 +286,17 @@ def jit(fun=None, *, static_argnums=(), static_argnames=()):
 
     See also: ``fs.make_ir``; docs/jit.md.
     """
-    if fun is None:
-        return functools.partial(jit, static_argnums=static_argnums,
-                                 static_argnames=static_argnames)
+    if fun is _DECORATOR:  # @fs.jit(static_argnums=...) as a decorator factory
+        def decorate(f):
+            check_function("fs.jit", f)
+            return jit(f, static_argnums=static_argnums, static_argnames=static_argnames)
+
+        return decorate
     from fshard.cells import is_cell, maybe_cell
 
-    if isinstance(static_argnums, int):
-        static_argnums = (static_argnums,)
+    check_function("fs.jit", fun)
+    static_argnums, static_argnames = check_static_args(
+        "fs.jit", fun.construct if is_cell(fun) else fun, static_argnums, static_argnames)
     if is_cell(fun):  # the Cell's parameters become argument 0
         static_argnums = tuple(i + 1 if i >= 0 else i for i in static_argnums)
     return maybe_cell(fun, lambda f: Jitted(f, static_argnums, static_argnames))

@@ -1210,10 +1210,14 @@ class Sharded:
         if not callable(fn):
             raise ShardingError(
                 f"fs.shard expects a function or an nn.Cell; got {type(fn).__name__} {fn!r}.")
-        if isinstance(level, bool) or level not in (0, 1, 2):
+        if type(level) is not int or level not in (0, 1, 2):
             raise ShardingError(
                 f"shard({fname}): level must be 0 (best compute/communication ratio), 1 "
                 f"(least memory) or 2 (fastest); got {level!r}.\nFix: pass level=0, 1 or 2.")
+        if not isinstance(search, bool):
+            raise ShardingError(
+                f"shard({fname}): search must be True (plan the whole program with "
+                f"fshard's search) or False (propagation only); got {search!r}.")
         if dataset_strategy not in ("full_batch", "data_parallel"):
             raise ShardingError(
                 f"shard({fname}): dataset_strategy must be 'full_batch' (inputs and outputs "
@@ -1444,17 +1448,17 @@ class Sharded:
         return out
 
     def save_strategies(self, path, *args) -> dict:
-        """Write ``strategies(*args)`` to ``path`` as JSON; returns it."""
+        """Write ``strategies(*args)`` to ``path`` as JSON, atomically (a temporary file
+        in the same directory, flushed and renamed: the previous file survives a
+        failure); returns it."""
         data = self.strategies(*args)
-        with open(path, "w") as fh:
-            json.dump(data, fh, indent=1)
+        write_json_atomic(path, data, "strategy file")
         return data
 
     def load_strategies(self, path) -> "Sharded":
-        """Use the strategies saved in ``path`` instead of propagating (checked against
-        the program when called). Returns ``self``."""
-        with open(path) as fh:
-            self._fixed = json.load(fh)
+        """Use the strategies saved in ``path`` instead of propagating (the file is
+        checked now; its fit to the program when called). Returns ``self``."""
+        self._fixed = read_strategy_file(path)
         self._cache.clear()
         return self
 
@@ -1501,6 +1505,94 @@ def _resolve_parameter_plan(cell, plan_, fname) -> dict:
     return out
 
 
+def write_json_atomic(path, data, what: str) -> None:
+    """Write ``data`` as JSON to ``path``: to a temporary file in the same directory,
+    flushed to disk, then renamed over ``path`` (so ``path`` is always a whole file)."""
+    import os
+    import tempfile
+
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ShardingError(
+            f"cannot write the {what} {path!r}: the directory {folder!r} does not exist.\n"
+            "Fix: create it first (os.makedirs).")
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".fshard-", suffix=".json.tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        raise ShardingError(
+            f"cannot write the {what} {path!r}: {e.strerror or e}. The previous file, if any, "
+            "is unchanged.\nFix: free disk space or choose another path.") from e
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def read_strategy_file(path) -> dict:
+    """The content of a strategy file written by ``save_strategies``, checked for form
+    (every problem an error naming the file)."""
+    def bad(why, fix="save it again with save_strategies"):
+        raise ShardingError(f"strategy file {path!r}: {why}.\nFix: {fix}.")
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        bad("no such file", "give the path save_strategies wrote")
+    except IsADirectoryError:
+        bad("is a directory, not a file", "give the path of the .json file")
+    except UnicodeDecodeError:
+        bad("is not text (not a JSON strategy file)")
+    except json.JSONDecodeError as e:
+        bad(f"is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); it may be "
+            "truncated")
+    except RecursionError:
+        bad("is nested too deeply to be a strategy file")
+    except OSError as e:
+        bad(f"cannot be read ({e.strerror or e})", "check the path and its permissions")
+    if not isinstance(data, dict):
+        bad(f"holds a JSON {type(data).__name__}, not the object save_strategies writes")
+    if not isinstance(data.get("device_num"), int):
+        bad("has no integer 'device_num'")
+    for key in ("inputs", "equations"):
+        if not isinstance(data.get(key), list):
+            bad(f"has no list '{key}'")
+    for k, entry in enumerate(data["inputs"]):
+        if not (isinstance(entry, dict) and isinstance(entry.get("layout"), list)):
+            bad(f"inputs[{k}] has no 'layout' list")
+        for d in entry["layout"]:
+            _check_axis_list(bad, f"inputs[{k}].layout", d)
+    for k, entry in enumerate(data["equations"]):
+        if not (isinstance(entry, dict) and isinstance(entry.get("primitive"), str)):
+            bad(f"equations[{k}] has no 'primitive' name")
+        if not isinstance(entry.get("assignment"), list):
+            bad(f"equations[{k}] ('{entry['primitive']}') has no 'assignment' list (the "
+                "mesh axes of each factor)")
+        for pair in entry["assignment"]:
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+                bad(f"equations[{k}].assignment has the entry {pair!r}, not [factor, axes]")
+            _check_axis_list(bad, f"equations[{k}].assignment", pair[1])
+        for key in ("carry",):
+            if key in entry:
+                _check_axis_list(bad, f"equations[{k}].{key}", entry[key])
+    return data
+
+
+def _check_axis_list(bad, where, axes) -> None:
+    if not (isinstance(axes, list) and all(
+            isinstance(a, str) and len(a) > 1 and a[0] == "m" and a[1:].isdigit()
+            for a in axes)):
+        bad(f"{where} has {axes!r} where a list of mesh axis names like ['m0', 'm1'] "
+            "belongs")
+
+
 def _apply_fixed(prop: Propagated, data: dict) -> Propagated:
     """Replace propagation's choices by those of a loaded strategy file."""
     from fshard.sharding import Candidate
@@ -1508,7 +1600,11 @@ def _apply_fixed(prop: Propagated, data: dict) -> Propagated:
     mesh, program = prop.mesh, prop.program
 
     def axes_of(names):
-        return tuple(int(n[1:]) for n in names)
+        axes = tuple(int(n[1:]) for n in names)
+        if any(a >= len(mesh.sizes) for a in axes):
+            bad(f"it names mesh axes {list(names)}, but this mesh has "
+                f"{len(mesh.sizes)} prime axes (m0..m{len(mesh.sizes) - 1})")
+        return axes
 
     def bad(why):
         raise ShardingError(

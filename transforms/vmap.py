@@ -139,6 +139,11 @@ def vmap(fun, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
 
     if not callable(fun):
         raise BatchingError(f"vmap expects a function, got {type(fun).__name__}.")
+    if axis_size is not None and (isinstance(axis_size, bool) or not isinstance(
+            axis_size, int) or axis_size < 0):
+        raise BatchingError(
+            f"vmap(axis_size=...) must be None or an int >= 0 (the batch size); got "
+            f"{axis_size!r}.")
     # A Cell's functional form takes its parameters first: they are never mapped.
     return maybe_cell(fun, lambda f: _vmap(f, in_axes, out_axes, axis_name, axis_size,
                                            params_first=f is not fun))

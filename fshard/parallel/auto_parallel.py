@@ -34,8 +34,6 @@ error that says so; none is accepted and ignored.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -49,7 +47,7 @@ from fshard.optim import apply_updates
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
 from fshard.transforms.jit import jit
-from fshard.transforms.shard import shard
+from fshard.transforms.shard import shard, write_json_atomic
 
 MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
 LEVELS = ("level1", "level2", "level3")
@@ -380,7 +378,6 @@ class AutoParallel:
         b_sh = self._batch_strategies(batch)
         in_strategy = (p_sh, o_sh, ()) + tuple(b_sh)
         out_strategy = (TrainState(p_sh, o_sh, ()), None)
-        dataset = "data_parallel" if self._dataset == "data_parallel" else "full_batch"
         grad_vars: list = []
         s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
                   mesh=self.mesh,
@@ -493,21 +490,7 @@ def _name(path) -> str:
 
 
 def _write_json(path, data) -> None:
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ArgumentError(f"cannot write {path!r}: the directory {folder!r} does not exist.")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".fshard-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_json_atomic(path, data, "parameter strategy file")
 
 
 def _read_json(path, fmt: str) -> dict:

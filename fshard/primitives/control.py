@@ -434,6 +434,41 @@ class _Rules:
         self.depth -= 1
 
 
+def _check_custom(kind: str, fun, nondiff_argnums) -> tuple:
+    """The function and ``nondiff_argnums`` of a custom-derivative decorator, checked."""
+    if not callable(fun):
+        raise DifferentiationError(
+            f"fs.{kind} decorates a function; got {type(fun).__name__} {fun!r}.\nFix: "
+            f"@fs.{kind} above a def, or fs.{kind}(f).")
+    if isinstance(nondiff_argnums, int) and not isinstance(nondiff_argnums, bool):
+        nondiff_argnums = (nondiff_argnums,)
+    if not isinstance(nondiff_argnums, (tuple, list)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in nondiff_argnums):
+        raise DifferentiationError(
+            f"fs.{kind}(nondiff_argnums=...) must be a tuple of ints; got "
+            f"{nondiff_argnums!r}.")
+    try:
+        params = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+        bad = [i for i in nondiff_argnums if not -n <= i < n]
+        if bad:
+            raise DifferentiationError(
+                f"fs.{kind}(nondiff_argnums={tuple(nondiff_argnums)!r}): "
+                f"{fun_name(fun)} has {n} positional parameters, so {bad} is out of range."
+                f"\nFix: use positions in [{-n}, {n - 1}].")
+    return tuple(nondiff_argnums)
+
+
+def _check_rule(kind: str, method: str, arg: str, rule) -> None:
+    if not callable(rule):
+        raise DifferentiationError(
+            f"fs.{kind}.{method}({arg}=...) must be a function; got {type(rule).__name__} "
+            f"{rule!r}.")
+
+
 class custom_jvp:  # noqa: N801  (mirrors jax.custom_jvp)
     """A function with a user-defined JVP rule, used by every derivative transform.
 
@@ -462,14 +497,15 @@ class custom_jvp:  # noqa: N801  (mirrors jax.custom_jvp)
     """
 
     def __init__(self, fun, nondiff_argnums: tuple = ()):
+        self.nondiff_argnums = _check_custom("custom_jvp", fun, nondiff_argnums)
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.nondiff_argnums = tuple(nondiff_argnums)
         self.jvp_rule = None
         self._staging = _Rules()
 
     def defjvp(self, jvp_rule):
         """Set the JVP rule (usable as a decorator); returns the rule."""
+        _check_rule("custom_jvp", "defjvp", "jvp_rule", jvp_rule)
         self.jvp_rule = jvp_rule
         return jvp_rule
 
@@ -573,14 +609,16 @@ class custom_vjp:  # noqa: N801  (mirrors jax.custom_vjp)
     """
 
     def __init__(self, fun, nondiff_argnums: tuple = ()):
+        self.nondiff_argnums = _check_custom("custom_vjp", fun, nondiff_argnums)
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.nondiff_argnums = tuple(nondiff_argnums)
         self.fwd = self.bwd = None
         self._staging = _Rules()
 
     def defvjp(self, fwd, bwd) -> None:
         """Set the forward (``fwd``) and backward (``bwd``) rules."""
+        _check_rule("custom_vjp", "defvjp", "fwd", fwd)
+        _check_rule("custom_vjp", "defvjp", "bwd", bwd)
         self.fwd, self.bwd = fwd, bwd
 
     def __get__(self, obj, objtype=None):

@@ -599,6 +599,11 @@ def square(x):
 
 def cast(x, dtype):
     """Convert ``x`` to ``dtype`` (a MindSpore or NumPy dtype)."""
+    if dtype is None:
+        from fshard.errors import ArgumentError
+
+        raise ArgumentError(
+            "cast(x, dtype): dtype is None; give the target dtype, e.g. mindspore.float32.")
     dtype = dtypes.canonical(dtype)
     if _is_weak(x):
         return dtypes.to_numpy(dtype).type(x)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from mindspore import ops
 
+from fshard import dtypes
 from fshard.core import ArrayType, typeof
 from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives._batching import batch_to_front, batch_size, move_axis
@@ -28,6 +29,11 @@ def _ms_batch_matmul(x, y, transpose_a, transpose_b):
 
 
 def _matmul_type(x, y, *, transpose_a, transpose_b):
+    if x.dtype == dtypes.bool_ or y.dtype == dtypes.bool_:
+        raise ProgramTypeError(
+            f"matmul of bool operands ({x} and {y}) is not supported (MindSpore's CPU MatMul "
+            "has no bool kernel).\nFix: cast to a number first, e.g. x.astype(mindspore."
+            "float32).")
     if x.dtype != y.dtype:
         raise ProgramTypeError(f"matmul operands have different dtypes: {x} and {y}")
     if x.ndim < 2 or x.ndim != y.ndim:

@@ -147,7 +147,14 @@ def _axes(x, axis) -> tuple:
     if axis is None or axis == ():
         return tuple(range(nd))
     if isinstance(axis, (list, tuple)):
-        return tuple(sorted({_norm_axis(a, nd) for a in axis}))
+        axes = [_norm_axis(a, nd) for a in axis]
+        if len(set(axes)) != len(axes):
+            from fshard.errors import ArgumentError
+
+            raise ArgumentError(
+                f"axis={tuple(axis)!r} names a dimension more than once (for a value of "
+                f"rank {nd}).\nFix: list each axis once.")
+        return tuple(sorted(axes))
     return (_norm_axis(axis, nd),)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
-from fshard.core import ArrayType, Tracer, dims_equal, typeof
+from fshard.core import ArrayType, Symbol, Tracer, dims_equal, typeof
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
 from fshard.primitives._batching import batch_size, batch_to_front, move_axis, vectorized
 from fshard.primitives._define import (Zero, def_primitive, defjvp, deflinear, instantiate,
@@ -36,12 +36,26 @@ def _norm_axis(axis: int, ndim: int, what: str = "axis") -> int:
 
 
 def _static_shape(shape, what="shape") -> tuple:
-    if isinstance(shape, (int, np.integer)):
+    """A shape argument as a tuple of ints (or Symbols), checked: MindSpore must never
+    see a string, a float or a negative size (-1 is ``reshape``'s, checked there)."""
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)
-    try:
-        return tuple(int(d) if isinstance(d, (int, np.integer)) else d for d in shape)
-    except TypeError:
-        raise ArgumentError(f"{what} must be a tuple of ints, got {shape!r}.") from None
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise ArgumentError(f"{what} must be a tuple of ints, got {shape!r}.")
+    out = []
+    for d in shape:
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer, Symbol)):
+            raise ArgumentError(
+                f"{what} must be a tuple of ints, got {shape!r} (the entry {d!r} is a "
+                f"{type(d).__name__}).")
+        out.append(int(d) if isinstance(d, (int, np.integer)) else d)
+    return tuple(out)
+
+
+def _nonnegative(shape, what) -> tuple:
+    if any(isinstance(d, int) and d < 0 for d in shape):
+        raise ShapeError(f"{what} must not have negative sizes, got {shape}.")
+    return shape
 
 
 # ---------------------------------------------------------------------------
@@ -320,7 +334,8 @@ def full(shape, value, dtype=dtypes.float32):
     dtype = dtypes.canonical(dtype)
     value = bool(value) if dtype == dtypes.bool_ else (
         float(value) if dtypes.is_float(dtype) else int(value))
-    return full_p.bind(shape=_static_shape(shape), value=value, dtype=dtype)
+    return full_p.bind(shape=_nonnegative(_static_shape(shape), "full(shape=...)"),
+                       value=value, dtype=dtype)
 
 
 def zeros(shape, dtype=dtypes.float32):
@@ -979,7 +994,21 @@ def gather(x, indices, axis: int = 0):
         raise ShapeError(f"gather(x=...): x is a scalar ({a}); gather needs rank >= 1.")
     axis = _norm_axis(axis, a.ndim, "gather(axis=...)")
     indices = _index_array(indices, "gather(indices=...)")
+    _check_index_range(indices, a.shape[axis], "gather(indices=...)")
     return gather_p.bind(x, indices, axis=axis)
+
+
+def _check_index_range(indices, n, what: str) -> None:
+    """Concrete indices are checked against ``[0, n)`` before MindSpore sees them (its
+    CPU kernels fail later, asynchronously, or give zeros); traced ones cannot be."""
+    if isinstance(indices, Tracer) or not isinstance(n, int):
+        return
+    values = indices.asnumpy() if hasattr(indices, "asnumpy") else np.asarray(indices)
+    if values.size and (values.min() < 0 or values.max() >= n):
+        bad = values[(values < 0) | (values >= n)].ravel()[:5].tolist()
+        raise ArgumentError(
+            f"{what} has entries {bad} outside [0, {n}) (the size of the gathered axis).\n"
+            "Fix: clip or correct the indices; x[...] indexing accepts negative ones.")
 
 
 # ---------------------------------------------------------------------------
@@ -1086,6 +1115,7 @@ def scatter_add(updates, indices, shape, axis: int = 0):
         raise ArgumentError("scatter_add(shape=()): the output needs rank >= 1.")
     axis = _norm_axis(axis, len(shape), "scatter_add(axis=...)")
     indices = _index_array(indices, "scatter_add(indices=...)")
+    _check_index_range(indices, shape[axis], "scatter_add(indices=...)")
     ua, ia = typeof(updates), typeof(indices)
     expected = tuple(shape[:axis]) + tuple(ia.shape) + tuple(shape[axis + 1:])
     if tuple(ua.shape) != expected:

@@ -21,6 +21,7 @@ standalone file to run ``_worker_main`` (no ``import fshard`` in the worker).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -236,8 +237,14 @@ class _Worker:
 
 
 def _kill(proc: subprocess.Popen, grace: float = 1.0) -> None:
-    """Stop a child and everything it started (its own process group)."""
+    """Stop a child and everything it started (its own process group), also when the
+    child itself has exited: processes it started (``subprocess.Popen``) must not
+    outlive the job."""
     if proc.poll() is not None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group
+        except (ProcessLookupError, PermissionError):
+            pass
         return
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         try:
@@ -323,10 +330,11 @@ def run(
         from fshard.errors import ArgumentError
 
         raise ArgumentError(f"n must be a positive int (the number of ranks); got {n!r}.")
-    if not timeout or timeout <= 0:
+    problem = _check_options(timeout, port, log_dir)
+    if problem:
         from fshard.errors import ArgumentError
 
-        raise ArgumentError(f"timeout must be a positive number of seconds; got {timeout!r}.")
+        raise ArgumentError(problem)
     if not module and not os.path.isfile(script_or_module):
         from fshard.errors import ArgumentError
 
@@ -334,6 +342,7 @@ def run(
             f"script {script_or_module!r} does not exist (cwd {os.getcwd()}). Fix: give the "
             f"path of a Python file, or module=True (-m) for a module name."
         )
+    keep_logs = log_dir is not None
     log_dir = log_dir or tempfile.mkdtemp(prefix="fshard-launch-")
     os.makedirs(log_dir, exist_ok=True)
     port = port or free_port()
@@ -464,15 +473,28 @@ def run(
         sched_text = f.read()
 
     where = f"Logs: {log_dir}"
+    if not keep_logs and not (interrupted or timed_out or failed or sched_failed is not None):
+        # A successful job leaves nothing behind unless logs were asked for (--log-dir).
+        import shutil
+
+        shutil.rmtree(log_dir, ignore_errors=True)
+        where = "(logs removed; keep them with --log-dir)"
     if interrupted:
         code = EXIT_INTERRUPTED
         msg = f"fshard.launch: interrupted after {wall:.1f} s; stopped {_ranks(running)}. {where}"
     elif timed_out:
         code = EXIT_TIMEOUT
+        hung = [w.rank for w in workers if w.rank in running and not w.done]
+        finished = [w.rank for w in workers if w.rank not in hung]
+        failed = hung
+        running = hung
         msg = (
-            f"fshard.launch: timed out after {timeout:g} s; stopped {_ranks(running)}, still "
-            f"running. Fix: raise --timeout, or look for a rank stuck in a collective (every "
-            f"rank must run the same collectives in the same order). {where}"
+            f"fshard.launch: timed out after {timeout:g} s: {_ranks(running)} still running "
+            f"(hung?) and stopped"
+            + (f"; {_ranks(finished)} had finished" if finished else "")
+            + ". Fix: raise --timeout, or look for a rank stuck in a collective or in "
+            "init (every rank must run the same collectives in the same order, and call "
+            f"fs.distributed.init()). {where}"
         )
     elif failed:
         first = results[failed[0]]
@@ -496,6 +518,19 @@ def run(
         code = 0
         msg = f"fshard.launch: {n} ranks finished in {wall:.1f} s. {where}"
     return LaunchResult(code, results, failed, timed_out, wall, log_dir, msg, sched_text)
+
+
+def _check_options(timeout, port, log_dir) -> str | None:
+    """What is wrong with the job options, or None."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            math.isfinite(timeout) and timeout > 0):
+        return f"timeout must be a positive, finite number of seconds; got {timeout!r}."
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 1 <= port <= 65535):
+        return f"port must be an int in [1, 65535] (or None for a free one); got {port!r}."
+    if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        return f"log_dir {log_dir!r} is a file, not a directory."
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -522,6 +557,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.nproc < 1:
         parser.error(f"-n must be a positive number of ranks; got {ns.nproc}")
+    problem = _check_options(ns.timeout, ns.port, ns.log_dir)
+    if problem:
+        parser.error(problem.replace("timeout", "--timeout", 1).replace("port must", "--port "
+                     "must", 1).replace("log_dir", "--log-dir", 1))
     if not ns.module and not os.path.isfile(ns.target):
         parser.error(f"script {ns.target!r} not found (use -m for a module)")
     result = run(

@@ -10,9 +10,11 @@ primitive's lowering rule returns the source of one expression; constants
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import itertools
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -136,11 +138,19 @@ _gen_counter = itertools.count()
 _gen_lock = threading.Lock()
 
 
+def _remove_gen_dir(path: str, pid: int) -> None:
+    """At exit, the generated sources go (only the process that made them removes
+    them: a forked child shares the path)."""
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _gen_path(name: str) -> tuple[str, str]:
     global _gen_dir
     with _gen_lock:
         if _gen_dir is None:
             _gen_dir = tempfile.mkdtemp(prefix="fshard_gen_")
+            atexit.register(_remove_gen_dir, _gen_dir, os.getpid())
         n = next(_gen_counter)
     modname = f"fshard_generated_{os.getpid()}_{n}"
     return modname, os.path.join(_gen_dir, f"{modname}.py")

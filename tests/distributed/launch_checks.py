@@ -6,7 +6,9 @@
   world size, default mesh, idempotent init, an ``ms.jit`` AllReduce over the world and
   over groups made by ``group_for``), then ``ALL CHECKS PASSED``;
 - ``fail``: rank 1 raises before joining while the other ranks block in ``init()``;
-- ``hang``: every rank sleeps (for the launcher's timeout).
+- ``hang``: rank 0 finishes at once, the others sleep (for the launcher's timeout);
+- ``child``: every rank starts a ``sleep`` process it never stops, prints its pid, and
+  finishes (the launcher must stop the children with the job).
 
 Launches cost ~10-20 s each on 2 cores, so checks are batched into one job.
 """
@@ -87,9 +89,19 @@ def run_fail() -> None:
 
 
 def run_hang() -> None:
+    if os.environ["RANK_ID"] == "0":
+        print("done early", flush=True)
+        return
     print("hanging", flush=True)
     time.sleep(600)
 
 
+def run_child() -> None:
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "120"])
+    print(f"child {child.pid}", flush=True)
+
+
 if __name__ == "__main__":
-    {"ok": run_ok, "fail": run_fail, "hang": run_hang}[sys.argv[1]]()
+    {"ok": run_ok, "fail": run_fail, "hang": run_hang, "child": run_child}[sys.argv[1]]()

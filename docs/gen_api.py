@@ -18,6 +18,9 @@ SECTIONS = {
                                         "all_gather", "psum_scatter", "all_to_all",
                                         "ppermute", "broadcast", "axis_index"],
     "Types": ["ArrayType", "Symbol"],
+    "Training": ["AutoParallel", "TrainState", "optim.sgd", "optim.adam", "optim.adamw",
+                 "optim.apply_updates", "optim.chain", "optim.clip_by_global_norm",
+                 "optim.cosine_decay", "optim.linear_warmup", "optim.constant"],
 }
 
 
@@ -43,7 +46,9 @@ def render() -> str:
     for title, names in SECTIONS.items():
         out += [f"## {title}", ""]
         for name in names:
-            obj = getattr(fs, name)
+            obj = fs
+            for part in name.split("."):
+                obj = getattr(obj, part)
             out += [f"### `fs.{_signature(name, obj)}`", "", _summary(obj), ""]
     out += ["## Op functions (`fs.ops`)", "",
             "One per primitive, plus composites; MindSpore's dtype promotion and NumPy "

@@ -261,7 +261,15 @@ class Jitted:
         return f"fs.jit({fun_name(self.fun)})"
 
 
-_DECORATOR = object()  # jit(static_argnums=...) without a function: a decorator
+class _Omitted:
+    """The default of ``jit``'s ``fun``: ``fs.jit(static_argnums=...)`` without a
+    function returns a decorator (an explicit ``None`` is an error)."""
+
+    def __repr__(self) -> str:
+        return "<omitted: a decorator>"
+
+
+_DECORATOR = _Omitted()
 
 
 def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=()):

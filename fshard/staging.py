@@ -38,11 +38,12 @@ def _user_frame() -> str | None:
 
 
 class StagedTracer(Tracer):
-    __slots__ = ("var",)
+    # ``ir_var``, not ``var``: a traced value must answer ``x.var()`` like a Tensor.
+    __slots__ = ("ir_var",)
 
     def __init__(self, trace: "StagingTrace", var: Var):
         super().__init__(trace, var.aval)
-        self.var = var
+        self.ir_var = var
 
 
 class StagingTrace(Trace):
@@ -58,7 +59,7 @@ class StagingTrace(Trace):
 
     def to_atom(self, x):
         if isinstance(x, StagedTracer) and x.trace is self:
-            return x.var
+            return x.ir_var
         if isinstance(x, (bool, int, float)):
             aval = typeof(x)
             return Literal(_np_scalar(x, aval), aval)
@@ -119,7 +120,7 @@ def stage(fn: Callable, in_avals: Sequence[ArrayType]) -> tuple[Program, list]:
     out_atoms = [trace.to_atom(x) for x in outs]
     consts = [v for v, _ in trace.const_vars.values()]
     const_vars = [var for _, var in trace.const_vars.values()]
-    program = Program(const_vars + [a.var for a in args], trace.equations, out_atoms,
+    program = Program(const_vars + [a.ir_var for a in args], trace.equations, out_atoms,
                       n_consts=len(consts))
     return program, consts
 

@@ -49,6 +49,11 @@ def _reduce_args(axis, rest, kw):
     axis = kw.pop("dim", axis)
     keepdims = kw.pop("keepdim", kw.pop("keepdims", kw.pop("keep_dims", False)))
     dtype = kw.pop("dtype", None)
+    if kw.pop("out", None) is not None:  # numpy.sum(traced) passes out=None
+        from fshard.errors import TracerConversionError
+
+        raise TracerConversionError(
+            "a traced value cannot write its result into out=...; use the returned value.")
     for r in rest:
         if isinstance(r, bool):
             keepdims = r
@@ -194,8 +199,103 @@ METHODS = {
     "maximum": ops.maximum, "minimum": ops.minimum, "pow": ops.pow,
 }
 
+def _clip(self, min=None, max=None):  # noqa: A002  (MindSpore's parameter names)
+    out = self
+    if min is not None:
+        out = ops.maximum(out, ops.cast(min, typeof(self).dtype) if isinstance(
+            min, (int, float)) else min)
+    if max is not None:
+        out = ops.minimum(out, ops.cast(max, typeof(self).dtype) if isinstance(
+            max, (int, float)) else max)
+    return out
+
+
+def _var(self, axis=None, ddof=0, keepdims=False):
+    """``Tensor.var``: the mean squared deviation (``ddof``: NumPy's delta degrees of
+    freedom), in the input's float dtype."""
+    x = self if dtypes.is_float(typeof(self).dtype) else ops.cast(self, dtypes.float32)
+    dev = x - ops.mean(x, axis, True)
+    n = typeof(x).size // max(typeof(ops.reduce_sum(dev, axis, False)).size, 1)
+    return ops.reduce_sum(dev * dev, axis, keepdims) * (1.0 / (n - ddof) if n > ddof
+                                                         else float("nan"))
+
+
+def _any(self, axis=None, keep_dims=False, *, keepdims=None):
+    keep = keep_dims if keepdims is None else keepdims
+    return ops.greater(ops.reduce_max(ops.cast(self, dtypes.int32), axis, keep), 0)
+
+
+def _all(self, axis=None, keep_dims=False, *, keepdims=None):
+    keep = keep_dims if keepdims is None else keepdims
+    return ops.greater(ops.reduce_min(ops.cast(self, dtypes.int32), axis, keep), 0)
+
+
+def _norm(self, ord=None, dim=None, keepdim=False, *, axis=None, keepdims=None):  # noqa: A002
+    if ord not in (None, 2, "fro"):
+        from fshard.errors import UnsupportedOpError
+
+        raise UnsupportedOpError(
+            f"a traced value's norm(ord={ord!r}) is not supported (only the 2-norm / "
+            "Frobenius norm).\nFix: write it with fs.ops, e.g. abs(x).max() for ord=inf.")
+    axis = dim if axis is None else axis
+    keep = keepdim if keepdims is None else keepdims
+    return ops.sqrt(ops.reduce_sum(self * self, axis, keep))
+
+
+def _refuse_in_place(self, *args, **kwargs):
+    from fshard.errors import TracerConversionError
+
+    raise TracerConversionError(
+        f"a traced value {self} cannot be updated in place (item assignment, fill_, ...): "
+        "fshard programs are pure.\nFix: build a new value, e.g. fs.ops.where(mask, v, x) "
+        "instead of x[mask] = v.")
+
+
+def _refuse_tolist(self):
+    from fshard.errors import TracerConversionError
+
+    raise TracerConversionError(
+        f"a traced value {self} has no Python values yet (tolist() needs concrete data).\n"
+        "Fix: return the value from the transformed function and call tolist() on the "
+        "result.")
+
+
+METHODS.update({
+    "clip": _clip, "clamp": _clip, "var": _var,
+    "std": lambda self, axis=None, ddof=0, keepdims=False: ops.sqrt(
+        _var(self, axis, ddof, keepdims)),
+    "any": _any, "all": _all, "norm": _norm,
+    "copy": lambda self: self,
+    "__setitem__": _refuse_in_place, "fill_": _refuse_in_place, "fill": _refuse_in_place,
+    "tolist": _refuse_tolist,
+})
+
 for _name, _fn in METHODS.items():
     setattr(Tracer, _name, _fn)
+
+
+def _missing_method(self, name):
+    """A Tensor method fshard does not trace: an ``UnsupportedOpError`` naming it (an
+    ``AttributeError`` for names no Tensor has)."""
+    import sys
+
+    from mindspore import Tensor
+
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    # Libraries probe attributes with hasattr (which only catches AttributeError): only
+    # a method called from the user's code gets the fshard error.
+    if name.startswith("_") or not hasattr(Tensor, name) or caller.split(".")[0] in (
+            "mindspore", "fshard", "numpy", "optree", "builtins"):
+        raise AttributeError(f"a traced value has no attribute {name!r}")
+    from fshard.errors import UnsupportedOpError
+
+    raise UnsupportedOpError(
+        f"fshard cannot trace the Tensor method {name!r} on a traced value {self}.\nFix: "
+        "write it with fshard.ops or supported methods (docs/tracing.md lists them), or "
+        "compute it outside the transformed function.")
+
+
+Tracer.__getattr__ = _missing_method
 
 
 def _T(self):

@@ -153,3 +153,26 @@ def test_save_strategies_is_atomic(tmp_path, sharded, monkeypatch):
         sharded.save_strategies(path, np.ones(4, np.float32))
     assert path.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary file left
+
+
+# -- methods of traced values --------------------------------------------------------------
+
+TRACED = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda a: a.prod(), fs.UnsupportedOpError, "Tensor method 'prod'"),
+    (lambda a: a.cumsum(0), fs.UnsupportedOpError, "Tensor method 'cumsum'"),
+    (lambda a: a.__setitem__(0, 1.0), fs.TracerConversionError, "updated in place"),
+    (lambda a: a.fill_(1.0), fs.TracerConversionError, "updated in place"),
+    (lambda a: a.tolist(), fs.TracerConversionError, "tolist"),
+    (lambda a: a.norm(ord=1), fs.UnsupportedOpError, "norm"),
+])
+def test_traced_value_methods_fshard_lacks_are_fshard_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        fs.jit(call)(TRACED)
+
+
+def test_numpy_reductions_of_a_traced_value_trace():
+    assert float(fs.jit(lambda a: np.sum(a))(TRACED).asnumpy()) == 15.0
+    assert float(fs.jit(lambda a: np.mean(a))(TRACED).asnumpy()) == 2.5

@@ -170,6 +170,14 @@ OP_CASES = {
 
 # "<method>" or "<method>:<variant>" -> (function, numpy arguments)
 METHOD_CASES = {
+    "clip": (lambda x: x.clip(-0.5, 0.5), [X]),
+    "clamp": (lambda x: x.clamp(-0.5, 0.5) + x.clamp(min=0.1), [X]),
+    "var": (lambda x: x.var() + x.var(0) + x.var(1, ddof=1, keepdims=True), [X]),
+    "std": (lambda x: x.std() + x.std(1), [X]),
+    "any": (lambda x: (x > 0.5).any(1), [X]),
+    "all": (lambda x: (x > -9.0).all(0), [X]),
+    "norm": (lambda x: x.norm(), [X]),
+    "copy": (lambda x: x.copy() * 2, [X]),
     "__add__": (lambda x, y: x + y + 1, [X, Y]),
     "__add__:tensor_left": (lambda x: XT + x, [X]),
     "__radd__": (lambda x: 1.0 + x, [X]),

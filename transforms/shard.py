@@ -660,7 +660,7 @@ def partition(prop: Propagated) -> Partitioned:
 
     def note(x, sh):
         if isinstance(x, StagedTracer):
-            annotations[x.var] = sh
+            annotations[x.ir_var] = sh
         return x
 
     def per_device(*local_inputs):

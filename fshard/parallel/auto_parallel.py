@@ -357,7 +357,7 @@ class AutoParallel:
 
         def train_step(params, opt_state, step, *batch):
             out, grads = value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
-            grad_vars[:] = [getattr(g, "var", None) for g in tree.leaves(grads)]
+            grad_vars[:] = [getattr(g, "ir_var", None) for g in tree.leaves(grads)]
             updates, opt_state = opt.update(grads, opt_state, params)
             params = apply_updates(params, updates)
             return TrainState(params, opt_state, step + 1), out

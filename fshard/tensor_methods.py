@@ -260,6 +260,27 @@ def _refuse_tolist(self):
         "result.")
 
 
+def _refuse_operator(symbol: str):
+    def method(self, *args):
+        from fshard.errors import UnsupportedOpError
+
+        raise UnsupportedOpError(
+            f"the operator {symbol} on a traced value ({self}) has no fshard primitive "
+            "yet.\nFix: compute it outside the transformed function, or express it with "
+            "fs.ops (e.g. a - b * fs.ops.cast(fs.ops.cast(a / b, int32), a.dtype) for "
+            "a truncating remainder of positive numbers).")
+
+    return method
+
+
+for _names, _symbol in ((("__floordiv__", "__rfloordiv__"), "//"),
+                        (("__mod__", "__rmod__"), "%"), (("__and__", "__rand__"), "&"),
+                        (("__or__", "__ror__"), "|"), (("__xor__", "__rxor__"), "^"),
+                        (("__invert__",), "~"), (("__lshift__", "__rlshift__"), "<<"),
+                        (("__rshift__", "__rrshift__"), ">>")):
+    for _n in _names:
+        METHODS.setdefault(_n, _refuse_operator(_symbol))
+
 METHODS.update({
     "clip": _clip, "clamp": _clip, "var": _var,
     "std": lambda self, axis=None, ddof=0, keepdims=False: ops.sqrt(

@@ -176,3 +176,12 @@ def test_traced_value_methods_fshard_lacks_are_fshard_errors(call, error, match)
 def test_numpy_reductions_of_a_traced_value_trace():
     assert float(fs.jit(lambda a: np.sum(a))(TRACED).asnumpy()) == 15.0
     assert float(fs.jit(lambda a: np.mean(a))(TRACED).asnumpy()) == 2.5
+
+
+@pytest.mark.parametrize("op", ["//", "%", "&", "|", "^", "<<", ">>"])
+def test_operators_without_a_primitive_are_fshard_errors(op):
+    f = eval(f"lambda a: a {op} a")  # noqa: S307  (a fixed operator from the list above)
+    with pytest.raises(fs.UnsupportedOpError, match=f"the operator {__import__('re').escape(op)}"):
+        fs.jit(f)(np.arange(4, dtype=np.int32) + 1)
+    with pytest.raises(fs.UnsupportedOpError, match="the operator ~"):
+        fs.jit(lambda a: ~a)(np.arange(4, dtype=np.int32))

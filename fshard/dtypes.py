@@ -50,12 +50,14 @@ def from_numpy(dtype) -> mstype.Type:
     """The MindSpore dtype of a NumPy dtype (float64 stays float64)."""
     try:
         return _NP_TO_MS[np.dtype(dtype)]
-    except KeyError:
+    except (KeyError, TypeError):
         from fshard.errors import ArgumentError
 
         raise ArgumentError(
-            f"dtype {np.dtype(dtype)} is not supported by fshard; use one of "
-            f"{sorted(str(d) for d in _NP_TO_MS)}."
+            f"dtype {dtype} is not supported by fshard; use one of "
+            f"{', '.join(sorted(str(d) for d in _MS_TO_NP))}.\nFix: cast the value first "
+            "(e.g. x.astype(mindspore.float32)); bfloat16 and complex dtypes are not "
+            "supported yet."
         ) from None
 
 

@@ -185,3 +185,15 @@ def test_operators_without_a_primitive_are_fshard_errors(op):
         fs.jit(f)(np.arange(4, dtype=np.int32) + 1)
     with pytest.raises(fs.UnsupportedOpError, match="the operator ~"):
         fs.jit(lambda a: ~a)(np.arange(4, dtype=np.int32))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: fs.jit(lambda a: a * 2)(ms.Tensor(X).astype(ms.bfloat16)),
+    lambda: fs.jit(lambda a: a.astype(ms.bfloat16))(X),
+    lambda: fs.jit(lambda a: a.astype(ms.complex64))(X),
+    lambda: fs.grad(lambda a: a.astype(ms.float32).sum())(ms.Tensor(X).astype(ms.bfloat16)),
+])
+def test_unsupported_dtypes_are_argument_errors_listing_the_supported_ones(make):
+    with pytest.raises(fs.ArgumentError, match=r"not supported by fshard; use one of Bool, "
+                                                r"Float16, Float32"):
+        make()

@@ -16,6 +16,7 @@ _MS_TO_NP = {
     mstype.int32: np.int32,
     mstype.int64: np.int64,
     mstype.uint8: np.uint8,
+    mstype.uint32: np.uint32,
     mstype.float16: np.float16,
     mstype.float32: np.float32,
     mstype.float64: np.float64,
@@ -28,6 +29,7 @@ _SHORT = {
     mstype.int32: "i32",
     mstype.int64: "i64",
     mstype.uint8: "u8",
+    mstype.uint32: "u32",
     mstype.float16: "f16",
     mstype.float32: "f32",
     mstype.float64: "f64",
@@ -38,6 +40,7 @@ float64 = mstype.float64
 float16 = mstype.float16
 int32 = mstype.int32
 int64 = mstype.int64
+uint32 = mstype.uint32
 bool_ = mstype.bool_
 
 
@@ -83,7 +86,8 @@ def is_float(dtype) -> bool:
 
 
 def is_int(dtype) -> bool:
-    return dtype in (mstype.int8, mstype.int16, mstype.int32, mstype.int64, mstype.uint8)
+    return dtype in (mstype.int8, mstype.int16, mstype.int32, mstype.int64, mstype.uint8,
+                     mstype.uint32)
 
 
 # (mantissa bits, exponent bits) of each float dtype.

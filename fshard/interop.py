@@ -546,9 +546,9 @@ _TENSOR_OPERATORS: dict[str, Callable] = {
     # In-place operators become their functional form (``t += tracer`` rebinds ``t``).
     "__iadd__": fo.add, "__isub__": fo.sub, "__imul__": fo.mul, "__itruediv__": fo.div,
     "__getitem__": fo.getitem,
+    "__and__": fo.bitwise_and, "__or__": fo.bitwise_or, "__xor__": fo.bitwise_xor,
 }
-_TENSOR_UNSUPPORTED = ("__mod__", "__floordiv__", "__and__", "__or__", "__xor__",
-                       "__setitem__")
+_TENSOR_UNSUPPORTED = ("__mod__", "__floordiv__", "__setitem__")
 
 
 # ---------------------------------------------------------------------------

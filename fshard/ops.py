@@ -11,6 +11,11 @@ Tensor(shape=[], dtype=Float32, value= 3)
 from fshard.primitives.elementwise import (  # noqa: F401
     abs as abs,
     add as add,
+    bitwise_and as bitwise_and,
+    bitwise_or as bitwise_or,
+    bitwise_xor as bitwise_xor,
+    shift_left as shift_left,
+    shift_right as shift_right,
     cast as cast,
     cos as cos,
     div as div,

@@ -273,11 +273,15 @@ def _refuse_operator(symbol: str):
     return method
 
 
+METHODS.update({
+    "__and__": ops.bitwise_and, "__rand__": _r(ops.bitwise_and),
+    "__or__": ops.bitwise_or, "__ror__": _r(ops.bitwise_or),
+    "__xor__": ops.bitwise_xor, "__rxor__": _r(ops.bitwise_xor),
+    "__lshift__": ops.shift_left, "__rlshift__": _r(ops.shift_left),
+    "__rshift__": ops.shift_right, "__rrshift__": _r(ops.shift_right),
+})
 for _names, _symbol in ((("__floordiv__", "__rfloordiv__"), "//"),
-                        (("__mod__", "__rmod__"), "%"), (("__and__", "__rand__"), "&"),
-                        (("__or__", "__ror__"), "|"), (("__xor__", "__rxor__"), "^"),
-                        (("__invert__",), "~"), (("__lshift__", "__rlshift__"), "<<"),
-                        (("__rshift__", "__rrshift__"), ">>")):
+                        (("__mod__", "__rmod__"), "%"), (("__invert__",), "~")):
     for _n in _names:
         METHODS.setdefault(_n, _refuse_operator(_symbol))
 

@@ -203,6 +203,8 @@ def values(rng, shape, dtype, kind: str = "any") -> np.ndarray:
     if dtype == np.bool_:
         return np.asarray(rng.random(shape) < 0.5)
     if dtype.kind in "iu":
+        if kind == "shift":  # shift amounts: within the width of every integer dtype
+            return np.asarray(rng.integers(0, 8, size=shape), dtype)
         lo = 1 if kind == "positive" else -5
         return np.asarray(rng.integers(lo, 6, size=shape), dtype)
     if kind == "positive":
@@ -1086,6 +1088,10 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(E.maximum_p, binary(), NUMERIC, (0, 1)),
         PrimitiveSpec(E.minimum_p, binary(), NUMERIC, (0, 1)),
     ]
+    for prim in (E.bitwise_and_p, E.bitwise_or_p, E.bitwise_xor_p):
+        out.append(PrimitiveSpec(prim, binary(), (I32, np.uint32, BOOL), ()))
+    for prim in (E.shift_left_p, E.shift_right_p):
+        out.append(PrimitiveSpec(prim, binary("any", "shift"), (np.uint32, I32), ()))
     for prim in (E.equal_p, E.not_equal_p, E.less_p, E.less_equal_p, E.greater_p,
                  E.greater_equal_p):
         out.append(PrimitiveSpec(prim, binary(), NUMERIC, (0, 1), zero_derivative=True))

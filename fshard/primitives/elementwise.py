@@ -422,6 +422,60 @@ def _def_compare(name, ms_fn):
     return prim
 
 
+# ---------------------------------------------------------------------------
+# Bitwise operations (integers and bool): fs.random's counter-based generator
+# ---------------------------------------------------------------------------
+
+
+def _bitwise_type(name, shift=False):
+    def rule(x, y, **_):
+        a = _same_types(name, x, y)
+        if not (dtypes.is_int(a.dtype) or (a.dtype == dtypes.bool_ and not shift)):
+            raise ProgramTypeError(
+                f"{name} needs integer{'' if shift else ' or bool'} operands, got {a}.\nFix: "
+                "cast to an integer dtype (e.g. x.astype(mindspore.uint32)).")
+        return a
+
+    return rule
+
+
+def _def_bitwise(name, ms_fn, shift=False):
+    prim = def_primitive(name, FAMILY, _bitwise_type(name, shift), ms_fn)
+    batching.set(prim, broadcasting(prim))
+    sharding.set(prim, _elementwise_sharding)
+    defjvp(prim, None, None)  # integers: no tangents
+    unsupported(prim, "transpose", "not linear (integer output)")
+    return prim
+
+
+def _ms_bitwise_and(x, y):
+    return ops.bitwise_and(x, y)
+
+
+def _ms_bitwise_or(x, y):
+    return ops.bitwise_or(x, y)
+
+
+def _ms_bitwise_xor(x, y):
+    return ops.bitwise_xor(x, y)
+
+
+def _ms_shift_left(x, y):
+    return ops.bitwise_left_shift(x, y)
+
+
+def _ms_shift_right(x, y):
+    return ops.bitwise_right_shift(x, y)
+
+
+bitwise_and_p = _def_bitwise("bitwise_and", _ms_bitwise_and)
+bitwise_or_p = _def_bitwise("bitwise_or", _ms_bitwise_or)
+bitwise_xor_p = _def_bitwise("bitwise_xor", _ms_bitwise_xor)
+# Shifts by amounts in [0, bits of the dtype); shift_right is logical for unsigned and
+# arithmetic for signed integers (as MindSpore's and NumPy's).
+shift_left_p = _def_bitwise("shift_left", _ms_shift_left, shift=True)
+shift_right_p = _def_bitwise("shift_right", _ms_shift_right, shift=True)
+
 equal_p = _def_compare("equal", _ms_equal)
 not_equal_p = _def_compare("not_equal", _ms_not_equal)
 less_p = _def_compare("less", _ms_less)
@@ -570,6 +624,11 @@ add = _bin(add_p)
 sub = _bin(sub_p)
 mul = _bin(mul_p)
 maximum = _bin(maximum_p)
+bitwise_and = _bin(bitwise_and_p)
+bitwise_or = _bin(bitwise_or_p)
+bitwise_xor = _bin(bitwise_xor_p)
+shift_left = _bin(shift_left_p)
+shift_right = _bin(shift_right_p)
 minimum = _bin(minimum_p)
 equal = _bin(equal_p)
 not_equal = _bin(not_equal_p)

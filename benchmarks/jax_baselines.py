@@ -163,6 +163,16 @@ def train_step(quick):
         lambda: _sync(f(params, x, y)), runs=_runs(quick, 400, 30), warmup=10)}
 
 
+@baseline
+def random_normal(quick):
+    """1M float32 normals from a key (benchmarks/rng.py)."""
+    draw = jax.jit(lambda k: jax.random.normal(k, (1000, 1000)))
+    key = jax.random.split(jax.random.key(0), 8)[1]
+    draw(key).block_until_ready()
+    return {"jax.jit(jax.random.normal)": timing.measure(
+        lambda: np.asarray(draw(key)), runs=_runs(quick, 40, 4), warmup=3)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--only", default=",".join(BASELINES))

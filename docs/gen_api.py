@@ -21,6 +21,10 @@ SECTIONS = {
     "Training": ["AutoParallel", "TrainState", "optim.sgd", "optim.adam", "optim.adamw",
                  "optim.apply_updates", "optim.chain", "optim.clip_by_global_norm",
                  "optim.cosine_decay", "optim.linear_warmup", "optim.constant"],
+    "Random numbers": ["random.key", "random.split", "random.fold_in", "random.bits",
+                       "random.uniform", "random.normal", "random.truncated_normal",
+                       "random.bernoulli", "random.randint", "random.gumbel",
+                       "random.categorical", "random.permutation", "nn.dropout"],
 }
 
 

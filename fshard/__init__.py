@@ -67,6 +67,8 @@ from fshard.transforms.shard import shard as shard
 from fshard.transforms.shard_map import shard_map as shard_map
 from fshard.transforms.vmap import vmap as vmap
 from fshard.visualize import visualize_sharding as visualize_sharding
+from fshard import nn as nn  # noqa: E402
+from fshard import random as random  # noqa: E402
 from fshard import optim as optim  # noqa: E402  (training layer: above the transforms)
 from fshard import parallel as parallel  # noqa: E402
 from fshard.parallel import AutoParallel as AutoParallel  # noqa: E402

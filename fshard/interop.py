@@ -672,15 +672,13 @@ def _refuse_random(name: str) -> None:
     """Raise for a stateful random op called while a transform traces."""
     if name not in _STATEFUL_RANDOM:
         return
-    keys = ("\nOr thread a key: key, sub = fs.random.split(key); noise = "
-            "fs.random.normal(sub, shape) (docs/random.md)." if "fshard.random" in sys.modules
-            else "")
     raise UnsupportedOpError(
         f"fshard refuses the stateful MindSpore random op '{name}'{_call_site(_stack())} "
         "inside a transform: traced once, its draw would be frozen into the program (the "
         "same numbers at every call of a jitted function and in every vmap lane).\nFix: "
         "draw the random numbers outside the transformed function and pass them in, e.g. "
-        "fs.jit(f)(x, ops.randn(x.shape))." + keys)
+        "fs.jit(f)(x, ops.randn(x.shape)), or thread a key: key, sub = fs.random.split(key); "
+        "noise = fs.random.normal(sub, shape) (docs/random.md).")
 
 
 def _wrap_pyboost(orig):

@@ -47,6 +47,7 @@ LAYERS = [
     ("fshard.layout", "fshard.mesh", "fshard.sharding", "fshard.distributed"),
     ("fshard.primitives",),
     ("fshard.ops", "fshard.tensor_methods", "fshard.interop", "fshard.cells"),
+    ("fshard.random", "fshard.nn"),
     ("fshard.search", "fshard.visualize", "fshard.passes"),
     ("fshard.transforms",),
     ("fshard.optim", "fshard.parallel"),

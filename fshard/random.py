@@ -1,0 +1,429 @@
+"""Counter-based random numbers: keys are values, draws are pure functions of them.
+
+A key is a ``uint32[2]`` array. Every draw hashes the key with a counter (the flat
+index of each element) through Threefry-2x32 (20 rounds), built from fshard's bitwise
+primitives, so the numbers depend only on the key and the shape: the same eagerly,
+under ``jit``, in each ``vmap`` lane (each lane's key gives that lane's numbers) and
+under ``shard`` (each device computes its block's counters). The bits are those of
+``jax.random`` (threefry, partitionable): ``fs.random.bits(fs.random.key(s), shape)``
+equals ``jax.random.bits(jax.random.key(s), shape)``, and ``split``, ``fold_in`` and
+``uniform`` follow.
+
+>>> import fshard as fs
+>>> key = fs.random.key(0)
+>>> key, sub = fs.random.split(key)
+>>> fs.random.uniform(sub, (2,)).shape
+(2,)
+
+Draw a new subkey for every use: the same key always gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mindspore
+import numpy as np
+
+from fshard import dtypes, ops
+from fshard.core import Tracer, typeof
+from fshard.errors import ArgumentError
+from fshard.primitives.elementwise import broadcast_shapes
+
+__all__ = ["key", "PRNGKey", "split", "fold_in", "bits", "uniform", "normal",
+           "truncated_normal", "bernoulli", "randint", "gumbel", "categorical",
+           "permutation"]
+
+_U32 = dtypes.uint32
+_MASK = 0xFFFFFFFF
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_FLOATS = {dtypes.float16: 10, dtypes.float32: 23, dtypes.float64: 52}  # mantissa bits
+_MAX_PERMUTATION = 1 << 14
+
+
+# ---------------------------------------------------------------------------
+# Threefry-2x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011)
+# ---------------------------------------------------------------------------
+
+
+def _rotl(v, d: int):
+    return ops.bitwise_or(ops.shift_left(v, d), ops.shift_right(v, 32 - d))
+
+
+def _threefry2x32(k0, k1, x0, x1):
+    """Hash counters ``(x0, x1)`` (uint32 arrays) under key ``(k0, k1)`` (uint32)."""
+    ks = (k0, k1, ops.bitwise_xor(ops.bitwise_xor(k0, k1), 0x1BD11BDA))
+    x0 = ops.add(x0, ks[0])
+    x1 = ops.add(x1, ks[1])
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = ops.add(x0, x1)
+            x1 = ops.bitwise_xor(x0, _rotl(x1, r))
+        x0 = ops.add(x0, ks[(i + 1) % 3])
+        x1 = ops.add(ops.add(x1, ks[(i + 2) % 3]), i + 1)
+    return x0, x1
+
+
+def _counters(shape: tuple[int, ...]):
+    """The (high, low) 32-bit halves of each element's row-major flat index."""
+    n = math.prod(shape)
+    if n >= 1 << 32:
+        raise ArgumentError(
+            f"fs.random: a draw of shape {shape} has {n} elements; at most 2**32 - 1 are "
+            "supported.\nFix: draw in pieces with keys from fs.random.split.")
+    return np.arange(n, dtype=np.uint32).reshape(shape)
+
+
+def _hash(k, shape: tuple[int, ...]):
+    k0, k1 = ops.getitem(k, 0), ops.getitem(k, 1)
+    lo = _counters(shape)
+    hi = ops.broadcast_to(ops.cast(0, _U32), shape)
+    return _threefry2x32(k0, k1, hi, lo)
+
+
+# ---------------------------------------------------------------------------
+# Keys
+# ---------------------------------------------------------------------------
+
+
+def _is_int_value(x) -> bool:
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, (int, np.integer)):
+        return True
+    try:
+        a = typeof(x)
+    except Exception:  # noqa: BLE001  (not an array: the caller reports it)
+        return False
+    return a.ndim == 0 and dtypes.is_int(a.dtype)
+
+
+def key(seed) -> Any:
+    """A key from an integer seed (Python int, or an integer scalar, traced or not).
+
+    Equal to ``jax.random.key(seed)``'s data (``jax.random.PRNGKey(seed)``): ``[0, seed]``
+    for seeds in the int32 range, the seed's high and low 32 bits beyond it.
+
+    >>> import fshard as fs
+    >>> fs.random.key(42).asnumpy().tolist()
+    [0, 42]
+    """
+    if not _is_int_value(seed):
+        raise ArgumentError(
+            f"fs.random.key(seed): seed must be an integer (a Python int or an integer "
+            f"scalar), got {type(seed).__name__} {seed!r}.\nFix: pass e.g. "
+            "fs.random.key(0).")
+    if isinstance(seed, (int, np.integer)):
+        seed = int(seed)
+        if not -(1 << 63) <= seed < (1 << 63):
+            raise ArgumentError(
+                f"fs.random.key(seed): seed must fit in int64, got {seed}.")
+        high = 0 if -(1 << 31) <= seed < (1 << 31) else (seed >> 32) & _MASK
+        return mindspore.Tensor(np.array([high, seed & _MASK], np.uint64).astype(np.uint32))
+    return ops.stack([ops.cast(0, _U32), ops.cast(seed, _U32)])
+
+
+PRNGKey = key
+
+
+def _check_key(k, fn: str):
+    try:
+        a = typeof(k)
+    except Exception:  # noqa: BLE001
+        a = None
+    if a is None or a.shape != (2,) or a.dtype != _U32:
+        got = f"{type(k).__name__}" if a is None else str(a)
+        hint = ("\nFix: draw in each lane with fs.vmap, e.g. fs.vmap(lambda k: "
+                f"fs.random.{fn}(k, shape))(keys)." if a is not None and a.ndim == 2
+                and a.shape[-1:] == (2,) else
+                "\nFix: make one with fs.random.key(seed) and new ones with "
+                "fs.random.split(key).")
+        raise ArgumentError(
+            f"fs.random.{fn}(key, ...): key must be one key, a u32[2] array, got {got}."
+            + hint)
+    return k
+
+
+def _check_shape(shape, fn: str) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        shape = None
+    if shape is None or not all(isinstance(d, (int, np.integer)) and not isinstance(
+            d, (bool, np.bool_)) and d >= 0 for d in shape):
+        raise ArgumentError(
+            f"fs.random.{fn}(..., shape): shape must be a tuple of non-negative ints, "
+            f"got {shape!r}.")
+    return tuple(int(d) for d in shape)
+
+
+def split(key, num: int = 2):
+    """``num`` new keys, a ``u32[num, 2]`` array; equal to ``jax.random.split``."""
+    _check_key(key, "split")
+    if not isinstance(num, (int, np.integer)) or isinstance(num, bool) or num < 0:
+        raise ArgumentError(
+            f"fs.random.split(key, num): num must be a non-negative int, got {num!r}.")
+    x0, x1 = _hash(key, (int(num),))
+    return ops.stack([x0, x1], axis=1)
+
+
+def fold_in(key, data):
+    """A new key from ``key`` and an integer ``data`` (e.g. a step or a rank);
+    equal to ``jax.random.fold_in``."""
+    _check_key(key, "fold_in")
+    if not _is_int_value(data):
+        raise ArgumentError(
+            f"fs.random.fold_in(key, data): data must be an integer, got "
+            f"{type(data).__name__} {data!r}.")
+    if isinstance(data, (int, np.integer)):
+        data = np.uint32(int(data) & _MASK)
+    k0, k1 = ops.getitem(key, 0), ops.getitem(key, 1)
+    x0, x1 = _threefry2x32(k0, k1, ops.cast(0, _U32), ops.cast(data, _U32))
+    return ops.stack([x0, x1])
+
+
+# ---------------------------------------------------------------------------
+# Draws
+# ---------------------------------------------------------------------------
+
+
+def bits(key, shape=(), dtype=_U32):
+    """Uniform random ``uint32`` bits of ``shape``; equal to ``jax.random.bits``."""
+    _check_key(key, "bits")
+    shape = _check_shape(shape, "bits")
+    if dtype != _U32:
+        raise ArgumentError(
+            f"fs.random.bits(..., dtype): only uint32 is supported, got {dtype}.")
+    x0, x1 = _hash(key, shape)
+    return ops.bitwise_xor(x0, x1)
+
+
+def _check_float(dtype, fn: str):
+    if dtype not in _FLOATS:
+        raise ArgumentError(
+            f"fs.random.{fn}(..., dtype): dtype must be float16, float32 or float64, "
+            f"got {dtype}.")
+    return dtype
+
+
+def _unit(key, shape, dtype):
+    """Uniform floats in [0, 1) with the dtype's mantissa bits of randomness."""
+    if dtype == dtypes.float64:
+        x0, x1 = _hash(key, shape)  # the 64 random bits are (x0 << 32) | x1
+        m = ops.add(ops.mul(ops.cast(x0, dtype), float(1 << 20)),
+                    ops.cast(ops.shift_right(x1, 12), dtype))
+        return ops.mul(m, 2.0 ** -52)
+    b = bits(key, shape)
+    if dtype == dtypes.float16:
+        b = ops.bitwise_and(b, 0xFFFF)
+        m = ops.shift_right(b, 16 - 10)
+    else:
+        m = ops.shift_right(b, 32 - 23)
+    # m < 2**23 converts exactly; scaling by a power of two is exact.
+    return ops.mul(ops.cast(ops.cast(m, dtypes.int32), dtype), 2.0 ** -_FLOATS[dtype])
+
+
+def _as(value, dtype):
+    if isinstance(value, Tracer) or not isinstance(value, (int, float, np.generic,
+                                                             np.ndarray)):
+        return ops.cast(value, dtype)
+    return np.asarray(value, dtypes.to_numpy(dtype))
+
+
+def uniform(key, shape=(), dtype=dtypes.float32, minval=0.0, maxval=1.0):
+    """Uniform floats in ``[minval, maxval)``; equal to ``jax.random.uniform``."""
+    _check_key(key, "uniform")
+    shape = _check_shape(shape, "uniform")
+    dtype = _check_float(dtype, "uniform")
+    lo, hi = _as(minval, dtype), _as(maxval, dtype)
+    span = hi - lo if isinstance(lo, np.ndarray) and isinstance(hi, np.ndarray) else \
+        ops.sub(hi, lo)
+    out = ops.add(ops.mul(_unit(key, shape, dtype), span), lo)
+    return ops.broadcast_to(ops.maximum(lo, out), shape)
+
+
+# Giles, "Approximating the erfinv function" (GPU Computing Gems, 2011), single precision.
+_ERFINV_CENTRAL = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06,
+                   0.00021858087, -0.00125372503, -0.00417768164, 0.246640727, 1.50140941)
+_ERFINV_TAIL = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844,
+                0.00573950773, -0.0076224613, 0.00943887047, 1.00167406, 2.83297682)
+
+
+def _log(x):
+    """``log`` of a float32 value computed in float64: MindSpore's float32 CPU ``Log`` is
+    accurate in absolute terms only (3% relative error at ``log(0.9999)``), which the
+    tails of ``normal`` and ``gumbel`` would magnify."""
+    a = typeof(x)
+    if a.dtype == dtypes.float64:
+        return ops.log(x)
+    return ops.cast(ops.log(ops.cast(x, dtypes.float64)), a.dtype)
+
+
+def _erfinv(x, dtype):
+    """The inverse error function on (-1, 1), ±inf at ±1."""
+    x32 = ops.cast(x, dtypes.float32)
+    # w = -log1p(-x**2) with x**2 rounded to float32 (as XLA's ErfInv does, so normal
+    # draws match jax.random's); 1 - x**2 is exact in float64.
+    xx = ops.cast(ops.mul(x32, x32), dtypes.float64)
+    w = ops.cast(ops.neg(ops.log(ops.sub(1.0, xx))), dtypes.float32)
+    central = ops.less(w, 5.0)
+    w = ops.where(central, ops.sub(w, 2.5), ops.sub(ops.sqrt(w), 3.0))
+    p = ops.where(central, np.float32(_ERFINV_CENTRAL[0]), np.float32(_ERFINV_TAIL[0]))
+    for c, t in zip(_ERFINV_CENTRAL[1:], _ERFINV_TAIL[1:]):
+        p = ops.add(ops.where(central, np.float32(c), np.float32(t)), ops.mul(p, w))
+    y = ops.mul(p, x32)
+    if dtype == dtypes.float64:
+        # Two Newton steps on erf(y) = x bring the float32 estimate to float64 accuracy.
+        y = ops.cast(y, dtype)
+        finite = ops.less(ops.abs(y), 5.8)  # erf is 1 to float64 precision beyond
+        for _ in range(2):
+            step = ops.div(ops.sub(ops.erf(y), x),
+                           ops.mul(2.0 / math.sqrt(math.pi), ops.exp(ops.neg(ops.square(y)))))
+            y = ops.where(finite, ops.sub(y, step), y)
+    else:
+        y = ops.cast(y, dtype)
+    edge = ops.equal(ops.abs(x), 1.0)
+    return ops.where(edge, ops.mul(x, np.asarray(np.inf, dtypes.to_numpy(dtype))), y)
+
+
+def normal(key, shape=(), dtype=dtypes.float32):
+    """Standard normal floats: ``sqrt(2) * erfinv(u)`` for ``u`` uniform in (-1, 1)
+    (``jax.random.normal``'s construction)."""
+    _check_key(key, "normal")
+    shape = _check_shape(shape, "normal")
+    dtype = _check_float(dtype, "normal")
+    npd = dtypes.to_numpy(dtype)
+    lo = np.nextafter(np.asarray(-1.0, npd), np.asarray(0.0, npd))
+    u = uniform(key, shape, dtype, lo, np.asarray(1.0, npd))
+    return ops.mul(np.asarray(np.sqrt(2), npd), _erfinv(u, dtype))
+
+
+def truncated_normal(key, lower, upper, shape=None, dtype=dtypes.float32):
+    """Standard normal floats conditioned on ``lower < x < upper`` (inverse CDF)."""
+    _check_key(key, "truncated_normal")
+    dtype = _check_float(dtype, "truncated_normal")
+    if shape is None:
+        shape = broadcast_shapes(typeof(lower).shape, typeof(upper).shape)
+    shape = _check_shape(shape, "truncated_normal")
+    npd = dtypes.to_numpy(dtype)
+    sqrt2 = np.asarray(np.sqrt(2), npd)
+    lower, upper = _as(lower, dtype), _as(upper, dtype)
+    a = ops.erf(ops.div(lower, sqrt2))
+    b = ops.erf(ops.div(upper, sqrt2))
+    out = ops.mul(sqrt2, _erfinv(uniform(key, shape, dtype, a, b), dtype))
+    # Keep the bounds themselves out, as the open interval promises.
+    lo = np.nextafter(lower, np.asarray(np.inf, npd)) if isinstance(lower, np.ndarray) \
+        else lower
+    hi = np.nextafter(upper, np.asarray(-np.inf, npd)) if isinstance(upper, np.ndarray) \
+        else upper
+    return ops.minimum(ops.maximum(out, lo), hi)
+
+
+def bernoulli(key, p=0.5, shape=None):
+    """Booleans that are True with probability ``p`` (``uniform < p``)."""
+    _check_key(key, "bernoulli")
+    dtype = typeof(p).dtype if isinstance(p, Tracer) else dtypes.float32
+    if not dtypes.is_float(dtype):
+        raise ArgumentError(
+            f"fs.random.bernoulli(key, p): p must be a float probability, got {dtype}.")
+    if shape is None:
+        shape = typeof(p).shape
+    shape = _check_shape(shape, "bernoulli")
+    return ops.less(uniform(key, shape, dtype), _as(p, dtype))
+
+
+def randint(key, shape, minval, maxval, dtype=dtypes.int32):
+    """Integers uniform in ``[minval, maxval)`` (``minval`` where ``maxval <= minval``).
+
+    The offset is ``floor(bits * span / 2**32)`` (Lemire's multiply-shift): bias below
+    ``span / 2**32``.
+    """
+    _check_key(key, "randint")
+    shape = _check_shape(shape, "randint")
+    if not dtypes.is_int(dtype) or dtype == _U32:
+        raise ArgumentError(
+            f"fs.random.randint(..., dtype): dtype must be a signed integer dtype, got "
+            f"{dtype}.")
+    for name, v in (("minval", minval), ("maxval", maxval)):
+        a = typeof(v)
+        if not (dtypes.is_int(a.dtype) or isinstance(v, (int, np.integer))):
+            raise ArgumentError(
+                f"fs.random.randint(..., {name}): must be an integer, got {a}.")
+    i64 = dtypes.int64
+    lo, hi = ops.cast(minval, i64), ops.cast(maxval, i64)
+    span = ops.maximum(ops.sub(hi, lo), 1)
+    b = ops.cast(bits(key, shape), i64)
+    # floor(b * span / 2**32) without overflowing int64: b = bh * 2**16 + bl.
+    bh, bl = ops.shift_right(b, 16), ops.bitwise_and(b, 0xFFFF)
+    low = ops.shift_right(ops.mul(bl, span), 16)
+    offset = ops.shift_right(ops.add(ops.mul(bh, span), low), 16)
+    return ops.cast(ops.broadcast_to(ops.add(lo, offset), shape), dtype)
+
+
+def gumbel(key, shape=(), dtype=dtypes.float32):
+    """Standard Gumbel floats, ``-log(-log(u))``."""
+    _check_key(key, "gumbel")
+    dtype = _check_float(dtype, "gumbel")
+    tiny = np.finfo(dtypes.to_numpy(dtype)).tiny
+    u = uniform(key, shape, dtype, tiny, 1.0)
+    return ops.neg(_log(ops.neg(_log(u))))
+
+
+def categorical(key, logits, axis: int = -1, shape=None):
+    """Indices drawn with probabilities ``softmax(logits, axis)`` (the Gumbel-max
+    trick). ``shape`` (default: ``logits``' shape without ``axis``) may add leading
+    dimensions."""
+    _check_key(key, "categorical")
+    a = typeof(logits)
+    if not dtypes.is_float(a.dtype) or a.ndim == 0:
+        raise ArgumentError(
+            f"fs.random.categorical(key, logits): logits must be a float array with at "
+            f"least one axis, got {a}.")
+    if not -a.ndim <= axis < a.ndim:
+        raise ArgumentError(
+            f"fs.random.categorical(..., axis={axis}): out of range for logits {a}.")
+    axis %= a.ndim
+    batch = a.shape[:axis] + a.shape[axis + 1:]
+    shape = batch if shape is None else _check_shape(shape, "categorical")
+    if shape[len(shape) - len(batch):] != batch:
+        raise ArgumentError(
+            f"fs.random.categorical(..., shape={shape}): must end with the logits' batch "
+            f"shape {batch}.")
+    prefix = shape[:len(shape) - len(batch)]
+    g = gumbel(key, prefix + a.shape, a.dtype)
+    return ops.argmax(ops.add(g, logits), axis=len(prefix) + axis)
+
+
+def permutation(key, x, axis: int = 0):
+    """A random permutation of ``range(x)`` (int ``x``) or of ``x`` along ``axis``.
+
+    Ranks ``n`` random keys by comparing every pair: O(n**2) work and memory, for
+    ``n`` up to 16384.
+    """
+    _check_key(key, "permutation")
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        n, array = int(x), None
+    else:
+        a = typeof(x)
+        if a.ndim == 0 or not -a.ndim <= axis < a.ndim:
+            raise ArgumentError(
+                f"fs.random.permutation(key, x, axis={axis}): x must be an int or an "
+                f"array with that axis, got {a}.")
+        axis %= a.ndim
+        n, array = a.shape[axis], x
+    if not 0 <= n <= _MAX_PERMUTATION:
+        raise ArgumentError(
+            f"fs.random.permutation: n must be in [0, {_MAX_PERMUTATION}], got {n}.\nFix: "
+            "permute in blocks, or draw the permutation outside the transformed function.")
+    u = ops.cast(bits(key, (n,)), dtypes.int64)
+    idx = np.arange(n, dtype=np.int32)
+    ui, uj = ops.reshape(u, (n, 1)), ops.reshape(u, (1, n))
+    before = ops.bitwise_or(ops.less(uj, ui),
+                            ops.bitwise_and(ops.equal(uj, ui), idx[None, :] < idx[:, None]))
+    rank = ops.reduce_sum(ops.cast(before, dtypes.int32), axis=1)  # a permutation
+    hit = ops.equal(ops.reshape(rank, (n, 1)), idx[None, :])  # hit[i, k]: rank[i] == k
+    perm = ops.reduce_sum(ops.where(hit, idx[:, None], np.int32(0)), axis=0)
+    return perm if array is None else ops.gather(array, perm, axis=axis)

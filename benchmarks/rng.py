@@ -9,7 +9,6 @@ Every timed call waits for its result.
 from __future__ import annotations
 
 import mindspore as ms
-import numpy as np
 from mindspore import ops
 
 import fshard as fs

@@ -13,7 +13,7 @@ import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
-from fshard.core import ArrayType, Tracer, typeof
+from fshard.core import ArrayType, typeof
 from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives._batching import broadcasting, vectorized
 from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear

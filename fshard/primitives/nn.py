@@ -9,7 +9,7 @@ from __future__ import annotations
 from mindspore import ops
 
 from fshard import dtypes
-from fshard.core import ArrayType, typeof
+from fshard.core import typeof
 from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives._batching import batch_to_front, batch_size, move_axis
 from fshard.primitives._define import def_primitive, defjvp, deflinear

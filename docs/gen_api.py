@@ -25,6 +25,10 @@ SECTIONS = {
                        "random.uniform", "random.normal", "random.truncated_normal",
                        "random.bernoulli", "random.randint", "random.gumbel",
                        "random.categorical", "random.permutation", "nn.dropout"],
+    "Checkpoints": ["checkpoint.save", "checkpoint.load", "checkpoint.latest",
+                    "checkpoint.clean", "checkpoint.save_mindspore",
+                    "checkpoint.load_mindspore", "checkpoint.save_safetensors",
+                    "checkpoint.load_safetensors", "AutoParallel.state_strategies"],
 }
 
 

@@ -22,6 +22,7 @@ from fshard.core import Symbol as Symbol
 from fshard.core import typeof as typeof
 from fshard.errors import (  # noqa: F401
     ArgumentError as ArgumentError,
+    CheckpointError as CheckpointError,
     AxisNameError as AxisNameError,
     BatchingError as BatchingError,
     CompositionError as CompositionError,
@@ -70,6 +71,7 @@ from fshard.visualize import visualize_sharding as visualize_sharding
 from fshard import nn as nn  # noqa: E402
 from fshard import random as random  # noqa: E402
 from fshard import optim as optim  # noqa: E402  (training layer: above the transforms)
+from fshard import checkpoint as checkpoint  # noqa: E402
 from fshard import parallel as parallel  # noqa: E402
 from fshard.parallel import AutoParallel as AutoParallel  # noqa: E402
 from fshard.parallel import TrainState as TrainState  # noqa: E402

@@ -73,3 +73,8 @@ class TracerLeakError(FshardError, RuntimeError):
 
 class DistributedError(FshardError, RuntimeError):
     """A multi-process job failed: launch, init, or a rank exited with an error."""
+
+
+class CheckpointError(FshardError, OSError):
+    """A checkpoint could not be written or read: a missing, truncated or altered file,
+    another program's index, a leaf whose shape or dtype differs, a save that timed out."""

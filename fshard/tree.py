@@ -49,8 +49,14 @@ def broadcast_prefix(prefix_tree, full_tree, is_leaf=None):
 
     Raises ValueError (from optree, naming the key path) when the prefix does not match.
     """
-    return optree.broadcast_prefix(prefix_tree, full_tree, is_leaf=is_leaf,
-                                   none_is_leaf=True, namespace=NAMESPACE)
+    entries, spec = optree.tree_flatten(prefix_tree, is_leaf=is_leaf, none_is_leaf=True,
+                                        namespace=NAMESPACE)
+    out = []
+    # An entry covering a subtree without leaves (an empty optimizer state) covers
+    # nothing (optree's broadcast_prefix would still emit it once).
+    for entry, sub in zip(entries, spec.flatten_up_to(full_tree)):
+        out += [entry] * len(optree.tree_leaves(sub, none_is_leaf=False, namespace=NAMESPACE))
+    return out
 
 
 def register_node(cls, flatten_fn, unflatten_fn):

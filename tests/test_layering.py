@@ -50,7 +50,7 @@ LAYERS = [
     ("fshard.random", "fshard.nn"),
     ("fshard.search", "fshard.visualize", "fshard.passes"),
     ("fshard.transforms",),
-    ("fshard.optim", "fshard.parallel"),
+    ("fshard.optim", "fshard.parallel", "fshard.checkpoint"),
     ("fshard.launch", "fshard.testing"),
 ]
 

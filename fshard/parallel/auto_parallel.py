@@ -435,6 +435,16 @@ class AutoParallel:
         report["grads"] = grads
         return report
 
+    def state_strategies(self, state: TrainState, *batch) -> TrainState:
+        """The strategy (split counts) of every leaf of ``state`` in the step's plan,
+        as a ``TrainState`` of tuples: the ``layouts`` of ``fs.checkpoint.save``."""
+        part = self.partitioned(state, *batch)
+        mesh = part.prop.mesh
+        leaves, spec = tree.flatten(TrainState(state.params, state.opt_state, state.step))
+        n_c = part.prop.program.n_consts
+        shs = part.in_shardings[n_c:n_c + len(leaves)]
+        return tree.unflatten(spec, [tuple(sh.strategy(mesh)) for sh in shs])
+
     def save_param_strategy_file(self, path, state: TrainState, *batch) -> dict:
         """Write each parameter's strategy (split counts), keyed by parameter name, to
         ``path`` as JSON, atomically."""

@@ -1,0 +1,579 @@
+"""Checkpoints: save and restore any pytree of arrays (a train state), sharded across
+the processes of a job, atomically, in safetensors files with a JSON index.
+
+>>> import os, tempfile, numpy as np, fshard as fs
+>>> root = tempfile.mkdtemp()
+>>> state = {"w": np.arange(6, dtype=np.float32).reshape(3, 2), "step": np.int32(7)}
+>>> d = fs.checkpoint.save(root, state, step=7)
+>>> fs.checkpoint.latest(root) == d
+True
+>>> back = fs.checkpoint.load(d, like=state)
+>>> back["w"].asnumpy().tolist(), int(back["step"].asnumpy())
+([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], 7)
+
+A checkpoint is a directory: ``shard-<p>-of-<P>.safetensors`` per process ``p`` (the
+blocks of the leaves that process owns under ``layouts``) and ``index.json`` (each
+leaf's key path, global shape, dtype, strategy, and which file holds which block, with
+every file's size and SHA-256). It is written under a temporary name and renamed when
+complete, index last, so a save that dies leaves the previous checkpoints intact and
+``latest`` never sees it. No pickle: safetensors and JSON only.
+
+``save_mindspore`` / ``load_mindspore`` and ``save_safetensors`` / ``load_safetensors``
+exchange a flat dict of named parameters (``fs.functional(cell)``'s) with MindSpore's
+``.ckpt`` files and single safetensors files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from fshard import distributed, dtypes, tree
+from fshard.core import typeof
+from fshard.errors import CheckpointError
+from fshard.layout import as_layout, block_owners, shard_slices
+
+__all__ = ["save", "load", "latest", "clean", "save_mindspore", "load_mindspore",
+           "save_safetensors", "load_safetensors"]
+
+FORMAT = "fshard-checkpoint"
+VERSION = 1
+INDEX = "index.json"
+_STEP_DIR = re.compile(r"^\d+$")
+_TMP_PREFIX = ".tmp-"
+
+
+# ---------------------------------------------------------------------------
+# Small helpers: names, NumPy values, files
+# ---------------------------------------------------------------------------
+
+
+def _name(path) -> str:
+    """A leaf's parameter-style name: ``['params']['dense.weight']`` -> ``params.dense.weight``."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _numpy(x) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, (np.generic, bool, int, float)):
+        return np.asarray(x)
+    asnumpy = getattr(x, "asnumpy", None)
+    if asnumpy is None:
+        raise CheckpointError(
+            f"fs.checkpoint: cannot save a leaf of type {type(x).__name__}; leaves must be "
+            "MindSpore Tensors, NumPy arrays or Python scalars.\nFix: save concrete "
+            "values (not traced ones: call save outside jit/vmap/grad).")
+    return asnumpy()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes_durably(path: str, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _safetensors_bytes(arrays: dict[str, np.ndarray], metadata=None) -> bytes:
+    from safetensors.numpy import save
+
+    # (np.ascontiguousarray would turn a 0-d array into a 1-d one)
+    return save({k: v if v.flags.c_contiguous else v.copy() for k, v in arrays.items()},
+                metadata=metadata)
+
+
+def _world() -> tuple[int, int]:
+    """``(this process, processes)`` of the job (``(0, 1)`` outside one)."""
+    if distributed.is_initialized():
+        return distributed.rank(), distributed.world_size()
+    return 0, 1
+
+
+def _job_token(nproc: int) -> str:
+    """A name every process of this job agrees on, and no other job uses."""
+    if nproc == 1:
+        return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    parent = os.environ.get("FSHARD_LAUNCH_PARENT", str(os.getppid()))
+    return f"{parent}-{os.environ.get('MS_SCHED_PORT', '0')}"
+
+
+# ---------------------------------------------------------------------------
+# Layouts: which process writes which block
+# ---------------------------------------------------------------------------
+
+
+def _leaf_strategies(state, layouts, n_leaves: int) -> list:
+    if layouts is None:
+        return [None] * n_leaves
+    try:
+        out = tree.broadcast_prefix(layouts, state, is_leaf=lambda s: s is None or isinstance(
+            s, tuple) and all(isinstance(d, int) for d in s) or hasattr(s, "to_strategy"))
+    except ValueError as e:
+        raise CheckpointError(
+            f"fs.checkpoint.save(..., layouts): layouts must have the structure of state "
+            f"(or a prefix of it), with a strategy tuple, an fs.Layout view or None per "
+            f"leaf: {e}") from None
+    return out
+
+
+def _blocks(shape, spec, n_devices: int):
+    """``[(block index, (start, stop) per dim, owning device)]`` of a leaf."""
+    if spec is None or n_devices == 1 or len(shape) == 0:
+        return [((0,) * len(shape), tuple((0, d) for d in shape), 0)]
+    layout = as_layout(spec, n_devices)
+    out = []
+    for idx, owners in block_owners(layout, n_devices).items():
+        owner = min(owners)
+        out.append((idx, shard_slices(shape, layout, owner, n_devices), owner))
+    return out
+
+
+def _spec_json(spec):
+    if spec is None:
+        return None
+    if hasattr(spec, "to_dict"):
+        return spec.to_dict() | {"strategy": list(spec.to_strategy())}
+    return list(spec)
+
+
+# ---------------------------------------------------------------------------
+# save / latest / load
+# ---------------------------------------------------------------------------
+
+
+def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
+         timeout: float = 600.0) -> str:
+    """Write ``state`` (any pytree of arrays) as a checkpoint; return its directory.
+
+    Args:
+        path: with ``step``, the root directory of a run's checkpoints (the checkpoint
+            is ``path/<step>``); without, the checkpoint's own directory. It must not
+            exist yet.
+        state: a pytree of MindSpore Tensors, NumPy arrays or scalars (the params,
+            the optimizer state and the step of a ``fs.TrainState``).
+        step: the training step, recorded in the index.
+        layouts: how each leaf is sharded (a pytree prefix of ``state`` holding
+            strategy tuples, ``fs.Layout`` views or None; e.g.
+            ``ap.state_strategies(state, *batch)`` of an ``fs.AutoParallel``): each
+            block is written once, by the process owning it, so the processes of a job
+            write in parallel and nothing is written twice. Default: whole leaves,
+            written by process 0.
+        mesh: the devices the layouts refer to (a count or ``fs.Mesh``; default: the
+            job's processes, or 1).
+        timeout: seconds to wait for the other processes of a job to finish writing.
+
+    Every process of a job calls ``save`` with the same arguments; it returns when the
+    checkpoint is complete.
+    """
+    leaves_paths, leaves, _ = tree.flatten_with_path(state)
+    rank, nproc = _world()
+    n_devices = _mesh_size(mesh, nproc)
+    if nproc > 1 and n_devices != nproc:
+        raise CheckpointError(
+            f"fs.checkpoint.save(..., mesh): in a job of {nproc} processes the layouts "
+            f"must refer to its {nproc} devices, got a mesh of {n_devices}.")
+    specs = _leaf_strategies(state, layouts, len(leaves))
+    final = os.path.join(os.fspath(path), str(int(step))) if step is not None else \
+        os.fspath(path)
+    if os.path.exists(final):
+        raise CheckpointError(
+            f"fs.checkpoint.save: {final!r} exists already; a checkpoint is never "
+            "overwritten.\nFix: save under a new step (or remove the old one first).")
+    parent = os.path.dirname(os.path.abspath(final))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f"{_TMP_PREFIX}{os.path.basename(final)}-{_job_token(nproc)}")
+    os.makedirs(tmp, exist_ok=True)
+
+    process_of = (lambda device: device) if nproc > 1 else (lambda device: 0)
+    fname = f"shard-{rank:05d}-of-{nproc:05d}.safetensors"
+    mine: dict[str, np.ndarray] = {}
+    entries = []
+    for i, (p, x, spec) in enumerate(zip(leaves_paths, leaves, specs)):
+        a = _numpy(x)
+        try:
+            dt = dtypes.to_numpy(dtypes.from_numpy(a.dtype))
+        except Exception:  # noqa: BLE001
+            dt = None
+        if dt is None or a.dtype != dt:
+            raise CheckpointError(
+                f"fs.checkpoint.save: leaf {tree.keystr(p)} has dtype {a.dtype}, which "
+                "fshard does not hold.")
+        blocks = []
+        for idx, bounds, owner in _blocks(a.shape, spec, n_devices):
+            key = f"{i}:{','.join(map(str, idx))}"
+            file = f"shard-{process_of(owner):05d}-of-{nproc:05d}.safetensors"
+            if process_of(owner) == rank:
+                mine[key] = np.array(a[tuple(slice(s, e) for s, e in bounds)])
+            blocks.append({"key": key, "file": file, "start": [s for s, _ in bounds],
+                           "stop": [e for _, e in bounds]})
+        entries.append({"path": tree.keystr(p), "name": _name(p), "shape": list(a.shape),
+                        "dtype": a.dtype.name, "layout": _spec_json(spec),
+                        "blocks": blocks})
+    data = _safetensors_bytes(mine, {"format": FORMAT})
+    _write_bytes_durably(os.path.join(tmp, fname), data)
+    _mark_done(tmp, rank, {"file": fname, "bytes": len(data),
+                           "sha256": hashlib.sha256(data).hexdigest()})
+    del data
+    if rank != 0:
+        _wait_for(lambda: os.path.exists(os.path.join(final, INDEX)), timeout,
+                  f"process 0 to complete the checkpoint {final!r}")
+        return final
+    done = _wait_for_done(tmp, nproc, timeout, final)
+    index = {"format": FORMAT, "version": VERSION, "step": step, "processes": nproc,
+             "devices": n_devices, "treedef": str(tree.structure(state)),
+             "files": {d["file"]: {"bytes": d["bytes"], "sha256": d["sha256"]}
+                       for d in done},
+             "leaves": entries}
+    _write_bytes_durably(os.path.join(tmp, INDEX),
+                         json.dumps(index, indent=1).encode())
+    for r in range(nproc):
+        os.remove(os.path.join(tmp, f"done-{r}.json"))
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(parent)
+    return final
+
+
+def _mesh_size(mesh, nproc: int) -> int:
+    if mesh is None:
+        return nproc
+    if isinstance(mesh, (int, np.integer)) and not isinstance(mesh, bool):
+        return int(mesh)
+    size = getattr(mesh, "size", None)
+    if not isinstance(size, int):
+        raise CheckpointError(
+            f"fs.checkpoint: mesh must be a device count or an fs.Mesh, got "
+            f"{type(mesh).__name__}.")
+    return size
+
+
+def _mark_done(tmp: str, rank: int, info: dict) -> None:
+    final = os.path.join(tmp, f"done-{rank}.json")
+    part = final + ".part"
+    _write_bytes_durably(part, json.dumps(info).encode())
+    os.rename(part, final)
+
+
+def _wait_for(ready, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"fs.checkpoint.save: timed out after {timeout:.0f} s waiting for {what}.")
+        time.sleep(0.05)
+
+
+def _wait_for_done(tmp: str, nproc: int, timeout: float, final: str) -> list[dict]:
+    def missing():
+        return [r for r in range(nproc)
+                if not os.path.exists(os.path.join(tmp, f"done-{r}.json"))]
+
+    deadline = time.monotonic() + timeout
+    while missing():
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"fs.checkpoint.save: process(es) {missing()} did not finish writing "
+                f"their part of {final!r} within {timeout:.0f} s; the checkpoint was not "
+                f"completed (its parts stay in {tmp!r}), earlier checkpoints are intact.")
+        time.sleep(0.05)
+    out = []
+    for r in range(nproc):
+        with open(os.path.join(tmp, f"done-{r}.json")) as fh:
+            out.append(json.load(fh))
+    return out
+
+
+def latest(path) -> str | None:
+    """The newest complete checkpoint under ``path`` (the highest step whose directory
+    has an index), or None. Unfinished saves (temporary directories) are ignored."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return None
+    steps = [int(d) for d in os.listdir(path) if _STEP_DIR.match(d)
+             and os.path.exists(os.path.join(path, d, INDEX))]
+    return os.path.join(path, str(max(steps))) if steps else None
+
+
+def _read_index(path: str) -> dict:
+    file = os.path.join(path, INDEX)
+    if not os.path.exists(file):
+        newest = latest(path)
+        if newest is None:
+            raise CheckpointError(
+                f"fs.checkpoint.load: {path!r} holds no checkpoint (no {INDEX}, and no "
+                "complete step directory).\nFix: pass the directory save() returned, or "
+                "the root given to save(..., step=...).")
+        file = os.path.join(newest, INDEX)
+    try:
+        with open(file) as fh:
+            index = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"fs.checkpoint.load: cannot read {file!r}: {e}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CheckpointError(
+            f"fs.checkpoint.load: {file!r} is not an fshard checkpoint index.")
+    if index.get("version") != VERSION:
+        raise CheckpointError(
+            f"fs.checkpoint.load: {file!r} has version {index.get('version')}; this "
+            f"fshard reads version {VERSION}.")
+    index["_dir"] = os.path.dirname(file)
+    return index
+
+
+def load(path, like, *, verify: bool = True):
+    """Read a checkpoint into ``like``'s structure; return the restored pytree.
+
+    ``path`` is a checkpoint directory, or a root of step directories (its ``latest``
+    is read). ``like`` is a pytree with the structure of the saved state whose leaves
+    give the expected shapes and dtypes (arrays, ``fs.ArrayType``s, e.g. a fresh
+    ``ap.init(params)``). The leaves come back whole, as MindSpore Tensors, equal bit for
+    bit to the saved values, whatever mesh, layouts and number of processes wrote them
+    and will use them (fshard's arrays are global values; ``fs.shard`` and
+    ``fs.AutoParallel`` lay them out at each step).
+
+    Raises ``CheckpointError`` naming the file and the leaf when a file is missing,
+    truncated or altered (sizes and SHA-256 checked when ``verify``), when the
+    checkpoint holds other leaves than ``like``, or a leaf's shape or dtype differs.
+    """
+    import mindspore
+
+    index = _read_index(os.fspath(path))
+    root = index["_dir"]
+    paths, likes, spec = tree.flatten_with_path(like)
+    saved = {e["path"]: e for e in index["leaves"]}
+    wanted = [tree.keystr(p) for p in paths]
+    missing = [w for w in wanted if w not in saved]
+    extra = [s for s in saved if s not in set(wanted)]
+    if missing or extra:
+        raise CheckpointError(
+            f"fs.checkpoint.load: the checkpoint in {root!r} was written for another "
+            f"structure: like has leaves it lacks {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''} and it has leaves like lacks "
+            f"{extra[:5]}{' ...' if len(extra) > 5 else ''}.\nFix: pass a like with the "
+            "saved state's structure (e.g. the same model and optimizer's init).")
+    files = index["files"]
+    if verify:
+        _verify_files(root, files, index["leaves"])
+    handles: dict[str, Any] = {}
+    out = []
+    try:
+        for w, x in zip(wanted, likes):
+            e = saved[w]
+            a = typeof(x)
+            expect = np.dtype(dtypes.to_numpy(a.dtype))
+            if tuple(e["shape"]) != tuple(a.shape) or np.dtype(e["dtype"]) != expect:
+                raise CheckpointError(
+                    f"fs.checkpoint.load: leaf {w} was saved as {e['dtype']}{e['shape']}, "
+                    f"like has {expect.name}{list(a.shape)}.\nFix: load into a like "
+                    "built as the saved state was (same shapes and dtypes), or convert "
+                    "after loading.")
+            value = np.empty(e["shape"], np.dtype(e["dtype"]))
+            for b in e["blocks"]:
+                f = handles.get(b["file"])
+                if f is None:
+                    f = handles[b["file"]] = _open(root, b["file"], w)
+                try:
+                    block = f.get_tensor(b["key"])
+                except Exception as err:  # noqa: BLE001  (safetensors' own error types)
+                    raise CheckpointError(
+                        f"fs.checkpoint.load: {b['file']} lacks block {b['key']} of leaf "
+                        f"{w}: {err}") from None
+                region = tuple(slice(s, t) for s, t in zip(b["start"], b["stop"]))
+                if block.shape != value[region].shape or block.dtype != value.dtype:
+                    raise CheckpointError(
+                        f"fs.checkpoint.load: block {b['key']} of leaf {w} in {b['file']} "
+                        f"is {block.dtype}{list(block.shape)}, the index says "
+                        f"{value.dtype}{list(value[region].shape)}.")
+                value[region] = block
+            out.append(mindspore.Tensor(value))
+    finally:
+        handles.clear()
+    return tree.unflatten(spec, out)
+
+
+def _open(root: str, file: str, leaf: str):
+    from safetensors import safe_open
+
+    full = os.path.join(root, file)
+    try:
+        return safe_open(full, framework="np")
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"fs.checkpoint.load: {full!r} (holding leaf {leaf}) is missing.") from None
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own types)
+        raise CheckpointError(
+            f"fs.checkpoint.load: {full!r} (holding leaf {leaf}) is not a readable "
+            f"safetensors file: {e}") from None
+
+
+def _verify_files(root: str, files: dict, leaves: list) -> None:
+    def holders(file):
+        names = sorted({e["path"] for e in leaves for b in e["blocks"] if b["file"] == file})
+        return ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+
+    for file, info in files.items():
+        full = os.path.join(root, file)
+        if not os.path.exists(full):
+            raise CheckpointError(
+                f"fs.checkpoint.load: {full!r} is missing; it holds leaves {holders(file)}.")
+        size = os.path.getsize(full)
+        if size != info["bytes"]:
+            raise CheckpointError(
+                f"fs.checkpoint.load: {full!r} has {size} bytes, the index says "
+                f"{info['bytes']} (truncated or replaced); it holds leaves {holders(file)}.")
+        if _sha256(full) != info["sha256"]:
+            raise CheckpointError(
+                f"fs.checkpoint.load: {full!r} does not match its SHA-256 in the index "
+                f"(the file was altered or corrupted); it holds leaves {holders(file)}.")
+
+
+def clean(path) -> list[str]:
+    """Remove the temporary directories of unfinished saves under ``path`` (run it when
+    no save is in progress); return what was removed."""
+    path = os.fspath(path)
+    gone = []
+    if os.path.isdir(path):
+        for d in os.listdir(path):
+            if d.startswith(_TMP_PREFIX):
+                shutil.rmtree(os.path.join(path, d), ignore_errors=True)
+                gone.append(os.path.join(path, d))
+    return gone
+
+
+# ---------------------------------------------------------------------------
+# MindSpore .ckpt and single safetensors files: flat dicts of named parameters
+# ---------------------------------------------------------------------------
+
+
+def _named(params, fn: str) -> dict[str, Any]:
+    paths, leaves, _ = tree.flatten_with_path(params)
+    out: dict[str, Any] = {}
+    for p, x in zip(paths, leaves):
+        n = _name(p)
+        if n in out:
+            raise CheckpointError(
+                f"fs.checkpoint.{fn}: two leaves are both named {n!r}.\nFix: use a flat "
+                "dict of parameter names (fs.functional(cell)'s params).")
+        out[n] = x
+    return out
+
+
+def _restore_named(like, values: dict[str, np.ndarray], source: str, fn: str, strict: bool):
+    import mindspore
+
+    paths, likes, spec = tree.flatten_with_path(like)
+    names = [_name(p) for p in paths]
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise CheckpointError(
+            f"fs.checkpoint.{fn}: {source!r} has no parameter(s) {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''} (it has {sorted(values)[:8]}"
+            f"{' ...' if len(values) > 8 else ''}).\nFix: match like's names to the "
+            "file's (the names of the Cell's parameters).")
+    extra = sorted(set(values) - set(names))
+    if strict and extra:
+        raise CheckpointError(
+            f"fs.checkpoint.{fn}: {source!r} has parameter(s) like lacks: {extra[:8]}."
+            "\nFix: pass strict=False to ignore them.")
+    out = []
+    for n, x in zip(names, likes):
+        v = values[n]
+        a = typeof(x)
+        expect = np.dtype(dtypes.to_numpy(a.dtype))
+        if tuple(v.shape) != tuple(a.shape) or v.dtype != expect:
+            raise CheckpointError(
+                f"fs.checkpoint.{fn}: parameter {n!r} in {source!r} is "
+                f"{v.dtype}{list(v.shape)}, like has {expect.name}{list(a.shape)}.")
+        out.append(mindspore.Tensor(v))
+    return tree.unflatten(spec, out)
+
+
+def save_mindspore(path, params) -> None:
+    """Write ``params`` (e.g. ``fs.functional(cell)[1]``, or a nested dict: names are the
+    key paths joined by dots) as a MindSpore ``.ckpt`` that ``mindspore.load_checkpoint``
+    and ``mindspore.load_param_into_net`` read."""
+    import mindspore
+
+    named = _named(params, "save_mindspore")
+    items = [{"name": n, "data": mindspore.Tensor(_numpy(x))} for n, x in named.items()]
+    tmp = f"{os.fspath(path)}.{uuid.uuid4().hex[:8]}.part.ckpt"
+    try:
+        mindspore.save_checkpoint(items, tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, os.fspath(path))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_mindspore(path, like, *, strict: bool = True):
+    """Read a MindSpore ``.ckpt`` (written by ``mindspore.save_checkpoint``) into
+    ``like`` (matched by parameter name). ``strict``: the file may hold no other
+    parameters."""
+    import mindspore
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"fs.checkpoint.load_mindspore: {path!r} does not exist.")
+    try:
+        loaded = mindspore.load_checkpoint(path)
+    except Exception as e:  # noqa: BLE001  (MindSpore raises ValueError/RuntimeError)
+        raise CheckpointError(
+            f"fs.checkpoint.load_mindspore: {path!r} is not a readable MindSpore "
+            f"checkpoint: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
+    values = {n: p.asnumpy() for n, p in loaded.items()}
+    return _restore_named(like, values, path, "load_mindspore", strict)
+
+
+def save_safetensors(path, params) -> None:
+    """Write ``params`` (named as for ``save_mindspore``) as one safetensors file."""
+    named = {n: _numpy(x) for n, x in _named(params, "save_safetensors").items()}
+    tmp = f"{os.fspath(path)}.{uuid.uuid4().hex[:8]}.part"
+    try:
+        _write_bytes_durably(tmp, _safetensors_bytes(named))
+        os.replace(tmp, os.fspath(path))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_safetensors(path, like, *, strict: bool = True):
+    """Read one safetensors file into ``like`` (matched by name)."""
+    from safetensors.numpy import load_file
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"fs.checkpoint.load_safetensors: {path!r} does not exist.")
+    try:
+        values = load_file(path)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(
+            f"fs.checkpoint.load_safetensors: {path!r} is not a readable safetensors "
+            f"file: {e}") from None
+    return _restore_named(like, values, path, "load_safetensors", strict)

@@ -173,6 +173,19 @@ def random_normal(quick):
         lambda: np.asarray(draw(key)), runs=_runs(quick, 40, 4), warmup=3)}
 
 
+@baseline
+def loops(quick):
+    """fori_loop of x * 1.01 + 1 on 1,000 float32 values (benchmarks/control_flow.py)."""
+    x = jnp.ones(1000, jnp.float32)
+    out = {}
+    for steps in (10, 100, 1000):
+        f = jax.jit(lambda x, s=steps: jax.lax.fori_loop(0, s, lambda i, x: x * 1.01 + 1.0, x))
+        f(x).block_until_ready()
+        out[f"jax.lax.fori_loop, {steps} steps"] = timing.measure(
+            lambda f=f: np.asarray(f(x)), runs=_runs(quick, 30, 3), warmup=2)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--only", default=",".join(BASELINES))

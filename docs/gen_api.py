@@ -13,6 +13,7 @@ SECTIONS = {
     "Transformations": ["jit", "vmap", "grad", "value_and_grad", "jvp", "vjp", "jacfwd",
                         "jacrev", "hessian", "custom_jvp", "custom_vjp", "stop_gradient",
                         "shard", "shard_map"],
+    "Control flow": ["cond", "switch", "while_loop", "fori_loop", "scan"],
     "Inspection": ["make_ir", "verify", "typeof", "visualize_sharding", "functional"],
     "Meshes, layouts and collectives": ["Mesh", "Layout", "psum", "pmean", "pmax", "pmin",
                                         "all_gather", "psum_scatter", "all_to_all",

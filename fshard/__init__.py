@@ -67,6 +67,13 @@ from fshard.transforms.ad import vjp as vjp
 from fshard.transforms.shard import shard as shard
 from fshard.transforms.shard_map import shard_map as shard_map
 from fshard.transforms.vmap import vmap as vmap
+from fshard.transforms.control_flow import (  # noqa: F401
+    cond as cond,
+    fori_loop as fori_loop,
+    scan as scan,
+    switch as switch,
+    while_loop as while_loop,
+)
 from fshard.visualize import visualize_sharding as visualize_sharding
 from fshard import nn as nn  # noqa: E402
 from fshard import random as random  # noqa: E402

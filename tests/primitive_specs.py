@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+import pytest
 
 from fshard import dtypes
 from fshard.core import ArrayType, Primitive, typeof
@@ -30,6 +31,7 @@ import fshard as fs
 from fshard.errors import AxisNameError, DifferentiationError
 from fshard.primitives import collectives as K
 from fshard.primitives import control as C
+from fshard.transforms import control_flow as CF
 from fshard.primitives import elementwise as E
 from fshard.primitives import linalg as L
 from fshard.primitives import nn as N
@@ -451,6 +453,45 @@ def _custom_jvp_call(rng, dt):
             n_c = eq.params["n_body_consts"] + eq.params["n_jvp_consts"]
             out.append(Sample(vals, eq.params, diff_argnums=tuple(range(n_c, len(vals)))))
     return out
+
+
+def _while_loop_fn(n, x, y):
+    """Loop n times: a float carry updated non-linearly, a body constant y."""
+    return fs.while_loop(
+        lambda c: c[0] < n,
+        lambda c: (c[0] + 1, c[1] * 0.75 + fs.ops.sin(c[1]) * y),
+        (np.int32(0), x))
+
+
+def _while(rng, dt):
+    out = []
+    for shape in _call_shapes(dt):
+        x, y = values(rng, shape, dt), values(rng, shape, dt)
+        for n in (0, 1, 3):
+            eq, vals = _staged_equation(_while_loop_fn, (np.int32(n), x, y), CF.while_p)
+            out.append(Sample(vals, eq.params,
+                              diff_argnums=tuple(k for k in range(len(vals))
+                                                 if np.asarray(vals[k]).dtype.kind == "f")))
+    return out
+
+
+def _while_vjp(spec, sample):
+    """Reverse mode through a while loop is an error naming the fix."""
+    args, params = list(sample.args), sample.params
+    diff = spec.diff(sample)
+
+    def f(*d):
+        operands = list(args)
+        for k, v in zip(diff, d):
+            operands[k] = v
+        return spec.apply(*operands, **params)
+
+    def loss(*d):
+        return sum(fs.ops.reduce_sum(o) for o in f(*d) if typeof(o).dtype in (
+            dtypes.float32, dtypes.float64))
+
+    with pytest.raises(fs.MissingRuleError, match="fs.fori_loop with static bounds"):
+        fs.grad(loss, argnums=tuple(range(len(diff))))(*[args[k] for k in diff])
 
 
 def _custom_vjp_call(rng, dt):
@@ -1127,6 +1168,8 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(C.custom_lin_p, _custom_lin, diff_argnums=(), linear_groups=(PER_SAMPLE,),
                       eager_error=DifferentiationError,
                       custom_checks={"batching": _custom_lin_batching}),
+        PrimitiveSpec(CF.while_p, _while, rule_samples=3, jit_samples=2,
+                      custom_checks={"vjp": _while_vjp}),
         # Per-device primitives (spmd)
         PrimitiveSpec(P.block_slice_p, _block_slice, eager_error=AxisNameError,
                       linear_groups=((0,),), custom_checks={

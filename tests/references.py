@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from fshard import dtypes
+from fshard.ir import Literal
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
@@ -109,6 +110,31 @@ LINEARIZED = {
     "sin_vjp": lambda cos_x, t: [cos_x * t],
     "scaled_vjp": lambda t: [t * W.astype(t.dtype)],
 }
+
+
+def eval_program_np(program, *args) -> list:
+    """Evaluate an fshard Program with these NumPy references, equation by equation:
+    the reference of a primitive whose parameters are Programs (``while``)."""
+    env = dict(zip(program.inputs, args, strict=True))
+
+    def read(a):
+        return np.asarray(a.value) if isinstance(a, Literal) else env[a]
+
+    for eq in program.equations:
+        outs = REFERENCES[eq.prim.name](*[read(a) for a in eq.inputs], **eq.params)
+        outs = list(outs) if eq.prim.multiple_results else [outs]
+        for v, o in zip(eq.outputs, outs, strict=True):
+            env[v] = np.asarray(o, dtypes.to_numpy(v.aval.dtype))
+    return [read(a) for a in program.outputs]
+
+
+def while_(*args, cond, body, n_cond_consts, n_body_consts):
+    cc = list(args[:n_cond_consts])
+    bc = list(args[n_cond_consts:n_cond_consts + n_body_consts])
+    carry = list(args[n_cond_consts + n_body_consts:])
+    while bool(eval_program_np(cond, *cc, *carry)[0]):
+        carry = eval_program_np(body, *bc, *carry)
+    return carry
 
 
 def custom_jvp_call(*args, n_body_consts, n_jvp_consts, name, **_):
@@ -293,6 +319,7 @@ REFERENCES = {
     "custom_jvp_call": custom_jvp_call,
     "custom_vjp_call": custom_vjp_call,
     "custom_lin": custom_lin,
+    "while": while_,
     # spmd
     "block_slice": block_slice,
     "shard_call": shard_call,

@@ -110,6 +110,29 @@ class LoweringContext:
         self.in_avals, self.out_avals = saved
         return name
 
+    def while_function(self, cond: Program, body: Program, n_cond_consts: int,
+                       n_body_consts: int) -> str:
+        """Emit a MindSpore graph ``while`` loop as a helper function; return its name.
+
+        The helper takes ``cond_consts + body_consts + carry``; ``cond`` maps
+        ``cond_consts + carry`` to a scalar bool, ``body`` maps ``body_consts + carry``
+        to the next carry.
+        """
+        c_name, b_name = self.function(cond, "cond"), self.function(body, "body")
+        i = len(self.helpers)
+        name = _py_name(f"fshard_while_{i}")
+        n_carry = len(body.outputs)
+        cc = [f"c{k}" for k in range(n_cond_consts)]
+        bc = [f"b{k}" for k in range(n_body_consts)]
+        xs = [f"x{k}" for k in range(n_carry)]
+        lines = [f"def {name}({', '.join(cc + bc + xs)}):",
+                 f"    while {c_name}({', '.join(cc + xs)})[0]:",
+                 f"        r = {b_name}({', '.join(bc + xs)})"]
+        lines += [f"        {x} = r[{k}]" for k, x in enumerate(xs)]
+        lines.append(f"    return ({', '.join(xs)}{',' if n_carry == 1 else ''})")
+        self.helpers.append("\n".join(lines) + "\n")
+        return name
+
     def ref(self, obj, hint: str = "c") -> str:
         """A global name bound to ``obj`` in the generated module."""
         name = self._ids.get(id(obj))

@@ -1,0 +1,358 @@
+"""fs.cond / fs.switch / fs.while_loop / fs.fori_loop / fs.scan under every transform,
+against NumPy loops and finite differences. (The ``while`` primitive's rules are also
+checked by the registry: tests/primitive_specs.py.)"""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+import fshard as fs
+from fshard.testing import assert_close
+
+
+def n(x):
+    return x.asnumpy() if hasattr(x, "asnumpy") else np.asarray(x)
+
+
+def t(x):
+    return ms.Tensor(np.asarray(x))
+
+
+# --- while_loop -----------------------------------------------------------------------
+
+
+def collatz_steps(x):
+    """Steps of the Collatz map until 1: a trip count only known at run time."""
+    def body(c):
+        k, v = c
+        odd = fs.ops.equal(v - (v >> 1) * 2, 1)
+        return k + 1, fs.ops.where(odd, 3 * v + 1, v >> 1)
+
+    return fs.while_loop(lambda c: c[1] > 1, body, (np.int32(0), x))[0]
+
+
+def collatz_np(v):
+    k = 0
+    while v > 1:
+        v, k = (3 * v + 1 if v % 2 else v // 2), k + 1
+    return k
+
+
+def test_while_loop_eager_jit_and_a_graph_loop():
+    for v in (1, 6, 27):
+        assert int(n(collatz_steps(t(np.int32(v))))) == collatz_np(v)
+    f = fs.jit(collatz_steps)
+    assert [int(n(f(t(np.int32(v))))) for v in (6, 7, 27)] == [collatz_np(v) for v in (6, 7, 27)]
+    assert f.trace_count == 1
+    assert "while " in f.lower(t(np.int32(6))).as_text()  # one MindSpore graph loop
+
+
+def test_while_loop_vmap_runs_each_lane_to_its_own_end():
+    vs = np.array([1, 6, 27, 7], np.int32)
+    want = [collatz_np(v) for v in vs]
+    assert n(fs.vmap(collatz_steps)(t(vs))).tolist() == want
+    assert n(fs.jit(fs.vmap(collatz_steps))(t(vs))).tolist() == want
+
+    def grow(limit, x):  # a batched carry with an unbatched condition, and vice versa
+        return fs.while_loop(lambda c: c[0] < limit, lambda c: (c[0] + 1, c[1] * 2.0),
+                             (np.int32(0), x))[1]
+
+    xs = np.array([1.0, 2.0, 3.0], np.float32)
+    assert n(fs.vmap(grow, in_axes=(None, 0))(t(np.int32(3)), xs)).tolist() == [8, 16, 24]
+    limits = np.array([0, 1, 4], np.int32)
+    assert n(fs.vmap(grow, in_axes=(0, None))(t(limits), np.float32(1))).tolist() == [1, 2, 16]
+
+
+def newton_sqrt(a):
+    """sqrt(a) by Newton's method until converged: forward-differentiable."""
+    def body(c):
+        x, _ = c
+        new = 0.5 * (x + a / x)
+        return new, fs.ops.abs(new - x).max()
+
+    return fs.while_loop(lambda c: c[1] > 1e-12, body, (a, np.float64(1.0)))[0]
+
+
+def test_while_loop_forward_mode_and_reverse_mode_error():
+    a = np.array([2.0, 9.0, 0.25])
+    assert_close(n(newton_sqrt(a)), np.sqrt(a), rtol=1e-12)
+    _, tangent = fs.jvp(newton_sqrt, (a,), (np.ones(3),))
+    assert_close(n(tangent), 0.5 / np.sqrt(a), rtol=1e-9)
+    assert_close(n(fs.jacfwd(newton_sqrt)(a)), np.diag(0.5 / np.sqrt(a)), rtol=1e-9)
+    with pytest.raises(fs.MissingRuleError, match="fs.fori_loop with static bounds or fs.scan"):
+        fs.grad(lambda a: newton_sqrt(a).sum())(a)
+
+
+def test_while_loop_under_shard_equals_unsharded():
+    xs = np.arange(1, 9, dtype=np.float32)
+
+    def f(x):
+        y = fs.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 1.5 + 1),
+                          (np.int32(0), x))[1]
+        return y * 2
+
+    assert_close(n(fs.shard(f, in_strategy=((4,),), mesh=4)(xs)), n(f(xs)))
+
+
+def test_while_loop_errors():
+    x = np.float32(1)
+    with pytest.raises(fs.ProgramTypeError, match=r"(?s)body_fun.*must return the carry's"):
+        fs.while_loop(lambda v: v < 3, lambda v: v.astype(ms.float64) + 1, x)
+    with pytest.raises(fs.ProgramTypeError, match="cond_fun.*one scalar bool"):
+        fs.while_loop(lambda v: v + 1, lambda v: v, x)
+    with pytest.raises(fs.ProgramTypeError, match="cond_fun.*one scalar bool"):
+        fs.while_loop(lambda v: v < 3, lambda v: v, np.ones(2, np.float32))
+    with pytest.raises(fs.ArgumentError, match="body_fun must be a function"):
+        fs.while_loop(lambda v: v < 3, 3, x)
+    with pytest.raises(fs.ArgumentError, match="init_val must be a pytree of arrays"):
+        fs.while_loop(lambda v: v < 3, lambda v: v, "a")
+
+
+# --- fori_loop ----------------------------------------------------------------------------
+
+
+def power_iteration(m, v, steps):
+    def body(i, v):
+        w = fs.ops.matmul(m, v)
+        return w / fs.ops.sqrt((w * w).sum())
+
+    return fs.fori_loop(0, steps, body, v)
+
+
+def test_fori_loop_static_unrolled_grad_and_while_form():
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal((4, 4))
+    m = m @ m.T
+    v0 = np.ones(4)
+    want = v0
+    for _ in range(6):
+        want = m @ want
+        want = want / np.linalg.norm(want)
+    assert_close(n(power_iteration(m, v0, 6)), want, rtol=1e-12)
+    assert_close(n(fs.jit(lambda m, v: power_iteration(m, v, 6))(m, v0)), want, rtol=1e-12)
+    # reverse mode through the unrolled loop, against central differences
+    g = n(fs.grad(lambda m: power_iteration(m, v0, 6)[0])(m))
+    eps, num = 1e-6, np.zeros_like(m)
+    for i in range(4):
+        for j in range(4):
+            d = np.zeros_like(m)
+            d[i, j] = eps
+            num[i, j] = (n(power_iteration(m + d, v0, 6))[0]
+                         - n(power_iteration(m - d, v0, 6))[0]) / (2 * eps)
+    assert_close(g, num, rtol=1e-6, atol=1e-8)
+    # unroll=False: one while loop, the same numbers
+    ir = str(fs.make_ir(lambda v: fs.fori_loop(0, 6, lambda i, v: v * 2.0, v, unroll=False))(v0))
+    assert "while" in ir
+    assert n(fs.fori_loop(0, 6, lambda i, v: v * 2.0 + i, v0, unroll=False)).tolist() == \
+        n(fs.fori_loop(0, 6, lambda i, v: v * 2.0 + i, v0)).tolist()
+
+
+def test_fori_loop_traced_bounds_and_vmap():
+    f = fs.jit(lambda lo, hi, x: fs.fori_loop(lo, hi, lambda i, v: v + i, x))
+    assert float(n(f(t(np.int32(2)), t(np.int32(5)), np.float32(0)))) == 9.0
+    assert float(n(f(t(np.int32(5)), t(np.int32(2)), np.float32(0)))) == 0.0  # no iteration
+    his = np.array([0, 3, 5], np.int32)
+    got = fs.vmap(lambda hi: fs.fori_loop(0, hi, lambda i, v: v + i, np.int32(0)))(t(his))
+    assert n(got).tolist() == [0, 3, 10]
+    with pytest.raises(fs.ArgumentError, match="unroll=True\\) needs static"):
+        fs.fori_loop(t(np.int32(0)), 3, lambda i, v: v, np.float32(0), unroll=True)
+    with pytest.raises(fs.ArgumentError, match="upper must be an integer scalar"):
+        fs.fori_loop(0, np.float32(3), lambda i, v: v, np.float32(0))
+
+
+def test_a_training_loop_compiled_as_one_program():
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((32, 5)).astype(np.float32), rng.standard_normal((32, 1)).astype(np.float32)
+
+    def loss(w):
+        return ((fs.ops.matmul(x, w) - y) ** 2).mean()
+
+    def train(w):
+        return fs.fori_loop(0, 20, lambda i, w: w - 0.1 * fs.grad(loss)(w), w)
+
+    w0 = np.zeros((5, 1), np.float32)
+    w = w0
+    for _ in range(20):
+        w = w - 0.1 * n(fs.grad(loss)(w))
+    assert_close(n(fs.jit(train)(w0)), w, rtol=1e-5)
+
+
+# --- scan ---------------------------------------------------------------------------------
+
+
+def rnn(params, xs):
+    """An Elman RNN over time: h' = tanh(W h + U x); ys = h'."""
+    w, u = params
+
+    def cell(h, x):
+        h = fs.ops.tanh(fs.ops.matmul(w, h) + fs.ops.matmul(u, x))
+        return h, h
+
+    return fs.scan(cell, np.zeros(3), xs)
+
+
+def rnn_np(params, xs):
+    w, u = params
+    h, ys = np.zeros(3), []
+    for x in xs:
+        h = np.tanh(w @ h + u @ x)
+        ys.append(h)
+    return h, np.stack(ys)
+
+
+def test_scan_matches_a_python_loop_under_jit_vmap_and_grad():
+    rng = np.random.default_rng(2)
+    params = (rng.standard_normal((3, 3)) * 0.5, rng.standard_normal((3, 2)))
+    xs = rng.standard_normal((5, 2))
+    h, ys = rnn(params, xs)
+    h_np, ys_np = rnn_np(params, xs)
+    assert_close(n(h), h_np, rtol=1e-12)
+    assert_close(n(ys), ys_np, rtol=1e-12)
+    h_j, ys_j = fs.jit(rnn)(params, xs)
+    assert_close(n(ys_j), ys_np, rtol=1e-12)
+    batch = rng.standard_normal((4, 5, 2))
+    _, ys_v = fs.vmap(rnn, in_axes=(None, 0))(params, batch)
+    assert_close(n(ys_v), np.stack([rnn_np(params, b)[1] for b in batch]), rtol=1e-12)
+    g = fs.grad(lambda p: rnn(p, xs)[1].sum())(params)
+    eps = 1e-6
+    for k in range(2):
+        num = np.zeros_like(params[k])
+        for idx in np.ndindex(params[k].shape):
+            d = np.zeros_like(params[k])
+            d[idx] = eps
+            plus = list(params)
+            minus = list(params)
+            plus[k], minus[k] = params[k] + d, params[k] - d
+            num[idx] = (rnn_np(plus, xs)[1].sum() - rnn_np(minus, xs)[1].sum()) / (2 * eps)
+        assert_close(n(g[k]), num, rtol=1e-6, atol=1e-9)
+
+
+def test_scan_reverse_length_and_pytrees():
+    xs = {"a": np.arange(4, dtype=np.float32), "b": np.ones((4, 2), np.float32)}
+    carry, ys = fs.scan(lambda c, x: (c + x["a"], {"s": c, "b2": x["b"] * 2}),
+                        np.float32(0), xs, reverse=True)
+    assert float(n(carry)) == 6.0
+    # reverse: the iterations run 3, 2, 1, 0 and ys stay in the order of xs
+    assert n(ys["s"]).tolist() == [6.0, 5.0, 3.0, 0.0]
+    assert n(ys["b2"]).shape == (4, 2)
+    count, _ = fs.scan(lambda c, _: (c + 1, None), np.int32(0), None, length=7)
+    assert int(n(count)) == 7
+    with pytest.raises(fs.ArgumentError, match="leading axes of xs disagree"):
+        fs.scan(lambda c, x: (c, x), 0.0, (np.ones(3), np.ones(4)))
+    with pytest.raises(fs.ProgramTypeError, match="carry of the init's structure"):
+        fs.scan(lambda c, x: (c.astype(ms.float64), x), np.float32(0), np.ones(3, np.float32))
+    with pytest.raises(fs.ArgumentError, match=r"must return a pair \(carry, y\)"):
+        fs.scan(lambda c, x: c, np.float32(0), np.ones(3, np.float32))
+    with pytest.raises(fs.ArgumentError, match="with xs=None, pass length"):
+        fs.scan(lambda c, x: (c, x), np.float32(0), None)
+
+
+# --- cond and switch --------------------------------------------------------------------
+
+
+def piecewise(x):
+    return fs.cond(x.sum() > 0, lambda x: (x ** 2).sum(), lambda x: -x.sum() * 3.0, x)
+
+
+def test_cond_concrete_traced_and_per_lane():
+    pos, neg = np.array([1.0, 2.0]), np.array([-1.0, -2.0])
+    assert float(n(piecewise(pos))) == 5.0 and float(n(piecewise(neg))) == 9.0
+    f = fs.jit(piecewise)
+    assert float(n(f(pos))) == 5.0 and float(n(f(neg))) == 9.0 and f.trace_count == 1
+    assert n(fs.vmap(piecewise)(np.stack([pos, neg]))).tolist() == [5.0, 9.0]
+    assert n(fs.grad(piecewise)(pos)).tolist() == [2.0, 4.0]
+    assert n(fs.grad(piecewise)(neg)).tolist() == [-3.0, -3.0]
+    assert n(fs.vmap(fs.grad(piecewise))(np.stack([pos, neg]))).tolist() == \
+        [[2.0, 4.0], [-3.0, -3.0]]
+    assert n(fs.jacfwd(piecewise)(pos)).tolist() == [2.0, 4.0]
+    # integer predicates: nonzero is True
+    assert float(n(fs.jit(lambda k, x: fs.cond(k, lambda x: x, lambda x: -x, x))(
+        t(np.int32(5)), np.float32(2)))) == 2.0
+
+
+def test_switch_clamps_and_selects_per_lane():
+    branches = [lambda x: x - 1, lambda x: x * 10, lambda x: x ** 2]
+    x = np.float32(3)
+    for k, want in ((-2, 2.0), (0, 2.0), (1, 30.0), (2, 9.0), (7, 9.0)):
+        assert float(n(fs.switch(k, branches, x))) == want
+        assert float(n(fs.jit(lambda i, x: fs.switch(i, branches, x))(t(np.int32(k)), x))) == want
+    ks = np.array([0, 1, 2, 5], np.int32)
+    got = fs.vmap(lambda i, x: fs.switch(i, branches, x), in_axes=(0, None))(t(ks), x)
+    assert n(got).tolist() == [2.0, 30.0, 9.0, 9.0]
+
+
+def test_cond_under_shard_equals_unsharded():
+    xs = np.arange(16, dtype=np.float32).reshape(8, 2) - 5
+
+    def f(x):
+        return fs.vmap(lambda r: fs.cond(r.sum() > 0, lambda r: r * 2.0, lambda r: -r, r))(x)
+
+    assert_close(n(fs.shard(f, in_strategy=((4, 1),), mesh=4)(xs)), n(f(xs)))
+
+
+def test_cond_and_switch_errors_name_both_branches():
+    x = np.ones(3, np.float32)
+    with pytest.raises(fs.ProgramTypeError,
+                       match=r"(?s)false_fun returns .*f32\[2\].*true_fun returns .*f32\[3\]"):
+        fs.cond(t(True), lambda x: x, lambda x: x[:2], x)
+    with pytest.raises(fs.ProgramTypeError, match=r"branches\[0\] returns .* branches\[1\]"):
+        fs.switch(0, [lambda x: x, lambda x: (x, x)], x)
+    with pytest.raises(fs.ArgumentError, match="pred must be a scalar bool or integer"):
+        fs.cond(t(np.array([True, False])), lambda x: x, lambda x: x, x)
+    with pytest.raises(fs.ArgumentError, match="pred must be a scalar bool or integer"):
+        fs.cond(t(np.float32(1)), lambda x: x, lambda x: x, x)
+    with pytest.raises(fs.ArgumentError, match="branches must be a non-empty list"):
+        fs.switch(0, [], x)
+    with pytest.raises(fs.ArgumentError, match="true_fun must be a function"):
+        fs.cond(True, None, lambda x: x, x)
+
+
+# --- a functional training loop as one program --------------------------------------------
+
+
+def _digits_steps(k, b=32):
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x[:k * b] / 16).astype(np.float32), y[:k * b].astype(np.int32)
+    return x.reshape(k, b, 64), y.reshape(k, b)
+
+
+def _dropout_mlp_step(opt):
+    def loss(p, key, x, y):
+        h = fs.ops.relu(fs.ops.matmul(x, p["w1"]) + p["b1"])
+        h = fs.nn.dropout(key, h, 0.1)
+        return fs.ops.softmax_cross_entropy(fs.ops.matmul(h, p["w2"]) + p["b2"], y)
+
+    def step(carry, batch):
+        params, opt_state, key = carry
+        key, sub = fs.random.split(key)
+        value, grads = fs.value_and_grad(loss)(params, sub, *batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (fs.optim.apply_updates(params, updates), opt_state, key), value
+
+    return step
+
+
+def test_a_scan_over_training_steps_equals_the_jitted_steps():
+    rng = np.random.default_rng(0)
+    params = {"w1": (rng.standard_normal((64, 32)) * 0.1).astype(np.float32),
+              "b1": np.zeros(32, np.float32),
+              "w2": (rng.standard_normal((32, 10)) * 0.1).astype(np.float32),
+              "b2": np.zeros(10, np.float32)}
+    opt = fs.optim.adam(1e-2)
+    step = _dropout_mlp_step(opt)
+    xs, ys = _digits_steps(3)
+    carry = (params, opt.init(params), fs.random.key(0))
+    (p_scan, _, key_scan), losses = fs.jit(
+        lambda c, xs, ys: fs.scan(step, c, (xs, ys)))(carry, xs, ys)
+    jstep, c, looped = fs.jit(step), carry, []
+    for k in range(3):
+        c, value = jstep(c, (xs[k], ys[k]))
+        looped.append(float(n(value)))
+    assert n(losses).tolist() == looped  # bit-identical
+    assert n(key_scan).tolist() == n(c[2]).tolist()
+    for name in params:
+        assert n(p_scan[name]).tobytes() == n(c[0][name]).tobytes()

@@ -1,0 +1,488 @@
+"""Control flow on traced values: ``fs.cond``, ``fs.switch``, ``fs.while_loop``,
+``fs.fori_loop`` and ``fs.scan`` (JAX's signatures and semantics).
+
+How each is built, and why:
+
+- ``while_loop`` is a primitive, ``while``, carrying its condition and body as closed
+  Programs: its trip count is only known at run time. Eagerly it runs a Python loop;
+  under ``jit`` it lowers to a MindSpore graph ``while`` loop; ``vmap`` with a batched
+  condition runs until every lane is done, each lane keeping its carry once its own
+  condition is false; forward mode carries tangents through the loop. Reverse mode is
+  an error, as in JAX: the loop does not keep each iteration's values.
+- ``scan`` and ``fori_loop`` with static bounds are unrolled at trace time: the body
+  is traced once per iteration, so every transform (``grad`` included) applies to the
+  result as to any straight-line program. The program grows with the trip count;
+  ``fori_loop`` with more than ``MAX_UNROLL`` iterations (or ``unroll=False``, or
+  traced bounds) becomes a ``while_loop``.
+- ``cond`` and ``switch`` call the chosen branch when the index is concrete; on a
+  traced index they evaluate every branch and select the result (``where``), which
+  ``vmap``, ``grad`` and ``shard`` handle like any other operation. Branches must
+  return the same types, checked by tracing each on the operands' types.
+
+This module sits in the transforms layer because the JVP rule of ``while`` needs the
+JVP interpreter (``fshard.transforms.ad``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fshard import dtypes, tree
+from fshard.core import ArrayType, Tracer, typeof
+from fshard.errors import ArgumentError, ProgramTypeError
+from fshard.interpret import eval_program
+from fshard.primitives import elementwise as E
+from fshard.primitives import reductions as R
+from fshard.primitives import structural as S
+from fshard.primitives._batching import batch_size
+from fshard.primitives._define import Zero, as_tensor, def_primitive, instantiate
+from fshard.primitives.control import (_all_front, _batch_closed, _call_sharding,
+                                       _front_args, _split, _stage_closed)
+from fshard.rules import batching, jvp as jvp_rules, sharding, unsupported
+from fshard.staging import fun_name
+from fshard.transforms.ad import jvp_program
+
+__all__ = ["cond", "switch", "while_loop", "fori_loop", "scan", "MAX_UNROLL"]
+
+FAMILY = "control"
+MAX_UNROLL = 256
+
+
+# ---------------------------------------------------------------------------
+# Staging user functions on pytrees
+# ---------------------------------------------------------------------------
+
+
+def _leaves_of(x, api: str, what: str):
+    leaves, treedef = tree.flatten(x)
+    out = []
+    for leaf in leaves:
+        try:
+            typeof(leaf)
+        except Exception:  # noqa: BLE001
+            raise ArgumentError(
+                f"{api}: {what} must be a pytree of arrays or numbers, got a leaf of type "
+                f"{type(leaf).__name__}.") from None
+        out.append(leaf if isinstance(leaf, Tracer) else as_tensor(leaf))
+    return out, treedef
+
+
+def _stage_tree_fn(fn, treedef, avals, api: str, name: str, star: bool = False):
+    """Stage ``fn(unflatten(treedef, xs))`` (``fn(*...)`` with ``star``) into a closed
+    Program; also return its constants and its output tree."""
+    box = []
+
+    def flat(*xs):
+        args = tree.unflatten(treedef, list(xs))
+        out = fn(*args) if star else fn(args)
+        leaves, out_tree = tree.flatten(out)
+        for leaf in leaves:
+            try:
+                typeof(leaf)
+            except Exception:  # noqa: BLE001
+                raise ArgumentError(
+                    f"{api}: {name} returned a leaf of type {type(leaf).__name__}; it must "
+                    "return arrays or numbers.") from None
+        box.append(out_tree)
+        return [leaf if isinstance(leaf, Tracer) else as_tensor(leaf) for leaf in leaves]
+
+    program, consts = _stage_closed(flat, avals)
+    return program, consts, box[0]
+
+
+def _check_fn(api: str, fn, name: str) -> None:
+    if not callable(fn):
+        raise ArgumentError(f"{api}: {name} must be a function, got {type(fn).__name__} "
+                            f"{fn!r}.")
+
+
+def _types(avals) -> str:
+    return "(" + ", ".join(str(a) for a in avals) + ("," if len(avals) == 1 else "") + ")"
+
+
+# ===========================================================================
+# while: the primitive
+# ===========================================================================
+#
+# Operands: cond_consts + body_consts + carry.
+# Params: cond (cond_consts + carry -> [pred]), body (body_consts + carry -> carry),
+# n_cond_consts, n_body_consts.
+
+
+def _while_type(*avals, cond, body, n_cond_consts, n_body_consts):
+    carry = list(avals[n_cond_consts + n_body_consts:])
+    if list(body.out_avals) != carry:
+        raise ProgramTypeError(
+            f"while: the body returns {_types(body.out_avals)} for a carry of "
+            f"{_types(carry)}; they must be equal.")
+    return carry
+
+
+def _while_impl(*args, cond, body, n_cond_consts, n_body_consts):
+    cc, bc, carry = _split(list(args), n_cond_consts, n_body_consts)
+    while bool(np.asarray(eval_program(cond, *cc, *carry)[0].asnumpy())):
+        carry = eval_program(body, *bc, *carry)
+    return carry
+
+
+def _while_lowering(ctx, *exprs, cond, body, n_cond_consts, n_body_consts):
+    helper = ctx.while_function(cond, body, n_cond_consts, n_body_consts)
+    return f"{helper}({', '.join(exprs)})"
+
+
+while_p = def_primitive("while", FAMILY, _while_type, _while_impl, multiple_results=True,
+                        lower=_while_lowering)
+
+
+def _while_batching(args, dims, *, cond, body, n_cond_consts, n_body_consts):
+    """Batch the loop: every carry gets the batch axis in front. A batched condition
+    runs the loop while any lane's is true, and a lane whose own condition is false
+    keeps its carry."""
+    size = batch_size(args, dims)
+    args, dims = _front_args(args, dims)
+    cc, bc, carry = _split(args, n_cond_consts, n_body_consts)
+    dcc, dbc, dcarry = _split(dims, n_cond_consts, n_body_consts)
+    carry = [x if d is not None else S.broadcast_to(
+        S.expand_dims(x, 0), (size,) + tuple(typeof(x).shape)) for x, d in zip(carry, dcarry)]
+    front = [0] * len(carry)
+    new_body, b_consts, _ = _batch_closed(body, dbc + front, size, _all_front)
+    new_cond, c_consts, c_dims = _batch_closed(
+        cond, dcc + front, size, lambda ds: [None if d is None else 0 for d in ds])
+    cc, bc = list(c_consts) + cc, list(b_consts) + bc
+    if c_dims[0] is None:
+        outs = while_p.bind(*cc, *bc, *carry, cond=new_cond, body=new_body,
+                            n_cond_consts=len(cc), n_body_consts=len(bc))
+        return outs, front
+    n_cc = len(cc)
+    carry_avals = [typeof(x) for x in carry]
+
+    def any_lane(*xs):
+        pred = eval_program(new_cond, *xs)[0]
+        return [E.greater(R.reduce_max(E.cast(pred, dtypes.int32)), 0)]
+
+    def masked_body(*xs):
+        ccs, bcs, old = _split(list(xs), n_cc, len(bc))
+        pred = eval_program(new_cond, *ccs, *old)[0]
+        new = eval_program(new_body, *bcs, *old)
+        out = []
+        for o, x in zip(old, new):
+            p = S.reshape(pred, (size,) + (1,) * (typeof(x).ndim - 1))
+            out.append(E.where(p, x, o))
+        return out
+
+    cond2, k1 = _stage_closed(any_lane, [typeof(x) for x in cc] + carry_avals)
+    body2, k2 = _stage_closed(masked_body, [typeof(x) for x in cc + bc] + carry_avals)
+    outs = while_p.bind(*k1, *cc, *k2, *cc, *bc, *carry, cond=cond2, body=body2,
+                        n_cond_consts=len(k1) + n_cc, n_body_consts=len(k2) + n_cc + len(bc))
+    return outs, front
+
+
+batching.set(while_p, _while_batching)
+
+
+def _while_jvp(primals, tangents, *, cond, body, n_cond_consts, n_body_consts):
+    """Carry a tangent with every float carry (forward mode)."""
+    cc, bc, carry = _split(list(primals), n_cond_consts, n_body_consts)
+    _, tbc, tcarry = _split(list(tangents), n_cond_consts, n_body_consts)
+    f_bc = [i for i, x in enumerate(bc) if dtypes.is_float(typeof(x).dtype)
+            and not isinstance(tbc[i], Zero)]
+    f_carry = [i for i, x in enumerate(carry) if dtypes.is_float(typeof(x).dtype)]
+    tbc_f = [instantiate(tbc[i]) for i in f_bc]
+    tcarry_f = [instantiate(tcarry[i]) for i in f_carry]
+    n_bc, n_c = len(bc), len(carry)
+
+    def body_jvp(*xs):
+        b, tb, c, tc = _split(list(xs), n_bc, len(f_bc), n_c)
+        tb_all = [Zero(typeof(x)) for x in b]
+        for i, t in zip(f_bc, tb):
+            tb_all[i] = t
+        tc_all = [Zero(typeof(x)) for x in c]
+        for i, t in zip(f_carry, tc):
+            tc_all[i] = t
+        outs, touts = jvp_program(body, b + c, tb_all + tc_all)
+        return list(outs) + [instantiate(touts[i]) for i in f_carry]
+
+    def cond_jvp(*xs):
+        ccs, c, _ = _split(list(xs), n_cond_consts, n_c)
+        return eval_program(cond, *ccs, *c)
+
+    avals = [typeof(x) for x in bc + tbc_f + carry + tcarry_f]
+    body2, k_b = _stage_closed(body_jvp, avals)
+    cond2, k_c = _stage_closed(cond_jvp, [typeof(x) for x in cc + carry + tcarry_f])
+    outs = while_p.bind(*k_c, *cc, *k_b, *bc, *tbc_f, *carry, *tcarry_f, cond=cond2,
+                        body=body2, n_cond_consts=len(k_c) + len(cc),
+                        n_body_consts=len(k_b) + n_bc + len(tbc_f))
+    # The primal outputs come from a loop of their own: the joint loop depends on the
+    # tangents, so reverse mode's partial evaluation would otherwise find no known
+    # primal outputs (and must instead reach the transpose rule's error).
+    primal_out = while_p.bind(*cc, *bc, *carry, cond=cond, body=body,
+                              n_cond_consts=n_cond_consts, n_body_consts=n_body_consts)
+    t_f = outs[n_c:]
+    t_out = [Zero(typeof(x)) for x in primal_out]
+    for i, t in zip(f_carry, t_f):
+        t_out[i] = t
+    return primal_out, t_out
+
+
+jvp_rules.set(while_p, _while_jvp)
+unsupported(while_p, "transpose",
+            "reverse-mode differentiation of fs.while_loop: its trip count is known only "
+            "at run time and the loop keeps no per-iteration values (as in JAX). Fix: use "
+            "fs.fori_loop with static bounds or fs.scan (unrolled, so reverse mode works), "
+            "or forward mode (fs.jvp, fs.jacfwd)")
+sharding.set(while_p, lambda *avals, body, **_: _call_sharding(avals, body.out_avals))
+
+
+# ===========================================================================
+# The user API
+# ===========================================================================
+
+
+def while_loop(cond_fun, body_fun, init_val):
+    """``while cond_fun(val): val = body_fun(val)``; return ``val`` (``jax.lax.while_loop``).
+
+    >>> import fshard as fs
+    >>> int(fs.while_loop(lambda i: i < 10, lambda i: i * 2, 1).asnumpy())
+    16
+
+    ``body_fun`` must return the carry's structure, shapes and dtypes; ``cond_fun`` a
+    scalar bool. Runs as a MindSpore graph loop under ``jit``; forward-mode
+    differentiable, not reverse mode (use ``fori_loop`` with static bounds or ``scan``).
+    """
+    api = "fs.while_loop"
+    _check_fn(api, cond_fun, "cond_fun")
+    _check_fn(api, body_fun, "body_fun")
+    leaves, treedef = _leaves_of(init_val, api, "init_val")
+    avals = [typeof(x) for x in leaves]
+    body, b_consts, out_tree = _stage_tree_fn(body_fun, treedef, avals, api, "body_fun")
+    if out_tree != treedef or list(body.out_avals) != avals:
+        raise ProgramTypeError(
+            f"{api}: body_fun({fun_name(body_fun)}) must return the carry's structure and "
+            f"types: the carry init_val is {treedef} with types {_types(avals)}, body_fun "
+            f"returns {out_tree} with types {_types(body.out_avals)}.\nFix: return "
+            "values of the same shapes and dtypes (cast, e.g. x.astype(init.dtype)).")
+    cond, c_consts, c_tree = _stage_tree_fn(cond_fun, treedef, avals, api, "cond_fun")
+    outs = cond.out_avals
+    if len(outs) != 1 or outs[0].shape != () or outs[0].dtype != dtypes.bool_:
+        raise ProgramTypeError(
+            f"{api}: cond_fun({fun_name(cond_fun)}) must return one scalar bool, got "
+            f"{_types(outs)}.\nFix: reduce it, e.g. (x > 0).all(), or compare scalars.")
+    res = while_p.bind(*c_consts, *b_consts, *leaves, cond=cond, body=body,
+                       n_cond_consts=len(c_consts), n_body_consts=len(b_consts))
+    return tree.unflatten(treedef, res)
+
+
+def _static_int(x) -> int | None:
+    if isinstance(x, (bool, np.bool_)):
+        return None
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    return None
+
+
+def fori_loop(lower, upper, body_fun, init_val, *, unroll: bool | None = None):
+    """``for i in range(lower, upper): val = body_fun(i, val)``; return ``val``
+    (``jax.lax.fori_loop``).
+
+    >>> import numpy as np, fshard as fs
+    >>> float(fs.fori_loop(0, 4, lambda i, x: x + i, np.float32(0)))
+    6.0
+
+    With static (Python int) bounds the loop is unrolled when it has at most
+    ``MAX_UNROLL`` iterations (``unroll=None``) or when ``unroll=True``: every transform
+    applies, reverse-mode ``grad`` included, and ``i`` is a Python int. Otherwise
+    (``unroll=False``, more iterations, or traced bounds) it is a ``while_loop``:
+    one graph loop, forward mode only, ``i`` an int32 scalar.
+    """
+    api = "fs.fori_loop"
+    _check_fn(api, body_fun, "body_fun")
+    lo, hi = _static_int(lower), _static_int(upper)
+    if unroll not in (None, True, False):
+        raise ArgumentError(f"{api}(..., unroll=...): must be None, True or False, got "
+                            f"{unroll!r}.")
+    for name, v in (("lower", lower), ("upper", upper)):
+        if _static_int(v) is None:
+            a = typeof(v)
+            if a.shape != () or not dtypes.is_int(a.dtype):
+                raise ArgumentError(f"{api}: {name} must be an integer scalar, got {a}.")
+    if lo is not None and hi is not None:
+        if unroll is None:
+            unroll = hi - lo <= MAX_UNROLL
+        if unroll:
+            leaves, treedef = _leaves_of(init_val, api, "init_val")
+            val = tree.unflatten(treedef, leaves)  # arrays: MindSpore's dtype rules
+            for i in range(lo, hi):
+                val = body_fun(i, val)
+            return val
+    elif unroll:
+        raise ArgumentError(
+            f"{api}(..., unroll=True) needs static (Python int) bounds, got "
+            f"{type(lower).__name__} and {type(upper).__name__}.")
+    lo_t = E.cast(lower, dtypes.int32)
+    hi_t = E.cast(upper, dtypes.int32)
+    _, val = while_loop(lambda c: E.less(c[0], hi_t),
+                        lambda c: (E.add(c[0], 1), body_fun(c[0], c[1])),
+                        (lo_t, init_val))
+    return val
+
+
+def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=1):
+    """Loop ``carry, y = f(carry, x)`` over the leading axis of ``xs``; return
+    ``(carry, stacked ys)`` (``jax.lax.scan``).
+
+    >>> import numpy as np, fshard as fs
+    >>> xs = np.arange(4, dtype=np.float32)
+    >>> carry, ys = fs.scan(lambda c, x: (c + x, c * x), np.float32(0), xs)
+    >>> float(carry), ys.asnumpy().tolist()
+    (6.0, [0.0, 0.0, 2.0, 9.0])
+
+    ``xs`` is a pytree of arrays sharing their leading length (or None with
+    ``length``). The loop is unrolled at trace time (``unroll`` is accepted for JAX's
+    signature; fshard always unrolls fully), so every transform applies, reverse-mode
+    ``grad`` included; the program grows with the length.
+    """
+    api = "fs.scan"
+    _check_fn(api, f, "f")
+    if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer, bool)) or unroll < 0:
+        if not isinstance(unroll, bool):
+            raise ArgumentError(f"{api}(..., unroll=...): must be a non-negative int or a "
+                                f"bool, got {unroll!r}.")
+    x_leaves, x_tree = _leaves_of(xs, api, "xs")
+    lengths = {typeof(x).shape[0] if typeof(x).ndim else None for x in x_leaves}
+    if None in lengths:
+        raise ArgumentError(f"{api}: every leaf of xs needs a leading axis to scan over; "
+                            "got a scalar.")
+    if length is not None:
+        if _static_int(length) is None or length < 0:
+            raise ArgumentError(f"{api}: length must be a non-negative int, got {length!r}.")
+        lengths.add(int(length))
+    if not lengths:
+        raise ArgumentError(f"{api}: with xs=None, pass length=.")
+    if len(lengths) != 1:
+        raise ArgumentError(
+            f"{api}: the leading axes of xs{' and length' if length is not None else ''} "
+            f"disagree: {sorted(lengths)}.\nFix: give every leaf of xs the same leading "
+            "length.")
+    n = lengths.pop()
+    c_leaves, c_tree = _leaves_of(init, api, "init")
+    carry = tree.unflatten(c_tree, c_leaves)  # arrays: MindSpore's dtype rules
+    c_types = [typeof(x) for x in c_leaves]
+    ys = [None] * n
+    y_tree = None
+    for i in (reversed(range(n)) if reverse else range(n)):
+        x = tree.unflatten(x_tree, [S.getitem(a, i) for a in x_leaves])
+        out = f(carry, x)
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise ArgumentError(
+                f"{api}: f({fun_name(f)}) must return a pair (carry, y), got "
+                f"{type(out).__name__}.")
+        carry, y = out
+        leaves, tr = tree.flatten(carry)
+        types = [typeof(x) for x in leaves]
+        if tr != c_tree or types != c_types:
+            raise ProgramTypeError(
+                f"{api}: f({fun_name(f)}) must return a carry of the init's structure and "
+                f"types: init is {c_tree} with {_types(c_types)}, f returned {tr} with "
+                f"{_types(types)}.\nFix: return values of the same shapes and dtypes.")
+        y_leaves, yt = tree.flatten(y)
+        if y_tree is not None and yt != y_tree:
+            raise ProgramTypeError(f"{api}: f returned ys of changing structure: {y_tree} "
+                                   f"then {yt}.")
+        y_tree = yt
+        ys[i] = y_leaves
+    if n == 0:
+        return carry, None if y_tree is None else tree.unflatten(y_tree, [])
+    stacked = [S.stack([ys[i][k] for i in range(n)]) for k in range(len(ys[0]))]
+    return carry, tree.unflatten(y_tree, stacked)
+
+
+def switch(index, branches, *operands):
+    """Call ``branches[index]`` on ``operands``, ``index`` clamped to the branches
+    (``jax.lax.switch``).
+
+    >>> import numpy as np, fshard as fs
+    >>> float(fs.switch(1, [lambda x: x + 1, lambda x: x * 10], np.float32(2)))
+    20.0
+
+    Every branch must return the same structure, shapes and dtypes. A concrete index
+    calls its branch; a traced one (under ``jit``, ``vmap``, ...) evaluates every branch
+    and selects the result, so each lane of a ``vmap`` may take its own branch.
+    """
+    api = "fs.switch"
+    branches = list(branches) if isinstance(branches, (list, tuple)) else None
+    if not branches:
+        raise ArgumentError(f"{api}(index, branches, *operands): branches must be a "
+                            "non-empty list of functions.")
+    for k, b in enumerate(branches):
+        _check_fn(api, b, f"branches[{k}]")
+    return _switch(api, index, branches, [f"branches[{k}]" for k in range(len(branches))],
+                   operands)
+
+
+def cond(pred, true_fun, false_fun, *operands):
+    """``true_fun(*operands) if pred else false_fun(*operands)`` (``jax.lax.cond``).
+
+    >>> import numpy as np, fshard as fs
+    >>> float(fs.cond(np.float32(3) > 2, lambda x: x * 2, lambda x: -x, np.float32(3)))
+    6.0
+
+    ``pred`` is a scalar bool (or integer, nonzero meaning True); both branches must
+    return the same structure, shapes and dtypes. Under ``grad`` of a traced ``pred``
+    both branches are evaluated and the result selected: a branch producing inf or NaN
+    where it is not taken can make the gradient NaN (as ``where`` does).
+    """
+    api = "fs.cond"
+    _check_fn(api, true_fun, "true_fun")
+    _check_fn(api, false_fun, "false_fun")
+    if isinstance(pred, (bool, np.bool_, int, np.integer)):
+        index = int(bool(pred))
+    else:
+        a = _scalar_index(api, "pred", pred)
+        index = E.cast(E.not_equal(pred, 0) if a.dtype != dtypes.bool_ else pred,
+                       dtypes.int32)
+    return _switch(api, index, [false_fun, true_fun], ["false_fun", "true_fun"], operands)
+
+
+def _scalar_index(api, name, x) -> ArrayType:
+    try:
+        a = typeof(x)
+    except Exception:  # noqa: BLE001
+        a = None
+    if a is None or a.shape != () or not (dtypes.is_int(a.dtype) or a.dtype == dtypes.bool_):
+        raise ArgumentError(
+            f"{api}: {name} must be a scalar bool or integer, got "
+            f"{a if a is not None else type(x).__name__}.\nFix: reduce it to a scalar "
+            "(e.g. (x > 0).all()); under vmap each lane's scalar is its own.")
+    return a
+
+
+def _switch(api, index, branches, names, operands):
+    leaves, treedef = _leaves_of(tuple(operands), api, "operands")
+    operands = tree.unflatten(treedef, leaves)  # arrays, as the branches were traced with
+    avals = [typeof(x) for x in leaves]
+    outs = []
+    for b, name in zip(branches, names):
+        program, _, out_tree = _stage_tree_fn(b, treedef, avals, api, name, star=True)
+        outs.append((name, out_tree, list(program.out_avals)))
+    name0, tree0, types0 = outs[0]
+    for name, tr, types in outs[1:]:
+        if tr != tree0 or types != types0:
+            raise ProgramTypeError(
+                f"{api}: the branches return different types: {name0} returns {tree0} with "
+                f"{_types(types0)}, {name} returns {tr} with {_types(types)}.\nFix: "
+                "return the same structure, shapes and dtypes from every branch.")
+    n = len(branches)
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+        return branches[min(max(int(index), 0), n - 1)](*operands)
+    _scalar_index(api, "index", index)
+    if not isinstance(index, Tracer):  # a concrete array: call its branch
+        k = int(np.asarray(index.asnumpy() if hasattr(index, "asnumpy") else index))
+        return branches[min(max(k, 0), n - 1)](*operands)
+    index = E.cast(index, dtypes.int32)
+    results = [tree.flatten(b(*operands))[0] for b in branches]
+    chosen = results[-1]
+    for k in range(n - 2, -1, -1):
+        # index <= k picks branch k over the later ones: clamps below 0 and above n-1.
+        take = E.less_equal(index, k)
+        chosen = [E.where(take, r, c) for r, c in zip(results[k], chosen)]
+    return tree.unflatten(tree0, chosen)

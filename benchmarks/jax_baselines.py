@@ -186,6 +186,60 @@ def loops(quick):
     return out
 
 
+@baseline
+def train_scan(quick):
+    """10 dropout-MLP training steps on digits, Adam: lax.scan vs a loop of jitted
+    steps (benchmarks/control_flow.py)."""
+    k, b = 10, 32
+    rng = np.random.default_rng(0)
+    # Inputs of the digits' shapes and range (this environment has no scikit-learn;
+    # the time does not depend on the values).
+    xs = jnp.asarray(rng.uniform(0, 1, (k, b, 64)).astype(np.float32))
+    ys = jnp.asarray(rng.integers(0, 10, (k, b)).astype(np.int32))
+    params = {"w1": jnp.asarray((rng.standard_normal((64, 32)) * 0.1).astype(np.float32)),
+              "b1": jnp.zeros(32), "w2": jnp.asarray(
+                  (rng.standard_normal((32, 10)) * 0.1).astype(np.float32)),
+              "b2": jnp.zeros(10)}
+
+    def loss(p, key, x, y):
+        h = jax.nn.relu(x @ p["w1"] + p["b1"])
+        keep = jax.random.bernoulli(key, 0.9, h.shape)
+        h = jnp.where(keep, h / 0.9, 0.0)
+        logits = h @ p["w2"] + p["b2"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    def step(carry, batch):
+        p, m, v, t, key = carry
+        key, sub = jax.random.split(key)
+        value, g = jax.value_and_grad(loss)(p, sub, *batch)
+        t = t + 1
+        m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, m, g)
+        v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, v, g)
+        lr = 1e-2 * jnp.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)
+        p = jax.tree.map(lambda p, m, v: p - lr * m / (jnp.sqrt(v) + 1e-8), p, m, v)
+        return (p, m, v, t, key), value
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    carry = (params, zeros, zeros, jnp.float32(0), jax.random.key(0))
+    scanned = jax.jit(lambda c: jax.lax.scan(step, c, (xs, ys)))
+    jstep = jax.jit(step)
+    scanned(carry)[1].block_until_ready()
+
+    def loop():
+        c = carry
+        out = []
+        for i in range(k):
+            c, value = jstep(c, (xs[i], ys[i]))
+            out.append(value)
+        return np.asarray(jnp.stack(out))
+
+    loop()
+    runs = _runs(quick, 30, 3)
+    return {"jax.jit(jax.lax.scan(step)) over 10 steps": timing.measure(
+                lambda: np.asarray(scanned(carry)[1]), runs=runs, warmup=2),
+            "Python loop of 10 jax.jit(step) calls": timing.measure(loop, runs=runs, warmup=2)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--only", default=",".join(BASELINES))

@@ -100,6 +100,9 @@ def test_while_loop_errors():
     x = np.float32(1)
     with pytest.raises(fs.ProgramTypeError, match=r"(?s)body_fun.*must return the carry's"):
         fs.while_loop(lambda v: v < 3, lambda v: v.astype(ms.float64) + 1, x)
+    with pytest.raises(fs.ProgramTypeError, match=r"differ at leaf \['n'\]: i32\[\] vs f32\[\]"):
+        fs.while_loop(lambda c: c["n"] < 3, lambda c: {"n": c["n"] * 1.5, "x": c["x"]},
+                      {"n": np.int32(0), "x": x})
     with pytest.raises(fs.ProgramTypeError, match="cond_fun.*one scalar bool"):
         fs.while_loop(lambda v: v + 1, lambda v: v, x)
     with pytest.raises(fs.ProgramTypeError, match="cond_fun.*one scalar bool"):
@@ -241,7 +244,7 @@ def test_scan_reverse_length_and_pytrees():
     assert int(n(count)) == 7
     with pytest.raises(fs.ArgumentError, match="leading axes of xs disagree"):
         fs.scan(lambda c, x: (c, x), 0.0, (np.ones(3), np.ones(4)))
-    with pytest.raises(fs.ProgramTypeError, match="carry of the init's structure"):
+    with pytest.raises(fs.ProgramTypeError, match=r"carry of the init's .* f32\[\] vs f64\[\]"):
         fs.scan(lambda c, x: (c.astype(ms.float64), x), np.float32(0), np.ones(3, np.float32))
     with pytest.raises(fs.ArgumentError, match=r"must return a pair \(carry, y\)"):
         fs.scan(lambda c, x: c, np.float32(0), np.ones(3, np.float32))
@@ -295,10 +298,15 @@ def test_cond_under_shard_equals_unsharded():
 def test_cond_and_switch_errors_name_both_branches():
     x = np.ones(3, np.float32)
     with pytest.raises(fs.ProgramTypeError,
-                       match=r"(?s)false_fun returns .*f32\[2\].*true_fun returns .*f32\[3\]"):
+                       match=r"false_fun vs true_fun differ at leaf .*: f32\[2\] vs f32\[3\]"):
         fs.cond(t(True), lambda x: x, lambda x: x[:2], x)
-    with pytest.raises(fs.ProgramTypeError, match=r"branches\[0\] returns .* branches\[1\]"):
+    with pytest.raises(fs.ProgramTypeError,
+                       match=r"branches\[0\] vs branches\[1\] differ at structure"):
         fs.switch(0, [lambda x: x, lambda x: (x, x)], x)
+    with pytest.raises(fs.ProgramTypeError,
+                       match=r"differ at leaf \['b'\]: f64\[3\] vs f32\[3\]"):
+        fs.cond(t(True), lambda x: {"a": x, "b": x},
+                lambda x: {"a": x, "b": x.astype(ms.float64)}, x)
     with pytest.raises(fs.ArgumentError, match="pred must be a scalar bool or integer"):
         fs.cond(t(np.array([True, False])), lambda x: x, lambda x: x, x)
     with pytest.raises(fs.ArgumentError, match="pred must be a scalar bool or integer"):

@@ -96,6 +96,17 @@ def _check_fn(api: str, fn, name: str) -> None:
                             f"{fn!r}.")
 
 
+def _difference(tree_a, types_a, tree_b, types_b) -> str:
+    """Where two typed pytrees differ: the first leaf by key path, or the structures."""
+    if tree_a != tree_b:
+        return f"structure {tree_a} vs {tree_b}"
+    paths, _, _ = tree.flatten_with_path(tree.unflatten(tree_a, list(range(len(types_a)))))
+    for p, a, b in zip(paths, types_a, types_b):
+        if a != b:
+            return f"leaf {tree.keystr(p) or '(the value itself)'}: {a} vs {b}"
+    return "no difference"
+
+
 def _types(avals) -> str:
     return "(" + ", ".join(str(a) for a in avals) + ("," if len(avals) == 1 else "") + ")"
 
@@ -258,8 +269,8 @@ def while_loop(cond_fun, body_fun, init_val):
     if out_tree != treedef or list(body.out_avals) != avals:
         raise ProgramTypeError(
             f"{api}: body_fun({fun_name(body_fun)}) must return the carry's structure and "
-            f"types: the carry init_val is {treedef} with types {_types(avals)}, body_fun "
-            f"returns {out_tree} with types {_types(body.out_avals)}.\nFix: return "
+            f"types; init_val vs what body_fun returns differ at "
+            f"{_difference(treedef, avals, out_tree, list(body.out_avals))}.\nFix: return "
             "values of the same shapes and dtypes (cast, e.g. x.astype(init.dtype)).")
     cond, c_consts, c_tree = _stage_tree_fn(cond_fun, treedef, avals, api, "cond_fun")
     outs = cond.out_avals
@@ -382,8 +393,9 @@ def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=1):
         if tr != c_tree or types != c_types:
             raise ProgramTypeError(
                 f"{api}: f({fun_name(f)}) must return a carry of the init's structure and "
-                f"types: init is {c_tree} with {_types(c_types)}, f returned {tr} with "
-                f"{_types(types)}.\nFix: return values of the same shapes and dtypes.")
+                f"types; init vs the carry f returned differ at "
+                f"{_difference(c_tree, c_types, tr, types)}.\nFix: return values of the "
+                "same shapes and dtypes.")
         y_leaves, yt = tree.flatten(y)
         if y_tree is not None and yt != y_tree:
             raise ProgramTypeError(f"{api}: f returned ys of changing structure: {y_tree} "
@@ -468,9 +480,9 @@ def _switch(api, index, branches, names, operands):
     for name, tr, types in outs[1:]:
         if tr != tree0 or types != types0:
             raise ProgramTypeError(
-                f"{api}: the branches return different types: {name0} returns {tree0} with "
-                f"{_types(types0)}, {name} returns {tr} with {_types(types)}.\nFix: "
-                "return the same structure, shapes and dtypes from every branch.")
+                f"{api}: the branches return different types: {name0} vs {name} differ at "
+                f"{_difference(tree0, types0, tr, types)}.\nFix: return the same "
+                "structure, shapes and dtypes from every branch.")
     n = len(branches)
     if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
         return branches[min(max(int(index), 0), n - 1)](*operands)

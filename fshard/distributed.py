@@ -44,6 +44,18 @@ def is_initialized() -> bool:
     return bool(comm.GlobalComm.INITED)
 
 
+def _tell_launcher(status: bytes) -> None:
+    """Tell fshard.launch (when it started this process) what this rank is doing: it
+    then stops a job at once when a rank finished without joining while others wait."""
+    fd_pid = os.environ.get("FSHARD_LAUNCH_INIT_FD", "")
+    fd, _, pid = fd_pid.partition(":")
+    if fd.isdigit() and pid == str(os.getpid()):  # not in a child process
+        try:
+            os.write(int(fd), status)
+        except OSError:
+            pass
+
+
 def init() -> None:
     """Join the job this process belongs to (idempotent).
 
@@ -72,6 +84,7 @@ def init() -> None:
         )
     from mindspore.communication import init as ms_init
 
+    _tell_launcher(b"i")
     try:
         ms_init()
     except RuntimeError as e:

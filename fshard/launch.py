@@ -176,6 +176,8 @@ def _worker_main() -> None:
     release_fd = int(os.environ.pop("FSHARD_LAUNCH_RELEASE_FD"))
     module = os.environ.pop("FSHARD_LAUNCH_MODULE") == "1"
     target, args = sys.argv[1], sys.argv[2:]
+    # fs.distributed.init() reports "entering init" through this (only in this process).
+    os.environ["FSHARD_LAUNCH_INIT_FD"] = f"{status_fd}:{os.getpid()}"
     exit_funcs = _record_exit_funcs()
     code = 0
     try:
@@ -212,7 +214,11 @@ def _worker_main() -> None:
     if code == 0:
         # NB: exiting now would let MindSpore's scheduler time this node out (~30 s
         # later) and kill ranks still working; so wait until all ranks are done.
-        os.write(status_fd, b"d")
+        # "d": done; "n": done without ever joining the job, which ranks waiting for
+        # this one in init() would otherwise only learn at the timeout.
+        comm = sys.modules.get("mindspore.communication._comm_helper")
+        joined = comm is not None and bool(comm.GlobalComm.INITED)
+        os.write(status_fd, b"d" if joined else b"n")
         os.read(release_fd, 1)  # b"g" from the launcher, or b"" if it died
     os._exit(code)
 
@@ -233,6 +239,8 @@ class _Worker:
         self.lines: list[str] = []
         self.done = False
         self.eof = False
+        self.entered_init = False  # called fs.distributed.init()
+        self.left_unjoined = False  # finished without joining the job
         self.reader: threading.Thread | None = None
 
 
@@ -414,13 +422,19 @@ def run(
                 time.sleep(0.05)
             for w in workers:
                 if w.status_r in ready:
-                    if os.read(w.status_r, 16):
-                        w.done = True
-                    else:  # the worker exited without reporting; poll() tells how
+                    data = os.read(w.status_r, 16)
+                    if not data:  # the worker exited without reporting; poll() tells how
                         w.eof = True
+                    w.entered_init |= b"i" in data
+                    w.left_unjoined |= b"n" in data
+                    w.done |= b"d" in data or b"n" in data
             codes = [w.proc.poll() for w in workers]
             failed = [w.rank for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
             if failed:
+                break
+            unjoined = [w.rank for w in workers if w.left_unjoined]
+            waiting = [w.rank for w in workers if w.entered_init and not w.done]
+            if unjoined and waiting:  # they wait in init() for ranks that will never come
                 break
             if all(c == 0 for c in codes):
                 break
@@ -479,6 +493,13 @@ def run(
 
         shutil.rmtree(log_dir, ignore_errors=True)
         where = "(logs removed; keep them with --log-dir)"
+    unjoined = [w.rank for w in workers if w.left_unjoined]
+    waiting = [w.rank for w in workers if w.entered_init and not w.done]
+    if unjoined and waiting and not (interrupted or timed_out or failed):
+        failed = unjoined
+        for r in results:
+            if r.rank in unjoined:
+                r.status = "failed"
     if interrupted:
         code = EXIT_INTERRUPTED
         msg = f"fshard.launch: interrupted after {wall:.1f} s; stopped {_ranks(running)}. {where}"
@@ -495,6 +516,15 @@ def run(
             + ". Fix: raise --timeout, or look for a rank stuck in a collective or in "
             "init (every rank must run the same collectives in the same order, and call "
             f"fs.distributed.init()). {where}"
+        )
+    elif failed and failed == unjoined:
+        code = 1
+        msg = (
+            f"fshard.launch: {_ranks(unjoined)} finished (exit code 0) after {wall:.1f} s "
+            f"without joining the job, while {_ranks(waiting)} waited for "
+            f"{'it' if len(unjoined) == 1 else 'them'} in fs.distributed.init(); stopped "
+            f"{_ranks(waiting)}. Fix: call fs.distributed.init() on every rank (before "
+            f"any rank-dependent early exit). {where}"
         )
     elif failed:
         first = results[failed[0]]

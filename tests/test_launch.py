@@ -47,6 +47,18 @@ def test_failing_rank_stops_the_job_and_is_named(tmp_path):
         result.check()
 
 
+def test_a_rank_that_finishes_without_joining_is_reported_at_once(tmp_path):
+    result = launch.run(SCRIPT, 2, ["noinit"], timeout=240, log_dir=str(tmp_path))
+    assert not result.timed_out and result.wall_time < 60, result.message
+    assert result.returncode == 1 and result.failed_ranks == [1]
+    assert [r.status for r in result.ranks] == ["stopped", "failed"]
+    assert result.message.startswith(
+        "fshard.launch: rank 1 finished (exit code 0) after "), result.message
+    assert ("without joining the job, while rank 0 waited for it in "
+            "fs.distributed.init(); stopped rank 0. Fix: call fs.distributed.init() on "
+            "every rank") in result.message
+
+
 def test_cli_timeout_names_the_hung_rank_and_the_finished_one(tmp_path, capsys):
     code = launch.main(["-n", "2", "--timeout", "8", "--log-dir", str(tmp_path), SCRIPT, "hang"])
     assert code == launch.EXIT_TIMEOUT == 124

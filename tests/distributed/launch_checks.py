@@ -6,6 +6,7 @@
   world size, default mesh, idempotent init, an ``ms.jit`` AllReduce over the world and
   over groups made by ``group_for``), then ``ALL CHECKS PASSED``;
 - ``fail``: rank 1 raises before joining while the other ranks block in ``init()``;
+- ``noinit``: rank 1 finishes (exit 0) without joining while rank 0 waits in ``init()``;
 - ``hang``: rank 0 finishes at once, the others sleep (for the launcher's timeout);
 - ``child``: every rank starts a ``sleep`` process it never stops, prints its pid, and
   finishes (the launcher must stop the children with the job).
@@ -88,6 +89,16 @@ def run_fail() -> None:
     time.sleep(600)
 
 
+def run_noinit() -> None:
+    import fshard as fs
+
+    if os.environ["RANK_ID"] == "1":
+        print("leaving without init", flush=True)
+        return  # exits 0, never joins
+    fs.distributed.init()  # blocks: rank 1 never joins
+    time.sleep(600)
+
+
 def run_hang() -> None:
     if os.environ["RANK_ID"] == "0":
         print("done early", flush=True)
@@ -104,4 +115,5 @@ def run_child() -> None:
 
 
 if __name__ == "__main__":
-    {"ok": run_ok, "fail": run_fail, "hang": run_hang, "child": run_child}[sys.argv[1]]()
+    {"ok": run_ok, "fail": run_fail, "hang": run_hang, "child": run_child,
+     "noinit": run_noinit}[sys.argv[1]]()

@@ -38,12 +38,13 @@ import math
 from typing import Callable, Iterator
 
 import numpy as np
+from mindspore import dtype as mstype
 from mindspore import ops
 
 from fshard import context, dtypes
 from fshard.core import ArrayType, Primitive, typeof
 from fshard.errors import ArgumentError, AxisNameError, ProgramTypeError, ShapeError
-from fshard.backend.mindspore import NATIVE_COLLECTIVES, device_target
+from fshard.backend.mindspore import COLLECTIVE_DTYPES, NATIVE_COLLECTIVES, device_target
 from fshard.interpret import AxisData, batch_program, current_axis
 from fshard.primitives._batching import batch_to_front, move_axis
 from fshard.primitives._define import Zero, deflinear, instantiate
@@ -278,14 +279,15 @@ def _scalar(v, like):
 
 def _lower_psum(ctx, x, *, axis_name, **params):
     comm = _Comm(ctx, axis_name, params, "psum")
-    return x if comm.n == 1 else comm.all_reduce(x)
+    return x if comm.n == 1 else comm.all_reduce(x, dtype=ctx.in_avals[0].dtype)
 
 
 def _lower_pmean(ctx, x, *, axis_name, **params):
     comm = _Comm(ctx, axis_name, params, "pmean")
     if comm.n == 1:
         return x
-    return ctx.call(_ms_scale, comm.all_reduce(x), factor=1.0 / comm.n)
+    return ctx.call(_ms_scale, comm.all_reduce(x, dtype=ctx.in_avals[0].dtype),
+                    factor=1.0 / comm.n)
 
 
 def _lower_pminmax(kind):
@@ -293,10 +295,17 @@ def _lower_pminmax(kind):
         comm = _Comm(ctx, axis_name, params, f"p{kind}")
         if comm.n == 1:
             return x
-        if comm.native(f"all_reduce_{kind}"):
-            return comm.all_reduce(x, op=kind)
-        stacked = comm.gather_stacked(x, ctx.in_avals[0])
-        return ctx.call(_ms_reduce_max0 if kind == "max" else _ms_reduce_min0, stacked)
+        dtype = ctx.in_avals[0].dtype
+        if comm.native(f"all_reduce_{kind}") and (comm.carries(dtype)
+                                                  or dtype == dtypes.bool_):
+            return comm.all_reduce(x, op=kind, dtype=dtype)
+        reduce = _ms_reduce_max0 if kind == "max" else _ms_reduce_min0
+        a = ctx.in_avals[0]
+        if dtype == dtypes.bool_ and not comm.carries(dtype):  # no bool ReduceMax on CPU
+            stacked = comm.gather_stacked(ctx.call(_ms_to_float32, x),
+                                          ArrayType(a.shape, dtypes.float32))
+            return ctx.call(_ms_from_float_bool, ctx.call(reduce, stacked))
+        return ctx.call(reduce, comm.gather_stacked(x, a))
 
     return lower
 
@@ -725,7 +734,7 @@ def _broadcast_batching(args, dims, *, axis_name, axis_sizes, root, **params):
 
 def _lower_broadcast(ctx, x, *, axis_name, axis_sizes, root, **params):
     comm = _Comm(ctx, axis_name, params, "broadcast")
-    return comm.broadcast(x, root)
+    return comm.broadcast(x, root, ctx.in_avals[0].dtype)
 
 
 def _broadcast_transpose(ct, x, *, axis_name, axis_sizes, root, **params):
@@ -1075,14 +1084,50 @@ class _Comm:
         token = getattr(self.ctx, "token", None)
         return x if token is None else self.ctx.call(_ms_after, x, token)
 
-    def all_reduce(self, x: str, op: str = "sum") -> str:
+    def carries(self, dtype) -> bool:
+        """Whether the backend's collectives take ``dtype`` as it is."""
+        allowed = COLLECTIVE_DTYPES.get(device_target())
+        return allowed is None or str(dtype) in allowed
+
+    def all_reduce(self, x: str, op: str = "sum", dtype=None) -> str:
+        """AllReduce of ``x`` (of ``dtype``). Where the backend's AllReduce lacks the
+        dtype (the CPU one takes float32 and float16 only), fshard carries the values in
+        float32 exactly: bools as 0/1, integers as 16-bit chunks (a sum of n chunks stays
+        below 2**24 for n <= 256), and recombines them."""
         kind = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}[op]
-        return f"{self._op(ops.AllReduce, 'AllReduce', op=kind)}({self._after(x)})"
+
+        def native(v: str) -> str:
+            return f"{self._op(ops.AllReduce, 'AllReduce', op=kind)}({self._after(v)})"
+
+        if dtype is None or self.carries(dtype):
+            return native(x)
+        ctx = self.ctx
+        if dtype == dtypes.bool_:
+            return ctx.call(_ms_from_float_bool, native(ctx.call(_ms_to_float32, x)))
+        if dtypes.is_int(dtype) and op == "sum":
+            if self.n > 256:
+                raise ArgumentError(
+                    f"an integer sum over {self.n} devices exceeds what fshard can carry "
+                    "exactly in this backend's float32 AllReduce (256 devices).\nFix: sum in "
+                    "float32, or over fewer devices.")
+            chunks = max(1, np.dtype(dtypes.to_numpy(dtype)).itemsize // 2)
+            y = native(ctx.call(_ms_int_chunks, x, n_chunks=chunks))
+            return ctx.call(_ms_int_unchunk, y, n_chunks=chunks, dtype=dtype)
+        if dtypes.is_int(dtype):  # max / min: gather exactly, then reduce here
+            raise AssertionError("integer pmax/pmin go through gather_stacked")
+        raise ArgumentError(
+            f"a collective of {dtype} values: this backend's collectives take "
+            f"{', '.join(COLLECTIVE_DTYPES.get(device_target(), ()))} only.\nFix: cast to "
+            "float32 before communicating (x.astype(mindspore.float32)).")
 
     def gather_stacked(self, x: str, aval: ArrayType) -> str:
         """Every member's ``x`` stacked along a new leading dim, in member order."""
         ctx = self.ctx
-        if self.native("all_gather"):
+        if aval.dtype == dtypes.bool_ and not self.carries(aval.dtype):
+            stacked = self.gather_stacked(ctx.call(_ms_to_float32, x),
+                                          ArrayType(aval.shape, dtypes.float32))
+            return ctx.call(_ms_from_float_bool, stacked)
+        if self.native("all_gather") and self.carries(aval.dtype):
             expanded = self._after(ctx.call(_ms_expand0, x))
             gathered = f"{self._op(ops.AllGather, 'AllGather')}({expanded})"
             order = sorted(self.group)  # native results come in rank order
@@ -1099,12 +1144,12 @@ class _Comm:
         slot = np.zeros((self.n,) + (1,) * aval.ndim, dtypes.to_numpy(aval.dtype))
         slot[self.index] = 1
         buf = ctx.call(_ms_slot, x, ctx.ref(Tensor(slot), "slot"))
-        return self.all_reduce(buf)
+        return self.all_reduce(buf, dtype=aval.dtype)
 
     def all_gather(self, x: str, aval: ArrayType, axis: int) -> str:
         if self.n == 1:
             return x
-        if axis == 0 and self.native("all_gather") and self.sorted:
+        if axis == 0 and self.native("all_gather") and self.sorted and self.carries(aval.dtype):
             # MindSpore's AllGather concatenates along dim 0 in rank order already
             return f"{self._op(ops.AllGather, 'AllGather')}({self._after(x)})"
         stacked = self.gather_stacked(x, aval)
@@ -1122,8 +1167,8 @@ class _Comm:
         block = shape[dim] // self.n
         begin, end = [0] * len(shape), list(shape)
         begin[dim], end[dim] = self.index * block, (self.index + 1) * block
-        return self.ctx.call(_ms_slice, self.all_reduce(x), begin=tuple(begin), end=tuple(end),
-                             strides=(1,) * len(shape))
+        return self.ctx.call(_ms_slice, self.all_reduce(x, dtype=aval.dtype),
+                             begin=tuple(begin), end=tuple(end), strides=(1,) * len(shape))
 
     def all_to_all(self, x: str, aval: ArrayType, split: int, concat: int) -> str:
         if self.n == 1:
@@ -1146,14 +1191,16 @@ class _Comm:
         stacked = self.gather_stacked(x, aval)
         return self.ctx.call(_ms_pick, stacked, index=source or 0, keep=source is not None)
 
-    def broadcast(self, x: str, root: int) -> str:
+    def broadcast(self, x: str, root: int, dtype=None) -> str:
         if self.n == 1:
             return x
-        if self.native("broadcast") and self.sorted:
+        if self.native("broadcast") and self.sorted and (dtype is None
+                                                         or self.carries(dtype)):
             op = self._op(ops.Broadcast, "Broadcast", root_rank=self.group[root])
             return f"{op}(({self._after(x)},))[0]"
         # The root contributes its value, the others zeros: the same code on every rank.
-        return self.all_reduce(self.ctx.call(_ms_keep, x, keep=self.index == root))
+        return self.all_reduce(self.ctx.call(_ms_keep, x, keep=self.index == root),
+                               dtype=dtype)
 
 
 def _merge_params(shape, n: int, axis: int) -> dict:
@@ -1191,6 +1238,34 @@ def _ms_expand0(x):
     return ops.expand_dims(x, 0)
 
 
+def _ms_to_float32(x):
+    return x.astype(mstype.float32)
+
+
+def _ms_from_float_bool(x):
+    return x > 0.5
+
+
+def _ms_int_chunks(x, n_chunks):
+    """Integers as ``n_chunks`` float32 16-bit chunks along a new last axis: the low
+    ones in [0, 65535], the top one signed (x = sum of chunk_k * 65536**k)."""
+    x = x.astype(mstype.int64)
+    parts = []
+    for k in range(n_chunks):
+        shifted = ops.floor_divide(x, 65536 ** k) if k else x
+        parts.append(shifted if k == n_chunks - 1 else shifted - ops.floor_divide(
+            shifted, 65536) * 65536)
+    return ops.stack(parts, -1).astype(mstype.float32)
+
+
+def _ms_int_unchunk(y, n_chunks, dtype):
+    y = ops.round(y).astype(mstype.int64)
+    total = y[..., 0]
+    for k in range(1, n_chunks):
+        total = total + y[..., k] * (65536 ** k)
+    return total.astype(dtype)
+
+
 def _ms_slot(x, slot):
     return ops.expand_dims(x, 0) * slot
 
@@ -1222,10 +1297,14 @@ def _ms_slice(x, begin, end, strides):
 
 
 def _ms_reduce_max0(x):
+    if x.dtype == mstype.bool_:  # no bool ReduceMax kernel on CPU
+        return ops.amax(x.astype(mstype.int32), 0) > 0
     return ops.amax(x, 0)
 
 
 def _ms_reduce_min0(x):
+    if x.dtype == mstype.bool_:
+        return ops.amin(x.astype(mstype.int32), 0) > 0
     return ops.amin(x, 0)
 
 

@@ -4,6 +4,7 @@ reshape in the op function."""
 
 from __future__ import annotations
 
+from mindspore import dtype as mstype
 from mindspore import ops
 
 from fshard import dtypes
@@ -66,12 +67,16 @@ def _ms_reduce_sum(x, axes):
 def _ms_reduce_max(x, axes):
     if len(axes) == 0:
         return x
+    if x.dtype == mstype.bool_:  # MindSpore's CPU ReduceMax has no bool kernel
+        return ops.amax(x.astype(mstype.int32), axes, False) > 0
     return ops.amax(x, axes, False)
 
 
 def _ms_reduce_min(x, axes):
     if len(axes) == 0:
         return x
+    if x.dtype == mstype.bool_:
+        return ops.amin(x.astype(mstype.int32), axes, False) > 0
     return ops.amin(x, axes, False)
 
 

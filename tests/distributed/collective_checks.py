@@ -66,10 +66,13 @@ def main(out_dir: str) -> None:
         virt_out = [o.asnumpy() for o in fv(*args)] if rank == 0 else real_out
         progress(f"virtual {shape}")
         for k, a, b in zip(names_, real_out, virt_out):
-            assert a.shape == b.shape, (k, a.shape, b.shape)
+            assert a.shape == b.shape and a.dtype == b.dtype, (k, a.shape, b.shape)
+            a, b = a.astype(np.float64), b.astype(np.float64)
             results["checks"][k] = float(np.abs(a - b).max())
             results["checksums"][f"checks/{k}"] = float(np.abs(a).sum())
         # d/dx of a weighted sum of the outputs, through the shard_map
+        if not grads:
+            return
         which = [names_.index(k) for k in grads]
         ws = [rng.standard_normal(real_out[i].shape).astype(np.float32) for i in which]
 
@@ -110,6 +113,41 @@ def main(out_dir: str) -> None:
     compare(cases, x, (n,), ("d",), grads=("psum", "all_gather_tiled", "psum_scatter",
                                              "all_to_all", "ppermute_partial", "broadcast",
                                              "pmax"))
+
+    # Integer and bool values: MindSpore's CPU collectives take float32 and float16
+    # only, so fshard carries them exactly (ints as 16-bit chunks: values beyond 2**24).
+    xi = ((rng.integers(-2**31, 2**31 - 1, (n * 4, 3), dtype=np.int64) // n)
+          .astype(np.int32))
+    int_cases = {
+        "int_psum": (lambda v: fs.psum(v, "d"), split, None),
+        "int_pmax": (lambda v: fs.pmax(v, "d"), split, None),
+        "int_pmin": (lambda v: fs.pmin(v, "d"), split, None),
+        "int_all_gather": (lambda v: fs.all_gather(v, "d", axis=1, tiled=True), split, None),
+        "int_ppermute_ring": (lambda v: fs.ppermute(v, "d", ring), split, (n, 1)),
+        "int_broadcast": (lambda v: fs.broadcast(v, "d", root=n - 1), split, None),
+        "int_all_to_all": (lambda v: fs.all_to_all(v, "d", 0, 1, tiled=True), split, (n, 1)),
+    }
+    compare(int_cases, xi, (n,), ("d",), grads=())
+    xb = rng.standard_normal((n * 4, 3)) > 0
+    bool_cases = {
+        "bool_all_gather": (lambda v: fs.all_gather(v, "d"), split, None),
+        "bool_pmax": (lambda v: fs.pmax(v, "d"), split, None),
+        "bool_pmin": (lambda v: fs.pmin(v, "d"), split, None),
+        "bool_ppermute_ring": (lambda v: fs.ppermute(v, "d", ring), split, (n, 1)),
+        "bool_broadcast": (lambda v: fs.broadcast(v, "d", root=0), split, None),
+    }
+    compare(bool_cases, xb, (n,), ("d",), grads=())
+    if n == 4:  # sub-groups: the gathers are emulated through AllReduce
+        ab = fs.Layout((2, 2), ("a", "b"))
+        sub_cases = {
+            "int_2d_all_gather_b": (lambda v: fs.all_gather(v, "b", axis=1, tiled=True),
+                                    ab("a", "b"), ab("a", "None")),
+            "int_2d_psum_a": (lambda v: fs.psum(v, "a"), ab("a", "b"), ab("None", "b")),
+        }
+        compare(sub_cases, xi[:, :2].copy(), (2, 2), ("a", "b"), grads=())
+        compare({"bool_2d_all_gather_b": (lambda v: fs.all_gather(v, "b", axis=1, tiled=True),
+                                          ab("a", "b"), ab("a", "None"))},
+                xb[:, :2].copy(), (2, 2), ("a", "b"), grads=())
 
     # Without fs.jit: a multi-process shard_map compiles itself.
     f = fs.shard_map(lambda v: fs.psum(v * v, "d"), (split,), None, mesh=fs.Mesh((n,), ("d",)))

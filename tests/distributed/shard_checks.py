@@ -107,6 +107,22 @@ def main() -> None:
         p_ref = {k: p_ref[k] - 0.1 * g_ref[k] for k in p_ref}
     for k in params:
         check(f"trained parameter {k}", p_sharded[k], p_ref[k], tol=1e-5)
+    if n == 4:  # data x model (2, 2) with Layouts: relu's mask crosses devices as bool
+        layout = fs.Layout((2, 2), ("dp", "mp"))
+
+        def relu_mlp(p, x):
+            h = ops.relu(ops.matmul(x, p["w1"]))
+            return (ops.matmul(h, p["w2"]) ** 2).mean()
+
+        p2 = {"w1": t(16, 32) * 0.3, "w2": t(32, 8) * 0.3}
+        x2 = t(8, 16)
+        vg = fs.shard(fs.value_and_grad(relu_mlp), in_strategy=(
+            {"w1": layout("None", "mp"), "w2": layout("mp", "None")}, layout("dp", "None")))
+        v, g = vg(p2, x2)
+        v_ref, g_ref = fs.value_and_grad(relu_mlp)(p2, x2)
+        check("(2, 2) Layout relu MLP value", v, v_ref, tol=1e-5)
+        for k in p2:
+            check(f"(2, 2) Layout relu MLP gradient {k}", g[k], g_ref[k], tol=1e-5)
     print("ALL CHECKS PASSED", flush=True)
 
 

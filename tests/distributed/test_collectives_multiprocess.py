@@ -62,8 +62,12 @@ def test_every_collective_matches_the_virtual_mesh(job):
                 "psum_scatter", "all_to_all", "ppermute_ring", "ppermute_partial", "broadcast",
                 "axis_index", "eager_shard_map", "eager_grad_shard_map", "grad_inside_value",
                 "grad_inside_grads"}
+    expected |= {"int_psum", "int_pmax", "int_pmin", "int_all_gather", "int_ppermute_ring",
+                 "int_broadcast", "int_all_to_all", "bool_all_gather", "bool_pmax",
+                 "bool_pmin", "bool_ppermute_ring", "bool_broadcast"}
     if n == 4:
         expected |= {k for k in checks if k.startswith("2d_")}
+        expected |= {"int_2d_all_gather_b", "int_2d_psum_a", "bool_2d_all_gather_b"}
         assert len([k for k in checks if k.startswith("2d_")]) == 11
     assert expected <= set(checks)
     bad = {k: v for k, v in checks.items() if v > 1e-5}

@@ -30,6 +30,7 @@ from fshard.errors import (  # noqa: F401
     DistributedError as DistributedError,
     FshardError as FshardError,
     MissingRuleError as MissingRuleError,
+    OperatorStrategyWarning as OperatorStrategyWarning,
     ProgramTypeError as ProgramTypeError,
     ShapeError as ShapeError,
     ShardingError as ShardingError,

@@ -78,3 +78,8 @@ class DistributedError(FshardError, RuntimeError):
 class CheckpointError(FshardError, OSError):
     """A checkpoint could not be written or read: a missing, truncated or altered file,
     another program's index, a leaf whose shape or dtype differs, a save that timed out."""
+
+
+class OperatorStrategyWarning(UserWarning):
+    """A MindSpore ``Primitive.shard`` strategy (``ops.MatMul().shard(...)``) met while
+    fshard traces: fshard does not apply it; propagation lays the operator out."""

@@ -38,7 +38,7 @@ import numpy as np
 from fshard import dtypes
 from fshard import ops as fo
 from fshard.core import Tracer, typeof
-from fshard.errors import FshardError, UnsupportedOpError
+from fshard.errors import FshardError, OperatorStrategyWarning, UnsupportedOpError
 from fshard.staging import register_user_code_hook
 from fshard.tensor_methods import ms_mean, ms_sum
 
@@ -681,10 +681,37 @@ def _refuse_random(name: str) -> None:
         "noise = fs.random.normal(sub, shape) (docs/random.md).")
 
 
+def _warn_strategy(prim) -> None:
+    """``ops.MatMul().shard(((2, 4), (4, 1)))`` traced by fshard: say that the strategy
+    is not applied (sharding propagation lays the operator out) instead of dropping it
+    silently."""
+    attrs = getattr(prim, "attrs", None)
+    strategy = attrs.get("in_strategy") if isinstance(attrs, dict) else None
+    if strategy is None:
+        return
+    import warnings
+
+    user = next((f for f in _stack() if "mindspore" not in f.f_code.co_filename
+                 and not _is_fshard_file(f.f_code.co_filename)), None)
+    message = OperatorStrategyWarning(
+        f"fshard does not apply the strategy of {prim.name}.shard({strategy!r}): "
+        "fs.shard's propagation chooses this operator's layout from the layouts of its "
+        "inputs and outputs.\nFix: give the layouts you want to fs.shard (in_strategy, "
+        "out_strategy, parameter_plan), or save and edit a strategy file "
+        "(save_strategies / load_strategies); drop the .shard(...) call to silence this.")
+    if user is None:
+        warnings.warn(message, stacklevel=2)
+    else:  # point at the user's line, where the operator is called
+        warnings.warn_explicit(message, OperatorStrategyWarning, user.f_code.co_filename,
+                               user.f_lineno, module=user.f_globals.get("__name__"),
+                               registry=user.f_globals.setdefault("__warningregistry__", {}))
+
+
 def _wrap_pyboost(orig):
     def pyboost(prim, args):
         _refuse_random(prim.name)
         if _has_tracer(args):
+            _warn_strategy(prim)
             return _convert(prim.name, prim, args, {})
         return orig(prim, args)
 
@@ -697,6 +724,7 @@ def _wrap_run_op(orig):
     def _run_op(obj, op_name, args):
         _refuse_random(op_name)
         if _has_tracer(args):
+            _warn_strategy(obj)
             return _convert(op_name, obj, args, {})
         return orig(obj, op_name, args)
 

@@ -205,3 +205,23 @@ def test_unsupported_dtypes_are_argument_errors_listing_the_supported_ones(make)
     with pytest.raises(fs.ArgumentError, match=r"not supported by fshard; use one of Bool, "
                                                 r"Float16, Float32"):
         make()
+
+
+def test_a_primitive_shard_strategy_is_not_dropped_silently():
+    from mindspore import Parameter, Tensor, nn, ops
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w = Parameter(Tensor(np.ones((8, 4), np.float32)))
+            self.matmul = ops.MatMul().shard(((2, 4), (4, 1)))
+
+        def construct(self, x):
+            return self.matmul(x, self.w)
+
+    x = np.ones((8, 8), np.float32)
+    with pytest.warns(fs.OperatorStrategyWarning,
+                      match=r"(?s)does not apply the strategy of MatMul.shard\(\(\(2, 4\), "
+                            r"\(4, 1\)\)\).*Fix: give the layouts"):
+        out = fs.shard(Net(), in_strategy=((8, 1),), mesh=8)(x)
+    assert out.asnumpy().tolist() == [[8.0] * 4] * 8

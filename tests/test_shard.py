@@ -491,6 +491,7 @@ def test_shard_in_a_multi_process_job(tmp_path, processes):
         assert "ALL CHECKS PASSED" in out, out
         assert "CHECK seed Cell with parameter_plan ok" in out
         assert "CHECK training step 2 loss ok" in out
+        assert "CHECK mindspore.value_and_grad(shard) gradient 1 ok" in out
         if processes == 4:
             assert "CHECK sub-group collectives ['psum', 'all_gather'] ok" in out
             # relu's bool mask crosses devices: carried in float32 by fshard on CPU
@@ -566,3 +567,22 @@ def test_widening_cast_lets_a_pending_sum_pass():
     a, b = tensors(rng, (4, 8), (8, 4))
     f = lambda a, b: ops.matmul(a, b).astype(ms.float64) * 2.0  # noqa: E731
     close(fs.shard(f, in_strategy=((1, 2), (2, 1)), mesh=2)(a, b), f(a, b))
+
+
+def test_mindspore_autodiff_over_a_sharded_function_on_a_virtual_mesh():
+    import mindspore as ms
+    import numpy as np
+    from mindspore import ops
+
+    def f(x, w):
+        return (ops.relu(ops.matmul(x, w)) ** 2).sum()
+
+    sf = fs.shard(f, in_strategy=((2, 1), None), mesh=2)
+    rng = np.random.default_rng(0)
+    x = ms.Tensor(rng.standard_normal((8, 4)).astype(np.float32))
+    w = ms.Tensor(rng.standard_normal((4, 3)).astype(np.float32))
+    v, g = ms.value_and_grad(lambda x, w: sf(x, w) * 2.0, grad_position=(0, 1))(x, w)
+    v0, g0 = fs.value_and_grad(lambda x, w: f(x, w) * 2.0, argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(v.asnumpy(), v0.asnumpy(), rtol=1e-6)
+    for a, b in zip(g, g0):
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)

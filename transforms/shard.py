@@ -38,7 +38,7 @@ from collections import deque
 import numpy as np
 from dataclasses import dataclass
 
-from fshard import context, tree
+from fshard import context, dtypes, tree
 from fshard.core import ArrayType, bind, typeof
 from fshard.errors import CompositionError, ShardingError
 from fshard.interpret import eval_program
@@ -947,9 +947,47 @@ def _shard_call_impl(*args, plan):
     if plan.world is not None:
         from fshard.backend.mindspore import as_tensor
 
-        out = plan.compiled()(*[as_tensor(x) for x in args])
+        out = _differentiable_call(plan)(*[as_tensor(x) for x in args])
         return [out] if len(plan.body.outputs) == 1 else list(out)
     return run_virtual(plan.partitioned(), list(args))
+
+
+def _differentiable_call(plan):
+    """The compiled per-device program of a multi-process job as an ``nn.Cell`` whose
+    ``bprop`` is fshard's own derivative of the sharded function: MindSpore's autodiff
+    (``mindspore.grad`` over a function calling an ``fs.shard`` function) must not
+    differentiate the per-device graph itself, whose collectives' MindSpore gradients
+    do not match their meaning here (wrong numbers, or ReduceScatter on CPU)."""
+    cell = getattr(plan, "_ms_cell", None)
+    if cell is None:
+        from mindspore import nn, ops
+
+        from fshard.transforms.ad import vjp
+
+        class ShardCall(nn.Cell):
+            def construct(self, *args):
+                return plan.compiled()(*args)
+
+            def bprop(self, *args_out_dout):
+                args, dout = args_out_dout[:-2], args_out_dout[-1]
+                diff = [i for i, a in enumerate(args) if dtypes.is_float(typeof(a).dtype)]
+
+                def f(*d):
+                    full = list(args)
+                    for i, x in zip(diff, d):
+                        full[i] = x
+                    return tuple(shard_call_p.bind(*full, plan=plan))
+
+                _, vjp_fn = vjp(f, *[args[i] for i in diff])
+                cts = tuple(dout) if isinstance(dout, (tuple, list)) else (dout,)
+                grads = vjp_fn(cts)
+                out = [ops.zeros_like(a) for a in args]
+                for i, g in zip(diff, grads):
+                    out[i] = g
+                return tuple(out)
+
+        cell = plan._ms_cell = ShardCall()
+    return cell
 
 
 def _shard_call_lowering(ctx, *exprs, plan):

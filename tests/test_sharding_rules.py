@@ -63,6 +63,8 @@ KNOWN_UNCLAIMED = {
                "-> (8,) with dim 0 split fully and dim 1 split too: the output dim's "
                "split is the product of two factors, and FactorSpec gives a dim one "
                "factor (Shardy's compound factors would express it)",
+    "while": "the loop runs replicated on every device: keeping a split carry needs the "
+             "body partitioned as a program of its own, which fshard does not do yet",
 }
 
 # Samples whose dims divide by the mesh sizes, so that every rule gets split (the

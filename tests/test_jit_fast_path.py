@@ -273,3 +273,41 @@ def test_cache_key_includes_the_default_mesh():
     assert f.trace_count == 2
     f.lower(x)
     assert f.trace_count == 2  # lower() and a call share one cache entry
+
+
+def test_a_failing_fast_path_call_is_not_run_again():
+    """A graph that fails at run time raises; it is never re-run through mindspore.jit
+    (in a job that would repeat this rank's collectives alone)."""
+    import mindspore as ms
+    import numpy as np
+    import pytest
+
+    import fshard as fs
+
+    g = fs.jit(lambda x: x * 2.0).lower(ms.Tensor(np.ones(2, np.float32))).compile().fn
+    x = ms.Tensor(np.ones(2, np.float32))
+    g(x), g(x)
+    assert g.fast
+
+    class Failing:
+        def __init__(self, compiled):
+            self.compiled = compiled
+
+        def set_jit_config(self, config):
+            pass
+
+        def __call__(self, args, phase):
+            raise RuntimeError("the kernel failed")
+
+        def has_compiled(self, phase):
+            return self.compiled
+
+    calls = []
+    real = g.jitted
+    g.jitted = lambda *a: calls.append(a) or real(*a)
+    g._executor = Failing(compiled=True)
+    with pytest.raises(RuntimeError, match="the kernel failed"):
+        g(x)
+    assert calls == [] and g.fast  # not run again, and the route stays
+    g._executor = Failing(compiled=False)  # the graph is gone: mindspore.jit again
+    assert g(x).asnumpy().tolist() == [2.0, 2.0] and len(calls) == 1 and not g.fast

@@ -388,12 +388,23 @@ class GraphFunction:
             try:
                 self._executor.set_jit_config(self._config)
                 return _convert_output(self._executor(args, phase))
-            except Exception:  # noqa: BLE001  the graph is gone or changed: stop using it
-                self._phase = None
+            except Exception:
+                if self._still_compiled(phase):
+                    # The graph ran and failed: running it again through mindspore.jit
+                    # would repeat its work (and, in a job, its collectives on this rank
+                    # only, desynchronising the ranks). The error is the user's.
+                    raise
+                self._phase = None  # the graph is gone: compile through mindspore.jit
         out = self.jitted(*args)
         if not self._tried:
             self._find_phase(args)
         return out
+
+    def _still_compiled(self, phase) -> bool:
+        try:
+            return bool(self._executor.has_compiled(phase))
+        except Exception:  # noqa: BLE001  the executor itself is unusable: it is gone
+            return False
 
     def _find_phase(self, args) -> None:
         """Ask MindSpore which compiled phase ``self.jitted(*args)`` just ran."""

@@ -129,7 +129,7 @@ PROGRAMS = {
 }
 
 DEVICES = (4, 8)
-#: The cases of the fast test subset (tests/test_search.py): small enough that the
+#: The cases of the fast test subset (tests/sharding/test_search.py): small enough that the
 #: exhaustive optimum takes well under a second each.
 FAST = [("mlp2", "megatron", 4), ("mlp2", "2d", 8), ("mlp_loss", "none", 4),
         ("residual", "dp", 4), ("attention", "rows", 4), ("elementwise", "mixed", 8),

@@ -17,7 +17,7 @@ placement, None included), ``fs.jvp`` (finite differences) and ``fs.vjp`` /
 ``fs.grad`` (``<ct, J t> == <J^T ct, t>`` with J t from ``fs.jvp``).
 
 Completeness: every primitive has a spec, and every rule kind is present or recorded
-as unsupported with a reason, except the kinds in ``KINDS_NOT_YET_REQUIRED``.
+as unsupported with a reason.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from primitive_specs import F64, SPECS, out_types  # noqa: E402
 
 # Rule kinds the completeness test does not require yet: sharding rules arrive with
 # the SPMD partitioner, primitive by primitive. Remove a kind to require it everywhere.
-KINDS_NOT_YET_REQUIRED: set = set()
 
 PRIMS = rules.all_primitives()
 BATCH = 3  # examples per batched call in the batching checks
@@ -521,7 +520,7 @@ def test_vjp_and_grad_consistent_with_jvp(name, spec, sample):
 # Completeness
 # ---------------------------------------------------------------------------
 
-REQUIRED_KINDS = [k for k in rules.TABLES if k not in KINDS_NOT_YET_REQUIRED]
+REQUIRED_KINDS = list(rules.TABLES)
 
 
 @pytest.mark.parametrize("prim", PRIMS, ids=lambda p: p.name)
@@ -563,7 +562,3 @@ def test_linear_groups_match_transpose_rules(spec):
     assert bool(spec.linear_groups) == has_rule, (
         f"{prim.name}: the spec's linear_groups={spec.linear_groups} but the registry "
         f"{'has' if has_rule else 'has no'} transpose rule")
-
-
-def test_not_yet_required_kinds_are_rule_kinds():
-    assert KINDS_NOT_YET_REQUIRED <= set(rules.TABLES)

@@ -1,5 +1,5 @@
 """Checks of ``fs.shard`` inside a job started by ``fshard.launch`` (see
-tests/test_shard.py::test_shard_in_a_multi_process_job).
+tests/sharding/test_shard.py::test_shard_in_a_multi_process_job).
 
 Every rank holds the same global inputs (``full_batch``); each runs its block of the
 per-device program with the job's real collectives and gets the global result, which

@@ -40,7 +40,7 @@ from fshard import rules
 from fshard.sharding import Sharding, candidate_shardings, candidates
 from fshard.testing import (all_shardings, check_sharding, check_sharding_rule, shard_mesh)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/ is not a package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: not a package
 from primitive_specs import SPECS, Sample, indices, values  # noqa: E402
 
 MESHES = (2, 4, 8)

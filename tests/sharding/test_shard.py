@@ -483,7 +483,7 @@ def test_shard_in_a_multi_process_job(tmp_path, processes):
 
     from fshard import launch
 
-    script = str(Path(__file__).resolve().parent / "distributed" / "shard_checks.py")
+    script = str(Path(__file__).resolve().parents[1] / "distributed" / "shard_checks.py")
     result = launch.run(script, processes, [], timeout=300, log_dir=str(tmp_path))
     assert result.ok, result.message
     for rank in range(processes):

@@ -19,7 +19,7 @@ from fshard import dtypes, search
 from fshard.sharding import native_collectives, step_bytes
 from fshard.transforms.shard import propagate, shard_call_p
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -372,7 +372,7 @@ def test_error_keyword_arguments():
 
 
 def test_data_parallel_example_matches_full_batch_training():
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
     import data_parallel_mlp as example
 
     reference = example.train(3)

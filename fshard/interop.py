@@ -38,9 +38,10 @@ import numpy as np
 from fshard import dtypes
 from fshard import ops as fo
 from fshard.core import Tracer, typeof
-from fshard.errors import FshardError, OperatorStrategyWarning, UnsupportedOpError
+from fshard.errors import (FshardError, OperatorStrategyWarning, ProgramTypeError,
+                           UnsupportedOpError)
 from fshard.staging import register_user_code_hook
-from fshard.tensor_methods import ms_mean, ms_sum
+from fshard.tensor_methods import ms_mean, ms_sum, truthy_reduce
 
 # ---------------------------------------------------------------------------
 # The converter table: MindSpore primitive name -> converter(prim, *args, **kwargs)
@@ -320,8 +321,19 @@ def _mean(prim, x, axis=None, keepdims=False, dtype=None):
 
 @converts("ReduceMax", "ReduceMin")
 def _reduce_max(prim, x, axis=None, keepdims=False):
+    if typeof(x).dtype == dtypes.bool_:  # as MindSpore: its ReduceMax/Min take no bool
+        which = "amax" if prim.name == "ReduceMax" else "amin"
+        raise ProgramTypeError(
+            f"ops.{which} got a bool tensor{_call_site(_stack())}; MindSpore's {prim.name} "
+            f"takes no bool input. Use ops.{'any' if which == 'amax' else 'all'}(x) (or "
+            f"cast to int32 first) instead.")
     fn = fo.reduce_max if prim.name == "ReduceMax" else fo.reduce_min
     return fn(x, _axis(axis), bool(keepdims))
+
+
+@converts("ReduceAny", "ReduceAll")
+def _reduce_any(prim, x, axis=(), keep_dims=False):
+    return truthy_reduce(x, prim.name == "ReduceAny", _axis(axis), bool(keep_dims))
 
 
 def _arg(prim_is_max: bool, x, axis, keepdims):
@@ -1116,7 +1128,7 @@ SUPPORTED_OPS: tuple[str, ...] = (
     "ops.cross_entropy", "ops.one_hot",
     # reductions
     "ops.sum", "ops.mean", "ops.amax", "ops.amin", "ops.max", "ops.min", "ops.argmax",
-    "ops.logsumexp",
+    "ops.logsumexp", "ops.any", "ops.all",
     # shape
     "ops.reshape", "ops.transpose", "ops.permute", "ops.expand_dims", "ops.squeeze",
     "ops.broadcast_to", "ops.flatten", "ops.concat", "ops.cat", "ops.split", "ops.gather",

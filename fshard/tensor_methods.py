@@ -220,14 +220,20 @@ def _var(self, axis=None, ddof=0, keepdims=False):
                                                          else float("nan"))
 
 
+def truthy_reduce(x, is_any: bool, axis=None, keepdims=False):
+    """``any``/``all``: a value counts as true when it is non-zero (0.5 included, so
+    the test is ``!= 0`` before any integer cast)."""
+    flags = ops.cast(ops.not_equal(x, ops.zeros_like(x)), dtypes.int32)
+    reduce = ops.reduce_max if is_any else ops.reduce_min
+    return ops.greater(reduce(flags, axis, keepdims), 0)
+
+
 def _any(self, axis=None, keep_dims=False, *, keepdims=None):
-    keep = keep_dims if keepdims is None else keepdims
-    return ops.greater(ops.reduce_max(ops.cast(self, dtypes.int32), axis, keep), 0)
+    return truthy_reduce(self, True, axis, keep_dims if keepdims is None else keepdims)
 
 
 def _all(self, axis=None, keep_dims=False, *, keepdims=None):
-    keep = keep_dims if keepdims is None else keepdims
-    return ops.greater(ops.reduce_min(ops.cast(self, dtypes.int32), axis, keep), 0)
+    return truthy_reduce(self, False, axis, keep_dims if keepdims is None else keepdims)
 
 
 def _norm(self, ord=None, dim=None, keepdim=False, *, axis=None, keepdims=None):  # noqa: A002

@@ -79,6 +79,17 @@ def test_program_type_error_in_eager_mode_is_ours_not_mindsporess():
                    "See docs/errors.md#programtypeerror")
 
 
+def test_bool_amax_is_refused_as_mindspore_does_with_the_fix():
+    import mindspore as ms
+    from mindspore import ops
+    x = ms.Tensor(np.array([True, False]))
+    with pytest.raises(errors.ProgramTypeError, match=r"ops\.amin got a bool.*ops\.all\(x\)"):
+        fs.jit(lambda v: ops.amin(v))(x)
+    with pytest.raises(errors.ProgramTypeError, match=r"ops\.amax got a bool.*ops\.any\(x\)"):
+        fs.jit(lambda v: ops.amax(v, 0))(x)
+    assert bool(fs.jit(lambda v: ops.any(v))(x).asnumpy())  # the named fix works
+
+
 def test_argument_error_symbol():
     assert _message(lambda: fs.Symbol(divisor=0), fs.ArgumentError) == (
         "Symbol(divisor=...) must be >= 1, got 0.\nSee docs/errors.md#argumenterror")

@@ -116,6 +116,8 @@ OP_CASES = {
     "ops.min": (lambda x: ops.min(x, 0, keepdims=True), [X]),
     "ops.argmax": (lambda x: (ops.argmax(x, 1), ops.argmax(x)), [X]),
     "ops.logsumexp": (lambda x: ops.logsumexp(x, 1), [X]),
+    "ops.any": (lambda x: (ops.any(x), ops.any(x > 0, 1)), [X]),
+    "ops.all": (lambda x: (ops.all(x), ops.all(x > 0, (0,), True)), [X]),
     "ops.reshape": (lambda x: ops.reshape(x, (8, -1)), [X]),
     "ops.transpose": (lambda x: ops.transpose(x, (2, 0, 1)), [X3]),
     "ops.permute": (lambda x: ops.permute(x, (1, 0, 2)), [X3]),
@@ -714,3 +716,20 @@ def test_cross_entropy_label_out_of_range_is_nan_for_that_example(labels):
     assert np.isnan(fs.jit(lambda lg, t: ops.cross_entropy(lg, t))(logits, y).asnumpy())
     g = fs.grad(lambda lg: ops.cross_entropy(lg, y, reduction="none")[0])(logits)
     assert np.isfinite(g.asnumpy()).all()  # the valid examples still differentiate
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_])
+def test_any_and_all_count_every_nonzero_value_as_true(dtype):
+    # 0.5 is true: a cast to int before the test would make it false.
+    x = np.array([[0.5, 0.0, 0.0], [1.0, 2.0, 0.0]], np.float32).astype(dtype)
+    cases = {
+        "any": (lambda v: ops.any(v), lambda a: a.any()),
+        "all": (lambda v: ops.all(v), lambda a: a.all()),
+        "any axis 0": (lambda v: ops.any(v, (0,), True), lambda a: a.any(0, keepdims=True)),
+        "all axis 1": (lambda v: ops.all(v, 1), lambda a: a.all(1)),
+        "Tensor.any": (lambda v: v.any(1), lambda a: a.any(1)),
+        "Tensor.all": (lambda v: v.all(0, keep_dims=True), lambda a: a.all(0, keepdims=True)),
+    }
+    for name, (fn, ref) in cases.items():
+        got = fs.jit(fn)(Tensor(x)).asnumpy()
+        np.testing.assert_array_equal(got, ref(x), err_msg=name)

@@ -18,7 +18,7 @@ from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
 from fshard.primitives._batching import batch_size, batch_to_front, move_axis, vectorized
 from fshard.primitives._define import (Zero, def_primitive, defjvp, deflinear, instantiate,
                                       is_undefined)
-from fshard.rules import batching, jvp, sharding, transpose, unsupported
+from fshard.rules import batching, jvp, sharding, unsupported
 from fshard.sharding import FactorSpec, elementwise_spec
 from fshard.rules import transpose as transpose_rules  # `transpose` is also an op here
 

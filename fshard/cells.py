@@ -107,4 +107,10 @@ def maybe_cell(fun, transform):
     call.inner = inner
     if hasattr(inner, "lower"):
         call.lower = lambda *a, **k: inner.lower(parameters(cell), *a, **k)
+    if hasattr(inner, "set_inputs"):  # the parameters (argument 0) keep their shapes
+        def set_inputs(*specs):
+            inner.set_inputs(None, *specs)
+            return call
+
+        call.set_inputs = set_inputs
     return call

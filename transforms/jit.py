@@ -15,8 +15,8 @@ import numpy as np
 from fshard import dtypes, tree
 from fshard import passes
 from fshard.backend import mindspore as backend
-from fshard.core import EvalTrace, Symbol, current_trace, typeof
-from fshard.errors import ShapeError
+from fshard.core import ArrayType, EvalTrace, Symbol, current_trace, typeof
+from fshard.errors import ArgumentError, ShapeError
 from fshard.mesh import context_key as _mesh_key
 from fshard.staging import (Traced, check_function, check_static_args, fun_name, split_static,
                             trace_fun)
@@ -44,8 +44,10 @@ class Lowered:
 
     def compile(self) -> "Compiled":
         if self._compiled is None:
-            fn = backend.compile_source(self.source, self.globals, self.traced.name)
             prog = self.traced.program
+            in_avals = [v.aval for v in prog.inputs[prog.n_consts:]]
+            fn = backend.compile_source(self.source, self.globals, self.traced.name,
+                                        dynamic=in_avals if _symbolic(in_avals) else None)
             self._compiled = Compiled(fn, self.n_out, self.traced.out_tree, self.wait,
                                       [v.aval for v in prog.inputs[prog.n_consts:]],
                                       prog.out_avals, self.traced.name)
@@ -115,6 +117,44 @@ class Compiled:
 
 
 _Tensor = backend.Tensor
+
+
+def _symbolic(avals) -> bool:
+    return any(not a.is_static for a in avals)
+
+
+def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
+    """An input declaration as an ArrayType: an ``fs.ArrayType``, or a MindSpore
+    placeholder ``Tensor(shape=[s0, 784], dtype=...)`` whose dims are ints,
+    ``mindspore.Symbol`` (one object: one fshard Symbol) or None (a new Symbol)."""
+    if isinstance(spec, ArrayType):
+        for d in spec.shape:
+            if not isinstance(d, (int, Symbol)) or isinstance(d, bool):
+                raise ArgumentError(
+                    f"{where}: a declared dimension must be an int or an fs.Symbol, got "
+                    f"{d!r} in {spec}.\nFix: use fs.Symbol(...) for a dimension of any size.")
+        return spec
+    if isinstance(spec, _Tensor) and getattr(spec, "symbolic_shape", None) is not None:
+        dims = []
+        for d in spec.symbolic_shape:
+            if isinstance(d, int) and d >= 0:
+                dims.append(d)
+            elif isinstance(d, dict):  # a mindspore.Symbol: its non-default fields (and
+                # its id when unique=True: then one object is one size, as in MindSpore)
+                sym = ms_symbols.get(d.get("id", object()))
+                if sym is None:
+                    sym = ms_symbols[d.get("id")] = Symbol(
+                        max=d.get("max", 0), min=d.get("min", 1), divisor=d.get("divisor", 1),
+                        remainder=d.get("remainder", 0), unique=d.get("unique", False))
+                dims.append(sym)
+            else:  # None (-1): any size
+                dims.append(Symbol())
+        return ArrayType(tuple(dims), spec.dtype)
+    raise ArgumentError(
+        f"{where}: expected an fs.ArrayType, a MindSpore placeholder Tensor(shape=[...], "
+        f"dtype=...) or None, got {type(spec).__name__} {spec!r}.\nFix: declare the "
+        "argument as fs.ArrayType((fs.Symbol(divisor=8), 784), mindspore.float32), or pass "
+        "None to take its shape from each call.")
 
 
 def _bind(name: str, what: str, avals, values, sizes: dict) -> dict:
@@ -205,10 +245,42 @@ class Jitted:
         self.static_argnums = tuple(static_argnums)
         self.static_argnames = tuple(static_argnames)
         self.trace_count = 0
+        self._in_shapes = None   # one declaration per positional argument (set_inputs)
         self._cache: dict = {}   # key -> Lowered
         self._calls: dict = {}   # key -> Compiled, for signatures without static arguments
         self._static = bool(self.static_argnums or self.static_argnames)
         functools.update_wrapper(self, fun, updated=())
+
+    def set_inputs(self, *specs) -> "Jitted":
+        """Declare the inputs' shapes, MindSpore's way: one entry per positional argument,
+        an ``fs.ArrayType`` or a MindSpore placeholder ``Tensor(shape=[s0, 784], dtype=...)``
+        (a pytree of them for a pytree argument) with ``fs.Symbol``/``mindspore.Symbol``/
+        None dimensions, or None (the argument's shapes come from each call). Every call
+        whose shapes satisfy the declarations then runs one program, traced and compiled
+        once; a call that does not is an fshard error. Returns ``self``."""
+        ms_symbols: dict = {}
+
+        def convert(spec, where):
+            if spec is None:
+                return None
+            if isinstance(spec, (ArrayType, _Tensor)):
+                return _spec_type(spec, where, ms_symbols)
+            if isinstance(spec, (tuple, list, dict)):
+                items = spec.items() if isinstance(spec, dict) else enumerate(spec)
+                out = {k: convert(v, f"{where}[{k!r}]") for k, v in items}
+                return out if isinstance(spec, dict) else type(spec)(out.values())
+            return _spec_type(spec, where, ms_symbols)  # raises, naming the entry
+
+        self._in_shapes = tuple(convert(spec, f"{self!r}.set_inputs: argument {i}")
+                                for i, spec in enumerate(specs))
+        return self
+
+    @property
+    def compile_count(self) -> int:
+        """How many MindSpore graphs this function has compiled (a graph with dynamic
+        shapes compiles once for every size its Symbols accept)."""
+        return sum(low._compiled.fn.compiles for low in self._cache.values()
+                   if low._compiled is not None)
 
     def _prepare(self, args, kwargs):
         if self.static_argnums or self.static_argnames:
@@ -217,18 +289,48 @@ class Jitted:
         else:
             dyn_args, dyn_kwargs, skey, rebuild = args, kwargs, None, None
         leaves, in_tree = tree.flatten((dyn_args, dyn_kwargs))
-        key = (in_tree, tuple([_leaf_key(x) for x in leaves]), skey, _mesh_key())
-        return key, leaves, in_tree, rebuild
+        declared = self._declared(args, dyn_args, dyn_kwargs) if self._in_shapes else None
+        if declared is None:
+            key = (in_tree, tuple([_leaf_key(x) for x in leaves]), skey, _mesh_key())
+        else:  # a declared argument is keyed by its declaration, not its shape
+            key = (in_tree, tuple([_leaf_key(x) if a is None else ("declared", id(a))
+                                   for x, a in zip(leaves, declared)]), skey, _mesh_key())
+        return key, leaves, in_tree, rebuild, declared
+
+    def _declared(self, args, dyn_args, dyn_kwargs) -> list:
+        """The declared ArrayType (or None) of every array leaf of the dynamic arguments."""
+        static = {i if i >= 0 else len(args) + i for i in self.static_argnums}
+        specs = list(self._in_shapes) + [None] * (len(args) - len(self._in_shapes))
+        if len(self._in_shapes) > len(args):
+            raise ArgumentError(
+                f"{self!r} declares {len(self._in_shapes)} inputs with set_inputs, but was "
+                f"called with {len(args)} positional arguments.\nFix: pass every declared "
+                "argument positionally.")
+        prefix = (tuple(sp for i, sp in enumerate(specs) if i not in static),
+                  {k: None for k in dyn_kwargs})
+        try:
+            out = tree.broadcast_prefix(prefix, (dyn_args, dyn_kwargs),
+                                        is_leaf=lambda v: isinstance(v, ArrayType))
+        except ValueError as e:
+            raise ArgumentError(
+                f"{self!r}: the set_inputs declarations do not match the arguments' "
+                f"structure: {e}.\nFix: declare each argument with one entry (or a pytree "
+                "of entries shaped like it).") from None
+        return out
 
     def lower(self, *args, **kwargs) -> Lowered:
-        key, leaves, in_tree, rebuild = self._prepare(args, kwargs)
-        return self._lower(key, leaves, in_tree, rebuild)
+        key, leaves, in_tree, rebuild, declared = self._prepare(args, kwargs)
+        return self._lower(key, leaves, in_tree, rebuild, declared)
 
-    def _lower(self, key, leaves, in_tree, rebuild) -> Lowered:
+    def _lower(self, key, leaves, in_tree, rebuild, declared=None) -> Lowered:
         lowered = self._cache.get(key)
         if lowered is None:
             self.trace_count += 1
-            traced = trace_fun(self.fun, in_tree, [typeof(x) for x in leaves], rebuild)
+            avals = [typeof(x) for x in leaves]
+            if declared is not None:
+                avals = [_declared_type(self, k, a, t) for k, (a, t) in
+                         enumerate(zip(declared, avals))]
+            traced = trace_fun(self.fun, in_tree, avals, rebuild)
             # the IR cleanup passes (fshard/passes.py) run on what is compiled only:
             # make_ir and .program show the staged Program as traced
             program = passes.simplify(traced.program)
@@ -240,6 +342,11 @@ class Jitted:
     def __call__(self, *args, **kwargs):
         if type(current_trace()) is not EvalTrace:
             return self.fun(*args, **kwargs)  # inlined into the enclosing transform
+        if self._in_shapes is not None:  # declared shapes: every call is checked
+            key, leaves, in_tree, rebuild, declared = self._prepare(args, kwargs)
+            lowered = self._cache.get(key) or self._lower(key, leaves, in_tree, rebuild,
+                                                          declared)
+            return (lowered._compiled or lowered.compile())(*leaves)
         if not self._static:
             # the hot path of a cached call: one flatten, one key, one dict lookup
             leaves, in_tree = tree.flatten((args, kwargs))
@@ -250,7 +357,7 @@ class Jitted:
                 lowered = self._lower(key, leaves, in_tree, None)
                 compiled = self._calls[key] = lowered._compiled or lowered.compile()
             return compiled.call_leaves(leaves)
-        key, leaves, in_tree, rebuild = self._prepare(args, kwargs)
+        key, leaves, in_tree, rebuild, _ = self._prepare(args, kwargs)
         lowered = self._cache.get(key)
         if lowered is None:
             lowered = self._lower(key, leaves, in_tree, rebuild)
@@ -259,6 +366,19 @@ class Jitted:
 
     def __repr__(self) -> str:
         return f"fs.jit({fun_name(self.fun)})"
+
+
+def _declared_type(jitted, k: int, declared, got: ArrayType) -> ArrayType:
+    """The type input ``k`` is traced with: its declaration (checked against the first
+    call's dtype and rank), or its own type."""
+    if declared is None:
+        return got
+    if declared.dtype != got.dtype or declared.ndim != got.ndim:
+        raise ShapeError(
+            f"{jitted!r}: input {k} has type {got}, but set_inputs declared {declared}.\n"
+            f"Fix: pass a {dtypes.short_name(declared.dtype)} array of rank "
+            f"{declared.ndim}, or change the declaration.")
+    return declared
 
 
 class _Omitted:
@@ -272,7 +392,7 @@ class _Omitted:
 _DECORATOR = _Omitted()
 
 
-def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=()):
+def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None):
     """Compile ``fun`` into one MindSpore GRAPH-mode program per input signature.
 
     >>> import numpy as np, fshard as fs
@@ -287,6 +407,8 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=()):
         static_argnums: positions of arguments that are Python values, part of the
             cache key and passed to ``fun`` unchanged.
         static_argnames: the same, for keyword arguments.
+        in_shapes: declared input shapes, one entry per positional argument, as for
+            ``set_inputs`` (``fs.Symbol`` dimensions: one program for every size).
 
     Returns:
         a callable with ``.lower(*args)`` (``.as_text()``, ``.compile()``) and
@@ -297,7 +419,8 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=()):
     if fun is _DECORATOR:  # @fs.jit(static_argnums=...) as a decorator factory
         def decorate(f):
             check_function("fs.jit", f)
-            return jit(f, static_argnums=static_argnums, static_argnames=static_argnames)
+            return jit(f, static_argnums=static_argnums, static_argnames=static_argnames,
+                       in_shapes=in_shapes)
 
         return decorate
     from fshard.cells import is_cell, maybe_cell
@@ -307,4 +430,16 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=()):
         "fs.jit", fun.construct if is_cell(fun) else fun, static_argnums, static_argnames)
     if is_cell(fun):  # the Cell's parameters become argument 0
         static_argnums = tuple(i + 1 if i >= 0 else i for i in static_argnums)
-    return maybe_cell(fun, lambda f: Jitted(f, static_argnums, static_argnames))
+    if in_shapes is not None and not isinstance(in_shapes, (tuple, list)):
+        raise ArgumentError(
+            f"fs.jit(in_shapes=...) must be a tuple with one entry per positional argument, "
+            f"got {type(in_shapes).__name__}.\nFix: in_shapes=(spec_of_arg0, spec_of_arg1, "
+            "...).")
+
+    def make(f):
+        out = Jitted(f, static_argnums, static_argnames)
+        # a Cell's parameters (argument 0) take their shapes from the Cell
+        return out if in_shapes is None else out.set_inputs(
+            *(((None,) if is_cell(fun) else ()) + tuple(in_shapes)))
+
+    return maybe_cell(fun, make)

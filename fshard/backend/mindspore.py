@@ -23,7 +23,8 @@ import mindspore as ms
 import numpy as np
 
 from fshard import context, dtypes
-from fshard.core import ArrayType
+from fshard.core import ArrayType, DimExpr, Symbol, is_symbolic
+from fshard.errors import ShapeError
 from fshard.ir import Literal, Program
 from fshard.rules import lowering
 
@@ -95,6 +96,7 @@ class LoweringContext:
         self.sequenced = False
         self.token: str | None = None
         self.helpers: list[str] = []  # sources of helper functions (call primitives' bodies)
+        self.dims: dict = {}  # Symbol -> source of its size (an input's ``.shape[d]``)
 
     def function(self, program: Program, hint: str = "call") -> str:
         """Emit ``program`` as a helper function of the generated module; return its name.
@@ -146,10 +148,32 @@ class LoweringContext:
         return name
 
     def param(self, v) -> str:
-        """Source text of a parameter value: a literal if reprable, else a global."""
+        """Source text of a parameter value: a literal if reprable, else a global (a
+        shape with symbolic dimensions reads them from the inputs at run time)."""
         if isinstance(v, float) and not np.isfinite(v):
             return self.ref(v, "f")
+        if isinstance(v, tuple) and any(is_symbolic(d) for d in v):
+            return "(" + "".join(self.dim(d) + ", " for d in v) + ")"
         return repr(v) if _is_literal_param(v) else self.ref(v, "p")
+
+    def dim(self, d) -> str:
+        """Source of a dimension: an int, or an expression of the inputs' run-time sizes
+        (``v0.shape[0]``) for a Symbol or a product of Symbols."""
+        if isinstance(d, int):
+            return repr(d)
+        coeff, factors = d.coeff if isinstance(d, DimExpr) else 1, (
+            d.factors if isinstance(d, DimExpr) else ((d, 1),))
+        terms = []
+        for sym, power in factors:
+            if sym not in self.dims:
+                raise ShapeError(
+                    f"the dimension {sym} ({sym!r}) is used in the program but is the size of "
+                    "none of its inputs, so its value is unknown when the program runs.\n"
+                    "Fix: declare the Symbol on an input dimension.")
+            terms += [self.dims[sym]] * power
+        num, den = (coeff.numerator, coeff.denominator) if coeff != 1 else (1, 1)
+        src = " * ".join(terms + ([str(num)] if num != 1 else []))
+        return f"({src}) // {den}" if den != 1 else src
 
     def call(self, fn, *exprs, **params) -> str:
         args = list(exprs) + [f"{k}={self.param(v)}" for k, v in params.items()]
@@ -210,9 +234,13 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
     for var, c in zip(program.inputs[: program.n_consts], consts, strict=True):
         names[var] = ctx.ref(as_tensor(c), "const")
     params = []
+    saved_dims, ctx.dims = ctx.dims, {}
     for var in program.inputs[program.n_consts:]:
         names[var] = fresh()
         params.append(names[var])
+        for d, size in enumerate(var.aval.shape):
+            if isinstance(size, Symbol):
+                ctx.dims.setdefault(size, f"{names[var]}.shape[{d}]")
 
     def read(a) -> str:
         if isinstance(a, Literal):
@@ -237,7 +265,7 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
         if not outs:
             lhs = "_"
         body.append(f"    {lhs} = {expr}")
-    ctx.token = saved_token
+    ctx.token, ctx.dims = saved_token, saved_dims
     outs = [read(a) for a in program.outputs]
     if len(outs) == 1 and not always_tuple:
         body.append(f"    return {outs[0]}")
@@ -260,12 +288,31 @@ def load_module(src: str, globals_: dict, hint: str):
     return mod
 
 
-def compile_source(src: str, globals_: dict, hint: str) -> "GraphFunction":
+def compile_source(src: str, globals_: dict, hint: str, dynamic=None) -> "GraphFunction":
     """``mindspore.jit`` of the function defined by ``src``, with the fast call path
-    of ``GraphFunction``."""
+    of ``GraphFunction``. ``dynamic``: the ArrayTypes of the function's parameters when
+    some have symbolic dimensions; the graph is then compiled once for all their sizes
+    (``mindspore.enable_dynamic``, one ``mindspore.Symbol`` per fshard Symbol)."""
     mod = load_module(src, globals_, hint)
     fname = src.split("(", 1)[0][4:]
-    return GraphFunction(ms.jit(getattr(mod, fname), fullgraph=True))
+    fn = getattr(mod, fname)
+    if dynamic is not None:
+        symbols: dict = {}
+
+        def ms_dim(d):
+            if isinstance(d, int):
+                return d
+            if not isinstance(d, Symbol):  # a product of Symbols: any size
+                return None
+            if d not in symbols:
+                symbols[d] = ms.Symbol(max=d.max, min=d.min, divisor=d.divisor,
+                                       remainder=d.remainder, unique=True)
+            return symbols[d]
+
+        fn = ms.enable_dynamic(**{f"v{k}": Tensor(shape=[ms_dim(d) for d in a.shape],
+                                                   dtype=a.dtype)
+                                  for k, a in enumerate(dynamic) if not a.is_static})(fn)
+    return GraphFunction(ms.jit(fn, fullgraph=True), dynamic=dynamic is not None)
 
 
 # ---------------------------------------------------------------------------
@@ -360,10 +407,13 @@ class GraphFunction:
     cache guarantees it: one GraphFunction per signature).
     """
 
-    __slots__ = ("jitted", "_phase", "_executor", "_config", "_tried", "_sig")
+    __slots__ = ("jitted", "_phase", "_executor", "_config", "_tried", "_sig", "dynamic",
+                 "compiles")
 
-    def __init__(self, jitted):
+    def __init__(self, jitted, dynamic: bool = False):
         self.jitted = jitted
+        self.dynamic = dynamic  # compiled for every size of its symbolic dimensions
+        self.compiles = 0       # MindSpore compilations this function caused
         self._phase = None      # set once the direct route is known to be usable
         self._executor = None
         self._config = None
@@ -384,7 +434,8 @@ class GraphFunction:
     def _call(self, *args):
         phase = self._phase
         if (phase is not None and _jit_context() is None and not _requires_grad()
-                and _plain_tensors(args) and [a.shape for a in args] == self._sig):
+                and _plain_tensors(args) and (self.dynamic or [a.shape for a in args]
+                                              == self._sig)):
             try:
                 self._executor.set_jit_config(self._config)
                 return _convert_output(self._executor(args, phase))
@@ -395,7 +446,10 @@ class GraphFunction:
                     # only, desynchronising the ranks). The error is the user's.
                     raise
                 self._phase = None  # the graph is gone: compile through mindspore.jit
+        n_cached = len(_ms_api.ms_compile_cache) if _ms_api is not None else 0
         out = self.jitted(*args)
+        if _ms_api is not None and len(_ms_api.ms_compile_cache) != n_cached:
+            self.compiles += 1
         if not self._tried:
             self._find_phase(args)
         return out

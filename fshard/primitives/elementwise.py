@@ -13,7 +13,7 @@ import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
-from fshard.core import ArrayType, typeof
+from fshard.core import ArrayType, dims_equal, is_symbolic, typeof
 from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives._batching import broadcasting, vectorized
 from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear
@@ -32,6 +32,10 @@ def _is_weak(x) -> bool:
     return isinstance(x, (bool, int, float)) and not isinstance(x, np.generic)
 
 
+def _shape_str(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
 def broadcast_shapes(*shapes) -> tuple:
     """NumPy broadcasting of static shapes; raises ShapeError naming both shapes."""
     nd = max(len(s) for s in shapes)
@@ -43,11 +47,18 @@ def broadcast_shapes(*shapes) -> tuple:
             if k < 0:
                 continue
             d = s[k]
-            if d is dim or (isinstance(d, int) and d == 1):
+            if dims_equal(d, dim) or (isinstance(d, int) and d == 1):
                 continue
             if isinstance(dim, int) and dim == 1:
                 dim = d
-            elif not (isinstance(d, int) and isinstance(dim, int) and d == dim):
+            elif is_symbolic(d) or is_symbolic(dim):
+                raise ShapeError(
+                    f"shapes {' and '.join(_shape_str(s) for s in shapes)} cannot be "
+                    f"broadcast together: dimension {i} from the right-aligned end is {dim} "
+                    f"in one and {d} in the other, and fshard cannot prove them equal.\n"
+                    f"Fix: it would have to hold that {dim} == {d}: declare both with the "
+                    "same fs.Symbol object (or make one of them 1).")
+            else:
                 raise ShapeError(
                     f"shapes {' and '.join(str(tuple(s)) for s in shapes)} cannot be "
                     f"broadcast together (dimension {i} from the right-aligned end: "

@@ -8,7 +8,7 @@ from mindspore import dtype as mstype
 from mindspore import ops
 
 from fshard import dtypes
-from fshard.core import ArrayType, typeof
+from fshard.core import ArrayType, dim_prod, is_symbolic, typeof
 from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear
 from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
 from fshard.rules import batching, jvp, sharding, unsupported
@@ -143,6 +143,46 @@ argmax_p = _def_arg("argmax", _ms_argmax)
 argmin_p = _def_arg("argmin", _ms_argmin)
 
 # ---------------------------------------------------------------------------
+# dim_size: the number of elements along some axes, read at run time. What a mean
+# over a symbolic dimension divides by; with static sizes ``mean`` uses a constant.
+# ---------------------------------------------------------------------------
+
+
+def _dim_size_type(x, *, axes, dtype):
+    return ArrayType((), dtype)
+
+
+def _ms_dim_size(x, axes, dtype):
+    n = 1
+    for a in axes:  # in a graph with dynamic shapes, x.shape[a] is read at run time
+        n = n * x.shape[a]
+    return ops.scalar_to_tensor(n, dtype)
+
+
+dim_size_p = def_primitive("dim_size", FAMILY, _dim_size_type, _ms_dim_size)
+
+
+def _dim_size_batching(args, dims, *, axes, dtype):
+    (x,), (d,) = args, dims
+    return [dim_size_p.bind(x, axes=tuple(a + (a >= d) for a in axes), dtype=dtype)], [None]
+
+
+batching.set(dim_size_p, _dim_size_batching)
+jvp.set(dim_size_p, lambda primals, tangents, **p: (
+    [dim_size_p.bind(*primals, **p)], [Zero(_dim_size_type(typeof(primals[0]), **p))]))
+unsupported(dim_size_p, "transpose", "its output does not depend on the values of its input")
+# The size is global: a sharded input along a counted axis is gathered first.
+sharding.set(dim_size_p, lambda x, *, axes, dtype: FactorSpec(
+    [tuple(None if i in axes else f"d{i}" for i in range(x.ndim))], [()],
+    {f"d{i}": x.shape[i] for i in range(x.ndim) if i not in axes}, flops_per_point=0.0))
+
+
+def dim_size(x, axes, dtype):
+    """The number of elements of ``x`` along ``axes`` as a 0-d array of ``dtype``."""
+    return dim_size_p.bind(x, axes=tuple(axes), dtype=dtype)
+
+
+# ---------------------------------------------------------------------------
 # Op functions
 # ---------------------------------------------------------------------------
 
@@ -189,14 +229,14 @@ def reduce_min(x, axis=None, keepdims: bool = False):
 
 def mean(x, axis=None, keepdims: bool = False):
     """Mean over ``axis`` (integer inputs average in float32)."""
-    from fshard.primitives.elementwise import cast, mul
+    from fshard.primitives.elementwise import cast, div, mul
 
     if not dtypes.is_float(typeof(x).dtype):
         x = cast(x, dtypes.float32)
-    shape = typeof(x).shape
-    n = 1
-    for a in _axes(x, axis):
-        n *= shape[a]
+    shape, axes = typeof(x).shape, _axes(x, axis)
+    n = dim_prod([shape[a] for a in axes])
+    if is_symbolic(n):  # a size known only at run time
+        return div(reduce_sum(x, axis, keepdims), dim_size(x, axes, typeof(x).dtype))
     # The mean of nothing is nan, as in MindSpore and NumPy.
     return mul(reduce_sum(x, axis, keepdims), 1.0 / n if n else float("nan"))
 

@@ -13,7 +13,8 @@ import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
-from fshard.core import ArrayType, Symbol, Tracer, dims_equal, typeof
+from fshard.core import (ArrayType, DimExpr, Symbol, Tracer, dim_div, dim_prod, dims_equal,
+                         is_symbolic, typeof)
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
 from fshard.primitives._batching import batch_size, batch_to_front, move_axis, vectorized
 from fshard.primitives._define import (Zero, def_primitive, defjvp, deflinear, instantiate,
@@ -44,12 +45,16 @@ def _static_shape(shape, what="shape") -> tuple:
         raise ArgumentError(f"{what} must be a tuple of ints, got {shape!r}.")
     out = []
     for d in shape:
-        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer, Symbol)):
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer, Symbol, DimExpr)):
             raise ArgumentError(
                 f"{what} must be a tuple of ints, got {shape!r} (the entry {d!r} is a "
                 f"{type(d).__name__}).")
         out.append(int(d) if isinstance(d, (int, np.integer)) else d)
     return tuple(out)
+
+
+def _shape_str(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
 def _nonnegative(shape, what) -> tuple:
@@ -145,8 +150,13 @@ def _ms_reshape(x, shape):
 
 
 def _reshape_type(x, *, shape):
-    if x.is_static and int(np.prod(shape, dtype=np.int64)) != x.size:
-        raise ShapeError(f"cannot reshape {x} to {shape}: sizes differ")
+    if x.is_static and all(isinstance(d, int) for d in shape):
+        if int(np.prod(shape, dtype=np.int64)) != x.size:
+            raise ShapeError(f"cannot reshape {x} to {shape}: sizes differ")
+    elif not dims_equal(dim_prod(shape), dim_prod(x.shape)):
+        raise ShapeError(
+            f"cannot reshape {x} to {_shape_str(shape)}: the sizes {dim_prod(x.shape)} and "
+            f"{dim_prod(shape)} are not equal for every size the Symbols accept.")
     return ArrayType(tuple(shape), x.dtype)
 
 
@@ -210,11 +220,19 @@ def reshape(x, shape):
     if shape.count(-1) > 1:
         raise ArgumentError(f"reshape: at most one -1 in shape, got {shape}.")
     if -1 in shape:
-        known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
-        if known == 0 or a.size % known:
-            raise ShapeError(f"cannot reshape {a} to {shape}")
-        shape = tuple(a.size // known if d == -1 else d for d in shape)
-    if shape == tuple(a.shape):
+        known = dim_prod([d for d in shape if not isinstance(d, int) or d != -1])
+        if a.is_static and isinstance(known, int):
+            if known == 0 or a.size % known:
+                raise ShapeError(f"cannot reshape {a} to {shape}")
+            rest = a.size // known
+        else:
+            try:
+                rest = dim_div(dim_prod(a.shape), known)
+            except ArgumentError as e:
+                raise ShapeError(f"cannot reshape {a} to {_shape_str(shape)}: "
+                                 f"{e.args[0].splitlines()[0]}.") from None
+        shape = tuple(rest if isinstance(d, int) and d == -1 else d for d in shape)
+    if len(shape) == a.ndim and all(dims_equal(p, q) for p, q in zip(shape, a.shape)):
         return x
     return reshape_p.bind(x, shape=shape)
 

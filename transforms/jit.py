@@ -15,7 +15,8 @@ import numpy as np
 from fshard import dtypes, tree
 from fshard import passes
 from fshard.backend import mindspore as backend
-from fshard.core import ArrayType, EvalTrace, Symbol, current_trace, typeof
+from fshard.core import (ArrayType, EvalTrace, Symbol, current_trace, dim_eval, is_symbolic,
+                         typeof)
 from fshard.errors import ArgumentError, ShapeError
 from fshard.mesh import context_key as _mesh_key
 from fshard.staging import (Traced, check_function, check_static_args, fun_name, split_static,
@@ -97,12 +98,12 @@ class Compiled:
             out[self._wait].asnumpy()
         return tree.unflatten(self.out_tree, (out,) if self.n_out == 1 else out)
 
-    def __call__(self, *leaves):
+    def __call__(self, *leaves, names=None):
         """Run on flat inputs, checked against the types the program was traced for:
         a static dimension must match, a ``Symbol`` dimension must satisfy it (and one
         Symbol bind one size everywhere), and the outputs must have the shapes the
-        program promises for that binding."""
-        sizes = _bind(self.name, "input", self.in_avals, leaves, {})
+        program promises for that binding. ``names``: how errors name each input."""
+        sizes = _bind(self.name, "input", self.in_avals, leaves, {}, names)
         out = self.call_flat([x if isinstance(x, _Tensor) else backend.as_tensor(x)
                               for x in leaves])
         try:
@@ -134,9 +135,10 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
                     f"{where}: a declared dimension must be an int or an fs.Symbol, got "
                     f"{d!r} in {spec}.\nFix: use fs.Symbol(...) for a dimension of any size.")
         return spec
-    if isinstance(spec, _Tensor) and getattr(spec, "symbolic_shape", None) is not None:
+    if isinstance(spec, _Tensor) and (getattr(spec, "symbolic_shape", None) is not None
+                                      or -1 in tuple(spec.shape)):
         dims = []
-        for d in spec.symbolic_shape:
+        for d in getattr(spec, "symbolic_shape", None) or spec.shape:
             if isinstance(d, int) and d >= 0:
                 dims.append(d)
             elif isinstance(d, dict):  # a mindspore.Symbol: its non-default fields (and
@@ -157,38 +159,45 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
         "None to take its shape from each call.")
 
 
-def _bind(name: str, what: str, avals, values, sizes: dict) -> dict:
+def _bind(name: str, what: str, avals, values, sizes: dict, names=None) -> dict:
     """Check ``values`` against ``avals``, binding each Symbol to the size it meets
-    (``sizes``: Symbol -> (size, where)); an fshard error names the mismatch."""
+    (``sizes``: Symbol -> (size, where)); an fshard error names the mismatch (as input
+    ``k``, or as ``names()[k]``: names are only worked out for an error)."""
     if len(values) != len(avals):
         raise ShapeError(
             f"{name}: the compiled program takes {len(avals)} array {what}s, got "
             f"{len(values)}.\nFix: pass the flat arrays the program was lowered for.")
+
+    def where(k):
+        return f"{what} {k}" if names is None else names()[k]
+
     for k, (a, x) in enumerate(zip(avals, values)):
         t = typeof(x)
-        where = f"{what} {k}"
         if t.dtype != a.dtype or t.ndim != a.ndim:
             raise ShapeError(
-                f"{name}: {where} has type {t}, but the program was compiled for {a}.\n"
+                f"{name}: {where(k)} has type {t}, but the program was compiled for {a}.\n"
                 f"Fix: pass a {a} (or call fs.jit({name}) directly, which compiles for "
                 "each new type).")
         for d, (want, got) in enumerate(zip(a.shape, t.shape)):
             if isinstance(want, Symbol):
                 if not want.accepts(got):
                     raise ShapeError(
-                        f"{name}: {where} has size {got} in dimension {d}, which {want!r} "
-                        "does not accept (size = divisor * N + remainder, within [min, max])."
-                        f"\nFix: pad or trim that dimension to a size the Symbol accepts.")
-                bound = sizes.setdefault(want, (got, f"{where} dimension {d}"))
+                        f"{name}: {where(k)} has size {got} in dimension {d}, which "
+                        f"{want.name} = {want!r} does not accept (size = divisor * N + "
+                        "remainder, within [min, max]).\nFix: pad or trim that dimension to "
+                        "a size the Symbol accepts.")
+                bound = sizes.setdefault(want, (got, k, d))
                 if bound[0] != got:
                     raise ShapeError(
-                        f"{name}: {where} has size {got} in dimension {d}, but the same "
-                        f"{want!r} has size {bound[0]} in {bound[1]}; one Symbol object is one "
-                        "size in every place it appears.\nFix: make those dimensions equal, "
-                        "or declare them with different Symbol objects.")
-            elif want != got:
+                        f"{name}: {where(k)} has size {got} in dimension {d}, but the same "
+                        f"{want.name} = {want!r} has size {bound[0]} in {where(bound[1])} "
+                        f"dimension {bound[2]}; one Symbol object is one size in every place "
+                        "it appears.\nFix: make those dimensions equal, or declare them with "
+                        "different Symbol objects.")
+            elif (dim_eval(want, {s: v[0] for s, v in sizes.items()}) if is_symbolic(want)
+                  else want) != got:
                 raise ShapeError(
-                    f"{name}: {where} has shape {tuple(t.shape)}, but the program was "
+                    f"{name}: {where(k)} has shape {tuple(t.shape)}, but the program was "
                     f"compiled for {a}: dimension {d} must be {want}.\nFix: pass that "
                     f"shape, or declare the dimension with fs.Symbol(...) when lowering.")
     return sizes
@@ -346,7 +355,8 @@ class Jitted:
             key, leaves, in_tree, rebuild, declared = self._prepare(args, kwargs)
             lowered = self._cache.get(key) or self._lower(key, leaves, in_tree, rebuild,
                                                           declared)
-            return (lowered._compiled or lowered.compile())(*leaves)
+            names = None if self._static else (lambda: _input_names(self.fun, args, kwargs))
+            return (lowered._compiled or lowered.compile())(*leaves, names=names)
         if not self._static:
             # the hot path of a cached call: one flatten, one key, one dict lookup
             leaves, in_tree = tree.flatten((args, kwargs))
@@ -366,6 +376,25 @@ class Jitted:
 
     def __repr__(self) -> str:
         return f"fs.jit({fun_name(self.fun)})"
+
+
+def _input_names(fun, args, kwargs) -> list[str]:
+    """``args[1] (parameter 'x')``-style names of the array leaves of a call."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(fun).parameters)
+    except (TypeError, ValueError):
+        params = []
+    out = []
+    for path in tree.flatten_with_path((tuple(args), kwargs))[0]:
+        if path and path[0] == 0 and len(path) > 1:
+            i = path[1]
+            arg = f"args[{i}]" + tree.keystr(path[2:])
+            out.append(f"{arg} (parameter '{params[i]}')" if i < len(params) else arg)
+        else:
+            out.append("kwargs" + tree.keystr(path[1:]))
+    return out
 
 
 def _declared_type(jitted, k: int, declared, got: ArrayType) -> ArrayType:

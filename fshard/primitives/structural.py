@@ -407,11 +407,13 @@ def _static_ints(values, what: str) -> tuple:
                 f"{what} must be static Python ints, got a traced value {v}. Sizes and "
                 "offsets fix the output shape, so they cannot depend on traced data.\n"
                 "Fix: pass Python ints (mark the argument static in fs.jit).")
+        if is_symbolic(v):  # a symbolic dimension (a Symbol's size is static per call)
+            continue
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
             raise ArgumentError(
                 f"{what} must be a tuple of ints, got {values!r} (entry {v!r} is "
                 f"{type(v).__name__}).")
-    return tuple(int(v) for v in out)
+    return tuple(v if is_symbolic(v) else int(v) for v in out)
 
 
 def _int_dims(a: ArrayType, prim: str) -> None:
@@ -470,7 +472,10 @@ def _concat_type(*xs, axis):
                 f"concat along axis {axis}: operand {i} is {x} but operand 0 is {first}; "
                 "operands need one dtype and equal sizes in every other dimension")
         if not isinstance(x.shape[axis], int):
-            raise ShapeError(f"concat along a symbolic dimension is not supported, got {x}")
+            raise ShapeError(
+                f"concat along axis {axis}, a symbolic dimension of {x}: fshard cannot yet "
+                "express a sum of symbolic sizes.\nFix: concatenate along a static axis, "
+                "or stack the pieces on a new static axis and reshape.")
     size = sum(x.shape[axis] for x in xs)
     return ArrayType(_insert(tuple(first.shape[:axis]), axis, size) + tuple(first.shape[axis + 1:]),
                      first.dtype)
@@ -680,17 +685,25 @@ def _sliced_size(start: int, limit: int, stride: int) -> int:
 
 def _slice_type(x, *, start, limit, strides):
     _check_rank("slice", x)
-    _int_dims(x, "slice")
+    for lo, hi, st, n in zip(start, limit, strides, x.shape):
+        if is_symbolic(n) and not (lo == 0 and dims_equal(hi, n) and st == 1):
+            raise ShapeError(
+                f"slice of {x}: a symbolic dimension ({n}) can only be taken whole, got "
+                f"start={lo}, limit={hi}, stride={st}.\nFix: slice only static dimensions, "
+                "or make this one static.")
     if not len(start) == len(limit) == len(strides) == x.ndim:
         raise ProgramTypeError(
             f"slice: start {start}, limit {limit} and strides {strides} need one entry "
             f"per dimension of {x}")
     for lo, hi, st, n in zip(start, limit, strides, x.shape):
+        if is_symbolic(n):
+            continue
         if not (0 <= lo <= hi <= n and st >= 1):
             raise ShapeError(
                 f"slice of {x}: need 0 <= start <= limit <= size and stride >= 1, got "
                 f"start={start}, limit={limit}, strides={strides}")
-    return ArrayType(tuple(_sliced_size(*a) for a in zip(start, limit, strides)), x.dtype)
+    return ArrayType(tuple(n if is_symbolic(n) else _sliced_size(*a)
+                           for n, a in zip(x.shape, zip(start, limit, strides))), x.dtype)
 
 
 slice_p = def_primitive("slice", FAMILY, _slice_type, _ms_slice)
@@ -773,6 +786,8 @@ def slice_array(x, start, limit, strides=None):
             f"slice_array: start {start}, limit {limit} and strides {strides} need one "
             f"entry per dimension of x {a}.")
     for i, (lo, hi, st, n) in enumerate(zip(start, limit, strides, a.shape)):
+        if is_symbolic(n) or is_symbolic(hi):
+            continue  # the type rule checks that a symbolic dimension is taken whole
         if not (0 <= lo <= hi <= n and st >= 1):
             raise ShapeError(
                 f"slice_array: dimension {i} of x {a} has size {n}, but got start={lo}, "
@@ -1254,7 +1269,12 @@ def getitem(x, idx):
             result_shape.append(1)
             continue
         n = a.shape[dim]
-        if isinstance(e, slice):
+        if isinstance(e, slice) and is_symbolic(n) and e == slice(None):
+            starts.append(0)  # a symbolic dimension taken whole
+            limits.append(n)
+            strides.append(1)
+            result_shape.append(n)
+        elif isinstance(e, slice):
             _int_dims(ArrayType((n,), a.dtype), "indexing")
             lo, hi, st = e.indices(n)
             m = len(range(lo, hi, st))

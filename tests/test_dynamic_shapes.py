@@ -1,0 +1,160 @@
+"""Dynamic shapes: a function declared with ``fs.Symbol`` dimensions is traced and
+compiled once, runs every size its Symbols accept with the numbers of the static
+program for that size, and refuses (with an fshard error) any size they do not."""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, nn, ops
+
+import fshard as fs
+from fshard.core import dim_div, dim_multiple_of, dim_prod
+
+F32 = ms.float32
+RNG = np.random.default_rng(0)
+
+
+def _t(*shape, dtype=np.float32):
+    return Tensor(RNG.normal(size=shape).astype(dtype))
+
+
+def _close(got, want):
+    for g, w in zip(fs.tree.leaves(got), fs.tree.leaves(want), strict=True):
+        g, w = np.asarray(g.asnumpy()), np.asarray(w.asnumpy())
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(w).max()))
+
+
+# -- the dimension algebra ---------------------------------------------------
+
+
+def test_symbol_products_and_exact_division():
+    s, t = fs.Symbol(divisor=8), fs.Symbol()
+    assert str(s * 784) == "784*s" + s.name[1:] and dim_div(s * 784, 784) is s
+    assert dim_div(dim_prod((s, 1, 28, 28)), 784) is s
+    assert str(s // 8) == f"{s.name}/8" and (s // 8) * 8 is s
+    assert dim_multiple_of(s, 8) and dim_multiple_of(s * 3, 24) and not dim_multiple_of(s, 16)
+    assert dim_multiple_of(s // 2, 4) and not dim_multiple_of(t, 2)
+    with pytest.raises(fs.ArgumentError, match="multiple of 8"):
+        t // 8
+    with pytest.raises(fs.ArgumentError, match="does not divide"):
+        dim_div(s, t)
+
+
+# -- one program for every size -----------------------------------------------
+
+S = fs.Symbol(divisor=8)
+
+
+def mlp_loss(w, x, y):  # the seed's reshape(x, (-1, 784)) on a symbolic batch
+    h = ops.reshape(x, (-1, 784))
+    o = ops.relu(h @ w)
+    return ops.mean((o - y) ** 2)
+
+
+def cross_entropy(w, x, labels):
+    logits = x @ w
+    return ops.mean(-ops.gather_elements(ops.log_softmax(logits, 1), 1,
+                                         ops.expand_dims(labels, 1)))
+
+
+CASES = {
+    # name: (function, declarations, argument maker for batch b)
+    "value_and_grad of the seed's reshape MLP": (
+        fs.value_and_grad(mlp_loss),
+        (None, fs.ArrayType((S, 1, 28, 28), F32), fs.ArrayType((S, 10), F32)),
+        lambda b: (_t(784, 10) * 0.01, _t(b, 1, 28, 28), _t(b, 10))),
+    "elementwise, broadcasting, sums with keepdims": (
+        lambda x, v: (x * v + 1.0, ops.sum(x, 1, keepdim=True) - x, ops.sum(x, 0)),
+        (fs.ArrayType((S, 5), F32), None),
+        lambda b: (_t(b, 5), _t(5))),
+    "concat, slicing, transpose, max": (
+        lambda x: (ops.concat([x, x * 2.0], 1), x[:, 1:3], x.T @ x, ops.amax(x, 0)),
+        (fs.ArrayType((S, 4), F32),),
+        lambda b: (_t(b, 4),)),
+    "softmax, log_softmax, mean over the symbolic dim": (
+        lambda x: (ops.softmax(x, 0), ops.log_softmax(x, 1), ops.mean(x, 0), x.mean()),
+        (fs.ArrayType((S, 6), F32),),
+        lambda b: (_t(b, 6),)),
+    "grad of a gather cross-entropy": (
+        fs.grad(cross_entropy),
+        (None, fs.ArrayType((S, 12), F32), fs.ArrayType((S,), ms.int32)),
+        lambda b: (_t(12, 10), _t(b, 12),
+                   Tensor(RNG.integers(0, 10, b).astype(np.int32)))),
+    "vmap over examples of a symbolic batch": (
+        fs.vmap(lambda w, x: ops.tanh(x @ w).sum(), in_axes=(None, 0)),
+        (None, fs.ArrayType((S, 3, 4), F32)),
+        lambda b: (_t(4, 2), _t(b, 3, 4))),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_trace_one_compile_and_the_static_numbers(name):
+    fn, specs, make = CASES[name]
+    dyn = fs.jit(fn, in_shapes=specs)
+    for b in (8, 24, 16, 40):
+        args = make(b)
+        _close(dyn(*args), fs.jit(fn)(*args))
+    assert (dyn.trace_count, dyn.compile_count) == (1, 1)
+
+
+def test_twenty_batch_sizes_compile_once_with_set_inputs_and_mindspore_placeholders():
+    s0 = ms.Symbol(divisor=8, unique=True)
+    step = fs.jit(fs.value_and_grad(mlp_loss)).set_inputs(
+        None, Tensor(shape=[s0, 1, 28, 28], dtype=F32), Tensor(shape=[s0, 10], dtype=F32))
+    w = _t(784, 10) * 0.01
+    for b in range(8, 168, 8):
+        x, y = _t(b, 1, 28, 28), _t(b, 10)
+        _close(step(w, x, y), fs.jit(fs.value_and_grad(mlp_loss))(w, x, y))
+    assert (step.trace_count, step.compile_count) == (1, 1)
+
+
+def test_a_cell_with_set_inputs():
+    net = nn.SequentialCell(nn.Dense(6, 4), nn.ReLU(), nn.Dense(4, 2))
+    f = fs.jit(net).set_inputs(Tensor(shape=[None, 6], dtype=F32))
+    for b in (3, 5, 11):
+        x = _t(b, 6)
+        np.testing.assert_allclose(f(x).asnumpy(), net(x).asnumpy(), rtol=1e-5, atol=1e-6)
+    assert (f.inner.trace_count, f.inner.compile_count) == (1, 1)
+
+
+# -- never a wrong shape ------------------------------------------------------
+
+
+def test_sizes_the_symbols_refuse_are_errors_naming_the_input_and_constraint():
+    s = fs.Symbol(divisor=8, min=8, max=64)
+    f = fs.jit(lambda x, y: x * 2.0 + y, in_shapes=(fs.ArrayType((s, 3), F32),
+                                                    fs.ArrayType((s, 3), F32)))
+    f(_t(16, 3), _t(16, 3))
+    for bad, what in [((12, 12), r"args\[0\] \(parameter .x.\) has size 12 in dimension 0, which s\d+ = Symbol\(max=64, min=8, divisor=8\)"),
+                      ((72, 72), "size 72 in dimension 0"),
+                      ((8, 16), r"args\[1\] \(parameter .y.\) has size 16 in dimension 0, but the same s\d+ = "
+                                r"Symbol\(max=64, min=8, divisor=8\) has size 8 in args\[0\]"),
+                      ((8, 8, 4), "dimension 1 must be 3")]:
+        args = (_t(bad[0], 3), _t(bad[1], 3 if len(bad) == 2 else bad[2]))
+        with pytest.raises(fs.ShapeError, match=what):
+            f(*args)
+    with pytest.raises(fs.ShapeError, match=r"has type f16\[8,3\], but the program was compiled for f32"):
+        f(_t(8, 3).astype(ms.float16), _t(8, 3))
+
+
+def test_unproven_equal_symbols_are_an_error_saying_what_would_have_to_hold():
+    a, b = fs.Symbol(), fs.Symbol()
+    f = fs.jit(lambda x, y: x + y, in_shapes=(fs.ArrayType((a,), F32), fs.ArrayType((b,), F32)))
+    with pytest.raises(fs.ShapeError, match=rf"it would have to hold that {a.name} == {b.name}"):
+        f(_t(4), _t(4))
+    g = fs.jit(lambda x: ops.reshape(x, (-1, 3)), in_shapes=(fs.ArrayType((a, 2), F32),))
+    with pytest.raises(fs.ShapeError, match="cannot reshape"):
+        g(_t(3, 2))
+
+
+def test_bad_declarations_are_argument_errors():
+    with pytest.raises(fs.ArgumentError, match="expected an fs.ArrayType, a MindSpore placeholder"):
+        fs.jit(lambda x: x, in_shapes=((8, 3),))
+    with pytest.raises(fs.ArgumentError, match="must be a tuple with one entry per positional"):
+        fs.jit(lambda x: x, in_shapes=fs.ArrayType((8,), F32))
+    f = fs.jit(lambda x: x, in_shapes=(None, fs.ArrayType((8,), F32)))
+    with pytest.raises(fs.ArgumentError, match="declares 2 inputs with set_inputs"):
+        f(_t(8))

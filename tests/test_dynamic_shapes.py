@@ -158,3 +158,12 @@ def test_bad_declarations_are_argument_errors():
     f = fs.jit(lambda x: x, in_shapes=(None, fs.ArrayType((8,), F32)))
     with pytest.raises(fs.ArgumentError, match="declares 2 inputs with set_inputs"):
         f(_t(8))
+
+
+def test_shard_of_symbolic_dims_is_a_clear_error_not_a_crash():
+    s = fs.Symbol(divisor=8)
+    g = fs.shard(lambda x, w: ops.relu(x @ w), in_strategy=((8, 1), (1, 1)), mesh=8)
+    f = fs.jit(g, in_shapes=(fs.ArrayType((s, 16), F32), None))
+    with pytest.raises(fs.ShardingError, match=r"(?s)symbolic type f32\[s\d+,16\].*Fix: call the "
+                                               "sharded function with static shapes"):
+        f(_t(16, 16), _t(16, 4))

@@ -1467,6 +1467,13 @@ class Sharded:
                 f"shard({fname}) was called with keyword arguments {sorted(kwargs)}; a "
                 "sharded function takes its arrays positionally (one in_strategy entry "
                 "each).\nFix: pass them positionally.")
+        for i, leaf in enumerate(tree.leaves(args)):
+            if not typeof(leaf).is_static:
+                raise ShardingError(
+                    f"shard({fname}): array input {i} has the symbolic type {typeof(leaf)}; "
+                    "fshard does not shard programs with symbolic (fs.Symbol) dimensions "
+                    "yet.\nFix: call the sharded function with static shapes (fs.jit "
+                    "compiles once per batch size), or pad batches to a few fixed sizes.")
         plan, traced, leaves = self._prepare(args)
         outs = shard_call_p.bind(*traced.consts, *leaves, plan=plan)
         return tree.unflatten(traced.out_tree, outs)

@@ -167,3 +167,56 @@ def test_shard_of_symbolic_dims_is_a_clear_error_not_a_crash():
     with pytest.raises(fs.ShardingError, match=r"(?s)symbolic type f32\[s\d+,16\].*Fix: call the "
                                                "sharded function with static shapes"):
         f(_t(16, 16), _t(16, 4))
+
+
+# -- jaxtyping annotations as declarations ----------------------------------------
+
+from jaxtyping import Float, Int  # noqa: E402
+
+
+def dense(x: Float[Tensor, "b 784"], w: Float[Tensor, "784 10"]) -> Float[Tensor, "b 10"]:
+    return ops.relu(x @ w)
+
+
+def test_annotations_declare_a_shared_symbol_and_compile_once():
+    f = fs.jit(dense, in_shapes="annotations")
+    w = _t(784, 10)
+    for b in (3, 5, 9):
+        x = _t(b, 784)
+        _close(f(x, w), fs.jit(dense)(x, w))
+    assert (f.trace_count, f.compile_count) == (1, 1)
+
+
+def test_annotation_mismatches_are_errors_naming_the_argument_and_dim():
+    def transposed(x: Float[Tensor, "b 784"], w: Float[Tensor, "784 10"]) -> Float[Tensor, "b 10"]:
+        return (x @ w).T
+
+    def pair(x: Float[Tensor, "*batch n"], y: Float[Tensor, "*batch n"]) -> Float[Tensor, "*batch"]:
+        return (x * y).sum(-1)
+
+    def labels(y: Int[Tensor, " b"]) -> Int[Tensor, " b"]:
+        return y + 1
+
+    w = _t(784, 10)
+    with pytest.raises(fs.ShapeError, match=r"the return value has type f32\[10,s\d+\]; "
+                                            r"dimension 0 is 10, but the return annotation "
+                                            r"'b 10' says b"):
+        fs.jit(transposed, in_shapes="annotations")(_t(4, 784), w)
+    with pytest.raises(fs.ShapeError, match=r"args\[0\] \(parameter 'x'\) has size 783 in "
+                                            r"dimension 1, but its annotation 'b 784' fixes "
+                                            "it to 784"):
+        fs.jit(dense, in_shapes="annotations")(_t(4, 783), w)
+    with pytest.raises(fs.ShapeError, match=r"args\[0\] \(parameter 'y'\) has dtype float32, "
+                                            "but its annotation Int"):
+        fs.jit(labels, in_shapes="annotations")(_t(4))
+    g = fs.jit(pair, in_shapes="annotations")
+    assert g(_t(2, 3, 4), _t(2, 3, 4)).shape == (2, 3)
+    with pytest.raises(fs.ShapeError, match=r"args\[1\] \(parameter 'y'\) has \*batch = "
+                                            r"\(3,\), but args\[0\] \(parameter 'x'\) has "
+                                            r"\*batch = \(2, 3\)"):
+        g(_t(2, 3, 4), _t(3, 4))
+    b = fs.jit(dense, in_shapes="annotations")
+    with pytest.raises(fs.ShapeError, match=r"args\[1\] \(parameter 'w'\) has size 7"):
+        b(_t(4, 784), _t(784, 7))
+    with pytest.raises(fs.ArgumentError, match="no parameter of <lambda> has a jaxtyping"):
+        fs.jit(lambda x: x, in_shapes="annotations")

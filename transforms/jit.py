@@ -19,6 +19,7 @@ from fshard.core import (ArrayType, EvalTrace, Symbol, current_trace, dim_eval, 
                          typeof)
 from fshard.errors import ArgumentError, ShapeError
 from fshard.mesh import context_key as _mesh_key
+from fshard.transforms.annotations import AnnotatedShapes
 from fshard.staging import (Traced, check_function, check_static_args, fun_name, split_static,
                             trace_fun)
 
@@ -65,7 +66,8 @@ class Compiled:
     Waiting here for the output the graph computes last avoids that.
     """
 
-    __slots__ = ("fn", "n_out", "out_tree", "_bare", "_wait", "in_avals", "out_avals", "name")
+    __slots__ = ("fn", "n_out", "out_tree", "_bare", "_wait", "in_avals", "out_avals", "name",
+                 "_checked")
 
     def __init__(self, fn, n_out: int, out_tree, wait: int | None = None, in_avals=(),
                  out_avals=(), name: str = "f"):
@@ -74,6 +76,7 @@ class Compiled:
         # a function returning one array needs no unflattening
         self._bare = n_out == 1 and out_tree.is_leaf()
         self._wait = wait if n_out > 1 else None
+        self._checked: set = set()  # Symbol bindings whose output shapes were checked
 
     def call_flat(self, leaves) -> list:
         if self.n_out == 0:
@@ -106,8 +109,14 @@ class Compiled:
         sizes = _bind(self.name, "input", self.in_avals, leaves, {}, names)
         out = self.call_flat([x if isinstance(x, _Tensor) else backend.as_tensor(x)
                               for x in leaves])
+        # The output shapes follow from the input sizes: check them once per binding
+        # (reading a dynamic output's shape waits for the graph to finish).
+        binding = tuple(v[0] for v in sizes.values())
+        if binding in self._checked:
+            return tree.unflatten(self.out_tree, out)
         try:
             _bind(self.name, "output", self.out_avals, out, sizes)
+            self._checked.add(binding)
         except ShapeError as e:  # never hand back a result of another shape
             raise ShapeError(
                 f"{self.name}: the compiled program returned outputs of other shapes than "
@@ -255,6 +264,7 @@ class Jitted:
         self.static_argnames = tuple(static_argnames)
         self.trace_count = 0
         self._in_shapes = None   # one declaration per positional argument (set_inputs)
+        self._annotated = None   # or: declarations read from jaxtyping annotations
         self._cache: dict = {}   # key -> Lowered
         self._calls: dict = {}   # key -> Compiled, for signatures without static arguments
         self._static = bool(self.static_argnums or self.static_argnames)
@@ -298,7 +308,8 @@ class Jitted:
         else:
             dyn_args, dyn_kwargs, skey, rebuild = args, kwargs, None, None
         leaves, in_tree = tree.flatten((dyn_args, dyn_kwargs))
-        declared = self._declared(args, dyn_args, dyn_kwargs) if self._in_shapes else None
+        specs = self._annotated.declare(args) if self._annotated else self._in_shapes
+        declared = self._declared(specs, args, dyn_args, dyn_kwargs) if specs else None
         if declared is None:
             key = (in_tree, tuple([_leaf_key(x) for x in leaves]), skey, _mesh_key())
         else:  # a declared argument is keyed by its declaration, not its shape
@@ -306,13 +317,13 @@ class Jitted:
                                    for x, a in zip(leaves, declared)]), skey, _mesh_key())
         return key, leaves, in_tree, rebuild, declared
 
-    def _declared(self, args, dyn_args, dyn_kwargs) -> list:
+    def _declared(self, declarations, args, dyn_args, dyn_kwargs) -> list:
         """The declared ArrayType (or None) of every array leaf of the dynamic arguments."""
         static = {i if i >= 0 else len(args) + i for i in self.static_argnums}
-        specs = list(self._in_shapes) + [None] * (len(args) - len(self._in_shapes))
-        if len(self._in_shapes) > len(args):
+        specs = list(declarations) + [None] * (len(args) - len(declarations))
+        if len(declarations) > len(args):
             raise ArgumentError(
-                f"{self!r} declares {len(self._in_shapes)} inputs with set_inputs, but was "
+                f"{self!r} declares {len(declarations)} inputs with set_inputs, but was "
                 f"called with {len(args)} positional arguments.\nFix: pass every declared "
                 "argument positionally.")
         prefix = (tuple(sp for i, sp in enumerate(specs) if i not in static),
@@ -340,6 +351,8 @@ class Jitted:
                 avals = [_declared_type(self, k, a, t) for k, (a, t) in
                          enumerate(zip(declared, avals))]
             traced = trace_fun(self.fun, in_tree, avals, rebuild)
+            if self._annotated is not None:
+                self._annotated.check_return(traced.program.out_avals, traced.out_tree)
             # the IR cleanup passes (fshard/passes.py) run on what is compiled only:
             # make_ir and .program show the staged Program as traced
             program = passes.simplify(traced.program)
@@ -351,7 +364,8 @@ class Jitted:
     def __call__(self, *args, **kwargs):
         if type(current_trace()) is not EvalTrace:
             return self.fun(*args, **kwargs)  # inlined into the enclosing transform
-        if self._in_shapes is not None:  # declared shapes: every call is checked
+        if self._in_shapes is not None or self._annotated is not None:
+            # declared shapes: every call is checked
             key, leaves, in_tree, rebuild, declared = self._prepare(args, kwargs)
             lowered = self._cache.get(key) or self._lower(key, leaves, in_tree, rebuild,
                                                           declared)
@@ -459,14 +473,24 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None
         "fs.jit", fun.construct if is_cell(fun) else fun, static_argnums, static_argnames)
     if is_cell(fun):  # the Cell's parameters become argument 0
         static_argnums = tuple(i + 1 if i >= 0 else i for i in static_argnums)
-    if in_shapes is not None and not isinstance(in_shapes, (tuple, list)):
+    if in_shapes is not None and in_shapes != "annotations" and not isinstance(
+            in_shapes, (tuple, list)):
         raise ArgumentError(
             f"fs.jit(in_shapes=...) must be a tuple with one entry per positional argument, "
-            f"got {type(in_shapes).__name__}.\nFix: in_shapes=(spec_of_arg0, spec_of_arg1, "
-            "...).")
+            f"or 'annotations', got {type(in_shapes).__name__}.\nFix: in_shapes=("
+            "spec_of_arg0, spec_of_arg1, ...), or in_shapes='annotations' to read jaxtyping "
+            "annotations.")
 
     def make(f):
         out = Jitted(f, static_argnums, static_argnames)
+        if in_shapes == "annotations":
+            if is_cell(fun):
+                raise ArgumentError(
+                    "fs.jit(cell, in_shapes='annotations'): a Cell's declarations are given "
+                    "with set_inputs.\nFix: fs.jit(cell).set_inputs(Tensor(shape=[None, "
+                    "784], dtype=...)).")
+            out._annotated = AnnotatedShapes(fun, fun_name(fun))
+            return out
         # a Cell's parameters (argument 0) take their shapes from the Cell
         return out if in_shapes is None else out.set_inputs(
             *(((None,) if is_cell(fun) else ()) + tuple(in_shapes)))

@@ -220,3 +220,55 @@ def test_annotation_mismatches_are_errors_naming_the_argument_and_dim():
         b(_t(4, 784), _t(784, 7))
     with pytest.raises(fs.ArgumentError, match="no parameter of <lambda> has a jaxtyping"):
         fs.jit(lambda x: x, in_shapes="annotations")
+
+
+# -- the seed's network: batches of varying size, one compile -------------------------
+
+
+def _seed_net(params, x):
+    """The seed's MatMul-ReLU-MatMul-ReLU-MatMul network (on 8x8 digits)."""
+    h = ops.reshape(x, (-1, 64))
+    h = ops.relu(ops.matmul(h, params["fc1"]))
+    h = ops.relu(ops.matmul(h, params["fc2"]))
+    return ops.matmul(h, params["fc3"])
+
+
+def _seed_loss(params, x, labels):
+    logits = _seed_net(params, x)
+    return ops.mean(-ops.gather_elements(ops.log_softmax(logits, 1), 1,
+                                         ops.expand_dims(labels, 1)))
+
+
+def test_the_seeds_network_trains_on_varying_batches_compiled_once():
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digits(return_X_y=True)
+    images = (images / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    labels = labels.astype(np.int32)
+    rng = np.random.default_rng(1)
+    init = {"fc1": _t(64, 64) * 0.1, "fc2": _t(64, 64) * 0.1, "fc3": _t(64, 10) * 0.1}
+    opt = fs.optim.sgd(0.5)
+
+    def train_step(params, state, x, y):
+        loss, grads = fs.value_and_grad(_seed_loss)(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return fs.optim.apply_updates(params, updates), state, loss
+
+    s0 = fs.Symbol(divisor=8)
+    dynamic = fs.jit(train_step, in_shapes=(None, None, fs.ArrayType((s0, 1, 8, 8), F32),
+                                            fs.ArrayType((s0,), ms.int32)))
+    static = fs.jit(train_step)
+    p_dyn = p_static = init
+    s_dyn = s_static = opt.init(init)
+    start, losses = 0, []
+    for step in range(30):
+        b = int(rng.choice([8, 16, 24, 32, 48]))  # a new batch size every step
+        x, y = Tensor(images[start:start + b]), Tensor(labels[start:start + b])
+        start += b
+        p_dyn, s_dyn, l_dyn = dynamic(p_dyn, s_dyn, x, y)
+        p_static, s_static, l_static = static(p_static, s_static, x, y)
+        np.testing.assert_allclose(l_dyn.asnumpy(), l_static.asnumpy(), rtol=1e-5)
+        losses.append(float(l_dyn.asnumpy()))
+    _close(p_dyn, p_static)
+    assert (dynamic.trace_count, dynamic.compile_count) == (1, 1)
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses  # it learns

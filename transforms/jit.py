@@ -156,7 +156,7 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
                 if sym is None:
                     sym = ms_symbols[d.get("id")] = Symbol(
                         max=d.get("max", 0), min=d.get("min", 1), divisor=d.get("divisor", 1),
-                        remainder=d.get("remainder", 0), unique=d.get("unique", False))
+                        remainder=d.get("remainder", 0), unique="id" in d)
                 dims.append(sym)
             else:  # None (-1): any size
                 dims.append(Symbol())

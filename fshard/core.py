@@ -257,6 +257,11 @@ def typeof(x) -> ArrayType:
         return ArrayType((), dtypes.int64)
     if isinstance(x, float):
         return ArrayType((), dtypes.float32)
+    if is_symbolic(x):
+        raise ArgumentError(
+            f"the symbolic dimension {x} ({x!r}) was used as a value; its size is known "
+            "only when the program runs.\nFix: use ops.mean (it divides by the run-time "
+            "size), or fs.ops.dim_size(x, axes, dtype) for the size as a 0-d array.")
     raise ArgumentError(
         f"expected an array (mindspore.Tensor, numpy.ndarray or Python scalar), got "
         f"{type(x).__name__}: {x!r:.80}.\nFix: convert it with mindspore.Tensor(...), or "

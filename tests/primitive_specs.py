@@ -303,6 +303,12 @@ def _arg(rng, dt):
     return [Sample((values(rng, a, dt),), {"axis": ax}) for a, ax in cases]
 
 
+def _dim_size(rng, dt):
+    cases = [((2, 3), (1,)), ((3,), (0,)), ((2, 1, 4), (0, 2)), ((2, 3), ())]
+    return [Sample((values(rng, a, dt),), {"axes": ax, "dtype": dtypes.float32})
+            for a, ax in cases]
+
+
 def _bias_add(rng, dt):
     cases = [((2, 3), (3,)), ((2, 3, 4), (3,)), ((1, 1), (1,)), ((2, 1, 2, 1), (1,))]
     return [Sample((values(rng, a, dt), values(rng, b, dt))) for a, b in cases]
@@ -1157,6 +1163,7 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(R.reduce_min_p, _reduce, NUMERIC),
         PrimitiveSpec(R.argmax_p, _arg, (F32,), zero_derivative=True),
         PrimitiveSpec(R.argmin_p, _arg, (F32,), zero_derivative=True),
+        PrimitiveSpec(R.dim_size_p, _dim_size, (F32,), zero_derivative=True),
         PrimitiveSpec(N.bias_add_p, _bias_add, (F32,), (0, 1), ((0, 1),)),
         PrimitiveSpec(N.softmax_p, _softmax, tol=(1e-5, 1e-5)),
         PrimitiveSpec(N.log_softmax_p, _softmax, tol=(1e-5, 1e-5)),

@@ -310,6 +310,8 @@ REFERENCES = {
     "reduce_max": _reduce(np.max),
     "reduce_min": _reduce(np.min),
     "argmax": lambda x, *, axis: np.argmax(x, axis=axis),
+    "dim_size": lambda x, *, axes, dtype: np.asarray(
+        np.prod([x.shape[a] for a in axes], dtype=np.int64), dtypes.to_numpy(dtype)),
     "argmin": lambda x, *, axis: np.argmin(x, axis=axis),
     # nn
     "bias_add": bias_add,

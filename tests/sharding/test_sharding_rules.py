@@ -63,6 +63,9 @@ KNOWN_UNCLAIMED = {
                "-> (8,) with dim 0 split fully and dim 1 split too: the output dim's "
                "split is the product of two factors, and FactorSpec gives a dim one "
                "factor (Shardy's compound factors would express it)",
+    "dim_size": "a split of a dimension the size does not count leaves the output "
+                "(replicated) unchanged, but in FactorSpec a factor that appears in no "
+                "output can only be a pending sum; the rule gathers such inputs instead",
     "while": "the loop runs replicated on every device: keeping a split carry needs the "
              "body partitioned as a program of its own, which fshard does not do yet",
 }

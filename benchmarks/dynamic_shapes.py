@@ -2,9 +2,10 @@
 
 The step is ``value_and_grad`` of a 784-512-10 ReLU MLP's squared error. Rows:
 
-* per batch size (16, 64, 160), the steady time of a step compiled for a ``Symbol``
+* per batch size (16, 64, 160), the steady time of a step declared with a ``Symbol``
   batch (``fs.jit(..., in_shapes=...)``: traced and compiled once, MindSpore dynamic
-  shapes), of the static step compiled for that size (``fs.jit``), and of MindSpore's
+  shapes; a size called often runs a static copy of the program), of its dynamic graph
+  alone, of the static step compiled for that size (``fs.jit``), and of MindSpore's
   own dynamic function (``mindspore.enable_dynamic`` + ``mindspore.jit`` of
   ``mindspore.value_and_grad``);
 * the total time of 20 steps over 20 different batch sizes (8, 16, ..., 160),
@@ -88,24 +89,30 @@ def dynamic_shapes(ctx):
     notes.append(f"fs_dynamic over {len(sizes)} sizes: trace_count {dyn.trace_count}, "
                  f"compile_count {dyn.compile_count}; fs_static: compile_count "
                  f"{totals['fs_static'][2].compile_count}")
+    # the dynamic graph alone: the same program with the static copies of hot sizes off
+    graph_only = _fs_dynamic()
+    _wait(graph_only(w1, w2, *_data(8, rng)))
+    next(iter(graph_only._cache.values()))._compiled.specialize = None
+    variants = {**{k: v[2] for k, v in totals.items()}, "fs_dynamic_graph": graph_only}
     fns = {}
     for b in STEADY:
         x, y = _data(b, rng)
-        for name in totals:
-            f = totals[name][2]
+        for name, f in variants.items():
             fns[f"{name}_{b}"] = lambda f=f, x=x, y=y: _wait(f(w1, w2, x, y))
     t = ctx.compare(fns, runs=ctx.runs(30, 3), warmup=2, rounds=2)
-    label = {"fs_dynamic": "fs.jit(in_shapes=Symbol batch)",
+    label = {"fs_dynamic": "fs.jit(in_shapes=Symbol batch), hot size: its static copy",
+             "fs_dynamic_graph": "fs.jit(in_shapes=Symbol batch), the dynamic graph",
              "fs_static": "fs.jit, compiled for this size",
              "ms_dynamic": "mindspore.jit + enable_dynamic"}
     rows = []
     for b in STEADY:
-        for name in totals:
+        for name in variants:
             system = "mindspore" if name.startswith("ms") else "fshard"
             rows.append(row(system, f"{label[name]}, step at batch {b}", t[f"{name}_{b}"]))
     for name, (total, _, _) in totals.items():
         system = "mindspore" if name.startswith("ms") else "fshard"
-        rows.append(Row(system, f"{label[name]}: {len(sizes)} steps over {len(sizes)} sizes, "
+        what = "fs.jit(in_shapes=Symbol batch)" if name == "fs_dynamic" else label[name]
+        rows.append(Row(system, f"{what}: {len(sizes)} steps over {len(sizes)} sizes, "
                         "compiles included", total, total, 1))
     return Result(rows, baseline="fs.jit, compiled for this size, step at batch 64",
                   target="dynamic step <= 1.2x the static one; 20 sizes several times "

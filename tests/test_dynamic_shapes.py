@@ -11,6 +11,7 @@ from mindspore import Tensor, nn, ops
 
 import fshard as fs
 from fshard.core import dim_div, dim_multiple_of, dim_prod
+from fshard.transforms.jit import HOT_CALLS, MAX_SPECIALIZED
 
 F32 = ms.float32
 RNG = np.random.default_rng(0)
@@ -118,6 +119,24 @@ def test_a_cell_with_set_inputs():
         x = _t(b, 6)
         np.testing.assert_allclose(f(x).asnumpy(), net(x).asnumpy(), rtol=1e-5, atol=1e-6)
     assert (f.inner.trace_count, f.inner.compile_count) == (1, 1)
+
+
+def test_a_size_called_often_gets_a_static_copy_with_the_same_numbers():
+    f = fs.jit(fs.value_and_grad(mlp_loss), in_shapes=(
+        None, fs.ArrayType((S, 1, 28, 28), F32), fs.ArrayType((S, 10), F32)))
+    w, x, y = _t(784, 10) * 0.01, _t(16, 1, 28, 28), _t(16, 10)
+    outs = [f(w, x, y) for _ in range(HOT_CALLS + 2)]
+    for out in outs[1:]:
+        _close(out, outs[0])  # the dynamic graph and the static copy agree
+    assert (f.trace_count, f.compile_count) == (1, 2)
+    compiled = next(iter(f._cache.values()))._compiled
+    assert list(compiled.static) == [(16,)]
+    for b in range(8, 8 * (MAX_SPECIALIZED + 3), 8):  # at most MAX_SPECIALIZED copies
+        xb, yb = _t(b, 1, 28, 28), _t(b, 10)
+        for _ in range(HOT_CALLS):
+            f(w, xb, yb)
+    assert len(compiled.static) == MAX_SPECIALIZED
+    assert f.compile_count == 1 + MAX_SPECIALIZED
 
 
 # -- never a wrong shape ------------------------------------------------------
@@ -260,9 +279,10 @@ def test_the_seeds_network_trains_on_varying_batches_compiled_once():
     static = fs.jit(train_step)
     p_dyn = p_static = init
     s_dyn = s_static = opt.init(init)
-    start, losses = 0, []
+    start, losses, seen = 0, [], {}
     for step in range(30):
         b = int(rng.choice([8, 16, 24, 32, 48]))  # a new batch size every step
+        seen[b] = seen.get(b, 0) + 1
         x, y = Tensor(images[start:start + b]), Tensor(labels[start:start + b])
         start += b
         p_dyn, s_dyn, l_dyn = dynamic(p_dyn, s_dyn, x, y)
@@ -270,5 +290,7 @@ def test_the_seeds_network_trains_on_varying_batches_compiled_once():
         np.testing.assert_allclose(l_dyn.asnumpy(), l_static.asnumpy(), rtol=1e-5)
         losses.append(float(l_dyn.asnumpy()))
     _close(p_dyn, p_static)
-    assert (dynamic.trace_count, dynamic.compile_count) == (1, 1)
+    # one compile for every size, and a static copy for each size called HOT_CALLS times
+    hot = sum(n >= HOT_CALLS for n in seen.values())
+    assert (dynamic.trace_count, dynamic.compile_count) == (1, 1 + hot)
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses  # it learns

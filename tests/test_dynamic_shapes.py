@@ -147,15 +147,18 @@ def test_sizes_the_symbols_refuse_are_errors_naming_the_input_and_constraint():
     f = fs.jit(lambda x, y: x * 2.0 + y, in_shapes=(fs.ArrayType((s, 3), F32),
                                                     fs.ArrayType((s, 3), F32)))
     f(_t(16, 3), _t(16, 3))
-    for bad, what in [((12, 12), r"args\[0\] \(parameter .x.\) has size 12 in dimension 0, which s\d+ = Symbol\(max=64, min=8, divisor=8\)"),
-                      ((72, 72), "size 72 in dimension 0"),
-                      ((8, 16), r"args\[1\] \(parameter .y.\) has size 16 in dimension 0, but the same s\d+ = "
-                                r"Symbol\(max=64, min=8, divisor=8\) has size 8 in args\[0\]"),
-                      ((8, 8, 4), "dimension 1 must be 3")]:
+    sym = r"s\d+ = Symbol\(max=64, min=8, divisor=8\)"
+    for bad, what in [
+            ((12, 12), rf"args\[0\] \(parameter .x.\) has size 12 in dimension 0, which {sym}"),
+            ((72, 72), "size 72 in dimension 0"),
+            ((8, 16), rf"args\[1\] \(parameter .y.\) has size 16 in dimension 0, but the same "
+                      rf"{sym} has size 8 in args\[0\]"),
+            ((8, 8, 4), "dimension 1 must be 3")]:
         args = (_t(bad[0], 3), _t(bad[1], 3 if len(bad) == 2 else bad[2]))
         with pytest.raises(fs.ShapeError, match=what):
             f(*args)
-    with pytest.raises(fs.ShapeError, match=r"has type f16\[8,3\], but the program was compiled for f32"):
+    with pytest.raises(fs.ShapeError,
+                       match=r"has type f16\[8,3\], but the program was compiled for f32"):
         f(_t(8, 3).astype(ms.float16), _t(8, 3))
 
 

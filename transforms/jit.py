@@ -181,11 +181,13 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
                 dims.append(d)
             elif isinstance(d, dict):  # a mindspore.Symbol: its non-default fields (and
                 # its id when unique=True: then one object is one size, as in MindSpore)
-                sym = ms_symbols.get(d.get("id", object()))
+                sym = ms_symbols.get(d["id"]) if "id" in d else None
                 if sym is None:
-                    sym = ms_symbols[d.get("id")] = Symbol(
-                        max=d.get("max", 0), min=d.get("min", 1), divisor=d.get("divisor", 1),
-                        remainder=d.get("remainder", 0), unique="id" in d)
+                    sym = Symbol(max=d.get("max", 0), min=d.get("min", 1),
+                                 divisor=d.get("divisor", 1), remainder=d.get("remainder", 0),
+                                 unique="id" in d)
+                    if "id" in d:
+                        ms_symbols[d["id"]] = sym
                 dims.append(sym)
             else:  # None (-1): any size
                 dims.append(Symbol())

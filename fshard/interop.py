@@ -37,7 +37,7 @@ import numpy as np
 
 from fshard import dtypes
 from fshard import ops as fo
-from fshard.core import Tracer, typeof
+from fshard.core import Tracer, is_symbolic, typeof
 from fshard.errors import (FshardError, OperatorStrategyWarning, ProgramTypeError,
                            UnsupportedOpError)
 from fshard.staging import register_user_code_hook
@@ -329,6 +329,12 @@ def _reduce_max(prim, x, axis=None, keepdims=False):
             f"cast to int32 first) instead.")
     fn = fo.reduce_max if prim.name == "ReduceMax" else fo.reduce_min
     return fn(x, _axis(axis), bool(keepdims))
+
+
+@converts("Ones", "Zeros")
+def _ones(prim, shape, dtype=None):
+    value = 1 if prim.name == "Ones" else 0
+    return fo.full(shape, value, dtypes.float32 if dtype is None else _dtype(dtype))
 
 
 @converts("ReduceAny", "ReduceAll")
@@ -652,12 +658,14 @@ def _convert(name: str, prim, args, kwargs):
 
 
 def _has_tracer(args) -> bool:
+    """Whether a call must be converted: an operand is traced, or a shape holds a
+    symbolic dimension (which exists only in a traced program)."""
     for a in args:
-        if isinstance(a, Tracer):
+        if isinstance(a, Tracer) or is_symbolic(a):
             return True
         if type(a) in (list, tuple):
             for b in a:
-                if isinstance(b, Tracer):
+                if isinstance(b, Tracer) or is_symbolic(b):
                     return True
     return False
 

@@ -84,6 +84,11 @@ CASES = {
         (None, fs.ArrayType((S, 12), F32), fs.ArrayType((S,), ms.int32)),
         lambda b: (_t(12, 10), _t(b, 12),
                    Tensor(RNG.integers(0, 10, b).astype(np.int32)))),
+    "ops.ones/zeros of a symbolic shape, cross_entropy, argmax": (
+        lambda x: (ops.zeros_like(x) + ops.ones((x.shape[0], 1)), ops.argmax(x, 0),
+                   ops.cross_entropy(x, ops.zeros((x.shape[0],), ms.int32))),
+        (fs.ArrayType((S, 3), F32),),
+        lambda b: (_t(b, 3),)),
     "vmap over examples of a symbolic batch": (
         fs.vmap(lambda w, x: ops.tanh(x @ w).sum(), in_axes=(None, 0)),
         (None, fs.ArrayType((S, 3, 4), F32)),

@@ -2,15 +2,15 @@
 
 Small programs (MLP variants, attention-like matmul chains, elementwise chains,
 reductions) on 4 and 8 devices, each with a few annotation patterns. For each case,
-the objective of ``level`` (fshard/search.py: the cost of an assignment as the
+the objective of ``level`` (fshard/sharding/search.py: the cost of an assignment as the
 partitioner runs it) of three assignments:
 
 - **greedy**: ``propagate`` (MindSpore's breadth-first propagation), what
   ``fs.shard`` does by default;
-- **search**: ``fshard.search.search`` (``fs.shard(..., search=True)``), a dynamic
+- **search**: ``fshard.sharding.search.search`` (``fs.shard(..., search=True)``), a dynamic
   program over the equations, a beam when its states do not fit, then coordinate
   descent;
-- **optimum**: ``fshard.search.exhaustive``, branch and bound over every assignment.
+- **optimum**: ``fshard.sharding.search.exhaustive``, branch and bound over every assignment.
 
 and the time each takes. The summary says how often the search reaches the optimum
 and its worst gap. ``python -m benchmarks --only search [--quick]``, or ``python -m
@@ -153,7 +153,7 @@ class Case:
 def make_case(name: str, pattern: str, devices: int, level: int = 0) -> Case:
     """Stage ``name`` with the annotations of ``pattern`` and propagate greedily."""
     import fshard as fs
-    from fshard.transforms.shard import propagate
+    from fshard.sharding.propagation import propagate
 
     fn, shapes, patterns = PROGRAMS[name]
     rng = np.random.default_rng(0)
@@ -175,7 +175,7 @@ def all_cases(levels=(0,)):
 
 def run_case(case: Case, limit: int = 2_500_000) -> dict:
     """Greedy, search and exhaustive costs and times of one case."""
-    from fshard import search
+    from fshard.sharding import search
 
     greedy = search.cost(case.prop).score(case.level)
     found = search.search(case.prop)

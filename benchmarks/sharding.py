@@ -159,8 +159,8 @@ def traffic(part) -> list[dict]:
     """
     from fshard import dtypes
     from fshard.backend.mindspore import NATIVE_COLLECTIVES
-    from fshard.sharding import step_bytes
-    from fshard.transforms.shard import COLLECTIVE_NAMES
+    from fshard.sharding.cost import step_bytes
+    from fshard.sharding.partition import COLLECTIVE_NAMES
 
     mesh = part.prop.mesh
     sizes = dict(zip(mesh.names, mesh.sizes))
@@ -350,7 +350,7 @@ def _waiting_for_last(jitted, args):
     one ``shard_call`` they share one equation and it waits for output 0, the loss,
     which is ready first. None if fs.jit's internals no longer look like this."""
     from fshard.transforms import jit as jit_module
-    from fshard.transforms.shard import shard_call_p
+    from fshard.transforms.shard_call import shard_call_p
 
     program = jitted.lower(*args).program
     calls = [eq for eq in program.equations if eq.prim is shard_call_p]
@@ -440,7 +440,8 @@ def propagation(runs: int, which) -> dict:
     import gc
 
     import fshard as fs
-    from fshard.transforms.shard import partition, propagate
+    from fshard.sharding.partition import partition
+    from fshard.sharding.propagation import propagate
 
     params, x = _deep_data()
     out = {}

@@ -13,7 +13,7 @@ Rule signatures (x: operands, t: tangents, ct: cotangents, d: batch dims):
 - ``batching(args, dims, **params) -> (outs, out_dims)``
 - ``jvp(primals, tangents, **params) -> (primals_out, tangents_out)``
 - ``transpose(cts_out, *args, **params) -> cts_in``        (linear primitives)
-- ``sharding(*avals, **params) -> FactorSpec``             (see fshard/sharding.py)
+- ``sharding(*avals, **params) -> FactorSpec``             (see fshard/factors.py)
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ import numpy as np
 
 from fshard import dtypes, rules
 from fshard.core import ArrayType, Primitive, typeof
-from fshard.sharding import ShardMesh, Sharding, candidate_shardings, candidates
+from fshard.sharding.layouts import ShardMesh, Sharding, candidate_shardings, candidates
 
 __all__ = [
     "all_shardings",
@@ -393,7 +393,8 @@ def check_sharding_rule(prim: Primitive | str, args, params=None, mesh=2, *,
 def _carried(prim, spec, cand, mesh: ShardMesh) -> list:
     """``cand`` with every pending sum the rule lets pass through its linear operand
     groups: each group, over each set of mesh axes the candidate leaves free."""
-    from fshard.sharding import carry_variants, linear_groups
+    from fshard.sharding.layouts import carry_variants
+    from fshard.factors import linear_groups
 
     n = len(spec.inputs)
     free = [a for a in range(len(mesh.sizes)) if all(a not in ax for _, ax in cand.assign)]

@@ -166,7 +166,7 @@ print(fs.make_ir(sharded)(x, weight, bias))
 # its own, so its collectives are counted the same way.
 
 # %%
-from fshard.transforms.shard import shard_call_p
+from fshard.transforms.shard_call import shard_call_p
 
 
 def mlp_sum(x, w1, w2):

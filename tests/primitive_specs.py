@@ -76,7 +76,7 @@ class Sample:
 
 
 def _shard_call_p():
-    from fshard.transforms.shard import shard_call_p
+    from fshard.transforms.shard_call import shard_call_p
 
     return shard_call_p
 
@@ -641,7 +641,7 @@ def sharded_tanh(x, w):
 
 
 def _shard_call(rng, dt):
-    from fshard.transforms.shard import shard_call_p
+    from fshard.transforms.shard_call import shard_call_p
 
     out = []
     for fn, strategy, groups in ((sharded_matmul, ((2, 1), None), ((0,), (1,))),

@@ -30,8 +30,6 @@ import contextlib
 import functools
 import math
 
-import numpy as np
-
 from fshard import context, tree
 from fshard.core import ArrayType, EvalTrace, Tracer, bind, current_trace, typeof
 from fshard.errors import AxisNameError, CompositionError, ShardingError
@@ -40,108 +38,13 @@ from fshard.ir import Literal
 from fshard.layout import Layout
 from fshard.mesh import Mesh, current_mesh, resolve_mesh
 from fshard.primitives import collectives as C
-from fshard.staging import fun_name, stage, trace_fun
+from fshard.sharding.runtime import from_blocks, run_batched, to_blocks
+from fshard.sharding.strategy import broadcast_strategies, is_strategy_leaf, mesh_dims
+from fshard.staging import fun_name, trace_fun
 
 # ---------------------------------------------------------------------------
 # Strategies -> per-dimension mesh axes
 # ---------------------------------------------------------------------------
-
-
-def _is_counts(entry) -> bool:
-    return isinstance(entry, (tuple, list)) and all(
-        isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in entry)
-
-
-def _is_strategy_leaf(entry) -> bool:
-    return entry is None or isinstance(entry, Layout) or _is_counts(entry)
-
-
-def _counts_to_dims(counts, ndim: int, mesh: Mesh, where: str) -> tuple:
-    """Split counts -> mesh axes: dims take consecutive mesh axes in order, each dim
-    the shortest run (from the first unused axis) whose sizes multiply to its count."""
-    counts = tuple(int(c) for c in counts)
-    names, sizes = mesh.axis_names, mesh.shape
-    if len(counts) != ndim:
-        raise ShardingError(
-            f"{where} = {counts!r} has {len(counts)} entries, but the value has rank {ndim}."
-            f"\nFix: give one split count per dimension, e.g. {(1,) * ndim!r} for none.")
-    dims, a = [], 0
-    for k, c in enumerate(counts):
-        if c < 1:
-            raise ShardingError(f"{where}[{k}] = {c} must be a positive split count.")
-        axes, prod = [], 1
-        while prod < c and a < len(names):
-            axes.append(names[a])
-            prod *= sizes[a]
-            a += 1
-        if prod != c:
-            unused = ", ".join(f"{n!r} ({s})" for n, s in zip(names, sizes)
-                               if n not in {x for d in dims for x in d})
-            raise ShardingError(
-                f"{where} = {counts!r} splits dimension {k} into {c} parts, but the mesh "
-                f"{mesh!r} has no run of consecutive unused axes of total size {c} there "
-                f"(unused axes in order: {unused or 'none'}). A tuple of split counts takes "
-                "mesh axes in order, dimension by dimension.\nFix: pass a Layout view that "
-                f"names the axes, e.g. mesh.layout(...), or choose counts that are products "
-                "of consecutive mesh axis sizes.")
-        dims.append(tuple(axes))
-    return tuple(dims)
-
-
-def _layout_to_dims(view: Layout, ndim: int, mesh: Mesh, where: str) -> tuple:
-    if not view.is_view:
-        raise ShardingError(
-            f"{where} is the Layout {view!r}, not a view of a tensor.\nFix: call it with one "
-            f"entry per dimension, e.g. layout({view.alias_name[0]!r}, 'None').")
-    if view.ndim != ndim:
-        raise ShardingError(
-            f"{where} = {view!r} names {view.ndim} dimensions, but the value has rank {ndim}."
-            "\nFix: give the Layout view one entry per dimension ('None' for unsplit).")
-    dims = []
-    for entry in view.spec:
-        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
-                     if a != "None")
-        for a in axes:
-            if a not in mesh.axis_names:
-                raise ShardingError(
-                    f"{where} = {view!r} splits over the axis {a!r}, which the mesh {mesh!r} "
-                    "does not have.\nFix: use the mesh's axis names in the Layout, or pass "
-                    "the matching mesh=fs.Mesh(...).")
-            size = view.device_matrix[view.alias_name.index(a)]
-            if size != mesh.axis_size(a):
-                raise ShardingError(
-                    f"{where} = {view!r} gives axis {a!r} {size} devices, but in the mesh "
-                    f"{mesh!r} it has {mesh.axis_size(a)}.\nFix: build the Layout from the "
-                    "mesh: mesh.layout(...).")
-        dims.append(axes)
-    return tuple(dims)
-
-
-def _to_dims(entry, ndim: int, mesh: Mesh, where: str) -> tuple:
-    if entry is None:
-        return ((),) * ndim
-    if isinstance(entry, Layout):
-        return _layout_to_dims(entry, ndim, mesh, where)
-    if _is_counts(entry):
-        return _counts_to_dims(entry, ndim, mesh, where)
-    hint = ""
-    if isinstance(entry, (int, np.integer)):
-        hint = (" A bare int is not a strategy: if the function has one argument, wrap its "
-                "strategy in a 1-tuple, e.g. in_strategy=((4, 1),).")
-    raise ShardingError(
-        f"{where} must be a tuple of split counts (one per dimension), a fs.Layout view, or "
-        f"None (replicated); got {entry!r} ({type(entry).__name__}).{hint}")
-
-
-class _Slot:
-    """Stands for one array of an argument or output while strategies are broadcast
-    over its pytree (so that a container of ints is never taken for a strategy)."""
-
-
-def _broadcast(prefix, structure) -> list:
-    """One strategy per leaf of ``structure`` (a treedef) from the prefix tree."""
-    slots = tree.unflatten(structure, [_Slot() for _ in range(structure.num_leaves)])
-    return tree.broadcast_prefix(prefix, slots, is_leaf=_is_strategy_leaf)
 
 
 def _axes_of(dims) -> frozenset:
@@ -155,83 +58,6 @@ def _count(dims_k, mesh: Mesh) -> int:
 def _spec_text(dims) -> str:
     return "(" + ", ".join("+".join(d) if d else "-" for d in dims) + \
         ("," if len(dims) == 1 else "") + ")"
-
-
-# ---------------------------------------------------------------------------
-# Virtual mesh: nested batching over the mesh axes
-# ---------------------------------------------------------------------------
-
-
-def _to_blocks(x, dims, mesh: Mesh):
-    """Global value -> (blocks along its split axes, in mesh order) + local dims."""
-    from fshard.primitives.structural import reshape, transpose
-
-    shape = typeof(x).shape
-    split, axis_pos, local_pos = [], {}, []
-    for n, axes in zip(shape, dims):
-        for a in axes:
-            axis_pos[a] = len(split)
-            split.append(mesh.axis_size(a))
-        local_pos.append(len(split))
-        split.append(n // _count(axes, mesh))
-    if not axis_pos:
-        return x
-    x = reshape(x, tuple(split))
-    lead = [axis_pos[a] for a in mesh.axis_names if a in axis_pos]
-    return transpose(x, tuple(lead + local_pos))
-
-
-def _from_blocks(y, dims, mesh: Mesh):
-    """(blocks along the output's split axes, in mesh order) + local dims -> global."""
-    from fshard.primitives.structural import reshape, transpose
-
-    used = [a for a in mesh.axis_names if a in _axes_of(dims)]
-    if not used:
-        return y
-    shape = typeof(y).shape
-    k = len(used)
-    perm, out = [], []
-    for d, axes in enumerate(dims):
-        perm.extend(used.index(a) for a in axes)
-        perm.append(k + d)
-        out.append(shape[k + d] * _count(axes, mesh))
-    return reshape(transpose(y, tuple(perm)), tuple(out))
-
-
-def _run_virtual(sm, program, args, in_splits, out_dims, mesh: Mesh, out_names):
-    from fshard.interpret import eval_program
-    from fshard.primitives._batching import batch_to_front
-    from fshard.primitives.structural import gather_p
-    from fshard.transforms.vmap import AxisData, batch_program
-
-    axes = list(zip(mesh.axis_names, mesh.shape))
-    out_splits = [_axes_of(d) for d in out_dims]
-
-    def level(k, xs):
-        if k == len(axes):
-            return eval_program(program, *xs)
-        name, size = axes[k]
-        dims = [0 if name in s else None for s in in_splits]
-        avals = []
-        for x, d in zip(xs, dims):
-            a = typeof(x)
-            avals.append(a if d is None else ArrayType(tuple(a.shape[1:]), a.dtype))
-        inner, consts = stage(lambda *ys: level(k + 1, ys), avals)
-        outs, out_ds = batch_program(inner, list(consts) + list(xs),
-                                     [None] * len(consts) + dims, AxisData(name, size))
-        res = []
-        for j, (o, d) in enumerate(zip(outs, out_ds)):
-            if name in out_splits[j]:
-                res.append(batch_to_front(o, d, size))
-            elif d is None:
-                res.append(o)
-            elif sm.check_vma:
-                raise _varying_output_error(sm, out_names[j], name, out_dims[j])
-            else:  # the promise is not checked: device 0 of the axis speaks for all
-                res.append(gather_p.bind(o, np.int32(0), axis=d))
-        return res
-
-    return level(0, list(args))
 
 
 def _varying_output_error(sm, out_name, axis, dims) -> ShardingError:
@@ -348,7 +174,7 @@ class ShardMapped:
     def _resolve_mesh(self) -> Mesh:
         if self.mesh is not None:
             return self.mesh
-        entries = tree.flatten(self.in_strategy, is_leaf=_is_strategy_leaf)[0]
+        entries = tree.flatten(self.in_strategy, is_leaf=is_strategy_leaf)[0]
         views = [e for e in entries if isinstance(e, Layout)]
         if views and current_mesh() is None:
             v = views[0]  # the mesh the Layout describes
@@ -366,7 +192,7 @@ class ShardMapped:
         out = []
         for i, (entry, a) in enumerate(zip(self.in_strategy, args)):
             try:
-                flat = _broadcast(entry, tree.structure(a))
+                flat = broadcast_strategies(entry, tree.structure(a))
             except ValueError:
                 raise ShardingError(
                     f"shard_map({self.name}): in_strategy[{i}] = {entry!r} is neither a "
@@ -378,7 +204,7 @@ class ShardMapped:
                 where = f"shard_map({self.name}): in_strategy[{i}]" + (
                     f" (for {arg_path(self.fun, i, p)})" if p else "")
                 aval = typeof(x)
-                dims = _to_dims(e, aval.ndim, mesh, where)
+                dims = mesh_dims(e, aval.ndim, mesh, where)
                 for k, (n, axes) in enumerate(zip(aval.shape, dims)):
                     c = _count(axes, mesh)
                     if isinstance(n, int) and n % c:
@@ -395,10 +221,10 @@ class ShardMapped:
         skeleton = tree.unflatten(out_tree, list(range(len(out_avals))))
         strat = self.out_strategy
         if (out_tree.is_leaf() and isinstance(strat, (tuple, list)) and len(strat) == 1
-                and not _is_strategy_leaf(strat) and _is_strategy_leaf(strat[0])):
+                and not is_strategy_leaf(strat) and is_strategy_leaf(strat[0])):
             strat = strat[0]  # MindSpore's tuple of one strategy for a single output
         try:
-            flat = _broadcast(strat, out_tree)
+            flat = broadcast_strategies(strat, out_tree)
         except ValueError:
             raise ShardingError(
                 f"shard_map({self.name}): out_strategy = {self.out_strategy!r} is not a "
@@ -408,7 +234,7 @@ class ShardMapped:
                 "containers, e.g. out_strategy=((), None) for (loss, grads).") from None
         paths = tree.flatten_with_path(skeleton)[0]
         names = [f"output{tree.keystr(p)}" if p else "the output" for p in paths]
-        dims = [_to_dims(e, a.ndim, mesh, f"shard_map({self.name}): out_strategy for {n}")
+        dims = [mesh_dims(e, a.ndim, mesh, f"shard_map({self.name}): out_strategy for {n}")
                 for e, a, n in zip(flat, out_avals, names)]
         return dims, names
 
@@ -468,11 +294,17 @@ class ShardMapped:
                 stack.enter_context(C.named_axis(name, size))
             stack.enter_context(context.counted(context.shard_map_depth))
             if mesh.is_virtual:
-                blocks = [_to_blocks(x, d, mesh) for x, d in zip(leaves, in_dims)]
+                axes = list(zip(mesh.axis_names, mesh.shape))
+                blocks = [to_blocks(x, d, axes) for x, d in zip(leaves, in_dims)]
                 splits = [frozenset()] * n_c + [_axes_of(d) for d in in_dims]
-                outs = _run_virtual(self, program, list(traced.consts) + blocks, splits,
-                                    out_dims, mesh, out_names)
-                outs = [_from_blocks(y, d, mesh) for y, d in zip(outs, out_dims)]
+
+                def varying(j, axis):
+                    if self.check_vma:
+                        raise _varying_output_error(self, out_names[j], axis, out_dims[j])
+
+                outs = run_batched(program, list(traced.consts) + blocks, splits,
+                                   [_axes_of(d) for d in out_dims], axes, varying)
+                outs = [from_blocks(y, d, axes) for y, d in zip(outs, out_dims)]
             else:
                 consts = [C.shard_in_p.bind(c, dims=((),) * typeof(c).ndim, mesh=mesh)
                           if isinstance(c, Tracer) else c for c in traced.consts]

@@ -47,7 +47,8 @@ from fshard.optim import apply_updates
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
 from fshard.transforms.jit import jit
-from fshard.transforms.shard import shard, write_json_atomic
+from fshard.transforms.shard import shard
+from fshard.sharding.plan import write_json_atomic
 
 MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
 LEVELS = ("level1", "level2", "level3")
@@ -408,7 +409,8 @@ class AutoParallel:
         """Bytes per device of ``params``, ``grads`` and ``optimizer_state`` as the plan
         lays them out: parameters and optimizer state as the step receives them, each
         gradient as the optimizer update consumes it."""
-        from fshard.sharding import candidate_shardings, local_bytes
+        from fshard.sharding.layouts import candidate_shardings
+        from fshard.sharding.cost import local_bytes
 
         part = self.partitioned(state, *batch)
         prop, mesh = part.prop, part.prop.mesh

@@ -31,7 +31,7 @@ from fshard.primitives._batching import batch_size, batch_to_front, move_axis
 from fshard.primitives._define import Zero, def_primitive, instantiate
 from fshard.rules import batching, sharding, transpose, unsupported
 from fshard.rules import jvp as jvp_rules
-from fshard.sharding import FactorSpec
+from fshard.factors import FactorSpec
 from fshard.staging import fun_name, stage
 
 FAMILY = "control"

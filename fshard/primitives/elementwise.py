@@ -18,7 +18,7 @@ from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives._batching import broadcasting, vectorized
 from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear
 from fshard.rules import batching, sharding, transpose, unsupported
-from fshard.sharding import elementwise_spec
+from fshard.factors import elementwise_spec
 
 FAMILY = "elementwise"
 

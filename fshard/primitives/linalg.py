@@ -15,7 +15,7 @@ from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives._batching import batch_to_front, batch_size, move_axis
 from fshard.primitives._define import def_primitive, defjvp, is_undefined
 from fshard.rules import batching, sharding, transpose
-from fshard.sharding import FactorSpec
+from fshard.factors import FactorSpec
 
 FAMILY = "linalg"
 

@@ -17,7 +17,7 @@ from fshard.primitives.elementwise import exp, log, mul, rsqrt, sub
 from fshard.primitives.reductions import mean, reduce_max, reduce_sum
 from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
 from fshard.rules import batching, sharding, unsupported
-from fshard.sharding import FactorSpec
+from fshard.factors import FactorSpec
 
 FAMILY = "nn"
 

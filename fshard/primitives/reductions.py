@@ -12,7 +12,7 @@ from fshard.core import ArrayType, dim_prod, is_symbolic, typeof
 from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear
 from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
 from fshard.rules import batching, jvp, sharding, unsupported
-from fshard.sharding import FactorSpec
+from fshard.factors import FactorSpec
 
 FAMILY = "reductions"
 

@@ -20,7 +20,7 @@ from fshard.primitives._batching import batch_size, batch_to_front, move_axis, v
 from fshard.primitives._define import (Zero, def_primitive, defjvp, deflinear, instantiate,
                                       is_undefined)
 from fshard.rules import batching, jvp, sharding, unsupported
-from fshard.sharding import FactorSpec, elementwise_spec
+from fshard.factors import FactorSpec, elementwise_spec
 from fshard.rules import transpose as transpose_rules  # `transpose` is also an op here
 
 FAMILY = "structural"

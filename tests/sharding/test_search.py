@@ -1,4 +1,4 @@
-"""The sharding search (fshard/search.py): its objective is what the partitioner runs,
+"""The sharding search (fshard/sharding/search.py): its objective is what the partitioner runs,
 its search reaches the exhaustive optimum on the small benchmark programs
 (benchmarks/search.py) and is never worse than greedy propagation, and the levels
 trade memory against communication.
@@ -15,9 +15,11 @@ import pytest
 from mindspore import Tensor, ops
 
 import fshard as fs
-from fshard import dtypes, search
-from fshard.sharding import native_collectives, step_bytes
-from fshard.transforms.shard import propagate, shard_call_p
+from fshard import dtypes
+from fshard.sharding import search
+from fshard.sharding.cost import native_collectives, step_bytes
+from fshard.sharding.propagation import propagate
+from fshard.transforms.shard_call import shard_call_p
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -125,7 +127,7 @@ def test_cost_weighs_an_output_allreduce_by_gamma():
     prop = _prop(bench.mlp2, [(16, 32), (32, 64), (64, 32)], (None, (1, 4), (4, 1)), 4)
     cost = search.cost(prop)  # Megatron: one AllReduce, of the output
     assert cost.collectives == 1
-    assert cost.weighted_bytes == pytest.approx(cost.comm_bytes * fs.sharding.CostModel().gamma)
+    assert cost.weighted_bytes == pytest.approx(cost.comm_bytes * fs.sharding.cost.CostModel().gamma)
 
 
 # ---------------------------------------------------------------------------
@@ -206,7 +208,7 @@ def _wide_found() -> dict:
 
 
 def _w_strategy(found) -> tuple:
-    return found.in_shardings[1].strategy(fs.sharding.ShardMesh.for_devices(8))
+    return found.in_shardings[1].strategy(fs.sharding.layouts.ShardMesh.for_devices(8))
 
 
 def test_memory_level_holds_less_per_device_than_level_0():

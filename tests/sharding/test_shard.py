@@ -16,7 +16,8 @@ from mindspore import Tensor, nn, ops
 
 import fshard as fs
 from fshard.testing import assert_close
-from fshard.transforms.shard import Sharded, shard_call_p
+from fshard.transforms.shard import Sharded
+from fshard.transforms.shard_call import shard_call_p
 
 
 def _np(x):

@@ -18,7 +18,7 @@ import pytest
 from mindspore import Tensor, ops
 
 import fshard as fs
-from fshard.transforms.shard import shard_call_p
+from fshard.transforms.shard_call import shard_call_p
 
 
 def _np(x):

@@ -37,7 +37,7 @@ import pytest
 
 import fshard as fs
 from fshard import rules
-from fshard.sharding import Sharding, candidate_shardings, candidates
+from fshard.sharding.layouts import Sharding, candidate_shardings, candidates
 from fshard.testing import (all_shardings, check_sharding, check_sharding_rule, shard_mesh)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: not a package

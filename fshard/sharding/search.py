@@ -2,7 +2,7 @@
 layouts.
 
 One objective is the single source of truth. ``Problem.evaluate`` simulates what
-``partition`` (transforms/shard.py) executes for a full *assignment* (a candidate per
+``partition`` (fshard/sharding/partition.py) executes for a full *assignment* (a candidate per
 equation, a layout per input), without staging anything: each operand is moved from
 the cheapest layout its value already holds (the partitioner keeps every layout a value
 has been moved to), pending sums pass through linear operations as the candidates
@@ -20,7 +20,7 @@ bound over every assignment: the reference on small programs), ``search`` (a dyn
 program over the equations in program order whose states are the layouts each live
 value holds, exact while the states fit in ``width``, a beam search beyond; the greedy
 path is always kept, and coordinate descent polishes the result) and ``refine``
-(``fs.shard(..., search=True)``). It reads transforms/shard.py's rules for carries and
+(``fs.shard(..., search=True)``). It reads the layout rules (fshard/sharding/layouts.py) for carries and
 output layouts, and imports no MindSpore itself.
 """
 
@@ -32,20 +32,21 @@ import time
 from dataclasses import dataclass, replace
 
 from fshard import dtypes
-from fshard.ir import Literal, Var
-from fshard.sharding import (
+from fshard.factors import linear_groups
+from fshard.ir import Literal, Program, Var
+from fshard.sharding.cost import CostModel, compute_cost, redistribution
+from fshard.sharding.layouts import (
     Candidate,
-    CostModel,
     Sharding,
     after,
     as_produced,
     candidate_shardings,
     candidates,
     carry_variants,
-    compute_cost,
-    linear_groups,
-    redistribution,
 )
+from fshard.sharding.propagation import propagate
+from fshard.sharding.layouts import ShardMesh
+from fshard.sharding.strategy import split_alternatives
 
 # ---------------------------------------------------------------------------
 # The objective
@@ -467,7 +468,7 @@ def cost(prop) -> Cost:
     propagation's).
 
     >>> import numpy as np, fshard as fs
-    >>> from fshard.transforms.shard import propagate
+    >>> from fshard.sharding.propagation import propagate
     >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((2, 1), None), mesh=2)
     >>> p = f._prepare((np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)))[0]
     >>> prop = propagate(p.body, p.in_shardings, p.out_shardings, p.mesh)
@@ -531,7 +532,7 @@ def exhaustive(prop, limit: int = 5_000_000, prune: bool = True, memo: bool = Tr
     only by a swap of equal mesh axes nothing mentions yet.
 
     >>> import numpy as np, fshard as fs
-    >>> from fshard.transforms.shard import propagate
+    >>> from fshard.sharding.propagation import propagate
     >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((2, 1), None), mesh=2)
     >>> p = f._prepare((np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)))[0]
     >>> prop = propagate(p.body, p.in_shardings, p.out_shardings, p.mesh)
@@ -746,7 +747,7 @@ def search(prop, width: int | None = None, polish: int | None = None,
     states), and the polish gets half of it.
 
     >>> import numpy as np, fshard as fs
-    >>> from fshard.transforms.shard import propagate
+    >>> from fshard.sharding.propagation import propagate
     >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((2, 1), None), mesh=2)
     >>> p = f._prepare((np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)))[0]
     >>> prop = propagate(p.body, p.in_shardings, p.out_shardings, p.mesh)
@@ -899,7 +900,7 @@ def refine(prop, budget: int = 60_000):
     itself when the shapes are symbolic or the search finds nothing better.
 
     >>> import numpy as np, fshard as fs
-    >>> from fshard.transforms.shard import propagate
+    >>> from fshard.sharding.propagation import propagate
     >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((2, 1), None), mesh=2)
     >>> p = f._prepare((np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)))[0]
     >>> prop = propagate(p.body, p.in_shardings, p.out_shardings, p.mesh)
@@ -924,3 +925,49 @@ def with_assignment(prop, in_shardings, choice):
         known.update(zip(eq.outputs, candidate_shardings(spec, cand)[1]))
         pairs.append((spec, cand))
     return replace(prop, choice=pairs, shardings=known, in_shardings=list(in_shardings))
+
+
+def choose_split_axes(body: Program, in_shardings: list, out_shardings: list,
+                      mesh: ShardMesh, level: int, flexible) -> tuple[list, list]:
+    """``(in_shardings, out_shardings)`` with the layouts at ``flexible`` (``("in", k)``
+    or ``("out", k)``: those given as tuple strategies) moved to the mesh axes that
+    make the whole plan cheapest: every combination when there are few, else
+    coordinate descent from the row-major default (which wins ties, so a plan only
+    changes when another assignment is strictly cheaper)."""
+    start = {"in": list(in_shardings), "out": list(out_shardings)}
+    options = {(side, k): split_alternatives(start[side][k], mesh) for side, k in flexible
+               if start[side][k] is not None}
+    options = {key: v for key, v in options.items() if len(v) > 1}
+    if not options or not all(v.aval.is_static for v in body.inputs):
+        return start["in"], start["out"]
+
+    def with_(base, changes):
+        new = {"in": list(base["in"]), "out": list(base["out"])}
+        for (side, k), sh in changes:
+            new[side][k] = sh
+        return new
+
+    def score(s):
+        return cost(propagate(body, s["in"], s["out"], mesh, level)).score(level)
+
+    best, best_score = start, score(start)
+    if math.prod(len(v) for v in options.values()) <= 64:
+        for combo in itertools.product(*options.values()):
+            trial = with_(start, zip(options, combo))
+            s = score(trial)
+            if s < best_score:
+                best, best_score = trial, s
+        return best["in"], best["out"]
+    for _ in range(3):
+        improved = False
+        for (side, k), alts in options.items():
+            for sh in alts:
+                if sh == best[side][k]:
+                    continue
+                trial = with_(best, [((side, k), sh)])
+                s = score(trial)
+                if s < best_score:
+                    best, best_score, improved = trial, s, True
+        if not improved:
+            break
+    return best["in"], best["out"]

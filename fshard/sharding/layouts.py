@@ -1,5 +1,4 @@
-"""Sharding: layouts of values over a mesh, per-primitive factor rules, and the
-plans that move a value from one layout to another.
+"""Layouts of values over a mesh, and the steps that move a value between them.
 
 Vocabulary (NB: Shardy's factor-based sharding rules, GSPMD's partial state):
 
@@ -9,28 +8,22 @@ Vocabulary (NB: Shardy's factor-based sharding rules, GSPMD's partial state):
 - A ``Sharding`` says, for every dimension of a value, which mesh axes split it
   (major first), and over which axes the value is a *pending sum* (``partial``).
   A value is replicated over every axis it does not mention.
-- A primitive's sharding rule returns a ``FactorSpec``: each operand and output
-  dimension is labelled with an iteration *factor* (like an einsum). Splitting a
-  factor over mesh axes splits every dimension that carries it; a split
-  contracted factor (``reduce``) leaves the output partial; ``nosplit`` factors
-  are never split. One generic engine enumerates the candidate assignments of mesh
-  axes to factors, so each primitive's rule is a few lines.
+- A ``Candidate`` is one way to run an equation: which mesh axes split each factor of
+  its primitive's ``FactorSpec`` (fshard/factors.py); ``candidates`` enumerates them.
 - A primitive that is linear in some operands lets a pending sum *pass through*
-  (``FactorSpec.linear``, default from ``LINEAR_GROUPS``): ``add`` of two partial
-  values is partial, ``reduce_sum`` of a partial value is partial, so the AllReduce
-  is paid once, late, on the smallest value (GSPMD's partial propagation).
+  (``carry_variants``): the AllReduce is paid once, late, on the smallest value
+  (GSPMD's partial propagation).
+- ``plan`` gives the steps (gather, reduce, reduce-scatter, local slice) from one
+  layout to another; fshard/sharding/cost.py prices them.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
-from fshard import dtypes
-from fshard.backend.mindspore import native_collectives
-from fshard.core import ArrayType
+from fshard.factors import FactorSpec, linear_groups
 
 # ---------------------------------------------------------------------------
 # Meshes and shardings
@@ -151,69 +144,6 @@ class Sharding:
 
 # ---------------------------------------------------------------------------
 # Factor rules
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class FactorSpec:
-    """An einsum-like description of how a primitive's iterations map to its arrays.
-
-    ``inputs[i][d]`` / ``outputs[j][d]`` is the factor label of that dimension (None:
-    the dimension is never split, e.g. a broadcast size-1 dim). ``sizes`` gives each
-    factor's extent. Factors split over mesh axes split every dim carrying them;
-    split ``reduce`` factors leave the outputs partial (pending sum).
-    """
-
-    inputs: list
-    outputs: list
-    sizes: dict
-    reduce: frozenset = frozenset()
-    nosplit: frozenset = frozenset()
-    flops_per_point: float = 1.0
-    # (params, local_in_avals, local_out_avals) -> params for the per-device equation
-    local_params: Callable | None = None
-    # Groups of operand indices in which the primitive is linear: when every operand
-    # of a group is a pending sum over the same axes (and the others are not), the
-    # output is a pending sum over them too. None: ``LINEAR_GROUPS`` by name.
-    linear: tuple | None = None
-
-    def splittable(self) -> list[str]:
-        labels = []
-        for lab in itertools.chain(*self.inputs, *self.outputs):
-            if lab is not None and lab not in labels and lab not in self.nosplit:
-                labels.append(lab)
-        # A factor consumed without appearing in any output must be a sum to split.
-        outs = {lab for o in self.outputs for lab in o}
-        return [lab for lab in labels if lab in outs or lab in self.reduce]
-
-
-def elementwise_spec(*avals: ArrayType, n_out: int = 1) -> FactorSpec:
-    """All operands and outputs share one factor per dimension."""
-    nd = avals[0].ndim
-    labels = tuple(f"d{i}" for i in range(nd))
-    return FactorSpec([labels] * len(avals), [labels] * n_out,
-                      {f"d{i}": avals[0].shape[i] for i in range(nd)})
-
-
-# Pending sums pass through these primitives (operand groups in which each is linear).
-# ``cast`` only when it widens a float (its sharding rule says so): the sum of the
-# exactly cast terms is then the sum computed in the wider type, while a narrowing or
-# integer cast of each term is not the cast of their sum. (See ``FactorSpec.linear``.)
-LINEAR_GROUPS: dict[str, tuple] = {
-    "neg": ((0,),), "add": ((0, 1),), "sub": ((0, 1),), "mul": ((0,), (1,)),
-    "div": ((0,),), "select": ((1, 2),), "cast": ((0,),), "matmul": ((0,), (1,)),
-    "bias_add": ((0, 1),), "broadcast_to": ((0,),), "reshape": ((0,),),
-    "transpose": ((0,),), "reduce_sum": ((0,),), "slice": ((0,),), "pad": ((0,),),
-    "concat": ("all",), "stop_gradient": ((0,),),
-}
-
-
-def linear_groups(prim_name: str, spec: FactorSpec, n_operands: int) -> tuple:
-    """The operand groups a pending sum may pass through (see ``LINEAR_GROUPS``)."""
-    groups = spec.linear if spec.linear is not None else LINEAR_GROUPS.get(prim_name, ())
-    return tuple(tuple(range(n_operands)) if g == "all" else tuple(g) for g in groups)
-
-
 @dataclass(frozen=True)
 class Candidate:
     """One way to run an equation: which mesh axes split each factor, and the pending
@@ -286,13 +216,6 @@ def carry_variants(spec: FactorSpec, cand: Candidate, prim_name: str, operand_pa
     return out
 
 
-def compute_cost(spec: FactorSpec, cand: Candidate, mesh: ShardMesh) -> float:
-    """Iteration points per device (times flops per point)."""
-    points = math.prod(s for s in spec.sizes.values() if isinstance(s, int)) or 1
-    par = math.prod(mesh.count(ax) for _, ax in cand.assign) or 1
-    return spec.flops_per_point * points / par
-
-
 def as_produced(versions: dict, produced: Sharding) -> Sharding:
     """The layout of an output left to propagation: as produced, except that a pending
     sum is resolved, reusing a reduced version of it that a consumer already made."""
@@ -354,104 +277,3 @@ def after(sh: Sharding, st: Step) -> Sharding:
         dims[st.dim] = dims[st.dim] + tuple(st.axes)
     partial = sh.partial - set(st.axes) if st.kind in ("psum", "psum_scatter") else sh.partial
     return Sharding(tuple(dims), frozenset(partial))
-
-
-def native_reduce_scatter(native: dict) -> bool:
-    """Whether the backend (its row of ``NATIVE_COLLECTIVES``) has a ReduceScatter for
-    any group; else ``plan`` reduces whole and slices, as the emulation would."""
-    return native.get("reduce_scatter") == "any"
-
-
-def step_bytes(kind: str, local: float, n: int, world: bool, native: dict) -> float:
-    """Bytes each device sends for one step on ``local`` bytes over ``n`` devices, as
-    the backend runs it (ring algorithms). ``native`` is the backend's row of
-    ``NATIVE_COLLECTIVES``; what is not native runs as its emulation (see
-    ``_Comm`` in fshard/primitives/collectives.py): a reduce-scatter as an AllReduce
-    and a slice, a gather over a sub-group as an AllReduce of a buffer n times larger.
-
-    >>> step_bytes("psum_scatter", 800.0, 2, True, {"reduce_scatter": "any"})
-    400.0
-    >>> step_bytes("psum_scatter", 800.0, 2, True, {"all_reduce_sum": "any"})  # emulated
-    800.0
-    """
-    def has(kind):
-        where = native.get(kind)
-        return where == "any" or (where == "world" and world)
-
-    if kind == "slice" or n == 1:
-        return 0.0
-    all_reduce = 2 * local * (n - 1) / n
-    if kind == "psum":
-        return all_reduce
-    if kind == "psum_scatter":
-        return local * (n - 1) / n if has("reduce_scatter") else all_reduce
-    assert kind == "all_gather", kind
-    return local * (n - 1) if has("all_gather") else 2 * local * (n - 1)
-
-
-def redistribution(src: Sharding, dst: Sharding, shape, itemsize: int, mesh: ShardMesh,
-                   native: dict) -> tuple[float, list, list]:
-    """``(bytes each device sends, steps, local bytes after each step)`` of moving a
-    value of global ``shape`` from ``src`` to ``dst``: the one cost of a move, used by
-    propagation, partitioning and search."""
-    steps = plan(src, dst, native_reduce_scatter(native)) if src != dst else []
-    local_shape = list(src.local_shape(shape, mesh))
-    sent, sizes = 0.0, []
-    for st in steps:
-        n = mesh.count(st.axes)
-        local = math.prod(local_shape) * itemsize
-        sent += step_bytes(st.kind, local, n, n == mesh.size, native)
-        if st.kind == "all_gather":
-            local_shape[st.dim] *= n
-        elif st.kind in ("psum_scatter", "slice"):
-            local_shape[st.dim] //= n
-        sizes.append(float(math.prod(local_shape) * itemsize))
-    return sent, steps, sizes
-
-
-def plan_bytes(src: Sharding, dst: Sharding, aval: ArrayType, mesh: ShardMesh,
-               native: dict | None = None) -> float:
-    """Bytes each device sends for the redistribution, as the backend runs it
-    (``native``: its row of ``NATIVE_COLLECTIVES``; default the device target's)."""
-    if src == dst:
-        return 0.0
-    if native is None:
-        native = native_collectives()
-    return redistribution(src, dst, aval.shape, dtypes.to_numpy(aval.dtype).itemsize, mesh,
-                          native)[0]
-
-
-def local_bytes(sh: Sharding, aval: ArrayType, mesh: ShardMesh) -> float:
-    itemsize = dtypes.to_numpy(aval.dtype).itemsize
-    return math.prod(sh.local_shape(aval.shape, mesh)) * itemsize
-
-
-@dataclass
-class CostModel:
-    """Objective per ``level`` (0: compute/communication balance as MindSpore's
-    alpha*compute + beta*comm; 1: least memory per device; 2: fastest, with
-    bandwidth and flop rates of this kind of machine)."""
-
-    level: int = 0
-    alpha: float = 1.0
-    beta: float = 50.0          # MindSpore's GPU default weight of communication
-    flops_per_s: float = 5e9     # per device
-    bytes_per_s: float = 2e8     # per device over MCCL on loopback (measured ~0.16 GiB/s)
-    latency_s: float = 1e-3      # per collective
-    # Weight of communication that resolves a pending sum at a program output (e.g.
-    # a gradient's AllReduce, which overlaps the rest of the step): MindSpore's
-    # costmodel_gamma in comm_with_partial_para.
-    gamma: float = 0.001
-    extra: dict = field(default_factory=dict)
-    # Which collectives the backend in use runs natively (the others are priced as
-    # their emulations): its row of NATIVE_COLLECTIVES.
-    native: dict = field(default_factory=native_collectives)
-
-    def score(self, compute: float, comm_bytes: float, n_collectives: int, memory: float):
-        if self.level == 0:
-            return (comm_bytes > 0, self.alpha * compute + self.beta * comm_bytes, memory)
-        if self.level == 1:
-            return (memory, comm_bytes, compute)
-        t = compute / self.flops_per_s + comm_bytes / self.bytes_per_s \
-            + n_collectives * self.latency_s
-        return (t, memory)

@@ -1,0 +1,122 @@
+"""The one cost model: what a computation and a move between layouts cost, as the
+backend in use runs them (its collectives, emulations included). Propagation,
+partitioning and search all price with these functions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fshard import dtypes
+from fshard.backend.mindspore import native_collectives
+from fshard.core import ArrayType
+from fshard.factors import FactorSpec
+from fshard.sharding.layouts import Candidate, ShardMesh, Sharding, plan
+
+def compute_cost(spec: FactorSpec, cand: Candidate, mesh: ShardMesh) -> float:
+    """Iteration points per device (times flops per point)."""
+    points = math.prod(s for s in spec.sizes.values() if isinstance(s, int)) or 1
+    par = math.prod(mesh.count(ax) for _, ax in cand.assign) or 1
+    return spec.flops_per_point * points / par
+
+
+def native_reduce_scatter(native: dict) -> bool:
+    """Whether the backend (its row of ``NATIVE_COLLECTIVES``) has a ReduceScatter for
+    any group; else ``plan`` reduces whole and slices, as the emulation would."""
+    return native.get("reduce_scatter") == "any"
+
+
+def step_bytes(kind: str, local: float, n: int, world: bool, native: dict) -> float:
+    """Bytes each device sends for one step on ``local`` bytes over ``n`` devices, as
+    the backend runs it (ring algorithms). ``native`` is the backend's row of
+    ``NATIVE_COLLECTIVES``; what is not native runs as its emulation (see
+    ``_Comm`` in fshard/primitives/collectives.py): a reduce-scatter as an AllReduce
+    and a slice, a gather over a sub-group as an AllReduce of a buffer n times larger.
+
+    >>> step_bytes("psum_scatter", 800.0, 2, True, {"reduce_scatter": "any"})
+    400.0
+    >>> step_bytes("psum_scatter", 800.0, 2, True, {"all_reduce_sum": "any"})  # emulated
+    800.0
+    """
+    def has(kind):
+        where = native.get(kind)
+        return where == "any" or (where == "world" and world)
+
+    if kind == "slice" or n == 1:
+        return 0.0
+    all_reduce = 2 * local * (n - 1) / n
+    if kind == "psum":
+        return all_reduce
+    if kind == "psum_scatter":
+        return local * (n - 1) / n if has("reduce_scatter") else all_reduce
+    assert kind == "all_gather", kind
+    return local * (n - 1) if has("all_gather") else 2 * local * (n - 1)
+
+
+def redistribution(src: Sharding, dst: Sharding, shape, itemsize: int, mesh: ShardMesh,
+                   native: dict) -> tuple[float, list, list]:
+    """``(bytes each device sends, steps, local bytes after each step)`` of moving a
+    value of global ``shape`` from ``src`` to ``dst``: the one cost of a move, used by
+    propagation, partitioning and search."""
+    steps = plan(src, dst, native_reduce_scatter(native)) if src != dst else []
+    local_shape = list(src.local_shape(shape, mesh))
+    sent, sizes = 0.0, []
+    for st in steps:
+        n = mesh.count(st.axes)
+        local = math.prod(local_shape) * itemsize
+        sent += step_bytes(st.kind, local, n, n == mesh.size, native)
+        if st.kind == "all_gather":
+            local_shape[st.dim] *= n
+        elif st.kind in ("psum_scatter", "slice"):
+            local_shape[st.dim] //= n
+        sizes.append(float(math.prod(local_shape) * itemsize))
+    return sent, steps, sizes
+
+
+def plan_bytes(src: Sharding, dst: Sharding, aval: ArrayType, mesh: ShardMesh,
+               native: dict | None = None) -> float:
+    """Bytes each device sends for the redistribution, as the backend runs it
+    (``native``: its row of ``NATIVE_COLLECTIVES``; default the device target's)."""
+    if src == dst:
+        return 0.0
+    if native is None:
+        native = native_collectives()
+    return redistribution(src, dst, aval.shape, dtypes.to_numpy(aval.dtype).itemsize, mesh,
+                          native)[0]
+
+
+def local_bytes(sh: Sharding, aval: ArrayType, mesh: ShardMesh) -> float:
+    itemsize = dtypes.to_numpy(aval.dtype).itemsize
+    return math.prod(sh.local_shape(aval.shape, mesh)) * itemsize
+
+
+@dataclass
+class CostModel:
+    """Objective per ``level`` (0: compute/communication balance as MindSpore's
+    alpha*compute + beta*comm; 1: least memory per device; 2: fastest, with
+    bandwidth and flop rates of this kind of machine)."""
+
+    level: int = 0
+    alpha: float = 1.0
+    beta: float = 50.0          # MindSpore's GPU default weight of communication
+    flops_per_s: float = 5e9     # per device
+    bytes_per_s: float = 2e8     # per device over MCCL on loopback (measured ~0.16 GiB/s)
+    latency_s: float = 1e-3      # per collective
+    # Weight of communication that resolves a pending sum at a program output (e.g.
+    # a gradient's AllReduce, which overlaps the rest of the step): MindSpore's
+    # costmodel_gamma in comm_with_partial_para.
+    gamma: float = 0.001
+    extra: dict = field(default_factory=dict)
+    # Which collectives the backend in use runs natively (the others are priced as
+    # their emulations): its row of NATIVE_COLLECTIVES.
+    native: dict = field(default_factory=native_collectives)
+
+    def score(self, compute: float, comm_bytes: float, n_collectives: int, memory: float):
+        if self.level == 0:
+            return (comm_bytes > 0, self.alpha * compute + self.beta * comm_bytes, memory)
+        if self.level == 1:
+            return (memory, comm_bytes, compute)
+        t = compute / self.flops_per_s + comm_bytes / self.bytes_per_s \
+            + n_collectives * self.latency_s
+        return (t, memory)

@@ -1,0 +1,195 @@
+"""``ShardPlan``: one sharded computation, from its global Program and boundary layouts
+to the per-device Program and the whole run (propagated, searched, partitioned and
+compiled once, on first use); and the strategy files that save and reload a plan's
+choices.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from fshard.errors import ShardingError
+from fshard.ir import Program
+from fshard.sharding.layouts import ShardMesh
+from fshard.sharding.partition import Partitioned, apply_fixed, partition
+from fshard.sharding.propagation import propagate
+from fshard.sharding.runtime import run_on_rank, run_virtual
+from fshard.sharding.search import choose_split_axes, refine
+from fshard.staging import stage
+
+
+class ShardPlan:
+    """What one ``shard_call`` runs. Propagated and partitioned once, on first use."""
+
+    def __init__(self, body: Program, in_shardings, out_shardings, mesh: ShardMesh,
+                 level: int = 0, name: str = "f", search: bool = False, fixed=None,
+                 world=None, flexible=(), fusion: float | None = None):
+        assert body.n_consts == 0, "a shard_call body takes its constants as inputs"
+        self.body, self.mesh, self.level, self.name = body, mesh, level, name
+        self.in_shardings, self.out_shardings = list(in_shardings), list(out_shardings)
+        self.search, self.fixed = search, fixed
+        # Inputs given as tuple strategies: their mesh axes are chosen with the plan.
+        self.flexible = tuple(flexible)
+        # Bucket size (bytes) for fusing the per-device AllReduces (None: no fusion).
+        self.fusion = fusion
+        # The fs.Mesh of prime axes of a multi-process job (one device per process), or
+        # None on a virtual mesh.
+        self.world = world
+        self._part = None
+        self._virtual = None
+        self._compiled = None
+
+    def derive(self, body: Program, in_shardings, out_shardings, what: str) -> "ShardPlan":
+        """A plan for a program derived from this one (its JVP, transpose, batching):
+        same mesh, objective, search and place of execution."""
+        return ShardPlan(body, in_shardings, out_shardings, self.mesh, self.level,
+                         f"{self.name}:{what}", self.search, world=self.world,
+                         fusion=self.fusion)
+
+    @property
+    def executed(self) -> Program:
+        """The Program whose equations actually run: the per-device program (its
+        outputs correspond one to one with the body's)."""
+        return self.partitioned().program
+
+    def partitioned(self) -> Partitioned:
+        if self._part is None:
+            if self.flexible and self.fixed is None:
+                self.in_shardings, self.out_shardings = choose_split_axes(
+                    self.body, self.in_shardings, self.out_shardings, self.mesh, self.level,
+                    self.flexible)
+                self.flexible = ()
+            prop = propagate(self.body, self.in_shardings, self.out_shardings, self.mesh,
+                             self.level)
+            if self.fixed is not None:
+                prop = apply_fixed(prop, self.fixed)
+            elif self.search:
+                prop = refine(prop)
+            self._part = partition(prop)
+            self._part.name = self.name
+            if self.fusion is not None:
+                from fshard.passes import fuse_allreduces
+
+                self._part.program = fuse_allreduces(self._part.program, self.fusion)
+        return self._part
+
+    def virtual_program(self) -> tuple[Program, list]:
+        """The whole run as one Program, for lowering: on a virtual mesh, split the
+        inputs, run the per-device Program batched over the devices, reassemble; in a
+        multi-process job, this rank's blocks in, its per-device Program with the
+        job's collectives, the global outputs out."""
+        if self._virtual is None:
+            from fshard import passes
+
+            part = self.partitioned()
+            run = run_virtual if self.world is None else functools.partial(
+                run_on_rank, mesh=self.world)
+            program, consts = stage(lambda *xs: run(part, list(xs)),
+                                    [v.aval for v in self.body.inputs])
+            # The block shuffles around the batched program fold into few operations.
+            self._virtual = passes.simplify(program), consts
+        return self._virtual
+
+    def compiled(self):
+        """The whole run compiled (collectives of a job only run in graphs)."""
+        if self._compiled is None:
+            from fshard.backend import mindspore as backend
+
+            program, consts = self.virtual_program()
+            src, globals_, _ = backend.lower_program(program, consts, f"shard_{self.name}")
+            self._compiled = backend.compile_source(src, globals_, f"shard_{self.name}")
+        return self._compiled
+
+    def __str__(self) -> str:
+        return f"<{self.name} on {self.mesh.size} devices>"
+
+    __repr__ = __str__
+
+
+def write_json_atomic(path, data, what: str) -> None:
+    """Write ``data`` as JSON to ``path``: to a temporary file in the same directory,
+    flushed to disk, then renamed over ``path`` (so ``path`` is always a whole file)."""
+    import os
+    import tempfile
+
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ShardingError(
+            f"cannot write the {what} {path!r}: the directory {folder!r} does not exist.\n"
+            "Fix: create it first (os.makedirs).")
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".fshard-", suffix=".json.tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        raise ShardingError(
+            f"cannot write the {what} {path!r}: {e.strerror or e}. The previous file, if any, "
+            "is unchanged.\nFix: free disk space or choose another path.") from e
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def read_strategy_file(path) -> dict:
+    """The content of a strategy file written by ``save_strategies``, checked for form
+    (every problem an error naming the file)."""
+    def bad(why, fix="save it again with save_strategies"):
+        raise ShardingError(f"strategy file {path!r}: {why}.\nFix: {fix}.")
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        bad("no such file", "give the path save_strategies wrote")
+    except IsADirectoryError:
+        bad("is a directory, not a file", "give the path of the .json file")
+    except UnicodeDecodeError:
+        bad("is not text (not a JSON strategy file)")
+    except json.JSONDecodeError as e:
+        bad(f"is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); it may be "
+            "truncated")
+    except RecursionError:
+        bad("is nested too deeply to be a strategy file")
+    except OSError as e:
+        bad(f"cannot be read ({e.strerror or e})", "check the path and its permissions")
+    if not isinstance(data, dict):
+        bad(f"holds a JSON {type(data).__name__}, not the object save_strategies writes")
+    if not isinstance(data.get("device_num"), int):
+        bad("has no integer 'device_num'")
+    for key in ("inputs", "equations"):
+        if not isinstance(data.get(key), list):
+            bad(f"has no list '{key}'")
+    for k, entry in enumerate(data["inputs"]):
+        if not (isinstance(entry, dict) and isinstance(entry.get("layout"), list)):
+            bad(f"inputs[{k}] has no 'layout' list")
+        for d in entry["layout"]:
+            _check_axis_list(bad, f"inputs[{k}].layout", d)
+    for k, entry in enumerate(data["equations"]):
+        if not (isinstance(entry, dict) and isinstance(entry.get("primitive"), str)):
+            bad(f"equations[{k}] has no 'primitive' name")
+        if not isinstance(entry.get("assignment"), list):
+            bad(f"equations[{k}] ('{entry['primitive']}') has no 'assignment' list (the "
+                "mesh axes of each factor)")
+        for pair in entry["assignment"]:
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+                bad(f"equations[{k}].assignment has the entry {pair!r}, not [factor, axes]")
+            _check_axis_list(bad, f"equations[{k}].assignment", pair[1])
+        for key in ("carry",):
+            if key in entry:
+                _check_axis_list(bad, f"equations[{k}].{key}", entry[key])
+    return data
+
+
+def _check_axis_list(bad, where, axes) -> None:
+    if not (isinstance(axes, list) and all(
+            isinstance(a, str) and len(a) > 1 and a[0] == "m" and a[1:].isdigit()
+            for a in axes)):
+        bad(f"{where} has {axes!r} where a list of mesh axis names like ['m0', 'm1'] "
+            "belongs")

@@ -1,0 +1,179 @@
+"""Sharding propagation: give every value of a Program a layout (MindSpore's
+algorithm). Breadth-first from the annotated values, each equation takes the candidate
+that needs no communication on its edges, else the cheapest under the cost model of
+``level``; pending sums pass through linear primitives.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from fshard.ir import Program, Var
+from fshard.rules import sharding as sharding_rules
+from fshard.sharding.cost import CostModel, compute_cost, local_bytes, native_reduce_scatter, plan_bytes
+from fshard.sharding.layouts import (ShardMesh, Sharding, candidate_shardings, candidates,
+                                     carry_variants, plan)
+
+
+@dataclass
+class Propagated:
+    program: Program
+    mesh: ShardMesh
+    shardings: dict          # Var -> Sharding (as produced)
+    choice: list             # per equation: (spec, candidate)
+    in_shardings: list       # per program input
+    out_shardings: list      # requested output shardings
+    given_inputs: list = None  # the annotations propagation started from
+    level: int = 0
+
+
+def _spec(eq):
+    rule = sharding_rules.lookup(eq.prim, transform="shard")
+    return rule(*[a.aval for a in eq.inputs], **eq.params)
+
+
+def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
+             extra_comm: float = 0.0, out_demand: dict | None = None,
+             desired: dict | None = None):
+    ins, outs = candidate_shardings(spec, cand)
+    comm, n_coll = extra_comm, 0
+    for a, req in zip(eq.inputs, ins):
+        if isinstance(a, Var) and a in known:
+            b = plan_bytes(known[a], req, a.aval, mesh, model.native)
+            comm += b
+            n_coll += bool(plan(known[a], req, native_reduce_scatter(model.native)) and b)
+    for v, out in zip(eq.outputs, outs):
+        for req in demand.get(v, ()):
+            if req.partial <= out.partial:
+                b = plan_bytes(out, req, v.aval, mesh, model.native)
+                comm += b
+                n_coll += bool(b)
+        for req in (out_demand or {}).get(v, ()):
+            steps = plan(out, req, native_reduce_scatter(model.native))
+            b = plan_bytes(out, req, v.aval, mesh, model.native)
+            # A pending sum resolved at a program output (a gradient's AllReduce) runs
+            # after everything else and overlaps the rest of the step: MindSpore weighs
+            # such communication by gamma (comm_with_partial_para).
+            if steps and all(st.kind == "psum" for st in steps):
+                b *= model.gamma
+            comm += b
+            n_coll += bool(b)
+        want = (desired or {}).get(v)
+        if want is not None and not demand.get(v) and not (out_demand or {}).get(v):
+            b = plan_bytes(out, want, v.aval, mesh, model.native)
+            comm += b
+            n_coll += bool(b)
+    memory = sum(local_bytes(o, v.aval, mesh) for o, v in zip(outs, eq.outputs))
+    return model.score(compute_cost(spec, cand, mesh), comm, n_coll, memory)
+
+
+def _deferral_bytes(eq, spec, cand, mesh) -> float:
+    """What passing a pending sum through ``eq`` costs later: the AllReduce then runs
+    on the output instead of the operand, which costs more when the output is larger
+    (a broadcast), and less (never negative here) when it is smaller (a reduction)."""
+    ins, outs = candidate_shardings(spec, cand)
+    n = mesh.count(cand.carry)
+    before = max(local_bytes(s, a.aval, mesh) for k, (a, s) in enumerate(zip(eq.inputs, ins))
+                 if k in cand.carry_ops)
+    after = max(local_bytes(s, v.aval, mesh) for v, s in zip(eq.outputs, outs))
+    return max(0.0, 2.0 * (after - before) * (n - 1) / n)
+
+
+def _desired(program: Program, specs: list, out_demand: dict, mesh: ShardMesh) -> dict:
+    """The layouts values should end in so that the requested output layouts need no
+    move: each output's requested layout, pulled back through the equations that map
+    every operand dimension to an output dimension (elementwise operations,
+    broadcasts), last equation first. Propagation counts the move to a value's desired
+    layout when nothing else asks for it yet, so it does not split a computation that
+    the outputs want whole (a free local slice now, an AllGather at the end)."""
+    desired = {v: reqs[0] for v, reqs in out_demand.items() if not reqs[0].partial}
+    for eq, spec in zip(reversed(program.equations), reversed(specs)):
+        if len(eq.outputs) != 1 or eq.outputs[0] not in desired:
+            continue
+        want, out_labels = desired[eq.outputs[0]], spec.outputs[0]
+        for a, labels in zip(eq.inputs, spec.inputs):
+            if not isinstance(a, Var) or a in desired or len(labels) != a.aval.ndim:
+                continue
+            if any(lab is not None and lab not in out_labels for lab in labels):
+                continue
+            dims = tuple(want.dims[out_labels.index(lab)] if lab is not None else ()
+                         for lab in labels)
+            if any(d and (not isinstance(a.aval.shape[k], int)
+                          or a.aval.shape[k] % mesh.count(d)) for k, d in enumerate(dims)):
+                continue
+            desired[a] = Sharding(dims)
+    return desired
+
+
+def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: ShardMesh,
+              level: int = 0) -> Propagated:
+    """Give every value a sharding (MindSpore's BFS; see the module docstring)."""
+    model = CostModel(level=level)
+    known: dict = {v: s for v, s in zip(program.inputs, in_shardings) if s is not None}
+    demand: dict = {}     # Var -> layouts its decided consumers need
+    out_demand: dict = {}  # Var -> layouts requested for it as a program output
+    for v, s in zip(program.outputs, out_shardings):
+        if isinstance(v, Var) and s is not None:
+            out_demand.setdefault(v, []).append(s)
+    consumers: dict = {}
+    producer: dict = {}
+    for i, eq in enumerate(program.equations):
+        for a in eq.inputs:
+            if isinstance(a, Var):
+                consumers.setdefault(a, []).append(i)
+        for v in eq.outputs:
+            producer[v] = i
+    specs = [_spec(eq) for eq in program.equations]
+    choice: list = [None] * len(program.equations)
+    desired = _desired(program, specs, out_demand, mesh)
+
+    def decide(i):
+        eq, spec = program.equations[i], specs[i]
+        best, best_score = None, None
+        partials = [known[a].partial if isinstance(a, Var) and a in known else frozenset()
+                    for a in eq.inputs]
+        carry = any(partials)  # the spec's linear groups say where it may pass
+        for base in candidates(spec, mesh):
+            options = [(base, 0.0)]
+            if carry:
+                options += [(c, _deferral_bytes(eq, spec, c, mesh))
+                            for c in carry_variants(spec, base, eq.prim.name, partials)]
+            for cand, extra in options:
+                score = _eq_cost(eq, spec, cand, known, demand, mesh, model, extra,
+                                 out_demand, desired)
+                if best_score is None or score < best_score:
+                    best, best_score = cand, score
+        choice[i] = (spec, best)
+        ins, outs = candidate_shardings(spec, best)
+        for a, req in zip(eq.inputs, ins):
+            if isinstance(a, Var) and a not in known:
+                if a in producer:
+                    demand.setdefault(a, []).append(req)
+                else:  # an unannotated input adopts what its first consumer needs
+                    known[a] = req
+        for v, out in zip(eq.outputs, outs):
+            known[v] = out
+
+    queue = deque()  # breadth-first from the annotated values only (as MindSpore)
+    # A replicated annotation constrains nothing (any block of it is a free local
+    # slice): start from the split ones, so their layouts reach those consumers first.
+    seeds = [v for v, s in known.items() if s.used] or list(known)
+    for v in seeds:
+        queue.extend(consumers.get(v, []))
+    while queue:
+        i = queue.popleft()
+        if choice[i] is not None:
+            continue
+        decide(i)
+        eq = program.equations[i]
+        for v in eq.outputs:
+            queue.extend(j for j in consumers.get(v, []) if choice[j] is None)
+        for a in eq.inputs:
+            if isinstance(a, Var) and a in producer and choice[producer[a]] is None:
+                queue.append(producer[a])
+    for i in range(len(program.equations)):  # unreachable from any annotation
+        if choice[i] is None:
+            decide(i)
+    ins = [known.get(v, Sharding.replicated(v.aval.ndim)) for v in program.inputs]
+    return Propagated(program, mesh, known, choice, ins, out_shardings, list(in_shardings), level)

@@ -1,0 +1,166 @@
+"""Running a per-device Program, for ``fs.shard`` and ``fs.shard_map`` alike: on a
+virtual mesh, batched over the mesh axes in one process (``to_blocks``,
+``run_batched``, ``from_blocks``); in a multi-process job, this rank's share with the
+job's collectives (``run_on_rank``).
+
+A value's layout here is, per dimension, the names of the mesh axes splitting it
+(major first); ``axes`` lists the mesh's ``(name, size)`` pairs in mesh order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fshard.core import ArrayType, bind, typeof
+from fshard.interpret import AxisData, batch_program, equation_note, eval_program
+from fshard.ir import Literal
+from fshard.primitives import collectives as C
+from fshard.primitives._batching import batch_to_front
+from fshard.primitives.spmd import block_slice_p
+from fshard.primitives.structural import gather_p, reshape, transpose
+from fshard.sharding.layouts import ShardMesh, Sharding
+from fshard.sharding.partition import Partitioned
+from fshard.staging import stage
+
+
+def _count(axes, sizes: dict) -> int:
+    return math.prod(sizes[a] for a in axes)
+
+
+def to_blocks(x, dims, axes):
+    """Global value -> one leading axis per mesh axis splitting it (in mesh order), then
+    the local block's dimensions."""
+    sizes = dict(axes)
+    shape = typeof(x).shape
+    split, axis_pos, local_pos = [], {}, []
+    for n, dim_axes in zip(shape, dims):
+        for a in dim_axes:
+            axis_pos[a] = len(split)
+            split.append(sizes[a])
+        local_pos.append(len(split))
+        split.append(n // _count(dim_axes, sizes))
+    if not axis_pos:
+        return x
+    x = reshape(x, tuple(split))
+    lead = [axis_pos[a] for a, _ in axes if a in axis_pos]
+    return transpose(x, tuple(lead + local_pos))
+
+
+def from_blocks(y, dims, axes):
+    """The inverse of ``to_blocks``: leading block axes (mesh order) + local dims -> the
+    global value."""
+    sizes = dict(axes)
+    split = {a for dim_axes in dims for a in dim_axes}
+    used = [a for a, _ in axes if a in split]
+    if not used:
+        return y
+    shape = typeof(y).shape
+    k = len(used)
+    perm, out = [], []
+    for d, dim_axes in enumerate(dims):
+        perm.extend(used.index(a) for a in dim_axes)
+        perm.append(k + d)
+        out.append(shape[k + d] * _count(dim_axes, sizes))
+    return reshape(transpose(y, tuple(perm)), tuple(out))
+
+
+def run_batched(program, args, in_splits, out_splits, axes, varying=None) -> list:
+    """Run ``program`` on every device of a virtual mesh at once: batched over each of
+    ``axes`` (``(name, size)``, mesh order), one axis name per mesh axis, so collectives
+    over a name act across that axis's lanes. Argument i carries a leading block axis
+    for each mesh axis in ``in_splits[i]`` (as ``to_blocks`` makes them); output j gets
+    one for each axis in ``out_splits[j]``. An output that differs across the lanes of
+    an axis it is not split over calls ``varying(j, name)`` (which may raise), then
+    device 0 of that axis gives its value."""
+    def level(k, xs):
+        if k == len(axes):
+            return eval_program(program, *xs)
+        name, size = axes[k]
+        dims = [0 if name in s else None for s in in_splits]
+        avals = []
+        for x, d in zip(xs, dims):
+            a = typeof(x)
+            avals.append(a if d is None else ArrayType(tuple(a.shape[1:]), a.dtype))
+        inner, consts = stage(lambda *ys: level(k + 1, ys), avals)
+        outs, out_ds = batch_program(inner, list(consts) + list(xs),
+                                     [None] * len(consts) + dims, AxisData(name, size))
+        res = []
+        for j, (o, d) in enumerate(zip(outs, out_ds)):
+            if name in out_splits[j]:
+                res.append(batch_to_front(o, d, size))
+            elif d is None:
+                res.append(o)
+            else:
+                if varying is not None:
+                    varying(j, name)
+                res.append(gather_p.bind(o, np.int32(0), axis=d))
+        return res
+
+    return level(0, list(args))
+
+
+def _names(sh: Sharding, mesh: ShardMesh) -> tuple:
+    return tuple(mesh.name(ax) for ax in sh.dims)
+
+
+def run_virtual(part: Partitioned, args: list):
+    """Run ``fs.shard``'s per-device Program on a virtual mesh: split the global
+    inputs into blocks, run every device at once, reassemble the global outputs."""
+    mesh = part.prop.mesh
+    axes = list(zip(mesh.names, mesh.sizes))
+    in_dims = [_names(sh, mesh) for sh in part.in_shardings]
+    out_dims = [_names(sh, mesh) for sh in part.out_shardings]
+    blocks = [to_blocks(x, d, axes) for x, d in zip(args, in_dims)]
+    splits = [frozenset(a for ax in d for a in ax) for d in in_dims]
+    outs = run_batched(part.program, list(part.consts) + blocks,
+                       [frozenset()] * len(part.consts) + splits,
+                       [frozenset(a for ax in d for a in ax) for d in out_dims], axes)
+    return [from_blocks(y, d, axes) for y, d in zip(outs, out_dims)]
+
+
+def world_mesh(mesh: ShardMesh):
+    """The ``fs.Mesh`` of ``mesh``'s prime axes over the ranks of this job (row-major,
+    so rank r has the same coordinates on both)."""
+    from fshard.mesh import Mesh
+
+    return Mesh(mesh.sizes, mesh.names) if mesh.sizes else Mesh((1,), ("m0",))
+
+
+def run_on_rank(part: Partitioned, args: list, mesh):
+    """Run this rank's share of a partitioned program in a multi-process job: every
+    process holds the global inputs; it keeps its blocks (``shard_in``), runs the
+    per-device Program with the job's collectives, and gathers the global outputs
+    (``shard_out``). ``mesh`` is ``world_mesh(...)``."""
+
+    pmesh = part.prop.mesh
+
+    def dims(sh: Sharding) -> tuple:
+        return _names(sh, pmesh)
+
+    blocks = [C.shard_in_p.bind(x, dims=dims(sh), mesh=mesh)
+              for x, sh in zip(args, part.in_shardings)]
+    program = part.program
+    env = dict(zip(program.inputs, list(part.consts) + blocks, strict=True))
+
+    def read(a):
+        return a.value if isinstance(a, Literal) else env[a]
+
+    for eq in program.equations:
+        vals = [read(a) for a in eq.inputs]
+        try:
+            if eq.prim is block_slice_p:  # this rank's block of a value it holds whole
+                d = [()] * eq.inputs[0].aval.ndim
+                d[eq.params["dim"]] = tuple(eq.params["axis_name"])
+                outs = [C.shard_in_p.bind(vals[0], dims=tuple(d), mesh=mesh)]
+            else:
+                params = dict(eq.params, mesh=mesh) if eq.prim in C.COLLECTIVES else eq.params
+                outs = bind(eq.prim, *vals, **params)
+                outs = outs if eq.prim.multiple_results else [outs]
+        except Exception as e:
+            e.add_note(equation_note(eq, "running on this rank"))
+            raise
+        env.update(zip(eq.outputs, outs, strict=True))
+    return [C.shard_out_p.bind(read(a), dims=dims(sh), mesh=mesh)
+            for a, sh in zip(program.outputs, part.out_shardings)]

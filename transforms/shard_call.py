@@ -1,0 +1,213 @@
+"""``shard_call``: one sharded computation as one equation, and its rules.
+
+``fs.shard`` binds ``shard_call`` with a ShardPlan: the *global* body Program, the
+layouts at its boundary (None: left to propagation), the mesh and the objective.
+Keeping the global body is what makes the derivative of a sharded function sharded
+as well as the function itself (NB: JAX's pjit_p keeps its jaxpr the same way):
+
+- JVP: the body's JVP is split (partial evaluation) into a *known* shard_call
+  (primal outputs + residuals) and a *linear* shard_call (residuals + tangents),
+  both with the layouts the primal call's propagation chose;
+- transpose: the linear body is transposed as a global Program, then propagated and
+  partitioned like any other, so ``grad(shard(f))`` pays the collectives the
+  backward math needs (one AllReduce for a Megatron MLP), never a per-device
+  transpose of the forward collectives;
+- lowering: on a virtual mesh, the per-device Program batched over the devices
+  becomes one helper function of the generated MindSpore module.
+"""
+
+from __future__ import annotations
+
+from fshard import dtypes
+from fshard.core import ArrayType, Primitive, typeof
+from fshard.interpret import batch_program, current_axis, eval_program
+from fshard.ir import Literal, Program, Var
+from fshard.primitives._batching import batch_to_front, move_axis
+from fshard.primitives._define import Zero, instantiate, is_undefined
+from fshard.rules import (abstract_eval, batching, impl, jvp, lowering, register_primitive,
+                          transpose, unsupported)
+from fshard.sharding.layouts import Sharding
+from fshard.sharding.runtime import run_virtual
+from fshard.staging import stage
+from fshard.transforms.ad import backward_pass, jvp_program, partial_eval, vjp
+
+
+def _shard_call_type(*avals, plan):
+    assert [tuple(a.shape) for a in avals] == [tuple(v.aval.shape) for v in plan.body.inputs], \
+        f"shard_call operands {avals} do not match its body"
+    return list(plan.body.out_avals)
+
+
+def _shard_call_impl(*args, plan):
+    if plan.world is not None:
+        from fshard.backend.mindspore import as_tensor
+
+        out = _differentiable_call(plan)(*[as_tensor(x) for x in args])
+        return [out] if len(plan.body.outputs) == 1 else list(out)
+    return run_virtual(plan.partitioned(), list(args))
+
+
+def _differentiable_call(plan):
+    """The compiled per-device program of a multi-process job as an ``nn.Cell`` whose
+    ``bprop`` is fshard's own derivative of the sharded function: MindSpore's autodiff
+    (``mindspore.grad`` over a function calling an ``fs.shard`` function) must not
+    differentiate the per-device graph itself, whose collectives' MindSpore gradients
+    do not match their meaning here (wrong numbers, or ReduceScatter on CPU)."""
+    cell = getattr(plan, "_ms_cell", None)
+    if cell is None:
+        from mindspore import nn, ops
+
+
+        class ShardCall(nn.Cell):
+            def construct(self, *args):
+                return plan.compiled()(*args)
+
+            def bprop(self, *args_out_dout):
+                args, dout = args_out_dout[:-2], args_out_dout[-1]
+                diff = [i for i, a in enumerate(args) if dtypes.is_float(typeof(a).dtype)]
+
+                def f(*d):
+                    full = list(args)
+                    for i, x in zip(diff, d):
+                        full[i] = x
+                    return tuple(shard_call_p.bind(*full, plan=plan))
+
+                _, vjp_fn = vjp(f, *[args[i] for i in diff])
+                cts = tuple(dout) if isinstance(dout, (tuple, list)) else (dout,)
+                grads = vjp_fn(cts)
+                out = [ops.zeros_like(a) for a in args]
+                for i, g in zip(diff, grads):
+                    out[i] = g
+                return tuple(out)
+
+        cell = plan._ms_cell = ShardCall()
+    return cell
+
+
+def _shard_call_lowering(ctx, *exprs, plan):
+    from fshard.backend.mindspore import as_tensor
+
+    program, consts = plan.virtual_program()
+    closed = Program(program.inputs, program.equations, program.outputs)
+    args = [ctx.ref(as_tensor(c), "const") for c in consts] + list(exprs)
+    return f"{ctx.function(closed, 'shard')}({', '.join(args)})"
+
+
+def _closed(program: Program) -> Program:
+    return Program(program.inputs, program.equations, program.outputs)
+
+
+def _shard_call_jvp(primals, tangents, *, plan):
+    """Known shard_call (primal outputs + residuals), then linear shard_call."""
+    body, part = plan.body, plan.partitioned()
+    ins, outs = part.in_shardings, part.out_shardings
+    nz = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
+    in_avals = [v.aval for v in body.inputs]
+    n_in, n_out = len(in_avals), len(body.outputs)
+
+    def jvp_flat(*xs):
+        ts = [Zero(a) for a in in_avals]
+        for i, t in zip(nz, xs[n_in:]):
+            ts[i] = t
+        o, to = jvp_program(body, list(xs[:n_in]), ts)
+        return list(o) + [instantiate(t) for t in to]
+
+    jprog, jconsts = stage(jvp_flat, in_avals + [in_avals[i] for i in nz])
+    n_jc = len(jconsts)
+    known, linear = partial_eval(jprog, [False] * (n_jc + n_in) + [True] * len(nz))
+    primal_out = {}
+    for j, a in enumerate(jprog.outputs[:n_out]):
+        if isinstance(a, Var):
+            primal_out.setdefault(a, outs[j])
+    const_sh = [Sharding.replicated(v.aval.ndim) for v in jprog.inputs[:n_jc]]
+    known_plan = plan.derive(_closed(known), const_sh + list(ins),
+                             [primal_out.get(r) for r in known.outputs], "primal")
+    res = shard_call_p.bind(*jconsts, *primals, plan=known_plan)
+    value = dict(zip(known.outputs, res))
+    primals_out = [a.value if isinstance(a, Literal) else value[a]
+                   for a in jprog.outputs[:n_out]]
+    res_sh = known_plan.partitioned().out_shardings
+    lin = Program(linear.inputs, linear.equations, linear.outputs[n_out:])
+    lin_plan = plan.derive(lin, list(res_sh) + [ins[i] for i in nz], list(outs), "tangent")
+    tangents_out = shard_call_p.bind(*res, *[tangents[i] for i in nz], plan=lin_plan)
+    return primals_out, list(tangents_out)
+
+
+def _shard_call_transpose(cts, *args, plan):
+    """Transpose the global body, then shard it like any Program."""
+    body, part = plan.body, plan.partitioned()
+    ins, outs = part.in_shardings, part.out_shardings
+    lin = [i for i, a in enumerate(args) if is_undefined(a)]
+    res = [i for i, a in enumerate(args) if not is_undefined(a)]
+    nzc = [j for j, c in enumerate(cts) if not isinstance(c, Zero)]
+    if not nzc:
+        return [Zero(args[i].aval) if i in lin else None for i in range(len(args))]
+    reordered = Program([body.inputs[i] for i in res] + [body.inputs[i] for i in lin],
+                        body.equations, body.outputs)
+    known, linear = partial_eval(reordered, [False] * len(res) + [True] * len(lin))
+
+    def transposed(*xs):
+        residuals = eval_program(known, *xs[:len(res)])
+        cs = [Zero(a.aval) for a in body.outputs]
+        for j, c in zip(nzc, xs[len(res):]):
+            cs[j] = c
+        cts_in = backward_pass(linear, len(known.outputs), residuals, cs)
+        return [instantiate(c) for c in cts_in]
+
+    t_prog, t_consts = stage(transposed, [body.inputs[i].aval for i in res]
+                             + [body.outputs[j].aval for j in nzc])
+    t_plan = plan.derive(
+        _closed(t_prog),
+        [Sharding.replicated(v.aval.ndim) for v in t_prog.inputs[:len(t_consts)]]
+        + [ins[i] for i in res] + [outs[j] for j in nzc],
+        [ins[i] for i in lin], "transpose")
+    cts_in = shard_call_p.bind(*t_consts, *[args[i] for i in res],
+                               *[cts[j] for j in nzc], plan=t_plan)
+    it = iter(cts_in)
+    return [next(it) if i in lin else None for i in range(len(args))]
+
+
+def _shard_call_batching(args, dims, *, plan):
+    """A batched shard_call shards the batched body; the batch dimension is replicated
+    (this serves ``jacrev``/``hessian`` of a sharded function; ``vmap(shard(f))`` itself
+    is refused before it gets here, see ``Sharded.__call__``)."""
+    axis = current_axis()
+    args = [x if d is None else move_axis(x, d, 0) for x, d in zip(args, dims)]
+    dims = [None if d is None else 0 for d in dims]
+    body = plan.body
+    in_avals = [v.aval if d is None else ArrayType((axis.size,) + tuple(v.aval.shape),
+                                                   v.aval.dtype)
+                for v, d in zip(body.inputs, dims)]
+
+    def batched(*xs):
+        o, od = batch_program(body, list(xs), list(dims), axis)
+        return [batch_to_front(y, d, axis.size) for y, d in zip(o, od)]
+
+    b_prog, b_consts = stage(batched, in_avals)
+
+    def lift(sh):
+        return None if sh is None else Sharding(((),) + tuple(sh.dims), sh.partial)
+
+    b_plan = plan.derive(
+        _closed(b_prog),
+        [Sharding.replicated(v.aval.ndim) for v in b_prog.inputs[:len(b_consts)]]
+        + [sh if d is None else lift(sh) for sh, d in zip(plan.in_shardings, dims)],
+        [lift(sh) for sh in plan.out_shardings], "batched")
+    outs = shard_call_p.bind(*b_consts, *args, plan=b_plan)
+    return list(outs), [0] * len(outs)
+
+
+def _def_shard_call():
+    prim = Primitive("shard_call", multiple_results=True)
+    register_primitive(prim, "spmd")
+    abstract_eval.set(prim, _shard_call_type)
+    impl.set(prim, _shard_call_impl)
+    lowering.set(prim, _shard_call_lowering)
+    jvp.set(prim, _shard_call_jvp)
+    transpose.set(prim, _shard_call_transpose)
+    batching.set(prim, _shard_call_batching)
+    unsupported(prim, "sharding", "fs.shard cannot nest: a shard_call is never re-sharded")
+    return prim
+
+
+shard_call_p = _def_shard_call()

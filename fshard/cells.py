@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 
+from fshard.backend.mindspore import cell_first_call_checks, cell_params
+
 
 def is_cell(obj) -> bool:
     from mindspore import nn
@@ -31,7 +33,7 @@ def _locations(cell) -> dict:
     other uses reading the old Parameter, so every slot holding it is found."""
     slots: dict[int, list] = {}
     for _, c in [("", cell)] + list(cell.cells_and_names()):
-        for leaf, p in c._params.items():
+        for leaf, p in cell_params(c).items():
             if p is not None and (c, leaf) not in slots.setdefault(id(p), []):
                 slots[id(p)].append((c, leaf))
     return {name: slots[id(p)] for name, p in parameters(cell).items()}
@@ -46,23 +48,19 @@ def swapped(cell, values: dict):
     try:
         for name, v in values.items():
             for owner, leaf in where[name]:
-                saved.append((owner, leaf, owner._params[leaf]))
-                owner._params[leaf] = v
+                saved.append((owner, leaf, cell_params(owner)[leaf]))
+                cell_params(owner)[leaf] = v
         yield
     finally:
         for owner, leaf, old in reversed(saved):
-            owner._params[leaf] = old
+            cell_params(owner)[leaf] = old
 
 
 def _first_call_checks(cell) -> None:
     """Run MindSpore's once-per-Cell checks (parameter names, lazy initialisation) on
     the real Parameters, before any are swapped for plain Tensors or tracers: the
     checks read ``Parameter.name``, which a Tensor lacks."""
-    for c in [cell] + [c for _, c in cell.cells_and_names()]:
-        if not getattr(c, "_is_check_and_refresh", True):
-            c._self_check()
-    if not getattr(cell, "_init_flag", True):
-        cell._init_check()
+    cell_first_call_checks(cell)
 
 
 def functional(cell):

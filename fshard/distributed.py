@@ -38,10 +38,11 @@ def is_initialized() -> bool:
     >>> is_initialized()
     False
     """
-    comm = sys.modules.get("mindspore.communication._comm_helper")
-    if comm is None:  # MindSpore's communication layer was never imported
+    if "mindspore" not in sys.modules:  # nothing can have initialised it
         return False
-    return bool(comm.GlobalComm.INITED)
+    from fshard.backend.mindspore import comm_initialized
+
+    return comm_initialized()
 
 
 def _tell_launcher(status: bytes) -> None:

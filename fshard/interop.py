@@ -37,6 +37,7 @@ import numpy as np
 
 from fshard import dtypes
 from fshard import ops as fo
+from fshard.backend import mindspore as backend
 from fshard.core import Tracer, is_symbolic, typeof
 from fshard.errors import (FshardError, OperatorStrategyWarning, ProgramTypeError,
                            UnsupportedOpError)
@@ -87,11 +88,9 @@ def _dtype(d):
         return None
     if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
         if not _TYPE_IDS:
-            from mindspore.ops._utils.arg_handler import dtype_to_type_id
-
-            for t in (dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.float32,
-                      dtypes.float64, *dtypes._MS_TO_NP):
-                _TYPE_IDS[dtype_to_type_id("Cast", "dtype", t)] = t
+            _TYPE_IDS.update(backend.dtype_type_ids(
+                (dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.float32, dtypes.float64,
+                 *dtypes._MS_TO_NP)))
         try:
             return _TYPE_IDS[int(d)]
         except KeyError:
@@ -793,8 +792,9 @@ def _wrap_prim_call(orig):
 def _holds_tracer(cell) -> bool:
     """Whether ``fs.functional`` swapped a traced value in for a parameter of ``cell``
     or of one of its sub-Cells (then even a call on concrete inputs must trace)."""
-    return (any(isinstance(p, Tracer) for p in cell._params.values())
-            or any(c is not None and _holds_tracer(c) for c in cell._cells.values()))
+    return (any(isinstance(p, Tracer) for p in backend.cell_params(cell).values())
+            or any(c is not None and _holds_tracer(c)
+                   for c in backend.cell_children(cell).values()))
 
 
 def _wrap_cell_call(orig):
@@ -884,7 +884,7 @@ _isinstance_modules: list[dict] = []  # module globals that get an `isinstance` 
 # MindSpore's Python-level ops, layers and argument checks (not its Tensor class, its
 # compiler or C++ bindings): there a Tracer must pass `isinstance(x, Tensor)`.
 _ISINSTANCE_SCOPE = ("mindspore.ops.", "mindspore.nn.layer.", "mindspore.nn.loss.",
-                     "mindspore.mint", "mindspore._checkparam")
+                     "mindspore.mint", *backend.PRIVATE_CHECK_MODULES)
 _attr_patches: list[_AttrPatch] = []
 _scanned_modules: set[str] = set()
 _n_modules_seen = -1
@@ -921,23 +921,16 @@ def _names_used_by(module) -> set:
 def _module_entry_points() -> dict[int, tuple[object, Callable]]:
     """id -> (object, wrap) for MindSpore's module-global entry points."""
     if not _entry_points:
-        import mindspore._c_expression as C
-        from mindspore.ops import primitive
-
-        for name in dir(C):
-            obj = getattr(C, name)
-            if name.startswith("pyboost_"):
-                _entry_points[id(obj)] = (obj, _wrap_pyboost)
-            elif name.startswith("_") and name.endswith("_instance") and hasattr(obj, "name"):
-                _entry_points[id(obj)] = (obj, _wrap_overload)
-        _entry_points[id(primitive._run_op)] = (primitive._run_op, _wrap_run_op)
+        wraps = {"pyboost": _wrap_pyboost, "overload": _wrap_overload, "run_op": _wrap_run_op}
+        for obj, kind in backend.native_entry_points():
+            _entry_points[id(obj)] = (obj, wraps[kind])
     return _entry_points
 
 
 def _scan_module(modname: str, module) -> None:
     """Record a patch of the entry points that ``module``'s own code looks up."""
     d = getattr(module, "__dict__", None)
-    if d is None or modname == "mindspore._c_expression":
+    if d is None or modname == backend.C_EXPRESSION:
         return
     entry_points = _module_entry_points()
     makers = {}
@@ -972,15 +965,11 @@ def _setup() -> None:
 
 def _setup_classes() -> None:
     from mindspore import Tensor, nn
-    from mindspore._c_expression import TensorPy
-    from mindspore.ops.auto_generate import pyboost_inner_prim
 
     global _TENSOR_CLASSES
-    _TENSOR_CLASSES = (Tensor, TensorPy)
-    patches = []
-    for name, cls in sorted(vars(pyboost_inner_prim).items()):
-        if isinstance(cls, type) and name.startswith("_Pyboost") and "__call__" in vars(cls):
-            patches.append(_AttrPatch(cls, "__call__", _wrap_prim_call))
+    _TENSOR_CLASSES = backend.tensor_classes()
+    patches = [_AttrPatch(cls, "__call__", _wrap_prim_call)
+               for cls in backend.pyboost_prim_classes()]
     patches.append(_AttrPatch(nn.Cell, "__call__", _wrap_cell_call))
     patches.append(_AttrPatch(Tensor, "__new__", _wrap_tensor_new))
     for name, fn in _TENSOR_OPERATORS.items():

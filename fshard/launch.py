@@ -203,9 +203,9 @@ def _worker_main() -> None:
         code = 1
     if "mindspore" in sys.modules:
         try:  # let queued PyNative work (and its collectives) finish first
-            from mindspore.common.api import _pynative_executor
+            from fshard.backend.mindspore import sync_pynative
 
-            _pynative_executor.sync()
+            sync_pynative()
         except Exception:
             pass
     _run_exit_funcs(exit_funcs)
@@ -216,8 +216,11 @@ def _worker_main() -> None:
         # later) and kill ranks still working; so wait until all ranks are done.
         # "d": done; "n": done without ever joining the job, which ranks waiting for
         # this one in init() would otherwise only learn at the timeout.
-        comm = sys.modules.get("mindspore.communication._comm_helper")
-        joined = comm is not None and bool(comm.GlobalComm.INITED)
+        joined = False
+        if "mindspore" in sys.modules:
+            from fshard.backend.mindspore import comm_initialized
+
+            joined = comm_initialized()
         os.write(status_fd, b"d" if joined else b"n")
         os.read(release_fd, 1)  # b"g" from the launcher, or b"" if it died
     os._exit(code)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -305,7 +304,9 @@ def context_key() -> tuple:
     stack = context.meshes.get()
     if stack:
         return (stack[-1].shape, stack[-1].axis_names)
-    return (os.environ.get(ENV_DEVICES), "mindspore.communication._comm_helper" in sys.modules)
+    from fshard.backend.mindspore import comm_loaded
+
+    return (os.environ.get(ENV_DEVICES), comm_loaded())
 
 
 def _env_devices() -> int:

@@ -505,3 +505,99 @@ def globals_text(globals_: dict) -> str:
             desc = repr(v)
         lines.append(f"# {k} = {desc}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# MindSpore's private API: the one place fshard reaches it
+# ---------------------------------------------------------------------------
+#
+# Besides the jit fast path above, fshard needs a few names MindSpore does not make
+# public; tests/test_backend_private_api.py keeps every such use in this module, so a
+# MindSpore upgrade is checked here alone.
+
+#: The module that holds MindSpore's communication state once it is imported.
+_COMM_HELPER = "mindspore.communication._comm_helper"
+#: The C++ bindings module (the pyboost entry points and Tensor's C++ base).
+C_EXPRESSION = "mindspore._c_expression"
+#: MindSpore's private argument-checking module, whose ``isinstance`` checks a traced
+#: value must pass like a Tensor.
+PRIVATE_CHECK_MODULES = ("mindspore._checkparam",)
+
+
+def comm_loaded() -> bool:
+    """Whether MindSpore's communication layer has been imported in this process."""
+    return _COMM_HELPER in sys.modules
+
+
+def comm_initialized() -> bool:
+    """Whether MindSpore's communication has been initialised (``init()``) here."""
+    comm = sys.modules.get(_COMM_HELPER)
+    return comm is not None and bool(comm.GlobalComm.INITED)
+
+
+def sync_pynative() -> None:
+    """Wait for the queued PyNative work (and its collectives) to finish."""
+    from mindspore.common.api import _pynative_executor
+
+    _pynative_executor.sync()
+
+
+def dtype_type_ids(ms_dtypes) -> dict:
+    """``{type id: dtype}``: the enum ids MindSpore's generated op code passes for
+    dtype arguments."""
+    from mindspore.ops._utils.arg_handler import dtype_to_type_id
+
+    return {dtype_to_type_id("Cast", "dtype", t): t for t in ms_dtypes}
+
+
+def native_entry_points() -> list:
+    """``[(object, kind)]``: MindSpore's module-global entry points into native code
+    (kind ``"pyboost"``: a generated ``pyboost_*`` function; ``"overload"``: a
+    ``functional_overload`` instance; ``"run_op"``: ``ops.primitive._run_op``)."""
+    import mindspore._c_expression as cx
+    from mindspore.ops import primitive
+
+    out = []
+    for name in dir(cx):
+        obj = getattr(cx, name)
+        if name.startswith("pyboost_"):
+            out.append((obj, "pyboost"))
+        elif name.startswith("_") and name.endswith("_instance") and hasattr(obj, "name"):
+            out.append((obj, "overload"))
+    out.append((primitive._run_op, "run_op"))
+    return out
+
+
+def tensor_classes() -> tuple:
+    """``mindspore.Tensor`` and its C++ base class."""
+    from mindspore._c_expression import TensorPy
+
+    return (Tensor, TensorPy)
+
+
+def pyboost_prim_classes() -> list:
+    """The ``_Pyboost*Prim`` classes whose ``__call__`` runs a primitive natively."""
+    from mindspore.ops.auto_generate import pyboost_inner_prim
+
+    return [cls for name, cls in sorted(vars(pyboost_inner_prim).items())
+            if isinstance(cls, type) and name.startswith("_Pyboost") and "__call__" in vars(cls)]
+
+
+def cell_params(cell) -> dict:
+    """The Cell's own parameter slots (``{leaf name: Parameter}``; mutable)."""
+    return cell._params
+
+
+def cell_children(cell) -> dict:
+    """The Cell's direct sub-Cells (``{name: Cell}``)."""
+    return cell._cells
+
+
+def cell_first_call_checks(cell) -> None:
+    """Run MindSpore's once-per-Cell checks (parameter names, lazy initialisation) on
+    ``cell`` and its sub-Cells, as its first call would."""
+    for c in [cell] + [c for _, c in cell.cells_and_names()]:
+        if not getattr(c, "_is_check_and_refresh", True):
+            c._self_check()
+    if not getattr(cell, "_init_flag", True):
+        cell._init_check()

@@ -160,14 +160,14 @@ def traffic(part) -> list[dict]:
     from fshard import dtypes
     from fshard.backend.mindspore import NATIVE_COLLECTIVES
     from fshard.sharding.cost import step_bytes
-    from fshard.sharding.partition import COLLECTIVE_NAMES
+    from fshard.primitives.collectives import COLLECTIVES
 
     mesh = part.prop.mesh
     sizes = dict(zip(mesh.names, mesh.sizes))
     out = []
     for eq in part.program.equations:
         kind = eq.prim.name
-        if kind not in COLLECTIVE_NAMES:
+        if eq.prim not in COLLECTIVES:
             continue
         assert kind in COST, f"no byte count for {kind}"
         names = eq.params["axis_name"]

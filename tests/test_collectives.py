@@ -315,7 +315,7 @@ def test_shape_errors():
 
 
 def test_every_collective_has_all_rules():
-    for prim in C.COLLECTIVES + (C.replica_sum_p, C.replica_split_p, C.shard_in_p,
+    for prim in C.NAMED_AXIS_PRIMITIVES + (C.replica_sum_p, C.replica_split_p, C.shard_in_p,
                                  C.shard_out_p):
         status = fs.rules.rule_status(prim)
         missing = [k for k, v in status.items() if v == "missing"]

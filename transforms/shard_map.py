@@ -119,7 +119,7 @@ def _run_body_on_rank(sm, program, args, in_vmas, out_dims, mesh: Mesh, out_name
                         if eq.prim is C.psum_p and n > 1 else vals[0]]
             else:
                 params = eq.params
-                if eq.prim in C.COLLECTIVES:
+                if eq.prim in C.NAMED_AXIS_PRIMITIVES:
                     params = dict(params, mesh=mesh)
                 outs = bind(eq.prim, *vals, **params)
                 outs = outs if eq.prim.multiple_results else [outs]
@@ -320,7 +320,7 @@ class ShardMapped:
     def _check_axis_names(self, program, mesh, outer):
         known = set(mesh.axis_names) | outer
         for eq in program.equations:
-            names = eq.params.get("axis_name") if eq.prim in C.COLLECTIVES else None
+            names = eq.params.get("axis_name") if eq.prim in C.NAMED_AXIS_PRIMITIVES else None
             for n in names or ():
                 if n not in known:
                     raise AxisNameError(

@@ -890,10 +890,13 @@ VMA_RULES: dict = {
     replica_sum_p: _vma_replica_sum, replica_split_p: lambda vmas, **_: [vmas[0]],
 }
 
-#: The collectives that communicate (the primitives a multi-process shard_map
-#: attaches its mesh to).
+#: The collectives: the primitives that communicate between devices (the one list;
+#: ``Partitioned.collectives()`` and the benchmarks count these).
 COLLECTIVES = (psum_p, pmean_p, pmax_p, pmin_p, all_gather_p, psum_scatter_p, all_to_all_p,
-               ppermute_p, broadcast_p, axis_index_p)
+               ppermute_p, broadcast_p)
+#: The primitives that name mesh axes: the collectives and ``axis_index``. In a
+#: multi-process job each gets the job's mesh as a parameter.
+NAMED_AXIS_PRIMITIVES = COLLECTIVES + (axis_index_p,)
 
 # ---------------------------------------------------------------------------
 # The boundary of a multi-process shard_map

@@ -41,11 +41,6 @@ def redistribute(x, src: Sharding, dst: Sharding, mesh: ShardMesh, native: dict)
     return out
 
 
-#: Primitives that communicate between devices.
-COLLECTIVE_NAMES = frozenset({"psum", "all_gather", "psum_scatter", "all_to_all", "ppermute",
-                              "pmax", "pmin", "pmean", "pbroadcast", "broadcast"})
-
-
 @dataclass
 class Partitioned:
     """The per-device Program and the layouts at its boundary."""
@@ -93,7 +88,7 @@ class Partitioned:
         (``block_slice``: keep this device's block of a value it holds whole) are not
         communication and are not listed."""
         return [eq.prim.name for eq in self.program.equations
-                if eq.prim.name in COLLECTIVE_NAMES]
+                if eq.prim in C.COLLECTIVES]
 
     def strategies(self) -> dict:
         """The strategy of every input, equation and output (a strategy file's content,

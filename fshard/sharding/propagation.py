@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from fshard.ir import Program, Var
 from fshard.rules import sharding as sharding_rules
-from fshard.sharding.cost import CostModel, compute_cost, local_bytes, native_reduce_scatter, plan_bytes
+from fshard.sharding.cost import (CostModel, compute_cost, local_bytes, native_reduce_scatter,
+                                  plan_bytes)
 from fshard.sharding.layouts import (ShardMesh, Sharding, candidate_shardings, candidates,
                                      carry_variants, plan)
 

@@ -155,7 +155,9 @@ def run_on_rank(part: Partitioned, args: list, mesh):
                 d[eq.params["dim"]] = tuple(eq.params["axis_name"])
                 outs = [C.shard_in_p.bind(vals[0], dims=tuple(d), mesh=mesh)]
             else:
-                params = dict(eq.params, mesh=mesh) if eq.prim in C.COLLECTIVES else eq.params
+                params = eq.params
+                if eq.prim in C.NAMED_AXIS_PRIMITIVES:
+                    params = dict(params, mesh=mesh)
                 outs = bind(eq.prim, *vals, **params)
                 outs = outs if eq.prim.multiple_results else [outs]
         except Exception as e:

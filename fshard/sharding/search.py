@@ -20,8 +20,8 @@ bound over every assignment: the reference on small programs), ``search`` (a dyn
 program over the equations in program order whose states are the layouts each live
 value holds, exact while the states fit in ``width``, a beam search beyond; the greedy
 path is always kept, and coordinate descent polishes the result) and ``refine``
-(``fs.shard(..., search=True)``). It reads the layout rules (fshard/sharding/layouts.py) for carries and
-output layouts, and imports no MindSpore itself.
+(``fs.shard(..., search=True)``). It reads the layout rules (fshard/sharding/layouts.py)
+for carries and output layouts, and imports no MindSpore itself.
 """
 
 from __future__ import annotations

@@ -1038,7 +1038,7 @@ def _boundary_transpose(spec, sample):
     sum_r <ct^T_r, b_r> == <ct, shard_out(b)> for consistent blocks b_r.
     """
     from fshard import rules
-    from fshard.primitives._define import UndefinedPrimal
+    from fshard.primitives.base import UndefinedPrimal
 
     (x,), p = sample.args, sample.params
     mesh, dims = p["mesh"], p["dims"]

@@ -34,7 +34,7 @@ import fshard as fs
 from fshard import rules
 from fshard.core import typeof
 from fshard.errors import DifferentiationError
-from fshard.primitives._define import UndefinedPrimal, Zero
+from fshard.primitives.base import UndefinedPrimal, Zero
 from fshard.interpret import AxisData
 from fshard.interpret import batching_axis as vmap_axis
 

@@ -24,9 +24,8 @@ from fshard.core import bind, typeof
 from fshard.errors import DifferentiationError
 from fshard.interpret import equation_note, eval_program
 from fshard.ir import Literal, Program, Var
-from fshard.primitives._define import UndefinedPrimal, Zero, instantiate
+from fshard.primitives.base import UndefinedPrimal, Zero, add_tangents, instantiate
 from fshard.primitives.collectives import input_cotangents, replica_axes, seed_cotangents
-from fshard.primitives.elementwise import add_tangents
 from fshard.rules import jvp as jvp_rules
 from fshard.rules import transpose as transpose_rules
 from fshard.staging import check_function, fun_name, stage, trace_fun
@@ -600,7 +599,7 @@ def jacfwd(fun, argnums=0, has_aux: bool = False):
 
 
 def _move_to_end(x, nd):
-    from fshard.primitives._batching import move_axis
+    from fshard.primitives.base import move_axis
 
     return move_axis(x, 0, nd - 1)
 

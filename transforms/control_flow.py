@@ -28,14 +28,14 @@ from __future__ import annotations
 import numpy as np
 
 from fshard import dtypes, tree
+from fshard.backend.mindspore import as_tensor
 from fshard.core import ArrayType, Tracer, typeof
 from fshard.errors import ArgumentError, ProgramTypeError
 from fshard.interpret import eval_program
 from fshard.primitives import elementwise as E
 from fshard.primitives import reductions as R
 from fshard.primitives import structural as S
-from fshard.primitives._batching import batch_size
-from fshard.primitives._define import Zero, as_tensor, def_primitive, instantiate
+from fshard.primitives.base import Zero, batch_size, def_primitive, instantiate
 from fshard.primitives.control import (_all_front, _batch_closed, _call_sharding,
                                        _front_args, _split, _stage_closed)
 from fshard.rules import batching, jvp as jvp_rules, sharding, unsupported

@@ -22,8 +22,7 @@ from fshard import dtypes
 from fshard.core import ArrayType, Primitive, typeof
 from fshard.interpret import batch_program, current_axis, eval_program
 from fshard.ir import Literal, Program, Var
-from fshard.primitives._batching import batch_to_front, move_axis
-from fshard.primitives._define import Zero, instantiate, is_undefined
+from fshard.primitives.base import Zero, batch_to_front, instantiate, is_undefined, move_axis
 from fshard.rules import (abstract_eval, batching, impl, jvp, lowering, register_primitive,
                           transpose, unsupported)
 from fshard.sharding.layouts import Sharding

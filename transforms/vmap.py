@@ -20,7 +20,7 @@ from fshard import context, tree
 from fshard.core import ArrayType, typeof
 from fshard.errors import BatchingError
 from fshard.interpret import AxisData, batch_program, current_axis  # noqa: F401
-from fshard.primitives._batching import move_axis
+from fshard.primitives.base import move_axis
 from fshard.primitives.collectives import named_axis
 from fshard.staging import fun_name, trace_fun
 
@@ -259,7 +259,7 @@ def _place_outputs(fname, out_tree, outs, out_dims, out_axes, size):
                 f"vmap({fname}): the out_axes entry for {_out_path(paths, i)} must be an "
                 f"int or None, got {ax!r}.")
         if d is None:
-            from fshard.primitives._batching import batch_to_front
+            from fshard.primitives.base import batch_to_front
 
             o, d = batch_to_front(o, None, size), 0
         nd = typeof(o).ndim

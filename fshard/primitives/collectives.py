@@ -46,8 +46,7 @@ from fshard.core import ArrayType, Primitive, typeof
 from fshard.errors import ArgumentError, AxisNameError, ProgramTypeError, ShapeError
 from fshard.backend.mindspore import COLLECTIVE_DTYPES, NATIVE_COLLECTIVES, device_target
 from fshard.interpret import AxisData, batch_program, current_axis
-from fshard.primitives._batching import batch_to_front, move_axis
-from fshard.primitives._define import Zero, deflinear, instantiate
+from fshard.primitives.base import Zero, batch_to_front, deflinear, instantiate, move_axis
 from fshard.rules import (abstract_eval, batching, impl, jvp, lowering, register_primitive,
                           transpose, unsupported)
 

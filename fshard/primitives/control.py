@@ -27,8 +27,8 @@ from fshard.core import ArrayType, EvalTrace, current_trace, typeof
 from fshard.errors import DifferentiationError
 from fshard.interpret import batch_program, current_axis, eval_program
 from fshard.ir import Program
-from fshard.primitives._batching import batch_size, batch_to_front, move_axis
-from fshard.primitives._define import Zero, def_primitive, instantiate
+from fshard.primitives.base import (Zero, batch_size, batch_to_front, def_primitive, instantiate,
+                                    move_axis)
 from fshard.rules import batching, sharding, transpose, unsupported
 from fshard.rules import jvp as jvp_rules
 from fshard.factors import FactorSpec

@@ -13,10 +13,24 @@ import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
-from fshard.core import ArrayType, dims_equal, is_symbolic, typeof
-from fshard.errors import ProgramTypeError, ShapeError
-from fshard.primitives._batching import broadcasting, vectorized
-from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear
+from fshard.core import ArrayType, typeof
+from fshard.errors import ProgramTypeError
+from fshard.primitives.base import (  # noqa: F401  (add, broadcast_shapes: re-exported)
+    Zero,
+    _binary_type,
+    _numeric_binary_type,
+    _same_types,
+    add_p,
+    broadcast_shapes,
+    broadcast_to,
+    broadcasting,
+    def_primitive,
+    defjvp,
+    deflinear,
+    is_undefined,
+    vectorized,
+    zeros,
+)
 from fshard.rules import batching, sharding, transpose, unsupported
 from fshard.factors import elementwise_spec
 
@@ -32,47 +46,9 @@ def _is_weak(x) -> bool:
     return isinstance(x, (bool, int, float)) and not isinstance(x, np.generic)
 
 
-def _shape_str(shape) -> str:
-    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
-def broadcast_shapes(*shapes) -> tuple:
-    """NumPy broadcasting of static shapes; raises ShapeError naming both shapes."""
-    nd = max(len(s) for s in shapes)
-    out = []
-    for i in range(nd):
-        dim = 1
-        for s in shapes:
-            k = i - (nd - len(s))
-            if k < 0:
-                continue
-            d = s[k]
-            if dims_equal(d, dim) or (isinstance(d, int) and d == 1):
-                continue
-            if isinstance(dim, int) and dim == 1:
-                dim = d
-            elif is_symbolic(d) or is_symbolic(dim):
-                raise ShapeError(
-                    f"shapes {' and '.join(_shape_str(s) for s in shapes)} cannot be "
-                    f"broadcast together: dimension {i} from the right-aligned end is {dim} "
-                    f"in one and {d} in the other, and fshard cannot prove them equal.\n"
-                    f"Fix: it would have to hold that {dim} == {d}: declare both with the "
-                    "same fs.Symbol object (or make one of them 1).")
-            else:
-                raise ShapeError(
-                    f"shapes {' and '.join(str(tuple(s)) for s in shapes)} cannot be "
-                    f"broadcast together (dimension {i} from the right-aligned end: "
-                    f"{dim} vs {d}).\nFix: reshape or expand_dims one operand so "
-                    "each dimension is equal or 1.")
-        out.append(dim)
-    return tuple(out)
-
-
 def promote(*xs):
     """Promote operands to one dtype (Python scalars are weakly typed) and broadcast
     them to one shape. Returns fshard values (Tracers, Tensors or NumPy scalars)."""
-    from fshard.primitives.structural import broadcast_to
-
     strong = [typeof(x).dtype for x in xs if not _is_weak(x)]
     weak = [x for x in xs if _is_weak(x)]
     weak_float = any(isinstance(x, float) for x in weak)
@@ -111,35 +87,6 @@ def _float_unary_type(name):
         if not dtypes.is_float(x.dtype):
             raise ProgramTypeError(f"{name} needs a float operand, got {x}")
         return x
-
-    return rule
-
-
-def _same_types(name, *avals):
-    first = avals[0]
-    for a in avals[1:]:
-        if a != first:
-            raise ProgramTypeError(
-                f"{name} needs operands of one shape and dtype, got "
-                f"{', '.join(str(v) for v in avals)} (the op functions in fshard.ops "
-                "promote and broadcast; primitives do not)")
-    return first
-
-
-def _binary_type(name):
-    return lambda x, y, **_: _same_types(name, x, y)
-
-
-def _numeric_binary_type(name):
-    """add and sub: MindSpore has no bool kernels for them (it raises from C++)."""
-    def rule(x, y, **_):
-        out = _same_types(name, x, y)
-        if out.dtype == dtypes.bool_:
-            raise ProgramTypeError(
-                f"{name} of bool operands ({x}, {y}) is not supported: MindSpore has no bool "
-                f"{name}.\nFix: cast the operands to an integer dtype first "
-                "(x.astype(mindspore.int32)).")
-        return out
 
     return rule
 
@@ -287,10 +234,6 @@ unsupported(gelu_p, "transpose", "not linear")
 # ---------------------------------------------------------------------------
 
 
-def _ms_add(x, y):
-    return ops.add(x, y)
-
-
 def _ms_sub(x, y):
     return ops.sub(x, y)
 
@@ -315,17 +258,6 @@ def _ms_minimum(x, y):
     return ops.minimum(x, y)
 
 
-def _is_undefined(x) -> bool:
-    from fshard.primitives._define import is_undefined
-
-    return is_undefined(x)
-
-
-add_p = def_primitive("add", FAMILY, _numeric_binary_type("add"), _ms_add)
-batching.set(add_p, broadcasting(add_p))
-sharding.set(add_p, _elementwise_sharding)
-deflinear(add_p, lambda ct, x, y: [ct, ct])
-
 sub_p = def_primitive("sub", FAMILY, _numeric_binary_type("sub"), _ms_sub)
 batching.set(sub_p, broadcasting(sub_p))
 sharding.set(sub_p, _elementwise_sharding)
@@ -339,8 +271,8 @@ defjvp(mul_p, lambda t, ans, x, y: mul(t, y), lambda t, ans, x, y: mul(x, t))
 
 def _mul_transpose(ct, x, y):
     # mul is linear in whichever operand is undefined (never both).
-    assert not (_is_undefined(x) and _is_undefined(y)), "mul transposed in both operands"
-    if _is_undefined(x):
+    assert not (is_undefined(x) and is_undefined(y)), "mul transposed in both operands"
+    if is_undefined(x):
         return [mul(ct, y), None]
     return [None, mul(x, ct)]
 
@@ -355,7 +287,7 @@ defjvp(div_p, lambda t, ans, x, y: div(t, y),
 
 
 def _div_transpose(ct, x, y):
-    assert _is_undefined(x) and not _is_undefined(y), "div is linear only in its numerator"
+    assert is_undefined(x) and not is_undefined(y), "div is linear only in its numerator"
     return [div(ct, y), None]
 
 
@@ -520,11 +452,11 @@ defjvp(select_p, None,
 
 
 def _select_transpose(ct, c, x, y):
-    assert not _is_undefined(c), "select is not linear in its condition"
+    assert not is_undefined(c), "select is not linear in its condition"
     z = zeros_like(ct)
     return [None,
-            select(c, ct, z) if _is_undefined(x) else None,
-            select(c, z, ct) if _is_undefined(y) else None]
+            select(c, ct, z) if is_undefined(x) else None,
+            select(c, z, ct) if is_undefined(y) else None]
 
 
 transpose.set(select_p, _select_transpose)
@@ -694,8 +626,6 @@ def where(cond, x, y):
 
 
 def _broadcast3(c, x, y):
-    from fshard.primitives.structural import broadcast_to
-
     shape = broadcast_shapes(tuple(typeof(c).shape), tuple(typeof(x).shape),
                              tuple(typeof(y).shape))
     return [v if tuple(typeof(v).shape) == shape else broadcast_to(v, shape) for v in (c, x, y)]
@@ -706,22 +636,12 @@ def select(cond, x, y):
 
 
 def zeros_like(x):
-    from fshard.primitives.structural import zeros
-
     a = typeof(x)
     return zeros(a.shape, a.dtype)
 
 
-def add_tangents(a, b):
-    """Sum of two tangents, either of which may be a symbolic Zero."""
-    if isinstance(a, Zero):
-        return b
-    if isinstance(b, Zero):
-        return a
-    return add_p.bind(a, b)
-
-
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
     "annotations", "math", "np", "ops", "dtypes", "ArrayType", "Tracer", "typeof",
-    "ProgramTypeError", "ShapeError", "broadcasting", "vectorized", "Zero",
-    "def_primitive", "defjvp", "deflinear", "batching", "transpose", "unsupported", "FAMILY")]
+    "ProgramTypeError", "broadcasting", "vectorized", "Zero", "is_undefined", "broadcast_to",
+    "zeros", "def_primitive", "defjvp", "deflinear", "batching", "transpose", "unsupported",
+    "FAMILY")]

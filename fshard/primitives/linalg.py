@@ -12,8 +12,8 @@ from mindspore import ops
 from fshard import dtypes
 from fshard.core import ArrayType, typeof
 from fshard.errors import ProgramTypeError, ShapeError
-from fshard.primitives._batching import batch_to_front, batch_size, move_axis
-from fshard.primitives._define import def_primitive, defjvp, is_undefined
+from fshard.primitives.base import (batch_size, batch_to_front, def_primitive, defjvp,
+                                    is_undefined, move_axis)
 from fshard.rules import batching, sharding, transpose
 from fshard.factors import FactorSpec
 

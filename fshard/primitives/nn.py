@@ -11,8 +11,8 @@ from mindspore import ops
 from fshard import dtypes
 from fshard.core import typeof
 from fshard.errors import ProgramTypeError, ShapeError
-from fshard.primitives._batching import batch_to_front, batch_size, move_axis
-from fshard.primitives._define import def_primitive, defjvp, deflinear
+from fshard.primitives.base import (batch_size, batch_to_front, def_primitive, defjvp, deflinear,
+                                    is_undefined, move_axis)
 from fshard.primitives.elementwise import exp, log, mul, rsqrt, sub
 from fshard.primitives.reductions import mean, reduce_max, reduce_sum
 from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
@@ -72,8 +72,6 @@ sharding.set(bias_add_p, _bias_add_sharding)
 
 
 def _bias_add_transpose(ct, x, b):
-    from fshard.primitives._define import is_undefined
-
     nd = len(ct.shape) if hasattr(ct, "shape") else typeof(ct).ndim
     cx = ct if is_undefined(x) else None
     cb = reduce_sum(ct, tuple(i for i in range(nd) if i != 1)) if is_undefined(b) else None

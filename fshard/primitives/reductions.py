@@ -1,5 +1,6 @@
-"""Reductions: reduce_sum, reduce_max, reduce_min, argmax, argmin (and mean, as a
-composite). Reduction primitives always drop the reduced axes; ``keepdims`` is a
+"""Reductions: reduce_max, reduce_min, argmax, argmin, the op functions reduce_sum and
+mean (reduce_sum's primitive is in fshard/primitives/base.py: it is a broadcast's
+transpose). Reduction primitives always drop the reduced axes; ``keepdims`` is a
 reshape in the op function."""
 
 from __future__ import annotations
@@ -9,59 +10,23 @@ from mindspore import ops
 
 from fshard import dtypes
 from fshard.core import ArrayType, dim_prod, is_symbolic, typeof
-from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear
-from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
+from fshard.primitives.base import (  # noqa: F401  (reduce_sum_p: re-exported)
+    Zero,
+    _kept_shape,
+    _norm_axis,
+    _reduce_sharding,
+    _reduce_type,
+    _reducer_batching,
+    broadcast_to,
+    def_primitive,
+    defjvp,
+    reduce_sum_p,
+    reshape,
+)
 from fshard.rules import batching, jvp, sharding, unsupported
 from fshard.factors import FactorSpec
 
 FAMILY = "reductions"
-
-
-def _reduce_type(x, *, axes):
-    for a in axes:
-        assert 0 <= a < x.ndim, f"axis {a} out of range for {x}"
-    return ArrayType(tuple(d for i, d in enumerate(x.shape) if i not in axes), x.dtype)
-
-
-def _reducer_batching(prim):
-    """Shift reduced axes past the batch dim (NB: JAX defreducer)."""
-
-    def rule(args, dims, *, axes):
-        (x,), (d,) = args, dims
-        new_axes = tuple(a + (a >= d) for a in axes)
-        out_d = d - sum(a < d for a in axes)
-        return [prim.bind(x, axes=new_axes)], [out_d]
-
-    return rule
-
-
-def _reduce_sharding(kind):
-    """Reduced dims are a sum factor (split -> partial output) or, for max/min, never
-    split; kept dims are parallel."""
-
-    def rule(x, *, axes):
-        labels = tuple(f"d{i}" for i in range(x.ndim))
-        out = tuple(lab for i, lab in enumerate(labels) if i not in axes)
-        red = frozenset(labels[a] for a in axes)
-        return FactorSpec([labels], [out], {lab: x.shape[i] for i, lab in enumerate(labels)},
-                          reduce=red if kind == "sum" else frozenset(),
-                          nosplit=frozenset() if kind == "sum" else red)
-
-    return rule
-
-
-def _kept_shape(shape, axes):
-    return tuple(1 if i in axes else d for i, d in enumerate(shape))
-
-
-# MindSpore reduces every axis when given none, so axes=() (a rank-0 operand, or a
-# batched one) returns x itself.
-
-
-def _ms_reduce_sum(x, axes):
-    if len(axes) == 0:
-        return x
-    return ops.ReduceSum(False)(x, axes)  # keeps the dtype (ops.sum widens int32)
 
 
 def _ms_reduce_max(x, axes):
@@ -78,13 +43,6 @@ def _ms_reduce_min(x, axes):
     if x.dtype == mstype.bool_:
         return ops.amin(x.astype(mstype.int32), axes, False) > 0
     return ops.amin(x, axes, False)
-
-
-reduce_sum_p = def_primitive("reduce_sum", FAMILY, _reduce_type, _ms_reduce_sum)
-batching.set(reduce_sum_p, _reducer_batching(reduce_sum_p))
-sharding.set(reduce_sum_p, _reduce_sharding("sum"))
-deflinear(reduce_sum_p, lambda ct, x, *, axes: [
-    broadcast_to(reshape(ct, _kept_shape(x.aval.shape, axes)), x.aval.shape)])
 
 
 def _minmax_jvp(t, ans, x, *, axes):

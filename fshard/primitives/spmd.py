@@ -15,8 +15,7 @@ from mindspore import ops
 from fshard.core import ArrayType, typeof
 from fshard.errors import AxisNameError
 from fshard.interpret import current_axis
-from fshard.primitives._batching import batch_to_front, move_axis
-from fshard.primitives._define import def_primitive, deflinear
+from fshard.primitives.base import batch_to_front, def_primitive, deflinear, move_axis
 from fshard.rules import batching, unsupported
 
 FAMILY = "spmd"

@@ -1,240 +1,49 @@
-"""Shape primitives: broadcast_to, reshape, transpose, concat, split, slice, pad,
-gather, scatter_add, one_hot, full and stop_gradient.
+"""Shape primitives: concat, split, slice, pad, gather, scatter_add, one_hot and
+stop_gradient (broadcast_to, reshape, transpose and full, which every family's rules
+use, are declared in fshard/primitives/base.py and re-exported here), plus the shape
+functions built on them (expand_dims, squeeze, stack, getitem, ...).
 
 All of these move data without arithmetic; most are linear and get transpose
-rules (broadcast <-> sum, slice <-> pad, gather <-> scatter_add, concat <-> split).
+rules (slice <-> pad, gather <-> scatter_add, concat <-> split).
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
-from fshard.core import (ArrayType, DimExpr, Symbol, Tracer, dim_div, dim_prod, dims_equal,
-                         is_symbolic, typeof)
+from fshard.core import ArrayType, Tracer, dims_equal, is_symbolic, typeof
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
-from fshard.primitives._batching import batch_size, batch_to_front, move_axis, vectorized
-from fshard.primitives._define import (Zero, def_primitive, defjvp, deflinear, instantiate,
-                                      is_undefined)
-from fshard.rules import batching, jvp, sharding, unsupported
 from fshard.factors import FactorSpec, elementwise_spec
+from fshard.primitives.base import (  # noqa: F401  (re-exported: the shape primitives)
+    Zero,
+    _norm_axis,
+    _shape_param,
+    batch_size,
+    batch_to_front,
+    broadcast_to,
+    broadcast_to_p,
+    def_primitive,
+    defjvp,
+    deflinear,
+    full,
+    full_p,
+    instantiate,
+    is_undefined,
+    move_axis,
+    ones,
+    reshape,
+    reshape_p,
+    transpose,
+    transpose_p,
+    vectorized,
+    zeros,
+)
+from fshard.rules import batching, jvp, sharding, unsupported
 from fshard.rules import transpose as transpose_rules  # `transpose` is also an op here
 
 FAMILY = "structural"
-
-
-def _norm_axis(axis: int, ndim: int, what: str = "axis") -> int:
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise ArgumentError(f"{what} must be an int, got {type(axis).__name__} {axis!r}.")
-    if not -ndim <= axis < max(ndim, 1):
-        raise ArgumentError(
-            f"{what}={axis} is out of range for an array of rank {ndim} "
-            f"(valid: {-ndim}..{ndim - 1}).")
-    return int(axis) % max(ndim, 1)
-
-
-def _static_shape(shape, what="shape") -> tuple:
-    """A shape argument as a tuple of ints (or Symbols), checked: MindSpore must never
-    see a string, a float or a negative size (-1 is ``reshape``'s, checked there)."""
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
-        shape = (shape,)
-    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
-        raise ArgumentError(f"{what} must be a tuple of ints, got {shape!r}.")
-    out = []
-    for d in shape:
-        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer, Symbol, DimExpr)):
-            raise ArgumentError(
-                f"{what} must be a tuple of ints, got {shape!r} (the entry {d!r} is a "
-                f"{type(d).__name__}).")
-        out.append(int(d) if isinstance(d, (int, np.integer)) else d)
-    return tuple(out)
-
-
-def _shape_str(shape) -> str:
-    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
-def _nonnegative(shape, what) -> tuple:
-    if any(isinstance(d, int) and d < 0 for d in shape):
-        raise ShapeError(f"{what} must not have negative sizes, got {shape}.")
-    return shape
-
-
-# ---------------------------------------------------------------------------
-# broadcast_to: NumPy right-aligned broadcasting
-# ---------------------------------------------------------------------------
-
-
-def _ms_broadcast_to(x, shape):
-    return ops.broadcast_to(x, shape)
-
-
-def _broadcast_to_type(x, *, shape):
-    from fshard.primitives.elementwise import broadcast_shapes
-
-    if len(shape) < x.ndim or broadcast_shapes(tuple(x.shape), shape) != tuple(shape):
-        raise ShapeError(f"cannot broadcast {x} to shape {shape}")
-    return ArrayType(tuple(shape), x.dtype)
-
-
-broadcast_to_p = def_primitive("broadcast_to", FAMILY, _broadcast_to_type, _ms_broadcast_to)
-
-
-def _broadcast_to_batching(args, dims, *, shape):
-    (x,), (d,) = args, dims
-    xs = typeof(x).shape
-    size = xs[d]
-    x = move_axis(x, d, 0)
-    rest = xs[:d] + xs[d + 1:]
-    # Right-align the unbatched dims under `shape`, keeping the batch dim in front.
-    x = reshape(x, (size,) + (1,) * (len(shape) - len(rest)) + tuple(rest))
-    return [broadcast_to(x, (size,) + tuple(shape))], [0]
-
-
-batching.set(broadcast_to_p, _broadcast_to_batching)
-
-
-def _shape_param(params, local_in, local_out):
-    return {**params, "shape": tuple(local_out[0].shape)}
-
-
-def _broadcast_to_sharding(x, *, shape):
-    """Output dims are factors; an input dim shares its factor unless it is a broadcast 1."""
-    lead = len(shape) - x.ndim
-    out = tuple(f"d{i}" for i in range(len(shape)))
-    inp = tuple(out[lead + i] if x.shape[i] == shape[lead + i] else None
-                for i in range(x.ndim))
-    return FactorSpec([inp], [out], {lab: shape[i] for i, lab in enumerate(out)},
-                      flops_per_point=0.0, local_params=_shape_param)
-
-
-sharding.set(broadcast_to_p, _broadcast_to_sharding)
-
-
-def _broadcast_to_transpose(ct, x, *, shape):
-    xs = x.aval.shape
-    lead = len(shape) - len(xs)
-    axes = tuple(range(lead)) + tuple(
-        lead + i for i, d in enumerate(xs) if d == 1 and shape[lead + i] != 1)
-    from fshard.primitives.reductions import reduce_sum
-
-    out = reduce_sum(ct, axes) if axes else ct
-    return [reshape(out, xs)]
-
-
-deflinear(broadcast_to_p, _broadcast_to_transpose)
-
-
-def broadcast_to(x, shape):
-    """Broadcast ``x`` to ``shape`` with NumPy's rules."""
-    shape = _static_shape(shape)
-    if tuple(typeof(x).shape) == shape:
-        return x
-    if isinstance(x, (bool, int, float)):
-        from fshard.primitives.elementwise import promote
-
-        (x,) = promote(x)
-    return broadcast_to_p.bind(x, shape=shape)
-
-
-# ---------------------------------------------------------------------------
-# reshape
-# ---------------------------------------------------------------------------
-
-
-def _ms_reshape(x, shape):
-    return ops.reshape(x, shape)
-
-
-def _reshape_type(x, *, shape):
-    if x.is_static and all(isinstance(d, int) for d in shape):
-        if int(np.prod(shape, dtype=np.int64)) != x.size:
-            raise ShapeError(f"cannot reshape {x} to {shape}: sizes differ")
-    elif not dims_equal(dim_prod(shape), dim_prod(x.shape)):
-        raise ShapeError(
-            f"cannot reshape {x} to {_shape_str(shape)}: the sizes {dim_prod(x.shape)} and "
-            f"{dim_prod(shape)} are not equal for every size the Symbols accept.")
-    return ArrayType(tuple(shape), x.dtype)
-
-
-reshape_p = def_primitive("reshape", FAMILY, _reshape_type, _ms_reshape)
-
-
-def _reshape_batching(args, dims, *, shape):
-    (x,), (d,) = args, dims
-    x = move_axis(x, d, 0)
-    return [reshape_p.bind(x, shape=(typeof(x).shape[0],) + tuple(shape))], [0]
-
-
-batching.set(reshape_p, _reshape_batching)
-
-
-def _reshape_groups(a: tuple, b: tuple):
-    """Pair up runs of dims of ``a`` and ``b`` with equal products."""
-    groups, i, j = [], 0, 0
-    while i < len(a) or j < len(b):
-        gi, gj = [i] if i < len(a) else [], [j] if j < len(b) else []
-        pa = a[i] if i < len(a) else 1
-        pb = b[j] if j < len(b) else 1
-        i, j = i + bool(gi), j + bool(gj)
-        while pa != pb:
-            if pa < pb:
-                gi.append(i)
-                pa *= a[i]
-                i += 1
-            else:
-                gj.append(j)
-                pb *= b[j]
-                j += 1
-        groups.append((gi, gj))
-    return groups
-
-
-def _reshape_sharding(x, *, shape):
-    """Within each group of merged/split dims only the major dim can be split, and
-    only by a divisor of both major dims (the split then keeps whole rows)."""
-    ins, outs, sizes = [None] * x.ndim, [None] * len(shape), {}
-    if x.is_static:
-        for g, (gi, gj) in enumerate(_reshape_groups(tuple(x.shape), tuple(shape))):
-            gi = [i for i in gi if x.shape[i] != 1]
-            gj = [j for j in gj if shape[j] != 1]
-            if gi and gj:
-                lab = f"g{g}"
-                ins[gi[0]], outs[gj[0]] = lab, lab
-                sizes[lab] = math.gcd(x.shape[gi[0]], shape[gj[0]])
-    return FactorSpec([tuple(ins)], [tuple(outs)], sizes, flops_per_point=0.0,
-                      local_params=_shape_param)
-
-
-sharding.set(reshape_p, _reshape_sharding)
-deflinear(reshape_p, lambda ct, x, *, shape: [reshape(ct, x.aval.shape)])
-
-
-def reshape(x, shape):
-    """Reshape ``x``; one dimension may be -1."""
-    shape = _static_shape(shape)
-    a = typeof(x)
-    if shape.count(-1) > 1:
-        raise ArgumentError(f"reshape: at most one -1 in shape, got {shape}.")
-    if -1 in shape:
-        known = dim_prod([d for d in shape if not isinstance(d, int) or d != -1])
-        if a.is_static and isinstance(known, int):
-            if known == 0 or a.size % known:
-                raise ShapeError(f"cannot reshape {a} to {shape}")
-            rest = a.size // known
-        else:
-            try:
-                rest = dim_div(dim_prod(a.shape), known)
-            except ArgumentError as e:
-                raise ShapeError(f"cannot reshape {a} to {_shape_str(shape)}: "
-                                 f"{e.args[0].splitlines()[0]}.") from None
-        shape = tuple(rest if isinstance(d, int) and d == -1 else d for d in shape)
-    if len(shape) == a.ndim and all(dims_equal(p, q) for p, q in zip(shape, a.shape)):
-        return x
-    return reshape_p.bind(x, shape=shape)
 
 
 def expand_dims(x, axis: int):
@@ -260,108 +69,12 @@ def flatten(x, start_dim: int = 1):
     return reshape(x, tuple(a.shape[:start_dim]) + (-1,))
 
 
-# ---------------------------------------------------------------------------
-# transpose
-# ---------------------------------------------------------------------------
-
-
-def _ms_transpose(x, perm):
-    return ops.transpose(x, perm)
-
-
-def _transpose_type(x, *, perm):
-    if sorted(perm) != list(range(x.ndim)):
-        raise ShapeError(f"transpose: perm {perm} is not a permutation of range({x.ndim})")
-    return ArrayType(tuple(x.shape[p] for p in perm), x.dtype)
-
-
-transpose_p = def_primitive("transpose", FAMILY, _transpose_type, _ms_transpose)
-
-
-def _transpose_batching(args, dims, *, perm):
-    (x,), (d,) = args, dims
-    x = move_axis(x, d, 0)
-    return [transpose_p.bind(x, perm=(0,) + tuple(p + 1 for p in perm))], [0]
-
-
-batching.set(transpose_p, _transpose_batching)
-sharding.set(transpose_p, lambda x, *, perm: FactorSpec(
-    [tuple(f"d{i}" for i in range(x.ndim))], [tuple(f"d{p}" for p in perm)],
-    {f"d{i}": x.shape[i] for i in range(x.ndim)}, flops_per_point=0.0))
-deflinear(transpose_p,
-          lambda ct, x, *, perm: [transpose_p.bind(ct, perm=tuple(np.argsort(perm).tolist()))])
-
-
-def transpose(x, perm=None):
-    a = typeof(x)
-    perm = tuple(reversed(range(a.ndim))) if perm is None else tuple(
-        _norm_axis(p, a.ndim, "perm entry") for p in perm)
-    if perm == tuple(range(a.ndim)):
-        return x
-    return transpose_p.bind(x, perm=perm)
-
-
 def swapaxes(x, a: int, b: int):
     nd = typeof(x).ndim
     perm = list(range(nd))
     a, b = _norm_axis(a, nd), _norm_axis(b, nd)
     perm[a], perm[b] = perm[b], perm[a]
     return transpose(x, tuple(perm))
-
-
-# ---------------------------------------------------------------------------
-# full (zeros, ones): a constant array; no operands
-# ---------------------------------------------------------------------------
-
-
-def _ms_full(shape, value, dtype):
-    return ops.fill(dtype, shape, value)
-
-
-def _full_type(*, shape, value, dtype):
-    return ArrayType(tuple(shape), dtype)
-
-
-def _ms_broadcast_scalar(t, shape):
-    return ops.broadcast_to(t, shape)
-
-
-def _lower_full(ctx, *, shape, value, dtype):
-    if isinstance(value, float) and math.isnan(value):
-        # A NaN fill value is folded away by MindSpore's graph compiler; a constant
-        # Tensor goes through the backend's NaN-safe constants (a Parameter).
-        from mindspore import Tensor
-
-        return ctx.call(_ms_broadcast_scalar, ctx.ref(Tensor(value, dtype), "nan"),
-                        ctx.param(tuple(shape)))
-    return ctx.call(_ms_full, ctx.param(shape), ctx.param(value), ctx.param(dtype))
-
-
-full_p = def_primitive("full", FAMILY, _full_type, lambda *, shape, value, dtype:
-                       _ms_full(shape, value, dtype), lower=_lower_full)
-batching.set(full_p, lambda args, dims, **p: ([full_p.bind(**p)], [None]))
-sharding.set(full_p, lambda *, shape, value, dtype: FactorSpec(
-    [], [tuple(f"d{i}" for i in range(len(shape)))], {f"d{i}": d for i, d in enumerate(shape)},
-    flops_per_point=0.0, local_params=_shape_param))
-jvp.set(full_p, lambda primals, tangents, **p: (
-    [full_p.bind(**p)], [Zero(ArrayType(tuple(p["shape"]), p["dtype"]))]))
-unsupported(full_p, "transpose", "has no operands")
-
-
-def full(shape, value, dtype=dtypes.float32):
-    dtype = dtypes.canonical(dtype)
-    value = bool(value) if dtype == dtypes.bool_ else (
-        float(value) if dtypes.is_float(dtype) else int(value))
-    return full_p.bind(shape=_nonnegative(_static_shape(shape), "full(shape=...)"),
-                       value=value, dtype=dtype)
-
-
-def zeros(shape, dtype=dtypes.float32):
-    return full(shape, 0, dtype)
-
-
-def ones(shape, dtype=dtypes.float32):
-    return full(shape, 1, dtype)
 
 
 # ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from fshard.core import ArrayType, bind, typeof
 from fshard.interpret import AxisData, batch_program, equation_note, eval_program
 from fshard.ir import Literal
 from fshard.primitives import collectives as C
-from fshard.primitives._batching import batch_to_front
+from fshard.primitives.base import batch_to_front
 from fshard.primitives.spmd import block_slice_p
 from fshard.primitives.structural import gather_p, reshape, transpose
 from fshard.sharding.layouts import ShardMesh, Sharding

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 import tomllib
@@ -146,6 +147,14 @@ def test_the_layer_check_sees_function_level_imports(tmp_path):
                    "def f():\n    from fshard.primitives import structural\n"
                    "    import fshard.tree\n")
     assert _imports(src, mods) == {"fshard.primitives.structural", "fshard.tree"}
+
+
+def test_the_layer_picture_is_current():
+    spec = importlib.util.spec_from_file_location("gen_layers", ROOT / "docs" / "gen_layers.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (ROOT / "docs" / "layers.svg").read_text() == gen.render(), (
+        "docs/layers.svg is stale: run `python docs/gen_layers.py`")
 
 
 def test_core_stays_small():

@@ -20,6 +20,7 @@ BANDS = [
     ("fshard.errors", "core", "#dde7f3"),
     ("fshard.backend", "backend", "#f3e3dd"),
     ("fshard.layout", "meshes", "#e6e6e6"),
+    ("fshard.backend.collectives", "backend", "#f3e3dd"),
     ("fshard.primitives.base", "primitives", "#e1f0dc"),
     ("fshard.passes", "sharding", "#f6edd0"),
     ("fshard.ops", "ops, MindSpore adapter", "#ece0f2"),

@@ -401,7 +401,9 @@ def test_replicated_operands_need_no_communication(fake_job):
 
 
 def test_native_ops_where_the_backend_has_them(fake_job, monkeypatch):
-    monkeypatch.setattr(C, "device_target", lambda: "GPU")
+    from fshard.backend import collectives as backend_collectives
+
+    monkeypatch.setattr(backend_collectives, "device_target", lambda: "GPU")
     x = RNG.standard_normal((4, 8)).astype(np.float32)
     f = lambda v: fs.pmax(fs.psum_scatter(v, ("a", "b"), tiled=True), "b")  # noqa: E731
     src = _lowered_by_rank(fake_job, f, (None,), None, x)[0]

@@ -46,6 +46,7 @@ LAYERS = [
     ("fshard.interpret", "fshard.staging"),
     ("fshard.backend",),
     ("fshard.layout", "fshard.mesh", "fshard.distributed"),
+    ("fshard.backend.collectives",),
     # the primitive families, each on the ones below it
     ("fshard.primitives.base",),
     ("fshard.primitives.elementwise",),

@@ -21,10 +21,11 @@ where those names are bound: inside ``fs.shard_map`` (the mesh axes) or
 - **eager impl**: with no axis bound it raises ``AxisNameError``; inside a
   multi-process job (the equation carries a real ``mesh``) it runs the collective as
   a one-equation compiled graph;
-- **lowering** for one rank of a multi-process job: MindSpore's own ops where the
-  backend has them (``NATIVE_COLLECTIVES``), else the emulations verified on CPU.
-  Every rank lowers the same Program; ranks differ only by baked-in constants, so
-  every rank issues the same sequence of collectives.
+- **lowering** for one rank of a multi-process job, through the backend's ``Comm``
+  (fshard/backend/collectives.py): MindSpore's own ops where the backend has them
+  (``NATIVE_COLLECTIVES``), else the emulations verified on CPU. Every rank lowers
+  the same Program; ranks differ only by baked-in constants, so every rank issues the
+  same sequence of collectives.
 
 The boundary primitives of a multi-process ``shard_map`` (``shard_in``: this rank's
 block of a global value; ``shard_out``: the global value from the blocks) live here
@@ -38,13 +39,11 @@ import math
 from typing import Callable, Iterator
 
 import numpy as np
-from mindspore import dtype as mstype
-from mindspore import ops
 
 from fshard import context, dtypes
 from fshard.core import ArrayType, Primitive, typeof
 from fshard.errors import ArgumentError, AxisNameError, ProgramTypeError, ShapeError
-from fshard.backend.mindspore import COLLECTIVE_DTYPES, NATIVE_COLLECTIVES, device_target
+from fshard.backend.collectives import Comm, local_slice, this_rank
 from fshard.interpret import AxisData, batch_program, current_axis
 from fshard.primitives.base import Zero, batch_to_front, deflinear, instantiate, move_axis
 from fshard.rules import (abstract_eval, batching, impl, jvp, lowering, register_primitive,
@@ -277,34 +276,19 @@ def _scalar(v, like):
 
 
 def _lower_psum(ctx, x, *, axis_name, **params):
-    comm = _Comm(ctx, axis_name, params, "psum")
+    comm = Comm(ctx, axis_name, params, "psum")
     return x if comm.n == 1 else comm.all_reduce(x, dtype=ctx.in_avals[0].dtype)
 
 
 def _lower_pmean(ctx, x, *, axis_name, **params):
-    comm = _Comm(ctx, axis_name, params, "pmean")
-    if comm.n == 1:
-        return x
-    return ctx.call(_ms_scale, comm.all_reduce(x, dtype=ctx.in_avals[0].dtype),
-                    factor=1.0 / comm.n)
+    comm = Comm(ctx, axis_name, params, "pmean")
+    return x if comm.n == 1 else comm.mean(x, ctx.in_avals[0].dtype)
 
 
 def _lower_pminmax(kind):
     def lower(ctx, x, *, axis_name, **params):
-        comm = _Comm(ctx, axis_name, params, f"p{kind}")
-        if comm.n == 1:
-            return x
-        dtype = ctx.in_avals[0].dtype
-        if comm.native(f"all_reduce_{kind}") and (comm.carries(dtype)
-                                                  or dtype == dtypes.bool_):
-            return comm.all_reduce(x, op=kind, dtype=dtype)
-        reduce = _ms_reduce_max0 if kind == "max" else _ms_reduce_min0
-        a = ctx.in_avals[0]
-        if dtype == dtypes.bool_ and not comm.carries(dtype):  # no bool ReduceMax on CPU
-            stacked = comm.gather_stacked(ctx.call(_ms_to_float32, x),
-                                          ArrayType(a.shape, dtypes.float32))
-            return ctx.call(_ms_from_float_bool, ctx.call(reduce, stacked))
-        return ctx.call(reduce, comm.gather_stacked(x, a))
+        comm = Comm(ctx, axis_name, params, f"p{kind}")
+        return x if comm.n == 1 else comm.extremum(x, ctx.in_avals[0], kind)
 
     return lower
 
@@ -418,7 +402,7 @@ def _all_gather_batching(args, dims, *, axis_name, axis_sizes, axis, **params):
 
 
 def _lower_all_gather(ctx, x, *, axis_name, axis_sizes, axis, **params):
-    comm = _Comm(ctx, axis_name, params, "all_gather")
+    comm = Comm(ctx, axis_name, params, "all_gather")
     return comm.all_gather(x, ctx.in_avals[0], axis)
 
 
@@ -482,7 +466,7 @@ def _psum_scatter_batching(args, dims, *, axis_name, axis_sizes, scatter_dimensi
 
 
 def _lower_psum_scatter(ctx, x, *, axis_name, axis_sizes, scatter_dimension, **params):
-    comm = _Comm(ctx, axis_name, params, "psum_scatter")
+    comm = Comm(ctx, axis_name, params, "psum_scatter")
     return comm.reduce_scatter(x, ctx.in_avals[0], scatter_dimension)
 
 
@@ -529,7 +513,7 @@ def _axis_index_batching(args, dims, *, axis_name, axis_sizes, **params):
 def _lower_axis_index(ctx, *, axis_name, axis_sizes, **params):
     from fshard.backend.mindspore import Tensor
 
-    comm = _Comm(ctx, axis_name, params, "axis_index")
+    comm = Comm(ctx, axis_name, params, "axis_index")
     return ctx.ref(Tensor(np.int32(comm.index)), "axis_index")
 
 
@@ -605,7 +589,7 @@ def _all_to_all_batching(args, dims, *, axis_name, axis_sizes, split_axis, conca
 
 
 def _lower_all_to_all(ctx, x, *, axis_name, axis_sizes, split_axis, concat_axis, **params):
-    comm = _Comm(ctx, axis_name, params, "all_to_all")
+    comm = Comm(ctx, axis_name, params, "all_to_all")
     return comm.all_to_all(x, ctx.in_avals[0], split_axis, concat_axis)
 
 
@@ -684,7 +668,7 @@ def _ppermute_batching(args, dims, *, axis_name, axis_sizes, perm, **params):
 
 
 def _lower_ppermute(ctx, x, *, axis_name, axis_sizes, perm, **params):
-    comm = _Comm(ctx, axis_name, params, "ppermute")
+    comm = Comm(ctx, axis_name, params, "ppermute")
     return comm.ppermute(x, ctx.in_avals[0], _sources(perm, comm.n)[comm.index])
 
 
@@ -732,7 +716,7 @@ def _broadcast_batching(args, dims, *, axis_name, axis_sizes, root, **params):
 
 
 def _lower_broadcast(ctx, x, *, axis_name, axis_sizes, root, **params):
-    comm = _Comm(ctx, axis_name, params, "broadcast")
+    comm = Comm(ctx, axis_name, params, "broadcast")
     return comm.broadcast(x, root, ctx.in_avals[0].dtype)
 
 
@@ -931,19 +915,16 @@ def _shard_out_type(x, *, dims, mesh):
 
 
 def _lower_shard_in(ctx, x, *, dims, mesh):
-    rank = _rank(ctx)
+    rank = this_rank(ctx)
     shape = ctx.in_avals[0].shape
     begin, end = [0] * len(shape), list(shape)
     for k, axes in enumerate(dims):
         if not axes:
             continue
-        comm = _Comm(ctx, axes, {"mesh": mesh}, "shard_map", rank=rank)
+        comm = Comm(ctx, axes, {"mesh": mesh}, "shard_map", rank=rank)
         block = shape[k] // comm.n
         begin[k], end[k] = comm.index * block, (comm.index + 1) * block
-    if begin == [0] * len(shape) and end == list(shape):
-        return x
-    return ctx.call(_ms_slice, x, begin=tuple(begin), end=tuple(end),
-                    strides=(1,) * len(shape))
+    return local_slice(ctx, x, shape, begin, end)
 
 
 def _lower_shard_out(ctx, x, *, dims, mesh):
@@ -951,7 +932,7 @@ def _lower_shard_out(ctx, x, *, dims, mesh):
     for k, axes in enumerate(dims):
         if not axes:
             continue
-        comm = _Comm(ctx, axes, {"mesh": mesh}, "shard_map")
+        comm = Comm(ctx, axes, {"mesh": mesh}, "shard_map")
         x = comm.all_gather(x, aval, k)
         shape = list(aval.shape)
         shape[k] *= comm.n
@@ -999,316 +980,6 @@ batching.set(shard_in_p, _boundary_batching(shard_in_p))
 batching.set(shard_out_p, _boundary_batching(shard_out_p))
 deflinear(shard_in_p, _shard_in_transpose)
 deflinear(shard_out_p, _shard_out_transpose)
-
-# ---------------------------------------------------------------------------
-# Lowering: one rank's graph
-# ---------------------------------------------------------------------------
-
-def _rank(ctx) -> int:
-    if getattr(ctx, "rank", None) is not None:
-        return ctx.rank
-    from fshard import distributed
-
-    return distributed.rank()
-
-
-def _mesh_axes(mesh) -> tuple:
-    """``(axis names, sizes)`` of an ``fs.Mesh`` (or any mesh with names and sizes)."""
-    names = getattr(mesh, "axis_names", None) or getattr(mesh, "names")
-    sizes = getattr(mesh, "shape", None) or getattr(mesh, "sizes")
-    return tuple(names), tuple(int(s) for s in sizes)
-
-
-class _Comm:
-    """The communication of one rank over some mesh axes: its group (ranks ordered
-    by their index along the axes, the first axis most significant), its position
-    in it, and the MindSpore ops or emulations to emit."""
-
-    def __init__(self, ctx, names, params, api: str, rank: int | None = None):
-        mesh = params.get("mesh") or getattr(ctx, "mesh", None)
-        if mesh is None:
-            raise AxisNameError(
-                f"fs.{api} over {tuple(names)!r} was compiled outside any fs.shard_map: no "
-                "mesh binds those axis names, so there is no device to communicate with.\n"
-                "Fix: call the collective inside fs.shard_map(f, ..., mesh=...) (or "
-                "fs.vmap(f, axis_name=...)), and jit the shard_map.")
-        self.ctx = ctx
-        mesh_names, mesh_sizes = _mesh_axes(mesh)
-        for n in names:
-            if n not in mesh_names:
-                raise AxisNameError(
-                    f"fs.{api} names the axis {n!r}, which is not an axis of the mesh "
-                    f"(axes {mesh_names!r}).\nFix: use one of the mesh's axis names.")
-        self.rank = _rank(ctx) if rank is None else rank
-        size = _total(mesh_sizes)
-        coords = list(np.unravel_index(self.rank, mesh_sizes))
-        axes = [mesh_names.index(n) for n in names]
-        group = []
-        for combo in np.ndindex(*[mesh_sizes[a] for a in axes]):
-            c = list(coords)
-            for a, v in zip(axes, combo):
-                c[a] = v
-            group.append(int(np.ravel_multi_index(c, mesh_sizes)))
-        self.group = tuple(group)
-        self.n = len(group)
-        self.index = group.index(self.rank)
-        self.world = self.n == size
-        self.sorted = self.group == tuple(sorted(self.group))
-
-    # -- which ops --------------------------------------------------------------
-
-    def native(self, kind: str) -> bool:
-        where = NATIVE_COLLECTIVES.get(device_target(), {}).get(kind)
-        return where == "any" or (where == "world" and self.world)
-
-    def group_name(self) -> str | None:
-        """None for the world group; else the sub-group (created on first use)."""
-        if self.world:
-            return None
-        from fshard import distributed
-
-        if distributed.is_initialized():
-            return distributed.group_for(sorted(self.group))
-        return distributed.group_name(sorted(self.group))  # lowering for inspection only
-
-    def _op(self, cls, hint: str, **kwargs) -> str:
-        g = self.group_name()
-        if g is not None:
-            kwargs["group"] = g
-        return self.ctx.ref(cls(**kwargs), hint)
-
-    # -- building blocks ----------------------------------------------------------
-
-    def _after(self, x: str) -> str:
-        """``x``, made to wait for the previous collective of the program: MindSpore
-        may otherwise run independent collectives in a different order on each rank."""
-        self.ctx.sequenced = True
-        token = getattr(self.ctx, "token", None)
-        return x if token is None else self.ctx.call(_ms_after, x, token)
-
-    def carries(self, dtype) -> bool:
-        """Whether the backend's collectives take ``dtype`` as it is."""
-        allowed = COLLECTIVE_DTYPES.get(device_target())
-        return allowed is None or str(dtype) in allowed
-
-    def all_reduce(self, x: str, op: str = "sum", dtype=None) -> str:
-        """AllReduce of ``x`` (of ``dtype``). Where the backend's AllReduce lacks the
-        dtype (the CPU one takes float32 and float16 only), fshard carries the values in
-        float32 exactly: bools as 0/1, integers as 16-bit chunks (a sum of n chunks stays
-        below 2**24 for n <= 256), and recombines them."""
-        kind = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}[op]
-
-        def native(v: str) -> str:
-            return f"{self._op(ops.AllReduce, 'AllReduce', op=kind)}({self._after(v)})"
-
-        if dtype is None or self.carries(dtype):
-            return native(x)
-        ctx = self.ctx
-        if dtype == dtypes.bool_:
-            return ctx.call(_ms_from_float_bool, native(ctx.call(_ms_to_float32, x)))
-        if dtypes.is_int(dtype) and op == "sum":
-            if self.n > 256:
-                raise ArgumentError(
-                    f"an integer sum over {self.n} devices exceeds what fshard can carry "
-                    "exactly in this backend's float32 AllReduce (256 devices).\nFix: sum in "
-                    "float32, or over fewer devices.")
-            chunks = max(1, np.dtype(dtypes.to_numpy(dtype)).itemsize // 2)
-            y = native(ctx.call(_ms_int_chunks, x, n_chunks=chunks))
-            return ctx.call(_ms_int_unchunk, y, n_chunks=chunks, dtype=dtype)
-        if dtypes.is_int(dtype):  # max / min: gather exactly, then reduce here
-            raise AssertionError("integer pmax/pmin go through gather_stacked")
-        raise ArgumentError(
-            f"a collective of {dtype} values: this backend's collectives take "
-            f"{', '.join(COLLECTIVE_DTYPES.get(device_target(), ()))} only.\nFix: cast to "
-            "float32 before communicating (x.astype(mindspore.float32)).")
-
-    def gather_stacked(self, x: str, aval: ArrayType) -> str:
-        """Every member's ``x`` stacked along a new leading dim, in member order."""
-        ctx = self.ctx
-        if aval.dtype == dtypes.bool_ and not self.carries(aval.dtype):
-            stacked = self.gather_stacked(ctx.call(_ms_to_float32, x),
-                                          ArrayType(aval.shape, dtypes.float32))
-            return ctx.call(_ms_from_float_bool, stacked)
-        if self.native("all_gather") and self.carries(aval.dtype):
-            expanded = self._after(ctx.call(_ms_expand0, x))
-            gathered = f"{self._op(ops.AllGather, 'AllGather')}({expanded})"
-            order = sorted(self.group)  # native results come in rank order
-            perm = [order.index(r) for r in self.group]
-            if perm == list(range(self.n)):
-                return gathered
-            from fshard.backend.mindspore import Tensor
-
-            return ctx.call(_ms_take, gathered, ctx.ref(Tensor(np.asarray(perm, np.int32)),
-                                                         "order"))
-        # One-hot slot buffer: my value in my slot, zeros elsewhere, summed over the group.
-        from fshard.backend.mindspore import Tensor
-
-        slot = np.zeros((self.n,) + (1,) * aval.ndim, dtypes.to_numpy(aval.dtype))
-        slot[self.index] = 1
-        buf = ctx.call(_ms_slot, x, ctx.ref(Tensor(slot), "slot"))
-        return self.all_reduce(buf, dtype=aval.dtype)
-
-    def all_gather(self, x: str, aval: ArrayType, axis: int) -> str:
-        if self.n == 1:
-            return x
-        if axis == 0 and self.native("all_gather") and self.sorted and self.carries(aval.dtype):
-            # MindSpore's AllGather concatenates along dim 0 in rank order already
-            return f"{self._op(ops.AllGather, 'AllGather')}({self._after(x)})"
-        stacked = self.gather_stacked(x, aval)
-        return self.ctx.call(_ms_lanes_into_dim, stacked, **_merge_params(aval.shape, self.n, axis))
-
-    def reduce_scatter(self, x: str, aval: ArrayType, dim: int) -> str:
-        if self.n == 1:
-            return x
-        shape = aval.shape
-        if self.native("reduce_scatter") and self.sorted:
-            perm = _to_front(len(shape), dim)
-            y = x if dim == 0 else self.ctx.call(_ms_transpose, x, perm=perm)
-            y = f"{self._op(ops.ReduceScatter, 'ReduceScatter')}({self._after(y)})"
-            return y if dim == 0 else self.ctx.call(_ms_transpose, y, perm=_inverse(perm))
-        block = shape[dim] // self.n
-        begin, end = [0] * len(shape), list(shape)
-        begin[dim], end[dim] = self.index * block, (self.index + 1) * block
-        return self.ctx.call(_ms_slice, self.all_reduce(x, dtype=aval.dtype),
-                             begin=tuple(begin), end=tuple(end), strides=(1,) * len(shape))
-
-    def all_to_all(self, x: str, aval: ArrayType, split: int, concat: int) -> str:
-        if self.n == 1:
-            return x
-        stacked = self.gather_stacked(x, aval)            # (n, ..., S at split+1, ...)
-        shape = aval.shape
-        chunk = shape[split] // self.n
-        full = (self.n,) + tuple(shape)
-        begin, end = [0] * len(full), list(full)
-        begin[split + 1], end[split + 1] = self.index * chunk, (self.index + 1) * chunk
-        mine = self.ctx.call(_ms_slice, stacked, begin=tuple(begin), end=tuple(end),
-                             strides=(1,) * len(full))
-        local = list(shape)
-        local[split] = chunk
-        return self.ctx.call(_ms_lanes_into_dim, mine, **_merge_params(local, self.n, concat))
-
-    def ppermute(self, x: str, aval: ArrayType, source: int | None) -> str:
-        # Every member takes part in the gather, receiving or not: all ranks must
-        # issue the same collectives.
-        stacked = self.gather_stacked(x, aval)
-        return self.ctx.call(_ms_pick, stacked, index=source or 0, keep=source is not None)
-
-    def broadcast(self, x: str, root: int, dtype=None) -> str:
-        if self.n == 1:
-            return x
-        if self.native("broadcast") and self.sorted and (dtype is None
-                                                         or self.carries(dtype)):
-            op = self._op(ops.Broadcast, "Broadcast", root_rank=self.group[root])
-            return f"{op}(({self._after(x)},))[0]"
-        # The root contributes its value, the others zeros: the same code on every rank.
-        return self.all_reduce(self.ctx.call(_ms_keep, x, keep=self.index == root),
-                               dtype=dtype)
-
-
-def _merge_params(shape, n: int, axis: int) -> dict:
-    """``_ms_lanes_into_dim`` parameters: (n, *shape) -> lanes merged into ``axis``."""
-    nd = len(shape)
-    perm = tuple(list(range(1, axis + 1)) + [0] + list(range(axis + 1, nd + 1)))
-    out = list(shape)
-    out[axis] = out[axis] * n
-    return {"perm": perm, "shape": tuple(out)}
-
-
-def _to_front(nd: int, dim: int) -> tuple:
-    return (dim,) + tuple(i for i in range(nd) if i != dim)
-
-
-def _inverse(perm) -> tuple:
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return tuple(inv)
-
-
-# MindSpore functions called by the generated graph source (GRAPH-mode Python).
-
-
-def _ms_after(x, token):
-    return ops.depend(x, token)
-
-
-def _ms_scale(x, factor):
-    return x * factor
-
-
-def _ms_expand0(x):
-    return ops.expand_dims(x, 0)
-
-
-def _ms_to_float32(x):
-    return x.astype(mstype.float32)
-
-
-def _ms_from_float_bool(x):
-    return x > 0.5
-
-
-def _ms_int_chunks(x, n_chunks):
-    """Integers as ``n_chunks`` float32 16-bit chunks along a new last axis: the low
-    ones in [0, 65535], the top one signed (x = sum of chunk_k * 65536**k)."""
-    x = x.astype(mstype.int64)
-    parts = []
-    for k in range(n_chunks):
-        shifted = ops.floor_divide(x, 65536 ** k) if k else x
-        parts.append(shifted if k == n_chunks - 1 else shifted - ops.floor_divide(
-            shifted, 65536) * 65536)
-    return ops.stack(parts, -1).astype(mstype.float32)
-
-
-def _ms_int_unchunk(y, n_chunks, dtype):
-    y = ops.round(y).astype(mstype.int64)
-    total = y[..., 0]
-    for k in range(1, n_chunks):
-        total = total + y[..., k] * (65536 ** k)
-    return total.astype(dtype)
-
-
-def _ms_slot(x, slot):
-    return ops.expand_dims(x, 0) * slot
-
-
-def _ms_take(x, index):
-    return ops.gather(x, index, 0)
-
-
-def _ms_pick(x, index, keep):
-    y = x[index]
-    # depend: this rank's graph keeps the gather even when it uses no value of it
-    return ops.depend(y if keep else ops.zeros_like(y), x)
-
-
-def _ms_keep(x, keep):
-    return x if keep else ops.zeros_like(x)
-
-
-def _ms_lanes_into_dim(x, perm, shape):
-    return ops.reshape(ops.transpose(x, perm), shape)
-
-
-def _ms_transpose(x, perm):
-    return ops.transpose(x, perm)
-
-
-def _ms_slice(x, begin, end, strides):
-    return ops.strided_slice(x, begin, end, strides)
-
-
-def _ms_reduce_max0(x):
-    if x.dtype == mstype.bool_:  # no bool ReduceMax kernel on CPU
-        return ops.amax(x.astype(mstype.int32), 0) > 0
-    return ops.amax(x, 0)
-
-
-def _ms_reduce_min0(x):
-    if x.dtype == mstype.bool_:
-        return ops.amin(x.astype(mstype.int32), 0) > 0
-    return ops.amin(x, 0)
-
 
 # ---------------------------------------------------------------------------
 # The user functions
@@ -1587,4 +1258,4 @@ def axis_index(axis_name):
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all",
            "ppermute", "broadcast", "axis_index", "named_axis", "axis_size", "bound_axes",
-           "NATIVE_COLLECTIVES", "VMA_RULES", "COLLECTIVES"]
+           "VMA_RULES", "COLLECTIVES", "NAMED_AXIS_PRIMITIVES"]

@@ -31,7 +31,7 @@ def step_bytes(kind: str, local: float, n: int, world: bool, native: dict) -> fl
     """Bytes each device sends for one step on ``local`` bytes over ``n`` devices, as
     the backend runs it (ring algorithms). ``native`` is the backend's row of
     ``NATIVE_COLLECTIVES``; what is not native runs as its emulation (see
-    ``_Comm`` in fshard/primitives/collectives.py): a reduce-scatter as an AllReduce
+    ``Comm`` in fshard/backend/collectives.py): a reduce-scatter as an AllReduce
     and a slice, a gather over a sub-group as an AllReduce of a buffer n times larger.
 
     >>> step_bytes("psum_scatter", 800.0, 2, True, {"reduce_scatter": "any"})

@@ -1,15 +1,19 @@
-"""``eval_program``: the one generic forward interpreter; ``batch_program``: the
-batching interpreter ``vmap`` and the batching rules of higher-order primitives use.
+"""``walk``: the one generic forward Program interpreter; ``eval_program`` and
+``batch_program`` (the batching interpreter ``vmap`` and the batching rules of
+higher-order primitives use) are built on it, as are the JVP interpreter, the
+partitioner and the per-rank runners.
 
-It evaluates a Program by calling ``bind`` for every equation, so it runs eagerly
-under the EvalTrace and re-stages under a StagingTrace: any transform can be applied
-to a Program by evaluating it inside that transform. Errors raised while evaluating
-an equation get a note naming the equation and the user line that created it.
+``walk`` keeps the environment from variables to values, reads literals, and adds to
+every error raised while an equation is interpreted a note naming the equation and
+the user line that created it. ``eval_program`` calls ``bind`` for every equation, so
+it runs eagerly under the EvalTrace and re-stages under a StagingTrace: any transform
+can be applied to a Program by evaluating it inside that transform.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from fshard import context
 from fshard.core import bind
@@ -23,23 +27,38 @@ def equation_note(eq: Equation, what: str) -> str:
     return f"while {what} equation '{eq.prim.name}' on ({ins}){where}"
 
 
-def eval_program(program: Program, *args) -> list:
-    """Evaluate ``program`` on ``args`` (constants first) under the current trace."""
+def walk(program: Program, args, rule: Callable, what: str,
+         literal: Callable = lambda a: a.value) -> list:
+    """Interpret ``program`` forward on ``args`` (one per input, constants first):
+    ``rule(eq, values)`` gets an equation and the values of its operands and returns
+    the values of its outputs; ``literal(lit)`` is the value of a literal operand.
+    Returns the values of the outputs. An error raised by ``rule`` gets a note
+    "while {what} equation ...".
+    """
     env = dict(zip(program.inputs, args, strict=True))
 
     def read(a):
-        return a.value if isinstance(a, Literal) else env[a]
+        return literal(a) if isinstance(a, Literal) else env[a]
 
     for eq in program.equations:
         try:
-            outs = bind(eq.prim, *[read(a) for a in eq.inputs], **eq.params)
+            outs = rule(eq, [read(a) for a in eq.inputs])
         except Exception as e:
-            e.add_note(equation_note(eq, "evaluating"))
+            e.add_note(equation_note(eq, what))
             raise
-        if not eq.prim.multiple_results:
-            outs = [outs]
         env.update(zip(eq.outputs, outs, strict=True))
     return [read(a) for a in program.outputs]
+
+
+def bind_equation(eq: Equation, values) -> list:
+    """``bind`` the equation's primitive on ``values``; always a list of outputs."""
+    outs = bind(eq.prim, *values, **eq.params)
+    return outs if eq.prim.multiple_results else [outs]
+
+
+def eval_program(program: Program, *args) -> list:
+    """Evaluate ``program`` on ``args`` (constants first) under the current trace."""
+    return walk(program, args, bind_equation, "evaluating")
 
 
 @dataclass(frozen=True)
@@ -72,26 +91,17 @@ def batch_program(program: Program, args: list, dims: list, axis: AxisData):
 
     Returns ``(outs, out_dims)``.
     """
-    env = dict(zip(program.inputs, zip(args, dims), strict=True))
-
-    def read(a):
-        return (a.value, None) if isinstance(a, Literal) else env[a]
+    def rule(eq, pairs):
+        vals, ds = zip(*pairs) if pairs else ((), ())
+        if all(d is None for d in ds) and "axis_name" not in eq.params:
+            outs = bind_equation(eq, vals)
+            out_ds = [None] * len(outs)
+        else:
+            outs, out_ds = batching.lookup(eq.prim, transform="vmap")(
+                list(vals), list(ds), **eq.params)
+        return list(zip(outs, out_ds, strict=True))
 
     with batching_axis(axis):
-        for eq in program.equations:
-            vals, ds = zip(*[read(a) for a in eq.inputs]) if eq.inputs else ((), ())
-            try:
-                if all(d is None for d in ds) and "axis_name" not in eq.params:
-                    outs = bind(eq.prim, *vals, **eq.params)
-                    outs = outs if eq.prim.multiple_results else [outs]
-                    out_ds = [None] * len(outs)
-                else:
-                    rule = batching.lookup(eq.prim, transform="vmap")
-                    outs, out_ds = rule(list(vals), list(ds), **eq.params)
-            except Exception as e:
-                e.add_note(equation_note(eq, "batching"))
-                raise
-            for v, o, d in zip(eq.outputs, outs, out_ds, strict=True):
-                env[v] = (o, d)
-    outs = [read(a) for a in program.outputs]
+        outs = walk(program, list(zip(args, dims, strict=True)), rule, "batching",
+                    literal=lambda a: (a.value, None))
     return [o for o, _ in outs], [d for _, d in outs]

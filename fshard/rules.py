@@ -30,14 +30,19 @@ R = TypeVar("R", bound=Callable)
 _registry: dict[str, Primitive] = {}
 
 
-def register_primitive(prim: Primitive, family: str) -> Primitive:
+def register_primitive(prim: Primitive, family: str, module: str | None = None) -> Primitive:
+    """Record a declared primitive (``def_primitive`` calls this), its family and the
+    module that declares it (named in the errors of a missing rule)."""
     assert prim.name not in _registry, f"primitive {prim.name} declared twice"
     _registry[prim.name] = prim
     _families[prim.name] = family
+    if module is not None:
+        _modules[prim.name] = module
     return prim
 
 
 _families: dict[str, str] = {}
+_modules: dict[str, str] = {}
 
 
 def all_primitives() -> list[Primitive]:
@@ -59,16 +64,10 @@ class RuleTable(Generic[R]):
         self._rules: dict[Primitive, R] = {}
         self._unsupported: dict[Primitive, str] = {}
 
-    def register(self, prim: Primitive):
-        def decorate(rule: R) -> R:
-            assert prim not in self._rules, f"{self.kind} rule for {prim} registered twice"
-            self._rules[prim] = rule
-            return rule
-
-        return decorate
-
     def set(self, prim: Primitive, rule: R) -> None:
-        self.register(prim)(rule)
+        """Register ``prim``'s rule of this kind: the one way to register a rule."""
+        assert prim not in self._rules, f"{self.kind} rule for {prim} registered twice"
+        self._rules[prim] = rule
 
     def get(self, prim: Primitive) -> R | None:
         return self._rules.get(prim)
@@ -81,14 +80,14 @@ class RuleTable(Generic[R]):
         if rule is None:
             reason = self._unsupported.get(prim)
             why = f" ({reason})" if reason else ""
-            family = family_of(prim)
-            where = (f"fshard/primitives/{family}.py" if family != "?" else
-                     "the module that declares it")
+            module = _modules.get(prim.name)
+            where = (module.replace(".", "/").replace("fshard/transforms/", "transforms/")
+                     + ".py" if module else "the module that declares it")
             raise MissingRuleError(
                 f"{transform} needs the {self.what} of primitive '{prim}', which has "
-                f"none{why}.\nFix: register one with fshard.rules.{self.kind}.register"
-                f"({prim}) in {where} (see docs/adding_a_primitive.md), or avoid this "
-                f"primitive under {transform}.")
+                f"none{why}.\nFix: register one with fshard.rules.{self.kind}.set({prim}, "
+                f"rule) in {where}, after its def_primitive (see "
+                f"docs/adding_a_primitive.md), or avoid this primitive under {transform}.")
         return rule
 
 

@@ -127,8 +127,18 @@ def test_missing_rule_error():
     impl.set(toy, lambda v: [v])
     msg = _message(lambda: fs.vmap(lambda v: toy.bind(v))(x), fs.MissingRuleError)
     assert msg.startswith("vmap needs the batching rule of primitive 'toy_identity', which "
-                          "has none.\nFix: register one with fshard.rules.batching.register"
-                          "(toy_identity)")
+                          "has none.\nFix: register one with fshard.rules.batching.set"
+                          "(toy_identity, rule) in the module that declares it")
+
+
+def test_missing_rule_error_names_the_declaring_module():
+    from fshard.primitives.base import broadcast_to_p
+    from fshard.rules import RuleTable
+
+    table = RuleTable("batching", "batching rule")  # an empty table: every rule missing
+    msg = _message(lambda: table.lookup(broadcast_to_p, transform="vmap"), fs.MissingRuleError)
+    assert ("register one with fshard.rules.batching.set(broadcast_to, rule) in "
+            "fshard/primitives/base.py, after its def_primitive") in msg
 
 
 def test_tracer_leak_error():
@@ -158,3 +168,51 @@ def test_composition_error():
         "must sit outside vmap (as in MindSpore).\nAllowed form: "
         "fs.shard(fs.vmap(<lambda>), in_strategy=...); refused: "
         "fs.vmap(fs.shard(<lambda>, ...)).\nSee docs/errors.md#compositionerror")
+
+
+class _Boom(Exception):
+    pass
+
+
+def _eval_staged(f, v):
+    from fshard.core import typeof
+    from fshard.interpret import eval_program
+    from fshard.staging import stage
+
+    program, consts = stage(lambda x: [f(x)], [typeof(v)])
+    return eval_program(program, *consts, v)
+
+
+def _boom(*args, **kwargs):
+    raise _Boom("boom")
+
+
+@pytest.mark.parametrize("kind, run, what", [
+    ("impl", lambda f, v: _eval_staged(f, v), "evaluating"),
+    ("batching", lambda f, v: fs.vmap(f)(np.ones((2, 3), np.float32)), "batching"),
+    ("jvp", lambda f, v: fs.jvp(f, (v,), (v,)), "differentiating"),
+    ("lowering", lambda f, v: fs.jit(f)(v), "lowering"),
+    ("sharding", lambda f, v: fs.shard(f, in_strategy=((2,),), mesh=2)(v), "partitioning"),
+])
+def test_every_program_walker_notes_the_equation(monkeypatch, kind, run, what):
+    """The one forward interpreter (fshard.interpret.walk) under evaluation, batching,
+    differentiation, lowering and partitioning adds the failing equation to the error."""
+    from fshard import rules
+    from fshard.factors import elementwise_spec
+    from fshard.primitives.elementwise import sin_p
+
+    rule = _boom
+    if kind == "sharding":  # the rule itself runs in propagation; fail in partitioning
+        def rule(*avals, **params):
+            spec = elementwise_spec(*avals)
+            spec.local_params = _boom
+            return spec
+    monkeypatch.setitem(getattr(rules, kind)._rules, sin_p, rule)
+
+    def f(v):
+        return F.sin(v) * 2.0
+
+    with pytest.raises(_Boom) as info:
+        run(f, np.ones(4, np.float32))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"while {what} equation 'sin' on (f32[" in notes, notes

@@ -20,9 +20,9 @@ from __future__ import annotations
 import functools
 
 from fshard import dtypes, tree
-from fshard.core import bind, typeof
+from fshard.core import typeof
 from fshard.errors import DifferentiationError
-from fshard.interpret import equation_note, eval_program
+from fshard.interpret import bind_equation, equation_note, eval_program, walk
 from fshard.ir import Literal, Program, Var
 from fshard.primitives.base import UndefinedPrimal, Zero, add_tangents, instantiate
 from fshard.primitives.collectives import input_cotangents, replica_axes, seed_cotangents
@@ -38,29 +38,18 @@ from fshard.transforms.vmap import arg_path, type_tree
 
 def jvp_program(program: Program, primals: list, tangents: list):
     """Evaluate ``program`` and its JVP. Returns ``(primals_out, tangents_out)``."""
-    env = {v: (p, t) for v, p, t in zip(program.inputs, primals, tangents, strict=True)}
+    def rule(eq, pairs):
+        ps, ts = zip(*pairs) if pairs else ((), ())
+        if all(isinstance(t, Zero) for t in ts):
+            outs = bind_equation(eq, ps)
+            touts = [Zero(v.aval) for v in eq.outputs]
+        else:
+            jvp_rule = jvp_rules.lookup(eq.prim, transform="differentiation (jvp/grad)")
+            outs, touts = jvp_rule(list(ps), list(ts), **eq.params)
+        return list(zip(outs, touts, strict=True))
 
-    def read(a):
-        if isinstance(a, Literal):
-            return a.value, Zero(a.aval)
-        return env[a]
-
-    for eq in program.equations:
-        ps, ts = zip(*[read(a) for a in eq.inputs]) if eq.inputs else ((), ())
-        try:
-            if all(isinstance(t, Zero) for t in ts):
-                outs = bind(eq.prim, *ps, **eq.params)
-                outs = outs if eq.prim.multiple_results else [outs]
-                touts = [Zero(v.aval) for v in eq.outputs]
-            else:
-                rule = jvp_rules.lookup(eq.prim, transform="differentiation (jvp/grad)")
-                outs, touts = rule(list(ps), list(ts), **eq.params)
-        except Exception as e:
-            e.add_note(equation_note(eq, "differentiating"))
-            raise
-        for v, o, t in zip(eq.outputs, outs, touts, strict=True):
-            env[v] = (o, t)
-    res = [read(a) for a in program.outputs]
+    res = walk(program, list(zip(primals, tangents, strict=True)), rule, "differentiating",
+               literal=lambda a: (a.value, Zero(a.aval)))
     return [p for p, _ in res], [t for _, t in res]
 
 

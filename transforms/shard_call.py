@@ -19,12 +19,12 @@ as well as the function itself (NB: JAX's pjit_p keeps its jaxpr the same way):
 from __future__ import annotations
 
 from fshard import dtypes
-from fshard.core import ArrayType, Primitive, typeof
+from fshard.core import ArrayType, typeof
 from fshard.interpret import batch_program, current_axis, eval_program
 from fshard.ir import Literal, Program, Var
-from fshard.primitives.base import Zero, batch_to_front, instantiate, is_undefined, move_axis
-from fshard.rules import (abstract_eval, batching, impl, jvp, lowering, register_primitive,
-                          transpose, unsupported)
+from fshard.primitives.base import (Zero, batch_to_front, def_primitive, instantiate, is_undefined,
+                                    move_axis)
+from fshard.rules import batching, jvp, transpose, unsupported
 from fshard.sharding.layouts import Sharding
 from fshard.sharding.runtime import run_virtual
 from fshard.staging import stage
@@ -196,17 +196,9 @@ def _shard_call_batching(args, dims, *, plan):
     return list(outs), [0] * len(outs)
 
 
-def _def_shard_call():
-    prim = Primitive("shard_call", multiple_results=True)
-    register_primitive(prim, "spmd")
-    abstract_eval.set(prim, _shard_call_type)
-    impl.set(prim, _shard_call_impl)
-    lowering.set(prim, _shard_call_lowering)
-    jvp.set(prim, _shard_call_jvp)
-    transpose.set(prim, _shard_call_transpose)
-    batching.set(prim, _shard_call_batching)
-    unsupported(prim, "sharding", "fs.shard cannot nest: a shard_call is never re-sharded")
-    return prim
-
-
-shard_call_p = _def_shard_call()
+shard_call_p = def_primitive("shard_call", "spmd", _shard_call_type, multiple_results=True,
+                             eager=_shard_call_impl, lower=_shard_call_lowering)
+jvp.set(shard_call_p, _shard_call_jvp)
+transpose.set(shard_call_p, _shard_call_transpose)
+batching.set(shard_call_p, _shard_call_batching)
+unsupported(shard_call_p, "sharding", "fs.shard cannot nest: a shard_call is never re-sharded")

@@ -31,14 +31,13 @@ import functools
 import math
 
 from fshard import context, tree
-from fshard.core import ArrayType, EvalTrace, Tracer, bind, current_trace, typeof
+from fshard.core import ArrayType, EvalTrace, Tracer, current_trace, typeof
 from fshard.errors import AxisNameError, CompositionError, ShardingError
-from fshard.interpret import equation_note
-from fshard.ir import Literal
+from fshard.interpret import walk
 from fshard.layout import Layout
 from fshard.mesh import Mesh, current_mesh, resolve_mesh
 from fshard.primitives import collectives as C
-from fshard.sharding.runtime import from_blocks, run_batched, to_blocks
+from fshard.sharding.runtime import bind_on_rank, from_blocks, run_batched, to_blocks
 from fshard.sharding.strategy import broadcast_strategies, is_strategy_leaf, mesh_dims
 from fshard.staging import fun_name, trace_fun
 
@@ -94,43 +93,33 @@ def _run_body_on_rank(sm, program, args, in_vmas, out_dims, mesh: Mesh, out_name
     already replicated stay local, and outputs promised replicated are checked."""
     from fshard.primitives.elementwise import div, mul
 
-    env = dict(zip(program.inputs, zip(args, in_vmas), strict=True))
     names = frozenset(mesh.axis_names)
 
-    def read(a):
-        return (a.value, frozenset()) if isinstance(a, Literal) else env[a]
-
-    for eq in program.equations:
-        vals, vmas = zip(*[read(a) for a in eq.inputs]) if eq.inputs else ((), ())
+    def rule(eq, pairs):
+        vals, vmas = zip(*pairs) if pairs else ((), ())
         out_vmas = _vma_out(eq, list(vmas))
-        try:
-            if eq.prim is C.replica_sum_p:
-                axes = tuple(a for a in mesh.axis_names
-                             if a in eq.params["axis_name"] and a not in vmas[1])
-                outs = [C.psum_p.bind(vals[0], axis_name=axes, mesh=mesh) if axes else vals[0]]
-            elif eq.prim is C.replica_split_p:
-                n = math.prod(mesh.axis_size(a) for a in eq.params["axis_name"]
-                              if a not in vmas[1])
-                outs = [div(vals[0], C._scalar(n, vals[0])) if n > 1 else vals[0]]
-            elif eq.prim in _LOCAL_IF_REPLICATED and not (vmas[0] & set(eq.params["axis_name"])):
-                # the operand is the same on every device of the axes: no communication
-                n = math.prod(mesh.axis_size(a) for a in eq.params["axis_name"])
-                outs = [mul(vals[0], C._scalar(n, vals[0]))
-                        if eq.prim is C.psum_p and n > 1 else vals[0]]
-            else:
-                params = eq.params
-                if eq.prim in C.NAMED_AXIS_PRIMITIVES:
-                    params = dict(params, mesh=mesh)
-                outs = bind(eq.prim, *vals, **params)
-                outs = outs if eq.prim.multiple_results else [outs]
-        except Exception as e:
-            e.add_note(equation_note(eq, f"running shard_map({sm.name}) on its rank:"))
-            raise
-        for v, o, m in zip(eq.outputs, outs, out_vmas, strict=True):
-            env[v] = (o, m & names)
+        if eq.prim is C.replica_sum_p:
+            axes = tuple(a for a in mesh.axis_names
+                         if a in eq.params["axis_name"] and a not in vmas[1])
+            outs = [C.psum_p.bind(vals[0], axis_name=axes, mesh=mesh) if axes else vals[0]]
+        elif eq.prim is C.replica_split_p:
+            n = math.prod(mesh.axis_size(a) for a in eq.params["axis_name"]
+                          if a not in vmas[1])
+            outs = [div(vals[0], C._scalar(n, vals[0])) if n > 1 else vals[0]]
+        elif eq.prim in _LOCAL_IF_REPLICATED and not (vmas[0] & set(eq.params["axis_name"])):
+            # the operand is the same on every device of the axes: no communication
+            n = math.prod(mesh.axis_size(a) for a in eq.params["axis_name"])
+            outs = [mul(vals[0], C._scalar(n, vals[0]))
+                    if eq.prim is C.psum_p and n > 1 else vals[0]]
+        else:
+            outs = bind_on_rank(eq, vals, mesh)
+        return [(o, m & names) for o, m in zip(outs, out_vmas, strict=True)]
+
+    outs = walk(program, list(zip(args, in_vmas, strict=True)), rule,
+                f"running shard_map({sm.name}) on its rank:",
+                literal=lambda a: (a.value, frozenset()))
     results = []
-    for j, (a, dims) in enumerate(zip(program.outputs, out_dims)):
-        value, vma = read(a)
+    for j, ((value, vma), dims) in enumerate(zip(outs, out_dims)):
         extra = [n for n in mesh.axis_names if n in vma and n not in _axes_of(dims)]
         if extra and sm.check_vma:
             raise _varying_output_error(sm, out_names[j], extra[0], dims)

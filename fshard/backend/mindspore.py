@@ -25,7 +25,8 @@ import numpy as np
 from fshard import context, dtypes
 from fshard.core import ArrayType, DimExpr, Symbol, is_symbolic
 from fshard.errors import ShapeError
-from fshard.ir import Literal, Program
+from fshard.interpret import walk
+from fshard.ir import Program
 from fshard.rules import lowering
 
 Tensor = ms.Tensor
@@ -242,31 +243,30 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
             if isinstance(size, Symbol):
                 ctx.dims.setdefault(size, f"{names[var]}.shape[{d}]")
 
-    def read(a) -> str:
-        if isinstance(a, Literal):
-            return ctx.ref(Tensor(a.value, a.aval.dtype), "lit")
-        return names[a]
+    def literal(a) -> str:
+        return ctx.ref(Tensor(a.value, a.aval.dtype), "lit")
 
     body = []
-    saved_token, ctx.token = ctx.token, None
-    for eq in program.equations:
+
+    def rule(eq, args) -> list:
+        # one line of source per equation: its outputs' names = its lowering rule's
+        # expression (a collective also becomes the token the next one waits for)
         ctx.in_avals = [a.aval for a in eq.inputs]
         ctx.out_avals = [v.aval for v in eq.outputs]
-        rule = lowering.lookup(eq.prim, transform="jit")
+        lower = lowering.lookup(eq.prim, transform="jit")
         ctx.sequenced = False
-        expr = rule(ctx, *[read(a) for a in eq.inputs], **eq.params)
+        expr = lower(ctx, *args, **eq.params)
         outs = [fresh() for _ in eq.outputs]
         if ctx.sequenced and outs:
             ctx.token = outs[0]
-        for v, n in zip(eq.outputs, outs):
-            names[v] = n
         lhs = outs[0] if not eq.prim.multiple_results else (
             ", ".join(outs) + ("," if len(outs) == 1 else ""))
-        if not outs:
-            lhs = "_"
-        body.append(f"    {lhs} = {expr}")
+        body.append(f"    {lhs if outs else '_'} = {expr}")
+        return outs
+
+    saved_token, ctx.token = ctx.token, None
+    outs = walk(program, [names[v] for v in program.inputs], rule, "lowering", literal)
     ctx.token, ctx.dims = saved_token, saved_dims
-    outs = [read(a) for a in program.outputs]
     if len(outs) == 1 and not always_tuple:
         body.append(f"    return {outs[0]}")
     else:

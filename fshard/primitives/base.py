@@ -24,6 +24,7 @@ lowering, so a primitive's MindSpore semantics live in one place.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Callable
 
 import numpy as np
@@ -44,21 +45,33 @@ from fshard.rules import unsupported
 # ---------------------------------------------------------------------------
 
 
-def def_primitive(name: str, family: str, type_rule: Callable, ms_fn: Callable, *,
-                  multiple_results: bool = False, lower: Callable | None = None) -> Primitive:
-    """Declare ``name`` with its type rule, eager impl and lowering.
+def def_primitive(name: str, family: str, type_rule: Callable, ms_fn: Callable | None = None,
+                  *, multiple_results: bool = False, lower: Callable | None = None,
+                  eager: Callable | None = None) -> Primitive:
+    """Declare ``name`` with its type rule, eager implementation and lowering: the one
+    way to declare a primitive. Its other rules follow with ``rules.<kind>.set``.
 
     ``type_rule(*avals, **params)`` returns an ArrayType (a list of them if
-    ``multiple_results``). ``lower(ctx, *exprs, **params)`` defaults to a call of
-    ``ms_fn`` in the generated source.
+    ``multiple_results``). ``ms_fn(*tensors, **params)`` is the MindSpore function that
+    serves both eager evaluation and, by default, lowering (``lower(ctx, *exprs,
+    **params)`` otherwise). A primitive that is not one MindSpore function (a
+    collective, a sharded call) gives ``eager(*values, **params) -> list`` and ``lower``
+    instead of ``ms_fn``.
     """
+    assert (ms_fn is None) == (eager is not None), "give ms_fn, or eager and lower"
+    assert ms_fn is not None or lower is not None, "give ms_fn, or eager and lower"
     prim = Primitive(name, multiple_results)
-    register_primitive(prim, family)
+    # the declaring module: the caller's (named in the errors of a missing rule)
+    register_primitive(prim, family, sys._getframe(1).f_globals.get("__name__"))
     if multiple_results:
         abstract_eval.set(prim, lambda *a, **p: list(type_rule(*a, **p)))
-        impl.set(prim, lambda *xs, **p: list(ms_fn(*map(as_tensor, xs), **p)))
     else:
         abstract_eval.set(prim, lambda *a, **p: [type_rule(*a, **p)])
+    if eager is not None:
+        impl.set(prim, eager)
+    elif multiple_results:
+        impl.set(prim, lambda *xs, **p: list(ms_fn(*map(as_tensor, xs), **p)))
+    else:
         impl.set(prim, lambda *xs, **p: [ms_fn(*map(as_tensor, xs), **p)])
     lowering.set(prim, lower or (lambda ctx, *xs, **p: ctx.call(ms_fn, *xs, **p)))
     return prim

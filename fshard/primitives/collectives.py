@@ -45,9 +45,9 @@ from fshard.core import ArrayType, Primitive, typeof
 from fshard.errors import ArgumentError, AxisNameError, ProgramTypeError, ShapeError
 from fshard.backend.collectives import Comm, local_slice, this_rank
 from fshard.interpret import AxisData, batch_program, current_axis
-from fshard.primitives.base import Zero, batch_to_front, deflinear, instantiate, move_axis
-from fshard.rules import (abstract_eval, batching, impl, jvp, lowering, register_primitive,
-                          transpose, unsupported)
+from fshard.primitives.base import (Zero, batch_to_front, def_primitive, deflinear, instantiate,
+                                    move_axis)
+from fshard.rules import abstract_eval, batching, jvp, transpose, unsupported
 
 FAMILY = "collectives"
 
@@ -146,29 +146,30 @@ def _sizes(names: tuple, api: str) -> tuple:
 
 
 def _declare(name: str, type_rule: Callable, lower: Callable) -> Primitive:
-    prim = Primitive(name)
-    register_primitive(prim, FAMILY)
-    abstract_eval.set(prim, lambda *avals, **p: [type_rule(*avals, **p)])
-    impl.set(prim, _make_impl(prim))
-    lowering.set(prim, lower)
+    prim = _PRIMS[name] = def_primitive(name, FAMILY, type_rule, lower=lower, eager=_eager(name))
     unsupported(prim, "sharding", "a collective already runs per device: fs.shard inserts "
                 "collectives, it does not partition them")
     return prim
 
 
-def _make_impl(prim: Primitive):
+def _eager(name: str):
+    """A collective runs eagerly only inside a multi-process job (its equation then
+    carries the job's mesh), as a one-equation compiled graph."""
     def run(*args, **params):
         mesh = params.get("mesh")
         if mesh is not None and not getattr(mesh, "is_virtual", True):
-            return _run_compiled(prim, args, params)
+            return _run_compiled(_PRIMS[name], args, params)
         if "axis_name" not in params:  # shard_in / shard_out
             raise AxisNameError(
-                f"{prim.name} is the boundary of a multi-process fs.shard_map and runs only "
+                f"{name} is the boundary of a multi-process fs.shard_map and runs only "
                 f"inside a job, on the mesh of the job's world; here its mesh is {mesh!r}.\n"
                 "Fix: call the shard_map itself; it inserts these where they apply.")
-        raise AxisNameError(_unbound_message(prim.name, params["axis_name"]))
+        raise AxisNameError(_unbound_message(name, params["axis_name"]))
 
     return run
+
+
+_PRIMS: dict = {}  # name -> the collective primitive (filled as they are declared)
 
 
 _compiled: dict = {}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from fshard.core import ArrayType, bind
 from fshard.errors import ShardingError
+from fshard.interpret import walk
 from fshard.ir import Literal, Program, pretty
 from fshard.primitives import collectives as C
 from fshard.primitives.spmd import block_slice
@@ -145,52 +146,53 @@ def partition(prop: Propagated) -> Partitioned:
             annotations[x.ir_var] = sh
         return x
 
-    def per_device(*local_inputs):
-        for x, sh in zip(local_inputs, prop.in_shardings):
-            note(x, sh)
-        held = {v: {s: x} for v, x, s in zip(program.inputs, local_inputs, prop.in_shardings)}
-
-        def get(a, req):
-            versions = held[a]
-            if req in versions:
-                return versions[req]
-            sources = [s for s in versions if req.partial <= s.partial]
-            src = min(sources, key=lambda s: (plan_bytes(s, req, a.aval, mesh, native),
-                                              len(plan(s, req, scatter))))
-            for sh, x in redistribute(versions[src], src, req, mesh, native):
-                versions.setdefault(sh, note(x, sh))
+    def get(versions: dict, aval, req):
+        """The value in layout ``req``, moved from the cheapest layout held."""
+        if req in versions:
             return versions[req]
+        sources = [s for s in versions if req.partial <= s.partial]
+        src = min(sources, key=lambda s: (plan_bytes(s, req, aval, mesh, native),
+                                          len(plan(s, req, scatter))))
+        for sh, x in redistribute(versions[src], src, req, mesh, native):
+            versions.setdefault(sh, note(x, sh))
+        return versions[req]
 
-        for eq, (spec, cand) in zip(program.equations, prop.choice):
-            ins, outs = candidate_shardings(spec, cand)
-            args = [a.value if isinstance(a, Literal) else get(a, req)
-                    for a, req in zip(eq.inputs, ins)]
-            params = eq.params
-            if spec.local_params is not None:
-                params = spec.local_params(
-                    params, [_local_aval(a.aval, s, mesh) for a, s in zip(eq.inputs, ins)],
-                    [_local_aval(v.aval, s, mesh) for v, s in zip(eq.outputs, outs)])
-            res = bind(eq.prim, *args, **params)
-            res = res if eq.prim.multiple_results else [res]
-            for v, r, s in zip(eq.outputs, res, outs):
-                held[v] = {s: note(r, s)}
+    choice = {id(eq): c for eq, c in zip(program.equations, prop.choice)}
+
+    def rule(eq, operands):
+        # Each operand is the dict of the layouts its value is held in (a literal: its
+        # value); the result is held in the one layout the candidate produces.
+        spec, cand = choice[id(eq)]
+        ins, outs = candidate_shardings(spec, cand)
+        args = [get(held, a.aval, req) if isinstance(held, dict) else held
+                for a, held, req in zip(eq.inputs, operands, ins)]
+        params = eq.params
+        if spec.local_params is not None:
+            params = spec.local_params(
+                params, [_local_aval(a.aval, s, mesh) for a, s in zip(eq.inputs, ins)],
+                [_local_aval(v.aval, s, mesh) for v, s in zip(eq.outputs, outs)])
+        res = bind(eq.prim, *args, **params)
+        res = res if eq.prim.multiple_results else [res]
+        return [{s: note(r, s)} for r, s in zip(res, outs)]
+
+    def per_device(*local_inputs):
+        held = [{s: note(x, s)} for x, s in zip(local_inputs, prop.in_shardings)]
+        outs = walk(program, held, rule, "partitioning")
         results = []
-        for k, a in enumerate(program.outputs):
+        for k, (a, versions) in enumerate(zip(program.outputs, outs)):
             if isinstance(a, Literal):
                 outs_sh[k] = Sharding.replicated(a.aval.ndim)
                 results.append(a.value)
                 continue
             if outs_sh[k] is None:
-                outs_sh[k] = as_produced(held[a], prop.shardings.get(a) or next(iter(held[a])))
-            results.append(get(a, outs_sh[k]))
+                outs_sh[k] = as_produced(versions, prop.shardings.get(a) or next(iter(versions)))
+            results.append(get(versions, a.aval, outs_sh[k]))
         return results
 
     local_avals = [_local_aval(v.aval, s, mesh) for v, s in zip(program.inputs, prop.in_shardings)]
-    from fshard.primitives.collectives import named_axis
-
     with contextlib.ExitStack() as stack:
         for name, size in zip(mesh.names, mesh.sizes):  # collectives read the axis sizes
-            stack.enter_context(named_axis(name, size))
+            stack.enter_context(C.named_axis(name, size))
         pd_program, pd_consts = stage(per_device, local_avals)
     return Partitioned(prop, pd_program, pd_consts, prop.in_shardings, outs_sh, annotations)
 

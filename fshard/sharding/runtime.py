@@ -5,6 +5,7 @@ job's collectives (``run_on_rank``).
 
 A value's layout here is, per dimension, the names of the mesh axes splitting it
 (major first); ``axes`` lists the mesh's ``(name, size)`` pairs in mesh order.
+Per-rank execution binds each equation with ``bind_on_rank``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import math
 import numpy as np
 
 from fshard.core import ArrayType, bind, typeof
-from fshard.interpret import AxisData, batch_program, equation_note, eval_program
-from fshard.ir import Literal
+from fshard.interpret import AxisData, batch_program, eval_program, walk
 from fshard.primitives import collectives as C
 from fshard.primitives.base import batch_to_front
 from fshard.primitives.spmd import block_slice_p
@@ -142,27 +142,24 @@ def run_on_rank(part: Partitioned, args: list, mesh):
     blocks = [C.shard_in_p.bind(x, dims=dims(sh), mesh=mesh)
               for x, sh in zip(args, part.in_shardings)]
     program = part.program
-    env = dict(zip(program.inputs, list(part.consts) + blocks, strict=True))
+    outs = walk(program, list(part.consts) + blocks,
+                lambda eq, vals: bind_on_rank(eq, vals, mesh), "running on this rank")
+    return [C.shard_out_p.bind(y, dims=dims(sh), mesh=mesh)
+            for y, sh in zip(outs, part.out_shardings)]
 
-    def read(a):
-        return a.value if isinstance(a, Literal) else env[a]
 
-    for eq in program.equations:
-        vals = [read(a) for a in eq.inputs]
-        try:
-            if eq.prim is block_slice_p:  # this rank's block of a value it holds whole
-                d = [()] * eq.inputs[0].aval.ndim
-                d[eq.params["dim"]] = tuple(eq.params["axis_name"])
-                outs = [C.shard_in_p.bind(vals[0], dims=tuple(d), mesh=mesh)]
-            else:
-                params = eq.params
-                if eq.prim in C.NAMED_AXIS_PRIMITIVES:
-                    params = dict(params, mesh=mesh)
-                outs = bind(eq.prim, *vals, **params)
-                outs = outs if eq.prim.multiple_results else [outs]
-        except Exception as e:
-            e.add_note(equation_note(eq, "running on this rank"))
-            raise
-        env.update(zip(eq.outputs, outs, strict=True))
-    return [C.shard_out_p.bind(read(a), dims=dims(sh), mesh=mesh)
-            for a, sh in zip(program.outputs, part.out_shardings)]
+def bind_on_rank(eq, values, mesh) -> list:
+    """``bind`` one equation of a per-device Program on this rank of a job (``mesh``:
+    the job's ``fs.Mesh``): collectives and ``axis_index`` get the mesh, so they lower
+    to the job's communication; a ``block_slice`` (a value held whole, cut to this
+    device's block) becomes this rank's block (``shard_in``). Shared by ``fs.shard``
+    and ``fs.shard_map``."""
+    if eq.prim is block_slice_p:
+        d = [()] * eq.inputs[0].aval.ndim
+        d[eq.params["dim"]] = tuple(eq.params["axis_name"])
+        return [C.shard_in_p.bind(values[0], dims=tuple(d), mesh=mesh)]
+    params = eq.params
+    if eq.prim in C.NAMED_AXIS_PRIMITIVES:
+        params = dict(params, mesh=mesh)
+    outs = bind(eq.prim, *values, **params)
+    return outs if eq.prim.multiple_results else [outs]

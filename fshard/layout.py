@@ -335,6 +335,10 @@ Spec = Union[Layout, Sequence[int]]
 # ---------------------------------------------------------------------------
 
 
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def check_strategy(
     strategy,
     n_devices: int | None = None,
@@ -342,15 +346,18 @@ def check_strategy(
     ndim: int | None = None,
     name: str = "strategy",
     shape: Sequence[int] | None = None,
+    what: str = "the tensor",
 ) -> tuple[int, ...]:
-    """Validate a strategy tuple and return it as a tuple of ints.
+    """Check a tuple of split counts and return it as a tuple of ints: the one check of
+    MindSpore's strategy tuples (``fs.shard``, ``fs.shard_map``, ``fs.visualize_sharding``
+    and checkpoints all call it).
 
     >>> check_strategy([4, 2], 8)
     (4, 2)
     >>> check_strategy((4, 4), 8)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    fshard.errors.ShardingError: strategy = (4, 4) splits a tensor into 16 blocks, more than ...
+    fshard.errors.ShardingError: strategy = (4, 4) splits the tensor into 16 blocks, but ...
 
     Args:
         strategy: split counts, one per tensor dimension.
@@ -358,6 +365,7 @@ def check_strategy(
         ndim: expected number of entries (the tensor's rank), if known.
         name: how the strategy is named in messages, e.g. ``"in_strategy[0]"``.
         shape: the tensor's shape, only to make the ``ndim`` message clearer.
+        what: the value the strategy describes, in messages.
 
     See also: ``strategy_to_layout``, ``check_shape``.
     """
@@ -369,35 +377,35 @@ def check_strategy(
         )
     strategy = tuple(strategy)
     for i, c in enumerate(strategy):
-        if not _is_int(c) or c < 1:
+        if not _is_int(c):
             raise ShardingError(
-                f"{name}[{i}] must be a positive int (how many parts dimension {i} is split "
-                f"into); got {c!r} ({type(c).__name__}) in {strategy!r}. Fix: use 1 for a "
-                f"dimension that is not split."
-            )
+                f"{name} = {strategy!r} has the split count {c!r} ({type(c).__name__}) for "
+                f"dimension {i}.\nRule: split counts are positive ints.\nFix: use 1 for a "
+                "dimension that is not split.")
+        if c <= 0:
+            raise ShardingError(
+                f"{name} = {strategy!r} has the split count {c} for dimension {i}.\nRule: "
+                "split counts are positive ints.\nFix: use 1 for a dimension that is not "
+                "split.")
     strategy = tuple(int(c) for c in strategy)
     if ndim is not None and len(strategy) != ndim:
-        of = f"the tensor has {ndim} dimensions" + (f" (shape {tuple(shape)!r})" if shape else "")
+        of = f"{what} has rank {ndim}" + (f" (shape {tuple(shape)!r})" if shape else "")
         raise ShardingError(
-            f"{name} = {strategy!r} has {len(strategy)} entries but {of}. Fix: give one split "
-            f"count per dimension, e.g. {(1,) * ndim!r} for no split."
-        )
+            f"{name} = {strategy!r} has {_plural(len(strategy), 'entry', 'entries')}, but "
+            f"{of}.\nRule: a strategy gives one split count per dimension.\nFix: give "
+            f"{ndim} split counts, e.g. {(1,) * ndim!r} for no split.")
     if n_devices is not None:
-        p = math.prod(strategy)
-        if p > n_devices:
+        total = math.prod(strategy)
+        if total > n_devices or n_devices % total:
+            how = (f"but the mesh has only {_plural(n_devices, 'device', 'devices')}"
+                   if total > n_devices else
+                   f"which does not divide the {n_devices} devices of the mesh")
             raise ShardingError(
-                f"{name} = {strategy!r} splits a tensor into {p} blocks, more than the "
-                f"{n_devices} devices. The product of the split counts must divide the device "
-                f"count (the remaining factor holds replicas). Fix: make the product one of "
-                f"{_or_list(_divisors(n_devices))}, or use a mesh of at least {p} devices."
-            )
-        if n_devices % p:
-            raise ShardingError(
-                f"{name} = {strategy!r} splits a tensor into {p} blocks, which does not divide "
-                f"the {n_devices} devices. The product of the split counts must divide the "
-                f"device count (the remaining factor holds replicas). Fix: make the product "
-                f"one of {_or_list(_divisors(n_devices))}."
-            )
+                f"{name} = {strategy!r} splits {what} into {total} blocks, {how}.\nRule: the "
+                "product of the split counts must divide the device count (the remaining "
+                "factor holds replicas).\nFix: use split counts whose product is "
+                f"{_or_list(_divisors(n_devices))}, or another mesh (fs.Mesh, mesh=N or "
+                "FSHARD_DEVICES).")
     return strategy
 
 

@@ -2,9 +2,12 @@
 ``fs.Layout`` view, or None) as the layouts fshard partitions with.
 
 One parser serves ``fs.shard``, ``fs.shard_map`` and ``AutoParallel``: ``is_strategy_leaf``
-tells a strategy from a container of strategies, ``check_counts`` checks a tuple of
-split counts against the value and the mesh, and ``parse_strategy`` gives the
-``Sharding`` over the prime axes of a ``ShardMesh``. Which mesh axes a tuple strategy
+tells a strategy from a container of strategies (for pytrees of strategies, and
+MindSpore's 1-tuple for a single output), ``fs.layout.check_strategy`` checks a tuple
+of split counts against the value and the device count (the one check, also behind
+``fs.visualize_sharding``), ``parse_strategy`` gives ``fs.shard`` its ``Sharding`` over
+the prime axes of a ``ShardMesh``, and ``mesh_dims`` gives ``fs.shard_map`` the named
+axes of its ``fs.Mesh``. Which mesh axes a tuple strategy
 uses is chosen later, jointly for all of them (fshard/sharding/search.py
 ``choose_split_axes``); a ``Layout`` pins them.
 """
@@ -12,28 +15,18 @@ uses is chosen later, jointly for all of them (fshard/sharding/search.py
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 
 from fshard import tree
 from fshard.core import ArrayType
 from fshard.errors import ShardingError
-from fshard.layout import Layout
+from fshard.layout import Layout, _divisors, _or_list, check_strategy
 from fshard.sharding.layouts import ShardMesh, Sharding
 
 
 def plural(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _or_list(xs) -> str:
-    xs = [str(x) for x in xs]
-    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " or " + xs[-1]
 
 
 def is_count(c) -> bool:
@@ -63,35 +56,7 @@ def parse_strategy(entry, aval: ArrayType, mesh: ShardMesh, where: str,
             f"view, or None; got {type(entry).__name__} {entry!r}.\nFix: e.g. "
             f"{tuple([1] * aval.ndim)} for {what} unsplit, or None to let propagation "
             "choose.")
-    entry = tuple(entry)
-    for i, c in enumerate(entry):
-        if not is_count(c):
-            raise ShardingError(
-                f"{where} = {entry!r} has the split count {c!r} ({type(c).__name__}) for "
-                f"dimension {i}.\nRule: split counts are positive ints.\nFix: use 1 for a "
-                "dimension that is not split.")
-        if c <= 0:
-            raise ShardingError(
-                f"{where} = {entry!r} has the split count {c} for dimension {i}.\nRule: "
-                "split counts are positive ints.\nFix: use 1 for a dimension that is not "
-                "split.")
-    entry = tuple(int(c) for c in entry)
-    if len(entry) != aval.ndim:
-        raise ShardingError(
-            f"{where} = {entry!r} has {plural(len(entry), 'entry', 'entries')}, but {what} "
-            f"has rank {aval.ndim}.\nRule: a strategy gives one split count per dimension.\nFix: "
-            f"give {aval.ndim} split counts, e.g. {tuple([1] * aval.ndim)!r} for no split.")
-    total = math.prod(entry)
-    if total > mesh.size or mesh.size % total:
-        how = (f"but the mesh has only {plural(mesh.size, 'device', 'devices')}"
-               if total > mesh.size else
-               f"which does not divide the {mesh.size} devices of the mesh")
-        raise ShardingError(
-            f"{where} = {entry!r} splits {what} into {total} blocks, {how}.\nRule: the "
-            "product of the split counts must divide the device count (the remaining "
-            "factor holds replicas).\nFix: use split counts whose product is "
-            f"{_or_list(_divisors(mesh.size))}, or another mesh (fs.Mesh, mesh=N or "
-            "FSHARD_DEVICES).")
+    entry = check_strategy(entry, mesh.size, ndim=aval.ndim, name=where, what=what)
     for i, (c, d) in enumerate(zip(entry, aval.shape)):
         if d % c if isinstance(d, int) else _symbol_bad(d, c):
             raise ShardingError(
@@ -278,16 +243,10 @@ def is_strategy_leaf(s) -> bool:
 def _counts_to_mesh_axes(counts, ndim: int, mesh, where: str) -> tuple:
     """Split counts -> mesh axes: dims take consecutive mesh axes in order, each dim
     the shortest run (from the first unused axis) whose sizes multiply to its count."""
-    counts = tuple(int(c) for c in counts)
+    counts = check_strategy(counts, mesh.size, ndim=ndim, name=where, what="the value")
     names, sizes = mesh.axis_names, mesh.shape
-    if len(counts) != ndim:
-        raise ShardingError(
-            f"{where} = {counts!r} has {len(counts)} entries, but the value has rank {ndim}."
-            f"\nFix: give one split count per dimension, e.g. {(1,) * ndim!r} for none.")
     dims, a = [], 0
     for k, c in enumerate(counts):
-        if c < 1:
-            raise ShardingError(f"{where}[{k}] = {c} must be a positive split count.")
         axes, prod = [], 1
         while prod < c and a < len(names):
             axes.append(names[a])
@@ -344,7 +303,7 @@ def mesh_dims(entry, ndim: int, mesh, where: str) -> tuple:
         return ((),) * ndim
     if isinstance(entry, Layout):
         return _layout_to_mesh_axes(entry, ndim, mesh, where)
-    if isinstance(entry, (tuple, list)) and all(is_count(c) for c in entry):
+    if isinstance(entry, (tuple, list)):  # split counts, checked there
         return _counts_to_mesh_axes(entry, ndim, mesh, where)
     hint = ""
     if isinstance(entry, (int, np.integer)):

@@ -318,30 +318,30 @@ def test_as_layout_accepts_layouts_strategies_and_none():
 
 
 def test_strategy_errors():
+    rule = ("Rule: the product of the split counts must divide the device count (the "
+            "remaining factor holds replicas).\nFix: use split counts whose product is 1, 2, "
+            "4 or 8, or another mesh (fs.Mesh, mesh=N or FSHARD_DEVICES).")
     _golden(lambda: check_strategy((4, 4), 8, name="in_strategy[0]"), fs.ShardingError,
-            "in_strategy[0] = (4, 4) splits a tensor into 16 blocks, more than the 8 devices. "
-            "The product of the split counts must divide the device count (the remaining "
-            "factor holds replicas). Fix: make the product one of 1, 2, 4 or 8, or use a mesh "
-            "of at least 16 devices.")
+            "in_strategy[0] = (4, 4) splits the tensor into 16 blocks, but the mesh has only "
+            "8 devices.\n" + rule)
     _golden(lambda: check_strategy((3, 1), 8, name="in_strategy[0]"), fs.ShardingError,
-            "in_strategy[0] = (3, 1) splits a tensor into 3 blocks, which does not divide the "
-            "8 devices. The product of the split counts must divide the device count (the "
-            "remaining factor holds replicas). Fix: make the product one of 1, 2, 4 or 8.")
+            "in_strategy[0] = (3, 1) splits the tensor into 3 blocks, which does not divide "
+            "the 8 devices of the mesh.\n" + rule)
+    positive = ("Rule: split counts are positive ints.\nFix: use 1 for a dimension that is "
+                "not split.")
     _golden(lambda: check_strategy((2, 0), 8, name="in_strategy[1]"), fs.ShardingError,
-            "in_strategy[1][1] must be a positive int (how many parts dimension 1 is split "
-            "into); got 0 (int) in (2, 0). Fix: use 1 for a dimension that is not split.")
+            "in_strategy[1] = (2, 0) has the split count 0 for dimension 1.\n" + positive)
     _golden(lambda: check_strategy((2, 2.0), 8), fs.ShardingError,
-            "strategy[1] must be a positive int (how many parts dimension 1 is split into); "
-            "got 2.0 (float) in (2, 2.0). Fix: use 1 for a dimension that is not split.")
+            "strategy = (2, 2.0) has the split count 2.0 (float) for dimension 1.\n" + positive)
     _golden(lambda: check_strategy("ab", 8), fs.ShardingError,
             "strategy must be a tuple of split counts, one per dimension (e.g. (4, 2): dim 0 "
             "in 4 parts, dim 1 in 2), or a Layout view; got 'ab' (str).")
     _golden(lambda: check_strategy((2, 2), 8, ndim=3, shape=(4, 4, 4)), fs.ShardingError,
-            "strategy = (2, 2) has 2 entries but the tensor has 3 dimensions (shape (4, 4, 4)). "
-            "Fix: give one split count per dimension, e.g. (1, 1, 1) for no split.")
+            "strategy = (2, 2) has 2 entries, but the tensor has rank 3 (shape (4, 4, 4)).\n"
+            "Rule: a strategy gives one split count per dimension.\nFix: give 3 split "
+            "counts, e.g. (1, 1, 1) for no split.")
     _golden(lambda: check_strategy((True, 2), 8), fs.ShardingError,
-            "strategy[0] must be a positive int (how many parts dimension 0 is split into); "
-            "got True (bool) in (True, 2). Fix: use 1 for a dimension that is not split.")
+            "strategy = (True, 2) has the split count True (bool) for dimension 0.\n" + positive)
     _golden(lambda: einsum_layouts("ij,jk->ik", ((2, 2), (4, 1)), 8), fs.ShardingError,
             "index 'j' of 'ij,jk->ik' is split 2 ways in one operand and 4 ways in "
             "strategies[1] = (4, 1). An index shared by operands must have the same split "

@@ -313,7 +313,7 @@ def test_error_bare_int_entry():
 
 
 def test_error_strategy_rank():
-    with pytest.raises(fs.ShardingError, match=r"has 1 entries, but the value has rank 2"):
+    with pytest.raises(fs.ShardingError, match=r"has 1 entry, but the value has rank 2"):
         fs.shard_map(lambda a: a, ((2,),), None, mesh=M2)(np.ones((2, 2), np.float32))
     with pytest.raises(fs.ShardingError, match="names 1 dimensions, but the value has rank 2"):
         fs.shard_map(lambda a: a, (fs.Layout((2,), ("d",))("d"),), None, mesh=M2)(
@@ -387,3 +387,20 @@ def test_single_output_accepts_a_tuple_of_one_strategy():
     for out in [((2, 1),), (2, 1)]:
         f = fs.shard_map(lambda a: a * 2, in_strategy=((2, 1),), out_strategy=out, mesh=mesh)
         close(f(x), x * 2)
+
+
+@pytest.mark.parametrize("bad", [((2, 0),), ((2, 2.0),), ((3, 1),), ((16, 1),), ((2,),)])
+def test_shard_and_shard_map_check_split_counts_alike(bad):
+    """One check of split counts (fs.layout.check_strategy) behind both transforms: the
+    same rule and fix for the same mistake."""
+    x = np.ones((8, 4), np.float32)
+    got = []
+    for make in (lambda: fs.shard(lambda v: v * 2.0, in_strategy=bad, mesh=8),
+                 lambda: fs.shard_map(lambda v: v * 2.0, bad, None,
+                                      mesh=fs.Mesh((8,), ("d",)))):
+        with pytest.raises(fs.ShardingError) as info:
+            make()(x)
+        first, *rest = str(info.value).splitlines()
+        assert f"in_strategy[0] = {bad[0]!r} " in first
+        got.append(rest)  # the rule and the fix
+    assert got[0] == got[1]

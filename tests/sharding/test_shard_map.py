@@ -404,3 +404,18 @@ def test_shard_and_shard_map_check_split_counts_alike(bad):
         assert f"in_strategy[0] = {bad[0]!r} " in first
         got.append(rest)  # the rule and the fix
     assert got[0] == got[1]
+
+
+def test_out_strategy_forms_match_shard():
+    """MindSpore's tuple of strategies for a single output, ``((2, 1),)``, means what the
+    bare strategy ``(2, 1)`` means, in fs.shard_map as in fs.shard."""
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    mesh = fs.Mesh((2,), ("d",))
+    for out_strategy in ((2, 1), ((2, 1),)):
+        y = fs.shard_map(lambda v: v * 2.0, ((2, 1),), out_strategy, mesh=mesh)(x)
+        np.testing.assert_array_equal(y.asnumpy(), 2 * x)
+        z = fs.shard(lambda v: v * 2.0, in_strategy=((2, 1),), out_strategy=out_strategy,
+                     mesh=2)(x)
+        np.testing.assert_array_equal(z.asnumpy(), 2 * x)
+    with pytest.raises(fs.ShardingError, match="out_strategy"):
+        fs.shard_map(lambda v: v * 2.0, ((2, 1),), ((2, 1), (2, 1)), mesh=mesh)(x)

@@ -187,13 +187,45 @@ def test_bad_declarations_are_argument_errors():
         f(_t(8))
 
 
-def test_shard_of_symbolic_dims_is_a_clear_error_not_a_crash():
+def _dense_relu(x, w):
+    return ops.relu(x @ w)
+
+
+def test_a_split_symbolic_dim_is_its_own_size_in_the_per_device_program():
     s = fs.Symbol(divisor=8)
-    g = fs.shard(lambda x, w: ops.relu(x @ w), in_strategy=((8, 1), (1, 1)), mesh=8)
-    f = fs.jit(g, in_shapes=(fs.ArrayType((s, 16), F32), None))
-    with pytest.raises(fs.ShardingError, match=r"(?s)symbolic type f32\[s\d+,16\].*Fix: call the "
-                                               "sharded function with static shapes"):
-        f(_t(16, 16), _t(16, 4))
+    g = fs.shard(_dense_relu, in_strategy=((8, 1), None), mesh=8,
+                 in_shapes=(fs.ArrayType((s, 16), F32), None))
+    w = _t(16, 4)
+    for b in (16, 8, 40, 24, 16):
+        x = _t(b, 16)
+        _close(g(x, w), fs.jit(_dense_relu)(x, w))
+    assert (g.trace_count, g.compile_count) == (1, 1)
+    part = g.partitioned(fs.ArrayType((s, 16), F32), fs.ArrayType((16, 4), F32))
+    assert f"f32[{s.name}/8,16]{{(8, 1)}}" in str(part)  # each device: a block of s0/8 rows
+    assert f"f32[{s.name}/8,4]" in str(part) and part.collectives() == ["all_gather"]
+    with pytest.raises(fs.ShapeError, match=r"size 12 in dimension 0, which s\d+ = "
+                                            r"Symbol\(divisor=8\) does not accept"):
+        g(_t(12, 16), w)
+
+
+@pytest.mark.parametrize("declared", [fs.Symbol(divisor=4), fs.Symbol(), fs.Symbol(
+    divisor=8, remainder=4)])
+def test_a_split_symbolic_dim_not_provably_divisible_is_an_error_naming_the_strategy(declared):
+    g = fs.shard(_dense_relu, in_strategy=((8, 1), None), mesh=8).set_inputs(
+        fs.ArrayType((declared, 16), F32), None)
+    with pytest.raises(fs.ShardingError, match=(
+            r"(?s)in_strategy\[0\] = \(8, 1\) splits dimension 0 \(size s\d+\) of argument "
+            r"'x' \(f32\[s\d+,16\]\) into 8 parts, but s\d+ is not divisible by 8.*Fix: s\d+ is "
+            r"declared Symbol\(.*\); declare it with fs.Symbol\(divisor=8\)")):
+        g(_t(16, 16), _t(16, 4))
+
+
+def test_shard_declarations_are_checked():
+    with pytest.raises(fs.ShardingError, match=r"fs.shard\(in_shapes=...\) must be a tuple"):
+        fs.shard(_dense_relu, in_strategy=((8, 1), None), mesh=8, in_shapes="annotations")
+    with pytest.raises(fs.ArgumentError, match=r"fs.shard\(_dense_relu\).set_inputs: "
+                                               r"argument 0\[0\]: expected an fs.ArrayType"):
+        fs.shard(_dense_relu, in_strategy=((8, 1), None), mesh=8).set_inputs((8, 16))
 
 
 # -- jaxtyping annotations as declarations ----------------------------------------
@@ -302,3 +334,26 @@ def test_the_seeds_network_trains_on_varying_batches_compiled_once():
     hot = sum(n >= HOT_CALLS for n in seen.values())
     assert (dynamic.trace_count, dynamic.compile_count) == (1, 1 + hot)
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses  # it learns
+
+
+def _dynamic_checks():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent / "distributed" / "dynamic_checks.py"
+    spec = importlib.util.spec_from_file_location("dynamic_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_seeds_network_sharded_on_8_devices_trains_on_varying_batches_compiled_once():
+    """The seed's split counts (MatMul ((2, 4), (4, 1)), MatMul ((1, 8), (8, 1))) on a
+    virtual mesh of 8, a Symbol(divisor=8) batch of a new size every step: every loss
+    equals the unsharded static-shape step's (the same run in 2- and 4-process jobs:
+    tests/distributed/test_dynamic_multiprocess.py)."""
+    checks = _dynamic_checks()
+    got, want, sharded = checks.train_seed(8, mesh=8)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert (sharded.trace_count, sharded.compile_count) == (1, 1)
+    assert np.mean(got[-3:]) < 0.9 * np.mean(got[:3]), got  # it learns

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fshard import tree
+from fshard import distributed, tree
 from fshard.cells import functional, is_cell
 from fshard.core import typeof
 from fshard.errors import ArgumentError, ShardingError
@@ -47,6 +47,7 @@ from fshard.optim import apply_updates
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
 from fshard.transforms.jit import jit
+from fshard.transforms.local_batch import block_index, global_type, to_global
 from fshard.transforms.shard import shard, write_json_atomic
 
 MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
@@ -365,9 +366,29 @@ class AutoParallel:
         train_step.__name__ = f"train_step_{self.name}"
         return train_step
 
+    def _feeds_slices(self) -> bool:
+        """Each process passes its own slice of the batch: ``data_parallel`` in a
+        multi-process job."""
+        if self._dataset != "data_parallel":
+            return False
+        if isinstance(self.mesh, int):
+            return distributed.is_initialized()
+        return not resolve_mesh(self.mesh).is_virtual
+
+    def _plan_batch(self, batch) -> tuple:
+        """The batch as the plan sees it: global types when each process passes its
+        slice (``N`` slices of ``b`` rows make a global batch of ``N * b``)."""
+        if not self._feeds_slices():
+            return batch
+        n = self.n_devices
+        return tuple(tree.map(lambda x: global_type(x, n), b) for b in batch)
+
     def sharded(self, state: TrainState, *batch):
         """The ``fs.shard``-ed step for these arguments (``partitioned(...)`` shows the
         per-device program)."""
+        return self._sharded(state, self._plan_batch(batch))
+
+    def _sharded(self, state: TrainState, batch):
         key = (tree.structure(state), tuple(
             (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))))
         hit = self._steps.get(key)
@@ -384,23 +405,43 @@ class AutoParallel:
                   search=self.parallel_mode != "sharding_propagation")
         s.comm_fusion = self._fusion
         s.grad_vars = grad_vars
+        operator_file = getattr(self, "_operator_file", None)
+        if operator_file is not None:
+            s.load_strategies(operator_file)
         entry = (s, jit(s))
         self._steps[key] = entry
         return entry
 
     def __call__(self, state: TrainState, *batch):
         """One train step: ``(new state, loss)`` (``(new state, (loss, aux))`` with
-        ``has_aux``)."""
+        ``has_aux``). In a multi-process job with ``dataset_strategy("data_parallel")``
+        each process passes its own slice of the batch (process ``r`` of ``N``: rows
+        ``[r * b, (r + 1) * b)`` of the global batch)."""
         if not isinstance(state, TrainState):
             raise ArgumentError(
                 f"AutoParallel({self.name})(state, *batch): state must be the TrainState "
                 f"from ap.init(...); got {type(state).__name__}.")
-        _, step = self.sharded(state, *batch)
+        if self._feeds_slices():
+            batch = self._place_slices(state, batch)
+        _, step = self._sharded(state, batch)
         return step(state.params, state.opt_state, state.step, *batch)
+
+    def _place_slices(self, state: TrainState, batch) -> tuple:
+        """Each slice at its block of a global-shaped batch (where the plan reads it)."""
+        part = self._partitioned(state, self._plan_batch(batch))
+        n_c = part.prop.program.n_consts
+        shs = part.in_shardings[n_c + len(tree.leaves(state)):]
+        leaves, spec = tree.flatten(tuple(batch))
+        rank = distributed.rank()
+        return tree.unflatten(spec, [to_global(x, block_index(sh, part.prop.mesh, rank))
+                                     for x, sh in zip(leaves, shs, strict=True)])
 
     def partitioned(self, state: TrainState, *batch):
         """The per-device program of the step (print it; ``.collectives()``)."""
-        s, _ = self.sharded(state, *batch)
+        return self._partitioned(state, self._plan_batch(batch))
+
+    def _partitioned(self, state: TrainState, batch):
+        s, _ = self._sharded(state, batch)
         return s.partitioned(state.params, state.opt_state, state.step, *batch)
 
     # -- reports and files -----------------------------------------------------------
@@ -473,7 +514,8 @@ class AutoParallel:
     def save_operator_strategy_file(self, path, state: TrainState, *batch) -> dict:
         """Write the strategy of every equation of the step (``fs.shard``'s strategy
         file) to ``path``."""
-        s, _ = self.sharded(state, *batch)
+        batch = self._plan_batch(batch)
+        s, _ = self._sharded(state, batch)
         return s.save_strategies(path, state.params, state.opt_state, state.step, *batch)
 
     def load_operator_strategy_file(self, path) -> "AutoParallel":

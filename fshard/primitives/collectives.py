@@ -43,6 +43,7 @@ from mindspore import ops
 
 from fshard import context, dtypes
 from fshard.core import ArrayType, Primitive, typeof
+from fshard.dims import dim_multiple_of, dims_equal
 from fshard.errors import ArgumentError, AxisNameError, ProgramTypeError, ShapeError
 from fshard.backend.mindspore import COLLECTIVE_DTYPES, NATIVE_COLLECTIVES, device_target
 from fshard.interpret import AxisData, batch_program, current_axis
@@ -915,7 +916,7 @@ def _shard_in_type(x, *, dims, mesh):
     shape = list(x.shape)
     for k, axes in enumerate(dims):
         n = _total(mesh.axis_size(a) for a in axes)
-        if shape[k] % n:
+        if not dim_multiple_of(shape[k], n):
             raise ShapeError(f"shard_in: dimension {k} of {x} is not divisible by {n}")
         shape[k] //= n
     return ArrayType(tuple(shape), x.dtype)
@@ -936,9 +937,10 @@ def _lower_shard_in(ctx, x, *, dims, mesh):
         if not axes:
             continue
         comm = _Comm(ctx, axes, {"mesh": mesh}, "shard_map", rank=rank)
-        block = shape[k] // comm.n
-        begin[k], end[k] = comm.index * block, (comm.index + 1) * block
-    if begin == [0] * len(shape) and end == list(shape):
+        block = shape[k] // comm.n  # s0/8 of a symbolic s0: sizes read at run time
+        begin[k] = comm.index * block if comm.index else 0
+        end[k] = (comm.index + 1) * block
+    if begin == [0] * len(shape) and all(dims_equal(e, d) for e, d in zip(end, shape)):
         return x
     return ctx.call(_ms_slice, x, begin=tuple(begin), end=tuple(end),
                     strides=(1,) * len(shape))

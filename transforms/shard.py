@@ -38,7 +38,7 @@ from collections import deque
 import numpy as np
 from dataclasses import dataclass
 
-from fshard import context, dtypes, tree
+from fshard import context, distributed, dtypes, tree
 from fshard.core import ArrayType, EvalTrace, bind, current_trace, typeof
 from fshard.dims import dim_multiple_of
 from fshard.errors import CompositionError, ShardingError
@@ -62,6 +62,7 @@ from fshard.sharding import (
     plan_bytes,
 )
 from fshard.staging import StagedTracer, fun_name, stage, trace_fun
+from fshard.transforms import local_batch
 
 
 # ---------------------------------------------------------------------------
@@ -1375,12 +1376,6 @@ class Sharded:
         if hit is not None:
             return hit
         mesh = ShardMesh.for_devices(n)
-        if in_job and self.dataset_strategy == "data_parallel":
-            raise ShardingError(
-                f"shard({fname}): dataset_strategy='data_parallel' in a multi-process job "
-                "is not supported yet (each process would pass its own batch slice).\nFix: "
-                "pass the global batch in every process with dataset_strategy='full_batch' "
-                "and in_strategy=((N, 1), ...), or use fs.shard_map for per-process data.")
         with context.counted(context.shard_depth):
             traced = trace_fun(fn, in_tree, [typeof(x) for x in leaves])
         prog = traced.program
@@ -1496,8 +1491,20 @@ class Sharded:
                 f"shard({fname}) was called with keyword arguments {sorted(kwargs)}; a "
                 "sharded function takes its arrays positionally (one in_strategy entry "
                 "each).\nFix: pass them positionally.")
-        plan, traced, leaves = self._prepare(args)
+        fn, leaves, entries, in_tree = self._flat_call(args)
+        n, in_job = _devices_and_place(self.mesh, fname)
+        # data_parallel in a job: each process passes its own slice of each unannotated
+        # argument and gets its block of each unannotated output (local_batch.py).
+        sliced = [in_job and self.dataset_strategy == "data_parallel" and e is None and
+                  is_arg and typeof(x).ndim > 0 for (e, _, _, is_arg), x in zip(entries, leaves)]
+        plan, traced = self._plan(fn, [local_batch.global_type(x, n) if s else x
+                                       for s, x in zip(sliced, leaves)], entries, in_tree)
+        if any(sliced):
+            leaves = local_batch.place_inputs(plan.partitioned(), len(traced.consts), leaves,
+                                              sliced, distributed.rank())
         outs = shard_call_p.bind(*traced.consts, *leaves, plan=plan)
+        if any(sliced) and self.out_strategy is None:
+            outs = local_batch.take_outputs(plan.partitioned(), outs, distributed.rank())
         return tree.unflatten(traced.out_tree, outs)
 
     # -- strategies ----------------------------------------------------------

@@ -192,11 +192,36 @@ def _remove_gen_dir(path: str, pid: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _remove_stale_gen_dirs(root: str) -> None:
+    """Remove the generated sources of processes that are gone without running their
+    exit handlers (a rank the launcher stopped, a killed test run). The directory name
+    carries its process id; a directory of a live process, or of another user, stays."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for entry in names:
+        parts = entry.split("_")
+        if len(parts) < 4 or entry[:11] != "fshard_gen_" or not parts[2].isdigit():
+            continue
+        path = os.path.join(root, entry)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive under another user, or the entry vanished
+            continue
+
+
 def _gen_path(name: str) -> tuple[str, str]:
     global _gen_dir
     with _gen_lock:
         if _gen_dir is None:
-            _gen_dir = tempfile.mkdtemp(prefix="fshard_gen_")
+            # one directory per process, removed at exit
+            _remove_stale_gen_dirs(tempfile.gettempdir())
+            _gen_dir = tempfile.mkdtemp(prefix=f"fshard_gen_{os.getpid()}_")
             atexit.register(_remove_gen_dir, _gen_dir, os.getpid())
         n = next(_gen_counter)
     modname = f"fshard_generated_{os.getpid()}_{n}"

@@ -357,3 +357,19 @@ def test_the_seeds_network_sharded_on_8_devices_trains_on_varying_batches_compil
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert (sharded.trace_count, sharded.compile_count) == (1, 1)
     assert np.mean(got[-3:]) < 0.9 * np.mean(got[:3]), got  # it learns
+
+
+def test_an_autoparallel_step_with_declared_batch_shapes_compiles_once():
+    checks = _dynamic_checks()
+    got, want, step = checks.autoparallel_seed(8, mesh=8)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert (step.trace_count, step.compile_count) == (1, 1)
+    ap = fs.AutoParallel(checks.seed_loss, fs.optim.sgd(0.1), mesh=8).set_inputs(
+        fs.ArrayType((fs.Symbol(divisor=4), 1, 8, 8), F32), None)
+    x = Tensor(np.zeros((8, 1, 8, 8), np.float32))
+    with pytest.raises(fs.ShardingError, match=r"dataset_strategy\('data_parallel'\) splits "
+                                               r"every batch input along dimension 0 over "
+                                               r"the 8 devices, but a batch input is "
+                                               r"f32\[s\d+,1,8,8\]"):
+        ap(ap.init({k: Tensor(v) for k, v in checks.init_params().items()}), x,
+           Tensor(np.zeros(8, np.int32)))

@@ -41,12 +41,13 @@ import numpy as np
 from fshard import distributed, tree
 from fshard.cells import functional, is_cell
 from fshard.core import typeof
+from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import apply_updates
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
-from fshard.transforms.jit import jit
+from fshard.transforms.jit import declared_types, jit
 from fshard.transforms.local_batch import block_index, global_type, to_global
 from fshard.transforms.shard import shard, write_json_atomic
 
@@ -91,10 +92,12 @@ class AutoParallel:
             ``"recursive_programming"`` (the whole step planned by fshard's search).
         mesh: an ``fs.Mesh``, a device count, or None (the default mesh).
         has_aux: ``network`` returns ``(loss, aux)``.
+        in_shapes: declared shapes of the batch inputs (``set_inputs``), for batches
+            of varying size run by one compiled step.
     """
 
     def __init__(self, network, optimizer, parallel_mode: str = "semi_auto", *, mesh=None,
-                 has_aux: bool = False):
+                 has_aux: bool = False, in_shapes=None):
         if not callable(network):
             raise ArgumentError(
                 f"AutoParallel(network=...) must be a loss function or an nn.Cell; got "
@@ -128,6 +131,14 @@ class AutoParallel:
         self._fusion = None  # bucket bytes
         self._fixed_params = None  # loaded parameter strategies
         self._steps: dict = {}
+        self._batch_specs = None  # declared batch input shapes (set_inputs)
+        if in_shapes is not None:
+            if not isinstance(in_shapes, (tuple, list)):
+                raise ArgumentError(
+                    f"AutoParallel(in_shapes=...) must be a tuple with one entry per batch "
+                    f"input, got {type(in_shapes).__name__} {in_shapes!r}.\nFix: in_shapes="
+                    "(fs.ArrayType((fs.Symbol(divisor=8), 784), mindspore.float32), ...).")
+            self.set_inputs(*in_shapes)
 
     # -- the mesh ------------------------------------------------------------------
     @property
@@ -340,7 +351,7 @@ class AutoParallel:
 
         def split(x):
             a = typeof(x)
-            if a.ndim == 0 or a.shape[0] % n:
+            if a.ndim == 0 or not dim_multiple_of(a.shape[0], n):
                 raise ShardingError(
                     f"AutoParallel({self.name}): dataset_strategy('data_parallel') splits "
                     f"every batch input along dimension 0 over the {n} devices, but a batch "
@@ -349,6 +360,17 @@ class AutoParallel:
             return (n,) + (1,) * (a.ndim - 1)
 
         return [tree.map(split, b) for b in batch]
+
+    def set_inputs(self, *batch_specs) -> "AutoParallel":
+        """Declare the batch inputs' shapes (MindSpore's ``set_inputs``): one entry per
+        batch input, an ``fs.ArrayType`` or a placeholder ``Tensor(shape=[s0, ...],
+        dtype=...)`` with ``fs.Symbol`` dimensions, or None. Every batch the Symbols
+        accept then runs one step, partitioned and compiled once; a batch dimension the
+        dataset strategy splits must be provably divisible by its split count
+        (``Symbol(divisor=8)`` on 8 devices). Returns ``self``."""
+        self._batch_specs = declared_types(batch_specs, f"AutoParallel({self.name}).set_inputs")
+        self._steps.clear()
+        return self
 
     # -- the step ------------------------------------------------------------------
     def _step_fn(self, grad_vars: list):
@@ -378,6 +400,8 @@ class AutoParallel:
     def _plan_batch(self, batch) -> tuple:
         """The batch as the plan sees it: global types when each process passes its
         slice (``N`` slices of ``b`` rows make a global batch of ``N * b``)."""
+        if self._batch_specs is not None:  # declared: planned by its declaration
+            return self._declared_batch(batch)
         if not self._feeds_slices():
             return batch
         n = self.n_devices
@@ -408,7 +432,8 @@ class AutoParallel:
         operator_file = getattr(self, "_operator_file", None)
         if operator_file is not None:
             s.load_strategies(operator_file)
-        entry = (s, jit(s))
+        entry = (s, jit(s) if self._batch_specs is None else
+                 jit(s, in_shapes=(None, None, None) + tuple(self._batch_specs)))
         self._steps[key] = entry
         return entry
 
@@ -423,8 +448,25 @@ class AutoParallel:
                 f"from ap.init(...); got {type(state).__name__}.")
         if self._feeds_slices():
             batch = self._place_slices(state, batch)
-        _, step = self._sharded(state, batch)
+        _, step = self._sharded(state, batch if self._batch_specs is None
+                                else self._declared_batch(batch))
         return step(state.params, state.opt_state, state.step, *batch)
+
+    def _declared_batch(self, batch) -> tuple:
+        """The batch with each declared input replaced by its declared type."""
+        if len(self._batch_specs) > len(batch):
+            raise ArgumentError(
+                f"AutoParallel({self.name}) declares {len(self._batch_specs)} batch inputs "
+                f"with set_inputs, but the step got {len(batch)}.\nFix: pass every "
+                "declared batch input.")
+        if self._feeds_slices():
+            raise ArgumentError(
+                f"AutoParallel({self.name}).set_inputs declares the global batch, but with "
+                "dataset_strategy('data_parallel') in a multi-process job each process "
+                "passes its own slice.\nFix: pass the global batch in every process with "
+                "dataset_strategy((split, ...)) giving each input's split counts.")
+        specs = list(self._batch_specs) + [None] * (len(batch) - len(self._batch_specs))
+        return tuple(b if sp is None else sp for b, sp in zip(batch, specs))
 
     def _place_slices(self, state: TrainState, batch) -> tuple:
         """Each slice at its block of a global-shaped batch (where the plan reads it)."""

@@ -100,18 +100,20 @@ def train_seed(n: int, mesh=None, steps: int = STEPS, lr: float = 0.5):
     return got, want, sharded
 
 
-def autoparallel_seed(mesh=None, steps: int = 6):
-    """``fs.AutoParallel`` with a declared batch: data parallel over every device,
-    batch sizes varying, one compile; returns (losses, static losses, the step)."""
+def autoparallel_seed(n: int, mesh=None, steps: int = 6):
+    """``fs.AutoParallel`` with a declared batch: data parallel over the ``n`` devices
+    (every process holds the global batch), batch sizes varying, one compile; returns
+    (losses, static losses, the step)."""
     import mindspore as ms
     from mindspore import Tensor
 
     import fshard as fs
 
     opt = fs.optim.sgd(0.5)
-    ap = fs.AutoParallel(seed_loss, opt, mesh=mesh)
     s0 = fs.Symbol(divisor=8)
-    ap.set_inputs(fs.ArrayType((s0, 1, 8, 8), ms.float32), fs.ArrayType((s0,), ms.int32))
+    ap = fs.AutoParallel(seed_loss, opt, mesh=mesh, in_shapes=(
+        fs.ArrayType((s0, 1, 8, 8), ms.float32), fs.ArrayType((s0,), ms.int32)))
+    ap.dataset_strategy(((n, 1, 1, 1), (n,)))
 
     def static_step(params, state, x, y):
         loss, grads = fs.value_and_grad(seed_loss)(params, x, y)
@@ -145,7 +147,7 @@ def main() -> None:
     for i, (g, w) in enumerate(zip(got, want)):
         check(f"seed step {i} loss", g, w)
     print(f"CHECK seed compiled {sharded.trace_count} {sharded.compile_count} ok", flush=True)
-    got, want, jitted = autoparallel_seed()
+    got, want, jitted = autoparallel_seed(n)
     for i, (g, w) in enumerate(zip(got, want)):
         check(f"AutoParallel step {i} loss", g, w)
     print(f"CHECK AutoParallel compiled {jitted.trace_count} {jitted.compile_count} ok",

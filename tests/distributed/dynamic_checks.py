@@ -139,6 +139,9 @@ def autoparallel_seed(n: int, mesh=None, steps: int = 6):
 
 
 def main() -> None:
+    import mindspore as ms
+    from mindspore import Tensor
+
     import fshard as fs
 
     fs.distributed.init()
@@ -152,6 +155,17 @@ def main() -> None:
         check(f"AutoParallel step {i} loss", g, w)
     print(f"CHECK AutoParallel compiled {jitted.trace_count} {jitted.compile_count} ok",
           flush=True)
+    # a declared global batch cannot be each process's own slice (data_parallel)
+    ap = fs.AutoParallel(seed_loss, fs.optim.sgd(0.1)).set_inputs(
+        fs.ArrayType((fs.Symbol(divisor=8), 1, 8, 8), ms.float32), None)
+    images, labels = digits()
+    try:
+        ap(ap.init({k: Tensor(v) for k, v in init_params().items()}),
+           Tensor(images[:8]), Tensor(labels[:8]))
+    except fs.ArgumentError as e:
+        assert "set_inputs declares the global batch, but with dataset_strategy(" \
+               "'data_parallel') in a multi-process job" in str(e), e
+        print("CHECK declared batch with per-process slices is an ArgumentError ok", flush=True)
     print("ALL CHECKS PASSED", flush=True)
 
 

@@ -25,3 +25,4 @@ def test_the_seeds_dynamic_network_in_a_multi_process_job(tmp_path, processes):
         assert out.count("CHECK AutoParallel step ") == 6, out
         assert "CHECK seed compiled 1 1 ok" in out, out
         assert "CHECK AutoParallel compiled 1 1 ok" in out, out
+        assert "CHECK declared batch with per-process slices is an ArgumentError ok" in out

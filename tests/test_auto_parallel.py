@@ -7,6 +7,8 @@ program); ``memory_report`` matches the ZeRO formulas; misuse is an fshard error
 
 from __future__ import annotations
 
+import json
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -196,6 +198,8 @@ def test_param_strategy_file_round_trip(tmp_path):
 
 @pytest.mark.parametrize("call, match", [
     (lambda ap: ap.enable_gradients_mean(), "already those of the whole batch"),
+    (lambda ap: ap.disable_loss_repeated_mean(), "no repeated mean"),
+    (lambda ap: ap.dump_local_norm(3), "directory path"),
     (lambda ap: ap.hsdp(optimizer_level="level4"), "optimizer_level"),
     (lambda ap: ap.hsdp(threshold=-1), "threshold"),
     (lambda ap: ap.comm_fusion({"allreduce": {"mode": "index", "config": [2]}}), "'auto' or"),
@@ -222,3 +226,69 @@ def test_constructor_checks_its_arguments():
     ap = fs.AutoParallel(mse, Momentum(), mesh=4)
     with pytest.raises(fs.ShardingError, match="batch size divisible by 4"):
         ap(ap.init(params), x, y)
+
+
+# --- the seed's remaining knobs -----------------------------------------------------
+
+
+def _reduction_dtypes(ap, state, x, y):
+    from fshard.primitives.collectives import psum_p
+
+    prog = ap.partitioned(state, x, y).program
+    return {str(a.aval.dtype) for eq in prog.equations if eq.prim is psum_p
+            for a in eq.inputs}
+
+
+def test_float16_reductions_run_in_float32_unless_gradient_fp32_sync_is_disabled():
+    params, x, y = _data(batch=128)
+    half = {k: v.astype(np.float16) for k, v in params.items()}
+    x16, y16 = x.astype(np.float16), y.astype(np.float16)
+    default = fs.AutoParallel(mse, Momentum(lr=0.01), mesh=4)
+    state = default.init(half)
+    assert "Float16" not in _reduction_dtypes(default, state, x16, y16)
+    off = fs.AutoParallel(mse, Momentum(lr=0.01), mesh=4).disable_gradient_fp32_sync()
+    assert "Float16" in _reduction_dtypes(off, state, x16, y16)
+    forced = fs.AutoParallel(mse, Momentum(lr=0.01), mesh=4).disable_gradient_fp32_sync()
+    forced.enable_fp32_communication()
+    assert "Float16" not in _reduction_dtypes(forced, state, x16, y16)
+    # the float16 step still trains like one device (float16 tolerance)
+    _, ref = _train(fs.AutoParallel(mse, Momentum(lr=0.01), mesh=1), half, x16, y16)
+    _, got = _train(forced, half, x16, y16)
+    np.testing.assert_allclose(got, ref, rtol=2e-2)
+
+
+def _block_norms(g, counts):
+    split = [v for d, c in zip(g.shape, counts) for v in (c, d // c)]
+    return np.sqrt((g.astype(np.float64) ** 2).reshape(split).sum(
+        axis=tuple(range(1, len(split), 2))))
+
+
+def test_local_norms_are_the_norms_of_each_gradient_block(tmp_path, capsys):
+    params, x, y = _data()
+    _, grads = fs.value_and_grad(mse)(params, x, y)
+    ap = fs.AutoParallel(mse, Momentum(), mesh=4).hsdp(threshold=0, optimizer_level="level2")
+    ap.print_local_norm().dump_local_norm(tmp_path / "norms")
+    state = ap.init(params)
+    state, _ = ap(state, x, y)
+    state, _ = ap(state, x, y)
+    lines = [json.loads(t) for t in (tmp_path / "norms" / "local_norm_rank0.jsonl")
+             .read_text().splitlines()]
+    assert [d["step"] for d in lines] == [1, 2]
+    first = lines[0]["norms"]
+    # level2: each gradient cut along dim 0 into 4 blocks, like the optimizer state
+    # (b2, of 10 rows, stays whole)
+    for k, g in grads.items():
+        want = _block_norms(g.asnumpy(), (4 if g.shape[0] % 4 == 0 else 1,) +
+                            (1,) * (g.ndim - 1))
+        np.testing.assert_allclose(np.asarray(first[k]), want, rtol=1e-5)
+    printed = capsys.readouterr().out
+    w = _block_norms(grads["w1"].asnumpy(), (4, 1))
+    assert f"local_norm: step 1 w1 block (2, 0): {w[2, 0]:.6g}" in printed
+    # data parallel (whole gradients): one norm per tensor; training is unchanged
+    dp = fs.AutoParallel(mse, Momentum(), mesh=4).dump_local_norm(tmp_path / "dp")
+    s2, l2 = _train(dp, params, x, y, steps=2)
+    s1, l1 = _train(fs.AutoParallel(mse, Momentum(), mesh=4), params, x, y, steps=2)
+    assert l1 == l2
+    one = json.loads((tmp_path / "dp" / "local_norm_rank0.jsonl").read_text().splitlines()[0])
+    np.testing.assert_allclose(np.asarray(one["norms"]["b2"]).reshape(()),
+                               np.linalg.norm(grads["b2"].asnumpy()), rtol=1e-5)

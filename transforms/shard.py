@@ -906,6 +906,8 @@ class ShardPlan:
                 from fshard.passes import fuse_allreduces
 
                 self._part.program = fuse_allreduces(self._part.program, self.fusion)
+            for rewrite in getattr(self, "passes", ()):
+                self._part.program = rewrite(self._part.program)
         return self._part
 
     def virtual_program(self) -> tuple[Program, list]:
@@ -1283,6 +1285,7 @@ class Sharded:
         # Bucket size in bytes for fusing gradient AllReduces (``fs.AutoParallel``'s
         # ``comm_fusion``); None: one AllReduce per value.
         self.comm_fusion = None
+        self.passes = ()  # rewrites of the per-device program (fs.AutoParallel's)
         self._cache: dict = {}
         self._fixed = None
         self._cell = None
@@ -1396,6 +1399,7 @@ class Sharded:
         plan = ShardPlan(body, in_sh, out_sh, mesh, self.level, fname, self.search,
                          self._fixed, world=world_mesh(mesh) if in_job else None,
                          flexible=flexible, fusion=self.comm_fusion)
+        plan.passes = self.passes
         self._cache[key] = (plan, traced)
         return plan, traced
 

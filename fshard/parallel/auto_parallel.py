@@ -34,6 +34,7 @@ error that says so; none is accepted and ignored.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -45,6 +46,7 @@ from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import apply_updates
+from fshard.passes import reduce_in_float32
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
 from fshard.transforms.jit import declared_types, jit
@@ -131,6 +133,9 @@ class AutoParallel:
         self._fusion = None  # bucket bytes
         self._fixed_params = None  # loaded parameter strategies
         self._steps: dict = {}
+        self._fp32_comm = False  # enable_fp32_communication
+        self._gradient_fp32_sync = True  # MindSpore's default; disable_gradient_fp32_sync
+        self._local_norm = (False, None)  # (print, dump directory)
         self._batch_specs = None  # declared batch input shapes (set_inputs)
         if in_shapes is not None:
             if not isinstance(in_shapes, (tuple, list)):
@@ -245,21 +250,43 @@ class AutoParallel:
                 "fshard returns the global loss, computed once; there is no repeated mean "
                 "to disable.\nFix: remove the call.")
 
-    def enable_fp32_communication(self):
-        _refuse("enable_fp32_communication",
-                "not supported by fshard yet: collectives communicate in the dtype of the "
-                "values.\nFix: cast the gradients to float32 in the loss function if needed.")
+    def enable_fp32_communication(self) -> "AutoParallel":
+        """Reduce collectives (AllReduce, ReduceScatter) of float16 values run in
+        float32: cast up, reduce, cast back (``fshard.passes.reduce_in_float32``), so a
+        sum over many devices rounds once instead of at every partial sum."""
+        self._fp32_comm = True
+        self._steps.clear()
+        return self
 
-    def disable_gradient_fp32_sync(self):
-        _refuse("disable_gradient_fp32_sync",
-                "this configures MindSpore's Ascend graph compiler; fshard reduces "
-                "gradients in their own dtype.\nFix: remove the call.")
+    def disable_gradient_fp32_sync(self) -> "AutoParallel":
+        """Reduce float16 values in float16. By default (MindSpore's gradient fp32
+        sync) a step's float16 reductions run in float32; fshard's step is one program
+        in which a gradient's reduction is not told apart from another, so this applies
+        to every reduction of the step, unless ``enable_fp32_communication()`` asks for
+        float32 communication everywhere."""
+        self._gradient_fp32_sync = False
+        self._steps.clear()
+        return self
 
-    def print_local_norm(self):
-        _refuse("print_local_norm", "not supported by fshard yet.")
+    def print_local_norm(self) -> "AutoParallel":
+        """At every step print the L2 norm of each block of each gradient, the blocks
+        being the parameter's layout (at ZeRO level2 and above, the optimizer state's),
+        as ``local_norm: step 3 w1 block (0, 1): 0.0123`` (process 0 of a job)."""
+        self._local_norm = (True, self._local_norm[1])
+        self._steps.clear()
+        return self
 
-    def dump_local_norm(self, path):
-        _refuse("dump_local_norm", "not supported by fshard yet.")
+    def dump_local_norm(self, path) -> "AutoParallel":
+        """As ``print_local_norm``, written to ``path/local_norm_rank<r>.jsonl`` (one
+        JSON line per step: ``{"step": 3, "norms": {"w1": [[...], ...]}}``, each value an
+        array of block norms shaped like the split counts) instead of printed."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArgumentError(
+                f"AutoParallel.dump_local_norm(path): path must be a directory path; got "
+                f"{type(path).__name__} {path!r}.")
+        self._local_norm = (self._local_norm[0], os.fspath(path))
+        self._steps.clear()
+        return self
 
     def pipeline(self, *args, **kwargs):
         _refuse("pipeline", "pipeline parallelism is not supported by fshard yet.")
@@ -315,16 +342,21 @@ class AutoParallel:
         paths, leaves, spec = tree.flatten_with_path(params)
         out = []
         for p, x in zip(paths, leaves):
-            name = _name(p)
-            given = self._param_plan.get(name, self._param_plan.get(tree.keystr(p)))
-            if self._fixed_params is not None and name in self._fixed_params:
-                given = tuple(self._fixed_params[name])
+            given = self._param_strategy(p, x)
             if given is None:
                 given = self._zero(x, "level3")
             if given is None:
                 given = self._whole(x) if self.parallel_mode == "semi_auto" else None
             out.append(given)
         return tree.unflatten(spec, out)
+
+    def _param_strategy(self, path, x):
+        """The strategy given for a parameter (parameter_plan, a loaded file), or None."""
+        name = _name(path)
+        given = self._param_plan.get(name, self._param_plan.get(tree.keystr(path)))
+        if self._fixed_params is not None and name in self._fixed_params:
+            given = tuple(self._fixed_params[name])
+        return given
 
     def _state_strategies(self, opt_state):
         leaves, spec = tree.flatten(opt_state)
@@ -378,15 +410,51 @@ class AutoParallel:
         in ``grad_vars`` (for ``memory_report``)."""
         loss_fn, opt, has_aux = self.loss_fn, self.optimizer, self.has_aux
 
+        norms = self._local_norms if any(self._local_norm) else None
+
         def train_step(params, opt_state, step, *batch):
             out, grads = value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
             grad_vars[:] = [getattr(g, "ir_var", None) for g in tree.leaves(grads)]
-            updates, opt_state = opt.update(grads, opt_state, params)
-            params = apply_updates(params, updates)
-            return TrainState(params, opt_state, step + 1), out
+            updates, new_opt_state = opt.update(grads, opt_state, params)
+            new = TrainState(apply_updates(params, updates), new_opt_state, step + 1)
+            if norms is None:
+                return new, out
+            return new, out, norms(params, grads)
 
         train_step.__name__ = f"train_step_{self.name}"
         return train_step
+
+    def _local_norms(self, params, grads) -> dict:
+        """Per parameter name, the L2 norms of its gradient's blocks: the gradient cut
+        by the parameter's strategy (at ZeRO level2 and above, the optimizer state's),
+        an array shaped like the split counts."""
+        paths, leaves, _ = tree.flatten_with_path(params)
+        out = {}
+        for p, x, g in zip(paths, leaves, tree.leaves(grads), strict=True):
+            given = self._param_strategy(p, x)
+            counts = self._zero(x, "level2") or (
+                tuple(given) if _is_counts(given) else self._whole(x))
+            shape = typeof(g).shape
+            split = [v for d, c in zip(shape, counts) for v in (c, d // c)]
+            squares = (g * g).reshape(tuple(split)) if shape else g * g
+            out[_name(p)] = squares.sum(axis=tuple(range(1, len(split), 2))) ** 0.5 \
+                if shape else squares ** 0.5
+        return out
+
+    def _report_norms(self, step, norms: dict) -> None:
+        shown, path = self._local_norm
+        step = int(step.asnumpy())
+        values = {k: np.asarray(v.asnumpy()).tolist() for k, v in norms.items()}
+        if path is not None:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, f"local_norm_rank{distributed.rank()}.jsonl"),
+                      "a") as fh:
+                fh.write(json.dumps({"step": step, "norms": values}) + "\n")
+        if shown and distributed.rank() == 0:
+            for k, v in values.items():
+                a = np.asarray(v)
+                for idx in np.ndindex(a.shape):
+                    print(f"local_norm: step {step} {k} block {idx}: {a[idx]:.6g}", flush=True)
 
     def _feeds_slices(self) -> bool:
         """Each process passes its own slice of the batch: ``data_parallel`` in a
@@ -422,12 +490,15 @@ class AutoParallel:
         o_sh = self._state_strategies(state.opt_state)
         b_sh = self._batch_strategies(batch)
         in_strategy = (p_sh, o_sh, ()) + tuple(b_sh)
-        out_strategy = (TrainState(p_sh, o_sh, ()), None)
+        out_strategy = (TrainState(p_sh, o_sh, ()), None) + ((None,) if any(
+            self._local_norm) else ())
         grad_vars: list = []
         s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
                   mesh=self.mesh,
                   search=self.parallel_mode != "sharding_propagation")
         s.comm_fusion = self._fusion
+        if self._fp32_comm or self._gradient_fp32_sync:
+            s.passes = (reduce_in_float32,)
         s.grad_vars = grad_vars
         operator_file = getattr(self, "_operator_file", None)
         if operator_file is not None:
@@ -450,7 +521,10 @@ class AutoParallel:
             batch = self._place_slices(state, batch)
         _, step = self._sharded(state, batch if self._batch_specs is None
                                 else self._declared_batch(batch))
-        return step(state.params, state.opt_state, state.step, *batch)
+        result = step(state.params, state.opt_state, state.step, *batch)
+        if len(result) == 3:  # print_local_norm / dump_local_norm
+            self._report_norms(result[0].step, result[2])
+        return result[0], result[1]
 
     def _declared_batch(self, batch) -> tuple:
         """The batch with each declared input replaced by its declared type."""
@@ -569,6 +643,10 @@ class AutoParallel:
 
     def __repr__(self) -> str:
         return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode!r})"
+
+
+def _is_counts(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(c, int) for c in x)
 
 
 def _np_dtype(dtype):

@@ -167,6 +167,39 @@ def test_sizes_the_symbols_refuse_are_errors_naming_the_input_and_constraint():
         f(_t(8, 3).astype(ms.float16), _t(8, 3))
 
 
+def test_min_remainder_unique_and_lowered_programs_are_checked():
+    def refused(sym, size):
+        return rf"has size {size} in dimension 0, which s\d+ = {sym} does not accept"
+
+    below = fs.jit(lambda x: x * 2.0, in_shapes=(fs.ArrayType((fs.Symbol(min=8), 3), F32),))
+    with pytest.raises(fs.ShapeError, match=refused(r"Symbol\(min=8\)", 4)):
+        below(_t(4, 3))
+    odd = fs.jit(lambda x: x * 2.0, in_shapes=(
+        fs.ArrayType((fs.Symbol(divisor=4, remainder=1), 3), F32),))
+    assert odd(_t(9, 3)).shape == (9, 3)
+    with pytest.raises(fs.ShapeError, match=refused(r"Symbol\(divisor=4, remainder=1\)", 8)):
+        odd(_t(8, 3))
+    u = ms.Symbol(unique=True)  # one MindSpore object with unique=True: one size
+    pair = fs.jit(lambda x, y: (x * 2.0, y * 2.0)).set_inputs(
+        Tensor(shape=[u, 3], dtype=F32), Tensor(shape=[u], dtype=F32))
+    with pytest.raises(fs.ShapeError, match=r"args\[1\] \(parameter 'y'\) has size 5 in "
+                                            r"dimension 0, but the same s\d+ = "
+                                            r"Symbol\(unique=True\) has size 4"):
+        pair(_t(4, 3), _t(5))
+    # a program lowered for a Symbol batch serves every batch with the right shape; one
+    # lowered for batch 8 refuses batch 16 (never an (8, 10) result)
+    dense = fs.jit(lambda x, w: x @ w)
+    w = _t(784, 10)
+    anyb = dense.lower(fs.ArrayType((fs.Symbol(), 784), F32), w).compile()
+    for b in (16, 3):
+        x = _t(b, 784)
+        _close(anyb(x, w), dense(x, w))
+    eight = dense.lower(_t(8, 784), w).compile()
+    with pytest.raises(fs.ShapeError, match=r"input 0 has shape \(16, 784\), but the program "
+                                            r"was compiled for f32\[8,784\]"):
+        eight(_t(16, 784), w)
+
+
 def test_unproven_equal_symbols_are_an_error_saying_what_would_have_to_hold():
     a, b = fs.Symbol(), fs.Symbol()
     f = fs.jit(lambda x, y: x + y, in_shapes=(fs.ArrayType((a,), F32), fs.ArrayType((b,), F32)))

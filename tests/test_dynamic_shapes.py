@@ -314,6 +314,23 @@ def test_annotation_mismatches_are_errors_naming_the_argument_and_dim():
         fs.jit(lambda x: x, in_shapes="annotations")
 
 
+def test_fshards_public_array_functions_carry_jaxtyping_annotations():
+    import typing
+
+    from fshard.array_types import Array
+
+    for fn in (fs.psum, fs.pmean, fs.pmax, fs.pmin, fs.all_gather, fs.psum_scatter,
+               fs.all_to_all, fs.ppermute, fs.broadcast, fs.axis_index):
+        hints = typing.get_type_hints(fn)
+        assert "return" in hints, fn.__name__
+        arrays = [h for h in hints.values() if "jaxtyping" in repr(h)]
+        assert arrays, f"{fn.__name__} has no jaxtyping annotation: {hints}"
+    x = typing.get_type_hints(fs.pmax)["x"]
+    assert typing.get_args(x)[0].dim_str == "*shape"  # Shaped[Array, "*shape"]
+    assert "Int32[Tensor, '']" in repr(typing.get_type_hints(fs.axis_index)["return"])
+    assert typing.get_args(Array) == (Tensor, np.ndarray)
+
+
 # -- the seed's network: batches of varying size, one compile -------------------------
 
 

@@ -16,6 +16,7 @@ from fshard.core import typeof
 from fshard.errors import ArgumentError
 
 
+@random._consumes
 def dropout(key, x, rate: float):
     """Zero each element of ``x`` with probability ``rate`` and scale the others by
     ``1 / (1 - rate)`` (inverted dropout: the expectation is ``x``).

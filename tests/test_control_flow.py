@@ -165,6 +165,19 @@ def test_fori_loop_traced_bounds_and_vmap():
         fs.fori_loop(0, np.float32(3), lambda i, v: v, np.float32(0))
 
 
+def test_fori_loop_checks_the_carry_unrolled_as_in_a_graph_loop():
+    init = {"a": np.float32(1), "b": np.int32(1)}
+    for unroll in (True, False):
+        with pytest.raises(fs.ProgramTypeError,
+                           match=r"must return the carry's .* differ at leaf (\[1\])?\['b'\]: "
+                                 r"i32\[\] vs f32\[\]"):
+            fs.fori_loop(0, 3, lambda i, v: {"a": v["a"], "b": v["b"] * 2.0}, init,
+                         unroll=unroll)
+    with pytest.raises(fs.ProgramTypeError, match=r"leaf \(the value itself\): f32\[\] vs f64"):
+        fs.jit(lambda x: fs.fori_loop(0, 3, lambda i, v: v.astype(ms.float64), x))(
+            np.float32(1))
+
+
 def test_a_training_loop_compiled_as_one_program():
     rng = np.random.default_rng(1)
     x, y = rng.standard_normal((32, 5)).astype(np.float32), rng.standard_normal((32, 1)).astype(np.float32)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fshard import dtypes, tree
+from fshard import dtypes, random, tree
 from fshard.core import ArrayType, Tracer, typeof
 from fshard.errors import ArgumentError, ProgramTypeError
 from fshard.interpret import eval_program
@@ -322,8 +322,19 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll: bool | None = None):
         if unroll:
             leaves, treedef = _leaves_of(init_val, api, "init_val")
             val = tree.unflatten(treedef, leaves)  # arrays: MindSpore's dtype rules
+            types = [typeof(x) for x in leaves]
             for i in range(lo, hi):
                 val = body_fun(i, val)
+                # the same check as the graph loop's, so unrolling never changes the answer
+                got, got_tree = tree.flatten(val)
+                got_types = [typeof(x) for x in got]
+                if got_tree != treedef or got_types != types:
+                    raise ProgramTypeError(
+                        f"{api}: body_fun({fun_name(body_fun)}) must return the carry's "
+                        f"structure and types; init_val vs what body_fun returns differ at "
+                        f"{_difference(treedef, types, got_tree, got_types)}.\nFix: return "
+                        "values of the same shapes and dtypes (cast, e.g. "
+                        "x.astype(init.dtype)).")
             return val
     elif unroll:
         raise ArgumentError(
@@ -491,7 +502,11 @@ def _switch(api, index, branches, names, operands):
         k = int(np.asarray(index.asnumpy() if hasattr(index, "asnumpy") else index))
         return branches[min(max(k, 0), n - 1)](*operands)
     index = E.cast(index, dtypes.int32)
-    results = [tree.flatten(b(*operands))[0] for b in branches]
+    results = []
+    with random.alternatives() as enter:  # one key may feed a draw in each branch
+        for b in branches:
+            enter()
+            results.append(tree.flatten(b(*operands))[0])
     chosen = results[-1]
     for k in range(n - 2, -1, -1):
         # index <= k picks branch k over the later ones: clamps below 0 and above n-1.

@@ -330,6 +330,43 @@ def test_cond_and_switch_errors_name_both_branches():
         fs.cond(True, None, lambda x: x, x)
 
 
+# --- layouts under shard ------------------------------------------------------------------
+
+
+def _carry_programs():
+    A, T, M = fs.ops.add, fs.ops.tanh, fs.ops.matmul
+    return {
+        "scan": lambda h, w, xs: fs.scan(lambda h, x: (T(A(M(h, w), x)),) * 2, h, xs),
+        "fori_loop unrolled": lambda h, w, xs: fs.fori_loop(
+            0, 5, lambda i, h: T(A(M(h, w), xs[i])), h),
+        "cond per row": lambda h, w, xs: fs.vmap(
+            lambda r: fs.cond(r.sum() > 0, lambda r: r * 2.0, lambda r: -r, r))(h),
+        "while_loop": lambda h, w, xs: fs.while_loop(
+            lambda c: c[0] < 5, lambda c: (c[0] + 1, T(A(M(c[1], w), 1.0))),
+            (np.int32(0), h))[1],
+    }
+
+
+@pytest.mark.parametrize("name", list(_carry_programs()))
+def test_a_split_carry_keeps_its_layout_under_shard(name):
+    """A batch-split carry stays split through scan, an unrolled fori_loop and cond: the
+    per-device program has no collective. A while_loop runs replicated (its sharding
+    rule gathers the carry; docs/control_flow.md)."""
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((8, 4)).astype(np.float32)
+    w = (rng.standard_normal((4, 4)) * 0.5).astype(np.float32)
+    xs = rng.standard_normal((5, 8, 4)).astype(np.float32)
+    f = _carry_programs()[name]
+    out = ((4, 1), (1, 4, 1)) if name == "scan" else (4, 1)
+    s = fs.shard(f, in_strategy=((4, 1), (1, 1), (1, 4, 1)), out_strategy=out, mesh=4)
+    got, want = fs.tree.flatten(s(h, w, xs))[0], fs.tree.flatten(f(h, w, xs))[0]
+    for a, b in zip(got, want):
+        assert_close(n(a), n(b))
+    part = s.partitioned(h, w, xs)
+    assert part.collectives() == (["all_gather"] if name == "while_loop" else [])
+    assert str(part.output_layouts()[0]).endswith("(('m0', 'm1'), 'None')")
+
+
 # --- a functional training loop as one program --------------------------------------------
 
 

@@ -268,10 +268,10 @@ def planning_size(d) -> int:
     return max(1, int(value))
 
 
-def planning_prod(shape) -> float:
+def planning_prod(shape) -> int:
     """The number of elements of ``shape`` as a cost model counts it (``planning_size``
     of each dimension)."""
     out = 1
     for d in shape:
         out *= planning_size(d)
-    return float(out)
+    return out

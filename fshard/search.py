@@ -250,7 +250,8 @@ class Problem:
         b = self._bytes.get(key)
         if b is None:
             shape, itemsize = self._aval_key(v)
-            b = self._bytes[key] = planning_prod(sh.local_shape(shape, self.mesh)) * itemsize
+            b = self._bytes[key] = float(planning_prod(sh.local_shape(shape, self.mesh))
+                                         * itemsize)
         return b
 
     def _plan(self, v, src: Sharding, dst: Sharding) -> tuple:

@@ -405,7 +405,7 @@ def redistribution(src: Sharding, dst: Sharding, shape, itemsize: int, mesh: Sha
             local_shape[st.dim] *= n
         elif st.kind in ("psum_scatter", "slice"):
             local_shape[st.dim] //= n
-        sizes.append(planning_prod(local_shape) * itemsize)
+        sizes.append(float(planning_prod(local_shape) * itemsize))
     return sent, steps, sizes
 
 

@@ -292,3 +292,68 @@ def test_local_norms_are_the_norms_of_each_gradient_block(tmp_path, capsys):
     one = json.loads((tmp_path / "dp" / "local_norm_rank0.jsonl").read_text().splitlines()[0])
     np.testing.assert_allclose(np.asarray(one["norms"]["b2"]).reshape(()),
                                np.linalg.norm(grads["b2"].asnumpy()), rtol=1e-5)
+
+
+# --- strategy files reproduce a plan in a new process ---------------------------------
+
+_NEW_PROCESS = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import fshard as fs
+from test_auto_parallel import _data, mse
+params, x, y = _data()
+ap = fs.AutoParallel(mse, fs.optim.adam(1e-2), parallel_mode=sys.argv[3], mesh=4)
+ap.hsdp(threshold=0).load_operator_strategy_file(sys.argv[2] + "/op.json")
+ap.load_param_strategy_file(sys.argv[2] + "/param.json")
+state = ap.init(params)
+part = ap.partitioned(state, x, y)
+state, loss = ap(state, x, y)
+print(json.dumps({"strategies": part.strategies(), "collectives": part.collectives(),
+                  "loss": float(loss.asnumpy())}))
+"""
+
+
+def test_strategy_files_reproduce_the_plan_in_a_new_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    # a run in semi_auto mode with a model-parallel w1; the new process plans in
+    # sharding_propagation mode without that plan, so only the files can give it
+    mode = "sharding_propagation"
+    params, x, y = _data()
+    ap = fs.AutoParallel(mse, fs.optim.adam(1e-2), mesh=4).parameter_plan({"w1": (1, 4)})
+    ap.hsdp(threshold=0)
+    state = ap.init(params)
+    unplanned = fs.AutoParallel(mse, fs.optim.adam(1e-2), parallel_mode=mode, mesh=4)
+    unplanned.hsdp(threshold=0)
+    assert unplanned.partitioned(state, x, y).strategies() != \
+        ap.partitioned(state, x, y).strategies()
+    ap.save_operator_strategy_file(tmp_path / "op.json", state, x, y)
+    ap.save_param_strategy_file(tmp_path / "param.json", state, x, y)
+    part = ap.partitioned(state, x, y)
+    _, loss = ap(state, x, y)
+    out = subprocess.run([sys.executable, "-c", _NEW_PROCESS, os.path.dirname(__file__),
+                          str(tmp_path), mode], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, GLOG_v="3"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["strategies"] == json.loads(json.dumps(part.strategies()))
+    assert got["collectives"] == part.collectives()
+    assert got["loss"] == float(loss.asnumpy())
+
+
+def test_a_parameter_strategy_file_of_other_parameters_is_refused(tmp_path):
+    params, x, y = _data()
+    ap = fs.AutoParallel(mse, Momentum(), mesh=4)
+    ap.save_param_strategy_file(tmp_path / "p.json", ap.init(params), x, y)
+    other = {"v" + k: v for k, v in params.items()}
+
+    def loss(p, x, y):
+        return mse({k[1:]: v for k, v in p.items()}, x, y)
+
+    ap2 = fs.AutoParallel(loss, Momentum(), mesh=4).load_param_strategy_file(tmp_path / "p.json")
+    with pytest.raises(fs.ShardingError, match=r"(?s)p\.json.*other parameters.*'vb1'"):
+        ap2(ap2.init(other), x, y)
+    with pytest.raises(fs.ShardingError, match="written for 4 devices"):
+        fs.AutoParallel(mse, Momentum(), mesh=2).load_param_strategy_file(tmp_path / "p.json")

@@ -340,6 +340,15 @@ class AutoParallel:
 
     def _param_strategies(self, params):
         paths, leaves, spec = tree.flatten_with_path(params)
+        if self._fixed_params is not None:
+            names = {_name(p) for p in paths}
+            if set(self._fixed_params) != names:
+                raise ShardingError(
+                    f"AutoParallel({self.name}): the parameter strategy file "
+                    f"{self._param_file!r} was written for other parameters: it has "
+                    f"{sorted(set(self._fixed_params) - names)[:5]} that the params lack "
+                    f"and lacks {sorted(names - set(self._fixed_params))[:5]}.\nFix: load "
+                    "the file saved by a run of the same model.")
         out = []
         for p, x in zip(paths, leaves):
             given = self._param_strategy(p, x)
@@ -624,6 +633,7 @@ class AutoParallel:
                 f"load_param_strategy_file({path!r}): the file was written for "
                 f"{data.get('devices')} devices, this AutoParallel has {self.n_devices}.")
         self._fixed_params = data["params"]
+        self._param_file = str(path)
         self._steps.clear()
         return self
 

@@ -310,7 +310,19 @@ for _names, _symbol in ((("__floordiv__", "__rfloordiv__"), "//"),
     for _n in _names:
         METHODS.setdefault(_n, _refuse_operator(_symbol))
 
+def _round(self, decimals=0, *, out=None):
+    _no_out(out)
+    if decimals != 0:
+        from fshard.errors import UnsupportedOpError
+
+        raise UnsupportedOpError(
+            f"a traced value's round(decimals={decimals!r}) is not supported (only "
+            "decimals=0).\nFix: scale first, e.g. fs.ops.round(x * 100) / 100.")
+    return ops.round(self)
+
+
 METHODS.update({
+    "floor": ops.floor, "round": _round,
     "clip": _clip, "clamp": _clip, "var": _var,
     "std": lambda self, axis=None, ddof=0, keepdims=False, **kw: ops.sqrt(
         _var(self, axis, ddof, keepdims, **kw)),

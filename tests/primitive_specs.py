@@ -1126,6 +1126,8 @@ def _specs() -> list[PrimitiveSpec]:
         float_unary(E.cos_p),
         float_unary(E.erf_p),
         PrimitiveSpec(E.sign_p, unary(), NUMERIC, zero_derivative=True),
+        float_unary(E.floor_p, zero_derivative=True),
+        float_unary(E.round_p, zero_derivative=True),
         PrimitiveSpec(E.gelu_p, _gelu),
         PrimitiveSpec(E.add_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.sub_p, binary(), NUMERIC, (0, 1), ((0, 1),)),

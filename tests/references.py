@@ -271,6 +271,8 @@ REFERENCES = {
     "cos": np.cos,
     "erf": erf,
     "sign": np.sign,
+    "floor": np.floor,
+    "round": np.round,
     "gelu": gelu,
     "add": np.add,
     "sub": np.subtract,

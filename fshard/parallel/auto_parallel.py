@@ -509,6 +509,7 @@ class AutoParallel:
         if self._fp32_comm or self._gradient_fp32_sync:
             s.passes = (reduce_in_float32,)
         s.grad_vars = grad_vars
+        s.batch_places = {}  # batch signature -> this process's blocks (_place_slices)
         operator_file = getattr(self, "_operator_file", None)
         if operator_file is not None:
             s.load_strategies(operator_file)
@@ -553,13 +554,20 @@ class AutoParallel:
 
     def _place_slices(self, state: TrainState, batch) -> tuple:
         """Each slice at its block of a global-shaped batch (where the plan reads it)."""
-        part = self._partitioned(state, self._plan_batch(batch))
-        n_c = part.prop.program.n_consts
-        shs = part.in_shardings[n_c + len(tree.leaves(state)):]
         leaves, spec = tree.flatten(tuple(batch))
-        rank = distributed.rank()
-        return tree.unflatten(spec, [to_global(x, block_index(sh, part.prop.mesh, rank))
-                                     for x, sh in zip(leaves, shs, strict=True)])
+        key = (spec, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves))
+        gbatch = self._plan_batch(batch)
+        s, _ = self._sharded(state, gbatch)
+        where = s.batch_places.get(key)
+        if where is None:  # once per plan: this process's block of each batch input
+            part = s.partitioned(state.params, state.opt_state, state.step, *gbatch)
+            n_c = part.prop.program.n_consts
+            shs = part.in_shardings[n_c + len(tree.leaves(state)):]
+            rank = distributed.rank()
+            where = [block_index(sh, part.prop.mesh, rank) for sh in shs]
+            s.batch_places[key] = where
+        return tree.unflatten(spec, [to_global(x, w)
+                                     for x, w in zip(leaves, where, strict=True)])
 
     def partitioned(self, state: TrainState, *batch):
         """The per-device program of the step (print it; ``.collectives()``)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Union
 
 import numpy as np
-from jaxtyping import Float, Int32, Shaped
+from jaxtyping import Bool, Float, Int, Int32, Shaped, UInt, UInt32
 from mindspore import Tensor
 
 Array = Union[Tensor, np.ndarray]
@@ -24,4 +24,8 @@ Array = Union[Tensor, np.ndarray]
 ArrayTree = Union[Shaped[Array, "..."], tuple, list, dict]
 """An array, or a pytree (tuples, lists, dicts) of arrays."""
 
-__all__ = ["Array", "ArrayTree", "Float", "Int32", "Shaped"]
+Key = UInt32[Array, "2"]
+"""An ``fs.random`` key: two uint32 words."""
+
+__all__ = ["Array", "ArrayTree", "Bool", "Float", "Int", "Int32", "Key", "Shaped", "UInt",
+           "UInt32"]

@@ -30,6 +30,7 @@ import mindspore
 import numpy as np
 
 from fshard import dtypes, ops
+from fshard.array_types import Array, Bool, Float, Int, Key, Shaped, UInt, UInt32
 from fshard.core import Tracer, current_trace, typeof
 from fshard.errors import ArgumentError, KeyReuseWarning
 from fshard.primitives.elementwise import broadcast_shapes
@@ -177,7 +178,7 @@ def _is_int_value(x) -> bool:
     return a.ndim == 0 and dtypes.is_int(a.dtype)
 
 
-def key(seed) -> Any:
+def key(seed) -> Key:
     """A key from an integer seed (Python int, or an integer scalar, traced or not).
 
     Equal to ``jax.random.key(seed)``'s data (``jax.random.PRNGKey(seed)``): ``[0, seed]``
@@ -239,7 +240,7 @@ def _check_shape(shape, fn: str) -> tuple[int, ...]:
 
 
 @_consumes
-def split(key, num: int = 2):
+def split(key: Key, num: int = 2) -> UInt32[Array, "num 2"]:
     """``num`` new keys, a ``u32[num, 2]`` array; equal to ``jax.random.split``."""
     _check_key(key, "split")
     if not isinstance(num, (int, np.integer)) or isinstance(num, bool) or num < 0:
@@ -249,7 +250,7 @@ def split(key, num: int = 2):
     return ops.stack([x0, x1], axis=1)
 
 
-def fold_in(key, data):
+def fold_in(key: Key, data) -> Key:
     """A new key from ``key`` and an integer ``data`` (e.g. a step or a rank);
     equal to ``jax.random.fold_in``."""
     _check_key(key, "fold_in")
@@ -270,7 +271,7 @@ def fold_in(key, data):
 
 
 @_consumes
-def bits(key, shape=(), dtype=_U32):
+def bits(key: Key, shape=(), dtype=_U32) -> UInt[Array, "*shape"]:
     """Uniform random ``uint32`` bits of ``shape``; equal to ``jax.random.bits``."""
     _check_key(key, "bits")
     shape = _check_shape(shape, "bits")
@@ -314,7 +315,8 @@ def _as(value, dtype):
 
 
 @_consumes
-def uniform(key, shape=(), dtype=dtypes.float32, minval=0.0, maxval=1.0):
+def uniform(key: Key, shape=(), dtype=dtypes.float32, minval=0.0,
+            maxval=1.0) -> Float[Array, "*shape"]:
     """Uniform floats in ``[minval, maxval)``; equal to ``jax.random.uniform``."""
     _check_key(key, "uniform")
     shape = _check_shape(shape, "uniform")
@@ -371,7 +373,7 @@ def _erfinv(x, dtype):
 
 
 @_consumes
-def normal(key, shape=(), dtype=dtypes.float32):
+def normal(key: Key, shape=(), dtype=dtypes.float32) -> Float[Array, "*shape"]:
     """Standard normal floats: ``sqrt(2) * erfinv(u)`` for ``u`` uniform in (-1, 1)
     (``jax.random.normal``'s construction)."""
     _check_key(key, "normal")
@@ -384,7 +386,8 @@ def normal(key, shape=(), dtype=dtypes.float32):
 
 
 @_consumes
-def truncated_normal(key, lower, upper, shape=None, dtype=dtypes.float32):
+def truncated_normal(key: Key, lower, upper, shape=None,
+                     dtype=dtypes.float32) -> Float[Array, "*shape"]:
     """Standard normal floats conditioned on ``lower < x < upper`` (inverse CDF)."""
     _check_key(key, "truncated_normal")
     dtype = _check_float(dtype, "truncated_normal")
@@ -406,7 +409,7 @@ def truncated_normal(key, lower, upper, shape=None, dtype=dtypes.float32):
 
 
 @_consumes
-def bernoulli(key, p=0.5, shape=None):
+def bernoulli(key: Key, p=0.5, shape=None) -> Bool[Array, "*shape"]:
     """Booleans that are True with probability ``p`` (``uniform < p``)."""
     _check_key(key, "bernoulli")
     dtype = typeof(p).dtype if isinstance(p, Tracer) else dtypes.float32
@@ -420,7 +423,7 @@ def bernoulli(key, p=0.5, shape=None):
 
 
 @_consumes
-def randint(key, shape, minval, maxval, dtype=dtypes.int32):
+def randint(key: Key, shape, minval, maxval, dtype=dtypes.int32) -> Int[Array, "*shape"]:
     """Integers uniform in ``[minval, maxval)`` (``minval`` where ``maxval <= minval``).
 
     The offset is ``floor(bits * span / 2**32)`` (Lemire's multiply-shift): bias below
@@ -449,7 +452,7 @@ def randint(key, shape, minval, maxval, dtype=dtypes.int32):
 
 
 @_consumes
-def gumbel(key, shape=(), dtype=dtypes.float32):
+def gumbel(key: Key, shape=(), dtype=dtypes.float32) -> Float[Array, "*shape"]:
     """Standard Gumbel floats, ``-log(-log(u))``."""
     _check_key(key, "gumbel")
     dtype = _check_float(dtype, "gumbel")
@@ -459,7 +462,8 @@ def gumbel(key, shape=(), dtype=dtypes.float32):
 
 
 @_consumes
-def categorical(key, logits, axis: int = -1, shape=None):
+def categorical(key: Key, logits: Float[Array, "..."], axis: int = -1,
+                shape=None) -> Int[Array, "..."]:
     """Indices drawn with probabilities ``softmax(logits, axis)`` (the Gumbel-max
     trick). ``shape`` (default: ``logits``' shape without ``axis``) may add leading
     dimensions."""
@@ -485,7 +489,7 @@ def categorical(key, logits, axis: int = -1, shape=None):
 
 
 @_consumes
-def permutation(key, x, axis: int = 0):
+def permutation(key: Key, x, axis: int = 0) -> Shaped[Array, "..."]:
     """A random permutation of ``range(x)`` (int ``x``) or of ``x`` along ``axis``.
 
     Ranks ``n`` random keys by comparing every pair: O(n**2) work and memory, for

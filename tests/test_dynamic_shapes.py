@@ -320,7 +320,11 @@ def test_fshards_public_array_functions_carry_jaxtyping_annotations():
     from fshard.array_types import Array
 
     for fn in (fs.psum, fs.pmean, fs.pmax, fs.pmin, fs.all_gather, fs.psum_scatter,
-               fs.all_to_all, fs.ppermute, fs.broadcast, fs.axis_index):
+               fs.all_to_all, fs.ppermute, fs.broadcast, fs.axis_index, fs.random.key,
+               fs.random.split, fs.random.fold_in, fs.random.bits, fs.random.uniform,
+               fs.random.normal, fs.random.truncated_normal, fs.random.bernoulli,
+               fs.random.randint, fs.random.gumbel, fs.random.categorical,
+               fs.random.permutation, fs.nn.dropout):
         hints = typing.get_type_hints(fn)
         assert "return" in hints, fn.__name__
         arrays = [h for h in hints.values() if "jaxtyping" in repr(h)]
@@ -329,6 +333,9 @@ def test_fshards_public_array_functions_carry_jaxtyping_annotations():
     assert typing.get_args(x)[0].dim_str == "*shape"  # Shaped[Array, "*shape"]
     assert "Int32[Tensor, '']" in repr(typing.get_type_hints(fs.axis_index)["return"])
     assert typing.get_args(Array) == (Tensor, np.ndarray)
+    split = typing.get_type_hints(fs.random.split)
+    assert typing.get_args(split["key"])[0].dim_str == "2"
+    assert typing.get_args(split["return"])[0].dim_str == "num 2"
 
 
 # -- the seed's network: batches of varying size, one compile -------------------------

@@ -69,13 +69,15 @@ CONFIGS = {
     "zero3": lambda ap: ap.hsdp(threshold=0, optimizer_level="level3"),
     "fused": lambda ap: ap.comm_fusion({"allreduce": {"mode": "auto", "config": None}}),
     "propagation": lambda ap: ap,
+    "recursive": lambda ap: ap,
 }
+MODE_OF = {"propagation": "sharding_propagation", "recursive": "recursive_programming"}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_configuration_trains_like_one_device(reference, name):
     params, x, y = _data()
-    mode = "sharding_propagation" if name == "propagation" else "semi_auto"
+    mode = MODE_OF.get(name, "semi_auto")
     ap = CONFIGS[name](fs.AutoParallel(mse, Momentum(), parallel_mode=mode, mesh=4))
     state, losses = _train(ap, params, x, y)
     ref_state, ref_losses = reference
@@ -357,3 +359,37 @@ def test_a_parameter_strategy_file_of_other_parameters_is_refused(tmp_path):
         ap2(ap2.init(other), x, y)
     with pytest.raises(fs.ShardingError, match="written for 4 devices"):
         fs.AutoParallel(mse, Momentum(), mesh=2).load_param_strategy_file(tmp_path / "p.json")
+
+
+def _comms(ap, state, x, y):
+    return [(eq.prim.name, tuple(eq.inputs[0].aval.shape))
+            for eq in ap.partitioned(state, x, y).program.equations
+            if eq.prim.name in ("psum", "all_gather", "psum_scatter", "all_to_all")]
+
+
+def test_each_zero_level_communicates_what_zero_needs():
+    # batch 128 on 4 devices; w1 (64, 32), b1 (32,), w2 (32, 10) split 4 ways along dim 0,
+    # b2 (10,) stays whole
+    params, x, y = _data(batch=128)
+    slices = {("all_gather", (16, 32)), ("all_gather", (8,)), ("all_gather", (8, 10))}
+    grads = [("psum", tuple(np.shape(params[k]))) for k in ("b1", "b2", "w1", "w2")]
+    got = {}
+    for level in (None, "level1", "level2", "level3"):
+        ap = fs.AutoParallel(mse, Momentum(), mesh=4)
+        if level:
+            ap.hsdp(threshold=0, optimizer_level=level)
+        got[level] = _comms(ap, ap.init(params), x, y)
+    # data parallel: one AllReduce per gradient and one for the loss
+    assert sorted(got[None]) == sorted(grads + [("psum", ())])
+    for level in ("level1", "level2"):
+        # each gradient reduced (on CPU an AllReduce then this device's slice: the
+        # ReduceScatter), the update on slices, the new parameters' slices gathered
+        assert sorted(c for c in got[level] if c[0] == "psum") == sorted(
+            grads + [("psum", ())])
+        assert {c for c in got[level] if c[0] == "all_gather"} == slices
+        assert len(got[level]) == 5 + 3
+    # level3: the parameters stay split; their slices are gathered where used, and the
+    # step ends without gathering the new parameters
+    assert slices <= set(got["level3"])
+    assert not any(c[0] == "psum" and c[1] in {(8,), (16, 32), (8, 10)}
+                   for c in got["level3"])

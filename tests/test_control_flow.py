@@ -308,6 +308,43 @@ def test_cond_under_shard_equals_unsharded():
     assert_close(n(fs.shard(f, in_strategy=((4, 1),), mesh=4)(xs)), n(f(xs)))
 
 
+def _costly(x, w, sign):
+    for _ in range(2):  # 2 x 2 * 64**3 flops: a graph if beats computing both branches
+        x = fs.ops.tanh(fs.ops.matmul(x, w)) * sign
+    return x
+
+
+def test_cond_with_costly_branches_is_a_graph_if_under_jit():
+    rng = np.random.default_rng(3)
+    x, w = (rng.standard_normal((2, 64, 64)) * 0.2).astype(np.float32)
+
+    def f(p, x, w):
+        return fs.cond(p, lambda x, w: _costly(x, w, 1.0), lambda x, w: _costly(x, w, -1.0),
+                       x, w)
+
+    jf = fs.jit(f)
+    for p in (True, False):
+        assert_close(n(jf(np.bool_(p), x, w)), n(_costly(x, w, 1.0 if p else -1.0)))
+    assert "if index <= 0" in jf.lower(np.bool_(True), x, w).as_text()  # one graph if
+    assert " cond[" in str(fs.make_ir(f)(np.bool_(True), x, w))
+    # cheap branches stay a select
+    assert " cond[" not in str(fs.make_ir(piecewise)(np.array([1.0, 2.0])))
+    # reverse mode: the gradient of the taken branch
+    for p in (True, False):
+        g = fs.jit(fs.grad(lambda x: f(np.bool_(p), x, w).sum()))(x)
+        g_ref = fs.grad(lambda x: _costly(x, w, 1.0 if p else -1.0).sum())(x)
+        assert_close(n(g), n(g_ref))
+    # vmap: per-lane predicates select, a shared one keeps the graph if
+    ps, xs = np.array([True, False]), np.stack([x[:8], -x[:8]])
+    got = fs.jit(fs.vmap(f, in_axes=(0, 0, None)))(ps, xs, w)
+    assert_close(n(got), np.stack([n(_costly(xs[0], w, 1.0)), n(_costly(xs[1], w, -1.0))]))
+    got = fs.jit(fs.vmap(f, in_axes=(None, 0, None)))(np.bool_(False), xs, w)
+    assert_close(n(got), np.stack([n(_costly(v, w, -1.0)) for v in xs]))
+    # under shard the branches are selected, so layouts propagate through them
+    s = fs.shard(lambda x: f(x.sum() > 0, x, w), in_strategy=((4, 1),), mesh=4)
+    assert_close(n(s(x)), n(f(np.bool_(x.sum() > 0), x, w)))
+
+
 def test_cond_and_switch_errors_name_both_branches():
     x = np.ones(3, np.float32)
     with pytest.raises(fs.ProgramTypeError,

@@ -135,6 +135,22 @@ class LoweringContext:
         self.helpers.append("\n".join(lines) + "\n")
         return name
 
+    def cond_function(self, branches: list) -> str:
+        """Emit a MindSpore graph ``if`` over ``branches`` as a helper function; return
+        its name. The helper takes ``index`` then the branches' common inputs; branch
+        ``k`` runs for the first ``k`` with ``index <= k``, the last one otherwise."""
+        names = [self.function(b, "branch") for b in branches]
+        i = len(self.helpers)
+        name = _py_name(f"fshard_cond_{i}")
+        xs = [f"x{k}" for k in range(len(branches[0].inputs))]
+        args = ", ".join(xs)
+        lines = [f"def {name}(index, {args}):" if xs else f"def {name}(index):"]
+        for k, b in enumerate(names[:-1]):
+            lines += [f"    {'if' if k == 0 else 'elif'} index <= {k}:", f"        r = {b}({args})"]
+        lines += ["    else:", f"        r = {names[-1]}({args})", "    return r"]
+        self.helpers.append("\n".join(lines) + "\n")
+        return name
+
     def ref(self, obj, hint: str = "c") -> str:
         """A global name bound to ``obj`` in the generated module."""
         name = self._ids.get(id(obj))

@@ -199,6 +199,27 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
         "None to take its shape from each call.")
 
 
+def declared_types(specs, where: str) -> tuple:
+    """Input declarations (one per argument: an ``fs.ArrayType``, a MindSpore placeholder
+    Tensor, a pytree of them, or None) as ArrayTypes (``set_inputs`` of ``fs.jit``,
+    ``fs.shard`` and ``fs.AutoParallel``). One ``mindspore.Symbol`` object with
+    ``unique=True`` is one fshard Symbol across all of them."""
+    ms_symbols: dict = {}
+
+    def convert(spec, where):
+        if spec is None:
+            return None
+        if isinstance(spec, (ArrayType, _Tensor)):
+            return _spec_type(spec, where, ms_symbols)
+        if isinstance(spec, (tuple, list, dict)):
+            items = spec.items() if isinstance(spec, dict) else enumerate(spec)
+            out = {k: convert(v, f"{where}[{k!r}]") for k, v in items}
+            return out if isinstance(spec, dict) else type(spec)(out.values())
+        return _spec_type(spec, where, ms_symbols)  # raises, naming the entry
+
+    return tuple(convert(spec, f"{where}: argument {i}") for i, spec in enumerate(specs))
+
+
 def _bind(name: str, what: str, avals, values, sizes: dict, names=None) -> dict:
     """Check ``values`` against ``avals``, binding each Symbol to the size it meets
     (``sizes``: Symbol -> (size, where)); an fshard error names the mismatch (as input
@@ -308,21 +329,7 @@ class Jitted:
         None dimensions, or None (the argument's shapes come from each call). Every call
         whose shapes satisfy the declarations then runs one program, traced and compiled
         once; a call that does not is an fshard error. Returns ``self``."""
-        ms_symbols: dict = {}
-
-        def convert(spec, where):
-            if spec is None:
-                return None
-            if isinstance(spec, (ArrayType, _Tensor)):
-                return _spec_type(spec, where, ms_symbols)
-            if isinstance(spec, (tuple, list, dict)):
-                items = spec.items() if isinstance(spec, dict) else enumerate(spec)
-                out = {k: convert(v, f"{where}[{k!r}]") for k, v in items}
-                return out if isinstance(spec, dict) else type(spec)(out.values())
-            return _spec_type(spec, where, ms_symbols)  # raises, naming the entry
-
-        self._in_shapes = tuple(convert(spec, f"{self!r}.set_inputs: argument {i}")
-                                for i, spec in enumerate(specs))
+        self._in_shapes = declared_types(specs, f"{self!r}.set_inputs")
         return self
 
     @property

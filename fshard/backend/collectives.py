@@ -23,6 +23,7 @@ from fshard import dtypes
 from fshard.backend.mindspore import (COLLECTIVE_DTYPES, NATIVE_COLLECTIVES, Tensor,
                                       device_target)
 from fshard.core import ArrayType
+from fshard.dims import dims_equal
 from fshard.errors import ArgumentError, AxisNameError
 
 def this_rank(ctx) -> int:
@@ -241,7 +242,7 @@ class Comm:
 
 def local_slice(ctx, x: str, shape, begin, end) -> str:
     """This rank's block ``[begin, end)`` of a value it holds whole (no communication)."""
-    if list(begin) == [0] * len(shape) and list(end) == list(shape):
+    if list(begin) == [0] * len(shape) and all(dims_equal(e, d) for e, d in zip(end, shape)):
         return x
     return ctx.call(_ms_slice, x, begin=tuple(begin), end=tuple(end), strides=(1,) * len(shape))
 

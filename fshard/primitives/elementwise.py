@@ -201,6 +201,28 @@ defjvp(sign_p, None)  # piecewise constant: zero derivative
 unsupported(sign_p, "transpose", "not linear")
 
 
+def _ms_floor(x):
+    return ops.floor(x)
+
+
+def _ms_round(x):
+    return ops.round(x)  # half to even, as NumPy
+
+
+def _def_step(name, ms_fn):
+    """A piecewise-constant float primitive (floor, round): zero derivative."""
+    prim = def_primitive(name, FAMILY, _float_unary_type(name), ms_fn)
+    batching.set(prim, vectorized(prim))
+    sharding.set(prim, _elementwise_sharding)
+    defjvp(prim, None)
+    unsupported(prim, "transpose", "not linear")
+    return prim
+
+
+floor_p = _def_step("floor", _ms_floor)
+round_p = _def_step("round", _ms_round)
+
+
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 
@@ -553,6 +575,22 @@ sqrt = _float_un(sqrt_p)
 rsqrt = _float_un(rsqrt_p)
 abs = _un(abs_p)  # noqa: A001
 sign = _un(sign_p)
+
+
+def _int_identity_un(prim):
+    def op(x):
+        if not dtypes.is_float(typeof(x).dtype):  # an integer is its own floor / rounding
+            return x
+        return prim.bind(x)
+
+    op.__name__ = prim.name
+    op.__doc__ = (f"Elementwise ``{prim.name}`` (primitive ``{prim.name}``; integers are "
+                  "returned unchanged).")
+    return op
+
+
+floor = _int_identity_un(floor_p)
+round = _int_identity_un(round_p)  # noqa: A001  (MindSpore's name)
 sin = _float_un(sin_p)
 cos = _float_un(cos_p)
 erf = _float_un(erf_p)

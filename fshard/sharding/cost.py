@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from fshard import dtypes
 from fshard.backend.mindspore import native_collectives
 from fshard.core import ArrayType
+from fshard.dims import planning_prod, planning_size
 from fshard.factors import FactorSpec
 from fshard.sharding.layouts import Candidate, ShardMesh, Sharding, plan
 
 def compute_cost(spec: FactorSpec, cand: Candidate, mesh: ShardMesh) -> float:
     """Iteration points per device (times flops per point)."""
-    points = math.prod(s for s in spec.sizes.values() if isinstance(s, int)) or 1
+    points = math.prod(planning_size(s) for s in spec.sizes.values()) or 1
     par = math.prod(mesh.count(ax) for _, ax in cand.assign) or 1
     return spec.flops_per_point * points / par
 
@@ -64,13 +65,13 @@ def redistribution(src: Sharding, dst: Sharding, shape, itemsize: int, mesh: Sha
     sent, sizes = 0.0, []
     for st in steps:
         n = mesh.count(st.axes)
-        local = math.prod(local_shape) * itemsize
+        local = planning_prod(local_shape) * itemsize
         sent += step_bytes(st.kind, local, n, n == mesh.size, native)
         if st.kind == "all_gather":
             local_shape[st.dim] *= n
         elif st.kind in ("psum_scatter", "slice"):
             local_shape[st.dim] //= n
-        sizes.append(float(math.prod(local_shape) * itemsize))
+        sizes.append(float(planning_prod(local_shape) * itemsize))
     return sent, steps, sizes
 
 
@@ -88,7 +89,7 @@ def plan_bytes(src: Sharding, dst: Sharding, aval: ArrayType, mesh: ShardMesh,
 
 def local_bytes(sh: Sharding, aval: ArrayType, mesh: ShardMesh) -> float:
     itemsize = dtypes.to_numpy(aval.dtype).itemsize
-    return math.prod(sh.local_shape(aval.shape, mesh)) * itemsize
+    return planning_prod(sh.local_shape(aval.shape, mesh)) * itemsize
 
 
 @dataclass

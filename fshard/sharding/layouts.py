@@ -23,6 +23,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from fshard.dims import dim_multiple_of
 from fshard.factors import FactorSpec, linear_groups
 
 # ---------------------------------------------------------------------------
@@ -177,8 +178,7 @@ def candidates(spec: FactorSpec, mesh: ShardMesh) -> list[Candidate]:
         for axis, lab in enumerate(choice):
             if lab is not None:
                 assign.setdefault(lab, []).append(axis)
-        ok = all(isinstance(spec.sizes[lab], int) and spec.sizes[lab] % mesh.count(ax) == 0
-                 for lab, ax in assign.items())
+        ok = all(dim_multiple_of(spec.sizes[lab], mesh.count(ax)) for lab, ax in assign.items())
         if ok:
             labs = list(assign)
             for orders in itertools.product(*[itertools.permutations(assign[lab])

@@ -33,6 +33,8 @@ class ShardPlan:
         self.flexible = tuple(flexible)
         # Bucket size (bytes) for fusing the per-device AllReduces (None: no fusion).
         self.fusion = fusion
+        # Rewrites of the per-device program, in order (fs.AutoParallel's).
+        self.passes = ()
         # The fs.Mesh of prime axes of a multi-process job (one device per process), or
         # None on a virtual mesh.
         self.world = world
@@ -72,6 +74,8 @@ class ShardPlan:
                 from fshard.passes import fuse_allreduces
 
                 self._part.program = fuse_allreduces(self._part.program, self.fusion)
+            for rewrite in self.passes:  # rewrites of the per-device program
+                self._part.program = rewrite(self._part.program)
         return self._part
 
     def virtual_program(self) -> tuple[Program, list]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from fshard.dims import dim_multiple_of
 from fshard.ir import Program, Var
 from fshard.rules import sharding as sharding_rules
 from fshard.sharding.cost import (CostModel, compute_cost, local_bytes, native_reduce_scatter,
@@ -100,8 +101,8 @@ def _desired(program: Program, specs: list, out_demand: dict, mesh: ShardMesh) -
                 continue
             dims = tuple(want.dims[out_labels.index(lab)] if lab is not None else ()
                          for lab in labels)
-            if any(d and (not isinstance(a.aval.shape[k], int)
-                          or a.aval.shape[k] % mesh.count(d)) for k, d in enumerate(dims)):
+            if any(d and not dim_multiple_of(a.aval.shape[k], mesh.count(d))
+                   for k, d in enumerate(dims)):
                 continue
             desired[a] = Sharding(dims)
     return desired

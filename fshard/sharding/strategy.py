@@ -20,6 +20,7 @@ import numpy as np
 
 from fshard import tree
 from fshard.core import ArrayType
+from fshard.dims import dim_multiple_of
 from fshard.errors import ShardingError
 from fshard.layout import Layout, _divisors, _or_list, check_strategy
 from fshard.sharding.layouts import ShardMesh, Sharding
@@ -79,13 +80,15 @@ def parse_strategy(entry, aval: ArrayType, mesh: ShardMesh, where: str,
 
 
 def _symbol_bad(d, c) -> bool:
-    # A symbolic dimension is divisible when its divisor is and it has no remainder.
-    return getattr(d, "divisor", 1) % c != 0 or getattr(d, "remainder", 0) != 0
+    # A symbolic dimension is divisible when it provably is for every size it accepts.
+    return not dim_multiple_of(d, c)
 
 
 def _divisible_fix(d, c, mesh) -> str:
     if not isinstance(d, int):
-        return f"declare the dimension with fs.Symbol(divisor={c}) (or a multiple of {c})."
+        declared = f"{d} is declared {d!r}; " if hasattr(d, "divisor") else ""
+        return (f"{declared}declare it with fs.Symbol(divisor={c}) (or a multiple of {c}), "
+                "or split it fewer ways.")
     ok = [k for k in _divisors(d) if mesh.size % k == 0]
     return f"split it into {_or_list(ok)} parts, or pad it to a multiple of {c}."
 

@@ -149,7 +149,7 @@ def traffic(part) -> list[dict]:
     kind, group size ``n``, input block and the bytes each device sends, with every
     collective native (``bytes``) and as MindSpore's CPU backend runs it (``cpu_bytes``:
     a ReduceScatter is an AllReduce + slice, an AllGather over a sub-group a slot
-    buffer + AllReduce), both from ``fshard.sharding.step_bytes``, the planner's own.
+    buffer + AllReduce), both from ``fshard.sharding.cost.step_bytes``, the planner's own.
 
     >>> import numpy as np, fshard as fs
     >>> f = fs.shard(lambda x, w: x @ w, in_strategy=((1, 2), (2, 1)), mesh=2)

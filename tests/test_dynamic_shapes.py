@@ -218,6 +218,17 @@ def test_bad_declarations_are_argument_errors():
     f = fs.jit(lambda x: x, in_shapes=(None, fs.ArrayType((8,), F32)))
     with pytest.raises(fs.ArgumentError, match="declares 2 inputs with set_inputs"):
         f(_t(8))
+    with pytest.raises(fs.ArgumentError, match=r"argument 0: a declared dimension must be an "
+                                               r"int, an fs.Symbol or None, got 'b' in"):
+        fs.jit(lambda x: x, in_shapes=(fs.ArrayType(("b", 3), F32),))
+
+
+def test_none_in_an_array_type_declaration_is_a_dimension_of_any_size():
+    f = fs.jit(lambda x: x * 2.0, in_shapes=(fs.ArrayType((None, 3), F32),))
+    for b in (1, 5, 12):
+        x = _t(b, 3)
+        _close(f(x), fs.jit(lambda x: x * 2.0)(x))
+    assert (f.trace_count, f.compile_count) == (1, 1)
 
 
 def _dense_relu(x, w):

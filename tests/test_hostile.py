@@ -386,8 +386,12 @@ def test_generated_sources_share_one_directory_per_process_removed_at_exit(tmp_p
     stale = tmp_path / f"fshard_gen_{dead.pid}_x1"
     stale.mkdir()
     (stale / "fshard_generated_1.py").write_text("")
+    recent = tmp_path / f"fshard_gen_{dead.pid}_x3"  # touched within the hour: kept
+    recent.mkdir()
+    os.utime(stale, (1e9, 1e9))  # 2001: long stale
     live = tmp_path / f"fshard_gen_{os.getpid()}_x2"  # this process is alive: kept
     live.mkdir()
+    os.utime(live, (1e9, 1e9))
     code = ("import numpy as np, fshard as fs\n"
             "from fshard.backend import mindspore as b\n"
             "fs.jit(lambda a: a * 2)(np.ones(3, np.float32))\n"
@@ -402,4 +406,4 @@ def test_generated_sources_share_one_directory_per_process_removed_at_exit(tmp_p
     assert same == "True" and gen_dir.startswith(str(tmp_path / "fshard_gen_"))
     assert not os.path.exists(gen_dir)  # removed at exit
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("fshard_gen_")) \
-        == [live.name]
+        == sorted([live.name, recent.name])

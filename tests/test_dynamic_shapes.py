@@ -325,6 +325,13 @@ def test_annotation_mismatches_are_errors_naming_the_argument_and_dim():
         fs.jit(lambda x: x, in_shapes="annotations")
 
 
+def _op_functions() -> list:
+    import inspect
+
+    return [getattr(fs.ops, n) for n in dir(fs.ops) if not n.startswith("_")
+            and callable(getattr(fs.ops, n)) and not inspect.ismodule(getattr(fs.ops, n))]
+
+
 def test_fshards_public_array_functions_carry_jaxtyping_annotations():
     import typing
 
@@ -335,9 +342,10 @@ def test_fshards_public_array_functions_carry_jaxtyping_annotations():
                fs.random.split, fs.random.fold_in, fs.random.bits, fs.random.uniform,
                fs.random.normal, fs.random.truncated_normal, fs.random.bernoulli,
                fs.random.randint, fs.random.gumbel, fs.random.categorical,
-               fs.random.permutation, fs.nn.dropout):
+               fs.random.permutation, fs.nn.dropout, *_op_functions()):
         hints = typing.get_type_hints(fn)
         assert "return" in hints, fn.__name__
+        assert hints["return"] is tuple or "jaxtyping" in repr(hints["return"]), fn.__name__
         arrays = [h for h in hints.values() if "jaxtyping" in repr(h)]
         assert arrays, f"{fn.__name__} has no jaxtyping annotation: {hints}"
     x = typing.get_type_hints(fs.pmax)["x"]

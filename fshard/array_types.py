@@ -21,11 +21,14 @@ from mindspore import Tensor
 Array = Union[Tensor, np.ndarray]
 """An array argument: a MindSpore Tensor or a NumPy array."""
 
+ArrayLike = Union[Shaped[Array, "..."], bool, int, float]
+"""An op function's operand: an array or a Python scalar (a weakly typed constant)."""
+
 ArrayTree = Union[Shaped[Array, "..."], tuple, list, dict]
 """An array, or a pytree (tuples, lists, dicts) of arrays."""
 
 Key = UInt32[Array, "2"]
 """An ``fs.random`` key: two uint32 words."""
 
-__all__ = ["Array", "ArrayTree", "Bool", "Float", "Int", "Int32", "Key", "Shaped", "UInt",
-           "UInt32"]
+__all__ = ["Array", "ArrayLike", "ArrayTree", "Bool", "Float", "Int", "Int32", "Key",
+           "Shaped", "UInt", "UInt32"]

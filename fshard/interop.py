@@ -1166,7 +1166,7 @@ SUPPORTED_TENSOR_METHODS: tuple[str, ...] = (
     "broadcast_to", "expand_as", "softmax", "add", "sub", "mul", "div", "maximum",
     "minimum", "pow", "neg", "masked_fill", "half", "int", "long", "bool", "numel", "T",
     "mT", "shape", "dtype", "ndim", "size", "dim",
-    "clip", "clamp", "var", "std", "any", "all", "norm", "copy", "floor", "round",
+    "clip", "clamp", "var", "std", "any", "all", "norm", "copy", "floor", "round", "tile",
 )
 
 #: nn Cells whose construct traces (user Cells built from these trace too).

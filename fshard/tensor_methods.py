@@ -321,8 +321,26 @@ def _round(self, decimals=0, *, out=None):
     return ops.round(self)
 
 
+def _tile(self, *multiples):
+    """``Tensor.tile(multiples)`` (NumPy's ``tile``): each dimension repeated whole, by
+    a broadcast of an interleaved reshape (no primitive of its own)."""
+    reps = tuple(multiples[0]) if len(multiples) == 1 and isinstance(
+        multiples[0], (tuple, list)) else tuple(multiples)
+    if not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) and r >= 0
+               for r in reps):
+        from fshard.errors import ArgumentError
+
+        raise ArgumentError(f"tile(multiples=...) must be non-negative ints, got {reps!r}.")
+    shape = tuple(self.shape)
+    nd = max(len(shape), len(reps))
+    shape, reps = (1,) * (nd - len(shape)) + shape, (1,) * (nd - len(reps)) + reps
+    x = ops.reshape(self, tuple(d for s in shape for d in (1, s)))
+    x = ops.broadcast_to(x, tuple(d for r, s in zip(reps, shape) for d in (r, s)))
+    return ops.reshape(x, tuple(r * s for r, s in zip(reps, shape)))
+
+
 METHODS.update({
-    "floor": ops.floor, "round": _round,
+    "floor": ops.floor, "round": _round, "tile": _tile,
     "clip": _clip, "clamp": _clip, "var": _var,
     "std": lambda self, axis=None, ddof=0, keepdims=False, **kw: ops.sqrt(
         _var(self, axis, ddof, keepdims, **kw)),

@@ -297,6 +297,8 @@ def test_switch_clamps_and_selects_per_lane():
     ks = np.array([0, 1, 2, 5], np.int32)
     got = fs.vmap(lambda i, x: fs.switch(i, branches, x), in_axes=(0, None))(t(ks), x)
     assert n(got).tolist() == [2.0, 30.0, 9.0, 9.0]
+    one = fs.jit(lambda i, x: fs.switch(i, [lambda x: x * 2], x))  # one branch: no choice
+    assert float(n(one(t(np.int32(5)), x))) == 6.0
 
 
 def test_cond_under_shard_equals_unsharded():

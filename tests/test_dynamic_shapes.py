@@ -218,6 +218,17 @@ def test_bad_declarations_are_argument_errors():
     f = fs.jit(lambda x: x, in_shapes=(None, fs.ArrayType((8,), F32)))
     with pytest.raises(fs.ArgumentError, match="declares 2 inputs with set_inputs"):
         f(_t(8))
+    with pytest.raises(fs.ArgumentError, match=r"argument 0: a declared dimension must be an "
+                                               r"int, an fs.Symbol or None, got 'b' in"):
+        fs.jit(lambda x: x, in_shapes=(fs.ArrayType(("b", 3), F32),))
+
+
+def test_none_in_an_array_type_declaration_is_a_dimension_of_any_size():
+    f = fs.jit(lambda x: x * 2.0, in_shapes=(fs.ArrayType((None, 3), F32),))
+    for b in (1, 5, 12):
+        x = _t(b, 3)
+        _close(f(x), fs.jit(lambda x: x * 2.0)(x))
+    assert (f.trace_count, f.compile_count) == (1, 1)
 
 
 def _dense_relu(x, w):
@@ -314,6 +325,13 @@ def test_annotation_mismatches_are_errors_naming_the_argument_and_dim():
         fs.jit(lambda x: x, in_shapes="annotations")
 
 
+def _op_functions() -> list:
+    import inspect
+
+    return [getattr(fs.ops, n) for n in dir(fs.ops) if not n.startswith("_")
+            and callable(getattr(fs.ops, n)) and not inspect.ismodule(getattr(fs.ops, n))]
+
+
 def test_fshards_public_array_functions_carry_jaxtyping_annotations():
     import typing
 
@@ -324,9 +342,10 @@ def test_fshards_public_array_functions_carry_jaxtyping_annotations():
                fs.random.split, fs.random.fold_in, fs.random.bits, fs.random.uniform,
                fs.random.normal, fs.random.truncated_normal, fs.random.bernoulli,
                fs.random.randint, fs.random.gumbel, fs.random.categorical,
-               fs.random.permutation, fs.nn.dropout):
+               fs.random.permutation, fs.nn.dropout, *_op_functions()):
         hints = typing.get_type_hints(fn)
         assert "return" in hints, fn.__name__
+        assert hints["return"] is tuple or "jaxtyping" in repr(hints["return"]), fn.__name__
         arrays = [h for h in hints.values() if "jaxtyping" in repr(h)]
         assert arrays, f"{fn.__name__} has no jaxtyping annotation: {hints}"
     x = typing.get_type_hints(fs.pmax)["x"]

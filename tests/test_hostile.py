@@ -206,6 +206,7 @@ METHOD_CALLS = {
     "floor": (lambda a: (a * 0.7).floor(), lambda a: np.floor(a * 0.7)),
     "round": (lambda a: (a * 0.7).round(), lambda a: np.round(a * 0.7)),
     "np.round": (lambda a: np.round(a * 0.7), None),
+    "tile": (lambda a: a.tile((2, 1, 3)), lambda a: np.tile(a, (2, 1, 3))),
 }
 
 
@@ -223,7 +224,6 @@ def test_common_methods_of_traced_values_trace_and_compute_what_numpy_does(name)
 @pytest.mark.parametrize("call, error, match", [
     (lambda a: a.round(2), fs.UnsupportedOpError, r"round\(decimals=2\)"),
     (lambda a: a.repeat(2), fs.UnsupportedOpError, "Tensor method 'repeat'"),
-    (lambda a: a.tile((2,)), fs.UnsupportedOpError, "Tensor method 'tile'"),
     (lambda a: a.fill(1.0), fs.TracerConversionError, "updated in place"),
     (lambda a: np.cumsum(a), fs.TracerConversionError, "numpy.asarray"),
     (lambda a: np.max(a, out=np.empty(())), fs.TracerConversionError, "out="),
@@ -386,8 +386,12 @@ def test_generated_sources_share_one_directory_per_process_removed_at_exit(tmp_p
     stale = tmp_path / f"fshard_gen_{dead.pid}_x1"
     stale.mkdir()
     (stale / "fshard_generated_1.py").write_text("")
+    recent = tmp_path / f"fshard_gen_{dead.pid}_x3"  # touched within the hour: kept
+    recent.mkdir()
+    os.utime(stale, (1e9, 1e9))  # 2001: long stale
     live = tmp_path / f"fshard_gen_{os.getpid()}_x2"  # this process is alive: kept
     live.mkdir()
+    os.utime(live, (1e9, 1e9))
     code = ("import numpy as np, fshard as fs\n"
             "from fshard.backend import mindspore as b\n"
             "fs.jit(lambda a: a * 2)(np.ones(3, np.float32))\n"
@@ -402,4 +406,4 @@ def test_generated_sources_share_one_directory_per_process_removed_at_exit(tmp_p
     assert same == "True" and gen_dir.startswith(str(tmp_path / "fshard_gen_"))
     assert not os.path.exists(gen_dir)  # removed at exit
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("fshard_gen_")) \
-        == [live.name]
+        == sorted([live.name, recent.name])

@@ -184,6 +184,7 @@ METHOD_CASES = {
     "copy": (lambda x: x.copy() * 2, [X]),
     "floor": (lambda x: x.floor(), [X]),
     "round": (lambda x: (x * 3).round(), [X]),
+    "tile": (lambda x: (x.tile((2, 1)), x.tile((2,)), x.tile((2, 1, 3))), [X]),
     "__add__": (lambda x, y: x + y + 1, [X, Y]),
     "__add__:tensor_left": (lambda x: XT + x, [X]),
     "__radd__": (lambda x: 1.0 + x, [X]),

@@ -649,6 +649,8 @@ def _switch(api, index, branches, names, operands):
     if not isinstance(index, Tracer):  # a concrete array: call its branch
         k = int(np.asarray(index.asnumpy() if hasattr(index, "asnumpy") else index))
         return branches[min(max(k, 0), n - 1)](*operands)
+    if n == 1:
+        return branches[0](*operands)
     index = E.cast(index, dtypes.int32)
     if _graph_if_is_faster([p for p, _ in staged]):
         programs, consts = _uniform_branches(staged, avals)

@@ -168,10 +168,14 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
     ``mindspore.Symbol`` (one object: one fshard Symbol) or None (a new Symbol)."""
     if isinstance(spec, ArrayType):
         for d in spec.shape:
-            if not isinstance(d, (int, Symbol)) or isinstance(d, bool):
+            if d is not None and (not isinstance(d, (int, Symbol)) or isinstance(d, bool)):
                 raise ArgumentError(
-                    f"{where}: a declared dimension must be an int or an fs.Symbol, got "
-                    f"{d!r} in {spec}.\nFix: use fs.Symbol(...) for a dimension of any size.")
+                    f"{where}: a declared dimension must be an int, an fs.Symbol or None, "
+                    f"got {d!r} in {spec}.\nFix: use fs.Symbol(...) (or None) for a "
+                    "dimension of any size.")
+        if None in spec.shape:  # as in a MindSpore placeholder: a new Symbol, any size
+            return ArrayType(tuple(Symbol() if d is None else d for d in spec.shape),
+                             spec.dtype)
         return spec
     if isinstance(spec, _Tensor) and (getattr(spec, "symbolic_shape", None) is not None
                                       or -1 in tuple(spec.shape)):

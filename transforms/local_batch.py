@@ -17,7 +17,10 @@ layout, so placement and the plan always agree.
 
 from __future__ import annotations
 
-from fshard.core import ArrayType, typeof
+import numpy as np
+
+from fshard.backend.mindspore import as_tensor
+from fshard.core import ArrayType, Tracer, typeof
 from fshard.primitives.structural import pad, slice_array
 
 
@@ -44,6 +47,11 @@ def block_index(sharding, mesh, rank: int) -> tuple[tuple[int, int], ...]:
 def to_global(x, where):
     """``x`` (this process's block) placed at its block of a zero global value."""
     shape = typeof(x).shape
+    if not isinstance(x, Tracer):  # a concrete batch: NumPy, 5-15x faster than a pad op
+        a = x.asnumpy() if hasattr(x, "asnumpy") else np.asarray(x)
+        out = np.zeros(tuple(d * n for d, (_, n) in zip(shape, where)), a.dtype)
+        out[tuple(slice(i * d, (i + 1) * d) for d, (i, _) in zip(shape, where))] = a
+        return as_tensor(out)
     low = [i * d for (i, _), d in zip(where, shape)]
     high = [(n - 1 - i) * d for (i, n), d in zip(where, shape)]
     return pad(x, low, high)

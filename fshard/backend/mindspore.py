@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 
 import mindspore as ms
 import numpy as np
@@ -212,7 +213,9 @@ def _remove_gen_dir(path: str, pid: int) -> None:
 def _remove_stale_gen_dirs(root: str) -> None:
     """Remove the generated sources of processes that are gone without running their
     exit handlers (a rank the launcher stopped, a killed test run). The directory name
-    carries its process id; a directory of a live process, or of another user, stays."""
+    carries its process id; a directory of a live process, of another user, or touched
+    within the last hour (its process may live in another PID namespace sharing this
+    temp folder) stays."""
     try:
         names = os.listdir(root)
     except OSError:
@@ -223,7 +226,8 @@ def _remove_stale_gen_dirs(root: str) -> None:
             continue
         path = os.path.join(root, entry)
         try:
-            if os.stat(path).st_uid != os.getuid():
+            st = os.stat(path)
+            if st.st_uid != os.getuid() or time.time() - st.st_mtime < 3600:
                 continue
             os.kill(int(parts[2]), 0)
         except ProcessLookupError:

@@ -31,6 +31,7 @@ import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
+from fshard.array_types import Array, ArrayLike, Shaped
 from fshard.backend.mindspore import as_tensor
 from fshard.core import (ArrayType, DimExpr, Primitive, Symbol, dim_div, dim_prod, dims_equal,
                          is_symbolic, typeof)
@@ -345,7 +346,7 @@ def _broadcast_to_transpose(ct, x, *, shape):
 deflinear(broadcast_to_p, _broadcast_to_transpose)
 
 
-def broadcast_to(x, shape):
+def broadcast_to(x: ArrayLike, shape) -> Shaped[Array, "..."]:
     """Broadcast ``x`` to ``shape`` with NumPy's rules."""
     shape = _static_shape(shape)
     if tuple(typeof(x).shape) == shape:
@@ -431,7 +432,7 @@ sharding.set(reshape_p, _reshape_sharding)
 deflinear(reshape_p, lambda ct, x, *, shape: [reshape(ct, x.aval.shape)])
 
 
-def reshape(x, shape):
+def reshape(x: ArrayLike, shape) -> Shaped[Array, "..."]:
     """Reshape ``x``; one dimension may be -1."""
     shape = _static_shape(shape)
     a = typeof(x)
@@ -486,7 +487,7 @@ deflinear(transpose_p,
           lambda ct, x, *, perm: [transpose_p.bind(ct, perm=tuple(np.argsort(perm).tolist()))])
 
 
-def transpose(x, perm=None):
+def transpose(x: Shaped[Array, "..."], perm=None) -> Shaped[Array, "..."]:
     a = typeof(x)
     perm = tuple(reversed(range(a.ndim))) if perm is None else tuple(
         _norm_axis(p, a.ndim, "perm entry") for p in perm)
@@ -533,7 +534,7 @@ jvp.set(full_p, lambda primals, tangents, **p: (
 unsupported(full_p, "transpose", "has no operands")
 
 
-def full(shape, value, dtype=dtypes.float32):
+def full(shape, value, dtype=dtypes.float32) -> Shaped[Array, "..."]:
     dtype = dtypes.canonical(dtype)
     value = bool(value) if dtype == dtypes.bool_ else (
         float(value) if dtypes.is_float(dtype) else int(value))
@@ -541,11 +542,11 @@ def full(shape, value, dtype=dtypes.float32):
                        value=value, dtype=dtype)
 
 
-def zeros(shape, dtype=dtypes.float32):
+def zeros(shape, dtype=dtypes.float32) -> Shaped[Array, "..."]:
     return full(shape, 0, dtype)
 
 
-def ones(shape, dtype=dtypes.float32):
+def ones(shape, dtype=dtypes.float32) -> Shaped[Array, "..."]:
     return full(shape, 1, dtype)
 
 

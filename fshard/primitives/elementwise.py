@@ -13,6 +13,7 @@ import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
+from fshard.array_types import Array, ArrayLike, Bool, Float, Shaped
 from fshard.core import ArrayType, typeof
 from fshard.errors import ProgramTypeError
 from fshard.primitives.base import (  # noqa: F401  (add, broadcast_shapes: re-exported)
@@ -528,7 +529,7 @@ transpose.set(cast_p, lambda ct, x, *, dtype: [cast(ct, x.aval.dtype)])
 
 
 def _un(prim):
-    def op(x, **params):
+    def op(x: ArrayLike, **params) -> Shaped[Array, "*shape"]:
         return prim.bind(x, **params)
 
     op.__name__ = prim.name
@@ -537,7 +538,7 @@ def _un(prim):
 
 
 def _bin(prim):
-    def op(x, y):
+    def op(x: ArrayLike, y: ArrayLike) -> Shaped[Array, "..."]:
         x, y = promote(x, y)
         return prim.bind(x, y)
 
@@ -557,7 +558,7 @@ def _float_arg(x):
 
 
 def _float_un(prim):
-    def op(x):
+    def op(x: ArrayLike) -> Float[Array, "*shape"]:
         return prim.bind(_float_arg(x))
 
     op.__name__ = prim.name
@@ -578,7 +579,7 @@ sign = _un(sign_p)
 
 
 def _int_identity_un(prim):
-    def op(x):
+    def op(x: ArrayLike) -> Shaped[Array, "*shape"]:
         if not dtypes.is_float(typeof(x).dtype):  # an integer is its own floor / rounding
             return x
         return prim.bind(x)
@@ -596,7 +597,7 @@ cos = _float_un(cos_p)
 erf = _float_un(erf_p)
 
 
-def gelu(x, approximate: str = "tanh"):
+def gelu(x: ArrayLike, approximate: str = "tanh") -> Float[Array, "*shape"]:
     """GELU, exact (``approximate='none'``) or with the tanh approximation."""
     return gelu_p.bind(_float_arg(x), approximate=approximate)
 
@@ -619,7 +620,7 @@ greater = _bin(greater_p)
 greater_equal = _bin(greater_equal_p)
 
 
-def div(x, y):
+def div(x: ArrayLike, y: ArrayLike) -> Shaped[Array, "..."]:
     """True division; integer operands divide in float32, as MindSpore's ``ops.div``."""
     x, y = promote(x, y)
     if not dtypes.is_float(typeof(x).dtype):
@@ -627,17 +628,17 @@ def div(x, y):
     return div_p.bind(x, y)
 
 
-def pow(x, y):  # noqa: A001
+def pow(x: ArrayLike, y: ArrayLike) -> Shaped[Array, "..."]:  # noqa: A001
     """``x ** y`` elementwise."""
     x, y = promote(x, y)
     return pow_p.bind(x, y)
 
 
-def square(x):
+def square(x: ArrayLike) -> Shaped[Array, "*shape"]:
     return mul(x, x)
 
 
-def cast(x, dtype):
+def cast(x: ArrayLike, dtype) -> Shaped[Array, "*shape"]:
     """Convert ``x`` to ``dtype`` (a MindSpore or NumPy dtype)."""
     if dtype is None:
         from fshard.errors import ArgumentError
@@ -652,7 +653,8 @@ def cast(x, dtype):
     return cast_p.bind(x, dtype=dtype)
 
 
-def where(cond, x, y):
+def where(cond: Bool[Array, "..."], x: ArrayLike,
+          y: ArrayLike) -> Shaped[Array, "..."]:
     """``x`` where ``cond`` else ``y``, with broadcasting (NB: ``select`` primitive)."""
     x, y = promote(x, y)
     if _is_weak(cond):
@@ -669,11 +671,12 @@ def _broadcast3(c, x, y):
     return [v if tuple(typeof(v).shape) == shape else broadcast_to(v, shape) for v in (c, x, y)]
 
 
-def select(cond, x, y):
+def select(cond: Bool[Array, "..."], x: ArrayLike,
+           y: ArrayLike) -> Shaped[Array, "..."]:
     return select_p.bind(cond, x, y)
 
 
-def zeros_like(x):
+def zeros_like(x: ArrayLike) -> Shaped[Array, "*shape"]:
     a = typeof(x)
     return zeros(a.shape, a.dtype)
 

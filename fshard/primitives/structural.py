@@ -9,10 +9,13 @@ rules (slice <-> pad, gather <-> scatter_add, concat <-> split).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
+from fshard.array_types import Array, ArrayLike, Int, Shaped
 from fshard.core import ArrayType, Tracer, dims_equal, is_symbolic, typeof
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
 from fshard.factors import FactorSpec, elementwise_spec
@@ -46,13 +49,13 @@ from fshard.rules import transpose as transpose_rules  # `transpose` is also an 
 FAMILY = "structural"
 
 
-def expand_dims(x, axis: int):
+def expand_dims(x: ArrayLike, axis: int) -> Shaped[Array, "..."]:
     a = typeof(x)
     axis = _norm_axis(axis, a.ndim + 1)
     return reshape(x, tuple(a.shape[:axis]) + (1,) + tuple(a.shape[axis:]))
 
 
-def squeeze(x, axis=None):
+def squeeze(x: Shaped[Array, "..."], axis=None) -> Shaped[Array, "..."]:
     a = typeof(x)
     if axis is None:
         axes = [i for i, d in enumerate(a.shape) if d == 1]
@@ -64,12 +67,12 @@ def squeeze(x, axis=None):
     return reshape(x, tuple(d for i, d in enumerate(a.shape) if i not in axes))
 
 
-def flatten(x, start_dim: int = 1):
+def flatten(x: Shaped[Array, "..."], start_dim: int = 1) -> Shaped[Array, "..."]:
     a = typeof(x)
     return reshape(x, tuple(a.shape[:start_dim]) + (-1,))
 
 
-def swapaxes(x, a: int, b: int):
+def swapaxes(x: Shaped[Array, "..."], a: int, b: int) -> Shaped[Array, "..."]:
     nd = typeof(x).ndim
     perm = list(range(nd))
     a, b = _norm_axis(a, nd), _norm_axis(b, nd)
@@ -93,7 +96,7 @@ defjvp(stop_gradient_p, None)
 unsupported(stop_gradient_p, "transpose", "its JVP is zero, so it never appears in a linear program")
 
 
-def stop_gradient(x):
+def stop_gradient(x: ArrayLike) -> Shaped[Array, "*shape"]:
     """Identity in the forward pass; blocks differentiation (``fs.stop_gradient``)."""
     from fshard import tree
 
@@ -233,7 +236,7 @@ def _concat_sharding(*xs, axis):
 sharding.set(concat_p, _concat_sharding)
 
 
-def concat(xs, axis: int = 0):
+def concat(xs: Sequence[Shaped[Array, "..."]], axis: int = 0) -> Shaped[Array, "..."]:
     """Join arrays along an existing ``axis`` (``mindspore.ops.concat``).
 
     Operands are promoted to one dtype; every dimension other than ``axis`` must match.
@@ -271,7 +274,7 @@ def concat(xs, axis: int = 0):
     return concat_p.bind(*[cast(x, dt) for x in xs], axis=axis)
 
 
-def stack(xs, axis: int = 0):
+def stack(xs: Sequence[Shaped[Array, "..."]], axis: int = 0) -> Shaped[Array, "..."]:
     """Join arrays of one shape along a new ``axis`` (``mindspore.ops.stack``).
 
     >>> import numpy as np, fshard as fs
@@ -346,7 +349,7 @@ def _split_sharding(x, *, sizes, axis):
 sharding.set(split_p, _split_sharding)
 
 
-def split(x, split_size_or_sections, axis: int = 0) -> tuple:
+def split(x: Shaped[Array, "..."], split_size_or_sections, axis: int = 0) -> tuple:
     """Split ``x`` along ``axis`` (``mindspore.ops.split``).
 
     An int gives pieces of that size (the last may be smaller); a tuple or list gives
@@ -479,7 +482,7 @@ def _slice_local_params(params, local_in, local_out):
 sharding.set(slice_p, _slice_sharding)
 
 
-def slice_array(x, start, limit, strides=None):
+def slice_array(x: Shaped[Array, "..."], start, limit, strides=None) -> Shaped[Array, "..."]:
     """``x[start[0]:limit[0]:strides[0], ...]`` with static bounds (NB: ``lax.slice``).
 
     >>> import numpy as np, fshard as fs
@@ -593,7 +596,7 @@ def _pad_sharding(x, *, low, high, interior):
 sharding.set(pad_p, _pad_sharding)
 
 
-def pad(x, low, high, interior=None):
+def pad(x: Shaped[Array, "..."], low, high, interior=None) -> Shaped[Array, "..."]:
     """Zero-pad ``x``: ``low[i]`` zeros before, ``high[i]`` after and ``interior[i]``
     between the elements of dimension ``i`` (NB: ``lax.pad`` with non-negative widths).
 
@@ -721,7 +724,8 @@ def _index_array(indices, what: str):
     return indices
 
 
-def gather(x, indices, axis: int = 0):
+def gather(x: Shaped[Array, "..."], indices: Int[Array, "..."],
+           axis: int = 0) -> Shaped[Array, "..."]:
     """Take the entries of ``x`` at ``indices`` along ``axis`` (``mindspore.ops.gather``).
 
     The result has shape ``x.shape[:axis] + indices.shape + x.shape[axis+1:]``: an
@@ -844,7 +848,8 @@ def _scatter_add_sharding(updates, indices, *, shape, axis):
 sharding.set(scatter_add_p, _scatter_add_sharding)
 
 
-def scatter_add(updates, indices, shape, axis: int = 0):
+def scatter_add(updates: Shaped[Array, "..."], indices: Int[Array, "..."], shape,
+                axis: int = 0) -> Shaped[Array, "..."]:
     """Zeros of ``shape`` with ``updates`` added at ``indices`` along ``axis``; repeated
     indices accumulate (``mindspore.ops.unsorted_segment_sum`` along ``axis``).
 
@@ -904,7 +909,8 @@ jvp.set(one_hot_p, lambda primals, tangents, **p: (
 unsupported(one_hot_p, "transpose", "not linear (integer operand)")
 
 
-def one_hot(indices, depth: int, dtype=dtypes.float32):
+def one_hot(indices: Int[Array, "*shape"], depth: int,
+            dtype=dtypes.float32) -> Shaped[Array, "*shape depth"]:
     """``out[..., j] = (indices[...] == j)`` for ``j < depth``, as ``dtype``. Indices
     outside ``[0, depth)`` give all-zero rows.
 
@@ -930,7 +936,7 @@ def _is_array_index(e) -> bool:
     return not isinstance(e, (slice, type(None), type(Ellipsis), int, np.integer))
 
 
-def getitem(x, idx):
+def getitem(x: Shaped[Array, "..."], idx) -> Shaped[Array, "..."]:
     """``x[idx]`` with NumPy semantics for ints, slices (any step), ``None``, ``...``
     and one integer-array index (a ``gather``; negative entries count from the end).
 

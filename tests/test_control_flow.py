@@ -116,12 +116,12 @@ def test_while_loop_errors():
 # --- fori_loop ----------------------------------------------------------------------------
 
 
-def power_iteration(m, v, steps):
+def power_iteration(m, v, steps, unroll=None):
     def body(i, v):
         w = fs.ops.matmul(m, v)
         return w / fs.ops.sqrt((w * w).sum())
 
-    return fs.fori_loop(0, steps, body, v)
+    return fs.fori_loop(0, steps, body, v, unroll=unroll)
 
 
 def test_fori_loop_static_unrolled_grad_and_while_form():
@@ -145,11 +145,15 @@ def test_fori_loop_static_unrolled_grad_and_while_form():
             num[i, j] = (n(power_iteration(m + d, v0, 6))[0]
                          - n(power_iteration(m - d, v0, 6))[0]) / (2 * eps)
     assert_close(g, num, rtol=1e-6, atol=1e-8)
-    # unroll=False: one while loop, the same numbers
+    # unroll=False: one scan primitive (a graph loop), the same numbers and gradient
     ir = str(fs.make_ir(lambda v: fs.fori_loop(0, 6, lambda i, v: v * 2.0, v, unroll=False))(v0))
-    assert "while" in ir
+    assert "scan[" in ir and "while" not in ir
     assert n(fs.fori_loop(0, 6, lambda i, v: v * 2.0 + i, v0, unroll=False)).tolist() == \
         n(fs.fori_loop(0, 6, lambda i, v: v * 2.0 + i, v0)).tolist()
+    assert_close(n(fs.jit(lambda m, v: power_iteration(m, v, 6, unroll=False))(m, v0)), want,
+                 rtol=1e-12)
+    g_loop = n(fs.jit(fs.grad(lambda m: power_iteration(m, v0, 6, unroll=False)[0]))(m))
+    assert_close(g_loop, g, rtol=1e-10, atol=1e-12)
 
 
 def test_fori_loop_traced_bounds_and_vmap():

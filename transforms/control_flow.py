@@ -243,7 +243,7 @@ jvp_rules.set(while_p, _while_jvp)
 unsupported(while_p, "transpose",
             "reverse-mode differentiation of fs.while_loop: its trip count is known only "
             "at run time and the loop keeps no per-iteration values (as in JAX). Fix: use "
-            "fs.fori_loop with static bounds or fs.scan (unrolled, so reverse mode works), "
+            "fs.fori_loop with static bounds or fs.scan (reverse mode works through both), "
             "or forward mode (fs.jvp, fs.jacfwd)")
 sharding.set(while_p, lambda *avals, body, **_: _call_sharding(avals, body.out_avals))
 
@@ -485,10 +485,11 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll: bool | None = None):
     6.0
 
     With static (Python int) bounds the loop is unrolled when it has at most
-    ``MAX_UNROLL`` iterations (``unroll=None``) or when ``unroll=True``: every transform
-    applies, reverse-mode ``grad`` included, and ``i`` is a Python int. Otherwise
-    (``unroll=False``, more iterations, or traced bounds) it is a ``while_loop``:
-    one graph loop, forward mode only, ``i`` an int32 scalar.
+    ``MAX_UNROLL`` iterations (``unroll=None``) or when ``unroll=True``, and ``i`` is a
+    Python int; with more iterations or ``unroll=False`` it is a ``scan`` over
+    ``(i, val)``: one graph loop, ``i`` an int32 scalar. Every transform applies to
+    both, reverse-mode ``grad`` included. With traced bounds it is a ``while_loop``:
+    one graph loop, forward mode only.
     """
     api = "fs.fori_loop"
     _check_fn(api, body_fun, "body_fun")
@@ -504,23 +505,33 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll: bool | None = None):
     if lo is not None and hi is not None:
         if unroll is None:
             unroll = hi - lo <= MAX_UNROLL
-        if unroll:
-            leaves, treedef = _leaves_of(init_val, api, "init_val")
-            val = tree.unflatten(treedef, leaves)  # arrays: MindSpore's dtype rules
-            types = [typeof(x) for x in leaves]
-            for i in range(lo, hi):
-                val = body_fun(i, val)
-                # the same check as the graph loop's, so unrolling never changes the answer
-                got, got_tree = tree.flatten(val)
-                got_types = [typeof(x) for x in got]
-                if got_tree != treedef or got_types != types:
-                    raise ProgramTypeError(
-                        f"{api}: body_fun({fun_name(body_fun)}) must return the carry's "
-                        f"structure and types; init_val vs what body_fun returns differ at "
-                        f"{_difference(treedef, types, got_tree, got_types)}.\nFix: return "
-                        "values of the same shapes and dtypes (cast, e.g. "
-                        "x.astype(init.dtype)).")
+        leaves, treedef = _leaves_of(init_val, api, "init_val")
+        val = tree.unflatten(treedef, leaves)  # arrays: MindSpore's dtype rules
+        types = [typeof(x) for x in leaves]
+
+        def checked(i, val):
+            # the same check as the while loop's, so the form never changes the answer
+            val = body_fun(i, val)
+            got, got_tree = tree.flatten(val)
+            got_types = [typeof(x) for x in got]
+            if got_tree != treedef or got_types != types:
+                raise ProgramTypeError(
+                    f"{api}: body_fun({fun_name(body_fun)}) must return the carry's "
+                    f"structure and types; init_val vs what body_fun returns differ at "
+                    f"{_difference(treedef, types, got_tree, got_types)}.\nFix: return "
+                    "values of the same shapes and dtypes (cast, e.g. "
+                    "x.astype(init.dtype)).")
             return val
+
+        if unroll:
+            for i in range(lo, hi):
+                val = checked(i, val)
+            return val
+        # A scan primitive over (i, val): one graph loop under jit, and reverse mode
+        # works (its JVP rule unrolls), which a while loop's does not.
+        (_, val), _ = scan(lambda c, _: ((c[0] + 1, checked(c[0], c[1])), None),
+                           (np.int32(lo), val), None, length=max(hi - lo, 0), unroll=1)
+        return val
     elif unroll:
         raise ArgumentError(
             f"{api}(..., unroll=True) needs static (Python int) bounds, got "

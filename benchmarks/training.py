@@ -63,7 +63,7 @@ def loss(params, x, labels):
     return fs.ops.softmax_cross_entropy(h, labels)
 
 
-def steps(n: int, params, global_batch):
+def steps(n: int, params, global_batch, virtual: bool = False):
     """``{name: (step, state)}``: each ``step(state, x, labels) -> (state, loss)`` with
     this process's rows."""
     import mindspore as ms
@@ -72,13 +72,14 @@ def steps(n: int, params, global_batch):
 
     opt = fs.optim.adam(1e-3)
     out = {}
-    ap = fs.AutoParallel(loss, opt)
+    where = n if virtual else None
+    ap = fs.AutoParallel(loss, opt, mesh=where)
     out["autoparallel"] = (ap, ap.init(params))
-    fused = fs.AutoParallel(loss, opt).comm_fusion(
+    fused = fs.AutoParallel(loss, opt, mesh=where).comm_fusion(
         {"allreduce": {"mode": "auto", "config": None}})
     out["autoparallel, comm_fusion"] = (fused, fused.init(params))
 
-    mesh = fs.Mesh((n,), ("dp",))
+    mesh = fs.Mesh((n,), ("dp",), virtual=True) if virtual else fs.Mesh((n,), ("dp",))
     dp = fs.Layout(mesh.shape, mesh.axis_names)
 
     def local_loss(p, x, labels):
@@ -215,6 +216,35 @@ def zero_memory() -> list[dict]:
     return out
 
 
+def in_process(quick: bool) -> dict:
+    """The fshard variants on a virtual mesh of PROCS devices in this process, timed
+    interleaved: the same programs without the job's process-to-process waits."""
+    import mindspore as ms
+
+    from benchmarks import timing
+
+    params, x, labels = init(np.random.default_rng(0))
+    xs, ls = ms.Tensor(x), ms.Tensor(labels)
+    variants = steps(PROCS, params, (xs, ls), virtual=True)
+    states = {}
+    for name, (step, state) in variants.items():
+        states[name], value = step(state, xs, ls)
+        value.asnumpy()
+
+    def run(name):
+        step = variants[name][0]
+
+        def one():
+            states[name], value = step(states[name], xs, ls)
+            value.asnumpy()
+        return one
+
+    load = os.getloadavg()
+    t = timing.compare({k: run(k) for k in variants}, runs=STEP_RUNS[1 if quick else 0] * 2,
+                       warmup=3, rounds=STEP_ROUNDS)
+    return {"times": t, "loadavg": [round(v, 1) for v in load]}
+
+
 def _launch(quick: bool) -> dict:
     from fshard import launch
 
@@ -238,6 +268,10 @@ def autoparallel(ctx):
             for k, v in t.items() if not k.startswith("mindspore")]
     rows += [row("mindspore", f"{k}, {PROCS} processes", v) for k, v in t.items()
              if k.startswith("mindspore")]
+    local = in_process(ctx.quick)
+    lt = local["times"]
+    rows += [row("fshard", f"{k}, virtual mesh of {PROCS}, one process", v)
+             for k, v in lt.items()]
     zero = zero_memory()
     notes = [
         f"MLP {'-'.join(map(str, SIZES))}, Adam, global batch {BATCH} ({BATCH // PROCS} "
@@ -251,6 +285,11 @@ def autoparallel(ctx):
         f"load average (1/5/15 min) during the job: {job['loadavg']} (wall "
         f"{job['wall_s']:.1f} s with the launch)",
     ]
+    notes.append(
+        f"one process, virtual mesh of {PROCS} (no inter-process waits; load average "
+        f"{local['loadavg']}): AutoParallel / shard_map (median) "
+        f"{lt['autoparallel']['median_s'] / lt['shard_map']['median_s']:.3f}x, fused "
+        f"{lt['autoparallel, comm_fusion']['median_s'] / lt['shard_map']['median_s']:.3f}x")
     if job["mindspore_error"]:
         notes.append(f"MindSpore DATA_PARALLEL did not run: {job['mindspore_error']}")
     for z in zero:

@@ -632,7 +632,7 @@ def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=None):
 
 # A scan whose length times its body's equation count is at most this is unrolled;
 # beyond, it is one graph loop (measured: docs/performance.md#loops).
-SCAN_UNROLL_EQUATIONS = 1000
+SCAN_UNROLL_EQUATIONS = 100
 
 
 def _scan_unrolled(body, consts, carry, xs, n, reverse) -> list:

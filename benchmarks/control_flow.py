@@ -105,7 +105,10 @@ def scan(ctx):
         for n in lengths:
             xs = ms.Tensor((rng.standard_normal((n,) + shape) * 0.1).astype(np.float32))
             outs = {}
-            for form, unroll in (("unrolled", True), ("loop", 1)):
+            forms = (("unrolled", True), ("loop", 1))
+            if layers and n >= 1000:  # unrolled: over 10 minutes of compile; not timed
+                forms = forms[1:]
+            for form, unroll in forms:
                 f = fs.jit(lambda c, xs, u=unroll: fs.scan(body, c, xs, unroll=u))
                 t0 = time.perf_counter()
                 outs[form] = f(c0, xs)[1].asnumpy()
@@ -113,7 +116,8 @@ def scan(ctx):
                              f"{time.perf_counter() - t0:.2f} s")
                 fns[f"{body_name}_{n}_{form}"] = (
                     lambda f=f, xs=xs: f(c0, xs)[1].asnumpy())
-            np.testing.assert_allclose(outs["loop"], outs["unrolled"], rtol=1e-4, atol=1e-4)
+            if "unrolled" in outs:
+                np.testing.assert_allclose(outs["loop"], outs["unrolled"], rtol=1e-4, atol=1e-4)
     t = ctx.compare(fns, runs=ctx.runs(10, 2), warmup=1, rounds=2)
     rows = []
     for body_name, (shape, layers) in SCAN_BODIES.items():
@@ -121,6 +125,8 @@ def scan(ctx):
                 f"{layers} x tanh(c @ w + x) on {shape[0]}x{shape[1]}")
         for n in lengths:
             for form in ("unrolled", "loop"):
+                if f"{body_name}_{n}_{form}" not in t:
+                    continue
                 rows.append(row("fshard", f"fs.scan {form}, {what} "
                                 f"({eqs[body_name]} equations), {n} steps",
                                 t[f"{body_name}_{n}_{form}"]))

@@ -9,11 +9,15 @@ How each is built, and why:
   condition runs until every lane is done, each lane keeping its carry once its own
   condition is false; forward mode carries tangents through the loop. Reverse mode is
   an error, as in JAX: the loop does not keep each iteration's values.
-- ``scan`` and ``fori_loop`` with static bounds are unrolled at trace time: the body
-  is traced once per iteration, so every transform (``grad`` included) applies to the
-  result as to any straight-line program. The program grows with the trip count;
-  ``fori_loop`` with more than ``MAX_UNROLL`` iterations (or ``unroll=False``, or
-  traced bounds) becomes a ``while_loop``.
+- ``scan`` traces its body once, then either unrolls it (short loops of small bodies:
+  ``SCAN_UNROLL_EQUATIONS``, measured) or binds the ``scan`` primitive
+  (``fshard.primitives.control``), one MindSpore graph loop under ``jit``. The
+  primitive's JVP rule, here because it needs the JVP interpreter, unrolls the loop,
+  so reverse mode transposes the body's primitives. Under ``shard`` scan unrolls, so
+  layouts propagate through the body.
+- ``fori_loop`` with static bounds is unrolled up to ``MAX_UNROLL`` iterations (the
+  body traced per iteration, ``i`` a Python int) and a ``scan`` over ``(i, val)``
+  beyond; with traced bounds it is a ``while_loop``.
 - ``cond`` and ``switch`` call the chosen branch when the index is concrete. On a
   traced index they take the faster form (measured, docs/performance.md): costly
   branches become a ``cond`` primitive, one MindSpore graph ``if`` under ``jit``;
@@ -21,8 +25,8 @@ How each is built, and why:
   ``grad`` and ``shard`` handle like any other operation. Branches must return the
   same types, checked by tracing each on the operands' types.
 
-This module sits in the transforms layer because the JVP rule of ``while`` needs the
-JVP interpreter (``fshard.transforms.ad``).
+This module sits in the transforms layer because the JVP rules of ``while`` and
+``scan`` need the JVP interpreter (``fshard.transforms.ad``).
 """
 
 from __future__ import annotations
@@ -632,7 +636,7 @@ def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=None):
 
 # A scan whose length times its body's equation count is at most this is unrolled;
 # beyond, it is one graph loop (measured: docs/performance.md#loops).
-SCAN_UNROLL_EQUATIONS = 1000
+SCAN_UNROLL_EQUATIONS = 100
 
 
 def _scan_unrolled(body, consts, carry, xs, n, reverse) -> list:

@@ -9,6 +9,7 @@ own row or the rows below it. No graph library needed: the picture is plain SVG.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from html import escape
 
@@ -71,11 +72,15 @@ def render() -> str:
         rows.append((band_i, labels))
     rows.append((None, ["fshard (the public API: fshard/__init__.py re-exports)"]))
     height = len(rows) * (ROW_H + GAP) + 70
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
-           f'viewBox="0 0 {WIDTH} {height}" font-family="DejaVu Sans Mono, monospace" '
+    # as wide as the widest row needs
+    width = max([WIDTH] + [LEFT + sum(len(t) * CHAR_W + 24 for t in labels) + 20
+                           for _, labels in rows])
+    width = int(math.ceil(width / 10) * 10)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans Mono, monospace" '
            'font-size="12">',
            '<rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{WIDTH / 2}" y="22" text-anchor="middle" font-size="15" '
+           f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="15" '
            'font-weight="bold">fshard: layers (a module imports only from its row or '
            'below)</text>']
     y0 = 40

@@ -44,6 +44,8 @@ from fshard.core import typeof
 from fshard.errors import ArgumentError, ShardingError
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import apply_updates
+from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
+from fshard.parallel.schedule import Schedule
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
 from fshard.transforms.jit import jit
@@ -127,6 +129,7 @@ class AutoParallel:
         self._fusion = None  # bucket bytes
         self._fixed_params = None  # loaded parameter strategies
         self._steps: dict = {}
+        self._pipeline = None  # a PipelineRunner once pipeline(stages > 1) is set
 
     # -- the mesh ------------------------------------------------------------------
     @property
@@ -249,8 +252,30 @@ class AutoParallel:
     def dump_local_norm(self, path):
         _refuse("dump_local_norm", "not supported by fshard yet.")
 
-    def pipeline(self, *args, **kwargs):
-        _refuse("pipeline", "pipeline parallelism is not supported by fshard yet.")
+    def pipeline(self, stages: int = 1, output_broadcast: bool = False, interleave: bool = False,
+                 scheduler: str = "1f1b", *, micro_batches: int | None = None) -> "AutoParallel":
+        """Pipeline parallelism (docs/pipeline.md): the devices split into ``stages``
+        groups, each batch into ``micro_batches`` (default: ``stages``) whose gradients
+        are summed before one optimizer update, run in the ``scheduler``'s order
+        (``"1f1b"`` or ``"gpipe"``); ``interleave`` gives each stage several model
+        chunks; ``output_broadcast`` sends the loss to every stage. ``stages=1`` turns
+        it off. The loss marks its stages with ``fs.pipeline_split`` (or Cells'
+        ``pipeline_stage``)."""
+        if micro_batches is None and isinstance(stages, int):
+            micro_batches = stages
+        cfg = check_pipeline_args(stages, micro_batches, scheduler, interleave,
+                                  output_broadcast, self.n_devices)
+        self._pipeline = None if stages == 1 else PipelineRunner(self, cfg, TrainState)
+        return self
+
+    def pipeline_schedule(self, virtual_stages: int | None = None) -> Schedule:
+        """The pipeline's schedule: ``.actions(stage)`` the ordered actions of a stage,
+        ``.timeline()`` their simulated timing (bubble, peak activations, pictures)."""
+        if self._pipeline is None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).pipeline_schedule(): no pipeline is configured."
+                "\nFix: call ap.pipeline(stages=S, micro_batches=M) first.")
+        return self._pipeline.schedule(virtual_stages)
 
     # -- the train state -----------------------------------------------------------
     def init(self, params=None) -> TrainState:
@@ -395,6 +420,8 @@ class AutoParallel:
             raise ArgumentError(
                 f"AutoParallel({self.name})(state, *batch): state must be the TrainState "
                 f"from ap.init(...); got {type(state).__name__}.")
+        if self._pipeline is not None:
+            return self._pipeline(state, *batch)
         _, step = self.sharded(state, *batch)
         return step(state.params, state.opt_state, state.step, *batch)
 

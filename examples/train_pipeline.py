@@ -118,7 +118,7 @@ MODELS = {"mlp": (mlp_params, mlp_loss), "transformer": (transformer_params, tra
 
 
 def optimizer(name: str):
-    return fs.optim.adam(1e-2) if name == "adam" else fs.optim.sgd(0.1, momentum=0.9)
+    return fs.optim.adam(1e-2) if name == "adam" else fs.optim.sgd(0.03, momentum=0.9)
 
 
 def make(model: str = "mlp", stages: int = 1, micro_batches: int = 1,

@@ -268,6 +268,14 @@ class AutoParallel:
         self._pipeline = None if stages == 1 else PipelineRunner(self, cfg, TrainState)
         return self
 
+    def gather_params(self, state: TrainState):
+        """The trained parameters on every process: with a pipeline in a multi-process
+        job each process updates only its stage's parameters (the rest of its
+        ``state.params`` keeps the values it was given); this collects them."""
+        if self._pipeline is None:
+            return state.params
+        return self._pipeline.gather_params(state)
+
     def pipeline_schedule(self, virtual_stages: int | None = None) -> Schedule:
         """The pipeline's schedule: ``.actions(stage)`` the ordered actions of a stage,
         ``.timeline()`` their simulated timing (bubble, peak activations, pictures)."""

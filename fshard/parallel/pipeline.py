@@ -445,7 +445,10 @@ class PipelinedStep:
                         by_rank[dst * dp + j].inbox[(kind, chunk, m)] = vals
                 continue
             (d,) = devices
-            sending = d.outbox.pop(kind, None)
+            # (an action still running at this round may have filled the outbox already:
+            # its value goes in the round at its end)
+            sending = (d.outbox.pop(kind)
+                       if any(src == d.stage for src, _, _, _ in moves) else None)
             recv = [(chunk, m) for src, dst, chunk, m in moves if dst == d.stage]
             boundary = None
             if recv:
@@ -456,7 +459,7 @@ class PipelinedStep:
             fn = self._transfer_fn(kind, send_b, boundary)
             got = fn(list(sending[2]) if sending is not None else [])
             if recv:
-                d.inbox[(kind,) + recv[0]] = list(got)
+                d.inbox[(kind,) + recv[0]] = list(got[1:])
 
     def _transfer_fn(self, kind: str, send_b, recv_b):
         """Compiled: pack what this stage sends (the carry of boundary ``send_b``) into
@@ -474,7 +477,9 @@ class PipelinedStep:
                 buf = _pack(values, pad) if values else np.zeros((pad,), np.float32)
                 got = C.ppermute_p.bind(buf, axis_name=("pp",), axis_sizes=(S,), perm=perm,
                                         mesh=mesh)
-                return [] if recv_b is None else _unpack(got, plan.carry_avals(recv_b))
+                # the buffer is an output even where nothing is received: a dropped
+                # collective on one rank would pair the next one with the wrong round
+                return [got] + ([] if recv_b is None else _unpack(got, plan.carry_avals(recv_b)))
 
         transfer.__name__ = f"pipeline_{'activations' if kind == 'F' else 'cotangents'}"
         fn = self._transfers[key] = jit(transfer)
@@ -622,3 +627,30 @@ class PipelineRunner:
                     "after the first step.\nFix: run a step first, or pass "
                     "virtual_stages=v.")
         return Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, virtual_stages)
+
+    def gather_params(self, state):
+        """``state.params`` with every parameter's trained value, on every process (in
+        a multi-process job each stage updates only its own; this sums each parameter
+        from its stage over ``pp``). On a virtual mesh: ``state.params``."""
+        if self.virtual:
+            return state.params
+        if self.plan is None:
+            raise ArgumentError(
+                f"AutoParallel({self.ap.name}).gather_params(state): run a step first (the "
+                "stages are found by tracing the loss on a batch).")
+        S, plan = self.cfg.stages, self.plan
+        dp = self.ap.n_devices // S
+        stage = distributed.rank() // dp
+        owned = tuple(plan.param_owner[i] % S == stage for i in range(len(plan.param_vars)))
+        mesh = Mesh((S, dp), ("pp", "dp"))
+
+        def gather(params):
+            leaves, spec = tree.flatten(params)
+            with C.named_axis("pp", S), C.named_axis("dp", dp):
+                out = [C.psum_p.bind(x if o else x * np.zeros((), dtypes.to_numpy(
+                    typeof(x).dtype)), axis_name=("pp",), mesh=mesh)
+                    for x, o in zip(leaves, owned)]
+            return tree.unflatten(spec, out)
+
+        gather.__name__ = f"pipeline_gather_{plan.name}"
+        return jit(gather)(state.params)

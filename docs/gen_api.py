@@ -19,7 +19,7 @@ SECTIONS = {
                                         "all_gather", "psum_scatter", "all_to_all",
                                         "ppermute", "broadcast", "axis_index"],
     "Types": ["ArrayType", "Symbol"],
-    "Training": ["AutoParallel", "TrainState", "optim.sgd", "optim.adam", "optim.adamw",
+    "Training": ["AutoParallel", "TrainState", "pipeline_split", "optim.sgd", "optim.adam", "optim.adamw",
                  "optim.apply_updates", "optim.chain", "optim.clip_by_global_norm",
                  "optim.cosine_decay", "optim.linear_warmup", "optim.constant"],
     "Random numbers": ["random.key", "random.split", "random.fold_in", "random.bits",

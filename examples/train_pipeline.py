@@ -86,9 +86,7 @@ def transformer_params(n_chunks: int, seed: int = 0) -> dict:
 
 
 def _norm(x, g):
-    mu = fs.ops.mean(x, -1, keepdims=True)
-    var = fs.ops.mean((x - mu) ** 2, -1, keepdims=True)
-    return (x - mu) * fs.ops.rsqrt(var + 1e-5) * g
+    return fs.ops.layer_norm(x, g)
 
 
 def _block(p, i, x):

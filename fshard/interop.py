@@ -40,7 +40,7 @@ from fshard import ops as fo
 from fshard.core import Tracer, is_symbolic, typeof
 from fshard.errors import (FshardError, OperatorStrategyWarning, ProgramTypeError,
                            UnsupportedOpError)
-from fshard.primitives.pipeline import pipeline_split_p
+from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.staging import register_user_code_hook
 from fshard.tensor_methods import ms_mean, ms_sum, truthy_reduce
 
@@ -815,6 +815,7 @@ def _wrap_cell_call(orig):
 
 
 def _enter_stage(values, stage: int):
+    check_not_in_vmap()
     return tree.map(lambda v: pipeline_split_p.bind(v, stage=stage)
                     if isinstance(v, Tracer) else v, values)
 

@@ -39,6 +39,7 @@ Where it runs:
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import NamedTuple
 
@@ -76,7 +77,8 @@ def check_pipeline_args(stages, micro_batches, scheduler, interleave, output_bro
         if not isinstance(v, bool):
             raise ArgumentError(
                 f"AutoParallel.pipeline({name}=...) must be True or False; got {v!r}.")
-    check_config(stages, micro_batches, scheduler)
+    # (interleave's own check, M a multiple of S, needs only v > 1)
+    check_config(stages, micro_batches, scheduler, 2 if interleave else 1)
     if n_devices % stages:
         raise ArgumentError(
             f"AutoParallel.pipeline(stages={stages}) must divide the {n_devices} devices "
@@ -341,6 +343,10 @@ def batch_rows(name: str, batch, micro_batches: int, dp: int) -> int:
     return B // (micro_batches * dp)
 
 
+#: The largest step (in equations, estimated) compiled as one program on a virtual mesh.
+FUSE_LIMIT = 1000
+
+
 class _Device:
     """What one device holds during a step."""
 
@@ -351,6 +357,9 @@ class _Device:
         self.outbox: dict = {}     # "F"|"B" -> (chunk, m, values)
         self.sums: dict = {}       # chunk -> its parameters' gradient sums
         self.loss = None           # the last chunk's running loss sum
+        self.peak_saved = 0        # most chunk inputs kept at once (activation memory)
+        self.peak_saved_bytes = 0
+        self.busy = 0.0            # seconds computing (measured with profile=True)
 
 
 class PipelinedStep:
@@ -368,10 +377,37 @@ class PipelinedStep:
                         for b in range(plan.n_chunks - 1)], default=0)
         self.mesh = None if rank is None else Mesh((self.S, self.dp), ("pp", "dp"))
         self._transfers: dict = {}
+        self._whole = None
         self.finish = self._make_finish()
+        #: With ``profile = True`` (pieces only) each computation is waited for and
+        #: timed; ``stats`` then holds, per device of this process, the busy seconds
+        #: and the peak number and bytes of kept stage inputs of the last step.
+        self.profile = False
+        self.stats: list = []
 
     # -- one step ------------------------------------------------------------------
+    @property
+    def fused(self) -> bool:
+        """On a virtual mesh a small step is compiled whole (one program: the per-call
+        cost of many small programs would dominate); a large one runs as its compiled
+        pieces (compiling thousands of equations at once costs more than it saves)."""
+        if self.rank is not None:
+            return False
+        size = sum(len(eqs) for eqs in self.plan.chunk_eqs) * 4 * self.M * self.dp
+        return size <= FUSE_LIMIT
+
     def __call__(self, state, *batch):
+        if not self.fused or self.profile:
+            return self._run(state, *batch)
+        if self._whole is None:
+            def whole(params, opt_state, step, *b):
+                return self._run(self.runner.state_cls(params, opt_state, step), *b)
+
+            whole.__name__ = f"pipelined_step_{self.plan.name}"
+            self._whole = jit(whole)
+        return self._whole(state.params, state.opt_state, state.step, *batch)
+
+    def _run(self, state, *batch):
         plan, S, M, dp = self.plan, self.S, self.M, self.dp
         p_leaves, p_tree = tree.flatten(state.params)
         b_leaves = tree.leaves(list(batch))
@@ -394,9 +430,17 @@ class PipelinedStep:
             if isinstance(item, Event):
                 for d in devices:
                     if d.stage == item.stage:
-                        self._compute(d, item.action, p_leaves, micro, seed, loss_dtype)
+                        t0 = time.perf_counter() if self.profile else 0.0
+                        made = self._compute(d, item.action, p_leaves, micro, seed,
+                                             loss_dtype)
+                        if self.profile:
+                            _wait(made)
+                            d.busy += time.perf_counter() - t0
             else:
                 self._transfer(item, devices)
+        self.stats = [{"rank": d.rank, "stage": d.stage, "busy_s": d.busy,
+                       "peak_saved": d.peak_saved, "peak_saved_bytes": d.peak_saved_bytes}
+                      for d in devices]
         return self._finish(devices, state, p_leaves, p_tree, loss_dtype)
 
     def _compute(self, d: _Device, a, p_leaves, micro, seed, loss_dtype):
@@ -407,14 +451,16 @@ class PipelinedStep:
         if a.kind == "F":
             carry = d.inbox.pop(("F", c, m)) if c else []
             d.saved[(c, m)] = carry
+            d.peak_saved = max(d.peak_saved, len(d.saved))
+            d.peak_saved_bytes = max(d.peak_saved_bytes, _saved_bytes(d.saved, micro, d.j))
             if last:
                 if d.loss is None:
                     d.loss = np.zeros((), loss_dtype)
                 d.loss = plan.forward_fn(c)(pv, carry, micro(m, d.j), d.loss)
-                return
+                return [d.loss]
             out = list(plan.forward_fn(c)(pv, carry, micro(m, d.j)))
             self._send(d, "F", c + 1, m, out)
-            return
+            return out
         ct = seed if last else d.inbox.pop(("B", c, m))
         sums = d.sums.get(c)
         if sums is None:
@@ -423,6 +469,7 @@ class PipelinedStep:
         d.sums[c] = list(sums)
         if c:
             self._send(d, "B", c - 1, m, list(g_carry))
+        return d.sums[c]
 
     def _send(self, d: _Device, kind: str, chunk: int, m: int, values):
         if chunk % self.S == d.stage:  # the chunk is on this device too
@@ -540,6 +587,24 @@ class PipelinedStep:
 
         finish.__name__ = f"pipeline_finish_{plan.name}"
         return jit(finish, static_argnums=(5,))
+
+
+def _saved_bytes(saved: dict, micro, j) -> int:
+    """Bytes a device keeps between forwards and backwards: each chunk input (for the
+    first chunk, its micro-batch rows)."""
+    total = 0
+    for (c, m), carry in saved.items():
+        for x in (carry if c else micro(m, j)):
+            a = typeof(x)
+            total += a.size * np.dtype(dtypes.to_numpy(a.dtype)).itemsize
+    return total
+
+
+def _wait(values) -> None:
+    """Wait for a computation (MindSpore runs compiled programs asynchronously)."""
+    for x in values:
+        if hasattr(x, "asnumpy"):
+            x.asnumpy()
 
 
 def _pack(values, pad: int):

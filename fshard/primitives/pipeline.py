@@ -5,7 +5,8 @@ from the traced loss to cut the program into stages (fshard/parallel/pipeline.py
 everywhere else (eager, ``jit``, ``grad``, ``shard``) it is a no-op, so a model
 marked for a pipeline runs unchanged on one device (as MindSpore's
 ``cell.pipeline_stage`` does). A marked value inside ``vmap`` cannot be a stage
-boundary (a stage runs whole micro-batches), so batching the marker is an error.
+boundary (a stage runs whole micro-batches), so staging a marker inside ``vmap`` is an
+error.
 
 ``stage=None`` (``fs.pipeline_split``) means "the stage after the one ``x`` comes
 from"; ``stage=k`` (a Cell with ``pipeline_stage = k``) names the stage.
@@ -13,8 +14,9 @@ from"; ``stage=k`` (a Cell with ``pipeline_stage = k``) names the stage.
 
 from __future__ import annotations
 
-from fshard import tree
+from fshard import context, tree
 from fshard.errors import ArgumentError, CompositionError
+from fshard.primitives._batching import vectorized
 from fshard.primitives._define import def_primitive, deflinear
 from fshard.rules import batching, sharding
 from fshard.sharding import elementwise_spec
@@ -32,15 +34,18 @@ sharding.set(pipeline_split_p, lambda x, stage=None: elementwise_spec(x))
 deflinear(pipeline_split_p, lambda ct, x, stage=None: [ct])
 
 
-def _no_batching(args, dims, stage=None):
-    raise CompositionError(
-        "fs.pipeline_split (or a Cell with pipeline_stage) was called inside fs.vmap: a "
-        "pipeline stage boundary cuts whole micro-batches, not the examples of a vmap.\n"
-        "Fix: mark the stage outside the vmapped function (vmap inside a stage is fine), "
-        "or drop the marker.")
+batching.set(pipeline_split_p, vectorized(pipeline_split_p))
 
 
-batching.set(pipeline_split_p, _no_batching)
+def check_not_in_vmap() -> None:
+    """A marker staged inside ``fs.vmap`` is an error (``shard``'s device batching of
+    a staged marker is fine: it batches whole programs, not examples)."""
+    if context.vmap_staging.get() > 0:
+        raise CompositionError(
+            "fs.pipeline_split (or a Cell with pipeline_stage) was called inside fs.vmap: "
+            "a pipeline stage boundary cuts whole micro-batches, not the examples of a "
+            "vmap.\nFix: mark the stage outside the vmapped function (vmap inside a stage "
+            "is fine), or drop the marker.")
 
 
 def pipeline_split(x, stage: int | None = None):
@@ -62,4 +67,5 @@ def pipeline_split(x, stage: int | None = None):
                               or stage < 0):
         raise ArgumentError(
             f"fs.pipeline_split(x, stage=...) must be an int >= 0 or None; got {stage!r}.")
+    check_not_in_vmap()
     return tree.map(lambda v: pipeline_split_p.bind(v, stage=stage), x)

@@ -46,9 +46,8 @@ from typing import NamedTuple
 import numpy as np
 
 from fshard import distributed, dtypes, tree
-from fshard.core import ArrayType, typeof
+from fshard.core import ArrayType, bind, typeof
 from fshard.errors import ArgumentError
-from fshard.core import bind
 from fshard.interpret import equation_note
 from fshard.ir import Literal, Var
 from fshard.mesh import Mesh, resolve_mesh
@@ -57,7 +56,7 @@ from fshard.parallel.schedule import Event, Schedule, check_config
 from fshard.primitives import collectives as C
 from fshard.primitives.elementwise import cast
 from fshard.primitives.pipeline import pipeline_split_p
-from fshard.primitives.structural import concat, reshape, zeros
+from fshard.primitives.structural import concat, reshape
 from fshard.staging import trace_fun
 from fshard.transforms.ad import vjp
 from fshard.transforms.jit import jit
@@ -229,10 +228,10 @@ class Stages:
                     f"(={2 * stages - 1} fs.pipeline_split markers) for 2 chunks per stage, "
                     "or interleave=False.")
         elif found != stages:
-            many = found > stages
+            why = "more markers than stages" if found > stages else "too few markers"
             self._fail(
                 f"pipeline(stages={stages}) needs the loss cut into {stages} stages, but its "
-                f"markers cut it into {found} ({'more markers than stages' if many else 'too few markers'})."
+                f"markers cut it into {found} ({why})."
                 f"\nFix: {stages - 1} fs.pipeline_split calls (or Cells with pipeline_stage "
                 f"0..{stages - 1}) for {stages} stages, or pipeline(stages={found}).")
         return found // stages

@@ -66,15 +66,10 @@ def main(out_dir: str) -> None:
 
 
 def _names(params, leaf_indices) -> list:
-    keys = list(fs_tree_keys(params))
-    return [keys[i] for i in leaf_indices]
-
-
-def fs_tree_keys(params):
     from fshard import tree
 
-    paths, _, _ = tree.flatten_with_path(params)
-    return [str(getattr(p[-1], "key", p[-1])) for p in paths]
+    keys = [str(p[-1]) for p in tree.flatten_with_path(params)[0]]  # flat dict: its keys
+    return [keys[i] for i in leaf_indices]
 
 
 def _transfer_args(step, key):

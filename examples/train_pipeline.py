@@ -78,9 +78,10 @@ def transformer_params(n_chunks: int, seed: int = 0) -> dict:
         return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
 
     out = {"embed": w(64 // SEQ, d), "head": w(d, 10)}
+    res = np.float32(1 / np.sqrt(2 * n_chunks))  # residual branches scaled by depth
     for i in range(n_chunks):
-        out.update({f"block{i}.qkv": w(d, 3 * d), f"block{i}.proj": w(d, d),
-                    f"block{i}.up": w(d, 2 * d), f"block{i}.down": w(2 * d, d),
+        out.update({f"block{i}.qkv": w(d, 3 * d), f"block{i}.proj": w(d, d) * res,
+                    f"block{i}.up": w(d, 2 * d), f"block{i}.down": w(2 * d, d) * res,
                     f"block{i}.g1": np.ones(d, np.float32), f"block{i}.g2": np.ones(d, np.float32)})
     return out
 

@@ -156,7 +156,8 @@ def test_mlp_trains_like_the_unpipelined_run(S, M, sched, inter):
 
 
 @pytest.mark.parametrize("S, M, sched, inter", [
-    (2, 2, "1f1b", False), (2, 2, "gpipe", True), (4, 4, "1f1b", False)])
+    (2, 2, "1f1b", False), (2, 2, "gpipe", True), (4, 4, "1f1b", False),
+    (4, 4, "gpipe", True)])
 def test_transformer_stack_trains_like_the_unpipelined_run(S, M, sched, inter):
     _check_equal("transformer", S, M, sched, inter)
 
@@ -236,6 +237,7 @@ def _step(loss, mesh=2, **kw):
     (dict(stages=0), "stages"),
     (dict(stages=2, interleave=1), "interleave"),
     (dict(stages=2, output_broadcast="yes"), "output_broadcast"),
+    (dict(stages=1, micro_batches=4), "would be ignored"),
 ])
 def test_bad_configuration_is_an_error(kw, match):
     ap = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=4)

@@ -265,6 +265,11 @@ class AutoParallel:
             micro_batches = stages
         cfg = check_pipeline_args(stages, micro_batches, scheduler, interleave,
                                   output_broadcast, self.n_devices)
+        if stages == 1 and micro_batches != 1:
+            raise ArgumentError(
+                f"AutoParallel.pipeline(stages=1) turns the pipeline off, so "
+                f"micro_batches={micro_batches} would be ignored.\nFix: stages >= 2 for a "
+                "pipeline, or drop micro_batches.")
         self._pipeline = None if stages == 1 else PipelineRunner(self, cfg, TrainState)
         return self
 

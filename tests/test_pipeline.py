@@ -326,6 +326,8 @@ def test_pipeline_does_not_combine_with_other_plans():
     ap.hsdp()
     with pytest.raises(fs.ArgumentError, match=r"cannot be combined with hsdp"):
         ap(ap.init(p), x, y)
+    with pytest.raises(fs.ArgumentError, match="not one sharded program"):
+        ap.memory_report(ap.init(p), x, y)
     with pytest.raises(fs.ArgumentError, match="no pipeline is configured"):
         fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=2).pipeline_schedule()
     inter = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=2).pipeline(

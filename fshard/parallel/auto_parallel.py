@@ -406,6 +406,12 @@ class AutoParallel:
     def sharded(self, state: TrainState, *batch):
         """The ``fs.shard``-ed step for these arguments (``partitioned(...)`` shows the
         per-device program)."""
+        if self._pipeline is not None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}): with a pipeline the step is not one sharded "
+                "program, so partitioned(), memory_report(), state_strategies() and the "
+                "strategy files are not available.\nFix: inspect the pipeline with "
+                "pipeline_schedule(); call pipeline(stages=1) to turn it off.")
         key = (tree.structure(state), tuple(
             (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))))
         hit = self._steps.get(key)

@@ -71,6 +71,94 @@ def loops(ctx):
 
 
 # ---------------------------------------------------------------------------
+# cond on a traced predicate: every branch and a select vs a graph if
+# ---------------------------------------------------------------------------
+
+COND_CASES = {"cheap": (1000, 1), "heavy": (256, 4)}  # (size, matmuls per branch)
+
+
+def _branch(x, w, n, sign):
+    for _ in range(n):
+        x = fs.ops.tanh(fs.ops.matmul(x, w)) * sign if x.ndim == 2 else fs.ops.tanh(x * w) * sign
+    return x
+
+
+def _ms_branch(x, w, n, sign):
+    for _ in range(n):
+        x = ms.ops.tanh(ms.ops.matmul(x, w)) * sign if x.ndim == 2 else ms.ops.tanh(x * w) * sign
+    return x
+
+
+@benchmark("cond", title="cond on a traced predicate: a select of both branches vs a "
+           "graph if", jax="cond")
+def cond(ctx):
+    """Both forms fs.cond can take under jit, forced by ``GRAPH_IF_FLOPS`` while tracing
+    (fs.cond picks the graph if when the branches not taken cost at least that much)."""
+    from fshard.transforms import control_flow as CF
+
+    fns, notes = {}, []
+    for name, (size, n) in COND_CASES.items():
+        rng = np.random.default_rng(0)
+        shape = (size, size) if n > 1 else (size,)
+        x = ms.Tensor(rng.standard_normal(shape).astype(np.float32) * 0.1)
+        w = ms.Tensor(rng.standard_normal(shape).astype(np.float32) * 0.1)
+        p = ms.Tensor(np.bool_(True))
+
+        def make(n=n):
+            return fs.jit(lambda p, x, w: fs.cond(p, lambda x, w: _branch(x, w, n, 1.0),
+                                                  lambda x, w: _branch(x, w, n, -1.0), x, w))
+
+        fs_one = fs.jit(lambda x, w, n=n: _branch(x, w, n, 1.0))
+
+        def ms_if(p, x, w, n=n):
+            if p:
+                y = _ms_branch(x, w, n, 1.0)
+            else:
+                y = _ms_branch(x, w, n, -1.0)
+            return y
+
+        ms_if = ms.jit(ms_if)
+        variants = {f"fs_select_{name}": (make(), float("inf")),
+                    f"fs_if_{name}": (make(), 0),
+                    f"fs_one_{name}": (None, None),
+                    f"ms_if_{name}": (None, None)}
+        firsts = []
+        old = CF.GRAPH_IF_FLOPS
+        for key, (f, flops) in variants.items():
+            if key.startswith("fs_one"):
+                call = lambda f=fs_one, x=x, w=w: f(x, w)  # noqa: E731
+            elif key.startswith("ms_if"):
+                call = lambda f=ms_if, x=x, w=w, p=p: f(p, x, w)  # noqa: E731
+            else:
+                call = lambda f=f, x=x, w=w, p=p: f(p, x, w)  # noqa: E731
+                CF.GRAPH_IF_FLOPS = flops  # read while tracing, at the first call
+            t0 = time.perf_counter()
+            try:
+                call().asnumpy()
+            finally:
+                CF.GRAPH_IF_FLOPS = old
+            firsts.append(f"{key} {time.perf_counter() - t0:.2f} s")
+            fns[key] = lambda call=call: call().asnumpy()
+        ref = fns[f"ms_if_{name}"]()
+        for key in (f"fs_select_{name}", f"fs_if_{name}", f"fs_one_{name}"):
+            np.testing.assert_allclose(fns[key](), ref, rtol=1e-5, atol=1e-6)
+        notes.append("first call: " + ", ".join(firsts))
+    t = ctx.compare(fns, runs=ctx.runs(40, 4), warmup=2, rounds=2)
+    rows = []
+    for name, (size, n) in COND_CASES.items():
+        what = (f"{n} x (matmul + tanh) on {size}x{size}" if n > 1
+                else f"tanh(x * w) on {size} values")
+        rows += [row("fshard", f"fs.cond as a select of both branches, {what}",
+                     t[f"fs_select_{name}"]),
+                 row("fshard", f"fs.cond as a graph if, {what}", t[f"fs_if_{name}"]),
+                 row("fshard", f"fs.jit of the taken branch alone, {what}", t[f"fs_one_{name}"]),
+                 row("mindspore", f"mindspore.jit graph if, {what}", t[f"ms_if_{name}"])]
+    rows += ctx.jax_rows("cond")
+    return Result(rows, baseline="mindspore.jit graph if, tanh(x * w) on 1000 values",
+                  target="fs.cond picks the faster form (GRAPH_IF_FLOPS)", notes=notes)
+
+
+# ---------------------------------------------------------------------------
 # A training loop as one program: scan over K steps vs K jitted steps
 # ---------------------------------------------------------------------------
 

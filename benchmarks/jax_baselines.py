@@ -187,6 +187,32 @@ def loops(quick):
 
 
 @baseline
+def cond(quick):
+    """lax.cond on a traced predicate, cheap and heavy branches (benchmarks/control_flow.py)."""
+    out = {}
+    rng = np.random.default_rng(0)
+    for size, n in ((1000, 1), (256, 4)):
+        shape = (size, size) if n > 1 else (size,)
+        x = jnp.asarray(rng.standard_normal(shape).astype(np.float32) * 0.1)
+        w = jnp.asarray(rng.standard_normal(shape).astype(np.float32) * 0.1)
+
+        def branch(x, w, sign, n=n):
+            for _ in range(n):
+                x = jnp.tanh(x @ w if x.ndim == 2 else x * w) * sign
+            return x
+
+        f = jax.jit(lambda p, x, w: jax.lax.cond(p, lambda x, w: branch(x, w, 1.0),
+                                                 lambda x, w: branch(x, w, -1.0), x, w))
+        p = jnp.bool_(True)
+        f(p, x, w).block_until_ready()
+        what = (f"{n} x (matmul + tanh) on {size}x{size}" if n > 1
+                else f"tanh(x * w) on {size} values")
+        out[f"jax.lax.cond, {what}"] = timing.measure(
+            lambda f=f, x=x, w=w: np.asarray(f(p, x, w)), runs=_runs(quick, 40, 4), warmup=2)
+    return out
+
+
+@baseline
 def train_scan(quick):
     """10 dropout-MLP training steps on digits, Adam: lax.scan vs a loop of jitted
     steps (benchmarks/control_flow.py)."""

@@ -7,7 +7,9 @@ parallel mode, on a virtual mesh or in a multi-process job.
     python -m fshard.launch -n 2 examples/train_autoparallel.py --mode sharding_propagation
 
 ``--mp`` splits the hidden layer over that many devices (Megatron's column/row split:
-``w1`` by columns, ``w2`` by rows); the rest of the devices split the batch. ``--zero``
+``w1`` by columns, ``w2`` by rows); the rest of the devices split the batch. Without
+``--mp`` the step is data parallel and, in a job, each process feeds only its own rows
+of every batch; with ``--mp`` every process passes the whole batch. ``--zero``
 turns on ``hsdp`` at that level. Rank 0 shows a progress bar and logs the loss in the
 seed's LossMonitor format (``epoch: 1 step: 10, loss is 1.234``); ``--out`` writes the
 losses as JSON.
@@ -84,8 +86,15 @@ def train(steps: int, mode: str = "semi_auto", mp: int = 1, zero: str | None = N
         bar = Progress(transient=True)
         bar.start()
         task = bar.add_task(f"training ({ap.n_devices} devices)", total=steps)
+    # Data parallel in a job: each process feeds its own rows of every batch (as a
+    # sharded dataset would), rows [r * b, (r + 1) * b) on process r of N.
+    rank, n = fs.distributed.rank(), fs.distributed.world_size()
+    own = mp == 1 and n > 1
     try:
         for i, (x, y) in enumerate(batches(steps)):
+            if own:
+                rows = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
+                x, y = x[rows], y[rows]
             state, loss = ap(state, x, y)
             losses.append(float(loss.asnumpy()))
             if bar is not None:

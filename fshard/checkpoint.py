@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from typing import Any
@@ -41,7 +42,7 @@ from fshard.core import typeof
 from fshard.errors import CheckpointError
 from fshard.layout import as_layout, block_owners, shard_slices
 
-__all__ = ["save", "load", "latest", "clean", "save_mindspore", "load_mindspore",
+__all__ = ["save", "SaveHandle", "load", "latest", "clean", "save_mindspore", "load_mindspore",
            "save_safetensors", "load_safetensors"]
 
 FORMAT = "fshard-checkpoint"
@@ -165,9 +166,48 @@ def _spec_json(spec):
 # ---------------------------------------------------------------------------
 
 
+class SaveHandle:
+    """A checkpoint being written in the background (``save(..., wait=False)``).
+
+    ``wait()`` blocks until it is complete and returns its directory (or raises the
+    save's ``CheckpointError``); ``done()`` says whether it has finished. The values
+    were copied when ``save`` returned: training may go on (and change them) meanwhile.
+    """
+
+    def __init__(self, path: str, write):
+        self.path = path
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(write,),
+                                        name="fshard-checkpoint-save")
+        self._thread.start()
+
+    def _run(self, write) -> None:
+        try:
+            write()
+        except BaseException as e:  # noqa: BLE001  (re-raised by wait())
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> str:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise CheckpointError(
+                f"fs.checkpoint.save(wait=False): the save of {self.path!r} is still "
+                f"running after {timeout} s.\nFix: wait longer (wait() with no timeout).")
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({self.path!r}, {'done' if self.done() else 'writing'})"
+
+
 def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
-         timeout: float = 600.0) -> str:
-    """Write ``state`` (any pytree of arrays) as a checkpoint; return its directory.
+         timeout: float = 600.0, wait: bool = True):
+    """Write ``state`` (any pytree of arrays) as a checkpoint; return its directory
+    (with ``wait=False``, a ``SaveHandle`` whose ``wait()`` returns it).
 
     Args:
         path: with ``step``, the root directory of a run's checkpoints (the checkpoint
@@ -185,10 +225,25 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
         mesh: the devices the layouts refer to (a count or ``fs.Mesh``; default: the
             job's processes, or 1).
         timeout: seconds to wait for the other processes of a job to finish writing.
+        wait: False to copy the values to host memory and write them in a background
+            thread: training continues while the files are written (each process must
+            still call ``save`` in the same order; a second save may start before the
+            first completes).
 
     Every process of a job calls ``save`` with the same arguments; it returns when the
     checkpoint is complete.
     """
+    if not wait:
+        final = os.path.join(os.fspath(path), str(int(step))) if step is not None else \
+            os.fspath(path)
+        if os.path.exists(final):
+            raise CheckpointError(
+                f"fs.checkpoint.save: {final!r} exists already; a checkpoint is never "
+                "overwritten.\nFix: save under a new step (or remove the old one first).")
+        # A host copy now (the caller's arrays may change while the thread writes).
+        snapshot = tree.map(lambda x: np.array(_numpy(x), copy=True), state)
+        return SaveHandle(final, lambda: save(path, snapshot, step=step, layouts=layouts,
+                                              mesh=mesh, timeout=timeout))
     leaves_paths, leaves, _ = tree.flatten_with_path(state)
     rank, nproc = _world()
     n_devices = _mesh_size(mesh, nproc)

@@ -236,3 +236,42 @@ def dims_equal(a: Dim, b: Dim) -> bool:
     equal products of Symbols."""
     return a is b or (isinstance(a, int) and isinstance(b, int) and a == b) or (
         isinstance(a, DimExpr) and a == b)
+
+
+# ---------------------------------------------------------------------------
+# Planning: cost models compare layouts by bytes and flops, so a symbolic dimension
+# stands for one representative size while a plan is chosen (the plan itself, and
+# the program it makes, stay symbolic and serve every size).
+# ---------------------------------------------------------------------------
+
+PLANNING_SIZE = 128
+
+
+def planning_size(d) -> int:
+    """The size a cost model assumes for dimension ``d``: an int is itself; a Symbol
+    is its ``max`` when bounded, else ``PLANNING_SIZE`` rounded up to a size it accepts.
+
+    >>> planning_size(7), planning_size(Symbol(divisor=24)), planning_size(Symbol(max=16))
+    (7, 144, 16)
+    """
+    if isinstance(d, int):
+        return d
+    coeff, factors = _monomial(d)
+    value = coeff
+    for s, p in factors.items():
+        if s.max > s.min:
+            size = s.max
+        else:
+            size = max(s.min, PLANNING_SIZE)
+            size += (s.remainder - size) % s.divisor
+        value *= size ** p
+    return max(1, int(value))
+
+
+def planning_prod(shape) -> int:
+    """The number of elements of ``shape`` as a cost model counts it (``planning_size``
+    of each dimension)."""
+    out = 1
+    for d in shape:
+        out *= planning_size(d)
+    return out

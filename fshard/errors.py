@@ -83,3 +83,8 @@ class CheckpointError(FshardError, OSError):
 class OperatorStrategyWarning(UserWarning):
     """A MindSpore ``Primitive.shard`` strategy (``ops.MatMul().shard(...)``) met while
     fshard traces: fshard does not apply it; propagation lays the operator out."""
+
+
+class KeyReuseWarning(UserWarning):
+    """An ``fs.random`` key consumed twice in one traced function (two draws, or a
+    draw and a ``split`` of the same key): both see the same random bits."""

@@ -158,6 +158,20 @@ def _sub(prim, x, y, alpha=1):
     return fo.sub(x, _scaled(y, alpha))
 
 
+@converts("Floor")
+def _floor(prim, x):
+    return fo.floor(x)
+
+
+@converts("Round")
+def _round(prim, x, decimals=0):
+    if _scalar(decimals) != 0:
+        raise UnsupportedOpError(
+            f"round(decimals={decimals!r}) on a traced value has no fshard primitive (only "
+            "decimals=0).\nFix: scale first, e.g. fs.ops.round(x * 100) / 100.")
+    return fo.round(x)
+
+
 @converts("GeLU")
 def _gelu(prim, x):
     return fo.gelu(x, "tanh")
@@ -1136,7 +1150,8 @@ SUPPORTED_OPS: tuple[str, ...] = (
     # elementwise
     "ops.add", "ops.sub", "ops.mul", "ops.div", "ops.pow", "ops.neg", "ops.abs",
     "ops.exp", "ops.log", "ops.tanh", "ops.sigmoid", "ops.relu", "ops.gelu", "ops.sqrt",
-    "ops.rsqrt", "ops.square", "ops.erf", "ops.sin", "ops.cos", "ops.sign",
+    "ops.rsqrt", "ops.square", "ops.erf", "ops.sin", "ops.cos", "ops.sign", "ops.floor",
+    "ops.round",
     "ops.maximum", "ops.minimum",
     "ops.greater", "ops.greater_equal", "ops.less", "ops.less_equal", "ops.equal",
     "ops.not_equal", "ops.gt", "ops.ge", "ops.lt", "ops.le", "ops.eq", "ops.ne",
@@ -1172,7 +1187,7 @@ SUPPORTED_TENSOR_METHODS: tuple[str, ...] = (
     "broadcast_to", "expand_as", "softmax", "add", "sub", "mul", "div", "maximum",
     "minimum", "pow", "neg", "masked_fill", "half", "int", "long", "bool", "numel", "T",
     "mT", "shape", "dtype", "ndim", "size", "dim",
-    "clip", "clamp", "var", "std", "any", "all", "norm", "copy",
+    "clip", "clamp", "var", "std", "any", "all", "norm", "copy", "floor", "round", "tile",
 )
 
 #: nn Cells whose construct traces (user Cells built from these trace too).

@@ -95,6 +95,8 @@ def _names() -> Any:
 def _fmt_param(v) -> str:
     if isinstance(v, Program):
         return "{...}"
+    if isinstance(v, tuple) and v and all(isinstance(p, Program) for p in v):
+        return "(" + ", ".join("{...}" for _ in v) + ")"  # the branches of a cond
     if isinstance(v, np.ndarray):
         return f"array{v.shape}"
     if callable(v) and hasattr(v, "__name__"):

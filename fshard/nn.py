@@ -12,11 +12,13 @@ from __future__ import annotations
 import numpy as np
 
 from fshard import dtypes, ops, random
+from fshard.array_types import Array, Float, Key
 from fshard.core import typeof
 from fshard.errors import ArgumentError
 
 
-def dropout(key, x, rate: float):
+@random._consumes
+def dropout(key: Key, x: Float[Array, "*shape"], rate: float) -> Float[Array, "*shape"]:
     """Zero each element of ``x`` with probability ``rate`` and scale the others by
     ``1 / (1 - rate)`` (inverted dropout: the expectation is ``x``).
 

@@ -39,6 +39,8 @@ from fshard.primitives.elementwise import (  # noqa: F401
     select as select,
     sigmoid as sigmoid,
     sign as sign,
+    floor as floor,
+    round as round,  # noqa: A004
     sin as sin,
     sqrt as sqrt,
     square as square,

@@ -31,7 +31,7 @@ import numpy as np
 from fshard import dtypes
 from fshard.core import ArrayType
 from fshard.ir import Equation, Literal, Program, Var
-from fshard.primitives.collectives import psum_p
+from fshard.primitives.collectives import pmean_p, psum_p, psum_scatter_p
 from fshard.primitives.elementwise import cast_p
 from fshard.primitives.structural import (broadcast_to_p, concat_p, reshape_p, split_p,
                                           transpose_p)
@@ -320,3 +320,30 @@ def _fused_psum(eqs: list) -> list:
         out.append(Equation(reshape_p, [piece], {"shape": tuple(y.aval.shape)}, [y],
                             eq.source))
     return out
+
+
+def reduce_in_float32(program: Program) -> Program:
+    """``program`` with every reduction collective (``psum``, ``pmean``,
+    ``psum_scatter``) of float16 values done in float32: cast up, reduce, cast back
+    (MindSpore's ``enable_fp32_communication`` / gradient fp32 sync). A float16 sum over
+    many devices then rounds once, at the end, instead of at every partial sum, at
+    twice the bytes on the wire."""
+    reductions = (psum_p, pmean_p, psum_scatter_p)
+    out: list = []
+    for eq in program.equations:
+        if not (eq.prim in reductions and eq.inputs and all(
+                isinstance(a, Var) and a.aval.dtype == dtypes.float16 for a in eq.inputs)):
+            out.append(eq)
+            continue
+        wide = []
+        for a in eq.inputs:
+            w = Var(ArrayType(a.aval.shape, dtypes.float32))
+            out.append(Equation(cast_p, [a], {"dtype": dtypes.float32}, [w], eq.source))
+            wide.append(w)
+        reduced = [Var(ArrayType(y.aval.shape, dtypes.float32)) for y in eq.outputs]
+        out.append(Equation(eq.prim, wide, dict(eq.params), reduced, eq.source))
+        for r, y in zip(reduced, eq.outputs):
+            out.append(Equation(cast_p, [r], {"dtype": dtypes.float16}, [y], eq.source))
+    if len(out) == len(program.equations):
+        return program
+    return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)

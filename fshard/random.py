@@ -20,15 +20,19 @@ Draw a new subkey for every use: the same key always gives the same numbers.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import warnings
 from typing import Any
 
 import mindspore
 import numpy as np
 
 from fshard import dtypes, ops
-from fshard.core import Tracer, typeof
-from fshard.errors import ArgumentError
+from fshard.array_types import Array, Bool, Float, Int, Key, Shaped, UInt, UInt32
+from fshard.core import Tracer, current_trace, typeof
+from fshard.errors import ArgumentError, KeyReuseWarning
 from fshard.primitives.elementwise import broadcast_shapes
 
 __all__ = ["key", "PRNGKey", "split", "fold_in", "bits", "uniform", "normal",
@@ -83,6 +87,81 @@ def _hash(k, shape: tuple[int, ...]):
 
 
 # ---------------------------------------------------------------------------
+# Reused keys: a hint where it can be seen
+# ---------------------------------------------------------------------------
+# Inside one traced function a key is a tracer: the trace records which tracers a draw
+# or a split consumed, and a second consumption of the same key is a KeyReuseWarning.
+# Concrete keys (eager code, keys closed over) are not tracked: drawing twice from one
+# key on purpose (to reproduce numbers) is common there. fold_in does not consume: a
+# family of keys fold_in(key, i) from one key is the usual idiom.
+
+
+class _KeyUses:
+    """The keys consumed in one trace (kept on the trace object, so it goes with it)."""
+
+    def __init__(self):
+        self.seen: dict[int, tuple[Any, str]] = {}  # id -> (key tracer, what used it)
+        self.depth = 0  # > 0 inside a draw: its inner draws are part of it
+
+
+def _uses(trace) -> _KeyUses:
+    uses = getattr(trace, "_fshard_key_uses", None)
+    if uses is None:
+        uses = trace._fshard_key_uses = _KeyUses()
+    return uses
+
+
+def _consumes(fn):
+    """Record that ``fn`` consumes its key; warn when the key was consumed before."""
+    name = f"fs.{fn.__module__.split('.', 1)[1]}.{fn.__name__}"  # fs.random.normal
+
+    @functools.wraps(fn)
+    def draw(key, *args, **kwargs):
+        if not isinstance(key, Tracer):
+            return fn(key, *args, **kwargs)
+        uses = _uses(key.trace)
+        if uses.depth == 0:
+            before = uses.seen.get(id(key))
+            if before is not None:
+                warnings.warn(KeyReuseWarning(
+                    f"{name}: this key was already consumed by {before[1]} in the same "
+                    f"traced function ({typeof(key)} key); both see the same random bits, "
+                    "so their numbers are equal or correlated.\nFix: split it and give "
+                    "each use its own key: key, sub = fs.random.split(key).\nSee "
+                    "docs/errors.md#keyreusewarning"), stacklevel=2)
+            else:
+                uses.seen[id(key)] = (key, name)
+        uses.depth += 1
+        try:
+            return fn(key, *args, **kwargs)
+        finally:
+            uses.depth -= 1
+
+    return draw
+
+
+@contextlib.contextmanager
+def alternatives():
+    """Calls of ``enter()`` inside the block start alternative code paths (the branches
+    of ``fs.cond``/``fs.switch`` evaluated on one traced index): each sees the keys
+    consumed before the block, not those of the other branches; after the block a key
+    counts as consumed if any branch consumed it."""
+    uses = _uses(current_trace())
+    before = dict(uses.seen)
+    merged: dict = {}
+
+    def enter():
+        merged.update(uses.seen)
+        uses.seen = dict(before)
+
+    try:
+        yield enter
+    finally:
+        merged.update(uses.seen)
+        uses.seen = merged
+
+
+# ---------------------------------------------------------------------------
 # Keys
 # ---------------------------------------------------------------------------
 
@@ -99,7 +178,7 @@ def _is_int_value(x) -> bool:
     return a.ndim == 0 and dtypes.is_int(a.dtype)
 
 
-def key(seed) -> Any:
+def key(seed) -> Key:
     """A key from an integer seed (Python int, or an integer scalar, traced or not).
 
     Equal to ``jax.random.key(seed)``'s data (``jax.random.PRNGKey(seed)``): ``[0, seed]``
@@ -160,7 +239,8 @@ def _check_shape(shape, fn: str) -> tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
-def split(key, num: int = 2):
+@_consumes
+def split(key: Key, num: int = 2) -> UInt32[Array, "num 2"]:
     """``num`` new keys, a ``u32[num, 2]`` array; equal to ``jax.random.split``."""
     _check_key(key, "split")
     if not isinstance(num, (int, np.integer)) or isinstance(num, bool) or num < 0:
@@ -170,7 +250,7 @@ def split(key, num: int = 2):
     return ops.stack([x0, x1], axis=1)
 
 
-def fold_in(key, data):
+def fold_in(key: Key, data) -> Key:
     """A new key from ``key`` and an integer ``data`` (e.g. a step or a rank);
     equal to ``jax.random.fold_in``."""
     _check_key(key, "fold_in")
@@ -190,7 +270,8 @@ def fold_in(key, data):
 # ---------------------------------------------------------------------------
 
 
-def bits(key, shape=(), dtype=_U32):
+@_consumes
+def bits(key: Key, shape=(), dtype=_U32) -> UInt[Array, "*shape"]:
     """Uniform random ``uint32`` bits of ``shape``; equal to ``jax.random.bits``."""
     _check_key(key, "bits")
     shape = _check_shape(shape, "bits")
@@ -233,7 +314,9 @@ def _as(value, dtype):
     return np.asarray(value, dtypes.to_numpy(dtype))
 
 
-def uniform(key, shape=(), dtype=dtypes.float32, minval=0.0, maxval=1.0):
+@_consumes
+def uniform(key: Key, shape=(), dtype=dtypes.float32, minval=0.0,
+            maxval=1.0) -> Float[Array, "*shape"]:
     """Uniform floats in ``[minval, maxval)``; equal to ``jax.random.uniform``."""
     _check_key(key, "uniform")
     shape = _check_shape(shape, "uniform")
@@ -289,7 +372,8 @@ def _erfinv(x, dtype):
     return ops.where(edge, ops.mul(x, np.asarray(np.inf, dtypes.to_numpy(dtype))), y)
 
 
-def normal(key, shape=(), dtype=dtypes.float32):
+@_consumes
+def normal(key: Key, shape=(), dtype=dtypes.float32) -> Float[Array, "*shape"]:
     """Standard normal floats: ``sqrt(2) * erfinv(u)`` for ``u`` uniform in (-1, 1)
     (``jax.random.normal``'s construction)."""
     _check_key(key, "normal")
@@ -301,7 +385,9 @@ def normal(key, shape=(), dtype=dtypes.float32):
     return ops.mul(np.asarray(np.sqrt(2), npd), _erfinv(u, dtype))
 
 
-def truncated_normal(key, lower, upper, shape=None, dtype=dtypes.float32):
+@_consumes
+def truncated_normal(key: Key, lower, upper, shape=None,
+                     dtype=dtypes.float32) -> Float[Array, "*shape"]:
     """Standard normal floats conditioned on ``lower < x < upper`` (inverse CDF)."""
     _check_key(key, "truncated_normal")
     dtype = _check_float(dtype, "truncated_normal")
@@ -322,7 +408,8 @@ def truncated_normal(key, lower, upper, shape=None, dtype=dtypes.float32):
     return ops.minimum(ops.maximum(out, lo), hi)
 
 
-def bernoulli(key, p=0.5, shape=None):
+@_consumes
+def bernoulli(key: Key, p=0.5, shape=None) -> Bool[Array, "*shape"]:
     """Booleans that are True with probability ``p`` (``uniform < p``)."""
     _check_key(key, "bernoulli")
     dtype = typeof(p).dtype if isinstance(p, Tracer) else dtypes.float32
@@ -335,7 +422,8 @@ def bernoulli(key, p=0.5, shape=None):
     return ops.less(uniform(key, shape, dtype), _as(p, dtype))
 
 
-def randint(key, shape, minval, maxval, dtype=dtypes.int32):
+@_consumes
+def randint(key: Key, shape, minval, maxval, dtype=dtypes.int32) -> Int[Array, "*shape"]:
     """Integers uniform in ``[minval, maxval)`` (``minval`` where ``maxval <= minval``).
 
     The offset is ``floor(bits * span / 2**32)`` (Lemire's multiply-shift): bias below
@@ -363,7 +451,8 @@ def randint(key, shape, minval, maxval, dtype=dtypes.int32):
     return ops.cast(ops.broadcast_to(ops.add(lo, offset), shape), dtype)
 
 
-def gumbel(key, shape=(), dtype=dtypes.float32):
+@_consumes
+def gumbel(key: Key, shape=(), dtype=dtypes.float32) -> Float[Array, "*shape"]:
     """Standard Gumbel floats, ``-log(-log(u))``."""
     _check_key(key, "gumbel")
     dtype = _check_float(dtype, "gumbel")
@@ -372,7 +461,9 @@ def gumbel(key, shape=(), dtype=dtypes.float32):
     return ops.neg(_log(ops.neg(_log(u))))
 
 
-def categorical(key, logits, axis: int = -1, shape=None):
+@_consumes
+def categorical(key: Key, logits: Float[Array, "..."], axis: int = -1,
+                shape=None) -> Int[Array, "..."]:
     """Indices drawn with probabilities ``softmax(logits, axis)`` (the Gumbel-max
     trick). ``shape`` (default: ``logits``' shape without ``axis``) may add leading
     dimensions."""
@@ -397,7 +488,8 @@ def categorical(key, logits, axis: int = -1, shape=None):
     return ops.argmax(ops.add(g, logits), axis=len(prefix) + axis)
 
 
-def permutation(key, x, axis: int = 0):
+@_consumes
+def permutation(key: Key, x, axis: int = 0) -> Shaped[Array, "..."]:
     """A random permutation of ``range(x)`` (int ``x``) or of ``x`` along ``axis``.
 
     Ranks ``n`` random keys by comparing every pair: O(n**2) work and memory, for

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, replace
 
 from fshard import dtypes
+from fshard.dims import planning_prod
 from fshard.ir import Literal, Var
 from fshard.sharding import (
     Candidate,
@@ -249,7 +250,7 @@ class Problem:
         b = self._bytes.get(key)
         if b is None:
             shape, itemsize = self._aval_key(v)
-            b = self._bytes[key] = float(math.prod(sh.local_shape(shape, self.mesh))
+            b = self._bytes[key] = float(planning_prod(sh.local_shape(shape, self.mesh))
                                          * itemsize)
         return b
 

@@ -31,6 +31,7 @@ from typing import Callable
 from fshard import dtypes
 from fshard.backend.mindspore import native_collectives
 from fshard.core import ArrayType
+from fshard.dims import dim_multiple_of, planning_prod, planning_size
 
 # ---------------------------------------------------------------------------
 # Meshes and shardings
@@ -247,8 +248,7 @@ def candidates(spec: FactorSpec, mesh: ShardMesh) -> list[Candidate]:
         for axis, lab in enumerate(choice):
             if lab is not None:
                 assign.setdefault(lab, []).append(axis)
-        ok = all(isinstance(spec.sizes[lab], int) and spec.sizes[lab] % mesh.count(ax) == 0
-                 for lab, ax in assign.items())
+        ok = all(dim_multiple_of(spec.sizes[lab], mesh.count(ax)) for lab, ax in assign.items())
         if ok:
             labs = list(assign)
             for orders in itertools.product(*[itertools.permutations(assign[lab])
@@ -288,7 +288,7 @@ def carry_variants(spec: FactorSpec, cand: Candidate, prim_name: str, operand_pa
 
 def compute_cost(spec: FactorSpec, cand: Candidate, mesh: ShardMesh) -> float:
     """Iteration points per device (times flops per point)."""
-    points = math.prod(s for s in spec.sizes.values() if isinstance(s, int)) or 1
+    points = math.prod(planning_size(s) for s in spec.sizes.values()) or 1
     par = math.prod(mesh.count(ax) for _, ax in cand.assign) or 1
     return spec.flops_per_point * points / par
 
@@ -399,13 +399,13 @@ def redistribution(src: Sharding, dst: Sharding, shape, itemsize: int, mesh: Sha
     sent, sizes = 0.0, []
     for st in steps:
         n = mesh.count(st.axes)
-        local = math.prod(local_shape) * itemsize
+        local = planning_prod(local_shape) * itemsize
         sent += step_bytes(st.kind, local, n, n == mesh.size, native)
         if st.kind == "all_gather":
             local_shape[st.dim] *= n
         elif st.kind in ("psum_scatter", "slice"):
             local_shape[st.dim] //= n
-        sizes.append(float(math.prod(local_shape) * itemsize))
+        sizes.append(float(planning_prod(local_shape) * itemsize))
     return sent, steps, sizes
 
 
@@ -423,7 +423,7 @@ def plan_bytes(src: Sharding, dst: Sharding, aval: ArrayType, mesh: ShardMesh,
 
 def local_bytes(sh: Sharding, aval: ArrayType, mesh: ShardMesh) -> float:
     itemsize = dtypes.to_numpy(aval.dtype).itemsize
-    return math.prod(sh.local_shape(aval.shape, mesh)) * itemsize
+    return planning_prod(sh.local_shape(aval.shape, mesh)) * itemsize
 
 
 @dataclass

@@ -31,6 +31,8 @@ def _reshape(self, *shape):
 def _transpose(self, *perm):
     if len(perm) == 1 and isinstance(perm[0], (tuple, list)):
         perm = tuple(perm[0])
+    if perm == (None,):  # numpy.transpose(traced)
+        perm = ()
     return ops.transpose(self, perm or None)
 
 
@@ -53,7 +55,8 @@ def _reduce_args(axis, rest, kw):
         from fshard.errors import TracerConversionError
 
         raise TracerConversionError(
-            "a traced value cannot write its result into out=...; use the returned value.")
+            "a traced value cannot write its result into out=... (fshard programs are "
+            "pure).\nFix: drop out= and use the returned value, e.g. m = numpy.max(x).")
     for r in rest:
         if isinstance(r, bool):
             keepdims = r
@@ -115,8 +118,18 @@ def _index64(x):
     return ops.cast(x, dtypes.int64)  # MindSpore's index dtype
 
 
+def _no_out(out):
+    if out is not None:  # numpy.max(traced) passes out=None
+        from fshard.errors import TracerConversionError
+
+        raise TracerConversionError(
+            "a traced value cannot write its result into out=... (fshard programs are "
+            "pure).\nFix: drop out= and use the returned value, e.g. m = numpy.max(x).")
+
+
 def _extremum(reduce, arg):
-    def method(self, dim=None, keepdim=False, *, axis=None, keepdims=None):
+    def method(self, dim=None, keepdim=False, *, axis=None, keepdims=None, out=None):
+        _no_out(out)
         if dim is not None:  # max(dim[, keepdim]) -> (values, indices)
             return reduce(self, dim, keepdim), _index64(arg(self, dim, keepdim))
         return reduce(self, axis, keepdim if keepdims is None else keepdims)
@@ -124,7 +137,8 @@ def _extremum(reduce, arg):
     return method
 
 
-def _argmax(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+def _argmax(self, axis=None, keepdims=False, *, dim=None, keepdim=None, out=None):
+    _no_out(out)
     axis = dim if dim is not None else axis
     keepdims = keepdim if keepdim is not None else keepdims
     if axis is None:
@@ -210,9 +224,12 @@ def _clip(self, min=None, max=None):  # noqa: A002  (MindSpore's parameter names
     return out
 
 
-def _var(self, axis=None, ddof=0, keepdims=False):
+def _var(self, axis=None, ddof=0, keepdims=False, *, dtype=None, out=None):
     """``Tensor.var``: the mean squared deviation (``ddof``: NumPy's delta degrees of
-    freedom), in the input's float dtype."""
+    freedom), in the input's float dtype (``dtype``, ``out``: ``numpy.var(traced)``)."""
+    _no_out(out)
+    if dtype is not None:
+        self = ops.cast(self, dtype)
     x = self if dtypes.is_float(typeof(self).dtype) else ops.cast(self, dtypes.float32)
     dev = x - ops.mean(x, axis, True)
     n = typeof(x).size // max(typeof(ops.reduce_sum(dev, axis, False)).size, 1)
@@ -228,11 +245,13 @@ def truthy_reduce(x, is_any: bool, axis=None, keepdims=False):
     return ops.greater(reduce(flags, axis, keepdims), 0)
 
 
-def _any(self, axis=None, keep_dims=False, *, keepdims=None):
+def _any(self, axis=None, keep_dims=False, *, keepdims=None, out=None):
+    _no_out(out)
     return truthy_reduce(self, True, axis, keep_dims if keepdims is None else keepdims)
 
 
-def _all(self, axis=None, keep_dims=False, *, keepdims=None):
+def _all(self, axis=None, keep_dims=False, *, keepdims=None, out=None):
+    _no_out(out)
     return truthy_reduce(self, False, axis, keep_dims if keepdims is None else keepdims)
 
 
@@ -291,10 +310,40 @@ for _names, _symbol in ((("__floordiv__", "__rfloordiv__"), "//"),
     for _n in _names:
         METHODS.setdefault(_n, _refuse_operator(_symbol))
 
+def _round(self, decimals=0, *, out=None):
+    _no_out(out)
+    if decimals != 0:
+        from fshard.errors import UnsupportedOpError
+
+        raise UnsupportedOpError(
+            f"a traced value's round(decimals={decimals!r}) is not supported (only "
+            "decimals=0).\nFix: scale first, e.g. fs.ops.round(x * 100) / 100.")
+    return ops.round(self)
+
+
+def _tile(self, *multiples):
+    """``Tensor.tile(multiples)`` (NumPy's ``tile``): each dimension repeated whole, by
+    a broadcast of an interleaved reshape (no primitive of its own)."""
+    reps = tuple(multiples[0]) if len(multiples) == 1 and isinstance(
+        multiples[0], (tuple, list)) else tuple(multiples)
+    if not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) and r >= 0
+               for r in reps):
+        from fshard.errors import ArgumentError
+
+        raise ArgumentError(f"tile(multiples=...) must be non-negative ints, got {reps!r}.")
+    shape = tuple(self.shape)
+    nd = max(len(shape), len(reps))
+    shape, reps = (1,) * (nd - len(shape)) + shape, (1,) * (nd - len(reps)) + reps
+    x = ops.reshape(self, tuple(d for s in shape for d in (1, s)))
+    x = ops.broadcast_to(x, tuple(d for r, s in zip(reps, shape) for d in (r, s)))
+    return ops.reshape(x, tuple(r * s for r, s in zip(reps, shape)))
+
+
 METHODS.update({
+    "floor": ops.floor, "round": _round, "tile": _tile,
     "clip": _clip, "clamp": _clip, "var": _var,
-    "std": lambda self, axis=None, ddof=0, keepdims=False: ops.sqrt(
-        _var(self, axis, ddof, keepdims)),
+    "std": lambda self, axis=None, ddof=0, keepdims=False, **kw: ops.sqrt(
+        _var(self, axis, ddof, keepdims, **kw)),
     "any": _any, "all": _all, "norm": _norm,
     "copy": lambda self: self,
     "__setitem__": _refuse_in_place, "fill_": _refuse_in_place, "fill": _refuse_in_place,

@@ -13,8 +13,10 @@ from __future__ import annotations
 import html
 import io
 import itertools
+import operator
 from typing import Sequence
 
+from fshard.errors import ArgumentError
 from fshard.layout import Layout, as_layout, block_owners, check_shape
 
 __all__ = ["visualize_sharding", "ShardingVisualization"]
@@ -127,6 +129,20 @@ class ShardingVisualization:
         )
 
 
+def _check_shape_arg(shape) -> tuple:
+    """The tensor's shape as a tuple of ints >= 0 (a negative size has no blocks)."""
+    try:
+        dims = tuple(operator.index(s) for s in shape)
+    except TypeError:
+        dims = None
+    if dims is None or any(d < 0 for d in dims):
+        raise ArgumentError(
+            f"visualize_sharding(shape=...) must be a tuple of non-negative ints (the "
+            f"tensor's global shape); got {shape!r}.\nFix: pass the tensor's shape, e.g. "
+            "visualize_sharding(x.shape, (2, 1)).")
+    return dims
+
+
 def visualize_sharding(shape: Sequence[int], layout_or_strategy, mesh=None
                        ) -> ShardingVisualization:
     """Show which device holds which block of a ``shape`` tensor.
@@ -151,7 +167,7 @@ def visualize_sharding(shape: Sequence[int], layout_or_strategy, mesh=None
     """
     from fshard.mesh import resolve_mesh
 
-    shape = tuple(int(s) for s in shape)
+    shape = _check_shape_arg(shape)
     if isinstance(layout_or_strategy, Layout):
         n = layout_or_strategy.n_devices
         if mesh is not None:

@@ -138,3 +138,78 @@ for name, cfg in configs.items():
     colls = ap.partitioned(state, x, y).collectives()
     counts = {c: colls.count(c) for c in sorted(set(colls))}
     print(f"{name:22s} {len(colls):2d} collectives  {counts}")
+
+# %% [markdown]
+# ## 4. Save, kill, resume on another mesh
+#
+# A training process on 4 devices (2 x 2, dp x mp) saves a checkpoint every 5 steps
+# with `fs.checkpoint.save(..., wait=False)` (the files are written while it trains
+# on) and is killed (`SIGKILL`) once its step-10 checkpoint is complete. We resume
+# from `fs.checkpoint.latest` on **8 devices with ZeRO-3**, another layout of every
+# parameter and moment: the loss curve continues where it stopped, equal to an
+# uninterrupted run.
+
+# %%
+import json
+import signal
+import subprocess
+import tempfile
+import time
+
+root = tempfile.mkdtemp()
+trainer = r'''
+import json, os, sys
+sys.path.insert(0, sys.argv[2])
+import fshard as fs
+import train_autoparallel as example
+root = sys.argv[1]
+ap = example.make(mp=2, mesh=fs.Mesh((4,), ("d",), virtual=True))
+state, losses, saves = ap.init(example.init_params()), [], []
+for i, (x, y) in enumerate(example.batches(10_000)):
+    state, loss = ap(state, x, y)
+    losses.append(float(loss.asnumpy()))
+    with open(os.path.join(root, "losses.tmp"), "w") as fh:
+        json.dump(losses, fh)
+    os.replace(os.path.join(root, "losses.tmp"), os.path.join(root, "losses.json"))
+    if (i + 1) % 5 == 0:
+        saves.append(fs.checkpoint.save(
+            os.path.join(root, "ckpt"), state, step=i + 1, mesh=4, wait=False,
+            layouts=ap.state_strategies(state, x, y)))
+'''
+examples_dir = os.path.abspath(os.path.join(os.getcwd(), "..", "examples"))
+proc = subprocess.Popen([sys.executable, "-c", trainer, root, examples_dir],
+                        env=dict(os.environ, GLOG_v="3"))
+deadline = time.time() + 600
+while (fs.checkpoint.latest(os.path.join(root, "ckpt")) or "/0").endswith(("/0", "/5")):
+    assert proc.poll() is None and time.time() < deadline, "the trainer stopped early"
+    time.sleep(0.2)
+proc.send_signal(signal.SIGKILL)
+proc.wait()
+with open(os.path.join(root, "losses.json")) as fh:
+    before = json.load(fh)
+latest = fs.checkpoint.latest(os.path.join(root, "ckpt"))
+print(f"killed after {len(before)} steps; the newest complete checkpoint: {latest}")
+
+# %%
+ap8 = example.make(zero="level3", mesh=fs.Mesh((8,), ("d",), virtual=True))
+state = fs.checkpoint.load(latest, ap8.init(example.init_params()))
+start = int(state.step.asnumpy())
+after = []
+for x, y in list(example.batches(start + 15))[start:]:
+    state, loss = ap8(state, x, y)
+    after.append(float(loss.asnumpy()))
+uninterrupted = example.train(start + 15)  # one device, never stopped
+np.testing.assert_allclose(before[:start], uninterrupted[:start], rtol=1e-5)
+np.testing.assert_allclose(after, uninterrupted[start:], rtol=1e-5)
+print(f"resumed at step {start} on 8 devices with ZeRO-3: loss {after[0]:.4f} -> "
+      f"{after[-1]:.4f}, equal to the uninterrupted run")
+
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot(range(1, len(before) + 1), before, label="4 devices (2 x 2), killed")
+ax.plot(range(start + 1, start + 1 + len(after)), after, label="resumed: 8 devices, ZeRO-3")
+ax.plot(range(1, len(uninterrupted) + 1), uninterrupted, "k:", label="uninterrupted")
+ax.axvline(start, color="grey", lw=0.5)
+ax.set_xlabel("step")
+ax.set_ylabel("loss")
+ax.legend()
+fig.tight_layout()

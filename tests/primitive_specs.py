@@ -482,6 +482,30 @@ def _while(rng, dt):
     return out
 
 
+def _switch_fn(k, x, y):
+    """Three branches of different work on two operands (the index is clamped)."""
+    return fs.switch(k, [lambda x, y: (x * y + 1.0, x),
+                         lambda x, y: (fs.ops.sin(x) * y, y * 2.0),
+                         lambda x, y: (x - y, x * x)], x, y)
+
+
+def _cond(rng, dt):
+    """cond equations: fs.switch binds the primitive where a graph if is the faster form;
+    a threshold of 0 makes it so for these small operands."""
+    out, old = [], CF.GRAPH_IF_FLOPS
+    CF.GRAPH_IF_FLOPS = 0
+    try:
+        for shape in _call_shapes(dt):
+            x, y = values(rng, shape, dt), values(rng, shape, dt)
+            for k in (-1, 1, 5):
+                eq, vals = _staged_equation(_switch_fn, (np.int32(k), x, y), CF.cond_p)
+                out.append(Sample(vals, eq.params, diff_argnums=tuple(
+                    i for i in range(1, len(vals)) if np.asarray(vals[i]).dtype.kind == "f")))
+    finally:
+        CF.GRAPH_IF_FLOPS = old
+    return out
+
+
 def _while_vjp(spec, sample):
     """Reverse mode through a while loop is an error naming the fix."""
     args, params = list(sample.args), sample.params
@@ -1127,6 +1151,8 @@ def _specs() -> list[PrimitiveSpec]:
         float_unary(E.cos_p),
         float_unary(E.erf_p),
         PrimitiveSpec(E.sign_p, unary(), NUMERIC, zero_derivative=True),
+        float_unary(E.floor_p, zero_derivative=True),
+        float_unary(E.round_p, zero_derivative=True),
         PrimitiveSpec(E.gelu_p, _gelu),
         PrimitiveSpec(E.add_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.sub_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
@@ -1179,6 +1205,7 @@ def _specs() -> list[PrimitiveSpec]:
                       custom_checks={"batching": _custom_lin_batching}),
         PrimitiveSpec(CF.while_p, _while, rule_samples=3, jit_samples=2,
                       custom_checks={"vjp": _while_vjp}),
+        PrimitiveSpec(CF.cond_p, _cond, rule_samples=3, jit_samples=3),
         # Per-device primitives (spmd)
         PrimitiveSpec(P.block_slice_p, _block_slice, eager_error=AxisNameError,
                       linear_groups=((0,),), custom_checks={

@@ -137,6 +137,11 @@ def while_(*args, cond, body, n_cond_consts, n_body_consts):
     return carry
 
 
+def cond(index, *args, branches, n_consts):
+    k = min(max(int(index), 0), len(branches) - 1)  # the index is clamped
+    return eval_program_np(branches[k], *args)
+
+
 def custom_jvp_call(*args, n_body_consts, n_jvp_consts, name, **_):
     return CALLS[name](*args[n_body_consts + n_jvp_consts:])
 
@@ -271,6 +276,8 @@ REFERENCES = {
     "cos": np.cos,
     "erf": erf,
     "sign": np.sign,
+    "floor": np.floor,
+    "round": np.round,
     "gelu": gelu,
     "add": np.add,
     "sub": np.subtract,
@@ -323,6 +330,7 @@ REFERENCES = {
     "custom_vjp_call": custom_vjp_call,
     "custom_lin": custom_lin,
     "while": while_,
+    "cond": cond,
     # spmd
     "block_slice": block_slice,
     "shard_call": shard_call,

@@ -7,6 +7,8 @@ program); ``memory_report`` matches the ZeRO formulas; misuse is an fshard error
 
 from __future__ import annotations
 
+import json
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -67,13 +69,15 @@ CONFIGS = {
     "zero3": lambda ap: ap.hsdp(threshold=0, optimizer_level="level3"),
     "fused": lambda ap: ap.comm_fusion({"allreduce": {"mode": "auto", "config": None}}),
     "propagation": lambda ap: ap,
+    "recursive": lambda ap: ap,
 }
+MODE_OF = {"propagation": "sharding_propagation", "recursive": "recursive_programming"}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_configuration_trains_like_one_device(reference, name):
     params, x, y = _data()
-    mode = "sharding_propagation" if name == "propagation" else "semi_auto"
+    mode = MODE_OF.get(name, "semi_auto")
     ap = CONFIGS[name](fs.AutoParallel(mse, Momentum(), parallel_mode=mode, mesh=4))
     state, losses = _train(ap, params, x, y)
     ref_state, ref_losses = reference
@@ -196,6 +200,8 @@ def test_param_strategy_file_round_trip(tmp_path):
 
 @pytest.mark.parametrize("call, match", [
     (lambda ap: ap.enable_gradients_mean(), "already those of the whole batch"),
+    (lambda ap: ap.disable_loss_repeated_mean(), "no repeated mean"),
+    (lambda ap: ap.dump_local_norm(3), "directory path"),
     (lambda ap: ap.hsdp(optimizer_level="level4"), "optimizer_level"),
     (lambda ap: ap.hsdp(threshold=-1), "threshold"),
     (lambda ap: ap.comm_fusion({"allreduce": {"mode": "index", "config": [2]}}), "'auto' or"),
@@ -222,3 +228,168 @@ def test_constructor_checks_its_arguments():
     ap = fs.AutoParallel(mse, Momentum(), mesh=4)
     with pytest.raises(fs.ShardingError, match="batch size divisible by 4"):
         ap(ap.init(params), x, y)
+
+
+# --- the seed's remaining knobs -----------------------------------------------------
+
+
+def _reduction_dtypes(ap, state, x, y):
+    from fshard.primitives.collectives import psum_p
+
+    prog = ap.partitioned(state, x, y).program
+    return {str(a.aval.dtype) for eq in prog.equations if eq.prim is psum_p
+            for a in eq.inputs}
+
+
+def test_float16_reductions_run_in_float32_unless_gradient_fp32_sync_is_disabled():
+    params, x, y = _data(batch=128)
+    half = {k: v.astype(np.float16) for k, v in params.items()}
+    x16, y16 = x.astype(np.float16), y.astype(np.float16)
+    default = fs.AutoParallel(mse, Momentum(lr=0.01), mesh=4)
+    state = default.init(half)
+    assert "Float16" not in _reduction_dtypes(default, state, x16, y16)
+    off = fs.AutoParallel(mse, Momentum(lr=0.01), mesh=4).disable_gradient_fp32_sync()
+    assert "Float16" in _reduction_dtypes(off, state, x16, y16)
+    forced = fs.AutoParallel(mse, Momentum(lr=0.01), mesh=4).disable_gradient_fp32_sync()
+    forced.enable_fp32_communication()
+    assert "Float16" not in _reduction_dtypes(forced, state, x16, y16)
+    # the float16 step still trains like one device (float16 tolerance)
+    _, ref = _train(fs.AutoParallel(mse, Momentum(lr=0.01), mesh=1), half, x16, y16)
+    _, got = _train(forced, half, x16, y16)
+    np.testing.assert_allclose(got, ref, rtol=2e-2)
+
+
+def _block_norms(g, counts):
+    split = [v for d, c in zip(g.shape, counts) for v in (c, d // c)]
+    return np.sqrt((g.astype(np.float64) ** 2).reshape(split).sum(
+        axis=tuple(range(1, len(split), 2))))
+
+
+def test_local_norms_are_the_norms_of_each_gradient_block(tmp_path, capsys):
+    params, x, y = _data()
+    _, grads = fs.value_and_grad(mse)(params, x, y)
+    ap = fs.AutoParallel(mse, Momentum(), mesh=4).hsdp(threshold=0, optimizer_level="level2")
+    ap.print_local_norm().dump_local_norm(tmp_path / "norms")
+    state = ap.init(params)
+    state, _ = ap(state, x, y)
+    state, _ = ap(state, x, y)
+    lines = [json.loads(t) for t in (tmp_path / "norms" / "local_norm_rank0.jsonl")
+             .read_text().splitlines()]
+    assert [d["step"] for d in lines] == [1, 2]
+    first = lines[0]["norms"]
+    # level2: each gradient cut along dim 0 into 4 blocks, like the optimizer state
+    # (b2, of 10 rows, stays whole)
+    for k, g in grads.items():
+        want = _block_norms(g.asnumpy(), (4 if g.shape[0] % 4 == 0 else 1,) +
+                            (1,) * (g.ndim - 1))
+        np.testing.assert_allclose(np.asarray(first[k]), want, rtol=1e-5)
+    printed = capsys.readouterr().out
+    w = _block_norms(grads["w1"].asnumpy(), (4, 1))
+    assert f"local_norm: step 1 w1 block (2, 0): {w[2, 0]:.6g}" in printed
+    # data parallel (whole gradients): one norm per tensor; training is unchanged
+    dp = fs.AutoParallel(mse, Momentum(), mesh=4).dump_local_norm(tmp_path / "dp")
+    s2, l2 = _train(dp, params, x, y, steps=2)
+    s1, l1 = _train(fs.AutoParallel(mse, Momentum(), mesh=4), params, x, y, steps=2)
+    assert l1 == l2
+    one = json.loads((tmp_path / "dp" / "local_norm_rank0.jsonl").read_text().splitlines()[0])
+    np.testing.assert_allclose(np.asarray(one["norms"]["b2"]).reshape(()),
+                               np.linalg.norm(grads["b2"].asnumpy()), rtol=1e-5)
+
+
+# --- strategy files reproduce a plan in a new process ---------------------------------
+
+_NEW_PROCESS = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import fshard as fs
+from test_auto_parallel import _data, mse
+params, x, y = _data()
+ap = fs.AutoParallel(mse, fs.optim.adam(1e-2), parallel_mode=sys.argv[3], mesh=4)
+ap.hsdp(threshold=0).load_operator_strategy_file(sys.argv[2] + "/op.json")
+ap.load_param_strategy_file(sys.argv[2] + "/param.json")
+state = ap.init(params)
+part = ap.partitioned(state, x, y)
+state, loss = ap(state, x, y)
+print(json.dumps({"strategies": part.strategies(), "collectives": part.collectives(),
+                  "loss": float(loss.asnumpy())}))
+"""
+
+
+def test_strategy_files_reproduce_the_plan_in_a_new_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    # a run in semi_auto mode with a model-parallel w1; the new process plans in
+    # sharding_propagation mode without that plan, so only the files can give it
+    mode = "sharding_propagation"
+    params, x, y = _data()
+    ap = fs.AutoParallel(mse, fs.optim.adam(1e-2), mesh=4).parameter_plan({"w1": (1, 4)})
+    ap.hsdp(threshold=0)
+    state = ap.init(params)
+    unplanned = fs.AutoParallel(mse, fs.optim.adam(1e-2), parallel_mode=mode, mesh=4)
+    unplanned.hsdp(threshold=0)
+    assert unplanned.partitioned(state, x, y).strategies() != \
+        ap.partitioned(state, x, y).strategies()
+    ap.save_operator_strategy_file(tmp_path / "op.json", state, x, y)
+    ap.save_param_strategy_file(tmp_path / "param.json", state, x, y)
+    part = ap.partitioned(state, x, y)
+    _, loss = ap(state, x, y)
+    out = subprocess.run([sys.executable, "-c", _NEW_PROCESS, os.path.dirname(__file__),
+                          str(tmp_path), mode], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, GLOG_v="3"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["strategies"] == json.loads(json.dumps(part.strategies()))
+    assert got["collectives"] == part.collectives()
+    assert got["loss"] == float(loss.asnumpy())
+
+
+def test_a_parameter_strategy_file_of_other_parameters_is_refused(tmp_path):
+    params, x, y = _data()
+    ap = fs.AutoParallel(mse, Momentum(), mesh=4)
+    ap.save_param_strategy_file(tmp_path / "p.json", ap.init(params), x, y)
+    other = {"v" + k: v for k, v in params.items()}
+
+    def loss(p, x, y):
+        return mse({k[1:]: v for k, v in p.items()}, x, y)
+
+    ap2 = fs.AutoParallel(loss, Momentum(), mesh=4).load_param_strategy_file(tmp_path / "p.json")
+    with pytest.raises(fs.ShardingError, match=r"(?s)p\.json.*other parameters.*'vb1'"):
+        ap2(ap2.init(other), x, y)
+    with pytest.raises(fs.ShardingError, match="written for 4 devices"):
+        fs.AutoParallel(mse, Momentum(), mesh=2).load_param_strategy_file(tmp_path / "p.json")
+
+
+def _comms(ap, state, x, y):
+    return [(eq.prim.name, tuple(eq.inputs[0].aval.shape))
+            for eq in ap.partitioned(state, x, y).program.equations
+            if eq.prim.name in ("psum", "all_gather", "psum_scatter", "all_to_all")]
+
+
+def test_each_zero_level_communicates_what_zero_needs():
+    # batch 128 on 4 devices; w1 (64, 32), b1 (32,), w2 (32, 10) split 4 ways along dim 0,
+    # b2 (10,) stays whole
+    params, x, y = _data(batch=128)
+    slices = {("all_gather", (16, 32)), ("all_gather", (8,)), ("all_gather", (8, 10))}
+    grads = [("psum", tuple(np.shape(params[k]))) for k in ("b1", "b2", "w1", "w2")]
+    got = {}
+    for level in (None, "level1", "level2", "level3"):
+        ap = fs.AutoParallel(mse, Momentum(), mesh=4)
+        if level:
+            ap.hsdp(threshold=0, optimizer_level=level)
+        got[level] = _comms(ap, ap.init(params), x, y)
+    # data parallel: one AllReduce per gradient and one for the loss
+    assert sorted(got[None]) == sorted(grads + [("psum", ())])
+    for level in ("level1", "level2"):
+        # each gradient reduced (on CPU an AllReduce then this device's slice: the
+        # ReduceScatter), the update on slices, the new parameters' slices gathered
+        assert sorted(c for c in got[level] if c[0] == "psum") == sorted(
+            grads + [("psum", ())])
+        assert {c for c in got[level] if c[0] == "all_gather"} == slices
+        assert len(got[level]) == 5 + 3
+    # level3: the parameters stay split; their slices are gathered where used, and the
+    # step ends without gathering the new parameters
+    assert slices <= set(got["level3"])
+    assert not any(c[0] == "psum" and c[1] in {(8,), (16, 32), (8, 10)}
+                   for c in got["level3"])

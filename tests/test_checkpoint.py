@@ -335,3 +335,43 @@ def test_safetensors_files_both_ways(tmp_path):
         ckpt.load_safetensors(tmp_path / "r.safetensors", params)
     with pytest.raises(fs.CheckpointError, match="two leaves are both named 'a.b'"):
         ckpt.save_safetensors(tmp_path / "s.safetensors", {"a": {"b": 1.0}, "a.b": 2.0})
+
+
+# --- saving in the background ---------------------------------------------------------
+
+
+def test_a_background_save_keeps_the_values_of_its_call(tmp_path):
+    state = {"w": np.arange(1 << 16, dtype=np.float32), "step": np.int32(3)}
+    handle = ckpt.save(tmp_path, state, step=3, wait=False)
+    assert isinstance(handle, ckpt.SaveHandle) and handle.path == str(tmp_path / "3")
+    state["w"] += 1  # the caller goes on changing its arrays
+    assert handle.wait() == str(tmp_path / "3") and handle.done()
+    assert ckpt.latest(tmp_path) == str(tmp_path / "3")
+    back = ckpt.load(tmp_path, state)
+    same_bits(back["w"], np.arange(1 << 16, dtype=np.float32))
+    # errors: at once when the call itself is wrong, at wait() when the writing fails
+    with pytest.raises(fs.CheckpointError, match="never overwritten"):
+        ckpt.save(tmp_path, state, step=3, wait=False)
+    with pytest.raises(fs.CheckpointError, match="leaves must be MindSpore Tensors"):
+        ckpt.save(tmp_path, {"f": object()}, step=4, wait=False)
+    bad = ckpt.save(tmp_path, state, step=5, layouts={"w": (3,), "step": None}, mesh=2,
+                    wait=False)
+    with pytest.raises(fs.ShardingError, match="into 3 blocks"):
+        bad.wait()
+    assert ckpt.latest(tmp_path) == str(tmp_path / "3")
+
+
+def test_training_goes_on_while_a_checkpoint_is_written(tmp_path):
+    opt = fs.optim.adam(1e-2)
+    batches = _batches(6)
+    ap = fs.AutoParallel(_loss, opt, mesh=2)
+    state, whole = _train(ap, ap.init(_mlp_params()), batches)
+    ap1 = fs.AutoParallel(_loss, opt, mesh=2)
+    state, first = _train(ap1, ap1.init(_mlp_params()), batches[:3])
+    handle = ckpt.save(tmp_path, state, step=3, wait=False,
+                       layouts=ap1.state_strategies(state, *batches[0]), mesh=2)
+    _, second = _train(ap1, state, batches[3:])  # while the files are written
+    assert first + second == whole
+    resumed = ckpt.load(handle.wait(), ap1.init(_mlp_params()))
+    _, again = _train(ap1, resumed, batches[3:])
+    assert again == second

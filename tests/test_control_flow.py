@@ -165,6 +165,19 @@ def test_fori_loop_traced_bounds_and_vmap():
         fs.fori_loop(0, np.float32(3), lambda i, v: v, np.float32(0))
 
 
+def test_fori_loop_checks_the_carry_unrolled_as_in_a_graph_loop():
+    init = {"a": np.float32(1), "b": np.int32(1)}
+    for unroll in (True, False):
+        with pytest.raises(fs.ProgramTypeError,
+                           match=r"must return the carry's .* differ at leaf (\[1\])?\['b'\]: "
+                                 r"i32\[\] vs f32\[\]"):
+            fs.fori_loop(0, 3, lambda i, v: {"a": v["a"], "b": v["b"] * 2.0}, init,
+                         unroll=unroll)
+    with pytest.raises(fs.ProgramTypeError, match=r"leaf \(the value itself\): f32\[\] vs f64"):
+        fs.jit(lambda x: fs.fori_loop(0, 3, lambda i, v: v.astype(ms.float64), x))(
+            np.float32(1))
+
+
 def test_a_training_loop_compiled_as_one_program():
     rng = np.random.default_rng(1)
     x, y = rng.standard_normal((32, 5)).astype(np.float32), rng.standard_normal((32, 1)).astype(np.float32)
@@ -284,6 +297,8 @@ def test_switch_clamps_and_selects_per_lane():
     ks = np.array([0, 1, 2, 5], np.int32)
     got = fs.vmap(lambda i, x: fs.switch(i, branches, x), in_axes=(0, None))(t(ks), x)
     assert n(got).tolist() == [2.0, 30.0, 9.0, 9.0]
+    one = fs.jit(lambda i, x: fs.switch(i, [lambda x: x * 2], x))  # one branch: no choice
+    assert float(n(one(t(np.int32(5)), x))) == 6.0
 
 
 def test_cond_under_shard_equals_unsharded():
@@ -293,6 +308,43 @@ def test_cond_under_shard_equals_unsharded():
         return fs.vmap(lambda r: fs.cond(r.sum() > 0, lambda r: r * 2.0, lambda r: -r, r))(x)
 
     assert_close(n(fs.shard(f, in_strategy=((4, 1),), mesh=4)(xs)), n(f(xs)))
+
+
+def _costly(x, w, sign):
+    for _ in range(2):  # 2 x 2 * 64**3 flops: a graph if beats computing both branches
+        x = fs.ops.tanh(fs.ops.matmul(x, w)) * sign
+    return x
+
+
+def test_cond_with_costly_branches_is_a_graph_if_under_jit():
+    rng = np.random.default_rng(3)
+    x, w = (rng.standard_normal((2, 64, 64)) * 0.2).astype(np.float32)
+
+    def f(p, x, w):
+        return fs.cond(p, lambda x, w: _costly(x, w, 1.0), lambda x, w: _costly(x, w, -1.0),
+                       x, w)
+
+    jf = fs.jit(f)
+    for p in (True, False):
+        assert_close(n(jf(np.bool_(p), x, w)), n(_costly(x, w, 1.0 if p else -1.0)))
+    assert "if index <= 0" in jf.lower(np.bool_(True), x, w).as_text()  # one graph if
+    assert " cond[" in str(fs.make_ir(f)(np.bool_(True), x, w))
+    # cheap branches stay a select
+    assert " cond[" not in str(fs.make_ir(piecewise)(np.array([1.0, 2.0])))
+    # reverse mode: the gradient of the taken branch
+    for p in (True, False):
+        g = fs.jit(fs.grad(lambda x: f(np.bool_(p), x, w).sum()))(x)
+        g_ref = fs.grad(lambda x: _costly(x, w, 1.0 if p else -1.0).sum())(x)
+        assert_close(n(g), n(g_ref))
+    # vmap: per-lane predicates select, a shared one keeps the graph if
+    ps, xs = np.array([True, False]), np.stack([x[:8], -x[:8]])
+    got = fs.jit(fs.vmap(f, in_axes=(0, 0, None)))(ps, xs, w)
+    assert_close(n(got), np.stack([n(_costly(xs[0], w, 1.0)), n(_costly(xs[1], w, -1.0))]))
+    got = fs.jit(fs.vmap(f, in_axes=(None, 0, None)))(np.bool_(False), xs, w)
+    assert_close(n(got), np.stack([n(_costly(v, w, -1.0)) for v in xs]))
+    # under shard the branches are selected, so layouts propagate through them
+    s = fs.shard(lambda x: f(x.sum() > 0, x, w), in_strategy=((4, 1),), mesh=4)
+    assert_close(n(s(x)), n(f(np.bool_(x.sum() > 0), x, w)))
 
 
 def test_cond_and_switch_errors_name_both_branches():
@@ -315,6 +367,43 @@ def test_cond_and_switch_errors_name_both_branches():
         fs.switch(0, [], x)
     with pytest.raises(fs.ArgumentError, match="true_fun must be a function"):
         fs.cond(True, None, lambda x: x, x)
+
+
+# --- layouts under shard ------------------------------------------------------------------
+
+
+def _carry_programs():
+    A, T, M = fs.ops.add, fs.ops.tanh, fs.ops.matmul
+    return {
+        "scan": lambda h, w, xs: fs.scan(lambda h, x: (T(A(M(h, w), x)),) * 2, h, xs),
+        "fori_loop unrolled": lambda h, w, xs: fs.fori_loop(
+            0, 5, lambda i, h: T(A(M(h, w), xs[i])), h),
+        "cond per row": lambda h, w, xs: fs.vmap(
+            lambda r: fs.cond(r.sum() > 0, lambda r: r * 2.0, lambda r: -r, r))(h),
+        "while_loop": lambda h, w, xs: fs.while_loop(
+            lambda c: c[0] < 5, lambda c: (c[0] + 1, T(A(M(c[1], w), 1.0))),
+            (np.int32(0), h))[1],
+    }
+
+
+@pytest.mark.parametrize("name", list(_carry_programs()))
+def test_a_split_carry_keeps_its_layout_under_shard(name):
+    """A batch-split carry stays split through scan, an unrolled fori_loop and cond: the
+    per-device program has no collective. A while_loop runs replicated (its sharding
+    rule gathers the carry; docs/control_flow.md)."""
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((8, 4)).astype(np.float32)
+    w = (rng.standard_normal((4, 4)) * 0.5).astype(np.float32)
+    xs = rng.standard_normal((5, 8, 4)).astype(np.float32)
+    f = _carry_programs()[name]
+    out = ((4, 1), (1, 4, 1)) if name == "scan" else (4, 1)
+    s = fs.shard(f, in_strategy=((4, 1), (1, 1), (1, 4, 1)), out_strategy=out, mesh=4)
+    got, want = fs.tree.flatten(s(h, w, xs))[0], fs.tree.flatten(f(h, w, xs))[0]
+    for a, b in zip(got, want):
+        assert_close(n(a), n(b))
+    part = s.partitioned(h, w, xs)
+    assert part.collectives() == (["all_gather"] if name == "while_loop" else [])
+    assert str(part.output_layouts()[0]).endswith("(('m0', 'm1'), 'None')")
 
 
 # --- a functional training loop as one program --------------------------------------------

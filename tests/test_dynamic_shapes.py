@@ -167,6 +167,39 @@ def test_sizes_the_symbols_refuse_are_errors_naming_the_input_and_constraint():
         f(_t(8, 3).astype(ms.float16), _t(8, 3))
 
 
+def test_min_remainder_unique_and_lowered_programs_are_checked():
+    def refused(sym, size):
+        return rf"has size {size} in dimension 0, which s\d+ = {sym} does not accept"
+
+    below = fs.jit(lambda x: x * 2.0, in_shapes=(fs.ArrayType((fs.Symbol(min=8), 3), F32),))
+    with pytest.raises(fs.ShapeError, match=refused(r"Symbol\(min=8\)", 4)):
+        below(_t(4, 3))
+    odd = fs.jit(lambda x: x * 2.0, in_shapes=(
+        fs.ArrayType((fs.Symbol(divisor=4, remainder=1), 3), F32),))
+    assert odd(_t(9, 3)).shape == (9, 3)
+    with pytest.raises(fs.ShapeError, match=refused(r"Symbol\(divisor=4, remainder=1\)", 8)):
+        odd(_t(8, 3))
+    u = ms.Symbol(unique=True)  # one MindSpore object with unique=True: one size
+    pair = fs.jit(lambda x, y: (x * 2.0, y * 2.0)).set_inputs(
+        Tensor(shape=[u, 3], dtype=F32), Tensor(shape=[u], dtype=F32))
+    with pytest.raises(fs.ShapeError, match=r"args\[1\] \(parameter 'y'\) has size 5 in "
+                                            r"dimension 0, but the same s\d+ = "
+                                            r"Symbol\(unique=True\) has size 4"):
+        pair(_t(4, 3), _t(5))
+    # a program lowered for a Symbol batch serves every batch with the right shape; one
+    # lowered for batch 8 refuses batch 16 (never an (8, 10) result)
+    dense = fs.jit(lambda x, w: x @ w)
+    w = _t(784, 10)
+    anyb = dense.lower(fs.ArrayType((fs.Symbol(), 784), F32), w).compile()
+    for b in (16, 3):
+        x = _t(b, 784)
+        _close(anyb(x, w), dense(x, w))
+    eight = dense.lower(_t(8, 784), w).compile()
+    with pytest.raises(fs.ShapeError, match=r"input 0 has shape \(16, 784\), but the program "
+                                            r"was compiled for f32\[8,784\]"):
+        eight(_t(16, 784), w)
+
+
 def test_unproven_equal_symbols_are_an_error_saying_what_would_have_to_hold():
     a, b = fs.Symbol(), fs.Symbol()
     f = fs.jit(lambda x, y: x + y, in_shapes=(fs.ArrayType((a,), F32), fs.ArrayType((b,), F32)))
@@ -185,15 +218,58 @@ def test_bad_declarations_are_argument_errors():
     f = fs.jit(lambda x: x, in_shapes=(None, fs.ArrayType((8,), F32)))
     with pytest.raises(fs.ArgumentError, match="declares 2 inputs with set_inputs"):
         f(_t(8))
+    with pytest.raises(fs.ArgumentError, match=r"argument 0: a declared dimension must be an "
+                                               r"int, an fs.Symbol or None, got 'b' in"):
+        fs.jit(lambda x: x, in_shapes=(fs.ArrayType(("b", 3), F32),))
 
 
-def test_shard_of_symbolic_dims_is_a_clear_error_not_a_crash():
+def test_none_in_an_array_type_declaration_is_a_dimension_of_any_size():
+    f = fs.jit(lambda x: x * 2.0, in_shapes=(fs.ArrayType((None, 3), F32),))
+    for b in (1, 5, 12):
+        x = _t(b, 3)
+        _close(f(x), fs.jit(lambda x: x * 2.0)(x))
+    assert (f.trace_count, f.compile_count) == (1, 1)
+
+
+def _dense_relu(x, w):
+    return ops.relu(x @ w)
+
+
+def test_a_split_symbolic_dim_is_its_own_size_in_the_per_device_program():
     s = fs.Symbol(divisor=8)
-    g = fs.shard(lambda x, w: ops.relu(x @ w), in_strategy=((8, 1), (1, 1)), mesh=8)
-    f = fs.jit(g, in_shapes=(fs.ArrayType((s, 16), F32), None))
-    with pytest.raises(fs.ShardingError, match=r"(?s)symbolic type f32\[s\d+,16\].*Fix: call the "
-                                               "sharded function with static shapes"):
-        f(_t(16, 16), _t(16, 4))
+    g = fs.shard(_dense_relu, in_strategy=((8, 1), None), mesh=8,
+                 in_shapes=(fs.ArrayType((s, 16), F32), None))
+    w = _t(16, 4)
+    for b in (16, 8, 40, 24, 16):
+        x = _t(b, 16)
+        _close(g(x, w), fs.jit(_dense_relu)(x, w))
+    assert (g.trace_count, g.compile_count) == (1, 1)
+    part = g.partitioned(fs.ArrayType((s, 16), F32), fs.ArrayType((16, 4), F32))
+    assert f"f32[{s.name}/8,16]{{(8, 1)}}" in str(part)  # each device: a block of s0/8 rows
+    assert f"f32[{s.name}/8,4]" in str(part) and part.collectives() == ["all_gather"]
+    with pytest.raises(fs.ShapeError, match=r"size 12 in dimension 0, which s\d+ = "
+                                            r"Symbol\(divisor=8\) does not accept"):
+        g(_t(12, 16), w)
+
+
+@pytest.mark.parametrize("declared", [fs.Symbol(divisor=4), fs.Symbol(), fs.Symbol(
+    divisor=8, remainder=4)])
+def test_a_split_symbolic_dim_not_provably_divisible_is_an_error_naming_the_strategy(declared):
+    g = fs.shard(_dense_relu, in_strategy=((8, 1), None), mesh=8).set_inputs(
+        fs.ArrayType((declared, 16), F32), None)
+    with pytest.raises(fs.ShardingError, match=(
+            r"(?s)in_strategy\[0\] = \(8, 1\) splits dimension 0 \(size s\d+\) of argument "
+            r"'x' \(f32\[s\d+,16\]\) into 8 parts, but s\d+ is not divisible by 8.*Fix: s\d+ is "
+            r"declared Symbol\(.*\); declare it with fs.Symbol\(divisor=8\)")):
+        g(_t(16, 16), _t(16, 4))
+
+
+def test_shard_declarations_are_checked():
+    with pytest.raises(fs.ShardingError, match=r"fs.shard\(in_shapes=...\) must be a tuple"):
+        fs.shard(_dense_relu, in_strategy=((8, 1), None), mesh=8, in_shapes="annotations")
+    with pytest.raises(fs.ArgumentError, match=r"fs.shard\(_dense_relu\).set_inputs: "
+                                               r"argument 0\[0\]: expected an fs.ArrayType"):
+        fs.shard(_dense_relu, in_strategy=((8, 1), None), mesh=8).set_inputs((8, 16))
 
 
 # -- jaxtyping annotations as declarations ----------------------------------------
@@ -249,6 +325,38 @@ def test_annotation_mismatches_are_errors_naming_the_argument_and_dim():
         fs.jit(lambda x: x, in_shapes="annotations")
 
 
+def _op_functions() -> list:
+    import inspect
+
+    return [getattr(fs.ops, n) for n in dir(fs.ops) if not n.startswith("_")
+            and callable(getattr(fs.ops, n)) and not inspect.ismodule(getattr(fs.ops, n))]
+
+
+def test_fshards_public_array_functions_carry_jaxtyping_annotations():
+    import typing
+
+    from fshard.array_types import Array
+
+    for fn in (fs.psum, fs.pmean, fs.pmax, fs.pmin, fs.all_gather, fs.psum_scatter,
+               fs.all_to_all, fs.ppermute, fs.broadcast, fs.axis_index, fs.random.key,
+               fs.random.split, fs.random.fold_in, fs.random.bits, fs.random.uniform,
+               fs.random.normal, fs.random.truncated_normal, fs.random.bernoulli,
+               fs.random.randint, fs.random.gumbel, fs.random.categorical,
+               fs.random.permutation, fs.nn.dropout, *_op_functions()):
+        hints = typing.get_type_hints(fn)
+        assert "return" in hints, fn.__name__
+        assert hints["return"] is tuple or "jaxtyping" in repr(hints["return"]), fn.__name__
+        arrays = [h for h in hints.values() if "jaxtyping" in repr(h)]
+        assert arrays, f"{fn.__name__} has no jaxtyping annotation: {hints}"
+    x = typing.get_type_hints(fs.pmax)["x"]
+    assert typing.get_args(x)[0].dim_str == "*shape"  # Shaped[Array, "*shape"]
+    assert "Int32[Tensor, '']" in repr(typing.get_type_hints(fs.axis_index)["return"])
+    assert typing.get_args(Array) == (Tensor, np.ndarray)
+    split = typing.get_type_hints(fs.random.split)
+    assert typing.get_args(split["key"])[0].dim_str == "2"
+    assert typing.get_args(split["return"])[0].dim_str == "num 2"
+
+
 # -- the seed's network: batches of varying size, one compile -------------------------
 
 
@@ -302,3 +410,42 @@ def test_the_seeds_network_trains_on_varying_batches_compiled_once():
     hot = sum(n >= HOT_CALLS for n in seen.values())
     assert (dynamic.trace_count, dynamic.compile_count) == (1, 1 + hot)
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses  # it learns
+
+
+def _dynamic_checks():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent / "distributed" / "dynamic_checks.py"
+    spec = importlib.util.spec_from_file_location("dynamic_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_seeds_network_sharded_on_8_devices_trains_on_varying_batches_compiled_once():
+    """The seed's split counts (MatMul ((2, 4), (4, 1)), MatMul ((1, 8), (8, 1))) on a
+    virtual mesh of 8, a Symbol(divisor=8) batch of a new size every step: every loss
+    equals the unsharded static-shape step's (the same run in 2- and 4-process jobs:
+    tests/distributed/test_dynamic_multiprocess.py)."""
+    checks = _dynamic_checks()
+    got, want, sharded = checks.train_seed(8, mesh=8)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert (sharded.trace_count, sharded.compile_count) == (1, 1)
+    assert np.mean(got[-3:]) < 0.9 * np.mean(got[:3]), got  # it learns
+
+
+def test_an_autoparallel_step_with_declared_batch_shapes_compiles_once():
+    checks = _dynamic_checks()
+    got, want, step = checks.autoparallel_seed(8, mesh=8)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert (step.trace_count, step.compile_count) == (1, 1)
+    ap = fs.AutoParallel(checks.seed_loss, fs.optim.sgd(0.1), mesh=8).set_inputs(
+        fs.ArrayType((fs.Symbol(divisor=4), 1, 8, 8), F32), None)
+    x = Tensor(np.zeros((8, 1, 8, 8), np.float32))
+    with pytest.raises(fs.ShardingError, match=r"dataset_strategy\('data_parallel'\) splits "
+                                               r"every batch input along dimension 0 over "
+                                               r"the 8 devices, but a batch input is "
+                                               r"f32\[s\d+,1,8,8\]"):
+        ap(ap.init({k: Tensor(v) for k, v in checks.init_params().items()}), x,
+           Tensor(np.zeros(8, np.int32)))

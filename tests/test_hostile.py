@@ -1,10 +1,17 @@
 """Hostile inputs: every misuse is an fshard error that names what was wrong (never a
-raw Python or MindSpore error, never silently accepted). One case per line; the
+raw Python or MindSpore error, never silently accepted). One case per line: transform
+arguments, differentiation, fs.ops called with bad values, methods of traced values,
+strategy files, the launcher's options and faults, generated-source directories. The
 messages themselves are in docs/errors.md."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import mindspore as ms
 import numpy as np
@@ -12,6 +19,7 @@ import pytest
 from mindspore import nn, ops
 
 import fshard as fs
+from fshard import launch
 
 X = np.ones((3,), np.float32)
 
@@ -77,6 +85,12 @@ CASES = {
         lambda: fs.ops.scatter_add(np.ones(2, np.float32), np.array([0, 7]), (3,)),
         fs.ArgumentError, r"outside \[0, 3\)"),
     "Symbol(max=1, min=5)": (lambda: fs.Symbol(max=1, min=5), fs.ArgumentError, "max is below"),
+    "visualize_sharding negative shape": (
+        lambda: fs.visualize_sharding((-4, 2), (2, 1), mesh=fs.Mesh((2,), ("d",))),
+        fs.ArgumentError, r"tuple of non-negative ints .* got \(-4, 2\)"),
+    "visualize_sharding float shape": (
+        lambda: fs.visualize_sharding((4.0, 2), None, mesh=fs.Mesh((2,), ("d",))),
+        fs.ArgumentError, "tuple of non-negative ints"),
 }
 
 
@@ -94,6 +108,17 @@ def test_numpy_arguments_that_are_not_differentiated_are_converted():
     net = nn.SequentialCell([nn.Dense(3, 1)])
     grads = fs.grad(lambda x: net(x).sum())(np.ones((2, 3), np.float32))
     assert grads.shape == (2, 3)
+
+
+@pytest.mark.parametrize("mean", [
+    lambda a: fs.jit(lambda a: a.mean(axis=0))(a),
+    lambda a: fs.jit(lambda a: ops.mean(a, 0))(a),
+    lambda a: fs.ops.mean(a, 0),
+    lambda a: fs.vmap(lambda r: r.mean(axis=0))(a[None])[0],
+], ids=["jit Tensor.mean", "jit ops.mean", "fs.ops.mean", "vmap"])
+def test_the_mean_of_an_empty_axis_is_nan(mean):
+    got = mean(np.ones((0, 3), np.float32)).asnumpy()
+    assert got.shape == (3,) and np.isnan(got).all(), got
 
 
 # -- strategy files ----------------------------------------------------------------------
@@ -160,7 +185,48 @@ def test_save_strategies_is_atomic(tmp_path, sharded, monkeypatch):
 TRACED = np.arange(6, dtype=np.float32).reshape(2, 3)
 
 
+# Every method a hostile user tried: the common ones trace and compute what NumPy does
+# (MindSpore's CPU kernel for a float any(axis) answers wrongly, so NumPy is the
+# reference); the rest are fshard errors naming the method.
+METHOD_CALLS = {
+    "clip": (lambda a: a.clip(1.0, 4.0), lambda a: a.clip(1.0, 4.0)),
+    "clamp": (lambda a: a.clamp(1.0, 4.0), lambda a: a.clip(1.0, 4.0)),
+    "any": (lambda a: a.any(), None), "all": (lambda a: a.all(), None),
+    "any(axis)": (lambda a: a.any(1), None), "all(axis)": (lambda a: a.all(0), None),
+    "std": (lambda a: a.std(), None), "var": (lambda a: a.var(), None),
+    "var(axis)": (lambda a: a.var(0), None),
+    "norm": (lambda a: a.norm(), lambda a: np.linalg.norm(a)),
+    "copy": (lambda a: a.copy(), None),
+    "np.sum": (lambda a: np.sum(a), None), "np.mean": (lambda a: np.mean(a, axis=0), None),
+    "np.max": (lambda a: np.max(a), None), "np.min": (lambda a: np.min(a, axis=1), None),
+    "np.argmax": (lambda a: np.argmax(a), None), "np.std": (lambda a: np.std(a), None),
+    "np.var": (lambda a: np.var(a, axis=1), None), "np.any": (lambda a: np.any(a), None),
+    "np.all": (lambda a: np.all(a), None),
+    "np.transpose": (lambda a: np.transpose(a), None),
+    "floor": (lambda a: (a * 0.7).floor(), lambda a: np.floor(a * 0.7)),
+    "round": (lambda a: (a * 0.7).round(), lambda a: np.round(a * 0.7)),
+    "np.round": (lambda a: np.round(a * 0.7), None),
+    "tile": (lambda a: a.tile((2, 1, 3)), lambda a: np.tile(a, (2, 1, 3))),
+}
+
+
+@pytest.mark.parametrize("name", list(METHOD_CALLS))
+def test_common_methods_of_traced_values_trace_and_compute_what_numpy_does(name):
+    call, ref = METHOD_CALLS[name]
+    x = TRACED - 2.0  # a zero among the values: any() and all() differ
+    want = np.asarray((ref or call)(x))
+    for got in (fs.jit(call)(x), fs.vmap(call)(x[None])[0]):
+        got = got.asnumpy()
+        assert got.dtype == want.dtype, (got.dtype, want.dtype)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("call, error, match", [
+    (lambda a: a.round(2), fs.UnsupportedOpError, r"round\(decimals=2\)"),
+    (lambda a: a.repeat(2), fs.UnsupportedOpError, "Tensor method 'repeat'"),
+    (lambda a: a.fill(1.0), fs.TracerConversionError, "updated in place"),
+    (lambda a: np.cumsum(a), fs.TracerConversionError, "numpy.asarray"),
+    (lambda a: np.max(a, out=np.empty(())), fs.TracerConversionError, "out="),
     (lambda a: a.prod(), fs.UnsupportedOpError, "Tensor method 'prod'"),
     (lambda a: a.cumsum(0), fs.UnsupportedOpError, "Tensor method 'cumsum'"),
     (lambda a: a.__setitem__(0, 1.0), fs.TracerConversionError, "updated in place"),
@@ -225,3 +291,119 @@ def test_a_primitive_shard_strategy_is_not_dropped_silently():
                             r"\(4, 1\)\)\).*Fix: give the layouts"):
         out = fs.shard(Net(), in_strategy=((8, 1),), mesh=8)(x)
     assert out.asnumpy().tolist() == [[8.0] * 4] * 8
+
+
+# -- the launcher: misuse and faults -------------------------------------------------------
+# Each fault is a real job (10-20 s on 2 cores): one launch per line of the list, each with
+# its own log directory and a timeout.
+
+LAUNCH_SCRIPT = str(Path(__file__).resolve().parent / "distributed" / "launch_checks.py")
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--timeout", "nan"], "--timeout must be a positive, finite"),
+    (["--timeout", "inf"], "--timeout must be a positive, finite"),
+    (["--timeout", "0"], "--timeout must be a positive, finite"),
+    (["--port", "70000"], r"--port must be an int in \[1, 65535\]"),
+    (["--log-dir", "{file}"], r"--log-dir .* is a file, not a directory"),
+], ids=["timeout nan", "timeout inf", "timeout 0", "port 70000", "log-dir a file"])
+def test_launcher_option_errors_are_usage_lines(args, match, tmp_path, capsys):
+    (tmp_path / "f.txt").write_text("x")
+    args = [a.replace("{file}", str(tmp_path / "f.txt")) for a in args]
+    with pytest.raises(SystemExit) as e:
+        launch.main(["-n", "2", *args, LAUNCH_SCRIPT, "ok"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "Traceback" not in err
+    assert re.search(match, err), err
+
+
+def _a_rank_hangs_while_the_other_finishes(tmp_path, capsys):
+    code = launch.main(["-n", "2", "--timeout", "8", "--log-dir", str(tmp_path),
+                        LAUNCH_SCRIPT, "hang"])
+    assert code == launch.EXIT_TIMEOUT == 124
+    captured = capsys.readouterr()
+    assert "[rank 0] done early" in captured.out and "[rank 1] hanging" in captured.out
+    assert ("fshard.launch: timed out after 8 s: rank 1 still running (hung?) and stopped; "
+            "rank 0 had finished.") in captured.err
+
+
+def _a_rank_exits_0_before_init(tmp_path, capsys):
+    result = launch.run(LAUNCH_SCRIPT, 2, ["noinit"], timeout=240, log_dir=str(tmp_path))
+    assert not result.timed_out and result.wall_time < 60, result.message
+    assert result.returncode == 1 and result.failed_ranks == [1]
+    assert [r.status for r in result.ranks] == ["stopped", "failed"]
+    assert result.message.startswith(
+        "fshard.launch: rank 1 finished (exit code 0) after "), result.message
+    assert ("without joining the job, while rank 0 waited for it in "
+            "fs.distributed.init(); stopped rank 0. Fix: call fs.distributed.init() on "
+            "every rank") in result.message
+
+
+def _processes_a_rank_started_outlive_a_successful_job(tmp_path, capsys):
+    import glob
+    import tempfile
+
+    pattern = os.path.join(tempfile.gettempdir(), "fshard-launch-*")
+    before = set(glob.glob(pattern))
+    result = launch.run(LAUNCH_SCRIPT, 2, ["child"], timeout=120)
+    assert result.ok, result.message
+    assert set(glob.glob(pattern)) == before
+    assert "logs removed; keep them with --log-dir" in result.message
+    for rank in range(2):
+        pid = int(result.output(rank).split("child ")[1].split()[0])
+        # stopped with its rank's process group: gone, or a zombie nobody reaped yet
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            state = "gone"
+        assert state in ("gone", "Z", "X"), f"rank {rank}'s child {pid} is {state}"
+
+
+LAUNCH_FAULTS = {
+    "a rank hangs while the other finishes": _a_rank_hangs_while_the_other_finishes,
+    "a rank exits 0 before init()": _a_rank_exits_0_before_init,
+    "processes a rank started outlive a successful job":
+        _processes_a_rank_started_outlive_a_successful_job,
+}
+
+
+@pytest.mark.parametrize("fault", list(LAUNCH_FAULTS))
+def test_the_launcher_under_faults(fault, tmp_path, capsys):
+    LAUNCH_FAULTS[fault](tmp_path, capsys)
+
+
+# -- generated sources ---------------------------------------------------------------------
+
+
+def test_generated_sources_share_one_directory_per_process_removed_at_exit(tmp_path):
+    """``fshard_gen_*`` directories do not pile up in the temp folder: one per process,
+    removed at exit; those of processes that died without exiting cleanly (a stopped
+    rank) are removed by the next process that needs one."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"fshard_gen_{dead.pid}_x1"
+    stale.mkdir()
+    (stale / "fshard_generated_1.py").write_text("")
+    recent = tmp_path / f"fshard_gen_{dead.pid}_x3"  # touched within the hour: kept
+    recent.mkdir()
+    os.utime(stale, (1e9, 1e9))  # 2001: long stale
+    live = tmp_path / f"fshard_gen_{os.getpid()}_x2"  # this process is alive: kept
+    live.mkdir()
+    os.utime(live, (1e9, 1e9))
+    code = ("import numpy as np, fshard as fs\n"
+            "from fshard.backend import mindspore as b\n"
+            "fs.jit(lambda a: a * 2)(np.ones(3, np.float32))\n"
+            "first = b._gen_dir\n"
+            "fs.jit(lambda a: a + 1)(np.ones(4, np.float32))\n"
+            "fs.jit(lambda a: a - 1)(np.ones(5, np.float32))\n"
+            "print(first == b._gen_dir, first)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, GLOG_v="3", TMPDIR=str(tmp_path)))
+    assert out.returncode == 0, out.stderr
+    same, gen_dir = out.stdout.strip().splitlines()[-1].split()
+    assert same == "True" and gen_dir.startswith(str(tmp_path / "fshard_gen_"))
+    assert not os.path.exists(gen_dir)  # removed at exit
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("fshard_gen_")) \
+        == sorted([live.name, recent.name])

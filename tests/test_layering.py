@@ -38,7 +38,8 @@ def test_transforms_is_only_importable_as_fshard_transforms():
 # function) only modules of its own layer or of a lower one; the longest matching
 # prefix gives a module's layer.
 LAYERS = [
-    ("fshard.errors", "fshard.dtypes", "fshard.context", "fshard.tree", "fshard.dims"),
+    ("fshard.errors", "fshard.dtypes", "fshard.context", "fshard.tree", "fshard.dims",
+     "fshard.array_types"),
     ("fshard.rules",),
     ("fshard.core",),
     ("fshard.ir",),

@@ -318,6 +318,43 @@ def test_errors_name_the_argument_and_the_fix():
         fs.nn.dropout(key, np.ones(3, np.int32), 0.5)
 
 
+def test_a_key_consumed_twice_in_a_traced_function_is_a_warning():
+    k, x = R.key(0), np.ones(4, np.float32)
+    with pytest.warns(fs.KeyReuseWarning, match=r"(?s)fs\.random\.uniform: this key was "
+                      r"already consumed by fs\.random\.normal.*Fix: split it"):
+        fs.jit(lambda k: R.normal(k, (2,)) + R.uniform(k, (2,)))(k)
+    with pytest.warns(fs.KeyReuseWarning, match="consumed by fs.random.split"):
+        fs.jit(lambda k: (R.split(k), R.normal(k, (2,))))(k)
+    with pytest.warns(fs.KeyReuseWarning, match="fs.nn.dropout: .* by fs.nn.dropout"):
+        fs.vmap(lambda k: fs.nn.dropout(k, x, 0.5) * fs.nn.dropout(k, x, 0.5))(R.split(k, 3))
+    with pytest.warns(fs.KeyReuseWarning, match="consumed by fs.random.normal"):
+        # consumed in one branch of a cond, then drawn from again after it
+        fs.jit(lambda p, k: fs.cond(p, lambda k: R.normal(k, (2,)), lambda k: R.uniform(
+            R.fold_in(k, 1), (2,)), k) + R.normal(k, (2,)))(np.bool_(True), k)
+
+
+def test_keys_used_once_are_not_warned_about():
+    import warnings
+
+    k = R.key(0)
+
+    def step(c, _):
+        c, sub = R.split(c)
+        return c, R.normal(sub, (2,))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fs.KeyReuseWarning)
+        fs.jit(lambda k: [R.normal(s, (2,)) for s in R.split(k, 3)])(k)  # one key each
+        fs.jit(lambda k: R.normal(R.fold_in(k, 1), (2,)) + R.normal(R.fold_in(k, 2), (2,)))(k)
+        fs.jit(lambda p, k: fs.cond(p, lambda k: R.normal(k, (2,)),
+                                    lambda k: R.uniform(k, (2,)), k))(np.bool_(True), k)
+        fs.jit(lambda k: fs.scan(step, k, None, length=3))(k)
+        # categorical and permutation draw from their key inside one call: one use
+        fs.jit(lambda k: R.categorical(k, np.zeros((2, 3), np.float32)))(k)
+        fs.jit(lambda k: R.permutation(k, 5))(k)
+        R.normal(k, (2,)), R.normal(k, (2,))  # eager: deliberate repeats are not checked
+
+
 def test_stateful_mindspore_random_points_to_fs_random():
     with pytest.raises(fs.UnsupportedOpError, match=r"fs\.random\.split"):
         fs.jit(lambda a: a + ms.ops.randn((3,)))(np.zeros(3, np.float32))

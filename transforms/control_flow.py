@@ -14,10 +14,12 @@ How each is built, and why:
   result as to any straight-line program. The program grows with the trip count;
   ``fori_loop`` with more than ``MAX_UNROLL`` iterations (or ``unroll=False``, or
   traced bounds) becomes a ``while_loop``.
-- ``cond`` and ``switch`` call the chosen branch when the index is concrete; on a
-  traced index they evaluate every branch and select the result (``where``), which
-  ``vmap``, ``grad`` and ``shard`` handle like any other operation. Branches must
-  return the same types, checked by tracing each on the operands' types.
+- ``cond`` and ``switch`` call the chosen branch when the index is concrete. On a
+  traced index they take the faster form (measured, docs/performance.md): costly
+  branches become a ``cond`` primitive, one MindSpore graph ``if`` under ``jit``;
+  cheap ones are all evaluated and the result selected (``where``), which ``vmap``,
+  ``grad`` and ``shard`` handle like any other operation. Branches must return the
+  same types, checked by tracing each on the operands' types.
 
 This module sits in the transforms layer because the JVP rule of ``while`` needs the
 JVP interpreter (``fshard.transforms.ad``).
@@ -27,10 +29,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from fshard import dtypes, tree
+from fshard import context, dtypes, random, tree
 from fshard.core import ArrayType, Tracer, typeof
 from fshard.errors import ArgumentError, ProgramTypeError
 from fshard.interpret import eval_program
+from fshard.ir import Program
 from fshard.primitives import elementwise as E
 from fshard.primitives import reductions as R
 from fshard.primitives import structural as S
@@ -42,7 +45,8 @@ from fshard.rules import batching, jvp as jvp_rules, sharding, unsupported
 from fshard.staging import fun_name
 from fshard.transforms.ad import jvp_program
 
-__all__ = ["cond", "switch", "while_loop", "fori_loop", "scan", "MAX_UNROLL"]
+__all__ = ["cond", "switch", "while_loop", "fori_loop", "scan", "MAX_UNROLL",
+           "GRAPH_IF_FLOPS"]
 
 FAMILY = "control"
 MAX_UNROLL = 256
@@ -245,6 +249,147 @@ sharding.set(while_p, lambda *avals, body, **_: _call_sharding(avals, body.out_a
 
 
 # ===========================================================================
+# cond: the primitive (a traced index, costly branches, under jit)
+# ===========================================================================
+#
+# Operands: index (int32 scalar) + consts + operands. Params: branches (one closed
+# Program per branch, each taking consts + operands), n_consts. Branch k runs when
+# index <= k (the first such k), the last one otherwise: the index is clamped.
+#
+# fs.cond / fs.switch bind it only where a graph ``if`` is the faster form (measured:
+# docs/performance.md): the branches not taken would cost more than MindSpore's graph
+# control flow (~100 µs on the CPU backend); cheaper branches are selected with
+# ``where``. Its JVP rule selects between the branches' JVPs, so reverse mode sees
+# ordinary primitives; a batched index selects too; under ``shard`` fs.cond selects
+# (layouts then propagate through the branches).
+
+GRAPH_IF_FLOPS = 1_000_000  # work of the branches not taken above which a graph if wins
+
+
+def _cond_type(index, *avals, branches, n_consts):
+    outs = list(branches[0].out_avals)
+    for b in branches[1:]:
+        if list(b.out_avals) != outs:
+            raise ProgramTypeError(f"cond: the branches return {_types(outs)} and "
+                                   f"{_types(b.out_avals)}; they must be equal.")
+    return outs
+
+
+def _branch_of(index, n: int) -> int:
+    k = int(np.asarray(index.asnumpy() if hasattr(index, "asnumpy") else index))
+    return min(max(k, 0), n - 1)
+
+
+def _cond_impl(index, *args, branches, n_consts):
+    return eval_program(branches[_branch_of(index, len(branches))], *args)
+
+
+def _cond_lowering(ctx, index, *exprs, branches, n_consts):
+    helper = ctx.cond_function(list(branches))
+    return f"{helper}({', '.join((index,) + exprs)})"
+
+
+cond_p = def_primitive("cond", FAMILY, _cond_type, _cond_impl, multiple_results=True,
+                       lower=_cond_lowering)
+
+
+def _select_results(index, results):
+    """``results[index]`` (clamped) by ``where``: ``index`` a scalar, or one per lane
+    (batch axis in front) when the results are batched in front."""
+    chosen = results[-1]
+    for k in range(len(results) - 2, -1, -1):
+        take = E.less_equal(index, k)
+        picked = []
+        for r, c in zip(results[k], chosen):
+            t = take
+            if typeof(take).ndim:  # per lane: align with the batch axis in front
+                t = S.reshape(take, tuple(typeof(take).shape) + (1,) * (typeof(r).ndim - 1))
+            picked.append(E.where(t, r, c))
+        chosen = picked
+    return chosen
+
+
+def _uniform_branches(staged, in_avals):
+    """Branch Programs over one input list (every branch's constants, then ``in_avals``)
+    from ``(program, consts)`` pairs whose programs take their own constants first."""
+    consts = [c for _, cs in staged for c in cs]
+    const_avals = [typeof(c) for c in consts]
+    programs, off = [], 0
+    for prog, cs in staged:
+        lo, hi = off, off + len(cs)
+
+        def run(*xs, prog=prog, lo=lo, hi=hi):
+            return eval_program(prog, *xs[lo:hi], *xs[len(consts):])
+
+        closed, extra = _stage_closed(run, const_avals + list(in_avals))
+        assert not extra, "a closed branch has no constants of its own"
+        programs.append(closed)
+        off = hi
+    return programs, consts
+
+
+def _cond_batching(args, dims, *, branches, n_consts):
+    size = batch_size(args, dims)
+    args, dims = _front_args(args, dims)
+    index, rest, d_index, d_rest = args[0], list(args[1:]), dims[0], list(dims[1:])
+    batched = [_batch_closed(b, d_rest, size, _all_front) for b in branches]
+    if d_index is not None:  # each lane its own branch: every branch, then a select
+        results = [eval_program(prog, *cs, *rest) for prog, cs, _ in batched]
+        return _select_results(index, results), [0] * len(results[0])
+    in_avals = [typeof(x) for x in rest]
+    programs, consts = _uniform_branches([(p, cs) for p, cs, _ in batched], in_avals)
+    outs = cond_p.bind(index, *consts, *rest, branches=tuple(programs), n_consts=len(consts))
+    return outs, [0] * len(outs)
+
+
+batching.set(cond_p, _cond_batching)
+
+
+def _cond_jvp(primals, tangents, *, branches, n_consts):
+    """Every branch's JVP, then a select (reverse mode transposes the select)."""
+    index, args, targs = primals[0], list(primals[1:]), list(tangents[1:])
+    results = []
+    for b in branches:
+        outs, touts = jvp_program(b, args, targs)
+        results.append(list(outs) + [instantiate(t) for t in touts])
+    chosen = _select_results(index, results)
+    n = len(branches[0].outputs)
+    return chosen[:n], chosen[n:]
+
+
+jvp_rules.set(cond_p, _cond_jvp)
+unsupported(cond_p, "transpose",
+            "cond is never linear: its JVP rule selects between the branches' JVPs, which "
+            "reverse mode transposes")
+sharding.set(cond_p, lambda *avals, branches, **_: _call_sharding(avals, branches[0].out_avals))
+
+
+def _flops(program) -> float:
+    """A rough count of a Program's arithmetic: 2mnk for a matmul, one per output
+    element otherwise (nested Programs count as costly)."""
+    total = 0.0
+    for eq in program.equations:
+        outs = [v.aval for v in eq.outputs]
+        if any(not a.is_static for a in outs):
+            return float("inf")
+        points = sum(float(np.prod(a.shape)) for a in outs)
+        if eq.prim.name == "matmul":
+            points *= 2 * max(int(eq.inputs[0].aval.shape[-1]), 1)
+        elif any(isinstance(v, Program) for v in eq.params.values()):
+            points = float("inf")
+        total += points
+    return total
+
+
+def _graph_if_is_faster(programs) -> bool:
+    """A graph ``if`` when the branches not taken would cost more than it (measured)."""
+    if context.shard_depth.get() or context.shard_map_depth.get():
+        return False  # under shard a select lets layouts propagate through the branches
+    costs = [_flops(p) for p in programs]
+    return sum(costs) - max(costs) >= GRAPH_IF_FLOPS
+
+
+# ===========================================================================
 # The user API
 # ===========================================================================
 
@@ -322,8 +467,19 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll: bool | None = None):
         if unroll:
             leaves, treedef = _leaves_of(init_val, api, "init_val")
             val = tree.unflatten(treedef, leaves)  # arrays: MindSpore's dtype rules
+            types = [typeof(x) for x in leaves]
             for i in range(lo, hi):
                 val = body_fun(i, val)
+                # the same check as the graph loop's, so unrolling never changes the answer
+                got, got_tree = tree.flatten(val)
+                got_types = [typeof(x) for x in got]
+                if got_tree != treedef or got_types != types:
+                    raise ProgramTypeError(
+                        f"{api}: body_fun({fun_name(body_fun)}) must return the carry's "
+                        f"structure and types; init_val vs what body_fun returns differ at "
+                        f"{_difference(treedef, types, got_tree, got_types)}.\nFix: return "
+                        "values of the same shapes and dtypes (cast, e.g. "
+                        "x.astype(init.dtype)).")
             return val
     elif unroll:
         raise ArgumentError(
@@ -439,9 +595,11 @@ def cond(pred, true_fun, false_fun, *operands):
     6.0
 
     ``pred`` is a scalar bool (or integer, nonzero meaning True); both branches must
-    return the same structure, shapes and dtypes. Under ``grad`` of a traced ``pred``
-    both branches are evaluated and the result selected: a branch producing inf or NaN
-    where it is not taken can make the gradient NaN (as ``where`` does).
+    return the same structure, shapes and dtypes. With a traced ``pred``, costly
+    branches run as one graph ``if`` under ``jit``, cheap ones are both evaluated and
+    the result selected; under ``grad`` both branches' derivatives are computed and
+    selected: a branch producing inf or NaN where it is not taken can make the gradient
+    NaN (as ``where`` does).
     """
     api = "fs.cond"
     _check_fn(api, true_fun, "true_fun")
@@ -472,10 +630,11 @@ def _switch(api, index, branches, names, operands):
     leaves, treedef = _leaves_of(tuple(operands), api, "operands")
     operands = tree.unflatten(treedef, leaves)  # arrays, as the branches were traced with
     avals = [typeof(x) for x in leaves]
-    outs = []
+    outs, staged = [], []
     for b, name in zip(branches, names):
-        program, _, out_tree = _stage_tree_fn(b, treedef, avals, api, name, star=True)
+        program, consts, out_tree = _stage_tree_fn(b, treedef, avals, api, name, star=True)
         outs.append((name, out_tree, list(program.out_avals)))
+        staged.append((program, consts))
     name0, tree0, types0 = outs[0]
     for name, tr, types in outs[1:]:
         if tr != tree0 or types != types0:
@@ -490,8 +649,19 @@ def _switch(api, index, branches, names, operands):
     if not isinstance(index, Tracer):  # a concrete array: call its branch
         k = int(np.asarray(index.asnumpy() if hasattr(index, "asnumpy") else index))
         return branches[min(max(k, 0), n - 1)](*operands)
+    if n == 1:
+        return branches[0](*operands)
     index = E.cast(index, dtypes.int32)
-    results = [tree.flatten(b(*operands))[0] for b in branches]
+    if _graph_if_is_faster([p for p, _ in staged]):
+        programs, consts = _uniform_branches(staged, avals)
+        res = cond_p.bind(index, *consts, *leaves, branches=tuple(programs),
+                          n_consts=len(consts))
+        return tree.unflatten(tree0, res)
+    results = []
+    with random.alternatives() as enter:  # one key may feed a draw in each branch
+        for b in branches:
+            enter()
+            results.append(tree.flatten(b(*operands))[0])
     chosen = results[-1]
     for k in range(n - 2, -1, -1):
         # index <= k picks branch k over the later ones: clamps below 0 and above n-1.

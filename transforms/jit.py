@@ -168,10 +168,14 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
     ``mindspore.Symbol`` (one object: one fshard Symbol) or None (a new Symbol)."""
     if isinstance(spec, ArrayType):
         for d in spec.shape:
-            if not isinstance(d, (int, Symbol)) or isinstance(d, bool):
+            if d is not None and (not isinstance(d, (int, Symbol)) or isinstance(d, bool)):
                 raise ArgumentError(
-                    f"{where}: a declared dimension must be an int or an fs.Symbol, got "
-                    f"{d!r} in {spec}.\nFix: use fs.Symbol(...) for a dimension of any size.")
+                    f"{where}: a declared dimension must be an int, an fs.Symbol or None, "
+                    f"got {d!r} in {spec}.\nFix: use fs.Symbol(...) (or None) for a "
+                    "dimension of any size.")
+        if None in spec.shape:  # as in a MindSpore placeholder: a new Symbol, any size
+            return ArrayType(tuple(Symbol() if d is None else d for d in spec.shape),
+                             spec.dtype)
         return spec
     if isinstance(spec, _Tensor) and (getattr(spec, "symbolic_shape", None) is not None
                                       or -1 in tuple(spec.shape)):
@@ -197,6 +201,27 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
         f"dtype=...) or None, got {type(spec).__name__} {spec!r}.\nFix: declare the "
         "argument as fs.ArrayType((fs.Symbol(divisor=8), 784), mindspore.float32), or pass "
         "None to take its shape from each call.")
+
+
+def declared_types(specs, where: str) -> tuple:
+    """Input declarations (one per argument: an ``fs.ArrayType``, a MindSpore placeholder
+    Tensor, a pytree of them, or None) as ArrayTypes (``set_inputs`` of ``fs.jit``,
+    ``fs.shard`` and ``fs.AutoParallel``). One ``mindspore.Symbol`` object with
+    ``unique=True`` is one fshard Symbol across all of them."""
+    ms_symbols: dict = {}
+
+    def convert(spec, where):
+        if spec is None:
+            return None
+        if isinstance(spec, (ArrayType, _Tensor)):
+            return _spec_type(spec, where, ms_symbols)
+        if isinstance(spec, (tuple, list, dict)):
+            items = spec.items() if isinstance(spec, dict) else enumerate(spec)
+            out = {k: convert(v, f"{where}[{k!r}]") for k, v in items}
+            return out if isinstance(spec, dict) else type(spec)(out.values())
+        return _spec_type(spec, where, ms_symbols)  # raises, naming the entry
+
+    return tuple(convert(spec, f"{where}: argument {i}") for i, spec in enumerate(specs))
 
 
 def _bind(name: str, what: str, avals, values, sizes: dict, names=None) -> dict:
@@ -308,21 +333,7 @@ class Jitted:
         None dimensions, or None (the argument's shapes come from each call). Every call
         whose shapes satisfy the declarations then runs one program, traced and compiled
         once; a call that does not is an fshard error. Returns ``self``."""
-        ms_symbols: dict = {}
-
-        def convert(spec, where):
-            if spec is None:
-                return None
-            if isinstance(spec, (ArrayType, _Tensor)):
-                return _spec_type(spec, where, ms_symbols)
-            if isinstance(spec, (tuple, list, dict)):
-                items = spec.items() if isinstance(spec, dict) else enumerate(spec)
-                out = {k: convert(v, f"{where}[{k!r}]") for k, v in items}
-                return out if isinstance(spec, dict) else type(spec)(out.values())
-            return _spec_type(spec, where, ms_symbols)  # raises, naming the entry
-
-        self._in_shapes = tuple(convert(spec, f"{self!r}.set_inputs: argument {i}")
-                                for i, spec in enumerate(specs))
+        self._in_shapes = declared_types(specs, f"{self!r}.set_inputs")
         return self
 
     @property

@@ -38,8 +38,9 @@ from collections import deque
 import numpy as np
 from dataclasses import dataclass
 
-from fshard import context, dtypes, tree
-from fshard.core import ArrayType, bind, typeof
+from fshard import context, distributed, dtypes, tree
+from fshard.core import ArrayType, EvalTrace, bind, current_trace, typeof
+from fshard.dims import dim_multiple_of
 from fshard.errors import CompositionError, ShardingError
 from fshard.interpret import eval_program
 from fshard.ir import Literal, Program, Var, pretty
@@ -61,6 +62,7 @@ from fshard.sharding import (
     plan_bytes,
 )
 from fshard.staging import StagedTracer, fun_name, stage, trace_fun
+from fshard.transforms import local_batch
 
 
 # ---------------------------------------------------------------------------
@@ -163,13 +165,15 @@ def parse_strategy(entry, aval: ArrayType, mesh: ShardMesh, where: str,
 
 
 def _symbol_bad(d, c) -> bool:
-    # A symbolic dimension is divisible when its divisor is and it has no remainder.
-    return getattr(d, "divisor", 1) % c != 0 or getattr(d, "remainder", 0) != 0
+    # A symbolic dimension is divisible when it provably is for every size it accepts.
+    return not dim_multiple_of(d, c)
 
 
 def _divisible_fix(d, c, mesh) -> str:
     if not isinstance(d, int):
-        return f"declare the dimension with fs.Symbol(divisor={c}) (or a multiple of {c})."
+        declared = f"{d} is declared {d!r}; " if hasattr(d, "divisor") else ""
+        return (f"{declared}declare it with fs.Symbol(divisor={c}) (or a multiple of {c}), "
+                "or split it fewer ways.")
     ok = [k for k in _divisors(d) if mesh.size % k == 0]
     return f"split it into {_or_list(ok)} parts, or pad it to a multiple of {c}."
 
@@ -446,8 +450,8 @@ def _desired(program: Program, specs: list, out_demand: dict, mesh: ShardMesh) -
                 continue
             dims = tuple(want.dims[out_labels.index(lab)] if lab is not None else ()
                          for lab in labels)
-            if any(d and (not isinstance(a.aval.shape[k], int)
-                          or a.aval.shape[k] % mesh.count(d)) for k, d in enumerate(dims)):
+            if any(d and not dim_multiple_of(a.aval.shape[k], mesh.count(d))
+                   for k, d in enumerate(dims)):
                 continue
             desired[a] = Sharding(dims)
     return desired
@@ -902,6 +906,8 @@ class ShardPlan:
                 from fshard.passes import fuse_allreduces
 
                 self._part.program = fuse_allreduces(self._part.program, self.fusion)
+            for rewrite in getattr(self, "passes", ()):
+                self._part.program = rewrite(self._part.program)
         return self._part
 
     def virtual_program(self) -> tuple[Program, list]:
@@ -1279,11 +1285,13 @@ class Sharded:
         # Bucket size in bytes for fusing gradient AllReduces (``fs.AutoParallel``'s
         # ``comm_fusion``); None: one AllReduce per value.
         self.comm_fusion = None
+        self.passes = ()  # rewrites of the per-device program (fs.AutoParallel's)
         self._cache: dict = {}
         self._fixed = None
         self._cell = None
         self._param_plan: dict = {}
         self._arg_names = _arg_names(fn)
+        self._dynamic = None  # fs.jit of this function with declared shapes (set_inputs)
         if is_cell(fn):
             self._cell = fn
             self._apply, _ = functional(fn)
@@ -1371,12 +1379,6 @@ class Sharded:
         if hit is not None:
             return hit
         mesh = ShardMesh.for_devices(n)
-        if in_job and self.dataset_strategy == "data_parallel":
-            raise ShardingError(
-                f"shard({fname}): dataset_strategy='data_parallel' in a multi-process job "
-                "is not supported yet (each process would pass its own batch slice).\nFix: "
-                "pass the global batch in every process with dataset_strategy='full_batch' "
-                "and in_strategy=((N, 1), ...), or use fs.shard_map for per-process data.")
         with context.counted(context.shard_depth):
             traced = trace_fun(fn, in_tree, [typeof(x) for x in leaves])
         prog = traced.program
@@ -1397,6 +1399,7 @@ class Sharded:
         plan = ShardPlan(body, in_sh, out_sh, mesh, self.level, fname, self.search,
                          self._fixed, world=world_mesh(mesh) if in_job else None,
                          flexible=flexible, fusion=self.comm_fusion)
+        plan.passes = self.passes
         self._cache[key] = (plan, traced)
         return plan, traced
 
@@ -1445,10 +1448,35 @@ class Sharded:
         flexible = [k for k, s in enumerate(per_leaf) if isinstance(s, (tuple, list))]
         return out, flexible
 
+    def set_inputs(self, *specs) -> "Sharded":
+        """Declare the inputs' shapes, as ``fs.jit(f).set_inputs``: one entry per
+        positional argument (an ``fs.ArrayType`` or a MindSpore placeholder
+        ``Tensor(shape=[s0, 784], dtype=...)``, or None). A called sharded function then
+        runs one program for every size the Symbols accept, partitioned and compiled
+        once; the per-device program carries each split symbolic dimension as its own
+        size (``s0/8``). Returns ``self``."""
+        from fshard.transforms.jit import declared_types, jit
+
+        specs = declared_types(specs, f"fs.shard({fun_name(self.fn)}).set_inputs")
+        self._dynamic = jit(self).set_inputs(*specs)
+        return self
+
+    @property
+    def trace_count(self) -> int:
+        """Traces of the declared-shape program (0 without ``set_inputs``)."""
+        return 0 if self._dynamic is None else self._dynamic.trace_count
+
+    @property
+    def compile_count(self) -> int:
+        """MindSpore compiles of the declared-shape program (0 without ``set_inputs``)."""
+        return 0 if self._dynamic is None else self._dynamic.compile_count
+
     # -- calling -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         from fshard.transforms.vmap import inside_vmap
 
+        if self._dynamic is not None and type(current_trace()) is EvalTrace:
+            return self._dynamic(*args, **kwargs)  # called eagerly: the one program
         fname = fun_name(self.fn)
         if inside_vmap():
             raise CompositionError(
@@ -1467,15 +1495,20 @@ class Sharded:
                 f"shard({fname}) was called with keyword arguments {sorted(kwargs)}; a "
                 "sharded function takes its arrays positionally (one in_strategy entry "
                 "each).\nFix: pass them positionally.")
-        for i, leaf in enumerate(tree.leaves(args)):
-            if not typeof(leaf).is_static:
-                raise ShardingError(
-                    f"shard({fname}): array input {i} has the symbolic type {typeof(leaf)}; "
-                    "fshard does not shard programs with symbolic (fs.Symbol) dimensions "
-                    "yet.\nFix: call the sharded function with static shapes (fs.jit "
-                    "compiles once per batch size), or pad batches to a few fixed sizes.")
-        plan, traced, leaves = self._prepare(args)
+        fn, leaves, entries, in_tree = self._flat_call(args)
+        n, in_job = _devices_and_place(self.mesh, fname)
+        # data_parallel in a job: each process passes its own slice of each unannotated
+        # argument and gets its block of each unannotated output (local_batch.py).
+        sliced = [in_job and self.dataset_strategy == "data_parallel" and e is None and
+                  is_arg and typeof(x).ndim > 0 for (e, _, _, is_arg), x in zip(entries, leaves)]
+        plan, traced = self._plan(fn, [local_batch.global_type(x, n) if s else x
+                                       for s, x in zip(sliced, leaves)], entries, in_tree)
+        if any(sliced):
+            leaves = local_batch.place_inputs(plan.partitioned(), len(traced.consts), leaves,
+                                              sliced, distributed.rank())
         outs = shard_call_p.bind(*traced.consts, *leaves, plan=plan)
+        if any(sliced) and self.out_strategy is None:
+            outs = local_batch.take_outputs(plan.partitioned(), outs, distributed.rank())
         return tree.unflatten(traced.out_tree, outs)
 
     # -- strategies ----------------------------------------------------------
@@ -1684,7 +1717,7 @@ def _apply_fixed(prop: Propagated, data: dict) -> Propagated:
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device=None, level=0,
-          mesh=None, *, dataset_strategy="full_batch", search=False):
+          mesh=None, *, dataset_strategy="full_batch", search=False, in_shapes=None):
     """Shard ``fn`` over a mesh of devices (MindSpore's functional ``shard``).
 
     >>> import numpy as np, fshard as fs
@@ -1719,6 +1752,11 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device=None, 
             "data_parallel" (an unannotated argument is each device's batch slice; the
             outputs are split along the batch).
         search: refine propagation by a search over the whole program's cost.
+        in_shapes: declared input shapes with ``fs.Symbol`` dimensions, one entry per
+            positional argument, as ``fs.jit``'s (``set_inputs`` is the same): every call
+            whose shapes the Symbols accept runs one program, partitioned and compiled
+            once; a split symbolic dimension must be provably divisible by its split
+            count (docs/dynamic_shapes.md).
 
     Raises:
         ShardingError: an invalid strategy, layout, mesh, device, level or parameter
@@ -1732,5 +1770,15 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device=None, 
             f"fs.shard was applied to {fn!r}, which is already sharded.\nRule: shard cannot "
             "nest (as in MindSpore).\nAllowed form: a single fs.shard around the whole "
             "computation.")
-    return Sharded(fn, in_strategy, out_strategy, parameter_plan, device, level, mesh,
-                   dataset_strategy, search)
+    out = Sharded(fn, in_strategy, out_strategy, parameter_plan, device, level, mesh,
+                  dataset_strategy, search)
+    return out if in_shapes is None else out.set_inputs(*_in_shapes_tuple(in_shapes))
+
+
+def _in_shapes_tuple(in_shapes) -> tuple:
+    if not isinstance(in_shapes, (tuple, list)):
+        raise ShardingError(
+            f"fs.shard(in_shapes=...) must be a tuple with one entry per positional "
+            f"argument, got {type(in_shapes).__name__} {in_shapes!r}.\nFix: in_shapes=("
+            "fs.ArrayType((fs.Symbol(divisor=8), 784), mindspore.float32), None, ...).")
+    return tuple(in_shapes)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import functools
 
 from fshard import context, tree
-from fshard.core import ArrayType, typeof
+from fshard.core import ArrayType, Tracer, typeof
 from fshard.errors import BatchingError
 from fshard.interpret import AxisData, batch_program, current_axis  # noqa: F401
 from fshard.primitives._batching import move_axis
+from fshard.primitives._define import as_tensor
 from fshard.primitives.collectives import named_axis
 from fshard.staging import fun_name, trace_fun
 
@@ -269,4 +270,6 @@ def _place_outputs(fname, out_tree, outs, out_dims, out_axes, size):
                 f"which has rank {nd} with the mapped axis.\nFix: use an axis in "
                 f"[{-nd}, {nd - 1}].")
         result.append(move_axis(o, d, ax % nd))
+    # an input returned unchanged is still a NumPy array: outputs are arrays of fshard
+    result = [o if isinstance(o, Tracer) else as_tensor(o) for o in result]
     return tree.unflatten(out_tree, result)

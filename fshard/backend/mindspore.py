@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 
 import mindspore as ms
 import numpy as np
@@ -135,6 +136,22 @@ class LoweringContext:
         self.helpers.append("\n".join(lines) + "\n")
         return name
 
+    def cond_function(self, branches: list) -> str:
+        """Emit a MindSpore graph ``if`` over ``branches`` as a helper function; return
+        its name. The helper takes ``index`` then the branches' common inputs; branch
+        ``k`` runs for the first ``k`` with ``index <= k``, the last one otherwise."""
+        names = [self.function(b, "branch") for b in branches]
+        i = len(self.helpers)
+        name = _py_name(f"fshard_cond_{i}")
+        xs = [f"x{k}" for k in range(len(branches[0].inputs))]
+        args = ", ".join(xs)
+        lines = [f"def {name}(index, {args}):" if xs else f"def {name}(index):"]
+        for k, b in enumerate(names[:-1]):
+            lines += [f"    {'if' if k == 0 else 'elif'} index <= {k}:", f"        r = {b}({args})"]
+        lines += ["    else:", f"        r = {names[-1]}({args})", "    return r"]
+        self.helpers.append("\n".join(lines) + "\n")
+        return name
+
     def ref(self, obj, hint: str = "c") -> str:
         """A global name bound to ``obj`` in the generated module."""
         name = self._ids.get(id(obj))
@@ -192,11 +209,39 @@ def _remove_gen_dir(path: str, pid: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _remove_stale_gen_dirs(root: str) -> None:
+    """Remove the generated sources of processes that are gone without running their
+    exit handlers (a rank the launcher stopped, a killed test run). The directory name
+    carries its process id; a directory of a live process, of another user, or touched
+    within the last hour (its process may live in another PID namespace sharing this
+    temp folder) stays."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for entry in names:
+        parts = entry.split("_")
+        if len(parts) < 4 or entry[:11] != "fshard_gen_" or not parts[2].isdigit():
+            continue
+        path = os.path.join(root, entry)
+        try:
+            st = os.stat(path)
+            if st.st_uid != os.getuid() or time.time() - st.st_mtime < 3600:
+                continue
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive under another user, or the entry vanished
+            continue
+
+
 def _gen_path(name: str) -> tuple[str, str]:
     global _gen_dir
     with _gen_lock:
         if _gen_dir is None:
-            _gen_dir = tempfile.mkdtemp(prefix="fshard_gen_")
+            # one directory per process, removed at exit
+            _remove_stale_gen_dirs(tempfile.gettempdir())
+            _gen_dir = tempfile.mkdtemp(prefix=f"fshard_gen_{os.getpid()}_")
             atexit.register(_remove_gen_dir, _gen_dir, os.getpid())
         n = next(_gen_counter)
     modname = f"fshard_generated_{os.getpid()}_{n}"

@@ -34,21 +34,25 @@ error that says so; none is accepted and ignored.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from fshard import tree
+from fshard import distributed, tree
 from fshard.cells import functional, is_cell
 from fshard.core import typeof
+from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import apply_updates
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
+from fshard.passes import reduce_in_float32
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
-from fshard.transforms.jit import jit
+from fshard.transforms.jit import declared_types, jit
+from fshard.transforms.local_batch import block_index, global_type, to_global
 from fshard.transforms.shard import shard, write_json_atomic
 
 MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
@@ -92,10 +96,12 @@ class AutoParallel:
             ``"recursive_programming"`` (the whole step planned by fshard's search).
         mesh: an ``fs.Mesh``, a device count, or None (the default mesh).
         has_aux: ``network`` returns ``(loss, aux)``.
+        in_shapes: declared shapes of the batch inputs (``set_inputs``), for batches
+            of varying size run by one compiled step.
     """
 
     def __init__(self, network, optimizer, parallel_mode: str = "semi_auto", *, mesh=None,
-                 has_aux: bool = False):
+                 has_aux: bool = False, in_shapes=None):
         if not callable(network):
             raise ArgumentError(
                 f"AutoParallel(network=...) must be a loss function or an nn.Cell; got "
@@ -130,6 +136,17 @@ class AutoParallel:
         self._fixed_params = None  # loaded parameter strategies
         self._steps: dict = {}
         self._pipeline = None  # a PipelineRunner once pipeline(stages > 1) is set
+        self._fp32_comm = False  # enable_fp32_communication
+        self._gradient_fp32_sync = True  # MindSpore's default; disable_gradient_fp32_sync
+        self._local_norm = (False, None)  # (print, dump directory)
+        self._batch_specs = None  # declared batch input shapes (set_inputs)
+        if in_shapes is not None:
+            if not isinstance(in_shapes, (tuple, list)):
+                raise ArgumentError(
+                    f"AutoParallel(in_shapes=...) must be a tuple with one entry per batch "
+                    f"input, got {type(in_shapes).__name__} {in_shapes!r}.\nFix: in_shapes="
+                    "(fs.ArrayType((fs.Symbol(divisor=8), 784), mindspore.float32), ...).")
+            self.set_inputs(*in_shapes)
 
     # -- the mesh ------------------------------------------------------------------
     @property
@@ -236,21 +253,43 @@ class AutoParallel:
                 "fshard returns the global loss, computed once; there is no repeated mean "
                 "to disable.\nFix: remove the call.")
 
-    def enable_fp32_communication(self):
-        _refuse("enable_fp32_communication",
-                "not supported by fshard yet: collectives communicate in the dtype of the "
-                "values.\nFix: cast the gradients to float32 in the loss function if needed.")
+    def enable_fp32_communication(self) -> "AutoParallel":
+        """Reduce collectives (AllReduce, ReduceScatter) of float16 values run in
+        float32: cast up, reduce, cast back (``fshard.passes.reduce_in_float32``), so a
+        sum over many devices rounds once instead of at every partial sum."""
+        self._fp32_comm = True
+        self._steps.clear()
+        return self
 
-    def disable_gradient_fp32_sync(self):
-        _refuse("disable_gradient_fp32_sync",
-                "this configures MindSpore's Ascend graph compiler; fshard reduces "
-                "gradients in their own dtype.\nFix: remove the call.")
+    def disable_gradient_fp32_sync(self) -> "AutoParallel":
+        """Reduce float16 values in float16. By default (MindSpore's gradient fp32
+        sync) a step's float16 reductions run in float32; fshard's step is one program
+        in which a gradient's reduction is not told apart from another, so this applies
+        to every reduction of the step, unless ``enable_fp32_communication()`` asks for
+        float32 communication everywhere."""
+        self._gradient_fp32_sync = False
+        self._steps.clear()
+        return self
 
-    def print_local_norm(self):
-        _refuse("print_local_norm", "not supported by fshard yet.")
+    def print_local_norm(self) -> "AutoParallel":
+        """At every step print the L2 norm of each block of each gradient, the blocks
+        being the parameter's layout (at ZeRO level2 and above, the optimizer state's),
+        as ``local_norm: step 3 w1 block (0, 1): 0.0123`` (process 0 of a job)."""
+        self._local_norm = (True, self._local_norm[1])
+        self._steps.clear()
+        return self
 
-    def dump_local_norm(self, path):
-        _refuse("dump_local_norm", "not supported by fshard yet.")
+    def dump_local_norm(self, path) -> "AutoParallel":
+        """As ``print_local_norm``, written to ``path/local_norm_rank<r>.jsonl`` (one
+        JSON line per step: ``{"step": 3, "norms": {"w1": [[...], ...]}}``, each value an
+        array of block norms shaped like the split counts) instead of printed."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArgumentError(
+                f"AutoParallel.dump_local_norm(path): path must be a directory path; got "
+                f"{type(path).__name__} {path!r}.")
+        self._local_norm = (self._local_norm[0], os.fspath(path))
+        self._steps.clear()
+        return self
 
     def pipeline(self, stages: int = 1, output_broadcast: bool = False, interleave: bool = False,
                  scheduler: str = "1f1b", *, micro_batches: int | None = None) -> "AutoParallel":
@@ -339,18 +378,32 @@ class AutoParallel:
 
     def _param_strategies(self, params):
         paths, leaves, spec = tree.flatten_with_path(params)
+        if self._fixed_params is not None:
+            names = {_name(p) for p in paths}
+            if set(self._fixed_params) != names:
+                raise ShardingError(
+                    f"AutoParallel({self.name}): the parameter strategy file "
+                    f"{self._param_file!r} was written for other parameters: it has "
+                    f"{sorted(set(self._fixed_params) - names)[:5]} that the params lack "
+                    f"and lacks {sorted(names - set(self._fixed_params))[:5]}.\nFix: load "
+                    "the file saved by a run of the same model.")
         out = []
         for p, x in zip(paths, leaves):
-            name = _name(p)
-            given = self._param_plan.get(name, self._param_plan.get(tree.keystr(p)))
-            if self._fixed_params is not None and name in self._fixed_params:
-                given = tuple(self._fixed_params[name])
+            given = self._param_strategy(p, x)
             if given is None:
                 given = self._zero(x, "level3")
             if given is None:
                 given = self._whole(x) if self.parallel_mode == "semi_auto" else None
             out.append(given)
         return tree.unflatten(spec, out)
+
+    def _param_strategy(self, path, x):
+        """The strategy given for a parameter (parameter_plan, a loaded file), or None."""
+        name = _name(path)
+        given = self._param_plan.get(name, self._param_plan.get(tree.keystr(path)))
+        if self._fixed_params is not None and name in self._fixed_params:
+            given = tuple(self._fixed_params[name])
+        return given
 
     def _state_strategies(self, opt_state):
         leaves, spec = tree.flatten(opt_state)
@@ -377,7 +430,7 @@ class AutoParallel:
 
         def split(x):
             a = typeof(x)
-            if a.ndim == 0 or a.shape[0] % n:
+            if a.ndim == 0 or not dim_multiple_of(a.shape[0], n):
                 raise ShardingError(
                     f"AutoParallel({self.name}): dataset_strategy('data_parallel') splits "
                     f"every batch input along dimension 0 over the {n} devices, but a batch "
@@ -387,25 +440,94 @@ class AutoParallel:
 
         return [tree.map(split, b) for b in batch]
 
+    def set_inputs(self, *batch_specs) -> "AutoParallel":
+        """Declare the batch inputs' shapes (MindSpore's ``set_inputs``): one entry per
+        batch input, an ``fs.ArrayType`` or a placeholder ``Tensor(shape=[s0, ...],
+        dtype=...)`` with ``fs.Symbol`` dimensions, or None. Every batch the Symbols
+        accept then runs one step, partitioned and compiled once; a batch dimension the
+        dataset strategy splits must be provably divisible by its split count
+        (``Symbol(divisor=8)`` on 8 devices). Returns ``self``."""
+        self._batch_specs = declared_types(batch_specs, f"AutoParallel({self.name}).set_inputs")
+        self._steps.clear()
+        return self
+
     # -- the step ------------------------------------------------------------------
     def _step_fn(self, grad_vars: list):
         """The step; while ``fs.shard`` stages it, the Vars of the gradients are noted
         in ``grad_vars`` (for ``memory_report``)."""
         loss_fn, opt, has_aux = self.loss_fn, self.optimizer, self.has_aux
 
+        norms = self._local_norms if any(self._local_norm) else None
+
         def train_step(params, opt_state, step, *batch):
             out, grads = value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
             grad_vars[:] = [getattr(g, "ir_var", None) for g in tree.leaves(grads)]
-            updates, opt_state = opt.update(grads, opt_state, params)
-            params = apply_updates(params, updates)
-            return TrainState(params, opt_state, step + 1), out
+            updates, new_opt_state = opt.update(grads, opt_state, params)
+            new = TrainState(apply_updates(params, updates), new_opt_state, step + 1)
+            if norms is None:
+                return new, out
+            return new, out, norms(params, grads)
 
         train_step.__name__ = f"train_step_{self.name}"
         return train_step
 
+    def _local_norms(self, params, grads) -> dict:
+        """Per parameter name, the L2 norms of its gradient's blocks: the gradient cut
+        by the parameter's strategy (at ZeRO level2 and above, the optimizer state's),
+        an array shaped like the split counts."""
+        paths, leaves, _ = tree.flatten_with_path(params)
+        out = {}
+        for p, x, g in zip(paths, leaves, tree.leaves(grads), strict=True):
+            given = self._param_strategy(p, x)
+            counts = self._zero(x, "level2") or (
+                tuple(given) if _is_counts(given) else self._whole(x))
+            shape = typeof(g).shape
+            split = [v for d, c in zip(shape, counts) for v in (c, d // c)]
+            squares = (g * g).reshape(tuple(split)) if shape else g * g
+            out[_name(p)] = squares.sum(axis=tuple(range(1, len(split), 2))) ** 0.5 \
+                if shape else squares ** 0.5
+        return out
+
+    def _report_norms(self, step, norms: dict) -> None:
+        shown, path = self._local_norm
+        step = int(step.asnumpy())
+        values = {k: np.asarray(v.asnumpy()).tolist() for k, v in norms.items()}
+        if path is not None:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, f"local_norm_rank{distributed.rank()}.jsonl"),
+                      "a") as fh:
+                fh.write(json.dumps({"step": step, "norms": values}) + "\n")
+        if shown and distributed.rank() == 0:
+            for k, v in values.items():
+                a = np.asarray(v)
+                for idx in np.ndindex(a.shape):
+                    print(f"local_norm: step {step} {k} block {idx}: {a[idx]:.6g}", flush=True)
+
+    def _feeds_slices(self) -> bool:
+        """Each process passes its own slice of the batch: ``data_parallel`` in a
+        multi-process job."""
+        if self._dataset != "data_parallel":
+            return False
+        if isinstance(self.mesh, int):
+            return distributed.is_initialized()
+        return not resolve_mesh(self.mesh).is_virtual
+
+    def _plan_batch(self, batch) -> tuple:
+        """The batch as the plan sees it: global types when each process passes its
+        slice (``N`` slices of ``b`` rows make a global batch of ``N * b``)."""
+        if self._batch_specs is not None:  # declared: planned by its declaration
+            return self._declared_batch(batch)
+        if not self._feeds_slices():
+            return batch
+        n = self.n_devices
+        return tuple(tree.map(lambda x: global_type(x, n), b) for b in batch)
+
     def sharded(self, state: TrainState, *batch):
         """The ``fs.shard``-ed step for these arguments (``partitioned(...)`` shows the
         per-device program)."""
+        return self._sharded(state, self._plan_batch(batch))
+
+    def _sharded(self, state: TrainState, batch):
         if self._pipeline is not None:
             raise ArgumentError(
                 f"AutoParallel({self.name}): with a pipeline the step is not one sharded "
@@ -421,32 +543,84 @@ class AutoParallel:
         o_sh = self._state_strategies(state.opt_state)
         b_sh = self._batch_strategies(batch)
         in_strategy = (p_sh, o_sh, ()) + tuple(b_sh)
-        out_strategy = (TrainState(p_sh, o_sh, ()), None)
+        out_strategy = (TrainState(p_sh, o_sh, ()), None) + ((None,) if any(
+            self._local_norm) else ())
         grad_vars: list = []
         s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
                   mesh=self.mesh,
                   search=self.parallel_mode != "sharding_propagation")
         s.comm_fusion = self._fusion
+        if self._fp32_comm or self._gradient_fp32_sync:
+            s.passes = (reduce_in_float32,)
         s.grad_vars = grad_vars
-        entry = (s, jit(s))
+        s.batch_places = {}  # batch signature -> this process's blocks (_place_slices)
+        operator_file = getattr(self, "_operator_file", None)
+        if operator_file is not None:
+            s.load_strategies(operator_file)
+        entry = (s, jit(s) if self._batch_specs is None else
+                 jit(s, in_shapes=(None, None, None) + tuple(self._batch_specs)))
         self._steps[key] = entry
         return entry
 
     def __call__(self, state: TrainState, *batch):
         """One train step: ``(new state, loss)`` (``(new state, (loss, aux))`` with
-        ``has_aux``)."""
+        ``has_aux``). In a multi-process job with ``dataset_strategy("data_parallel")``
+        each process passes its own slice of the batch (process ``r`` of ``N``: rows
+        ``[r * b, (r + 1) * b)`` of the global batch)."""
         if not isinstance(state, TrainState):
             raise ArgumentError(
                 f"AutoParallel({self.name})(state, *batch): state must be the TrainState "
                 f"from ap.init(...); got {type(state).__name__}.")
         if self._pipeline is not None:
             return self._pipeline(state, *batch)
-        _, step = self.sharded(state, *batch)
-        return step(state.params, state.opt_state, state.step, *batch)
+        if self._feeds_slices():
+            batch = self._place_slices(state, batch)
+        _, step = self._sharded(state, batch if self._batch_specs is None
+                                else self._declared_batch(batch))
+        result = step(state.params, state.opt_state, state.step, *batch)
+        if len(result) == 3:  # print_local_norm / dump_local_norm
+            self._report_norms(result[0].step, result[2])
+        return result[0], result[1]
+
+    def _declared_batch(self, batch) -> tuple:
+        """The batch with each declared input replaced by its declared type."""
+        if len(self._batch_specs) > len(batch):
+            raise ArgumentError(
+                f"AutoParallel({self.name}) declares {len(self._batch_specs)} batch inputs "
+                f"with set_inputs, but the step got {len(batch)}.\nFix: pass every "
+                "declared batch input.")
+        if self._feeds_slices():
+            raise ArgumentError(
+                f"AutoParallel({self.name}).set_inputs declares the global batch, but with "
+                "dataset_strategy('data_parallel') in a multi-process job each process "
+                "passes its own slice.\nFix: pass the global batch in every process with "
+                "dataset_strategy((split, ...)) giving each input's split counts.")
+        specs = list(self._batch_specs) + [None] * (len(batch) - len(self._batch_specs))
+        return tuple(b if sp is None else sp for b, sp in zip(batch, specs))
+
+    def _place_slices(self, state: TrainState, batch) -> tuple:
+        """Each slice at its block of a global-shaped batch (where the plan reads it)."""
+        leaves, spec = tree.flatten(tuple(batch))
+        key = (spec, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves))
+        gbatch = self._plan_batch(batch)
+        s, _ = self._sharded(state, gbatch)
+        where = s.batch_places.get(key)
+        if where is None:  # once per plan: this process's block of each batch input
+            part = s.partitioned(state.params, state.opt_state, state.step, *gbatch)
+            n_c = part.prop.program.n_consts
+            shs = part.in_shardings[n_c + len(tree.leaves(state)):]
+            rank = distributed.rank()
+            where = [block_index(sh, part.prop.mesh, rank) for sh in shs]
+            s.batch_places[key] = where
+        return tree.unflatten(spec, [to_global(x, w)
+                                     for x, w in zip(leaves, where, strict=True)])
 
     def partitioned(self, state: TrainState, *batch):
         """The per-device program of the step (print it; ``.collectives()``)."""
-        s, _ = self.sharded(state, *batch)
+        return self._partitioned(state, self._plan_batch(batch))
+
+    def _partitioned(self, state: TrainState, batch):
+        s, _ = self._sharded(state, batch)
         return s.partitioned(state.params, state.opt_state, state.step, *batch)
 
     # -- reports and files -----------------------------------------------------------
@@ -513,13 +687,15 @@ class AutoParallel:
                 f"load_param_strategy_file({path!r}): the file was written for "
                 f"{data.get('devices')} devices, this AutoParallel has {self.n_devices}.")
         self._fixed_params = data["params"]
+        self._param_file = str(path)
         self._steps.clear()
         return self
 
     def save_operator_strategy_file(self, path, state: TrainState, *batch) -> dict:
         """Write the strategy of every equation of the step (``fs.shard``'s strategy
         file) to ``path``."""
-        s, _ = self.sharded(state, *batch)
+        batch = self._plan_batch(batch)
+        s, _ = self._sharded(state, batch)
         return s.save_strategies(path, state.params, state.opt_state, state.step, *batch)
 
     def load_operator_strategy_file(self, path) -> "AutoParallel":
@@ -531,6 +707,10 @@ class AutoParallel:
 
     def __repr__(self) -> str:
         return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode!r})"
+
+
+def _is_counts(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(c, int) for c in x)
 
 
 def _np_dtype(dtype):

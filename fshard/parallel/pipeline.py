@@ -649,7 +649,11 @@ class PipelineRunner:
                          ("comm_fusion(...)", ap._fusion is not None),
                          ("dataset_strategy(...) other than 'data_parallel'",
                           ap._dataset != "data_parallel"),
-                         ("has_aux=True", ap.has_aux)):
+                         ("has_aux=True", ap.has_aux),
+                         ("enable_fp32_communication()", ap._fp32_comm),
+                         ("print_local_norm() / dump_local_norm()",
+                          any(ap._local_norm)),
+                         ("set_inputs(...)", ap._batch_specs is not None)):
             if on:
                 raise ArgumentError(
                     f"AutoParallel({ap.name}): pipeline(...) cannot be combined with {what} "

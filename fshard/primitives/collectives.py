@@ -42,7 +42,9 @@ from mindspore import dtype as mstype
 from mindspore import ops
 
 from fshard import context, dtypes
+from fshard.array_types import Array, ArrayTree, Int32, Shaped
 from fshard.core import ArrayType, Primitive, typeof
+from fshard.dims import dim_multiple_of, dims_equal
 from fshard.errors import ArgumentError, AxisNameError, ProgramTypeError, ShapeError
 from fshard.backend.mindspore import COLLECTIVE_DTYPES, NATIVE_COLLECTIVES, device_target
 from fshard.interpret import AxisData, batch_program, current_axis
@@ -915,7 +917,7 @@ def _shard_in_type(x, *, dims, mesh):
     shape = list(x.shape)
     for k, axes in enumerate(dims):
         n = _total(mesh.axis_size(a) for a in axes)
-        if shape[k] % n:
+        if not dim_multiple_of(shape[k], n):
             raise ShapeError(f"shard_in: dimension {k} of {x} is not divisible by {n}")
         shape[k] //= n
     return ArrayType(tuple(shape), x.dtype)
@@ -936,9 +938,10 @@ def _lower_shard_in(ctx, x, *, dims, mesh):
         if not axes:
             continue
         comm = _Comm(ctx, axes, {"mesh": mesh}, "shard_map", rank=rank)
-        block = shape[k] // comm.n
-        begin[k], end[k] = comm.index * block, (comm.index + 1) * block
-    if begin == [0] * len(shape) and end == list(shape):
+        block = shape[k] // comm.n  # s0/8 of a symbolic s0: sizes read at run time
+        begin[k] = comm.index * block if comm.index else 0
+        end[k] = (comm.index + 1) * block
+    if begin == [0] * len(shape) and all(dims_equal(e, d) for e, d in zip(end, shape)):
         return x
     return ctx.call(_ms_slice, x, begin=tuple(begin), end=tuple(end),
                     strides=(1,) * len(shape))
@@ -1319,7 +1322,7 @@ def _map(fn, x):
     return tree.map(fn, x)
 
 
-def psum(x, axis_name):
+def psum(x: ArrayTree, axis_name) -> ArrayTree:
     """Sum ``x`` over the devices of ``axis_name``; every device gets the sum
     (NB: ``jax.lax.psum``). ``x`` may be a pytree.
 
@@ -1341,7 +1344,7 @@ def psum(x, axis_name):
     return _map(lambda v: psum_p.bind(v, axis_name=names), x)
 
 
-def pmean(x, axis_name):
+def pmean(x: ArrayTree, axis_name) -> ArrayTree:
     """Mean of ``x`` over the devices of ``axis_name`` (NB: ``jax.lax.pmean``).
 
     >>> import numpy as np, fshard as fs
@@ -1363,7 +1366,7 @@ def pmean(x, axis_name):
     return _map(one, x)
 
 
-def pmax(x, axis_name):
+def pmax(x: Shaped[Array, "*shape"], axis_name) -> Shaped[Array, "*shape"]:
     """Elementwise maximum of ``x`` over the devices of ``axis_name``.
 
     >>> import numpy as np, fshard as fs
@@ -1375,7 +1378,7 @@ def pmax(x, axis_name):
     return _map(lambda v: pmax_p.bind(v, axis_name=names), x)
 
 
-def pmin(x, axis_name):
+def pmin(x: Shaped[Array, "*shape"], axis_name) -> Shaped[Array, "*shape"]:
     """Elementwise minimum of ``x`` over the devices of ``axis_name``.
 
     >>> import numpy as np, fshard as fs
@@ -1396,7 +1399,8 @@ def _axis_arg(x, axis, what: str, api: str, extra: int = 0) -> int:
     return int(axis) % nd
 
 
-def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
+def all_gather(x: Shaped[Array, "..."], axis_name, *, axis: int = 0,
+               tiled: bool = False) -> Shaped[Array, "..."]:
     """Every device's ``x``, gathered from all devices of ``axis_name`` in device
     order (NB: ``jax.lax.all_gather``).
 
@@ -1429,7 +1433,8 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
     return _map(one, x)
 
 
-def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False):
+def psum_scatter(x: Shaped[Array, "..."], axis_name, *, scatter_dimension: int = 0,
+                 tiled: bool = False) -> Shaped[Array, "..."]:
     """Sum ``x`` over the devices of ``axis_name``; device ``i`` keeps block ``i`` of
     ``scatter_dimension`` (NB: ``jax.lax.psum_scatter``, MindSpore's ReduceScatter).
 
@@ -1469,7 +1474,8 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
     return _map(one, x)
 
 
-def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False):
+def all_to_all(x: Shaped[Array, "..."], axis_name, split_axis: int, concat_axis: int, *,
+               tiled: bool = False) -> Shaped[Array, "..."]:
     """Device ``i`` sends chunk ``j`` of ``split_axis`` to device ``j`` and
     concatenates what it receives along ``concat_axis`` in device order
     (NB: ``jax.lax.all_to_all``, MindSpore's AlltoAll).
@@ -1513,7 +1519,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
     return _map(one, x)
 
 
-def ppermute(x, axis_name, perm):
+def ppermute(x: Shaped[Array, "*shape"], axis_name, perm) -> Shaped[Array, "*shape"]:
     """Send ``x`` from device ``src`` to device ``dst`` for each pair in ``perm``;
     a device that receives nothing gets zeros (NB: ``jax.lax.ppermute``; covers
     MindSpore's NeighborExchange).
@@ -1550,7 +1556,8 @@ def ppermute(x, axis_name, perm):
     return _map(lambda v: ppermute_p.bind(v, axis_name=names, axis_sizes=sizes, perm=pairs), x)
 
 
-def broadcast(x, axis_name, root: int = 0):
+def broadcast(x: Shaped[Array, "*shape"], axis_name,
+              root: int = 0) -> Shaped[Array, "*shape"]:
     """Every device of ``axis_name`` gets device ``root``'s ``x`` (MindSpore's
     Broadcast; NB: ``jax.lax.pbroadcast``).
 
@@ -1569,7 +1576,7 @@ def broadcast(x, axis_name, root: int = 0):
                                            root=int(root)), x)
 
 
-def axis_index(axis_name):
+def axis_index(axis_name) -> Int32[Array, ""]:
     """This device's index along ``axis_name`` (int32; for a tuple of names, the
     index in the flattened axes, the first name most significant).
 

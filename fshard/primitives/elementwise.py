@@ -13,6 +13,7 @@ import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
+from fshard.array_types import Array, ArrayLike, Bool, Float, Shaped
 from fshard.core import ArrayType, dims_equal, is_symbolic, typeof
 from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives._batching import broadcasting, vectorized
@@ -252,6 +253,28 @@ batching.set(sign_p, vectorized(sign_p))
 sharding.set(sign_p, _elementwise_sharding)
 defjvp(sign_p, None)  # piecewise constant: zero derivative
 unsupported(sign_p, "transpose", "not linear")
+
+
+def _ms_floor(x):
+    return ops.floor(x)
+
+
+def _ms_round(x):
+    return ops.round(x)  # half to even, as NumPy
+
+
+def _def_step(name, ms_fn):
+    """A piecewise-constant float primitive (floor, round): zero derivative."""
+    prim = def_primitive(name, FAMILY, _float_unary_type(name), ms_fn)
+    batching.set(prim, vectorized(prim))
+    sharding.set(prim, _elementwise_sharding)
+    defjvp(prim, None)
+    unsupported(prim, "transpose", "not linear")
+    return prim
+
+
+floor_p = _def_step("floor", _ms_floor)
+round_p = _def_step("round", _ms_round)
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -574,7 +597,7 @@ transpose.set(cast_p, lambda ct, x, *, dtype: [cast(ct, x.aval.dtype)])
 
 
 def _un(prim):
-    def op(x, **params):
+    def op(x: ArrayLike, **params) -> Shaped[Array, "*shape"]:
         return prim.bind(x, **params)
 
     op.__name__ = prim.name
@@ -583,7 +606,7 @@ def _un(prim):
 
 
 def _bin(prim):
-    def op(x, y):
+    def op(x: ArrayLike, y: ArrayLike) -> Shaped[Array, "..."]:
         x, y = promote(x, y)
         return prim.bind(x, y)
 
@@ -603,7 +626,7 @@ def _float_arg(x):
 
 
 def _float_un(prim):
-    def op(x):
+    def op(x: ArrayLike) -> Float[Array, "*shape"]:
         return prim.bind(_float_arg(x))
 
     op.__name__ = prim.name
@@ -621,12 +644,28 @@ sqrt = _float_un(sqrt_p)
 rsqrt = _float_un(rsqrt_p)
 abs = _un(abs_p)  # noqa: A001
 sign = _un(sign_p)
+
+
+def _int_identity_un(prim):
+    def op(x: ArrayLike) -> Shaped[Array, "*shape"]:
+        if not dtypes.is_float(typeof(x).dtype):  # an integer is its own floor / rounding
+            return x
+        return prim.bind(x)
+
+    op.__name__ = prim.name
+    op.__doc__ = (f"Elementwise ``{prim.name}`` (primitive ``{prim.name}``; integers are "
+                  "returned unchanged).")
+    return op
+
+
+floor = _int_identity_un(floor_p)
+round = _int_identity_un(round_p)  # noqa: A001  (MindSpore's name)
 sin = _float_un(sin_p)
 cos = _float_un(cos_p)
 erf = _float_un(erf_p)
 
 
-def gelu(x, approximate: str = "tanh"):
+def gelu(x: ArrayLike, approximate: str = "tanh") -> Float[Array, "*shape"]:
     """GELU, exact (``approximate='none'``) or with the tanh approximation."""
     return gelu_p.bind(_float_arg(x), approximate=approximate)
 
@@ -649,7 +688,7 @@ greater = _bin(greater_p)
 greater_equal = _bin(greater_equal_p)
 
 
-def div(x, y):
+def div(x: ArrayLike, y: ArrayLike) -> Shaped[Array, "..."]:
     """True division; integer operands divide in float32, as MindSpore's ``ops.div``."""
     x, y = promote(x, y)
     if not dtypes.is_float(typeof(x).dtype):
@@ -657,17 +696,17 @@ def div(x, y):
     return div_p.bind(x, y)
 
 
-def pow(x, y):  # noqa: A001
+def pow(x: ArrayLike, y: ArrayLike) -> Shaped[Array, "..."]:  # noqa: A001
     """``x ** y`` elementwise."""
     x, y = promote(x, y)
     return pow_p.bind(x, y)
 
 
-def square(x):
+def square(x: ArrayLike) -> Shaped[Array, "*shape"]:
     return mul(x, x)
 
 
-def cast(x, dtype):
+def cast(x: ArrayLike, dtype) -> Shaped[Array, "*shape"]:
     """Convert ``x`` to ``dtype`` (a MindSpore or NumPy dtype)."""
     if dtype is None:
         from fshard.errors import ArgumentError
@@ -682,7 +721,8 @@ def cast(x, dtype):
     return cast_p.bind(x, dtype=dtype)
 
 
-def where(cond, x, y):
+def where(cond: Bool[Array, "..."], x: ArrayLike,
+          y: ArrayLike) -> Shaped[Array, "..."]:
     """``x`` where ``cond`` else ``y``, with broadcasting (NB: ``select`` primitive)."""
     x, y = promote(x, y)
     if _is_weak(cond):
@@ -701,11 +741,12 @@ def _broadcast3(c, x, y):
     return [v if tuple(typeof(v).shape) == shape else broadcast_to(v, shape) for v in (c, x, y)]
 
 
-def select(cond, x, y):
+def select(cond: Bool[Array, "..."], x: ArrayLike,
+           y: ArrayLike) -> Shaped[Array, "..."]:
     return select_p.bind(cond, x, y)
 
 
-def zeros_like(x):
+def zeros_like(x: ArrayLike) -> Shaped[Array, "*shape"]:
     from fshard.primitives.structural import zeros
 
     a = typeof(x)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from mindspore import ops
 
 from fshard import dtypes
+from fshard.array_types import Array, Shaped
 from fshard.core import ArrayType, typeof
 from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives._batching import batch_to_front, batch_size, move_axis
@@ -124,7 +125,8 @@ def reshape(x, shape):
     return _reshape(x, shape)
 
 
-def matmul(x, y, transpose_a: bool = False, transpose_b: bool = False):
+def matmul(x: Shaped[Array, "..."], y: Shaped[Array, "..."], transpose_a: bool = False,
+           transpose_b: bool = False) -> Shaped[Array, "..."]:
     """Matrix product with NumPy semantics for 1-D operands and broadcast batch dims.
 
     ``transpose_a``/``transpose_b`` transpose the last two dims of an operand first.

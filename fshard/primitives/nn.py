@@ -9,6 +9,7 @@ from __future__ import annotations
 from mindspore import ops
 
 from fshard import dtypes
+from fshard.array_types import Array, Float, Shaped
 from fshard.core import typeof
 from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives._batching import batch_to_front, batch_size, move_axis
@@ -83,7 +84,7 @@ def _bias_add_transpose(ct, x, b):
 deflinear(bias_add_p, _bias_add_transpose)
 
 
-def bias_add(x, bias):
+def bias_add(x: Shaped[Array, "*batch c"], bias: Shaped[Array, "c"]) -> Shaped[Array, "*batch c"]:
     """Add a 1-D ``bias`` along axis 1 of ``x`` (MindSpore's ``ops.bias_add``)."""
     return bias_add_p.bind(x, bias)
 
@@ -162,11 +163,11 @@ defjvp(log_softmax_p, lambda t, y, x, *, axis: sub(
 unsupported(log_softmax_p, "transpose", "not linear")
 
 
-def softmax(x, axis: int = -1):
+def softmax(x: Float[Array, "*shape"], axis: int = -1) -> Float[Array, "*shape"]:
     return softmax_p.bind(x, axis=_norm_axis(axis, typeof(x).ndim))
 
 
-def log_softmax(x, axis: int = -1):
+def log_softmax(x: Float[Array, "*shape"], axis: int = -1) -> Float[Array, "*shape"]:
     return log_softmax_p.bind(x, axis=_norm_axis(axis, typeof(x).ndim))
 
 
@@ -175,7 +176,8 @@ def log_softmax(x, axis: int = -1):
 # ---------------------------------------------------------------------------
 
 
-def logsumexp(x, axis: int = -1, keepdims: bool = False):
+def logsumexp(x: Float[Array, "..."], axis: int = -1,
+              keepdims: bool = False) -> Float[Array, "..."]:
     from fshard.primitives.elementwise import add
     from fshard.primitives.structural import stop_gradient
 
@@ -185,7 +187,8 @@ def logsumexp(x, axis: int = -1, keepdims: bool = False):
         d for i, d in enumerate(typeof(out).shape) if i != _norm_axis(axis, typeof(x).ndim)))
 
 
-def layer_norm(x, gamma=None, beta=None, axis: int = -1, eps: float = 1e-5):
+def layer_norm(x: Float[Array, "..."], gamma=None, beta=None, axis: int = -1,
+               eps: float = 1e-5) -> Float[Array, "..."]:
     """Layer normalisation over the trailing axes from ``axis`` on (as ``nn.LayerNorm``'s
     ``begin_norm_axis``); ``gamma``/``beta`` have the normalised shape."""
     from fshard.primitives.elementwise import add
@@ -204,7 +207,8 @@ def layer_norm(x, gamma=None, beta=None, axis: int = -1, eps: float = 1e-5):
     return y
 
 
-def softmax_cross_entropy(logits, labels, reduction: str = "mean"):
+def softmax_cross_entropy(logits: Float[Array, "n c"], labels: Shaped[Array, "n ..."],
+                          reduction: str = "mean") -> Float[Array, "..."]:
     """Cross-entropy of ``logits`` (N, C) against integer class ``labels`` (N,) or
     one-hot/probability ``labels`` (N, C)."""
     from fshard.primitives.elementwise import neg

@@ -8,6 +8,7 @@ from mindspore import dtype as mstype
 from mindspore import ops
 
 from fshard import dtypes
+from fshard.array_types import Array, ArrayLike, Float, Int, Shaped
 from fshard.core import ArrayType, dim_prod, is_symbolic, typeof
 from fshard.primitives._define import Zero, def_primitive, defjvp, deflinear
 from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
@@ -177,7 +178,7 @@ sharding.set(dim_size_p, lambda x, *, axes, dtype: FactorSpec(
     {f"d{i}": x.shape[i] for i in range(x.ndim) if i not in axes}, flops_per_point=0.0))
 
 
-def dim_size(x, axes, dtype):
+def dim_size(x: ArrayLike, axes, dtype) -> Shaped[Array, ""]:
     """The number of elements of ``x`` along ``axes`` as a 0-d array of ``dtype``."""
     return dim_size_p.bind(x, axes=tuple(axes), dtype=dtype)
 
@@ -210,7 +211,7 @@ def _reduce(prim, x, axis, keepdims):
     return reshape(out, _kept_shape(shape, axes)) if keepdims else out
 
 
-def reduce_sum(x, axis=None, keepdims: bool = False):
+def reduce_sum(x: ArrayLike, axis=None, keepdims: bool = False) -> Shaped[Array, "..."]:
     """Sum over ``axis`` (an int, a tuple, or None for all axes)."""
     if typeof(x).dtype == dtypes.bool_:
         from fshard.primitives.elementwise import cast
@@ -219,15 +220,15 @@ def reduce_sum(x, axis=None, keepdims: bool = False):
     return _reduce(reduce_sum_p, x, axis, keepdims)
 
 
-def reduce_max(x, axis=None, keepdims: bool = False):
+def reduce_max(x: ArrayLike, axis=None, keepdims: bool = False) -> Shaped[Array, "..."]:
     return _reduce(reduce_max_p, x, axis, keepdims)
 
 
-def reduce_min(x, axis=None, keepdims: bool = False):
+def reduce_min(x: ArrayLike, axis=None, keepdims: bool = False) -> Shaped[Array, "..."]:
     return _reduce(reduce_min_p, x, axis, keepdims)
 
 
-def mean(x, axis=None, keepdims: bool = False):
+def mean(x: ArrayLike, axis=None, keepdims: bool = False) -> Float[Array, "..."]:
     """Mean over ``axis`` (integer inputs average in float32)."""
     from fshard.primitives.elementwise import cast, div, mul
 
@@ -241,13 +242,13 @@ def mean(x, axis=None, keepdims: bool = False):
     return mul(reduce_sum(x, axis, keepdims), 1.0 / n if n else float("nan"))
 
 
-def argmax(x, axis: int = -1, keepdims: bool = False):
+def argmax(x: ArrayLike, axis: int = -1, keepdims: bool = False) -> Int[Array, "..."]:
     axis = _norm_axis(axis, typeof(x).ndim)
     out = argmax_p.bind(x, axis=axis)
     return reshape(out, _kept_shape(typeof(x).shape, (axis,))) if keepdims else out
 
 
-def argmin(x, axis: int = -1, keepdims: bool = False):
+def argmin(x: ArrayLike, axis: int = -1, keepdims: bool = False) -> Int[Array, "..."]:
     axis = _norm_axis(axis, typeof(x).ndim)
     out = argmin_p.bind(x, axis=axis)
     return reshape(out, _kept_shape(typeof(x).shape, (axis,))) if keepdims else out

@@ -13,6 +13,7 @@ import numpy as np
 from mindspore import ops
 
 from fshard.core import ArrayType, typeof
+from fshard.dims import dim_multiple_of
 from fshard.errors import AxisNameError
 from fshard.interpret import current_axis
 from fshard.primitives._batching import batch_to_front, move_axis
@@ -24,7 +25,7 @@ FAMILY = "spmd"
 
 def _type(x: ArrayType, *, axis_name, dim, sizes):
     n = int(np.prod(sizes))
-    assert x.shape[dim] % n == 0, f"block_slice: dim {dim} of {x} not divisible by {n}"
+    assert dim_multiple_of(x.shape[dim], n), f"block_slice: dim {dim} of {x} not divisible by {n}"
     shape = list(x.shape)
     shape[dim] //= n
     return ArrayType(tuple(shape), x.dtype)

@@ -8,11 +8,13 @@ rules (broadcast <-> sum, slice <-> pad, gather <-> scatter_add, concat <-> spli
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
+from fshard.array_types import Array, ArrayLike, Int, Shaped
 from fshard.core import (ArrayType, DimExpr, Symbol, Tracer, dim_div, dim_prod, dims_equal,
                          is_symbolic, typeof)
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
@@ -128,7 +130,7 @@ def _broadcast_to_transpose(ct, x, *, shape):
 deflinear(broadcast_to_p, _broadcast_to_transpose)
 
 
-def broadcast_to(x, shape):
+def broadcast_to(x: ArrayLike, shape) -> Shaped[Array, "..."]:
     """Broadcast ``x`` to ``shape`` with NumPy's rules."""
     shape = _static_shape(shape)
     if tuple(typeof(x).shape) == shape:
@@ -213,7 +215,7 @@ sharding.set(reshape_p, _reshape_sharding)
 deflinear(reshape_p, lambda ct, x, *, shape: [reshape(ct, x.aval.shape)])
 
 
-def reshape(x, shape):
+def reshape(x: ArrayLike, shape) -> Shaped[Array, "..."]:
     """Reshape ``x``; one dimension may be -1."""
     shape = _static_shape(shape)
     a = typeof(x)
@@ -237,13 +239,13 @@ def reshape(x, shape):
     return reshape_p.bind(x, shape=shape)
 
 
-def expand_dims(x, axis: int):
+def expand_dims(x: ArrayLike, axis: int) -> Shaped[Array, "..."]:
     a = typeof(x)
     axis = _norm_axis(axis, a.ndim + 1)
     return reshape(x, tuple(a.shape[:axis]) + (1,) + tuple(a.shape[axis:]))
 
 
-def squeeze(x, axis=None):
+def squeeze(x: Shaped[Array, "..."], axis=None) -> Shaped[Array, "..."]:
     a = typeof(x)
     if axis is None:
         axes = [i for i, d in enumerate(a.shape) if d == 1]
@@ -255,7 +257,7 @@ def squeeze(x, axis=None):
     return reshape(x, tuple(d for i, d in enumerate(a.shape) if i not in axes))
 
 
-def flatten(x, start_dim: int = 1):
+def flatten(x: Shaped[Array, "..."], start_dim: int = 1) -> Shaped[Array, "..."]:
     a = typeof(x)
     return reshape(x, tuple(a.shape[:start_dim]) + (-1,))
 
@@ -292,7 +294,7 @@ deflinear(transpose_p,
           lambda ct, x, *, perm: [transpose_p.bind(ct, perm=tuple(np.argsort(perm).tolist()))])
 
 
-def transpose(x, perm=None):
+def transpose(x: Shaped[Array, "..."], perm=None) -> Shaped[Array, "..."]:
     a = typeof(x)
     perm = tuple(reversed(range(a.ndim))) if perm is None else tuple(
         _norm_axis(p, a.ndim, "perm entry") for p in perm)
@@ -301,7 +303,7 @@ def transpose(x, perm=None):
     return transpose_p.bind(x, perm=perm)
 
 
-def swapaxes(x, a: int, b: int):
+def swapaxes(x: Shaped[Array, "..."], a: int, b: int) -> Shaped[Array, "..."]:
     nd = typeof(x).ndim
     perm = list(range(nd))
     a, b = _norm_axis(a, nd), _norm_axis(b, nd)
@@ -348,7 +350,7 @@ jvp.set(full_p, lambda primals, tangents, **p: (
 unsupported(full_p, "transpose", "has no operands")
 
 
-def full(shape, value, dtype=dtypes.float32):
+def full(shape, value, dtype=dtypes.float32) -> Shaped[Array, "..."]:
     dtype = dtypes.canonical(dtype)
     value = bool(value) if dtype == dtypes.bool_ else (
         float(value) if dtypes.is_float(dtype) else int(value))
@@ -356,11 +358,11 @@ def full(shape, value, dtype=dtypes.float32):
                        value=value, dtype=dtype)
 
 
-def zeros(shape, dtype=dtypes.float32):
+def zeros(shape, dtype=dtypes.float32) -> Shaped[Array, "..."]:
     return full(shape, 0, dtype)
 
 
-def ones(shape, dtype=dtypes.float32):
+def ones(shape, dtype=dtypes.float32) -> Shaped[Array, "..."]:
     return full(shape, 1, dtype)
 
 
@@ -380,7 +382,7 @@ defjvp(stop_gradient_p, None)
 unsupported(stop_gradient_p, "transpose", "its JVP is zero, so it never appears in a linear program")
 
 
-def stop_gradient(x):
+def stop_gradient(x: ArrayLike) -> Shaped[Array, "*shape"]:
     """Identity in the forward pass; blocks differentiation (``fs.stop_gradient``)."""
     from fshard import tree
 
@@ -520,7 +522,7 @@ def _concat_sharding(*xs, axis):
 sharding.set(concat_p, _concat_sharding)
 
 
-def concat(xs, axis: int = 0):
+def concat(xs: Sequence[Shaped[Array, "..."]], axis: int = 0) -> Shaped[Array, "..."]:
     """Join arrays along an existing ``axis`` (``mindspore.ops.concat``).
 
     Operands are promoted to one dtype; every dimension other than ``axis`` must match.
@@ -558,7 +560,7 @@ def concat(xs, axis: int = 0):
     return concat_p.bind(*[cast(x, dt) for x in xs], axis=axis)
 
 
-def stack(xs, axis: int = 0):
+def stack(xs: Sequence[Shaped[Array, "..."]], axis: int = 0) -> Shaped[Array, "..."]:
     """Join arrays of one shape along a new ``axis`` (``mindspore.ops.stack``).
 
     >>> import numpy as np, fshard as fs
@@ -633,7 +635,7 @@ def _split_sharding(x, *, sizes, axis):
 sharding.set(split_p, _split_sharding)
 
 
-def split(x, split_size_or_sections, axis: int = 0) -> tuple:
+def split(x: Shaped[Array, "..."], split_size_or_sections, axis: int = 0) -> tuple:
     """Split ``x`` along ``axis`` (``mindspore.ops.split``).
 
     An int gives pieces of that size (the last may be smaller); a tuple or list gives
@@ -766,7 +768,7 @@ def _slice_local_params(params, local_in, local_out):
 sharding.set(slice_p, _slice_sharding)
 
 
-def slice_array(x, start, limit, strides=None):
+def slice_array(x: Shaped[Array, "..."], start, limit, strides=None) -> Shaped[Array, "..."]:
     """``x[start[0]:limit[0]:strides[0], ...]`` with static bounds (NB: ``lax.slice``).
 
     >>> import numpy as np, fshard as fs
@@ -880,7 +882,7 @@ def _pad_sharding(x, *, low, high, interior):
 sharding.set(pad_p, _pad_sharding)
 
 
-def pad(x, low, high, interior=None):
+def pad(x: Shaped[Array, "..."], low, high, interior=None) -> Shaped[Array, "..."]:
     """Zero-pad ``x``: ``low[i]`` zeros before, ``high[i]`` after and ``interior[i]``
     between the elements of dimension ``i`` (NB: ``lax.pad`` with non-negative widths).
 
@@ -1008,7 +1010,8 @@ def _index_array(indices, what: str):
     return indices
 
 
-def gather(x, indices, axis: int = 0):
+def gather(x: Shaped[Array, "..."], indices: Int[Array, "..."],
+           axis: int = 0) -> Shaped[Array, "..."]:
     """Take the entries of ``x`` at ``indices`` along ``axis`` (``mindspore.ops.gather``).
 
     The result has shape ``x.shape[:axis] + indices.shape + x.shape[axis+1:]``: an
@@ -1131,7 +1134,8 @@ def _scatter_add_sharding(updates, indices, *, shape, axis):
 sharding.set(scatter_add_p, _scatter_add_sharding)
 
 
-def scatter_add(updates, indices, shape, axis: int = 0):
+def scatter_add(updates: Shaped[Array, "..."], indices: Int[Array, "..."], shape,
+                axis: int = 0) -> Shaped[Array, "..."]:
     """Zeros of ``shape`` with ``updates`` added at ``indices`` along ``axis``; repeated
     indices accumulate (``mindspore.ops.unsorted_segment_sum`` along ``axis``).
 
@@ -1191,7 +1195,8 @@ jvp.set(one_hot_p, lambda primals, tangents, **p: (
 unsupported(one_hot_p, "transpose", "not linear (integer operand)")
 
 
-def one_hot(indices, depth: int, dtype=dtypes.float32):
+def one_hot(indices: Int[Array, "*shape"], depth: int,
+            dtype=dtypes.float32) -> Shaped[Array, "*shape depth"]:
     """``out[..., j] = (indices[...] == j)`` for ``j < depth``, as ``dtype``. Indices
     outside ``[0, depth)`` give all-zero rows.
 
@@ -1217,7 +1222,7 @@ def _is_array_index(e) -> bool:
     return not isinstance(e, (slice, type(None), type(Ellipsis), int, np.integer))
 
 
-def getitem(x, idx):
+def getitem(x: Shaped[Array, "..."], idx) -> Shaped[Array, "..."]:
     """``x[idx]`` with NumPy semantics for ints, slices (any step), ``None``, ``...``
     and one integer-array index (a ``gather``; negative entries count from the end).
 

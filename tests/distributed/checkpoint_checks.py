@@ -1,5 +1,6 @@
-"""Run inside a 2-process job (see test_checkpoint_multiprocess.py): a sharded save
-where each process writes its own blocks, then a save during which process 1 dies.
+"""Run inside a 2-process job (by training_checks.py, see test_training_multiprocess.py):
+a sharded save where each process writes its own blocks, then a save during which
+process 1 dies.
 
 ``python -m fshard.launch -n 2 tests/distributed/checkpoint_checks.py OUT_DIR``
 """

@@ -1,0 +1,79 @@
+"""Per-process batch slices in a multi-process job (``dataset_strategy="data_parallel"``).
+
+Under ``fshard.launch`` or ``msrun`` a sharded program runs with the *global* shapes:
+every process holds the whole of each input and keeps its own block (``shard_in``).
+With ``dataset_strategy("data_parallel")`` each process instead passes only its own
+slice of the batch, as MindSpore's data-parallel datasets do (``num_shards`` /
+``shard_id``). The slice is placed at its block of a global-shaped value (zeros
+elsewhere, no communication): the program reads nothing but this process's block,
+so the zeros are never used. Outputs split along the batch come back the same way:
+this process's block of the global output.
+
+Which slice a process passes: with ``data_parallel`` the batch dimension is split over
+all devices in rank order, so process ``r`` of ``N`` passes rows ``[r * b, (r + 1) * b)``
+of a global batch of ``N * b`` rows. ``block_index`` reads the block from the plan's
+layout, so placement and the plan always agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fshard.backend.mindspore import as_tensor
+from fshard.core import ArrayType, Tracer, typeof
+from fshard.primitives.structural import pad, slice_array
+
+
+def global_type(x, n: int) -> ArrayType:
+    """The global type of a batch slice split ``n`` ways along its first dimension."""
+    a = typeof(x)
+    return ArrayType((a.shape[0] * n,) + tuple(a.shape[1:]), a.dtype)
+
+
+def block_index(sharding, mesh, rank: int) -> tuple[tuple[int, int], ...]:
+    """Per dimension, ``(block index, block count)`` of ``rank`` under ``sharding``
+    (a ``fshard.sharding.Sharding`` on the prime-axis mesh ``mesh``, whose ranks are
+    row-major like the job's)."""
+    coords = mesh.coords(rank)
+    out = []
+    for axes in sharding.dims:
+        index = 0
+        for a in axes:  # major first
+            index = index * mesh.sizes[a] + coords[a]
+        out.append((index, mesh.count(axes)))
+    return tuple(out)
+
+
+def to_global(x, where):
+    """``x`` (this process's block) placed at its block of a zero global value."""
+    shape = typeof(x).shape
+    if not isinstance(x, Tracer):  # a concrete batch: NumPy, 5-15x faster than a pad op
+        a = x.asnumpy() if hasattr(x, "asnumpy") else np.asarray(x)
+        out = np.zeros(tuple(d * n for d, (_, n) in zip(shape, where)), a.dtype)
+        out[tuple(slice(i * d, (i + 1) * d) for d, (i, _) in zip(shape, where))] = a
+        return as_tensor(out)
+    low = [i * d for (i, _), d in zip(where, shape)]
+    high = [(n - 1 - i) * d for (i, n), d in zip(where, shape)]
+    return pad(x, low, high)
+
+
+def to_local(y, where):
+    """This process's block of the global value ``y``."""
+    shape = typeof(y).shape
+    block = [d // n for (_, n), d in zip(where, shape)]
+    start = [i * b for (i, _), b in zip(where, block)]
+    return slice_array(y, start, [s + b for s, b in zip(start, block)])
+
+
+def place_inputs(part, n_consts: int, leaves, sliced, rank: int) -> list:
+    """The inputs of a partitioned program ``part`` with the ``sliced`` ones (this
+    process's slices) placed at their blocks."""
+    shs = part.in_shardings[n_consts:]
+    return [to_global(x, block_index(sh, part.prop.mesh, rank)) if s else x
+            for x, s, sh in zip(leaves, sliced, shs, strict=True)]
+
+
+def take_outputs(part, outs, rank: int) -> list:
+    """This process's block of each output split along the batch."""
+    return [to_local(y, block_index(sh, part.prop.mesh, rank)) if sh.dims and sh.dims[0]
+            else y for y, sh in zip(outs, part.out_shardings, strict=True)]

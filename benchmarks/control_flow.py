@@ -71,6 +71,71 @@ def loops(ctx):
 
 
 # ---------------------------------------------------------------------------
+# scan: unrolled vs one graph loop, by length and body size
+# ---------------------------------------------------------------------------
+
+# body name -> (state shape, matmul+tanh layers per step); equations per step ~3 + 3/layer
+SCAN_BODIES = {"small": ((1000,), 0), "large": ((64, 64), 4)}
+SCAN_LENGTHS = (10, 100, 1000)
+
+
+def _scan_body(layers, w):
+    def body(c, x):
+        if not layers:
+            c = c * 1.01 + x
+        for _ in range(layers):
+            c = fs.ops.tanh(fs.ops.matmul(c, w) + x)
+        return c, c.sum()
+    return body
+
+
+@benchmark("scan", title="scan: unrolled vs one graph loop, by length and body size")
+def scan(ctx):
+    """``fs.scan`` forced unrolled (``unroll=True``) and as one graph loop (``unroll=1``)
+    for each body and length: first call (trace + compile) and steady call time."""
+    rng = np.random.default_rng(0)
+    fns, notes, eqs = {}, [], {}
+    lengths = SCAN_LENGTHS[:2] if ctx.quick else SCAN_LENGTHS
+    for body_name, (shape, layers) in SCAN_BODIES.items():
+        w = ms.Tensor((rng.standard_normal(shape[-1:] * 2) * 0.1).astype(np.float32))
+        c0 = ms.Tensor(np.zeros(shape, np.float32))
+        body = _scan_body(layers, w)
+        program = fs.make_ir(lambda c, x: body(c, x))(c0, c0)
+        eqs[body_name] = len(program.program.equations)
+        for n in lengths:
+            xs = ms.Tensor((rng.standard_normal((n,) + shape) * 0.1).astype(np.float32))
+            outs = {}
+            forms = (("unrolled", True), ("loop", 1))
+            if layers and n >= 1000:  # unrolled: over 10 minutes of compile; not timed
+                forms = forms[1:]
+            for form, unroll in forms:
+                f = fs.jit(lambda c, xs, u=unroll: fs.scan(body, c, xs, unroll=u))
+                t0 = time.perf_counter()
+                outs[form] = f(c0, xs)[1].asnumpy()
+                notes.append(f"{body_name} body, {n} steps, {form}: first call "
+                             f"{time.perf_counter() - t0:.2f} s")
+                fns[f"{body_name}_{n}_{form}"] = (
+                    lambda f=f, xs=xs: f(c0, xs)[1].asnumpy())
+            if "unrolled" in outs:
+                np.testing.assert_allclose(outs["loop"], outs["unrolled"], rtol=1e-4, atol=1e-4)
+    t = ctx.compare(fns, runs=ctx.runs(10, 2), warmup=1, rounds=2)
+    rows = []
+    for body_name, (shape, layers) in SCAN_BODIES.items():
+        what = ("c * 1.01 + x on 1000 values" if not layers else
+                f"{layers} x tanh(c @ w + x) on {shape[0]}x{shape[1]}")
+        for n in lengths:
+            for form in ("unrolled", "loop"):
+                if f"{body_name}_{n}_{form}" not in t:
+                    continue
+                rows.append(row("fshard", f"fs.scan {form}, {what} "
+                                f"({eqs[body_name]} equations), {n} steps",
+                                t[f"{body_name}_{n}_{form}"]))
+    return Result(rows, baseline=f"fs.scan unrolled, c * 1.01 + x on 1000 values "
+                  f"({eqs['small']} equations), 10 steps",
+                  target="fs.scan picks the form (SCAN_UNROLL_EQUATIONS)", notes=notes)
+
+
+# ---------------------------------------------------------------------------
 # cond on a traced predicate: every branch and a select vs a graph if
 # ---------------------------------------------------------------------------
 

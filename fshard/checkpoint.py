@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import threading
 import time
 import uuid
@@ -105,6 +106,43 @@ def _safetensors_bytes(arrays: dict[str, np.ndarray], metadata=None) -> bytes:
     # (np.ascontiguousarray would turn a 0-d array into a 1-d one)
     return save({k: v if v.flags.c_contiguous else v.copy() for k, v in arrays.items()},
                 metadata=metadata)
+
+
+_SAFETENSORS_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8",
+                       "int16": "I16", "int32": "I32", "int64": "I64", "uint8": "U8",
+                       "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL"}
+
+
+def _write_safetensors_durably(path: str, arrays: dict[str, np.ndarray],
+                               metadata=None) -> tuple[int, str]:
+    """Write ``arrays`` as a safetensors file (8-byte header length, JSON header, the
+    tensors' bytes in header order), streaming each array's buffer to the file and to
+    SHA-256 at once, then fsync; return ``(bytes, sha256 hex)``. The same file
+    ``safetensors.numpy.save`` writes, without first building it as one bytes object
+    (a second copy of the whole state)."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for k in sorted(arrays):
+        v = arrays[k]
+        header[k] = {"dtype": _SAFETENSORS_DTYPES[v.dtype.name], "shape": list(v.shape),
+                     "data_offsets": [offset, offset + v.nbytes]}
+        offset += v.nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the tensors start 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as fh:
+        for chunk in (struct.pack("<Q", len(head)), head):
+            fh.write(chunk)
+            digest.update(chunk)
+        for k in sorted(arrays):
+            buf = memoryview(np.ascontiguousarray(arrays[k]).reshape(-1).view(np.uint8))
+            fh.write(buf)
+            digest.update(buf)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return 8 + len(head) + offset, digest.hexdigest()
 
 
 def _world() -> tuple[int, int]:
@@ -282,17 +320,15 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
             key = f"{i}:{','.join(map(str, idx))}"
             file = f"shard-{process_of(owner):05d}-of-{nproc:05d}.safetensors"
             if process_of(owner) == rank:
-                mine[key] = np.array(a[tuple(slice(s, e) for s, e in bounds)])
+                mine[key] = a[tuple(slice(s, e) for s, e in bounds)]  # a view
             blocks.append({"key": key, "file": file, "start": [s for s, _ in bounds],
                            "stop": [e for _, e in bounds]})
         entries.append({"path": tree.keystr(p), "name": _name(p), "shape": list(a.shape),
                         "dtype": a.dtype.name, "layout": _spec_json(spec),
                         "blocks": blocks})
-    data = _safetensors_bytes(mine, {"format": FORMAT})
-    _write_bytes_durably(os.path.join(tmp, fname), data)
-    _mark_done(tmp, rank, {"file": fname, "bytes": len(data),
-                           "sha256": hashlib.sha256(data).hexdigest()})
-    del data
+    nbytes, sha256 = _write_safetensors_durably(os.path.join(tmp, fname), mine,
+                                                {"format": FORMAT})
+    _mark_done(tmp, rank, {"file": fname, "bytes": nbytes, "sha256": sha256})
     if rank != 0:
         _wait_for(lambda: os.path.exists(os.path.join(final, INDEX)), timeout,
                   f"process 0 to complete the checkpoint {final!r}")

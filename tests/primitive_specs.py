@@ -482,6 +482,32 @@ def _while(rng, dt):
     return out
 
 
+def _scan_fn(length, reverse, unroll):
+    """A scan with a body constant y, a float and an int carry, an x, and two ys."""
+    def fn(x, y, xs):
+        def body(c, xi):
+            k, v = c
+            v = v * 0.75 + fs.ops.sin(v) * y + xi
+            return (k + 1, v), (v * xi, k)
+        return fs.scan(body, (np.int32(0), x), xs, length=length, reverse=reverse,
+                       unroll=unroll)
+    return fn
+
+
+def _scan(rng, dt):
+    """scan equations: unroll=1 or 2 binds the primitive (a graph loop under jit)."""
+    out = []
+    for shape in _call_shapes(dt):
+        x, y = values(rng, shape, dt), values(rng, shape, dt)
+        for n, reverse, unroll in ((2, False, 1), (3, True, 2), (4, False, 1)):
+            xs = values(rng, (n,) + shape, dt)
+            eq, vals = _staged_equation(_scan_fn(n, reverse, unroll), (x, y, xs), C.scan_p)
+            out.append(Sample(vals, eq.params,
+                              diff_argnums=tuple(k for k in range(len(vals))
+                                                 if np.asarray(vals[k]).dtype.kind == "f")))
+    return out
+
+
 def _switch_fn(k, x, y):
     """Three branches of different work on two operands (the index is clamped)."""
     return fs.switch(k, [lambda x, y: (x * y + 1.0, x),
@@ -1206,6 +1232,7 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(CF.while_p, _while, rule_samples=3, jit_samples=2,
                       custom_checks={"vjp": _while_vjp}),
         PrimitiveSpec(CF.cond_p, _cond, rule_samples=3, jit_samples=3),
+        PrimitiveSpec(C.scan_p, _scan, rule_samples=3, jit_samples=2),
         # Per-device primitives (spmd)
         PrimitiveSpec(P.block_slice_p, _block_slice, eager_error=AxisNameError,
                       linear_groups=((0,),), custom_checks={

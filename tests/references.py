@@ -137,6 +137,20 @@ def while_(*args, cond, body, n_cond_consts, n_body_consts):
     return carry
 
 
+def scan(*args, body, length, reverse, unroll, n_consts, n_carry):
+    consts = list(args[:n_consts])
+    carry = list(args[n_consts:n_consts + n_carry])
+    xs = list(args[n_consts + n_carry:])
+    ys = [None] * length
+    for i in (reversed(range(length)) if reverse else range(length)):
+        outs = eval_program_np(body, *consts, *carry, *[x[i] for x in xs])
+        carry, ys[i] = outs[:n_carry], outs[n_carry:]
+    y_avals = body.out_avals[n_carry:]
+    return carry + [np.stack([ys[i][k] for i in range(length)]) if length else
+                    np.zeros((0,) + tuple(a.shape), dtypes.to_numpy(a.dtype))
+                    for k, a in enumerate(y_avals)]
+
+
 def cond(index, *args, branches, n_consts):
     k = min(max(int(index), 0), len(branches) - 1)  # the index is clamped
     return eval_program_np(branches[k], *args)
@@ -331,6 +345,7 @@ REFERENCES = {
     "custom_lin": custom_lin,
     "while": while_,
     "cond": cond,
+    "scan": scan,
     # spmd
     "block_slice": block_slice,
     "shard_call": shard_call,

@@ -116,12 +116,12 @@ def test_while_loop_errors():
 # --- fori_loop ----------------------------------------------------------------------------
 
 
-def power_iteration(m, v, steps):
+def power_iteration(m, v, steps, unroll=None):
     def body(i, v):
         w = fs.ops.matmul(m, v)
         return w / fs.ops.sqrt((w * w).sum())
 
-    return fs.fori_loop(0, steps, body, v)
+    return fs.fori_loop(0, steps, body, v, unroll=unroll)
 
 
 def test_fori_loop_static_unrolled_grad_and_while_form():
@@ -145,11 +145,15 @@ def test_fori_loop_static_unrolled_grad_and_while_form():
             num[i, j] = (n(power_iteration(m + d, v0, 6))[0]
                          - n(power_iteration(m - d, v0, 6))[0]) / (2 * eps)
     assert_close(g, num, rtol=1e-6, atol=1e-8)
-    # unroll=False: one while loop, the same numbers
+    # unroll=False: one scan primitive (a graph loop), the same numbers and gradient
     ir = str(fs.make_ir(lambda v: fs.fori_loop(0, 6, lambda i, v: v * 2.0, v, unroll=False))(v0))
-    assert "while" in ir
+    assert "scan[" in ir and "while" not in ir
     assert n(fs.fori_loop(0, 6, lambda i, v: v * 2.0 + i, v0, unroll=False)).tolist() == \
         n(fs.fori_loop(0, 6, lambda i, v: v * 2.0 + i, v0)).tolist()
+    assert_close(n(fs.jit(lambda m, v: power_iteration(m, v, 6, unroll=False))(m, v0)), want,
+                 rtol=1e-12)
+    g_loop = n(fs.jit(fs.grad(lambda m: power_iteration(m, v0, 6, unroll=False)[0]))(m))
+    assert_close(g_loop, g, rtol=1e-10, atol=1e-12)
 
 
 def test_fori_loop_traced_bounds_and_vmap():
@@ -265,6 +269,116 @@ def test_scan_reverse_length_and_pytrees():
         fs.scan(lambda c, x: (c, x), np.float32(0), None)
 
 
+def _scan_step(c, x):
+    """A pytree carry (a float state and an int count), pytree xs and ys."""
+    h = np.tanh if isinstance(c["h"], np.ndarray) else fs.ops.tanh
+    state = h(c["h"] * 0.9 + x[0] * x[1][:, None])
+    return {"h": state, "k": c["k"] + np.int32(1)}, (state.sum(), {"k": c["k"], "x": x[1] * 2})
+
+
+def _scan_np(c, xs, reverse):
+    c = {"h": np.asarray(c["h"]), "k": np.asarray(c["k"])}
+    length = xs[0].shape[0]
+    ys = [None] * length
+    for i in (reversed(range(length)) if reverse else range(length)):
+        c, ys[i] = _scan_step(c, (xs[0][i], xs[1][i]))
+    return c, (np.stack([y[0] for y in ys]),
+               {"k": np.stack([y[1]["k"] for y in ys]),
+                "x": np.stack([y[1]["x"] for y in ys])})
+
+
+def _scan_inputs(length=7):
+    rng = np.random.default_rng(5)
+    c = {"h": rng.standard_normal((3, 2)), "k": np.int32(0)}
+    xs = (rng.standard_normal((length, 3, 2)), rng.standard_normal((length, 3)))
+    return c, xs
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("unroll", [1, 3, True])
+def test_scan_graph_loop_equals_the_unrolled_scan_and_a_python_loop(unroll, reverse):
+    """unroll=1 and 3 bind the scan primitive (one graph loop under jit, 3 body copies
+    per iteration and a remainder of 1 for length 7); True unrolls. Every form equals
+    a Python loop, eagerly, under jit and vmap; its gradient equals the unrolled one's."""
+    c, xs = _scan_inputs()
+
+    def run(c, xs, unroll=unroll):
+        return fs.scan(_scan_step, c, xs, reverse=reverse, unroll=unroll)
+
+    ir = str(fs.make_ir(run)(c, xs))
+    assert ("scan[" in ir) == (unroll is not True), ir
+    want = fs.tree.flatten(_scan_np(c, xs, reverse))[0]
+    for got in (run(c, xs), fs.jit(run)(c, xs)):
+        got = fs.tree.flatten(got)[0]
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert n(a).dtype == b.dtype
+            assert_close(n(a), b, rtol=1e-12)
+    # vmap over the batch of h and of the xs (axis 1 of both xs leaves)
+    batch_c = {"h": np.stack([c["h"], -c["h"]]), "k": np.int32(0)}
+    batch_xs = (np.stack([xs[0], xs[0] * 2], 1), np.stack([xs[1], -xs[1]], 1))
+    for g in (fs.vmap(run, in_axes=({"h": 0, "k": None}, 1)),
+              fs.jit(fs.vmap(run, in_axes=({"h": 0, "k": None}, 1)))):
+        got = fs.tree.flatten(g(batch_c, batch_xs))[0]
+        for lane in range(2):
+            lane_want = fs.tree.flatten(_scan_np(
+                {"h": batch_c["h"][lane], "k": np.int32(0)},
+                (batch_xs[0][:, lane], batch_xs[1][:, lane]), reverse))[0]
+            for a, b in zip(got, lane_want):  # out_axes=0: every output's lane
+                assert_close(n(a)[lane], b, rtol=1e-12)
+
+    def loss(h0, xs0, unroll):
+        carry, (s, ys) = run({"h": h0, "k": np.int32(0)}, (xs0, xs[1]), unroll)
+        return (carry["h"] ** 2).sum() + (s * s).sum() + ys["x"].sum()
+
+    g_ref = fs.grad(loss, argnums=(0, 1))(c["h"], xs[0], True)
+    for grad in (fs.grad(loss, argnums=(0, 1)), fs.jit(fs.grad(loss, argnums=(0, 1)),
+                                                       static_argnums=2)):
+        for a, b in zip(grad(c["h"], xs[0], unroll), g_ref):
+            assert_close(n(a), n(b), rtol=1e-12)
+    # forward mode through the primitive equals reverse mode
+    tangent = np.ones_like(c["h"])
+    _, jv = fs.jvp(lambda h0: loss(h0, xs[0], unroll), (c["h"],), (tangent,))
+    assert_close(float(n(jv)), float((n(g_ref[0]) * tangent).sum()), rtol=1e-10)
+
+
+def test_scan_graph_loop_with_length_and_no_xs():
+    def powers(x):
+        return fs.scan(lambda c, _: (c * 2.0, c), x, None, length=5, unroll=1)
+
+    assert "scan[" in str(fs.make_ir(powers)(np.float32(1)))
+    for f in (powers, fs.jit(powers)):
+        c, ys = f(np.float32(1.5))
+        assert float(n(c)) == 48.0
+        assert n(ys).tolist() == [1.5, 3.0, 6.0, 12.0, 24.0]
+    assert_close(n(fs.grad(lambda x: powers(x)[1].sum())(np.float32(1.5))), 31.0)
+
+
+def test_scan_chooses_a_graph_loop_for_long_or_large_loops():
+    """unroll=None (the default): unrolled while length x body equations is at most
+    SCAN_UNROLL_EQUATIONS, a graph loop beyond; length 0 returns empty ys."""
+    from fshard.transforms.control_flow import SCAN_UNROLL_EQUATIONS
+
+    def run(x, length):
+        return fs.scan(lambda c, _: (c * 1.01 + 1.0, c), x, None, length=length)
+
+    x = np.float32(0)
+    short, long_ = 4, SCAN_UNROLL_EQUATIONS  # the body has 2 equations
+    assert "scan[" not in str(fs.make_ir(lambda x: run(x, short))(x))
+    assert "scan[" in str(fs.make_ir(lambda x: run(x, long_))(x))
+    c, ys = fs.jit(lambda x: run(x, long_))(x)
+    v, want = 0.0, []
+    for _ in range(long_):
+        want.append(v)
+        v = np.float32(v * np.float32(1.01) + 1)
+    assert_close(n(ys), np.array(want, np.float32), rtol=1e-6)
+    c, ys = fs.scan(lambda c, x: (c + x, c * x), np.ones(3, np.float32),
+                    np.zeros((0, 3), np.float32))
+    assert n(c).tolist() == [1.0, 1.0, 1.0] and n(ys).shape == (0, 3)
+    with pytest.raises(fs.ArgumentError, match=r"unroll=\.\.\.\): must be None, a bool or an int >= 1"):
+        fs.scan(lambda c, x: (c, x), np.float32(0), np.ones(3, np.float32), unroll=0)
+
+
 # --- cond and switch --------------------------------------------------------------------
 
 
@@ -376,6 +490,8 @@ def _carry_programs():
     A, T, M = fs.ops.add, fs.ops.tanh, fs.ops.matmul
     return {
         "scan": lambda h, w, xs: fs.scan(lambda h, x: (T(A(M(h, w), x)),) * 2, h, xs),
+        "scan unroll=1": lambda h, w, xs: fs.scan(lambda h, x: (T(A(M(h, w), x)),) * 2, h,
+                                                  xs, unroll=1),
         "fori_loop unrolled": lambda h, w, xs: fs.fori_loop(
             0, 5, lambda i, h: T(A(M(h, w), xs[i])), h),
         "cond per row": lambda h, w, xs: fs.vmap(
@@ -396,7 +512,7 @@ def test_a_split_carry_keeps_its_layout_under_shard(name):
     w = (rng.standard_normal((4, 4)) * 0.5).astype(np.float32)
     xs = rng.standard_normal((5, 8, 4)).astype(np.float32)
     f = _carry_programs()[name]
-    out = ((4, 1), (1, 4, 1)) if name == "scan" else (4, 1)
+    out = ((4, 1), (1, 4, 1)) if name.startswith("scan") else (4, 1)
     s = fs.shard(f, in_strategy=((4, 1), (1, 1), (1, 4, 1)), out_strategy=out, mesh=4)
     got, want = fs.tree.flatten(s(h, w, xs))[0], fs.tree.flatten(f(h, w, xs))[0]
     for a, b in zip(got, want):

@@ -9,11 +9,15 @@ How each is built, and why:
   condition runs until every lane is done, each lane keeping its carry once its own
   condition is false; forward mode carries tangents through the loop. Reverse mode is
   an error, as in JAX: the loop does not keep each iteration's values.
-- ``scan`` and ``fori_loop`` with static bounds are unrolled at trace time: the body
-  is traced once per iteration, so every transform (``grad`` included) applies to the
-  result as to any straight-line program. The program grows with the trip count;
-  ``fori_loop`` with more than ``MAX_UNROLL`` iterations (or ``unroll=False``, or
-  traced bounds) becomes a ``while_loop``.
+- ``scan`` traces its body once, then either unrolls it (short loops of small bodies:
+  ``SCAN_UNROLL_EQUATIONS``, measured) or binds the ``scan`` primitive
+  (``fshard.primitives.control``), one MindSpore graph loop under ``jit``. The
+  primitive's JVP rule, here because it needs the JVP interpreter, unrolls the loop,
+  so reverse mode transposes the body's primitives. Under ``shard`` scan unrolls, so
+  layouts propagate through the body.
+- ``fori_loop`` with static bounds is unrolled up to ``MAX_UNROLL`` iterations (the
+  body traced per iteration, ``i`` a Python int) and a ``scan`` over ``(i, val)``
+  beyond; with traced bounds it is a ``while_loop``.
 - ``cond`` and ``switch`` call the chosen branch when the index is concrete. On a
   traced index they take the faster form (measured, docs/performance.md): costly
   branches become a ``cond`` primitive, one MindSpore graph ``if`` under ``jit``;
@@ -21,8 +25,8 @@ How each is built, and why:
   ``grad`` and ``shard`` handle like any other operation. Branches must return the
   same types, checked by tracing each on the operands' types.
 
-This module sits in the transforms layer because the JVP rule of ``while`` needs the
-JVP interpreter (``fshard.transforms.ad``).
+This module sits in the transforms layer because the JVP rules of ``while`` and
+``scan`` need the JVP interpreter (``fshard.transforms.ad``).
 """
 
 from __future__ import annotations
@@ -40,13 +44,13 @@ from fshard.primitives import structural as S
 from fshard.primitives._batching import batch_size
 from fshard.primitives._define import Zero, as_tensor, def_primitive, instantiate
 from fshard.primitives.control import (_all_front, _batch_closed, _call_sharding,
-                                       _front_args, _split, _stage_closed)
+                                       _front_args, _split, _stage_closed, scan_p)
 from fshard.rules import batching, jvp as jvp_rules, sharding, unsupported
 from fshard.staging import fun_name
 from fshard.transforms.ad import jvp_program
 
 __all__ = ["cond", "switch", "while_loop", "fori_loop", "scan", "MAX_UNROLL",
-           "GRAPH_IF_FLOPS"]
+           "GRAPH_IF_FLOPS", "SCAN_UNROLL_EQUATIONS"]
 
 FAMILY = "control"
 MAX_UNROLL = 256
@@ -243,9 +247,49 @@ jvp_rules.set(while_p, _while_jvp)
 unsupported(while_p, "transpose",
             "reverse-mode differentiation of fs.while_loop: its trip count is known only "
             "at run time and the loop keeps no per-iteration values (as in JAX). Fix: use "
-            "fs.fori_loop with static bounds or fs.scan (unrolled, so reverse mode works), "
+            "fs.fori_loop with static bounds or fs.scan (reverse mode works through both), "
             "or forward mode (fs.jvp, fs.jacfwd)")
 sharding.set(while_p, lambda *avals, body, **_: _call_sharding(avals, body.out_avals))
+
+
+# ===========================================================================
+# scan: the JVP rule of the primitive (fshard.primitives.control.scan_p)
+# ===========================================================================
+
+
+def _scan_jvp(primals, tangents, *, body, length, reverse, unroll, n_consts, n_carry):
+    """Unroll the loop under the JVP interpreter: each step is the body's JVP, so
+    reverse mode transposes ordinary primitives (as for an unrolled scan)."""
+    consts, carry, xs = _split(list(primals), n_consts, n_carry)
+    tconsts, tcarry, txs = _split(list(tangents), n_consts, n_carry)
+    n_y = len(body.outputs) - n_carry
+    ys, tys = [None] * length, [None] * length
+    for i in (reversed(range(length)) if reverse else range(length)):
+        x_i = [S.getitem(x, i) for x in xs]
+        tx_i = [Zero(typeof(x)) if isinstance(t, Zero) else S.getitem(t, i)
+                for x, t in zip(x_i, txs)]
+        outs, touts = jvp_program(body, consts + carry + x_i, tconsts + tcarry + tx_i)
+        carry, tcarry = outs[:n_carry], touts[:n_carry]
+        ys[i], tys[i] = outs[n_carry:], touts[n_carry:]
+    y_out, ty_out = [], []
+    for k in range(n_y):
+        a = body.out_avals[n_carry + k]
+        stacked = ArrayType((length,) + tuple(a.shape), a.dtype)
+        if length == 0:
+            y_out.append(S.zeros(stacked.shape, a.dtype))
+            ty_out.append(Zero(stacked))
+            continue
+        y_out.append(S.stack([ys[i][k] for i in range(length)]))
+        col = [tys[i][k] for i in range(length)]
+        ty_out.append(Zero(stacked) if all(isinstance(t, Zero) for t in col)
+                      else S.stack([instantiate(t) for t in col]))
+    return list(carry) + y_out, list(tcarry) + ty_out
+
+
+jvp_rules.set(scan_p, _scan_jvp)
+unsupported(scan_p, "transpose",
+            "not needed: the JVP rule of scan unrolls the loop, so reverse mode transposes "
+            "the body's primitives step by step")
 
 
 # ===========================================================================
@@ -445,10 +489,11 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll: bool | None = None):
     6.0
 
     With static (Python int) bounds the loop is unrolled when it has at most
-    ``MAX_UNROLL`` iterations (``unroll=None``) or when ``unroll=True``: every transform
-    applies, reverse-mode ``grad`` included, and ``i`` is a Python int. Otherwise
-    (``unroll=False``, more iterations, or traced bounds) it is a ``while_loop``:
-    one graph loop, forward mode only, ``i`` an int32 scalar.
+    ``MAX_UNROLL`` iterations (``unroll=None``) or when ``unroll=True``, and ``i`` is a
+    Python int; with more iterations or ``unroll=False`` it is a ``scan`` over
+    ``(i, val)``: one graph loop, ``i`` an int32 scalar. Every transform applies to
+    both, reverse-mode ``grad`` included. With traced bounds it is a ``while_loop``:
+    one graph loop, forward mode only.
     """
     api = "fs.fori_loop"
     _check_fn(api, body_fun, "body_fun")
@@ -464,23 +509,33 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll: bool | None = None):
     if lo is not None and hi is not None:
         if unroll is None:
             unroll = hi - lo <= MAX_UNROLL
-        if unroll:
-            leaves, treedef = _leaves_of(init_val, api, "init_val")
-            val = tree.unflatten(treedef, leaves)  # arrays: MindSpore's dtype rules
-            types = [typeof(x) for x in leaves]
-            for i in range(lo, hi):
-                val = body_fun(i, val)
-                # the same check as the graph loop's, so unrolling never changes the answer
-                got, got_tree = tree.flatten(val)
-                got_types = [typeof(x) for x in got]
-                if got_tree != treedef or got_types != types:
-                    raise ProgramTypeError(
-                        f"{api}: body_fun({fun_name(body_fun)}) must return the carry's "
-                        f"structure and types; init_val vs what body_fun returns differ at "
-                        f"{_difference(treedef, types, got_tree, got_types)}.\nFix: return "
-                        "values of the same shapes and dtypes (cast, e.g. "
-                        "x.astype(init.dtype)).")
+        leaves, treedef = _leaves_of(init_val, api, "init_val")
+        val = tree.unflatten(treedef, leaves)  # arrays: MindSpore's dtype rules
+        types = [typeof(x) for x in leaves]
+
+        def checked(i, val):
+            # the same check as the while loop's, so the form never changes the answer
+            val = body_fun(i, val)
+            got, got_tree = tree.flatten(val)
+            got_types = [typeof(x) for x in got]
+            if got_tree != treedef or got_types != types:
+                raise ProgramTypeError(
+                    f"{api}: body_fun({fun_name(body_fun)}) must return the carry's "
+                    f"structure and types; init_val vs what body_fun returns differ at "
+                    f"{_difference(treedef, types, got_tree, got_types)}.\nFix: return "
+                    "values of the same shapes and dtypes (cast, e.g. "
+                    "x.astype(init.dtype)).")
             return val
+
+        if unroll:
+            for i in range(lo, hi):
+                val = checked(i, val)
+            return val
+        # A scan primitive over (i, val): one graph loop under jit, and reverse mode
+        # works (its JVP rule unrolls), which a while loop's does not.
+        (_, val), _ = scan(lambda c, _: ((c[0] + 1, checked(c[0], c[1])), None),
+                           (np.int32(lo), val), None, length=max(hi - lo, 0), unroll=1)
+        return val
     elif unroll:
         raise ArgumentError(
             f"{api}(..., unroll=True) needs static (Python int) bounds, got "
@@ -493,7 +548,7 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll: bool | None = None):
     return val
 
 
-def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=1):
+def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=None):
     """Loop ``carry, y = f(carry, x)`` over the leading axis of ``xs``; return
     ``(carry, stacked ys)`` (``jax.lax.scan``).
 
@@ -504,16 +559,23 @@ def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=1):
     (6.0, [0.0, 0.0, 2.0, 9.0])
 
     ``xs`` is a pytree of arrays sharing their leading length (or None with
-    ``length``). The loop is unrolled at trace time (``unroll`` is accepted for JAX's
-    signature; fshard always unrolls fully), so every transform applies, reverse-mode
-    ``grad`` included; the program grows with the length.
+    ``length``). ``f`` is traced once; the loop then runs in one of two forms:
+    unrolled (the body repeated ``length`` times in the program) or a ``scan``
+    primitive, one MindSpore graph loop under ``jit``. ``unroll`` as in JAX: an int
+    ``k`` runs ``k`` body copies per iteration of the graph loop, ``True`` (or
+    ``k >= length``) unrolls fully; ``None`` (the default) chooses by measurement:
+    unrolled when ``length`` times the body's equation count is at most
+    ``SCAN_UNROLL_EQUATIONS``, a graph loop beyond (docs/control_flow.md). Every
+    transform applies to both forms, reverse-mode ``grad`` included; under ``shard``
+    the loop is unrolled, so layouts propagate through the body.
     """
     api = "fs.scan"
     _check_fn(api, f, "f")
-    if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer, bool)) or unroll < 0:
-        if not isinstance(unroll, bool):
-            raise ArgumentError(f"{api}(..., unroll=...): must be a non-negative int or a "
-                                f"bool, got {unroll!r}.")
+    if unroll is not None and not isinstance(unroll, bool) and (
+            not isinstance(unroll, (int, np.integer)) or unroll < 1):
+        raise ArgumentError(f"{api}(..., unroll=...): must be None, a bool or an int >= 1, "
+                            f"got {unroll!r}.\nFix: unroll=1 for a graph loop, unroll=True "
+                            "to unroll fully.")
     x_leaves, x_tree = _leaves_of(xs, api, "xs")
     lengths = {typeof(x).shape[0] if typeof(x).ndim else None for x in x_leaves}
     if None in lengths:
@@ -532,19 +594,19 @@ def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=1):
             "length.")
     n = lengths.pop()
     c_leaves, c_tree = _leaves_of(init, api, "init")
-    carry = tree.unflatten(c_tree, c_leaves)  # arrays: MindSpore's dtype rules
     c_types = [typeof(x) for x in c_leaves]
-    ys = [None] * n
-    y_tree = None
-    for i in (reversed(range(n)) if reverse else range(n)):
-        x = tree.unflatten(x_tree, [S.getitem(a, i) for a in x_leaves])
-        out = f(carry, x)
+    n_carry = len(c_leaves)
+    slice_avals = [ArrayType(tuple(typeof(x).shape[1:]), typeof(x).dtype) for x in x_leaves]
+    box = []
+
+    def body_fn(*flat):
+        carry = tree.unflatten(c_tree, list(flat[:n_carry]))  # arrays: MindSpore's rules
+        out = f(carry, tree.unflatten(x_tree, list(flat[n_carry:])))
         if not isinstance(out, tuple) or len(out) != 2:
             raise ArgumentError(
                 f"{api}: f({fun_name(f)}) must return a pair (carry, y), got "
                 f"{type(out).__name__}.")
-        carry, y = out
-        leaves, tr = tree.flatten(carry)
+        leaves, tr = tree.flatten(out[0])
         types = [typeof(x) for x in leaves]
         if tr != c_tree or types != c_types:
             raise ProgramTypeError(
@@ -552,16 +614,42 @@ def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=1):
                 f"types; init vs the carry f returned differ at "
                 f"{_difference(c_tree, c_types, tr, types)}.\nFix: return values of the "
                 "same shapes and dtypes.")
-        y_leaves, yt = tree.flatten(y)
-        if y_tree is not None and yt != y_tree:
-            raise ProgramTypeError(f"{api}: f returned ys of changing structure: {y_tree} "
-                                   f"then {yt}.")
-        y_tree = yt
-        ys[i] = y_leaves
+        y_leaves, y_tree = _leaves_of(out[1], api, "the y f returns")
+        box.append(y_tree)
+        return list(leaves) + y_leaves
+
+    body, consts = _stage_closed(body_fn, c_types + slice_avals)
+    y_tree = box[0]
+    if unroll is None:
+        full = n * len(body.equations) <= SCAN_UNROLL_EQUATIONS
+    else:
+        full = unroll is True or (unroll is not False and int(unroll) >= n)
+    if full or n == 0 or context.shard_depth.get() or context.shard_map_depth.get():
+        outs = _scan_unrolled(body, consts, c_leaves, x_leaves, n, reverse)
+    else:
+        k = 1 if unroll is None or unroll is False else int(unroll)
+        outs = scan_p.bind(*consts, *c_leaves, *x_leaves, body=body, length=n,
+                           reverse=bool(reverse), unroll=k, n_consts=len(consts),
+                           n_carry=n_carry)
+    return tree.unflatten(c_tree, outs[:n_carry]), tree.unflatten(y_tree, outs[n_carry:])
+
+
+# A scan whose length times its body's equation count is at most this is unrolled;
+# beyond, it is one graph loop (measured: docs/performance.md#loops).
+SCAN_UNROLL_EQUATIONS = 100
+
+
+def _scan_unrolled(body, consts, carry, xs, n, reverse) -> list:
+    """The staged body evaluated once per step: straight-line code in the program."""
+    n_carry = len(carry)
+    ys = [None] * n
+    for i in (reversed(range(n)) if reverse else range(n)):
+        outs = eval_program(body, *consts, *carry, *[S.getitem(x, i) for x in xs])
+        carry, ys[i] = outs[:n_carry], outs[n_carry:]
+    y_avals = body.out_avals[n_carry:]
     if n == 0:
-        return carry, None if y_tree is None else tree.unflatten(y_tree, [])
-    stacked = [S.stack([ys[i][k] for i in range(n)]) for k in range(len(ys[0]))]
-    return carry, tree.unflatten(y_tree, stacked)
+        return list(carry) + [S.zeros((0,) + tuple(a.shape), a.dtype) for a in y_avals]
+    return list(carry) + [S.stack([ys[i][k] for i in range(n)]) for k in range(len(y_avals))]
 
 
 def switch(index, branches, *operands):

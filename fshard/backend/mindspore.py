@@ -136,6 +136,58 @@ class LoweringContext:
         self.helpers.append("\n".join(lines) + "\n")
         return name
 
+    def scan_function(self, body: Program, length: int, reverse: bool, unroll: int,
+                      n_consts: int, n_carry: int) -> str:
+        """Emit a scan as a MindSpore graph ``while`` loop; return the helper's name.
+
+        The helper takes ``consts + carry + xs``; ``body`` maps ``consts + carry + one
+        slice of each x`` to ``carry + one y each``. Each y is written into a buffer of
+        ``length`` rows at its step's row (``tensor_scatter_update``: on the CPU backend
+        no in-place row update is cheaper, measured); ``unroll`` body calls run per
+        iteration, the remainder after the loop.
+        """
+        b_name = self.function(body, "scan_body")
+        i = len(self.helpers)
+        name = _py_name(f"fshard_scan_{i}")
+        y_avals = list(body.out_avals[n_carry:])
+        n_xs = len(body.inputs) - n_consts - n_carry
+        cs = [f"c{k}" for k in range(n_consts)]
+        vs = [f"v{k}" for k in range(n_carry)]
+        xs = [f"x{k}" for k in range(n_xs)]
+        ys = [f"y{k}" for k in range(len(y_avals))]
+        zeros, gather = self.ref(ms.ops.zeros), self.ref(ms.ops.gather)
+        update, reshape = self.ref(ms.ops.tensor_scatter_update), self.ref(ms.ops.reshape)
+        expand = self.ref(ms.ops.expand_dims)
+        i32 = self.ref(ms.int32, "int32")
+        lines = [f"def {name}({', '.join(cs + vs + xs)}):"]
+        for y, a in zip(ys, y_avals):
+            shape = "(" + "".join(self.dim(d) + ", " for d in (length,) + tuple(a.shape)) + ")"
+            lines.append(f"    {y} = {zeros}({shape}, {self.ref(a.dtype, 'dt')})")
+
+        def step(indent: str, index: str) -> list:
+            # one body call at step ``index`` (a scalar int32 Tensor expression)
+            out = [f"{indent}j = {index}" if not reverse else f"{indent}j = {length - 1} - ({index})"]
+            slices = [f"{gather}({x}, j, 0)" for x in xs]
+            out.append(f"{indent}r = {b_name}({', '.join(cs + vs + slices)})")
+            out += [f"{indent}{v} = r[{k}]" for k, v in enumerate(vs)]
+            out += [f"{indent}{y} = {update}({y}, {reshape}(j, (1, 1)), "
+                    f"{expand}(r[{n_carry + k}], 0))" for k, y in enumerate(ys)]
+            return out
+
+        n_iter, rest = divmod(length, unroll)
+        lines.append(f"    i = {zeros}((), {i32})")
+        if n_iter:
+            lines.append(f"    while i < {n_iter * unroll}:")
+            for u in range(unroll):
+                lines += step("        ", f"i + {u}" if u else "i")
+            lines.append(f"        i = i + {unroll}")
+        for u in range(rest):
+            lines += step("    ", f"i + {u}" if u else "i")
+        outs = vs + ys
+        lines.append(f"    return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
+        self.helpers.append("\n".join(lines) + "\n")
+        return name
+
     def cond_function(self, branches: list) -> str:
         """Emit a MindSpore graph ``if`` over ``branches`` as a helper function; return
         its name. The helper takes ``index`` then the branches' common inputs; branch

@@ -24,11 +24,12 @@ import math
 
 from fshard import dtypes, tree
 from fshard.core import ArrayType, EvalTrace, current_trace, typeof
-from fshard.errors import DifferentiationError
+from fshard.errors import DifferentiationError, ProgramTypeError
 from fshard.interpret import batch_program, current_axis, eval_program
 from fshard.ir import Program
 from fshard.primitives._batching import batch_size, batch_to_front, move_axis
 from fshard.primitives._define import Zero, def_primitive, instantiate
+from fshard.primitives.structural import broadcast_to, expand_dims, getitem, stack, zeros
 from fshard.rules import batching, sharding, transpose, unsupported
 from fshard.rules import jvp as jvp_rules
 from fshard.sharding import FactorSpec
@@ -403,6 +404,87 @@ unsupported(custom_lin_p, "jvp", "forward mode through a custom_vjp function is 
 # Linear programs that grad(shard(f)) partitions contain it: replicated, like the call.
 sharding.set(custom_lin_p,
              lambda *avals, out_types, **_: _call_sharding(avals, list(out_types)))
+
+
+# ===========================================================================
+# scan: a loop over the leading axis of its xs, one graph loop under jit
+# ===========================================================================
+#
+# Operands: consts + carry + xs (each x stacked along a leading axis of ``length``).
+# Params: body (consts + carry + one slice of each x -> carry + one y each), length,
+# reverse, unroll (body copies per iteration of the graph loop), n_consts, n_carry.
+# Results: the final carry, then each y stacked along a leading axis of ``length``.
+#
+# fs.scan binds it where a graph loop is the better form (the rule and its
+# measurements: docs/control_flow.md); elsewhere it unrolls. Its JVP rule, which
+# needs the JVP interpreter, sits with fs.scan in fshard.transforms.control_flow.
+
+
+def _scan_type(*avals, body, length, reverse, unroll, n_consts, n_carry):
+    carry = list(avals[n_consts:n_consts + n_carry])
+    outs = list(body.out_avals)
+    if outs[:n_carry] != carry:
+        raise ProgramTypeError(
+            f"scan: the body returns the carry {tuple(str(a) for a in outs[:n_carry])} for "
+            f"a carry of {tuple(str(a) for a in carry)}; they must be equal.")
+    for a in avals[n_consts + n_carry:]:
+        if not a.ndim or a.shape[0] != length:
+            raise ProgramTypeError(f"scan: every x must have a leading axis of the length "
+                                   f"{length}, got {a}.")
+    return carry + [ArrayType((length,) + tuple(a.shape), a.dtype) for a in outs[n_carry:]]
+
+
+def _scan_order(length, reverse):
+    return reversed(range(length)) if reverse else range(length)
+
+
+def _scan_impl(*args, body, length, reverse, unroll, n_consts, n_carry):
+    consts, carry, xs = _split(list(args), n_consts, n_carry)
+    ys = [None] * length
+    for i in _scan_order(length, reverse):
+        outs = eval_program(body, *consts, *carry, *[getitem(x, i) for x in xs])
+        carry, ys[i] = outs[:n_carry], outs[n_carry:]
+    y_avals = body.out_avals[n_carry:]
+    if length == 0:
+        return carry + [zeros((0,) + tuple(a.shape), a.dtype) for a in y_avals]
+    return carry + [stack([ys[i][k] for i in range(length)]) for k in range(len(y_avals))]
+
+
+def _scan_lowering(ctx, *exprs, body, length, reverse, unroll, n_consts, n_carry):
+    helper = ctx.scan_function(body, length, reverse, unroll, n_consts, n_carry)
+    return f"{helper}({', '.join(exprs)})"
+
+
+scan_p = def_primitive("scan", FAMILY, _scan_type, _scan_impl, multiple_results=True,
+                       lower=_scan_lowering)
+
+
+def _scan_batching(args, dims, *, body, length, reverse, unroll, n_consts, n_carry):
+    """The scan of the batched body: every carry batched in front (an unbatched initial
+    carry is broadcast), a batched x batched on its axis 1 (axis 0 is the scan's), so
+    each slice is batched in front; each y comes out batched on axis 1."""
+    size = batch_size(args, dims)
+    consts, carry, xs = _split(list(args), n_consts, n_carry)
+    dc, dcarry, dxs = _split(list(dims), n_consts, n_carry)
+    consts, dc = _front_args(consts, dc)
+    carry = [move_axis(x, d, 0) if d is not None else broadcast_to(
+        expand_dims(x, 0), (size,) + tuple(typeof(x).shape)) for x, d in zip(carry, dcarry)]
+    xs = [x if d is None else move_axis(x, d, 1) for x, d in zip(xs, dxs)]
+    d_slices = [None if d is None else 0 for d in dxs]
+    new_body, b_consts, _ = _batch_closed(body, dc + [0] * n_carry + d_slices, size,
+                                          _all_front)
+    outs = scan_p.bind(*b_consts, *consts, *carry, *xs, body=new_body, length=length,
+                       reverse=reverse, unroll=unroll, n_consts=len(b_consts) + n_consts,
+                       n_carry=n_carry)
+    return outs, [0] * n_carry + [1] * (len(outs) - n_carry)
+
+
+batching.set(scan_p, _scan_batching)
+# Every device runs the whole loop on replicated operands (correct on any mesh).
+# fs.scan unrolls under fs.shard instead, so that layouts propagate through the body
+# and a split carry keeps its layout; this rule serves a scan staged elsewhere.
+sharding.set(scan_p, lambda *avals, **params: _call_sharding(avals, _scan_type(*avals,
+                                                                               **params)))
 
 
 # ===========================================================================

@@ -504,8 +504,21 @@ def _scan(rng, dt):
             eq, vals = _staged_equation(_scan_fn(n, reverse, unroll), (x, y, xs), C.scan_p)
             out.append(Sample(vals, eq.params,
                               diff_argnums=tuple(k for k in range(len(vals))
-                                                 if np.asarray(vals[k]).dtype.kind == "f")))
+                                                 if np.asarray(vals[k]).dtype.kind == "f"),
+                              linear_groups=()))
+            # a body linear in the carry and the xs (what reverse mode transposes)
+            eq, vals = _staged_equation(_linear_scan_fn(reverse, unroll), (y, x, xs), C.scan_p)
+            nc = eq.params["n_consts"]
+            out.append(Sample(vals, eq.params, diff_argnums=tuple(range(len(vals))),
+                              linear_groups=((nc, nc + 1),)))
     return out
+
+
+def _linear_scan_fn(reverse, unroll):
+    def fn(a, c, xs):
+        return fs.scan(lambda c, x: (c * a + x * 0.5, c * 2.0 - x), c, xs, reverse=reverse,
+                       unroll=unroll)
+    return fn
 
 
 def _switch_fn(k, x, y):
@@ -1232,7 +1245,8 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(CF.while_p, _while, rule_samples=3, jit_samples=2,
                       custom_checks={"vjp": _while_vjp}),
         PrimitiveSpec(CF.cond_p, _cond, rule_samples=3, jit_samples=3),
-        PrimitiveSpec(C.scan_p, _scan, rule_samples=3, jit_samples=2),
+        PrimitiveSpec(C.scan_p, _scan, rule_samples=3, jit_samples=2,
+                      linear_groups=(PER_SAMPLE,)),
         # Per-device primitives (spmd)
         PrimitiveSpec(P.block_slice_p, _block_slice, eager_error=AxisNameError,
                       linear_groups=((0,),), custom_checks={

@@ -342,6 +342,44 @@ def test_scan_graph_loop_equals_the_unrolled_scan_and_a_python_loop(unroll, reve
     assert_close(float(n(jv)), float((n(g_ref[0]) * tangent).sum()), rtol=1e-10)
 
 
+def test_the_gradient_of_a_graph_loop_scan_is_a_reverse_loop():
+    """grad of a 300-step scan: a primal loop stacking residuals and a reverse loop, a
+    program of a few equations whatever the length, equal to central differences."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((4, 4)) * 0.3
+    xs = rng.standard_normal((300, 4))
+
+    def loss(w, unroll=1):
+        _, ys = fs.scan(lambda c, x: (fs.ops.tanh(fs.ops.matmul(w, c) + x),) * 2,
+                        np.zeros(4), xs, unroll=unroll)
+        return (ys ** 2).sum()
+
+    def loss_np(w):
+        c, total = np.zeros(4), 0.0
+        for x in xs:
+            c = np.tanh(w @ c + x)
+            total += (c ** 2).sum()
+        return total
+
+    program = fs.make_ir(fs.grad(loss))(w).program
+    assert len(program.equations) < 30
+    assert [eq.params["reverse"] for eq in program.equations if eq.prim.name == "scan"] == [
+        False, True]
+    g = n(fs.jit(fs.grad(loss))(w))
+    eps, num = 1e-6, np.zeros_like(w)
+    for idx in np.ndindex(w.shape):
+        d = np.zeros_like(w)
+        d[idx] = eps
+        num[idx] = (loss_np(w + d) - loss_np(w - d)) / (2 * eps)
+    assert_close(g, num, rtol=1e-6, atol=1e-8)
+    assert_close(n(fs.grad(lambda w: loss(w, 7))(w)), num, rtol=1e-6, atol=1e-8)
+    # second order: the Hessian-vector product through both loops
+    v = rng.standard_normal((4, 4))
+    _, hv = fs.jvp(fs.grad(loss), (w,), (v,))
+    _, hv_ref = fs.jvp(fs.grad(lambda w: loss(w, True)), (w,), (v,))
+    assert_close(n(hv), n(hv_ref), rtol=1e-8, atol=1e-10)
+
+
 def test_scan_graph_loop_with_length_and_no_xs():
     def powers(x):
         return fs.scan(lambda c, _: (c * 2.0, c), x, None, length=5, unroll=1)

@@ -12,9 +12,10 @@ How each is built, and why:
 - ``scan`` traces its body once, then either unrolls it (short loops of small bodies:
   ``SCAN_UNROLL_EQUATIONS``, measured) or binds the ``scan`` primitive
   (``fshard.primitives.control``), one MindSpore graph loop under ``jit``. The
-  primitive's JVP rule, here because it needs the JVP interpreter, unrolls the loop,
-  so reverse mode transposes the body's primitives. Under ``shard`` scan unrolls, so
-  layouts propagate through the body.
+  primitive's JVP and transpose rules sit here (they need the JVP interpreter): the
+  JVP is a primal scan stacking the residuals and a tangent scan linear in the
+  tangents; its transpose is a reverse scan. Under ``shard`` scan unrolls, so layouts
+  propagate through the body.
 - ``fori_loop`` with static bounds is unrolled up to ``MAX_UNROLL`` iterations (the
   body traced per iteration, ``i`` a Python int) and a ``scan`` over ``(i, val)``
   beyond; with traced bounds it is a ``while_loop``.
@@ -37,17 +38,18 @@ from fshard import context, dtypes, random, tree
 from fshard.core import ArrayType, Tracer, typeof
 from fshard.errors import ArgumentError, ProgramTypeError
 from fshard.interpret import eval_program
-from fshard.ir import Program
+from fshard.ir import Literal, Program
 from fshard.primitives import elementwise as E
 from fshard.primitives import reductions as R
 from fshard.primitives import structural as S
 from fshard.primitives._batching import batch_size
-from fshard.primitives._define import Zero, as_tensor, def_primitive, instantiate
+from fshard.primitives._define import (UndefinedPrimal, Zero, as_tensor, def_primitive,
+                                      instantiate)
 from fshard.primitives.control import (_all_front, _batch_closed, _call_sharding,
                                        _front_args, _split, _stage_closed, scan_p)
-from fshard.rules import batching, jvp as jvp_rules, sharding, unsupported
+from fshard.rules import batching, jvp as jvp_rules, sharding, transpose, unsupported
 from fshard.staging import fun_name
-from fshard.transforms.ad import jvp_program
+from fshard.transforms.ad import backward_pass, jvp_program, partial_eval
 
 __all__ = ["cond", "switch", "while_loop", "fori_loop", "scan", "MAX_UNROLL",
            "GRAPH_IF_FLOPS", "SCAN_UNROLL_EQUATIONS"]
@@ -253,43 +255,146 @@ sharding.set(while_p, lambda *avals, body, **_: _call_sharding(avals, body.out_a
 
 
 # ===========================================================================
-# scan: the JVP rule of the primitive (fshard.primitives.control.scan_p)
+# scan: the JVP and transpose rules of the primitive (fshard.primitives.control.scan_p)
 # ===========================================================================
 
 
-def _scan_jvp(primals, tangents, *, body, length, reverse, unroll, n_consts, n_carry):
-    """Unroll the loop under the JVP interpreter: each step is the body's JVP, so
-    reverse mode transposes ordinary primitives (as for an unrolled scan)."""
+def _is_zero_tangent(t, x) -> bool:
+    return isinstance(t, Zero) or not dtypes.is_float(typeof(x).dtype)
+
+
+def _scan_jvp_loops(primals, tangents, *, body, length, reverse, unroll, n_consts, n_carry):
+    """Two scans: the primal one, which also stacks the residuals (the values of each
+    step that the tangents need), and a tangent scan, linear in the tangents, over the
+    stacked residuals. Reverse mode transposes the tangent scan into a reverse loop
+    (``_scan_transpose``)."""
     consts, carry, xs = _split(list(primals), n_consts, n_carry)
     tconsts, tcarry, txs = _split(list(tangents), n_consts, n_carry)
+    nz_c = [not _is_zero_tangent(t, x) for t, x in zip(tconsts, consts)]
+    nz_x = [not _is_zero_tangent(t, x) for t, x in zip(txs, xs)]
+    nz_v = [not _is_zero_tangent(t, x) for t, x in zip(tcarry, carry)]
     n_y = len(body.outputs) - n_carry
-    ys, tys = [None] * length, [None] * length
-    for i in (reversed(range(length)) if reverse else range(length)):
-        x_i = [S.getitem(x, i) for x in xs]
-        tx_i = [Zero(typeof(x)) if isinstance(t, Zero) else S.getitem(t, i)
-                for x, t in zip(x_i, txs)]
-        outs, touts = jvp_program(body, consts + carry + x_i, tconsts + tcarry + tx_i)
-        carry, tcarry = outs[:n_carry], touts[:n_carry]
-        ys[i], tys[i] = outs[n_carry:], touts[n_carry:]
-    y_out, ty_out = [], []
-    for k in range(n_y):
-        a = body.out_avals[n_carry + k]
-        stacked = ArrayType((length,) + tuple(a.shape), a.dtype)
-        if length == 0:
-            y_out.append(S.zeros(stacked.shape, a.dtype))
-            ty_out.append(Zero(stacked))
-            continue
-        y_out.append(S.stack([ys[i][k] for i in range(length)]))
-        col = [tys[i][k] for i in range(length)]
-        ty_out.append(Zero(stacked) if all(isinstance(t, Zero) for t in col)
-                      else S.stack([instantiate(t) for t in col]))
-    return list(carry) + y_out, list(tcarry) + ty_out
+    in_avals = list(body.in_avals)
+    c_av, v_av, x_av = _split(in_avals, n_consts, n_carry)
+    while True:  # the carries whose tangent is nonzero: a fixed point
+        box = []
+
+        def joint(*args, nz_v=tuple(nz_v)):
+            ps = list(args[:len(in_avals)])
+            ts_in = iter(args[len(in_avals):])
+            ts = ([next(ts_in) if z else Zero(a) for z, a in zip(nz_c, c_av)]
+                  + [next(ts_in) if z else Zero(a) for z, a in zip(nz_v, v_av)]
+                  + [next(ts_in) if z else Zero(a) for z, a in zip(nz_x, x_av)])
+            outs, touts = jvp_program(body, ps, ts)
+            box.append([not isinstance(t, Zero) for t in touts])
+            t_carry = [instantiate(t) for t, z in zip(touts[:n_carry], nz_v) if z]
+            t_ys = [instantiate(t) for t in touts[n_carry:] if not isinstance(t, Zero)]
+            return list(outs) + t_carry + t_ys
+
+        t_avals = ([a for z, a in zip(nz_c, c_av) if z] + [a for z, a in zip(nz_v, v_av) if z]
+                   + [a for z, a in zip(nz_x, x_av) if z])
+        prog, k = _stage_closed(joint, in_avals + t_avals)
+        out_nz = box[0]
+        new_v = [a or (b and dtypes.is_float(av.dtype))
+                 for a, b, av in zip(nz_v, out_nz[:n_carry], v_av)]
+        if new_v == nz_v:
+            break
+        nz_v = new_v
+    nz_y = out_nz[n_carry:]
+    n_k, n_p, n_t = len(k), len(in_avals), len(t_avals)
+    # constants the staging captured are primal inputs (known): passed as consts
+    known, linear = partial_eval(prog, [False] * (n_k + n_p) + [True] * n_t)
+    n_res = len(known.outputs)
+    n_out = len(body.outputs)
+    primal_outs = prog.outputs[:n_out]
+    # Residuals that are loop constants are passed as such; the others are stacked.
+    invariant = dict(zip(prog.inputs[:n_k + n_consts], list(k) + list(consts)))
+    inv = [v in invariant for v in known.outputs]
+    inv_vals = [invariant[v] for v, z in zip(known.outputs, inv) if z]
+    var_avals = [v.aval for v, z in zip(known.outputs, inv) if not z]
+
+    def primal_body(*args):
+        r = eval_program(known, *args)
+        env = dict(zip(known.outputs, r))
+        vals = [a.value if isinstance(a, Literal) else env[a] for a in primal_outs]
+        return vals + [x for x, z in zip(r, inv) if not z]
+
+    p_body, p_k = _stage_closed(primal_body, [v.aval for v in prog.inputs[:n_k]] + in_avals)
+    outs = scan_p.bind(*p_k, *k, *consts, *carry, *xs, body=p_body, length=length,
+                       reverse=reverse, unroll=unroll, n_consts=len(p_k) + n_k + n_consts,
+                       n_carry=n_carry)
+    p_out, stacked_res = outs[:n_out], outs[n_out:]
+    n_tc, n_tv, n_inv = sum(nz_c), sum(nz_v), len(inv_vals)
+
+    def tangent_body(*args):
+        ri, tc, tv, rv, tx = _split(list(args), n_inv, n_tc, n_tv, len(var_avals))
+        it_i, it_v = iter(ri), iter(rv)
+        res = [next(it_i) if z else next(it_v) for z in inv]
+        r = eval_program(linear, *res, *tc, *tv, *tx)
+        return r[n_out:]
+
+    nz_c_av = [a for z, a in zip(nz_c, c_av) if z]
+    nz_v_av = [a for z, a in zip(nz_v, v_av) if z]
+    nz_x_av = [a for z, a in zip(nz_x, x_av) if z]
+    t_body, t_k = _stage_closed(tangent_body, [typeof(v) for v in inv_vals] + nz_c_av
+                                + nz_v_av + var_avals + nz_x_av)
+    tc_in = [t for t, z in zip(tconsts, nz_c) if z]
+    tv_in = [instantiate(t) if not isinstance(t, Zero) else instantiate(Zero(typeof(x)))
+             for t, x, z in zip(tcarry, carry, nz_v) if z]
+    tx_in = [t for t, z in zip(txs, nz_x) if z]
+    t_outs = scan_p.bind(*t_k, *inv_vals, *tc_in, *tv_in, *stacked_res, *tx_in, body=t_body,
+                         length=length, reverse=reverse, unroll=unroll,
+                         n_consts=len(t_k) + n_inv + n_tc, n_carry=n_tv)
+    t_iter = iter(t_outs)
+    t_carry = [next(t_iter) if z else Zero(typeof(x)) for z, x in zip(nz_v, carry)]
+    t_ys = [next(t_iter) if z else Zero(typeof(y)) for z, y in zip(nz_y, p_out[n_carry:])]
+    return list(p_out), t_carry + t_ys
 
 
-jvp_rules.set(scan_p, _scan_jvp)
-unsupported(scan_p, "transpose",
-            "not needed: the JVP rule of scan unrolls the loop, so reverse mode transposes "
-            "the body's primitives step by step")
+def _scan_transpose(cts, *args, body, length, reverse, unroll, n_consts, n_carry):
+    """A reverse loop: carries the carry's cotangent and sums the constants'; each
+    step transposes the body (its known part evaluated forward first)."""
+    consts, carry, xs = _split(list(args), n_consts, n_carry)
+    lin_c = [isinstance(a, UndefinedPrimal) for a in consts]
+    lin_x = [isinstance(a, UndefinedPrimal) for a in xs]
+    c_av, v_av, x_av = _split(list(body.in_avals), n_consts, n_carry)
+    y_av = body.out_avals[n_carry:]
+    known, lin = partial_eval(body, lin_c + [True] * n_carry + lin_x)
+    n_res = len(known.outputs)
+    res_c = [a for a, z in zip(consts, lin_c) if not z]
+    res_x = [a for a, z in zip(xs, lin_x) if not z]
+    lc_av = [a for a, z in zip(c_av, lin_c) if z]
+    lx_av = [a for a, z in zip(x_av, lin_x) if z]
+
+    def t_body(*a):
+        rc, ctv, acc, rx, cty = _split(list(a), len(res_c), n_carry, len(lc_av), len(res_x))
+        r = eval_program(known, *rc, *rx)
+        cts_in = backward_pass(lin, n_res, r, list(ctv) + list(cty))
+        cts_in = [instantiate(c) if not isinstance(c, Zero) else instantiate(Zero(av))
+                  for c, av in zip(cts_in, lc_av + v_av + lx_av)]
+        c_c, c_v, c_x = _split(cts_in, len(lc_av), n_carry)
+        return list(c_v) + [E.add(x, y) for x, y in zip(acc, c_c)] + list(c_x)
+
+    prog, k = _stage_closed(t_body, [typeof(a) for a in res_c] + list(v_av) + lc_av
+                            + [ArrayType(tuple(typeof(x).shape[1:]), typeof(x).dtype)
+                               for x in res_x] + list(y_av))
+    ct_v = [instantiate(c) if not isinstance(c, Zero) else instantiate(Zero(a))
+            for c, a in zip(cts[:n_carry], v_av)]
+    ct_y = [instantiate(c) if not isinstance(c, Zero) else instantiate(
+            Zero(ArrayType((length,) + tuple(a.shape), a.dtype)))
+            for c, a in zip(cts[n_carry:], y_av)]
+    acc0 = [instantiate(Zero(a)) for a in lc_av]
+    outs = scan_p.bind(*k, *res_c, *ct_v, *acc0, *res_x, *ct_y, body=prog, length=length,
+                       reverse=not reverse, unroll=unroll, n_consts=len(k) + len(res_c),
+                       n_carry=n_carry + len(lc_av))
+    ct_carry, ct_c, ct_x = _split(list(outs), n_carry, len(lc_av))
+    it_c, it_x = iter(ct_c), iter(ct_x)
+    return ([next(it_c) if z else None for z in lin_c] + list(ct_carry)
+            + [next(it_x) if z else None for z in lin_x])
+
+
+jvp_rules.set(scan_p, _scan_jvp_loops)
+transpose.set(scan_p, _scan_transpose)
 
 
 # ===========================================================================

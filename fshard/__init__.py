@@ -56,6 +56,7 @@ from fshard.primitives.collectives import (  # noqa: F401
 )
 from fshard.primitives.control import custom_jvp as custom_jvp
 from fshard.primitives.control import custom_vjp as custom_vjp
+from fshard.primitives.pipeline import pipeline_split as pipeline_split
 from fshard.primitives.structural import stop_gradient as stop_gradient
 from fshard.staging import make_ir as make_ir
 from fshard.transforms.jit import jit as jit

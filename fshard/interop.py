@@ -35,12 +35,13 @@ from typing import Callable
 
 import numpy as np
 
-from fshard import dtypes
+from fshard import dtypes, tree
 from fshard import ops as fo
 from fshard.backend import mindspore as backend
 from fshard.core import Tracer, is_symbolic, typeof
 from fshard.errors import (FshardError, OperatorStrategyWarning, ProgramTypeError,
                            UnsupportedOpError)
+from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.staging import register_user_code_hook
 from fshard.tensor_methods import ms_mean, ms_sum, truthy_reduce
 
@@ -817,11 +818,20 @@ def _wrap_cell_call(orig):
     def __call__(self, *args, **kwargs):
         if (_has_tracer(args) or (kwargs and _has_tracer(kwargs.values()))
                 or _holds_tracer(self)):
+            stage = self.__dict__.get("_pipeline_stage")
+            if stage is not None:  # MindSpore's cell.pipeline_stage = k: the inputs enter k
+                args, kwargs = _enter_stage((args, kwargs), stage)
             return self.construct(*args, **kwargs)
         return orig(self, *args, **kwargs)
 
     __call__.__wrapped__ = orig
     return __call__
+
+
+def _enter_stage(values, stage: int):
+    check_not_in_vmap()
+    return tree.map(lambda v: pipeline_split_p.bind(v, stage=stage)
+                    if isinstance(v, Tracer) else v, values)
 
 
 def _wrap_tensor_new(orig):

@@ -35,6 +35,7 @@ from fshard.transforms import control_flow as CF
 from fshard.primitives import elementwise as E
 from fshard.primitives import linalg as L
 from fshard.primitives import nn as N
+from fshard.primitives import pipeline as PL
 from fshard.primitives import reductions as R
 from fshard.primitives import spmd as P
 from fshard.primitives import structural as S
@@ -1216,6 +1217,7 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(S.transpose_p, _transpose, DATA, linear_groups=((0,),)),
         PrimitiveSpec(S.full_p, _full, (F32,), diff_argnums=()),
         PrimitiveSpec(S.stop_gradient_p, unary(), DATA, zero_derivative=True),
+        PrimitiveSpec(PL.pipeline_split_p, unary(), DATA, linear_groups=((0,),)),
         PrimitiveSpec(S.concat_p, _concat, DATA, (0, 1, 2), (ALL,), **THOROUGH),
         PrimitiveSpec(S.split_p, _split, DATA, linear_groups=((0,),), **THOROUGH),
         PrimitiveSpec(S.slice_p, _slice, DATA, linear_groups=((0,),), **THOROUGH),

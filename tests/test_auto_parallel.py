@@ -208,7 +208,7 @@ def test_param_strategy_file_round_trip(tmp_path):
     (lambda ap: ap.comm_fusion({"allgather": {"mode": "auto"}}), "allgather"),
     (lambda ap: ap.comm_fusion(3), "must be a dict"),
     (lambda ap: ap.dataset_strategy("model_parallel"), "data_parallel"),
-    (lambda ap: ap.pipeline(stages=2), "pipeline"),
+    (lambda ap: ap.pipeline(stages=3), "must divide the 4 devices"),
     (lambda ap: ap.init(), "params is required"),
 ])
 def test_misuse_is_an_fshard_error(call, match):

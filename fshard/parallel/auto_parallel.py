@@ -46,6 +46,8 @@ from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import apply_updates
+from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
+from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
 from fshard.sharding.plan import write_json_atomic
 from fshard.staging import fun_name
@@ -134,6 +136,7 @@ class AutoParallel:
         self._fusion = None  # bucket bytes
         self._fixed_params = None  # loaded parameter strategies
         self._steps: dict = {}
+        self._pipeline = None  # a PipelineRunner once pipeline(stages > 1) is set
         self._fp32_comm = False  # enable_fp32_communication
         self._gradient_fp32_sync = True  # MindSpore's default; disable_gradient_fp32_sync
         self._local_norm = (False, None)  # (print, dump directory)
@@ -289,8 +292,43 @@ class AutoParallel:
         self._steps.clear()
         return self
 
-    def pipeline(self, *args, **kwargs):
-        _refuse("pipeline", "pipeline parallelism is not supported by fshard yet.")
+    def pipeline(self, stages: int = 1, output_broadcast: bool = False, interleave: bool = False,
+                 scheduler: str = "1f1b", *, micro_batches: int | None = None) -> "AutoParallel":
+        """Pipeline parallelism (docs/pipeline.md): the devices split into ``stages``
+        groups, each batch into ``micro_batches`` (default: ``stages``) whose gradients
+        are summed before one optimizer update, run in the ``scheduler``'s order
+        (``"1f1b"`` or ``"gpipe"``); ``interleave`` gives each stage several model
+        chunks; ``output_broadcast`` sends the loss to every stage. ``stages=1`` turns
+        it off. The loss marks its stages with ``fs.pipeline_split`` (or Cells'
+        ``pipeline_stage``)."""
+        if micro_batches is None and isinstance(stages, int):
+            micro_batches = stages
+        cfg = check_pipeline_args(stages, micro_batches, scheduler, interleave,
+                                  output_broadcast, self.n_devices)
+        if stages == 1 and micro_batches != 1:
+            raise ArgumentError(
+                f"AutoParallel.pipeline(stages=1) turns the pipeline off, so "
+                f"micro_batches={micro_batches} would be ignored.\nFix: stages >= 2 for a "
+                "pipeline, or drop micro_batches.")
+        self._pipeline = None if stages == 1 else PipelineRunner(self, cfg, TrainState)
+        return self
+
+    def gather_params(self, state: TrainState):
+        """The trained parameters on every process: with a pipeline in a multi-process
+        job each process updates only its stage's parameters (the rest of its
+        ``state.params`` keeps the values it was given); this collects them."""
+        if self._pipeline is None:
+            return state.params
+        return self._pipeline.gather_params(state)
+
+    def pipeline_schedule(self, virtual_stages: int | None = None) -> Schedule:
+        """The pipeline's schedule: ``.actions(stage)`` the ordered actions of a stage,
+        ``.timeline()`` their simulated timing (bubble, peak activations, pictures)."""
+        if self._pipeline is None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).pipeline_schedule(): no pipeline is configured."
+                "\nFix: call ap.pipeline(stages=S, micro_batches=M) first.")
+        return self._pipeline.schedule(virtual_stages)
 
     # -- the train state -----------------------------------------------------------
     def init(self, params=None) -> TrainState:
@@ -491,6 +529,12 @@ class AutoParallel:
         return self._sharded(state, self._plan_batch(batch))
 
     def _sharded(self, state: TrainState, batch):
+        if self._pipeline is not None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}): with a pipeline the step is not one sharded "
+                "program, so partitioned(), memory_report(), state_strategies() and the "
+                "strategy files are not available.\nFix: inspect the pipeline with "
+                "pipeline_schedule(); call pipeline(stages=1) to turn it off.")
         key = (tree.structure(state), tuple(
             (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))))
         hit = self._steps.get(key)
@@ -528,6 +572,8 @@ class AutoParallel:
             raise ArgumentError(
                 f"AutoParallel({self.name})(state, *batch): state must be the TrainState "
                 f"from ap.init(...); got {type(state).__name__}.")
+        if self._pipeline is not None:
+            return self._pipeline(state, *batch)
         if self._feeds_slices():
             batch = self._place_slices(state, batch)
         _, step = self._sharded(state, batch if self._batch_specs is None

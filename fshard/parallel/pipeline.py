@@ -1,0 +1,724 @@
+"""Pipeline parallelism for ``fs.AutoParallel``: stages, micro-batches, schedules.
+
+``ap.pipeline(stages=S, micro_batches=M, scheduler=..., interleave=...)`` turns the
+train step into a pipelined one:
+
+1. **Stages.** The loss is traced once on one micro-batch's shapes. Each equation
+   belongs to a model stage ("chunk"): a ``pipeline_split`` marker (``fs.pipeline_split``
+   or a Cell's ``pipeline_stage``) starts a later chunk and every other equation runs
+   in the latest chunk of its inputs (values that depend on no marked value, such as a
+   transposed weight, run in the first chunk that uses them). Values used by later
+   chunks are carried across each boundary; a parameter belongs to the one chunk that
+   uses it.
+2. **Devices.** The devices form a ``(pp, dp) = (S, n / S)`` grid, stage-major (stage
+   ``s`` holds ranks ``s * dp ... s * dp + dp - 1``, as MindSpore's stages do); chunk
+   ``c`` runs on stage ``c % S``; inside a stage the micro-batch is split over ``dp``.
+3. **One step** follows the schedule's program order (fshard/parallel/schedule.py):
+   each forward is the chunk's ``fs.vjp`` on its micro-batch (activations kept until
+   the backward), each backward pulls the cotangent through; a transfer round moves
+   activations one stage on and cotangents one stage back. Gradients are summed over
+   micro-batches and the ``dp`` replicas (MindSpore's ``PipelineGradReducer``), the
+   last chunk seeding ``1 / (M * dp)``, and the optimizer runs once. For a loss that is
+   a mean over the examples, that is exactly the gradient of the full batch's loss.
+
+Where it runs:
+
+- **Virtual mesh** (one process): the per-device programs of all ``S * dp`` devices are
+  traced into one program, in the schedule's order; a transfer hands the value over.
+  One compiled program per configuration.
+- **Multi-process job** (the mesh is the world): each process traces only its own
+  stage's actions (its rank is known when it traces). Every transfer round is an
+  ``fs.ppermute`` over the ``pp`` axis (MindSpore's CPU backend has no Send/Receive in
+  graphs: the verified emulation is a one-hot slot buffer summed over the pipeline
+  group), the carried values flattened into one float32 buffer padded to the largest
+  boundary; every rank of a pipeline group runs the same rounds. Gradients are summed
+  over ``dp`` with ``fs.psum``. Each process updates the parameters of its stage; the
+  other entries of its ``state.params`` stay as they were (``ap.gather_params(state)``
+  collects the trained values everywhere).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+
+from fshard import distributed, dtypes, tree
+from fshard.core import ArrayType, bind, typeof
+from fshard.errors import ArgumentError
+from fshard.interpret import equation_note
+from fshard.ir import Literal, Var
+from fshard.mesh import Mesh, resolve_mesh
+from fshard.optim import apply_updates
+from fshard.parallel.schedule import Event, Schedule, check_config
+from fshard.primitives import collectives as C
+from fshard.primitives.elementwise import cast
+from fshard.primitives.pipeline import pipeline_split_p
+from fshard.primitives.structural import concat, reshape
+from fshard.staging import trace_fun
+from fshard.transforms.ad import vjp
+from fshard.transforms.jit import jit
+
+
+class PipelineConfig(NamedTuple):
+    stages: int
+    micro_batches: int
+    scheduler: str
+    interleave: bool
+    output_broadcast: bool
+
+
+def check_pipeline_args(stages, micro_batches, scheduler, interleave, output_broadcast,
+                        n_devices: int) -> PipelineConfig:
+    for name, v in (("interleave", interleave), ("output_broadcast", output_broadcast)):
+        if not isinstance(v, bool):
+            raise ArgumentError(
+                f"AutoParallel.pipeline({name}=...) must be True or False; got {v!r}.")
+    # (interleave's own check, M a multiple of S, needs only v > 1)
+    check_config(stages, micro_batches, scheduler, 2 if interleave else 1)
+    if n_devices % stages:
+        raise ArgumentError(
+            f"AutoParallel.pipeline(stages={stages}) must divide the {n_devices} devices "
+            f"into equal stage groups; {n_devices} is not a multiple of {stages}.\nFix: "
+            f"stages one of {[d for d in range(1, n_devices + 1) if n_devices % d == 0]}, "
+            "or a mesh whose device count is a multiple of stages.")
+    return PipelineConfig(stages, micro_batches, scheduler, interleave, output_broadcast)
+
+
+# ---------------------------------------------------------------------------
+# The loss cut into chunks
+# ---------------------------------------------------------------------------
+
+
+class Stages:
+    """The loss program cut into ``n`` chunks (see the module docstring)."""
+
+    def __init__(self, loss_fn, name: str, params, batch, local_rows: int):
+        p_leaves, _ = tree.flatten(params)
+        b_leaves, _ = tree.flatten(list(batch))
+        in_tree = tree.structure(((params, *batch), {}))
+        avals = [typeof(x) for x in p_leaves]
+        for x in b_leaves:
+            a = typeof(x)
+            avals.append(ArrayType((local_rows,) + tuple(a.shape[1:]), a.dtype))
+        traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+        prog = self.program = traced.program
+        self.consts = list(traced.consts)
+        self.name = name
+        self._compiled: dict = {}
+        n_c, n_p = prog.n_consts, len(p_leaves)
+        self.const_vars = prog.inputs[:n_c]
+        self.param_vars = prog.inputs[n_c:n_c + n_p]
+        self.batch_vars = prog.inputs[n_c + n_p:]
+        out = prog.outputs
+        if len(out) != 1 or not isinstance(out[0], Var) or out[0].aval.ndim != 0 or \
+                not dtypes.is_float(out[0].aval.dtype):
+            raise ArgumentError(
+                f"AutoParallel({name}).pipeline: the loss must return one float scalar (the "
+                f"mean loss of the batch); got {[str(getattr(o, 'aval', o)) for o in out]}."
+                "\nFix: return the loss alone (has_aux is not supported with a pipeline).")
+        self._assign()
+
+    def _fail(self, msg):
+        raise ArgumentError(f"AutoParallel({self.name}).pipeline: {msg}")
+
+    def _assign(self):
+        prog = self.program
+        st: dict = {}   # Var -> chunk (None: not yet known)
+        eq_st = []
+        for eq in prog.equations:
+            known = [st[v] for v in eq.inputs if isinstance(v, Var) and st.get(v) is not None]
+            base = max(known) if known else None
+            if eq.prim is pipeline_split_p:
+                k = eq.params.get("stage")
+                if k is None:
+                    k = (base if base is not None else 0) + 1
+                elif base is not None and k < base:
+                    self._fail(
+                        f"a value computed in stage {base} enters stage {k}: values may only "
+                        "flow to the same or a later stage.\nFix: give the Cell that "
+                        f"consumes it pipeline_stage >= {base}, or the Cell that computes it "
+                        f"a stage <= {k}." + (f" (at {eq.source})" if eq.source else ""))
+                s = k
+            else:
+                s = base
+            eq_st.append(s)
+            for v in eq.outputs:
+                st[v] = s
+        # equations of unmarked values (weights, batch preprocessing) run in the first
+        # chunk that uses them
+        users: dict = {}
+        for i, eq in enumerate(prog.equations):
+            for v in eq.inputs:
+                if isinstance(v, Var):
+                    users.setdefault(v, []).append(i)
+        found = max([s for s in eq_st if s is not None], default=0) + 1
+        for i in range(len(prog.equations) - 1, -1, -1):
+            if eq_st[i] is None:
+                outs = prog.equations[i].outputs
+                # a value entering a stage through an fs.pipeline_split marker is made
+                # in the stage before it
+                cands = [eq_st[j] - (prog.equations[j].prim is pipeline_split_p
+                                     and prog.equations[j].params.get("stage") is None)
+                         for v in outs for j in users.get(v, ()) if eq_st[j] is not None]
+                if any(v in prog.outputs for v in outs):
+                    cands.append(found - 1)
+                eq_st[i] = min(cands) if cands else 0
+        self.n_chunks = found
+        chunk_eqs = [[] for _ in range(found)]
+        for eq, s in zip(prog.equations, eq_st):
+            chunk_eqs[s].append(eq)
+        for c, eqs in enumerate(chunk_eqs):
+            if not any(eq.prim is not pipeline_split_p for eq in eqs):
+                self._fail(
+                    f"stage {c} of {found} is empty (it computes nothing).\nFix: move a "
+                    "pipeline_split marker (or a Cell's pipeline_stage) so that every stage "
+                    "holds part of the model.")
+        if eq_st[[i for i, eq in enumerate(prog.equations)
+                  if prog.outputs[0] in eq.outputs][0]] != found - 1:
+            self._fail(f"the loss is not computed in the last stage ({found - 1}).")
+        self.chunk_eqs = chunk_eqs
+        # parameters: one chunk each
+        owner = {}
+        for v_i, v in enumerate(self.param_vars):
+            chunks = sorted({s for eq, s in zip(prog.equations, eq_st) if v in eq.inputs})
+            if len(chunks) > 1:
+                self._fail(
+                    f"parameter #{v_i} ({v.aval}) is used in stages {chunks}; a parameter "
+                    "must live in one stage (shared weights across stages are not "
+                    "supported).\nFix: use the parameter in one stage only, e.g. pass a "
+                    "value computed from it through fs.pipeline_split.")
+            owner[v_i] = chunks[0] if chunks else 0
+        self.param_owner = owner  # leaf index -> chunk
+        self.chunk_params = [[i for i in range(len(self.param_vars)) if owner[i] == c]
+                             for c in range(found)]
+        # carries: values made in chunks <= b and used in chunks > b
+        made = {}
+        for eq, s in zip(prog.equations, eq_st):
+            for v in eq.outputs:
+                made[v] = s
+        last_use: dict = {}
+        for eq, s in zip(prog.equations, eq_st):
+            for v in eq.inputs:
+                if isinstance(v, Var) and v in made:
+                    last_use[v] = max(last_use.get(v, -1), s)
+        order = [v for eq in prog.equations for v in eq.outputs]
+        self.carries = [[v for v in order if made[v] <= b < last_use.get(v, -1)]
+                        for b in range(found - 1)]
+        for b, vs in enumerate(self.carries):
+            for v in vs:
+                if not dtypes.is_float(v.aval.dtype):
+                    self._fail(
+                        f"a {v.aval} value crosses the boundary between stages {b} and "
+                        f"{b + 1}; only float values can (their cotangents flow back).\nFix: "
+                        "compute it in the stage that uses it, or pass it as a batch input.")
+
+    def check(self, stages: int, interleave: bool) -> int:
+        """The number of chunks per stage (``v``), or an error if the markers do not cut
+        the loss into ``stages`` (times ``v`` with interleave) stages."""
+        found = self.n_chunks
+        if interleave:
+            if found % stages or found == stages:
+                self._fail(
+                    f"interleave=True gives each of the {stages} stages several chunks, so "
+                    f"the model needs a multiple of {stages} chunks, more than {stages}; the "
+                    f"loss has {found} (stage markers + 1).\nFix: {2 * stages} chunks "
+                    f"(={2 * stages - 1} fs.pipeline_split markers) for 2 chunks per stage, "
+                    "or interleave=False.")
+        elif found != stages:
+            why = "more markers than stages" if found > stages else "too few markers"
+            self._fail(
+                f"pipeline(stages={stages}) needs the loss cut into {stages} stages, but its "
+                f"markers cut it into {found} ({why})."
+                f"\nFix: {stages - 1} fs.pipeline_split calls (or Cells with pipeline_stage "
+                f"0..{stages - 1}) for {stages} stages, or pipeline(stages={found}).")
+        return found // stages
+
+    def run_chunk(self, c: int, param_vals, carry_in, batch_vals):
+        """The outputs of chunk ``c``: its carry to the next chunk, or ``[loss]``."""
+        env = dict(zip(self.const_vars, self.consts))
+        env.update(zip(self.batch_vars, batch_vals))
+        env.update(zip([self.param_vars[i] for i in self.chunk_params[c]], param_vals))
+        if c:
+            env.update(zip(self.carries[c - 1], carry_in))
+
+        def read(a):
+            return a.value if isinstance(a, Literal) else env[a]
+
+        for eq in self.chunk_eqs[c]:
+            try:
+                outs = bind(eq.prim, *[read(a) for a in eq.inputs], **eq.params)
+            except Exception as e:
+                e.add_note(equation_note(eq, f"running pipeline stage {c}:"))
+                raise
+            outs = outs if eq.prim.multiple_results else [outs]
+            env.update(zip(eq.outputs, outs))
+        if c == self.n_chunks - 1:
+            return [read(self.program.outputs[0])]
+        return [env[v] for v in self.carries[c]]
+
+    def carry_avals(self, b: int) -> list:
+        return [v.aval for v in self.carries[b]]
+
+
+
+    # -- the compiled pieces: one forward and one backward program per chunk --------
+    def forward_fn(self, c: int):
+        """``(params, carry_in, batch) -> carry_out`` of chunk ``c``, compiled; the last
+        chunk takes and returns the running loss sum: ``(..., loss_sum) -> loss_sum``."""
+        fn = self._compiled.get(("F", c))
+        if fn is None:
+            if c == self.n_chunks - 1:
+                def fwd(pv, ci, bv, loss_sum):
+                    return loss_sum + self.run_chunk(c, pv, ci, bv)[0]
+            else:
+                def fwd(pv, ci, bv):
+                    return self.run_chunk(c, pv, ci, bv)
+            fwd.__name__ = f"{self.name}_stage{c}_forward"
+            fn = self._compiled[("F", c)] = jit(fwd)
+        return fn
+
+    def backward_fn(self, c: int):
+        """``(params, carry_in, batch, ct, grad_sums) -> (grad_sums + grads, ct_in)`` of
+        chunk ``c``, compiled. It recomputes the chunk's forward from its input (the
+        one activation kept per micro-batch between a forward and its backward)."""
+        fn = self._compiled.get(("B", c))
+        if fn is None:
+            def bwd(pv, ci, bv, ct, sums):
+                _, pull = vjp(lambda p, i: self.run_chunk(c, p, i, bv), pv, ci)
+                g_p, g_c = pull(ct)
+                return [s + g for s, g in zip(sums, g_p)], g_c
+
+            bwd.__name__ = f"{self.name}_stage{c}_backward"
+            fn = self._compiled[("B", c)] = jit(bwd)
+        return fn
+
+
+#: Cut losses, by loss function and signature: the chunks' compiled programs are
+#: reused by every pipeline configuration with the same cut and micro-batch shapes.
+_CUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def cut(loss_fn, name: str, params, batch, rows: int) -> Stages:
+    sig = (tree.structure((params, batch)), rows, tuple(
+        (tuple(typeof(x).shape[1:]), typeof(x).dtype) for x in tree.leaves(list(batch))),
+        tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves(params)))
+    try:
+        per_fn = _CUTS.setdefault(loss_fn, {})
+    except TypeError:  # not weak-referenceable: no reuse
+        per_fn = {}
+    hit = per_fn.get(sig)
+    if hit is None:
+        hit = per_fn[sig] = Stages(loss_fn, name, params, batch, rows)
+    return hit
+
+
+# ---------------------------------------------------------------------------
+# The pipelined step
+# ---------------------------------------------------------------------------
+
+
+def batch_rows(name: str, batch, micro_batches: int, dp: int) -> int:
+    """Rows of one micro-batch on one device (checks the batch splits evenly)."""
+    leaves = tree.leaves(list(batch))
+    if not leaves:
+        raise ArgumentError(f"AutoParallel({name}) with a pipeline needs batch inputs.")
+    rows = {typeof(x).shape[0] if typeof(x).ndim else None for x in leaves}
+    if None in rows or len(rows) != 1:
+        raise ArgumentError(
+            f"AutoParallel({name}).pipeline: every batch input must have the same first "
+            f"dimension (the batch) to split into micro-batches; got first dims "
+            f"{[typeof(x).shape[:1] for x in leaves]}.")
+    (B,) = rows
+    if B % (micro_batches * dp):
+        raise ArgumentError(
+            f"AutoParallel({name}).pipeline(micro_batches={micro_batches}): the batch of "
+            f"{B} does not split into {micro_batches} micro-batches of {dp} equal "
+            f"data-parallel parts ({micro_batches} x {dp} = {micro_batches * dp} must divide "
+            f"{B}).\nFix: a batch size that is a multiple of {micro_batches * dp}, or "
+            "micro_batches dividing the batch.")
+    return B // (micro_batches * dp)
+
+
+#: The largest step (in equations, estimated) compiled as one program on a virtual mesh.
+FUSE_LIMIT = 1000
+
+
+class _Device:
+    """What one device holds during a step."""
+
+    def __init__(self, rank: int, stage: int, j: int):
+        self.rank, self.stage, self.j = rank, stage, j
+        self.saved: dict = {}      # (chunk, m) -> the chunk's input, kept until B
+        self.inbox: dict = {}      # ("F"|"B", chunk, m) -> values
+        self.outbox: dict = {}     # "F"|"B" -> (chunk, m, values)
+        self.sums: dict = {}       # chunk -> its parameters' gradient sums
+        self.loss = None           # the last chunk's running loss sum
+        self.peak_saved = 0        # most chunk inputs kept at once (activation memory)
+        self.peak_saved_bytes = 0
+        self.busy = 0.0            # seconds computing (measured with profile=True)
+
+
+class PipelinedStep:
+    """One configuration's step: the schedule's program order run over the compiled
+    chunk programs, then one compiled ``finish`` (reduce, optimizer update)."""
+
+    def __init__(self, runner, plan: Stages, schedule: Schedule, rank: int | None):
+        self.runner, self.plan, self.schedule = runner, plan, schedule
+        cfg = runner.cfg
+        self.S, self.M = cfg.stages, cfg.micro_batches
+        self.dp = runner.ap.n_devices // self.S
+        self.rank = rank  # None: a virtual mesh (every device here)
+        self.order = schedule.timeline().program_order()
+        self.pad = max([sum(a.size for a in plan.carry_avals(b))
+                        for b in range(plan.n_chunks - 1)], default=0)
+        self.mesh = None if rank is None else Mesh((self.S, self.dp), ("pp", "dp"))
+        self._transfers: dict = {}
+        self._whole = None
+        self.finish = self._make_finish()
+        #: With ``profile = True`` (pieces only) each computation is waited for and
+        #: timed; ``stats`` then holds, per device of this process, the busy seconds
+        #: and the peak number and bytes of kept stage inputs of the last step.
+        self.profile = False
+        self.stats: list = []
+
+    # -- one step ------------------------------------------------------------------
+    @property
+    def fused(self) -> bool:
+        """On a virtual mesh a small step is compiled whole (one program: the per-call
+        cost of many small programs would dominate); a large one runs as its compiled
+        pieces (compiling thousands of equations at once costs more than it saves)."""
+        if self.rank is not None:
+            return False
+        size = sum(len(eqs) for eqs in self.plan.chunk_eqs) * 4 * self.M * self.dp
+        return size <= FUSE_LIMIT
+
+    def __call__(self, state, *batch):
+        if not self.fused or self.profile:
+            return self._run(state, *batch)
+        if self._whole is None:
+            def whole(params, opt_state, step, *b):
+                return self._run(self.runner.state_cls(params, opt_state, step), *b)
+
+            whole.__name__ = f"pipelined_step_{self.plan.name}"
+            self._whole = jit(whole)
+        return self._whole(state.params, state.opt_state, state.step, *batch)
+
+    def _run(self, state, *batch):
+        plan, S, M, dp = self.plan, self.S, self.M, self.dp
+        p_leaves, p_tree = tree.flatten(state.params)
+        b_leaves = tree.leaves(list(batch))
+        B = typeof(b_leaves[0]).shape[0]
+        rows = B // (M * dp)
+        ranks = range(S * dp) if self.rank is None else [self.rank]
+        devices = [_Device(r, r // dp, r % dp) for r in ranks]
+        loss_dtype = dtypes.to_numpy(plan.program.outputs[0].aval.dtype)
+        seed = [np.asarray(1.0 / (M * dp), loss_dtype)]
+        slices: dict = {}
+
+        def micro(m, j):
+            key = (m, j)
+            if key not in slices:
+                lo = m * (B // M) + j * rows
+                slices[key] = [x[lo:lo + rows] for x in b_leaves]
+            return slices[key]
+
+        for item in self.order:
+            if isinstance(item, Event):
+                for d in devices:
+                    if d.stage == item.stage:
+                        t0 = time.perf_counter() if self.profile else 0.0
+                        made = self._compute(d, item.action, p_leaves, micro, seed,
+                                             loss_dtype)
+                        if self.profile:
+                            _wait(made)
+                            d.busy += time.perf_counter() - t0
+            else:
+                self._transfer(item, devices)
+        self.stats = [{"rank": d.rank, "stage": d.stage, "busy_s": d.busy,
+                       "peak_saved": d.peak_saved, "peak_saved_bytes": d.peak_saved_bytes}
+                      for d in devices]
+        return self._finish(devices, state, p_leaves, p_tree, loss_dtype)
+
+    def _compute(self, d: _Device, a, p_leaves, micro, seed, loss_dtype):
+        plan, S = self.plan, self.S
+        c, m = a.chunk, a.micro_batch
+        pv = [p_leaves[i] for i in plan.chunk_params[c]]
+        last = c == plan.n_chunks - 1
+        if a.kind == "F":
+            carry = d.inbox.pop(("F", c, m)) if c else []
+            d.saved[(c, m)] = carry
+            d.peak_saved = max(d.peak_saved, len(d.saved))
+            d.peak_saved_bytes = max(d.peak_saved_bytes, _saved_bytes(d.saved, micro, d.j))
+            if last:
+                if d.loss is None:
+                    d.loss = np.zeros((), loss_dtype)
+                d.loss = plan.forward_fn(c)(pv, carry, micro(m, d.j), d.loss)
+                return [d.loss]
+            out = list(plan.forward_fn(c)(pv, carry, micro(m, d.j)))
+            self._send(d, "F", c + 1, m, out)
+            return out
+        ct = seed if last else d.inbox.pop(("B", c, m))
+        sums = d.sums.get(c)
+        if sums is None:
+            sums = [np.zeros(typeof(x).shape, dtypes.to_numpy(typeof(x).dtype)) for x in pv]
+        sums, g_carry = plan.backward_fn(c)(pv, d.saved.pop((c, m)), micro(m, d.j), ct, sums)
+        d.sums[c] = list(sums)
+        if c:
+            self._send(d, "B", c - 1, m, list(g_carry))
+        return d.sums[c]
+
+    def _send(self, d: _Device, kind: str, chunk: int, m: int, values):
+        if chunk % self.S == d.stage:  # the chunk is on this device too
+            d.inbox[(kind, chunk, m)] = values
+        else:
+            d.outbox[kind] = (chunk, m, values)
+
+    # -- transfers -----------------------------------------------------------------
+    def _transfer(self, rnd, devices):
+        """One round: activations one stage on, cotangents one stage back."""
+        S, dp = self.S, self.dp
+        for kind, moves in (("F", rnd.forward), ("B", rnd.backward)):
+            if not moves:
+                continue
+            if self.rank is None:  # a virtual mesh: hand the values over
+                by_rank = {d.rank: d for d in devices}
+                for src, dst, _, _ in moves:
+                    for j in range(dp):
+                        chunk, m, vals = by_rank[src * dp + j].outbox.pop(kind)
+                        by_rank[dst * dp + j].inbox[(kind, chunk, m)] = vals
+                continue
+            (d,) = devices
+            # (an action still running at this round may have filled the outbox already:
+            # its value goes in the round at its end)
+            sending = (d.outbox.pop(kind)
+                       if any(src == d.stage for src, _, _, _ in moves) else None)
+            recv = [(chunk, m) for src, dst, chunk, m in moves if dst == d.stage]
+            boundary = None
+            if recv:
+                boundary = recv[0][0] - 1 if kind == "F" else recv[0][0]
+            send_b = None
+            if sending is not None:
+                send_b = sending[0] - 1 if kind == "F" else sending[0]
+            fn = self._transfer_fn(kind, send_b, boundary)
+            got = fn(list(sending[2]) if sending is not None else [])
+            if recv:
+                d.inbox[(kind,) + recv[0]] = list(got[1:])
+
+    def _transfer_fn(self, kind: str, send_b, recv_b):
+        """Compiled: pack what this stage sends (the carry of boundary ``send_b``) into
+        one float32 buffer, ``ppermute`` it over ``pp``, unpack what it receives."""
+        key = (kind, send_b, recv_b)
+        fn = self._transfers.get(key)
+        if fn is not None:
+            return fn
+        S, pad, mesh, plan = self.S, self.pad, self.mesh, self.plan
+        shift = 1 if kind == "F" else -1
+        perm = tuple((s, (s + shift) % S) for s in range(S))
+
+        def transfer(values):
+            with C.named_axis("pp", S), C.named_axis("dp", self.dp):
+                buf = _pack(values, pad) if values else np.zeros((pad,), np.float32)
+                got = C.ppermute_p.bind(buf, axis_name=("pp",), axis_sizes=(S,), perm=perm,
+                                        mesh=mesh)
+                # the buffer is an output even where nothing is received: a dropped
+                # collective on one rank would pair the next one with the wrong round
+                return [got] + ([] if recv_b is None else _unpack(got, plan.carry_avals(recv_b)))
+
+        transfer.__name__ = f"pipeline_{'activations' if kind == 'F' else 'cotangents'}"
+        fn = self._transfers[key] = jit(transfer)
+        return fn
+
+    # -- reduce and update -----------------------------------------------------------
+    def _finish(self, devices, state, p_leaves, p_tree, loss_dtype):
+        plan = self.plan
+        n_p = len(p_leaves)
+        grads: list = [None] * n_p
+        loss = None
+        for d in devices:  # (a virtual mesh: the data-parallel replicas summed here)
+            for c, sums in d.sums.items():
+                for i, g in zip(plan.chunk_params[c], sums):
+                    grads[i] = g if grads[i] is None else grads[i] + g
+            if d.loss is not None:
+                loss = d.loss if loss is None else loss + d.loss
+        owned = [g is not None for g in grads]
+        grads = [g if g is not None else np.zeros(typeof(x).shape,
+                                                   dtypes.to_numpy(typeof(x).dtype))
+                 for g, x in zip(grads, p_leaves)]
+        if loss is None:
+            loss = np.zeros((), loss_dtype)
+        new_p, new_o, step, out = self.finish(state.params, state.opt_state, state.step,
+                                              tree.unflatten(p_tree, grads), loss,
+                                              tuple(owned))
+        return self.runner.state_cls(new_p, new_o, step), out
+
+    def _make_finish(self):
+        ap, cfg = self.runner.ap, self.runner.cfg
+        S, M, dp, mesh, plan = self.S, self.M, self.dp, self.mesh, self.plan
+        last = (plan.n_chunks - 1) % S
+        stage = None if self.rank is None else self.rank // dp
+        scale = 1.0 / (M * dp)
+
+        def finish(params, opt_state, step, grads, loss_sum, owned):
+            g_leaves, g_tree = tree.flatten(grads)
+            with C.named_axis("pp", S), C.named_axis("dp", dp):
+                if mesh is not None and dp > 1:
+                    g_leaves = [C.psum_p.bind(g, axis_name=("dp",), mesh=mesh) if o else g
+                                for g, o in zip(g_leaves, owned)]
+                    if stage == last:
+                        loss_sum = C.psum_p.bind(loss_sum, axis_name=("dp",), mesh=mesh)
+                loss = loss_sum * np.float32(scale)
+                if mesh is not None and stage != last:
+                    loss = loss * np.float32(np.nan)  # there is no loss on this stage
+                if mesh is not None and cfg.output_broadcast:
+                    mine = loss if stage == last else np.zeros((), np.float32)
+                    loss = C.psum_p.bind(mine, axis_name=("pp",), mesh=mesh)
+            updates, new_opt = ap.optimizer.update(tree.unflatten(g_tree, g_leaves), opt_state,
+                                                   params)
+            new_params = apply_updates(params, updates)
+            if mesh is not None:  # this process updates its stage's parameters only
+                new_params = tree.unflatten(g_tree, [
+                    nw if o else old for nw, old, o in zip(
+                        tree.leaves(new_params), tree.leaves(params), owned)])
+            return new_params, new_opt, step + 1, loss
+
+        finish.__name__ = f"pipeline_finish_{plan.name}"
+        return jit(finish, static_argnums=(5,))
+
+
+def _saved_bytes(saved: dict, micro, j) -> int:
+    """Bytes a device keeps between forwards and backwards: each chunk input (for the
+    first chunk, its micro-batch rows)."""
+    total = 0
+    for (c, m), carry in saved.items():
+        for x in (carry if c else micro(m, j)):
+            a = typeof(x)
+            total += a.size * np.dtype(dtypes.to_numpy(a.dtype)).itemsize
+    return total
+
+
+def _wait(values) -> None:
+    """Wait for a computation (MindSpore runs compiled programs asynchronously)."""
+    for x in values:
+        if hasattr(x, "asnumpy"):
+            x.asnumpy()
+
+
+def _pack(values, pad: int):
+    flat = [reshape(cast(v, dtypes.float32), (typeof(v).size,)) for v in values]
+    used = sum(typeof(f).shape[0] for f in flat)
+    if used < pad:
+        flat.append(np.zeros((pad - used,), np.float32))
+    return flat[0] if len(flat) == 1 else concat(flat, 0)
+
+
+def _unpack(buf, avals):
+    out, at = [], 0
+    for a in avals:
+        out.append(cast(reshape(buf[at:at + a.size], a.shape), a.dtype))
+        at += a.size
+    return out
+
+
+# ---------------------------------------------------------------------------
+# AutoParallel's side
+# ---------------------------------------------------------------------------
+
+
+class PipelineRunner:
+    """The pipelined steps of one ``AutoParallel`` (one per input signature), its
+    schedule and its parameter gathering."""
+
+    def __init__(self, ap, cfg: PipelineConfig, state_cls):
+        self.ap, self.cfg, self.state_cls = ap, cfg, state_cls
+        self._steps: dict = {}
+        self.plan: Stages | None = None
+
+    @property
+    def virtual(self) -> bool:
+        if isinstance(self.ap.mesh, int):
+            return not distributed.is_initialized()
+        return resolve_mesh(self.ap.mesh).is_virtual
+
+    def check_combination(self):
+        ap = self.ap
+        for what, on in (("hsdp(...)", ap._hsdp is not None),
+                         ("parameter_plan(...)", bool(ap._param_plan)),
+                         ("comm_fusion(...)", ap._fusion is not None),
+                         ("dataset_strategy(...) other than 'data_parallel'",
+                          ap._dataset != "data_parallel"),
+                         ("has_aux=True", ap.has_aux),
+                         ("enable_fp32_communication()", ap._fp32_comm),
+                         ("print_local_norm() / dump_local_norm()",
+                          any(ap._local_norm)),
+                         ("set_inputs(...)", ap._batch_specs is not None)):
+            if on:
+                raise ArgumentError(
+                    f"AutoParallel({ap.name}): pipeline(...) cannot be combined with {what} "
+                    "yet: inside a stage fshard runs data parallelism only.\nFix: drop one "
+                    "of the two settings.")
+
+    def step_for(self, state, *batch) -> PipelinedStep:
+        self.check_combination()
+        cfg = self.cfg
+        dp = self.ap.n_devices // cfg.stages
+        key = (tree.structure(state), tuple(
+            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))))
+        hit = self._steps.get(key)
+        if hit is not None:
+            return hit
+        rows = batch_rows(self.ap.name, batch, cfg.micro_batches, dp)
+        plan = cut(self.ap.loss_fn, self.ap.name, state.params, batch, rows)
+        v = plan.check(cfg.stages, cfg.interleave)
+        self.plan = plan
+        sched = Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, v)
+        step = PipelinedStep(self, plan, sched, None if self.virtual else distributed.rank())
+        self._steps[key] = step
+        return step
+
+    def __call__(self, state, *batch):
+        return self.step_for(state, *batch)(state, *batch)
+
+    def schedule(self, virtual_stages: int | None = None) -> Schedule:
+        cfg = self.cfg
+        if virtual_stages is None:
+            if not cfg.interleave:
+                virtual_stages = 1
+            elif self.plan is not None:
+                virtual_stages = self.plan.n_chunks // cfg.stages
+            else:
+                raise ArgumentError(
+                    f"AutoParallel({self.ap.name}).pipeline_schedule(): with interleave=True "
+                    "the number of chunks per stage comes from the model's markers, known "
+                    "after the first step.\nFix: run a step first, or pass "
+                    "virtual_stages=v.")
+        return Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, virtual_stages)
+
+    def gather_params(self, state):
+        """``state.params`` with every parameter's trained value, on every process (in
+        a multi-process job each stage updates only its own; this sums each parameter
+        from its stage over ``pp``). On a virtual mesh: ``state.params``."""
+        if self.virtual:
+            return state.params
+        if self.plan is None:
+            raise ArgumentError(
+                f"AutoParallel({self.ap.name}).gather_params(state): run a step first (the "
+                "stages are found by tracing the loss on a batch).")
+        S, plan = self.cfg.stages, self.plan
+        dp = self.ap.n_devices // S
+        stage = distributed.rank() // dp
+        owned = tuple(plan.param_owner[i] % S == stage for i in range(len(plan.param_vars)))
+        mesh = Mesh((S, dp), ("pp", "dp"))
+
+        def gather(params):
+            leaves, spec = tree.flatten(params)
+            with C.named_axis("pp", S), C.named_axis("dp", dp):
+                out = [C.psum_p.bind(x if o else x * np.zeros((), dtypes.to_numpy(
+                    typeof(x).dtype)), axis_name=("pp",), mesh=mesh)
+                    for x, o in zip(leaves, owned)]
+            return tree.unflatten(spec, out)
+
+        gather.__name__ = f"pipeline_gather_{plan.name}"
+        return jit(gather)(state.params)

@@ -1,0 +1,337 @@
+"""Pipeline parallelism on a virtual mesh: schedules as data, the simulated timeline
+against the bubble formulas, exact numbers against the unpipelined run for every
+(stages, micro-batches, scheduler, interleave), stage markers in functions and Cells,
+and the errors. (Real multi-process jobs: tests/distributed/test_pipeline_multiprocess.py.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import fshard as fs
+from fshard.parallel.schedule import Round, Schedule
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import train_pipeline as example  # noqa: E402
+
+STEPS = 20
+
+
+def _configs():
+    """Every valid (S, M, scheduler, interleave) of S in {2, 4}, M in {1, 2, 4, 8}."""
+    out = []
+    for S, M, sched, inter in itertools.product((2, 4), (1, 2, 4, 8), ("gpipe", "1f1b"),
+                                                (False, True)):
+        if (sched == "1f1b" and M < S) or (inter and M % S):
+            continue
+        out.append((S, M, sched, inter))
+    return out
+
+
+CONFIGS = _configs()
+
+
+# -- schedules ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("S, M, sched, inter", CONFIGS)
+def test_bubble_fraction_follows_the_formula(S, M, sched, inter):
+    v = 2 if inter else 1
+    t = Schedule(S, M, sched, v).timeline()
+    assert t.bubble_fraction == Fraction(S - 1, v * M + S - 1)
+    if inter:  # interleaving divides the idle time by v
+        assert t.bubble * v == Schedule(S, M, sched).timeline().bubble
+    else:
+        assert t.bubble_fraction == Fraction(S - 1, M + S - 1)
+    # every stage computes v * M forwards and as many backwards, each once
+    for s in range(S):
+        acts = Schedule(S, M, sched, v).compute(s)
+        assert sorted((a.kind, a.micro_batch, a.chunk) for a in acts) == sorted(
+            (k, m, c) for k in "FB" for m in range(M) for c in range(s, S * v, S))
+
+
+@pytest.mark.parametrize("v", [3, 4])
+def test_more_virtual_stages_divide_the_bubble_further(v):
+    base = Schedule(4, 8, "1f1b").timeline()
+    t = Schedule(4, 8, "1f1b", v).timeline()
+    assert t.bubble * v == base.bubble
+    assert t.bubble_fraction == Fraction(3, v * 8 + 3)
+
+
+def test_1f1b_keeps_at_most_S_micro_batches_alive_and_gpipe_M():
+    for S, M in [(2, 4), (4, 8), (4, 4)]:
+        assert Schedule(S, M, "1f1b").timeline().peak_activations() == [
+            S - s for s in range(S)]
+        assert Schedule(S, M, "gpipe").timeline().peak_activations() == [M] * S
+
+
+def test_actions_pair_every_send_with_a_receive_in_order():
+    s = Schedule(2, 4, "1f1b")
+    assert [a[:2] for a in s.actions(0) if a.kind in "FB"] == [
+        ("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    assert s.actions(0)[:2] == [("F", 0, 0, None), ("send_F", 0, 0, 1)]
+    assert s.actions(1)[:2] == [("recv_F", 0, 1, 0), ("F", 0, 1, None)]
+    for sched, v in [("1f1b", 1), ("gpipe", 1), ("1f1b", 2)]:
+        sc = Schedule(4, 8, sched, v)
+        for kind in "FB":
+            sends = [(a.micro_batch, a.peer) for st in range(4) for a in sc.actions(st)
+                     if a.kind == f"send_{kind}"]
+            recvs = [(a.micro_batch, st) for st in range(4) for a in sc.actions(st)
+                     if a.kind == f"recv_{kind}"]
+            assert sorted(sends) == sorted(recvs) and sends
+        # each stage's receive comes before the computation that uses it
+        for st in range(4):
+            seen = set()
+            for a in sc.actions(st):
+                if a.kind.startswith("recv"):
+                    seen.add((a.kind[-1], a.chunk, a.micro_batch))
+                elif a.kind in "FB" and not (a.kind == "F" and a.chunk == 0) and not (
+                        a.kind == "B" and a.chunk == 4 * v - 1):
+                    src = a.chunk - 1 if a.kind == "F" else a.chunk + 1
+                    assert src % 4 == st or (a.kind, a.chunk, a.micro_batch) in seen
+
+
+def test_program_order_puts_each_round_after_what_it_carries():
+    t = Schedule(4, 8, "1f1b", 2).timeline()
+    done = set()
+    for item in t.program_order():
+        if isinstance(item, Round):
+            for src, _, chunk, m in item.forward:
+                assert ("F", chunk - 1, m) in done
+            for src, _, chunk, m in item.backward:
+                assert ("B", chunk + 1, m) in done
+        else:
+            done.add((item.action.kind, item.action.chunk, item.action.micro_batch))
+
+
+def test_timeline_pictures(tmp_path):
+    from rich.console import Console
+
+    t = Schedule(4, 8, "1f1b").timeline()
+    console = Console(record=True, width=400)
+    console.print(t.render())
+    text = console.export_text()
+    assert "bubble 27.3%" in text and text.count("stage ") == 4
+    assert "F7" in text and "B7" in text
+    t.plot(tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 5000
+
+
+# -- numbers -------------------------------------------------------------------------
+
+_REFS: dict = {}
+
+
+def _reference(model, chunks):
+    key = (model, chunks)
+    if key not in _REFS:
+        losses, state, _ = example.train(STEPS, model, 1, chunks=chunks, mesh=1,
+                                         opt="momentum")
+        _REFS[key] = losses, {k: v.asnumpy() for k, v in state.params.items()}
+    return _REFS[key]
+
+
+def _check_equal(model, S, M, sched, inter, dp=1):
+    chunks = S * (2 if inter else 1)
+    ref_losses, ref_params = _reference(model, chunks)
+    losses, state, ap = example.train(STEPS, model, S, M, sched, inter, mesh=S * dp,
+                                      opt="momentum")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k, want in ref_params.items():
+        np.testing.assert_allclose(state.params[k].asnumpy(), want, rtol=1e-5,
+                                   atol=1e-6 * max(1.0, float(np.abs(want).max())), err_msg=k)
+    assert int(state.step.asnumpy()) == STEPS
+    assert ap.pipeline_schedule().virtual_stages == (2 if inter else 1)
+
+
+@pytest.mark.parametrize("S, M, sched, inter", CONFIGS)
+def test_mlp_trains_like_the_unpipelined_run(S, M, sched, inter):
+    _check_equal("mlp", S, M, sched, inter)
+
+
+@pytest.mark.parametrize("S, M, sched, inter", [
+    (2, 2, "1f1b", False), (2, 2, "gpipe", True), (4, 4, "1f1b", False),
+    (4, 4, "gpipe", True)])
+def test_transformer_stack_trains_like_the_unpipelined_run(S, M, sched, inter):
+    _check_equal("transformer", S, M, sched, inter)
+
+
+def test_data_parallel_inside_each_stage():
+    _check_equal("mlp", 2, 4, "1f1b", False, dp=2)
+
+
+def test_cells_with_pipeline_stage():
+    from mindspore import nn
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layer1 = nn.Dense(64, 32)
+            self.relu = nn.ReLU()
+            self.layer2 = nn.Dense(32, 10)
+
+        def construct(self, x, y):
+            h = self.relu(self.layer1(x))
+            return fs.ops.softmax_cross_entropy(self.layer2(h), y)
+
+    x, y = next(example.batches(1))
+    net = Net()
+    ref = fs.AutoParallel(net, fs.optim.sgd(0.1), mesh=1)
+    s_ref = ref.init()
+    net.layer1.pipeline_stage, net.layer2.pipeline_stage = 0, 1
+    ap = fs.AutoParallel(net, fs.optim.sgd(0.1), mesh=2).pipeline(stages=2, micro_batches=4)
+    s = ap.init()
+    for _ in range(3):
+        s_ref, l_ref = ref(s_ref, x, y)
+        s, l = ap(s, x, y)
+        np.testing.assert_allclose(float(l.asnumpy()), float(l_ref.asnumpy()), rtol=1e-5)
+    plan = ap._pipeline.plan
+    owners = {k: plan.param_owner[i] for i, k in enumerate(s.params)}
+    assert owners == {"layer1.weight": 0, "layer1.bias": 0, "layer2.weight": 1,
+                      "layer2.bias": 1}
+
+
+def test_pipeline_split_is_the_identity_elsewhere():
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    f = lambda v: (fs.pipeline_split(v * 2) ** 2).sum()  # noqa: E731
+    assert float(fs.jit(f)(x).asnumpy()) == float((4 * x * x).sum())
+    np.testing.assert_allclose(fs.grad(f)(x).asnumpy(), 8 * x)
+    assert "pipeline_split" in str(fs.make_ir(f)(x))
+
+
+# -- errors --------------------------------------------------------------------------
+
+
+def _loss(p, x, y):
+    h = fs.pipeline_split(fs.ops.relu(x @ p["w1"]))
+    return ((h @ p["w2"] - y) ** 2).mean()
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    p = {"w1": rng.standard_normal((4, 8)).astype(np.float32),
+         "w2": rng.standard_normal((8, 2)).astype(np.float32)}
+    return p, rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal(
+        (8, 2)).astype(np.float32)
+
+
+def _step(loss, mesh=2, **kw):
+    p, x, y = _data()
+    kw.setdefault("stages", 2)
+    kw.setdefault("micro_batches", 2)
+    ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=mesh).pipeline(**kw)
+    return ap(ap.init(p), x, y)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(stages=3), "must divide the 4 devices"),
+    (dict(stages=2, micro_batches=1, scheduler="1f1b"), "at least as many micro-batches"),
+    (dict(stages=2, micro_batches=3, interleave=True), "multiple of stages=2"),
+    (dict(stages=2, scheduler="zb"), "scheduler"),
+    (dict(stages=0), "stages"),
+    (dict(stages=2, interleave=1), "interleave"),
+    (dict(stages=2, output_broadcast="yes"), "output_broadcast"),
+    (dict(stages=1, micro_batches=4), "would be ignored"),
+])
+def test_bad_configuration_is_an_error(kw, match):
+    ap = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=4)
+    with pytest.raises(fs.ArgumentError, match=match):
+        ap.pipeline(**kw)
+
+
+def test_micro_batches_must_divide_the_batch():
+    with pytest.raises(fs.ArgumentError, match="does not split into 3 micro-batches"):
+        _step(_loss, micro_batches=3, scheduler="gpipe")
+    with pytest.raises(fs.ArgumentError, match="4 x 2 = 8 must divide"):  # with dp = 2
+        p, x, y = _data()
+        ap = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=4).pipeline(
+            stages=2, micro_batches=4)
+        ap(ap.init(p), x[:4], y[:4])
+
+
+def test_marker_count_must_match_the_stages():
+    def three(p, x, y):
+        h = fs.pipeline_split(fs.pipeline_split(fs.ops.relu(x @ p["w1"])) * 2)
+        return ((h @ p["w2"] - y) ** 2).mean()
+
+    def none(p, x, y):
+        return ((fs.ops.relu(x @ p["w1"]) @ p["w2"] - y) ** 2).mean()
+
+    with pytest.raises(fs.ArgumentError, match="more markers than stages"):
+        _step(three)
+    with pytest.raises(fs.ArgumentError, match="too few markers"):
+        _step(none)
+    with pytest.raises(fs.ArgumentError, match="multiple of 2 chunks, more than 2"):
+        _step(_loss, interleave=True)
+
+
+def test_empty_stage_and_shared_parameter_are_errors():
+    def empty(p, x, y):
+        h = fs.pipeline_split(x)
+        return ((fs.ops.relu(h @ p["w1"]) @ p["w2"] - y) ** 2).mean()
+
+    def shared(p, x, y):
+        h = fs.pipeline_split(fs.ops.relu(x @ p["w1"]) @ p["w2"])
+        return ((h @ fs.ops.transpose(p["w2"], (1, 0)) @ p["w2"] - y) ** 2).mean()
+
+    with pytest.raises(fs.ArgumentError, match="stage 0 of 2 is empty"):
+        _step(empty)
+    with pytest.raises(fs.ArgumentError, match=r"used in stages \[0, 1\]"):
+        _step(shared)
+
+
+def test_value_flowing_backwards_between_cell_stages_is_an_error():
+    from mindspore import nn
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Dense(4, 8), nn.Dense(8, 2)
+            self.a.pipeline_stage, self.b.pipeline_stage = 1, 0
+
+        def construct(self, x, y):
+            return ((self.b(self.a(x)) - y) ** 2).mean()
+
+    _, x, y = _data()
+    ap = fs.AutoParallel(Net(), fs.optim.sgd(0.1), mesh=2).pipeline(stages=2, micro_batches=2)
+    with pytest.raises(fs.ArgumentError, match="computed in stage 1 enters stage 0"):
+        ap(ap.init(), x, y)
+
+
+def test_marker_inside_vmap_is_an_error():
+    with pytest.raises(fs.CompositionError, match="inside fs.vmap"):
+        fs.vmap(fs.pipeline_split)(np.ones((3, 2), np.float32))
+
+
+def test_integer_value_crossing_a_boundary_is_an_error():
+    def loss(p, x, y):
+        h = fs.ops.relu(x @ p["w1"])
+        k = fs.ops.argmax(h, 1)  # an int32 value used in both stages
+        h = fs.pipeline_split(h * fs.ops.cast(k, fs.dtypes.float32).mean())
+        return ((h @ p["w2"] - y) ** 2).mean() + fs.ops.cast(k, fs.dtypes.float32).mean()
+
+    with pytest.raises(fs.ArgumentError, match="only float values can"):
+        _step(loss)
+
+
+def test_pipeline_does_not_combine_with_other_plans():
+    p, x, y = _data()
+    ap = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=2).pipeline(stages=2, micro_batches=2)
+    ap.hsdp()
+    with pytest.raises(fs.ArgumentError, match=r"cannot be combined with hsdp"):
+        ap(ap.init(p), x, y)
+    with pytest.raises(fs.ArgumentError, match="not one sharded program"):
+        ap.memory_report(ap.init(p), x, y)
+    with pytest.raises(fs.ArgumentError, match="no pipeline is configured"):
+        fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=2).pipeline_schedule()
+    inter = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=2).pipeline(
+        stages=2, micro_batches=2, interleave=True)
+    with pytest.raises(fs.ArgumentError, match="known after the first step"):
+        inter.pipeline_schedule()
+    assert inter.pipeline_schedule(virtual_stages=2).virtual_stages == 2

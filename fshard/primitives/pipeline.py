@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from fshard import context, tree
 from fshard.errors import ArgumentError, CompositionError
-from fshard.primitives._batching import vectorized
-from fshard.primitives._define import def_primitive, deflinear
+from fshard.primitives.base import def_primitive, deflinear, vectorized
 from fshard.rules import batching, sharding
-from fshard.sharding import elementwise_spec
+from fshard.factors import elementwise_spec
 
 FAMILY = "pipeline"
 

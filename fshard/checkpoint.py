@@ -242,6 +242,17 @@ class SaveHandle:
         return f"SaveHandle({self.path!r}, {'done' if self.done() else 'writing'})"
 
 
+def _new_checkpoint_dir(path, step) -> str:
+    """The directory a save writes: ``path/step`` (or ``path``), which must not exist."""
+    final = os.path.join(os.fspath(path), str(int(step))) if step is not None else \
+        os.fspath(path)
+    if os.path.exists(final):
+        raise CheckpointError(
+            f"fs.checkpoint.save: {final!r} exists already; a checkpoint is never "
+            "overwritten.\nFix: save under a new step (or remove the old one first).")
+    return final
+
+
 def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
          timeout: float = 600.0, wait: bool = True):
     """Write ``state`` (any pytree of arrays) as a checkpoint; return its directory
@@ -272,12 +283,7 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
     checkpoint is complete.
     """
     if not wait:
-        final = os.path.join(os.fspath(path), str(int(step))) if step is not None else \
-            os.fspath(path)
-        if os.path.exists(final):
-            raise CheckpointError(
-                f"fs.checkpoint.save: {final!r} exists already; a checkpoint is never "
-                "overwritten.\nFix: save under a new step (or remove the old one first).")
+        final = _new_checkpoint_dir(path, step)
         # A host copy now (the caller's arrays may change while the thread writes).
         snapshot = tree.map(lambda x: np.array(_numpy(x), copy=True), state)
         return SaveHandle(final, lambda: save(path, snapshot, step=step, layouts=layouts,
@@ -290,12 +296,7 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
             f"fs.checkpoint.save(..., mesh): in a job of {nproc} processes the layouts "
             f"must refer to its {nproc} devices, got a mesh of {n_devices}.")
     specs = _leaf_strategies(state, layouts, len(leaves))
-    final = os.path.join(os.fspath(path), str(int(step))) if step is not None else \
-        os.fspath(path)
-    if os.path.exists(final):
-        raise CheckpointError(
-            f"fs.checkpoint.save: {final!r} exists already; a checkpoint is never "
-            "overwritten.\nFix: save under a new step (or remove the old one first).")
+    final = _new_checkpoint_dir(path, step)
     parent = os.path.dirname(os.path.abspath(final))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f"{_TMP_PREFIX}{os.path.basename(final)}-{_job_token(nproc)}")

@@ -36,18 +36,27 @@ def walk(program: Program, args, rule: Callable, what: str,
     "while {what} equation ...".
     """
     env = dict(zip(program.inputs, args, strict=True))
+    read = walk_equations(program.equations, env, rule, what, literal)
+    return [read(a) for a in program.outputs]
+
+
+def walk_equations(equations, env: dict, rule: Callable, what: str,
+                   literal: Callable = lambda a: a.value) -> Callable:
+    """``walk``'s loop over a run of equations whose operands ``env`` already binds
+    (a part of a Program, e.g. one pipeline stage); updates ``env`` in place and returns
+    its reader (variable or literal -> value)."""
 
     def read(a):
         return literal(a) if isinstance(a, Literal) else env[a]
 
-    for eq in program.equations:
+    for eq in equations:
         try:
             outs = rule(eq, [read(a) for a in eq.inputs])
         except Exception as e:
             e.add_note(equation_note(eq, what))
             raise
         env.update(zip(eq.outputs, outs, strict=True))
-    return [read(a) for a in program.outputs]
+    return read
 
 
 def bind_equation(eq: Equation, values) -> list:

@@ -46,10 +46,10 @@ from typing import NamedTuple
 import numpy as np
 
 from fshard import distributed, dtypes, tree
-from fshard.core import ArrayType, bind, typeof
+from fshard.core import ArrayType, typeof
 from fshard.errors import ArgumentError
-from fshard.interpret import equation_note
-from fshard.ir import Literal, Var
+from fshard.interpret import bind_equation, walk_equations
+from fshard.ir import Var
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import apply_updates
 from fshard.parallel.schedule import Event, Schedule, check_config
@@ -243,18 +243,8 @@ class Stages:
         env.update(zip([self.param_vars[i] for i in self.chunk_params[c]], param_vals))
         if c:
             env.update(zip(self.carries[c - 1], carry_in))
-
-        def read(a):
-            return a.value if isinstance(a, Literal) else env[a]
-
-        for eq in self.chunk_eqs[c]:
-            try:
-                outs = bind(eq.prim, *[read(a) for a in eq.inputs], **eq.params)
-            except Exception as e:
-                e.add_note(equation_note(eq, f"running pipeline stage {c}:"))
-                raise
-            outs = outs if eq.prim.multiple_results else [outs]
-            env.update(zip(eq.outputs, outs))
+        read = walk_equations(self.chunk_eqs[c], env, bind_equation,
+                              f"running pipeline stage {c}:")
         if c == self.n_chunks - 1:
             return [read(self.program.outputs[0])]
         return [env[v] for v in self.carries[c]]

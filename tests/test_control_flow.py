@@ -656,6 +656,47 @@ def test_a_sharded_loop_is_one_loop_of_the_per_device_program(name, mesh):
         assert part.collectives() == []
 
 
+def _rnn_with_loss(h, w, xs):
+    def step(h, x):
+        h = fs.ops.tanh(fs.ops.matmul(h, w) + x)
+        return h, (h * h).sum()  # a scalar per step: a sum over the split batch
+    return fs.scan(step, h, xs, unroll=1)
+
+
+def test_a_loop_reducing_its_split_carry_keeps_it_split(monkeypatch):
+    """A body that sums its split carry to a scalar (a loss) keeps the carry split and
+    reduces inside the loop (a small AllReduce per step). With such reductions blocked
+    (as a large contraction is), the loop receives its operands whole and the body's
+    own propagation splits work inside it: the body then slices and sums over the mesh
+    while the loop's operands are not split, which the virtual mesh must still run as
+    one loop per device."""
+    from fshard.primitives import control
+
+    rng = np.random.default_rng(4)
+    h = rng.standard_normal((8, 4)).astype(np.float32)
+    w = (rng.standard_normal((4, 4)) * 0.5).astype(np.float32)
+    xs = rng.standard_normal((200, 8, 4)).astype(np.float32)
+    want = _rnn_with_loss(h, w, xs)
+    for blocked in (False, True):
+        if blocked:
+            monkeypatch.setattr(control, "_small_result", lambda eq: False)
+        s = fs.shard(_rnn_with_loss, in_strategy=((8, 1), None, (1, 8, 1)),
+                     out_strategy=((8, 1), None), mesh=8)
+        part = s.partitioned(h, w, xs)
+        names = [eq.prim.name for eq in part.program.equations]
+        if not blocked:
+            assert names == ["scan"] and part.collectives() == ["psum"]
+        else:  # whole operands in, work split inside the body
+            assert part.collectives()[:2] == ["all_gather", "all_gather"]
+            assert "block_slice" in [e.prim.name for e in
+                                      part.program.equations[names.index("scan")]
+                                      .params["body"].equations]
+        for got in (s(h, w, xs), fs.jit(s)(h, w, xs)):
+            for a, b in zip(got, want):
+                assert_close(n(a), n(b), rtol=1e-4, atol=1e-5 * max(1.0, float(
+                    np.abs(n(b)).max())))
+
+
 def test_a_long_sharded_scan_compiles_as_a_loop_and_its_gradient_matches():
     """A 300-step scan under fs.shard stays one scan primitive in the per-device
     program (so its compile time does not grow with the length), and the gradient of

@@ -217,10 +217,10 @@ class BodyLinks:
     ``(value, dim)``), for the sharding rules of primitives with bodies (loops, cond).
 
     Every equation of a body links the dimensions its ``FactorSpec`` gives one
-    splittable, non-reduced factor. A class containing a dimension that some equation
-    cannot split freely (a contraction, a ``nosplit`` factor, an unlabelled dimension)
-    or dimensions of different sizes is *blocked*: splitting it would make the body
-    communicate on every iteration. The other classes are the primitive's factors: a
+    splittable factor. A class containing a dimension that some equation cannot split
+    freely (a contraction whose result is not small, ``SMALL_REDUCTION``; a ``nosplit``
+    factor; an unlabelled dimension) or dimensions of different sizes is *blocked*:
+    splitting it would make the body communicate a large value on every iteration. The other classes are the primitive's factors: a
     layout splitting them runs the body on local blocks with no communication.
     """
 
@@ -267,7 +267,9 @@ class BodyLinks:
         for eq in program.equations:
             spec = sharding.lookup(eq.prim, transform="shard")(
                 *[a.aval for a in eq.inputs], **eq.params)
-            free = set(spec.splittable()) - set(spec.reduce)
+            free = set(spec.splittable())
+            if not _small_result(eq):
+                free -= set(spec.reduce)
             groups: dict = {}
             for a, labels in zip(list(eq.inputs) + list(eq.outputs),
                                  list(spec.inputs) + list(spec.outputs)):
@@ -308,6 +310,22 @@ class BodyLinks:
                            for n in factor_sizes.values()) or 1
         return FactorSpec(ins, outs, factor_sizes, flops_per_point=max(flops, 1.0) / points,
                           linear=(), partition_call=partition_call)
+
+
+# A reduction whose result is at most this fraction of its operands (a loss, a norm)
+# may run on split operands inside a body: the sum of its partial results is a small
+# AllReduce per iteration. Larger results (a matmul's contraction) block the split.
+SMALL_REDUCTION = 1 / 64
+
+
+def _small_result(eq) -> bool:
+    def size(vals):
+        return sum(math.prod(v.aval.shape) for v in vals)
+
+    avals = [a.aval for a in eq.inputs] + [v.aval for v in eq.outputs]
+    if not all(a.is_static for a in avals):
+        return False
+    return size(eq.outputs) <= max(size(eq.inputs) * SMALL_REDUCTION, 1)
 
 
 def body_flops(program: Program) -> float:

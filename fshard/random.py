@@ -20,7 +20,6 @@ Draw a new subkey for every use: the same key always gives the same numbers.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import warnings
@@ -31,7 +30,7 @@ import numpy as np
 
 from fshard import dtypes, ops
 from fshard.array_types import Array, Bool, Float, Int, Key, Shaped, UInt, UInt32
-from fshard.core import Tracer, current_trace, typeof
+from fshard.core import Tracer, typeof
 from fshard.errors import ArgumentError, KeyReuseWarning
 from fshard.primitives.elementwise import broadcast_shapes
 
@@ -161,27 +160,6 @@ def _consumes(fn):
             uses.depth -= 1
 
     return draw
-
-
-@contextlib.contextmanager
-def alternatives():
-    """Calls of ``enter()`` inside the block start alternative code paths (the branches
-    of ``fs.cond``/``fs.switch`` evaluated on one traced index): each sees the keys
-    consumed before the block, not those of the other branches; after the block a key
-    counts as consumed if any branch consumed it."""
-    uses = _uses(current_trace())
-    before = dict(uses.seen)
-    merged: dict = {}
-
-    def enter():
-        merged.update(uses.seen)
-        uses.seen = dict(before)
-
-    try:
-        yield enter
-    finally:
-        merged.update(uses.seen)
-        uses.seen = merged
 
 
 # ---------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from fshard import dtypes
 from fshard.dims import planning_prod
 from fshard.factors import linear_groups
 from fshard.ir import Literal, Program, Var
+from fshard.sharding.constraints import base_candidates
 from fshard.sharding.cost import CostModel, compute_cost, redistribution
 from fshard.sharding.layouts import (
     Candidate,
@@ -42,7 +43,6 @@ from fshard.sharding.layouts import (
     after,
     as_produced,
     candidate_shardings,
-    candidates,
     carry_variants,
 )
 from fshard.sharding.propagation import propagate
@@ -197,7 +197,7 @@ class Problem:
                 self.free_unused.append(v)
             if v not in last and self.n:
                 self.dying[0].append(v)
-        self.base = [candidates(spec, mesh) for spec in self.specs]
+        self.base = base_candidates(program, self.specs, mesh)  # fixed layouts: one
         # Mesh axes the fixed layouts mention (for the symmetry of the others).
         self.fixed_axes = frozenset(a for sh in list(self.given.values()) + [
             o for o in self.out_shardings if o is not None] for a in sh.used)

@@ -77,7 +77,14 @@ def _strategies(found: dict) -> tuple:
     return ins, outs
 
 
+def _interleaved(found: dict) -> bool:
+    return any(e.get("interleaved_parallel") for key in ("in_layout", "out_layout")
+               for e in found.get(key, ()))
+
+
 def _describe(found: dict) -> str:
+    if _interleaved(found):  # no fs.Layout form: MindSpore's stored attributes
+        return ", ".join(f"{k}={found[k]!r}" for k in ("in_layout", "out_layout") if k in found)
     ins, outs = _strategies(found)
     return repr(ins) + (f", out_strategy={outs!r}" if outs is not None else "")
 
@@ -128,8 +135,7 @@ def operator_call(prim, args, kwargs, convert, user_frame):
     line = (f" at {user_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{user_frame.f_lineno}"
             if user_frame is not None else "")
     origin = f"{prim.name}.shard({_describe(found)}){line}"
-    if any(e.get("interleaved_parallel") for key in ("in_layout", "out_layout")
-           for e in found.get(key, ())):
+    if _interleaved(found):
         _user_warning(
             f"fshard does not apply the strategy of {origin}: its Layout uses "
             "interleaved_parallel (Ascend's micro-interleaving of one device's work), which "

@@ -333,3 +333,26 @@ def test_the_operator_strategy_file_of_a_run_reproduces_its_plan(one_device, tmp
     np.testing.assert_allclose(losses, one_device[1], rtol=1e-5)
     got = again.save_operator_strategy_file(tmp_path / "again.json", state2, x, y)
     assert got["equations"] == saved["equations"]
+
+
+def test_an_interleaved_layout_is_a_warning_not_a_silent_drop():
+    lay = ms.Layout((2, 4, 2), ("dp", "mp", "interleaved_parallel"))
+    relu = ops.ReLU().shard((lay("dp", ("mp", "interleaved_parallel")),))
+    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+    with pytest.warns(fs.OperatorStrategyWarning,
+                      match=r"(?s)does not apply the strategy of ReLU.shard\(in_layout=.*"
+                            r"interleaved_parallel \(Ascend's micro-interleaving"):
+        out = fs.shard(lambda x: relu(x), in_strategy=(None,), mesh=8)(x)
+    np.testing.assert_array_equal(out.asnumpy(), np.maximum(x, 0))
+
+
+def test_under_vmap_inside_a_shard_the_batch_dimension_stays_whole():
+    matmul = ops.MatMul().shard(((2, 4), (4, 1)))
+    f = fs.shard(fs.vmap(lambda a, b: matmul(a, b), in_axes=(0, None)),
+                 in_strategy=(None, None), mesh=8)
+    xs = np.random.default_rng(5).random((3, 4, 8)).astype(np.float32)
+    w = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+    np.testing.assert_allclose(f(xs, w).asnumpy(), xs @ w, rtol=1e-5, atol=1e-6)
+    eqs = f.strategies(xs, w)["equations"]
+    assert [e["in_strategy"][0] for e in eqs if e["primitive"] == "layout_constraint"] == [
+        [1, 2, 4], [4, 1]]

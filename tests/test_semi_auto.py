@@ -217,9 +217,13 @@ def _cell(strategy):
                 r"entry, but MatMul was called with 2 tensor operands \(f32\[16,64\], "
                 r"f32\[64,30\]\).*Fix: give 2 entries"),
     (((2, 4), (2, 1)), r"MatMul.shard\(\(\(2, 4\), \(2, 1\)\)\) at test_semi_auto.py:\d+: "
-                       r"in_strategy\[0\] splits dimension 1 of operand 0 4 ways and "
-                       r"in_strategy\[1\] splits dimension 0 of operand 1 2 ways.*Fix: give "
-                       r"both dimensions the same split count"),
+                       r"in_strategy\[0\] gives dimension 1 of operand 0 the split count 4 and "
+                       r"in_strategy\[1\] gives dimension 0 of operand 1 the split count 2, "
+                       r"but the operator uses these dimensions together.*Fix: give both "
+                       r"dimensions the same split count"),
+    (((2, 1), (4, 1)), r"MatMul.shard\(\(\(2, 1\), \(4, 1\)\)\) at test_semi_auto.py:\d+: "
+                       r"in_strategy\[0\] gives dimension 1 of operand 0 the split count 1 and "
+                       r"in_strategy\[1\] gives dimension 0 of operand 1 the split count 4"),
     (((4, 4), (4, 1)), r"MatMul.shard\(\(\(4, 4\), \(4, 1\)\)\) at test_semi_auto.py:\d+: "
                        r"in_strategy\[0\] = \(4, 4\) splits .* into 16 blocks"),
     (((1, 1), (1, 4)), r"MatMul.shard\(\(\(1, 1\), \(1, 4\)\)\) at test_semi_auto.py:\d+: "

@@ -25,6 +25,8 @@ candidate of a constraint or a pinned operator, all of them for the others.
 
 from __future__ import annotations
 
+import math
+
 from fshard.dims import dim_multiple_of
 from fshard.errors import ShardingError
 from fshard.ir import Program, Var
@@ -55,25 +57,27 @@ def _joint(eq, spec, constraint_params: list, mesh: ShardMesh) -> tuple[Candidat
     for k, (labels, p) in enumerate(zip(_operand_labels(eq, spec), constraint_params)):
         labels_of.append(labels)
         for d, (lab, c) in enumerate(zip(labels, p["counts"])):
-            if c == 1:
+            if lab is None and c == 1:
                 continue
-            if lab is None or lab in spec.nosplit or lab not in spec.splittable():
+            if c > 1 and (lab is None or lab in spec.nosplit or lab not in spec.splittable()):
                 _bad(origin, f"in_strategy[{k}] splits dimension {d} of operand {k} "
                      f"({eq.inputs[k].aval}) {c} ways, but fshard's '{eq.prim.name}' cannot "
                      "split that dimension (it is broadcast, or every output needs it whole)",
                      f"give dimension {d} of in_strategy[{k}] the split count 1")
             if lab in count and count[lab] != c:
                 k0, d0 = first[lab]
-                _bad(origin, f"in_strategy[{k0}] splits dimension {d0} of operand {k0} "
-                     f"{count[lab]} ways and in_strategy[{k}] splits dimension {d} of operand "
-                     f"{k} {c} ways, but the operator uses these dimensions together (the "
-                     "same index runs over both)",
+                _bad(origin, f"in_strategy[{k0}] gives dimension {d0} of operand {k0} the "
+                     f"split count {count[lab]} and in_strategy[{k}] gives dimension {d} of "
+                     f"operand {k} the split count {c}, but the operator uses these "
+                     "dimensions together (the same index runs over both)",
                      "give both dimensions the same split count, as MindSpore requires")
             count.setdefault(lab, c)
             first.setdefault(lab, (k, d))
     assign, used, start = [], set(), 0
     for lab in first:  # in the order the factors first appear: the device matrix
         c = count[lab]
+        if c == 1:
+            continue
         if not dim_multiple_of(spec.sizes[lab], c):
             k, d = first[lab]
             _bad(origin, f"in_strategy[{k}] splits dimension {d} of operand {k} "
@@ -82,20 +86,13 @@ def _joint(eq, spec, constraint_params: list, mesh: ShardMesh) -> tuple[Candidat
         axes = _axes_for(mesh, c, start, used)
         if axes is None:
             _bad(origin, f"its split counts {tuple(count.values())} need "
-                 f"{_prod(count.values())} devices, which a mesh of {mesh.size} devices "
+                 f"{math.prod(count.values())} devices, which a mesh of {mesh.size} devices "
                  "cannot provide", f"choose split counts whose product divides {mesh.size}")
         used.update(axes)
         start = max(axes) + 1
         assign.append((lab, axes))
     cand = Candidate(tuple(assign))
     return cand, [cand.sharding(labels) for labels in labels_of]
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def _written(p: dict, aval, mesh: ShardMesh) -> Sharding:

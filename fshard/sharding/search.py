@@ -35,7 +35,6 @@ from fshard import dtypes
 from fshard.dims import planning_prod
 from fshard.factors import linear_groups
 from fshard.ir import Literal, Program, Var
-from fshard.sharding.constraints import base_candidates
 from fshard.sharding.cost import CostModel, compute_cost, redistribution
 from fshard.sharding.layouts import (
     Candidate,
@@ -48,6 +47,7 @@ from fshard.sharding.layouts import (
 from fshard.sharding.propagation import propagate
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.strategy import split_alternatives
+from fshard.sharding.constraints import base_candidates
 
 # ---------------------------------------------------------------------------
 # The objective

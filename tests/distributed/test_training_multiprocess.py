@@ -82,6 +82,21 @@ def _close(got, want, rtol):
                                atol=rtol * max(1.0, float(np.abs(want).max())))
 
 
+def test_a_primitive_shard_strategy_trains_in_4_processes_like_one_process(jobs):
+    _, reports = jobs
+    ap = fs.AutoParallel(training_checks.strategy_net(None), fs.optim.sgd(0.1), mesh=1)
+    state = ap.init()
+    want = []
+    for _ in range(training_checks.STRATEGY_STEPS):
+        state, loss = ap(state, *training_checks.strategy_batch())
+        want.append(float(loss.asnumpy()))
+    assert want[-1] < want[0]
+    for r, rep in enumerate(reports[4]):
+        assert rep["strategy_net"]["matmul"] == [[2, 2], [2, 1]], r
+        np.testing.assert_allclose(rep["strategy_net"]["losses"], want, rtol=1e-5,
+                                   err_msg=f"rank {r}")
+
+
 @pytest.mark.parametrize("size", [2, 4])
 def test_data_parallel_with_per_process_slices_equals_one_process(jobs, one_process, size):
     _, reports = jobs
@@ -109,21 +124,6 @@ def test_shard_data_parallel_takes_and_returns_each_process_rows(jobs, size):
         for how in ("eager", "jit"):
             got = rep["shard"][how]
             assert got == {"rows": True, "shape": [3, 2], "total": True}, (how, got)
-
-
-def test_a_primitive_shard_strategy_trains_in_4_processes_like_one_process(jobs):
-    _, reports = jobs
-    ap = fs.AutoParallel(training_checks.strategy_net(None), fs.optim.sgd(0.1), mesh=1)
-    state = ap.init()
-    want = []
-    for _ in range(training_checks.STRATEGY_STEPS):
-        state, loss = ap(state, *training_checks.strategy_batch())
-        want.append(float(loss.asnumpy()))
-    assert want[-1] < want[0]
-    for r, rep in enumerate(reports[4]):
-        assert rep["strategy_net"]["matmul"] == [[2, 2], [2, 1]], r
-        np.testing.assert_allclose(rep["strategy_net"]["losses"], want, rtol=1e-5,
-                                   err_msg=f"rank {r}")
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,7 @@ Every job:
 - ``fs.shard(..., dataset_strategy="data_parallel")`` with per-process slices, eager
   and under ``fs.jit``, its outputs this process's blocks.
 
-The 4-process job also trains a Cell whose MatMul carries a 2 x 2
-``Primitive.shard`` strategy (``StrategyNet``) under ``fs.AutoParallel``, each process
-feeding its own rows, and writes its losses and the MatMul's strategy in the plan; and
-it trains the 2 x 2 (dp x mp) Adam MLP with ZeRO level1 for 10
+The 4-process job also trains the 2 x 2 (dp x mp) Adam MLP with ZeRO level1 for 10
 steps, saves a checkpoint with the plan's layouts (each process its blocks), trains 10
 more, and writes every loss and the saved values. The 2-process job loads that
 checkpoint into a data-parallel ZeRO level3 step and trains the same 10 steps, then
@@ -43,6 +40,54 @@ RESUME_STEPS = 10
 
 def n(x):
     return np.asarray(x.asnumpy() if hasattr(x, "asnumpy") else x)
+
+
+STRATEGY_STEPS = 5
+
+
+def strategy_net(strategy=((2, 2), (2, 1))):
+    """A ReLU MLP with a loss whose first MatMul carries ``strategy`` (None: none)."""
+    from mindspore import Parameter, Tensor, nn, ops
+
+    class StrategyNet(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            rng = np.random.default_rng(3)
+            self.w1 = Parameter(Tensor((rng.standard_normal((16, 8)) * 0.3)
+                                       .astype(np.float32)), name="w1")
+            self.w2 = Parameter(Tensor((rng.standard_normal((8, 4)) * 0.3)
+                                       .astype(np.float32)), name="w2")
+            self.matmul1 = ops.MatMul().shard(strategy) if strategy else ops.MatMul()
+            self.relu = ops.ReLU()
+
+        def construct(self, x, y):
+            return ((ops.matmul(self.relu(self.matmul1(x, self.w1)), self.w2) - y) ** 2).mean()
+
+    return StrategyNet()
+
+
+def strategy_batch():
+    rng = np.random.default_rng(4)
+    return (rng.standard_normal((8, 16)).astype(np.float32),
+            rng.standard_normal((8, 4)).astype(np.float32))
+
+
+def train_strategy_net(rank: int, size: int) -> dict:
+    """(4-process job) ``STRATEGY_STEPS`` SGD steps of ``strategy_net()``, a Cell whose
+    MatMul carries a 2 x 2 ``Primitive.shard`` strategy, each process passing its rows;
+    the losses and the strategy of the first MatMul in the plan."""
+    ap = fs.AutoParallel(strategy_net(), fs.optim.sgd(0.1))
+    state = ap.init()
+    x, y = strategy_batch()
+    b = x.shape[0] // size
+    xs, ys = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+    losses = []
+    for _ in range(STRATEGY_STEPS):
+        state, loss = ap(state, xs, ys)
+        losses.append(float(n(loss)))
+    eqs = ap.partitioned(state, xs, ys).strategies()["equations"]
+    return {"losses": losses,
+            "matmul": next(e["in_strategy"] for e in eqs if e["primitive"] == "matmul")}
 
 
 def data_parallel(rank: int, size: int) -> dict:
@@ -84,53 +129,6 @@ def shard_data_parallel(rank: int, size: int) -> dict:
             "total": bool(np.isclose(float(n(total)), float(want.sum()), rtol=1e-6)),
         }
     return out
-
-
-STRATEGY_STEPS = 5
-
-
-def strategy_net(strategy=((2, 2), (2, 1))):
-    """A ReLU MLP with a loss whose first MatMul carries ``strategy`` (None: none)."""
-    from mindspore import Parameter, Tensor, nn, ops
-
-    class StrategyNet(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            rng = np.random.default_rng(3)
-            self.w1 = Parameter(Tensor((rng.standard_normal((16, 8)) * 0.3)
-                                       .astype(np.float32)), name="w1")
-            self.w2 = Parameter(Tensor((rng.standard_normal((8, 4)) * 0.3)
-                                       .astype(np.float32)), name="w2")
-            self.matmul1 = ops.MatMul().shard(strategy) if strategy else ops.MatMul()
-            self.relu = ops.ReLU()
-
-        def construct(self, x, y):
-            return ((ops.matmul(self.relu(self.matmul1(x, self.w1)), self.w2) - y) ** 2).mean()
-
-    return StrategyNet()
-
-
-def strategy_batch():
-    rng = np.random.default_rng(4)
-    return (rng.standard_normal((8, 16)).astype(np.float32),
-            rng.standard_normal((8, 4)).astype(np.float32))
-
-
-def train_strategy_net(rank: int, size: int) -> dict:
-    """``STRATEGY_STEPS`` SGD steps of ``strategy_net()``, each process passing its rows;
-    the losses and the strategy of the first MatMul in the plan."""
-    ap = fs.AutoParallel(strategy_net(), fs.optim.sgd(0.1))
-    state = ap.init()
-    x, y = strategy_batch()
-    b = x.shape[0] // size
-    xs, ys = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
-    losses = []
-    for _ in range(STRATEGY_STEPS):
-        state, loss = ap(state, xs, ys)
-        losses.append(float(n(loss)))
-    eqs = ap.partitioned(state, xs, ys).strategies()["equations"]
-    return {"losses": losses,
-            "matmul": next(e["in_strategy"] for e in eqs if e["primitive"] == "matmul")}
 
 
 def train_2x2_and_save(out: str) -> dict:

@@ -49,6 +49,7 @@ from fshard.optim import apply_updates
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
+from fshard.sharding.local import gather_sharded
 from fshard.sharding.plan import write_json_atomic
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
@@ -507,8 +508,10 @@ class AutoParallel:
     def _feeds_slices(self) -> bool:
         """Each process passes its own slice of the batch: ``data_parallel`` in a
         multi-process job."""
-        if self._dataset != "data_parallel":
-            return False
+        return self._dataset == "data_parallel" and self._in_job()
+
+    def _in_job(self) -> bool:
+        """The devices are the processes of a multi-process job."""
         if isinstance(self.mesh, int):
             return distributed.is_initialized()
         return not resolve_mesh(self.mesh).is_virtual
@@ -551,6 +554,10 @@ class AutoParallel:
                   mesh=self.mesh,
                   search=self.parallel_mode != "sharding_propagation")
         s.comm_fusion = self._fusion
+        # In a job the split leaves of the new state stay each process's blocks
+        # (fs.ShardedArray): the next step takes them as they are, so ZeRO's and model
+        # parallelism's memory saving is real and no step gathers the state.
+        s.gather_outputs = not self._in_job()
         if self._fp32_comm or self._gradient_fp32_sync:
             s.passes = (reduce_in_float32,)
         s.grad_vars = grad_vars
@@ -582,6 +589,13 @@ class AutoParallel:
         if len(result) == 3:  # print_local_norm / dump_local_norm
             self._report_norms(result[0].step, result[2])
         return result[0], result[1]
+
+    def gather(self, state):
+        """``state`` with every ``fs.ShardedArray`` leaf (in a multi-process job, a
+        process's block of a split parameter or optimizer state) replaced by its global
+        value: a collective, so every process must call it. On a virtual mesh the state
+        is global already and comes back as it is."""
+        return gather_sharded(state)
 
     def _declared_batch(self, batch) -> tuple:
         """The batch with each declared input replaced by its declared type."""

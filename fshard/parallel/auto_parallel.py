@@ -315,11 +315,13 @@ class AutoParallel:
         return self
 
     def gather_params(self, state: TrainState):
-        """The trained parameters on every process: with a pipeline in a multi-process
-        job each process updates only its stage's parameters (the rest of its
-        ``state.params`` keeps the values it was given); this collects them."""
+        """The trained parameters, whole, on every process (a collective: every process
+        calls it): in a multi-process job a split parameter is each process's block
+        (``fs.ShardedArray``), and with a pipeline each process updates only its
+        stage's parameters (the rest of its ``state.params`` keeps the values it was
+        given); this collects them."""
         if self._pipeline is None:
-            return state.params
+            return gather_sharded(state.params)
         return self._pipeline.gather_params(state)
 
     def pipeline_schedule(self, virtual_stages: int | None = None) -> Schedule:

@@ -60,6 +60,20 @@ class ShardedArray(ProcessLocalValue):
 
     ``strategy`` gives the split counts (MindSpore's view), ``bounds`` the block's
     ``(start, stop)`` per dimension, ``gather()`` the global value (a collective).
+
+    Process 1's block of a 4 x 2 array split in 2 row blocks over 2 processes (as
+    ``fs.shard(..., gather_outputs=False)`` returns it in a job):
+
+    >>> import numpy as np, fshard as fs
+    >>> from fshard.sharding.layouts import ShardMesh
+    >>> x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    >>> y = fs.ShardedArray.cut(x, (2, 1), ShardMesh((2,)), rank=1)
+    >>> str(fs.typeof(y)), y.bounds, y.block.asnumpy().tolist()
+    ('f32[4,2]', ((2, 4), (0, 2)), [[4.0, 5.0], [6.0, 7.0]])
+    >>> y.asnumpy()
+    Traceback (most recent call last):
+    ...
+    fshard.errors.ShardingError: .asnumpy() needs the values of a f32[4,2] array, ...
     """
 
     __slots__ = ("block", "shape", "dtype", "sharding", "mesh", "rank")
@@ -113,9 +127,9 @@ class ShardedArray(ProcessLocalValue):
             f"{what} needs the values of a {self.aval} array, but this process holds only "
             f"its block {list(self.bounds)} of it (an fs.ShardedArray, split "
             f"{self.strategy} over the job's processes).\nFix: call x.gather() (or "
-            "ap.gather(state) for an fs.AutoParallel train state, fs.gather_sharded(tree) "
-            "for any pytree) in every process first: it is a collective; x.block is this "
-            "process's block.")
+            "ap.gather(state) / ap.gather_params(state) for an fs.AutoParallel train "
+            "state, fs.gather_sharded(tree) for any pytree) in every process first: it is "
+            "a collective; x.block is this process's block.")
 
     def asnumpy(self):
         self.refuse(".asnumpy()")

@@ -108,6 +108,16 @@ def test_shard_data_parallel_takes_and_returns_each_process_rows(jobs, size):
             assert got == {"rows": True, "shape": [3, 2], "total": True}, (how, got)
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_shard_can_return_process_local_blocks(jobs, size):
+    _, reports = jobs
+    for rep in reports[size]:
+        got = rep["process_local"]
+        assert got["eager"] and got["jit"], got
+        for msg in got["errors"]:
+            assert "holds only its block" in msg and "x.gather()" in msg, msg
+
+
 @pytest.fixture(scope="module")
 def uninterrupted():
     return example.train(2 * training_checks.RESUME_STEPS)

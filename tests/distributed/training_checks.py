@@ -153,6 +153,41 @@ def _boundary_gathers(ap) -> int:
     return count
 
 
+def shard_process_local(rank: int, size: int) -> dict:
+    """fs.shard(..., gather_outputs=False): split outputs come back as fs.ShardedArrays
+    (this process's block); a sharded function taking one with the same layout uses
+    the block, another layout or an operation outside a shard gathers it first; eager
+    operations and NumPy conversion refuse it."""
+    x = np.arange(size * 2 * 3, dtype=np.float32).reshape(size * 2, 3)
+    w = np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)
+    rows = (size, 1)
+    make = fs.shard(lambda x, w: x @ w, in_strategy=(rows, None), out_strategy=(rows,),
+                    gather_outputs=False)
+    double = fs.shard(lambda y: y * 2.0, in_strategy=(rows,), out_strategy=(rows,))
+    by_cols = fs.shard(lambda y: y + 1.0, in_strategy=((1, 2),), out_strategy=((1, 2),))
+    want = x @ w
+    out = {}
+    for how, wrap in (("eager", lambda f: f), ("jit", fs.jit)):
+        y = wrap(make)(x, w)
+        ok = isinstance(y, fs.ShardedArray) and fs.typeof(y) == fs.ArrayType(
+            want.shape, fs.dtypes.float32)
+        ok = ok and np.array_equal(n(y.block), want[rank * 2:(rank + 1) * 2])
+        ok = ok and np.allclose(n(wrap(double)(y)), 2 * want)
+        ok = ok and np.allclose(n(wrap(by_cols)(y)), want + 1)  # gathered, then cut
+        ok = ok and np.allclose(n(fs.jit(lambda v: v - 1.0)(y)), want - 1)  # gathered
+        ok = ok and np.array_equal(n(y.gather()), want)
+        out[how] = bool(ok)
+    errors = []
+    for attempt in (lambda: np.asarray(y), lambda: y.asnumpy(), lambda: fs.ops.relu(y)):
+        try:
+            attempt()
+            errors.append("no error")
+        except fs.ShardingError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    return out
+
+
 def train_2x2_and_save(out: str) -> dict:
     """10 steps of the 2 x 2 Adam step with ZeRO level1, a checkpoint, loaded back
     (counting the bytes read), 10 more steps from the loaded state."""
@@ -222,7 +257,8 @@ def main(out: str) -> None:
     fs.distributed.init()
     rank, size = fs.distributed.rank(), fs.distributed.world_size()
     report = {"data_parallel": data_parallel(rank, size),
-              "shard": shard_data_parallel(rank, size)}
+              "shard": shard_data_parallel(rank, size),
+              "process_local": shard_process_local(rank, size)}
     if size == 4:
         report["resume"] = train_2x2_and_save(out)
     else:

@@ -40,8 +40,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fshard import distributed, tree
+from fshard.backend.mindspore import as_tensor
 from fshard.cells import functional, is_cell
-from fshard.core import typeof
+from fshard.core import Tracer, typeof
 from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
 from fshard.mesh import Mesh, resolve_mesh
@@ -49,7 +50,8 @@ from fshard.optim import apply_updates
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
-from fshard.sharding.local import gather_sharded
+from fshard.sharding.layouts import Sharding
+from fshard.sharding.local import ShardedArray, gather_sharded
 from fshard.sharding.plan import write_json_atomic
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
@@ -616,21 +618,31 @@ class AutoParallel:
         return tuple(b if sp is None else sp for b, sp in zip(batch, specs))
 
     def _place_slices(self, state: TrainState, batch) -> tuple:
-        """Each slice at its block of a global-shaped batch (where the plan reads it)."""
+        """Each process's slice as what the plan reads: a concrete slice is this
+        process's block of the global batch (an ``fs.ShardedArray``, taken by the step
+        as it is: nothing padded or communicated); a traced one is placed at its block
+        of a global-shaped value."""
         leaves, spec = tree.flatten(tuple(batch))
         key = (spec, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves))
         gbatch = self._plan_batch(batch)
         s, _ = self._sharded(state, gbatch)
-        where = s.batch_places.get(key)
-        if where is None:  # once per plan: this process's block of each batch input
+        places = s.batch_places.get(key)
+        if places is None:  # once per plan: this process's block of each batch input
             part = s.partitioned(state.params, state.opt_state, state.step, *gbatch)
             n_c = part.prop.program.n_consts
             shs = part.in_shardings[n_c + len(tree.leaves(state)):]
             rank = distributed.rank()
-            where = [block_index(sh, part.prop.mesh, rank) for sh in shs]
-            s.batch_places[key] = where
-        return tree.unflatten(spec, [to_global(x, w)
-                                     for x, w in zip(leaves, where, strict=True)])
+            places = [(block_index(sh, part.prop.mesh, rank), Sharding(sh.dims),
+                       part.prop.mesh, typeof(g)) for sh, g in zip(shs, tree.leaves(gbatch))]
+            s.batch_places[key] = places
+        rank = distributed.rank()
+        out = []
+        for x, (where, sh, mesh, g) in zip(leaves, places, strict=True):
+            if isinstance(x, Tracer) or sh.local_shape(g.shape, mesh) != typeof(x).shape:
+                out.append(to_global(x, where))
+            else:
+                out.append(ShardedArray(as_tensor(x), g.shape, g.dtype, sh, mesh, rank))
+        return tree.unflatten(spec, out)
 
     def partitioned(self, state: TrainState, *batch):
         """The per-device program of the step (print it; ``.collectives()``)."""

@@ -129,24 +129,27 @@ def world_mesh(mesh: ShardMesh):
     return Mesh(mesh.sizes, mesh.names) if mesh.sizes else Mesh((1,), ("m0",))
 
 
-def run_on_rank(part: Partitioned, args: list, mesh):
-    """Run this rank's share of a partitioned program in a multi-process job: every
-    process holds the global inputs; it keeps its blocks (``shard_in``), runs the
-    per-device Program with the job's collectives, and gathers the global outputs
-    (``shard_out``). ``mesh`` is ``world_mesh(...)``."""
+def run_on_rank(part: Partitioned, args: list, mesh, local_in=frozenset(),
+                local_out=frozenset()):
+    """Run this rank's share of a partitioned program in a multi-process job: it keeps
+    its block of each global input (``shard_in``), runs the per-device Program with the
+    job's collectives, and gathers the global outputs (``shard_out``). Inputs in
+    ``local_in`` are this rank's block already (an ``fs.ShardedArray`` laid out as the
+    plan wants it) and go in as they are; outputs in ``local_out`` stay this rank's
+    block (no AllGather). ``mesh`` is ``world_mesh(...)``."""
 
     pmesh = part.prop.mesh
 
     def dims(sh: Sharding) -> tuple:
         return _names(sh, pmesh)
 
-    blocks = [C.shard_in_p.bind(x, dims=dims(sh), mesh=mesh)
-              for x, sh in zip(args, part.in_shardings)]
+    blocks = [x if i in local_in else C.shard_in_p.bind(x, dims=dims(sh), mesh=mesh)
+              for i, (x, sh) in enumerate(zip(args, part.in_shardings))]
     program = part.program
     outs = walk(program, list(part.consts) + blocks,
                 lambda eq, vals: bind_on_rank(eq, vals, mesh), "running on this rank")
-    return [C.shard_out_p.bind(y, dims=dims(sh), mesh=mesh)
-            for y, sh in zip(outs, part.out_shardings)]
+    return [y if j in local_out else C.shard_out_p.bind(y, dims=dims(sh), mesh=mesh)
+            for j, (y, sh) in enumerate(zip(outs, part.out_shardings))]
 
 
 def bind_on_rank(eq, values, mesh) -> list:

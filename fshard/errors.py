@@ -85,6 +85,11 @@ class OperatorStrategyWarning(UserWarning):
     fshard traces: fshard does not apply it; propagation lays the operator out."""
 
 
+class PipelineBalanceWarning(UserWarning):
+    """A pipeline whose stages' estimated costs differ more than ``pipeline(...,
+    max_imbalance=)`` allows: each step runs at the pace of the slowest stage."""
+
+
 class KeyReuseWarning(UserWarning):
     """An ``fs.random`` key consumed twice in one traced function (two draws, or a
     draw and a ``split`` of the same key): both see the same random bits."""

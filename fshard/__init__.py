@@ -32,6 +32,7 @@ from fshard.errors import (  # noqa: F401
     KeyReuseWarning as KeyReuseWarning,
     MissingRuleError as MissingRuleError,
     OperatorStrategyWarning as OperatorStrategyWarning,
+    PipelineBalanceWarning as PipelineBalanceWarning,
     ProgramTypeError as ProgramTypeError,
     ShapeError as ShapeError,
     ShardingError as ShardingError,

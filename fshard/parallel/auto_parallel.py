@@ -296,18 +296,20 @@ class AutoParallel:
         return self
 
     def pipeline(self, stages: int = 1, output_broadcast: bool = False, interleave: bool = False,
-                 scheduler: str = "1f1b", *, micro_batches: int | None = None) -> "AutoParallel":
+                 scheduler: str = "1f1b", *, micro_batches: int | None = None,
+                 max_imbalance: float | None = 8.0) -> "AutoParallel":
         """Pipeline parallelism (docs/pipeline.md): the devices split into ``stages``
         groups, each batch into ``micro_batches`` (default: ``stages``) whose gradients
         are summed before one optimizer update, run in the ``scheduler``'s order
         (``"1f1b"`` or ``"gpipe"``); ``interleave`` gives each stage several model
         chunks; ``output_broadcast`` sends the loss to every stage. ``stages=1`` turns
         it off. The loss marks its stages with ``fs.pipeline_split`` (or Cells'
-        ``pipeline_stage``)."""
+        ``pipeline_stage``). A ``PipelineBalanceWarning`` tells when one stage's
+        estimated cost exceeds ``max_imbalance`` times another's (None: no check)."""
         if micro_batches is None and isinstance(stages, int):
             micro_batches = stages
         cfg = check_pipeline_args(stages, micro_batches, scheduler, interleave,
-                                  output_broadcast, self.n_devices)
+                                  output_broadcast, self.n_devices, max_imbalance)
         if stages == 1 and micro_batches != 1:
             raise ArgumentError(
                 f"AutoParallel.pipeline(stages=1) turns the pipeline off, so "
@@ -334,6 +336,15 @@ class AutoParallel:
                 f"AutoParallel({self.name}).pipeline_schedule(): no pipeline is configured."
                 "\nFix: call ap.pipeline(stages=S, micro_batches=M) first.")
         return self._pipeline.schedule(virtual_stages)
+
+    def pipeline_stage_costs(self) -> list:
+        """Each pipeline stage's estimated forward cost (flops on one micro-batch of one
+        device, from the sharding cost model), known after the first step."""
+        if self._pipeline is None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).pipeline_stage_costs(): no pipeline is "
+                "configured.\nFix: call ap.pipeline(stages=S, micro_batches=M) first.")
+        return self._pipeline.stage_costs()
 
     # -- the train state -----------------------------------------------------------
     def init(self, params=None) -> TrainState:

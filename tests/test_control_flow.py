@@ -772,3 +772,127 @@ def test_a_scan_over_training_steps_equals_the_jitted_steps():
     assert n(key_scan).tolist() == n(c[2]).tolist()
     for name in params:
         assert n(p_scan[name]).tobytes() == n(c[0][name]).tobytes()
+
+
+# --- loops inside fs.shard_map ---------------------------------------------------------
+
+
+def _smap_rnn(w, h, xs):
+    """This device's rows of an RNN whose every step reads the sum over all devices
+    (a psum in the body); ys: the global sum of the state, the same on every device."""
+    def step(c, x):
+        c = fs.ops.tanh(c @ w + x + 0.01 * fs.psum(c.sum(0), "d"))
+        return c, fs.psum(c.sum(), "d")
+
+    return fs.scan(step, h, xs)
+
+
+def _global_rnn(w, h, xs):
+    """``_smap_rnn`` on the whole batch at once: what the shard_map must equal."""
+    def step(c, x):
+        c = fs.ops.tanh(c @ w + x + 0.01 * c.sum(0))
+        return c, c.sum()
+
+    return fs.scan(step, h, xs)
+
+
+def _rnn_np(w, h, xs):
+    c, ys = h.astype(np.float64), []
+    for x in xs:
+        c = np.tanh(c @ w + x + 0.01 * c.sum(0))
+        ys.append(c.sum())
+    return c, np.array(ys)
+
+
+_SMAP_RNN = ((None, (8, 1), (1, 8, 1)), ((8, 1), None))
+
+
+def _rnn_inputs(steps=300):
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((4, 4)) * 0.4).astype(np.float32)
+    h = (rng.standard_normal((16, 4)) * 0.3).astype(np.float32)
+    xs = (rng.standard_normal((steps, 16, 4)) * 0.3).astype(np.float32)
+    return w, h, xs
+
+
+def test_a_long_scan_inside_shard_map_is_one_loop_with_its_psum_inside():
+    """A 300-step scan with a psum in its body, inside shard_map on a virtual mesh of
+    8: one scan primitive (a graph loop under jit, not 300 copies of the body), equal
+    to a NumPy loop over the global batch, and its gradient equal to the unsharded
+    scan's."""
+    w, h, xs = _rnn_inputs()
+    mesh = fs.Mesh((8,), ("d",))
+    sm = fs.shard_map(_smap_rnn, *_SMAP_RNN, mesh=mesh)
+    program = fs.make_ir(sm)(w, h, xs).program
+    scans = [eq for eq in program.equations if eq.prim.name == "scan"]
+    assert len(scans) == 1 and scans[0].params["length"] == 300
+    assert len(program.equations) < 20  # not unrolled
+    assert "while i < 300" in fs.jit(sm).lower(w, h, xs).as_text()
+    c, ys = fs.jit(sm)(w, h, xs)
+    c_np, ys_np = _rnn_np(w, h, xs)
+    assert_close(n(c), c_np, rtol=1e-4, atol=1e-5)
+    assert_close(n(ys), ys_np, rtol=1e-4, atol=1e-4 * float(np.abs(ys_np).max()))
+
+    def loss(run):
+        def f(w, h, xs):
+            c, ys = run(w, h, xs)
+            return (c ** 2).sum() + ys.sum()
+        return f
+
+    want = fs.grad(loss(_global_rnn), argnums=(0, 1))(w, h, xs)
+    for got in (fs.grad(loss(fs.jit(sm)), argnums=(0, 1))(w, h, xs),
+                fs.jit(fs.grad(loss(sm), argnums=(0, 1)))(w, h, xs)):
+        for a, b in zip(got, want):
+            assert_close(n(a), n(b), rtol=1e-4, atol=1e-4 * float(np.abs(n(b)).max()))
+
+
+def test_fori_loop_and_while_loop_inside_shard_map_stay_loops():
+    """A 300-step fori_loop (a scan) and a while_loop whose condition reads a psum, both
+    inside shard_map: one loop each, equal to NumPy; the fori_loop's gradient equals
+    the unsharded one. The while loop's carry, replicated by the psum, stays
+    replicated (its output needs no split)."""
+    w, h, _ = _rnn_inputs()
+    mesh = fs.Mesh((8,), ("d",))
+
+    def fori(w, h):
+        def body(i, c):
+            return fs.ops.tanh(c @ w + 0.01 * fs.psum(c.sum(0), "d") + 0.001 * i)
+        return fs.fori_loop(0, 300, body, h)
+
+    def fori_global(w, h):
+        return fs.fori_loop(0, 300, lambda i, c: fs.ops.tanh(c @ w + 0.01 * c.sum(0)
+                                                             + 0.001 * i), h)
+
+    sm = fs.shard_map(fori, (None, (8, 1)), (8, 1), mesh=mesh)
+    names = [eq.prim.name for eq in fs.make_ir(sm)(w, h).program.equations]
+    assert names.count("scan") == 1 and len(names) < 20
+    c = h.astype(np.float64)
+    for i in range(300):
+        c = np.tanh(c @ w + 0.01 * c.sum(0) + 0.001 * i)
+    assert_close(n(fs.jit(sm)(w, h)), c, rtol=1e-4, atol=1e-5)
+    want = fs.grad(lambda w, h: (fori_global(w, h) ** 2).sum(), argnums=(0, 1))(w, h)
+    got = fs.grad(lambda w, h: (fs.jit(sm)(w, h) ** 2).sum(), argnums=(0, 1))(w, h)
+    for a, b in zip(got, want):
+        assert_close(n(a), n(b), rtol=1e-4, atol=1e-4 * float(np.abs(n(b)).max()))
+
+    def shrink(h):
+        def cond(c):
+            return fs.psum((c[1] ** 2).sum(), "d") > 0.5
+
+        def body(c):
+            return c[0] + 1, c[1] * 0.9, fs.psum(c[1].sum(), "d")
+
+        return fs.while_loop(cond, body, (np.int32(0), h, np.float32(0)))
+
+    sw = fs.shard_map(shrink, ((8, 1),), (None, (8, 1), None), mesh=mesh)
+    names = [eq.prim.name for eq in fs.make_ir(sw)(h).program.equations]
+    assert names.count("while") == 1 and len(names) < 20
+    k, v, total = h.astype(np.float64), 0, 0.0
+    while (k ** 2).sum() > 0.5:
+        v, total, k = v + 1, k.sum(), k * 0.9
+    assert v > 3
+    for run in (sw, fs.jit(sw)):
+        got_k, got_v, got_total = run(h)
+        assert int(n(got_k)) == v
+        assert_close(n(got_v), k, rtol=1e-4, atol=1e-6)
+        assert_close(float(n(got_total)), total, rtol=1e-4, atol=1e-5)

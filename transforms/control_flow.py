@@ -47,7 +47,8 @@ from fshard.primitives import elementwise as E
 from fshard.primitives import reductions as R
 from fshard.primitives import structural as S
 from fshard.primitives.base import UndefinedPrimal, Zero, batch_size, def_primitive, instantiate
-from fshard.primitives.control import (BodyLinks, _all_front, _batch_closed, _front_args,
+from fshard.primitives.control import (BodyLinks, _all_front, _batch_carry_fixed_point,
+                                       _batch_closed, _front_args,
                                        _split, _stage_closed, body_flops, dims_keys,
                                        scalar_layout, scan_p)
 from fshard.rules import batching, jvp as jvp_rules, sharding, transpose, unsupported
@@ -163,24 +164,40 @@ while_p = def_primitive("while", FAMILY, _while_type, _while_impl, multiple_resu
 
 
 def _while_batching(args, dims, *, cond, body, n_cond_consts, n_body_consts):
-    """Batch the loop: every carry gets the batch axis in front. A batched condition
-    runs the loop while any lane's is true, and a lane whose own condition is false
-    keeps its carry."""
+    """Batch the loop. With an unbatched condition, a carry batched at entry or by the
+    body (a fixed point) gets the batch axis in front and the others stay unbatched. A
+    batched condition batches every carry and runs the loop while any lane's is true; a
+    lane whose own condition is false keeps its carry."""
     size = batch_size(args, dims)
     args, dims = _front_args(args, dims)
     cc, bc, carry = _split(args, n_cond_consts, n_body_consts)
     dcc, dbc, dcarry = _split(dims, n_cond_consts, n_body_consts)
+
+    def stage_with(batched):
+        dk = [0 if b else None for b in batched]
+        staged_cond = _batch_closed(cond, dcc + dk, size,
+                                    lambda ds: [None if d is None else 0 for d in ds])
+        if staged_cond[2][0] is not None:  # a per-lane condition: every carry batched
+            return (staged_cond, None), [True] * len(batched)
+        staged_body = _batch_closed(
+            body, dbc + dk, size,
+            lambda ds: [0 if d is not None or b else None for d, b in zip(ds, batched)])
+        return (staged_cond, staged_body), [w is not None for w in staged_body[2]]
+
+    ((new_cond, c_consts, c_dims), staged_body), batched = _batch_carry_fixed_point(
+        stage_with, [d is not None for d in dcarry])
     carry = [x if d is not None else S.broadcast_to(
-        S.expand_dims(x, 0), (size,) + tuple(typeof(x).shape)) for x, d in zip(carry, dcarry)]
-    front = [0] * len(carry)
-    new_body, b_consts, _ = _batch_closed(body, dbc + front, size, _all_front)
-    new_cond, c_consts, c_dims = _batch_closed(
-        cond, dcc + front, size, lambda ds: [None if d is None else 0 for d in ds])
-    cc, bc = list(c_consts) + cc, list(b_consts) + bc
+        S.expand_dims(x, 0), (size,) + tuple(typeof(x).shape)) if b else x
+        for x, d, b in zip(carry, dcarry, batched)]
+    front = [0 if b else None for b in batched]
     if c_dims[0] is None:
+        new_body, b_consts, _ = staged_body
+        cc, bc = list(c_consts) + cc, list(b_consts) + bc
         outs = while_p.bind(*cc, *bc, *carry, cond=new_cond, body=new_body,
                             n_cond_consts=len(cc), n_body_consts=len(bc))
         return outs, front
+    new_body, b_consts, _ = _batch_closed(body, dbc + front, size, _all_front)
+    cc, bc = list(c_consts) + cc, list(b_consts) + bc
     n_cc = len(cc)
     carry_avals = [typeof(x) for x in carry]
 
@@ -904,7 +921,7 @@ def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=None):
         full = n * len(body.equations) <= SCAN_UNROLL_EQUATIONS
     else:
         full = unroll is True or (unroll is not False and int(unroll) >= n)
-    if full or n == 0 or context.shard_map_depth.get():
+    if full or n == 0:
         outs = _scan_unrolled(body, consts, c_leaves, x_leaves, n, reverse)
     else:
         k = 1 if unroll is None or unroll is False else int(unroll)

@@ -33,13 +33,15 @@ import math
 from fshard import context, tree
 from fshard.core import ArrayType, EvalTrace, Tracer, current_trace, typeof
 from fshard.errors import AxisNameError, CompositionError, ShardingError
-from fshard.interpret import walk
+from fshard.interpret import eval_program, walk
 from fshard.layout import Layout
 from fshard.mesh import Mesh, current_mesh, resolve_mesh
 from fshard.primitives import collectives as C
+from fshard.primitives.control import _stage_closed, scan_p
 from fshard.sharding.runtime import bind_on_rank, from_blocks, run_batched, to_blocks
 from fshard.sharding.strategy import broadcast_strategies, is_strategy_leaf, mesh_dims
 from fshard.staging import fun_name, trace_fun
+from fshard.transforms.control_flow import cond_p, while_p
 
 # ---------------------------------------------------------------------------
 # Strategies -> per-dimension mesh axes
@@ -87,16 +89,20 @@ def _vma_out(eq, in_vmas) -> list:
 _LOCAL_IF_REPLICATED = (C.psum_p, C.pmean_p, C.pmax_p, C.pmin_p, C.broadcast_p)
 
 
-def _run_body_on_rank(sm, program, args, in_vmas, out_dims, mesh: Mesh, out_names):
-    """Interpret the body into the current trace: collectives get the mesh, replica
-    markers become psums/divisions by what the VMA pass knows, reductions of values
-    already replicated stay local, and outputs promised replicated are checked."""
+def _rank_rule(mesh: Mesh):
+    """The walk rule running one equation of a shard_map body on this rank, on
+    ``(value, vma)`` pairs: collectives get the mesh, replica markers become
+    psums/divisions by what the VMA pass knows, reductions of values already
+    replicated stay local; loops and cond have their bodies rewritten the same way."""
     from fshard.primitives.elementwise import div, mul
 
     names = frozenset(mesh.axis_names)
 
     def rule(eq, pairs):
         vals, vmas = zip(*pairs) if pairs else ((), ())
+        if eq.prim in _BODY_RULES:
+            outs, out_vmas = _BODY_RULES[eq.prim](eq, list(vals), list(vmas), rule)
+            return [(o, frozenset(m) & names) for o, m in zip(outs, out_vmas, strict=True)]
         out_vmas = _vma_out(eq, list(vmas))
         if eq.prim is C.replica_sum_p:
             axes = tuple(a for a in mesh.axis_names
@@ -115,6 +121,110 @@ def _run_body_on_rank(sm, program, args, in_vmas, out_dims, mesh: Mesh, out_name
             outs = bind_on_rank(eq, vals, mesh)
         return [(o, m & names) for o, m in zip(outs, out_vmas, strict=True)]
 
+    return rule
+
+
+# Loop bodies and cond branches: each is staged again as this rank's Program, walked
+# with the VMA state of its inputs. A loop's carry is walked to a fixed point: a carry
+# the body makes varying over an axis is varying at entry too (the first iteration
+# cannot know it is the last one that stays replicated), so the rewrite of the body is
+# valid for every iteration, and the loop stays one loop.
+
+
+def _body_on_rank(program, in_vmas, rule) -> tuple:
+    """``program`` (closed) as this rank's closed Program: ``(body, consts, out_vmas)``,
+    the body taking ``consts`` (values it now closes over, e.g. scalars) first."""
+    box = []
+
+    def fn(*xs):
+        outs = walk(program, list(zip(xs, in_vmas, strict=True)), rule,
+                    "running a loop body or cond branch on its rank:",
+                    literal=lambda a: (a.value, frozenset()))
+        box.append([m for _, m in outs])
+        return [v for v, _ in outs]
+
+    body, consts = _stage_closed(fn, program.in_avals)
+    return body, consts, box[0]
+
+
+def _fixed_point(stage_with, carry_vmas: list):
+    """Grow the carry's VMA until the body (``stage_with(carry_vmas) -> (result,
+    carry_out_vmas)``) keeps it; at most one round per mesh axis and carry."""
+    while True:
+        result, out = stage_with(carry_vmas)
+        grown = [frozenset(a | b) for a, b in zip(carry_vmas, out, strict=True)]
+        if grown == carry_vmas:
+            return result, carry_vmas
+        carry_vmas = grown
+
+
+def _scan_on_rank(eq, vals, vmas, rule):
+    p = eq.params
+    n_c, n_k = p["n_consts"], p["n_carry"]
+    c_m, k_m, x_m = vmas[:n_c], vmas[n_c:n_c + n_k], vmas[n_c + n_k:]
+
+    def stage_with(k):
+        staged = _body_on_rank(p["body"], c_m + k + x_m, rule)
+        return staged, staged[2][:n_k]
+
+    (body, extra, out_m), k_m = _fixed_point(stage_with, [frozenset(m) for m in k_m])
+    outs = scan_p.bind(*extra, *vals, **dict(p, body=body, n_consts=len(extra) + n_c))
+    return outs, k_m + out_m[n_k:]
+
+
+def _while_on_rank(eq, vals, vmas, rule):
+    p = eq.params
+    n_cc, n_bc = p["n_cond_consts"], p["n_body_consts"]
+    cc, bc, carry = vals[:n_cc], vals[n_cc:n_cc + n_bc], vals[n_cc + n_bc:]
+    cc_m, bc_m, k_m = vmas[:n_cc], vmas[n_cc:n_cc + n_bc], vmas[n_cc + n_bc:]
+
+    def stage_with(k):
+        # a predicate varying over an axis runs a different number of iterations on its
+        # devices: every carry then varies over it
+        cond = _body_on_rank(p["cond"], cc_m + k, rule)
+        body = _body_on_rank(p["body"], bc_m + k, rule)
+        return (cond, body), [m | cond[2][0] for m in body[2]]
+
+    ((cond, c_extra, _), (body, b_extra, _)), k_m = _fixed_point(
+        stage_with, [frozenset(m) for m in k_m])
+    outs = while_p.bind(*c_extra, *cc, *b_extra, *bc, *carry,
+                        **dict(p, cond=cond, body=body, n_cond_consts=len(c_extra) + n_cc,
+                               n_body_consts=len(b_extra) + n_bc))
+    return outs, k_m
+
+
+def _cond_on_rank(eq, vals, vmas, rule):
+    p = eq.params
+    staged = [_body_on_rank(b, vmas[1:], rule) for b in p["branches"]]
+    extras = [c for _, consts, _ in staged for c in consts]
+    # every branch takes every branch's new constants, then the operands
+    avals = [typeof(c) for c in extras] + list(p["branches"][0].in_avals)
+    branches, offset = [], 0
+    for body, consts, _ in staged:
+        lo, n_extra = offset, len(consts)
+
+        def call(*xs, body=body, lo=lo, n=n_extra):
+            return eval_program(body, *xs[lo:lo + n], *xs[len(extras):])
+
+        closed, more = _stage_closed(call, avals)
+        assert not more, "a call of closed programs closes over nothing"
+        branches.append(closed)
+        offset += n_extra
+    outs = cond_p.bind(vals[0], *extras, *vals[1:],
+                       **dict(p, branches=tuple(branches), n_consts=len(extras) + p["n_consts"]))
+    # a varying index takes different branches on different devices
+    out_m = [frozenset(vmas[0]).union(*(s[2][j] for s in staged))
+             for j in range(len(outs))]
+    return outs, out_m
+
+
+_BODY_RULES = {scan_p: _scan_on_rank, while_p: _while_on_rank, cond_p: _cond_on_rank}
+
+
+def _run_body_on_rank(sm, program, args, in_vmas, out_dims, mesh: Mesh, out_names):
+    """Interpret the body into the current trace with ``_rank_rule`` and check that
+    outputs promised replicated are."""
+    rule = _rank_rule(mesh)
     outs = walk(program, list(zip(args, in_vmas, strict=True)), rule,
                 f"running shard_map({sm.name}) on its rank:",
                 literal=lambda a: (a.value, frozenset()))

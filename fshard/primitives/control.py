@@ -606,24 +606,50 @@ scan_p = def_primitive("scan", FAMILY, _scan_type, _scan_impl, multiple_results=
                        lower=_scan_lowering)
 
 
+def _batch_carry_fixed_point(stage_with, batched: list):
+    """Which carries a batched loop must batch: those batched at entry, grown until the
+    body (``stage_with(batched) -> (result, carry_out_batched)``) keeps them. A carry the
+    body never batches (e.g. a ``psum`` over the axis being batched) stays unbatched, so
+    a replicated value stays replicated through the loop."""
+    while True:
+        result, out = stage_with(batched)
+        grown = [b or o for b, o in zip(batched, out, strict=True)]
+        if grown == batched:
+            return result, batched
+        batched = grown
+
+
 def _scan_batching(args, dims, *, body, length, reverse, unroll, n_consts, n_carry):
-    """The scan of the batched body: every carry batched in front (an unbatched initial
-    carry is broadcast), a batched x batched on its axis 1 (axis 0 is the scan's), so
-    each slice is batched in front; each y comes out batched on axis 1."""
+    """The scan of the batched body: a carry batched at entry or by the body (a fixed
+    point) has its batch axis in front, a batched x on its axis 1 (axis 0 is the
+    scan's), so each slice is batched in front; a y the body batches comes out batched
+    on axis 1, the others unbatched."""
     size = batch_size(args, dims)
     consts, carry, xs = _split(list(args), n_consts, n_carry)
     dc, dcarry, dxs = _split(list(dims), n_consts, n_carry)
     consts, dc = _front_args(consts, dc)
-    carry = [move_axis(x, d, 0) if d is not None else broadcast_to(
-        expand_dims(x, 0), (size,) + tuple(typeof(x).shape)) for x, d in zip(carry, dcarry)]
     xs = [x if d is None else move_axis(x, d, 1) for x, d in zip(xs, dxs)]
     d_slices = [None if d is None else 0 for d in dxs]
-    new_body, b_consts, _ = _batch_closed(body, dc + [0] * n_carry + d_slices, size,
-                                          _all_front)
+
+    def stage_with(batched):
+        def policy(out_dims):
+            return [0 if d is not None or (k < n_carry and batched[k]) else None
+                    for k, d in enumerate(out_dims)]
+
+        staged = _batch_closed(body, dc + [0 if b else None for b in batched] + d_slices,
+                               size, policy)
+        return staged, [w is not None for w in staged[2][:n_carry]]
+
+    (new_body, b_consts, want), batched = _batch_carry_fixed_point(
+        stage_with, [d is not None for d in dcarry])
+    carry = [move_axis(x, d, 0) if d is not None else
+             broadcast_to(expand_dims(x, 0), (size,) + tuple(typeof(x).shape)) if b else x
+             for x, d, b in zip(carry, dcarry, batched)]
     outs = scan_p.bind(*b_consts, *consts, *carry, *xs, body=new_body, length=length,
                        reverse=reverse, unroll=unroll, n_consts=len(b_consts) + n_consts,
                        n_carry=n_carry)
-    return outs, [0] * n_carry + [1] * (len(outs) - n_carry)
+    return outs, ([0 if b else None for b in batched]
+                  + [None if w is None else 1 for w in want[n_carry:]])
 
 
 batching.set(scan_p, _scan_batching)

@@ -61,7 +61,7 @@ def test_every_collective_matches_the_virtual_mesh(job):
     expected = {"psum", "pmean", "pmax", "pmin", "all_gather", "all_gather_tiled",
                 "psum_scatter", "all_to_all", "ppermute_ring", "ppermute_partial", "broadcast",
                 "axis_index", "eager_shard_map", "eager_grad_shard_map", "grad_inside_value",
-                "grad_inside_grads"}
+                "grad_inside_grads", "scan_psum_in_shard_map", "scan_psum_is_a_loop"}
     expected |= {"int_psum", "int_pmax", "int_pmin", "int_all_gather", "int_ppermute_ring",
                  "int_broadcast", "int_all_to_all", "bool_all_gather", "bool_pmax",
                  "bool_pmin", "bool_ppermute_ring", "bool_broadcast"}

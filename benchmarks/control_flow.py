@@ -170,6 +170,41 @@ def sharded_scan(ctx):
                   target="one loop of the per-device program", notes=notes)
 
 
+@benchmark("shard_map_scan", title="scan inside fs.shard_map: unrolled vs one loop")
+def shard_map_scan(ctx):
+    """``sharded_scan``'s 300-step RNN written per device: inside ``fs.shard_map`` on a
+    virtual mesh of 8, jitted, each step also psums the state's sum over the devices
+    (a collective inside the body). Unrolled (``unroll=True``, what fs.scan did inside
+    shard_map before its VMA pass had rules for loop bodies) against one loop
+    (``unroll=1``). First call and steady call time."""
+    rng = np.random.default_rng(0)
+    n = 20 if ctx.quick else SHARDED_SCAN_STEPS
+    h = ms.Tensor(rng.standard_normal((64, 16)).astype(np.float32))
+    w = ms.Tensor((rng.standard_normal((16, 16)) * 0.3).astype(np.float32))
+    xs = ms.Tensor(rng.standard_normal((n, 64, 16)).astype(np.float32))
+
+    def body(c, x):
+        c = fs.ops.tanh(fs.ops.matmul(c, w) + x)
+        return c, fs.psum(c.sum(), "d")
+
+    fns, notes, outs = {}, [], {}
+    for form, unroll in (("loop", 1), ("unrolled", True)):
+        f = fs.jit(fs.shard_map(lambda h, xs, u=unroll: fs.scan(body, h, xs, unroll=u),
+                                ((8, 1), (1, 8, 1)), ((8, 1), None),
+                                mesh=fs.Mesh((8,), ("d",), virtual=True)))
+        t0 = time.perf_counter()
+        outs[form] = f(h, xs)[1].asnumpy()
+        notes.append(f"{n} steps, {form}: first call {time.perf_counter() - t0:.2f} s")
+        fns[form] = lambda f=f: f(h, xs)[1].asnumpy()
+    np.testing.assert_allclose(outs["loop"], outs["unrolled"], rtol=1e-4, atol=1e-3)
+    t = ctx.compare(fns, runs=ctx.runs(10, 2), warmup=1, rounds=2)
+    what = f"tanh(h @ w + x) and a psum, h 64x16 split 8 ways, {n} steps, mesh of 8"
+    rows = [row("fshard", f"fs.shard_map(fs.scan) {form}: {what}", t[form])
+            for form in ("unrolled", "loop")]
+    return Result(rows, baseline=f"fs.shard_map(fs.scan) unrolled: {what}",
+                  target="one loop of the per-device program", notes=notes)
+
+
 # ---------------------------------------------------------------------------
 # cond on a traced predicate: every branch and a select vs a graph if
 # ---------------------------------------------------------------------------

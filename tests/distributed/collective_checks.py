@@ -175,7 +175,7 @@ def main(out_dir: str) -> None:
     # A scan with a psum in its body stays one loop on each rank (the VMA pass walks
     # the body to a fixed point); values, the gradient through it and the gradient
     # inside it, a carry made varying by the body and a while loop whose condition
-    # reads a psum, relative to the virtual mesh's.
+    # reads a psum, a cond with a collective in a branch, relative to the virtual mesh's.
     def rnn(w, h, xs):
         def step(c, x):
             c = fs.ops.tanh(c @ w + x + 0.01 * fs.psum(c.sum(0), "d"))
@@ -191,7 +191,8 @@ def main(out_dir: str) -> None:
     xss = (rng.standard_normal((20, 2 * n, 3)) * 0.3).astype(np.float32)
     rows = fs.Layout((n,), ("d",))
     sm_in = (None, rows("d", "None"), rows("None", "d", "None"))
-    sm_out = ((rows("d", "None"), None), (None, None), (rows("d"), None), (None, rows("d", "None")))
+    sm_out = ((rows("d", "None"), None), (None, None), (rows("d"), None), (None, rows("d", "None")),
+              rows("d", "None"))
 
     def grow(xs):  # a carry replicated at entry that the body makes varying
         def step(a, x):
@@ -203,15 +204,21 @@ def main(out_dir: str) -> None:
         return fs.while_loop(lambda c: fs.psum((c[1] ** 2).sum(), "d") > 0.05,
                              lambda c: (c[0] + 1, c[1] * 0.9), (np.int32(0), h))
 
+    def branch(h):  # a cond on a replicated predicate, a collective in one branch
+        return fs.cond(fs.psum(h.sum(), "d") > 0, lambda h: h - fs.pmean(h, "d"),
+                       lambda h: h * 2, h)
+
     def scan_both(w, h, xs):
-        return (rnn(w, h, xs), fs.value_and_grad(rnn_loss)(w, h, xs), grow(xs), shrink(h))
+        return (rnn(w, h, xs), fs.value_and_grad(rnn_loss)(w, h, xs), grow(xs), shrink(h),
+                branch(h))
 
     got = {}
     for mesh_ in (fs.Mesh((n,), ("d",)), fs.Mesh((n,), ("d",), virtual=True)):
         run = fs.jit(fs.shard_map(scan_both, sm_in, sm_out, mesh=mesh_))
-        (c, ys), (val, gw), (a, a_ys), (k, hk) = run(ws, hs, xss)
+        (c, ys), (val, gw), (a, a_ys), (k, hk), hb = run(ws, hs, xss)
         outer = fs.grad(lambda w: (run(w, hs, xss)[0][0] ** 2).sum())(ws)
-        got[mesh_.is_virtual] = [o.asnumpy() for o in (c, ys, val, gw, a, a_ys, k, hk, outer)]
+        got[mesh_.is_virtual] = [o.asnumpy()
+                                 for o in (c, ys, val, gw, a, a_ys, k, hk, hb, outer)]
         if not mesh_.is_virtual:
             results["checks"]["scan_psum_is_a_loop"] = float(
                 "while i < 20" not in run.lower(ws, hs, xss).as_text())

@@ -864,7 +864,8 @@ def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=None):
     unrolled when ``length`` times the body's equation count is at most
     ``SCAN_UNROLL_EQUATIONS``, a graph loop beyond (docs/control_flow.md). Every
     transform applies to both forms, reverse-mode ``grad`` included; under ``shard``
-    the graph loop's body is partitioned per device and the carry keeps its layout.
+    the graph loop's body is partitioned per device and the carry keeps its layout;
+    inside ``shard_map`` it stays one loop, with collectives in its body.
     """
     api = "fs.scan"
     _check_fn(api, f, "f")

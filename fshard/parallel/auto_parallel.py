@@ -15,9 +15,11 @@ it to ``fs.jit(fs.shard(step, ...))``:
   the plan;
 - the rest of the step: ``fs.shard``'s whole-program search (``search=True``) in
   ``"semi_auto"`` and ``"recursive_programming"`` modes, greedy propagation in
-  ``"sharding_propagation"`` mode (a training step is a long chain whose best
-  layouts greedy choices miss: with the search, a data-parallel step is the textbook
-  one AllReduce per gradient and one for the loss);
+  ``"sharding_propagation"`` mode, both pricing a plan by its time (``level=2``: the
+  flops each device computes at the backend's measured rate plus each collective as
+  the backend runs it; a training step is a long chain whose best layouts greedy
+  choices miss: with the search, a data-parallel step is the textbook one AllReduce
+  per gradient and one for the loss when that is the fastest);
 - ZeRO (``hsdp``): the optimizer state (level1), also the gradients (level2: the
   plan reduce-scatters them to the state's layout) and the parameters (level3:
   gathered where used) are split along their first dimension over the data-parallel
@@ -547,8 +549,10 @@ class AutoParallel:
         out_strategy = (TrainState(p_sh, o_sh, ()), None) + ((None,) if any(
             self._local_norm) else ())
         grad_vars: list = []
+        # level 2: the plan that takes the least time (compute at the backend's flops
+        # rate plus each collective as the backend runs it), not the fewest bytes.
         s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
-                  mesh=self.mesh,
+                  mesh=self.mesh, level=2,
                   search=self.parallel_mode != "sharding_propagation")
         s.comm_fusion = self._fusion
         if self._fp32_comm or self._gradient_fp32_sync:

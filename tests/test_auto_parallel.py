@@ -8,6 +8,7 @@ program); ``memory_report`` matches the ZeRO formulas; misuse is an fshard error
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -195,6 +196,53 @@ def test_memory_report_follows_the_zero_formulas(level):
     assert report["optimizer_state"] == (whole if level is None else split)
     # the update reads each gradient reduced, in the optimizer state's layout
     assert report["grads"] == (whole if level is None else split)
+
+
+MP_PLAN = {"w1": (1, 4), "b1": (4,), "w2": (4, 1)}  # b2 whole: a 2-D plan, dp 2 x mp 4
+
+
+def _zero_local_bytes(params, n, shard_size):
+    """Per parameter, the bytes of one device's block under hsdp: the parameter's own
+    split ``P`` (MP_PLAN), its first dimension further split over its data-parallel
+    group, ``n / P`` devices (``gcd(shard_size, n / P)`` with a shard_size)."""
+    out = {}
+    for k, p in params.items():
+        base = MP_PLAN.get(k, (1,) * p.ndim)
+        whole = int(np.prod(base))
+        replicas = n // whole
+        group = replicas if shard_size == -1 else math.gcd(shard_size, replicas)
+        split = p.shape[0] % (base[0] * group) == 0
+        out[k] = p.nbytes // (whole * (group if split else 1))
+    return out
+
+
+@pytest.mark.parametrize("shard_size,level", [(-1, "level1"), (2, "level1"), (-1, "level2"),
+                                              (4, "level3")])
+def test_hsdp_shards_each_parameter_over_its_data_parallel_group(shard_size, level):
+    params, x, y = _data(batch=32, d_in=64, hidden=32, d_out=16)
+    n = 8
+    ap = fs.AutoParallel(mse, fs.optim.adam(1e-2), mesh=n).parameter_plan(MP_PLAN)
+    ap.hsdp(shard_size=shard_size, threshold=0, optimizer_level=level)
+    state = ap.init(params)
+    local = _zero_local_bytes(params, n, shard_size)
+    strategies = ap.state_strategies(state, x, y)
+    own = {k: p.nbytes // int(np.prod(MP_PLAN.get(k, (1,)))) for k, p in params.items()}
+    for k, p in params.items():  # per parameter: its block, and each Adam moment's
+        for moments in (strategies.opt_state.mu, strategies.opt_state.nu):
+            assert p.nbytes // int(np.prod(moments[k])) == local[k], k
+        held = p.nbytes // int(np.prod(strategies.params[k]))
+        assert held == (local[k] if level == "level3" else own[k]), k
+    report = ap.memory_report(state, x, y)
+    assert report["optimizer_state"] == 2 * sum(local.values()) + 4  # + the step count
+    assert report["params"] == sum((local if level == "level3" else own).values())
+    # w1 (1, 4) is held by 2 devices per block: its moments split over those 2
+    mu = strategies.opt_state.mu
+    assert mu["w1"] == (2, 4) and mu["w2"] == (8, 1) and mu["b1"] == (8,)
+    assert mu["b2"] == ((8,) if shard_size == -1 else (math.gcd(shard_size, n),))
+    # and trains like one device
+    _, losses = _train(ap, params, x, y, steps=3)
+    _, ref = _train(fs.AutoParallel(mse, fs.optim.adam(1e-2), mesh=1), params, x, y, steps=3)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
 
 
 def test_threshold_keeps_small_tensors_whole():

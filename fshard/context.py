@@ -29,6 +29,11 @@ batch_axes: ContextVar[tuple] = ContextVar("fshard_batch_axes", default=())
 vmap_staging: ContextVar[int] = ContextVar("fshard_vmap_staging", default=0)
 #: How many ``shard`` stagings or runs enclose the running code.
 shard_depth: ContextVar[int] = ContextVar("fshard_shard_depth", default=0)
+#: Device counts of the ``shard`` stagings enclosing the running code (innermost last).
+shard_devices: ContextVar[tuple] = ContextVar("fshard_shard_devices", default=())
+#: How many ``fs.AutoParallel`` steps are being staged around the running code (an
+#: ``fs.shard`` called there annotates layouts instead of nesting).
+shard_annotations: ContextVar[int] = ContextVar("fshard_shard_annotations", default=0)
 #: How many ``shard_map`` bodies are being staged or run around the running code.
 shard_map_depth: ContextVar[int] = ContextVar("fshard_shard_map_depth", default=0)
 #: Mesh axis names of the ``shard_map`` bodies being staged (innermost last).

@@ -81,8 +81,9 @@ class CheckpointError(FshardError, OSError):
 
 
 class OperatorStrategyWarning(UserWarning):
-    """A MindSpore ``Primitive.shard`` strategy (``ops.MatMul().shard(...)``) met while
-    fshard traces: fshard does not apply it; propagation lays the operator out."""
+    """A MindSpore ``Primitive.shard`` strategy (``ops.MatMul().shard(...)``) fshard
+    cannot honour (inside an ``fs.shard_map`` body, or an ``interleaved_parallel``
+    Layout); under ``fs.shard`` every other strategy is the operator's plan."""
 
 
 class KeyReuseWarning(UserWarning):

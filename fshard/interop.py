@@ -39,11 +39,11 @@ from fshard import dtypes, tree
 from fshard import ops as fo
 from fshard.backend import mindspore as backend
 from fshard.core import Tracer, is_symbolic, typeof
-from fshard.errors import (FshardError, OperatorStrategyWarning, ProgramTypeError,
-                           UnsupportedOpError)
+from fshard.errors import FshardError, ProgramTypeError, UnsupportedOpError
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.staging import register_user_code_hook
 from fshard.tensor_methods import ms_mean, ms_sum, truthy_reduce
+from fshard.user_layouts import operator_call, operator_strategy
 
 # ---------------------------------------------------------------------------
 # The converter table: MindSpore primitive name -> converter(prim, *args, **kwargs)
@@ -668,7 +668,12 @@ def _convert(name: str, prim, args, kwargs):
     conv = CONVERTERS.get(name)
     if conv is None:
         raise _unsupported(name, args)
-    return conv(prim, *args, **kwargs)
+    if operator_strategy(prim) is None:
+        return conv(prim, *args, **kwargs)
+    # ops.MatMul().shard(...): fs.shard runs the operator with that strategy.
+    user = next((f for f in _stack() if "mindspore" not in f.f_code.co_filename
+                 and not _is_fshard_file(f.f_code.co_filename)), None)
+    return operator_call(prim, args, kwargs, lambda *a, **k: conv(prim, *a, **k), user)
 
 
 def _has_tracer(args) -> bool:
@@ -715,37 +720,10 @@ def _refuse_random(name: str) -> None:
         "noise = fs.random.normal(sub, shape) (docs/random.md).")
 
 
-def _warn_strategy(prim) -> None:
-    """``ops.MatMul().shard(((2, 4), (4, 1)))`` traced by fshard: say that the strategy
-    is not applied (sharding propagation lays the operator out) instead of dropping it
-    silently."""
-    attrs = getattr(prim, "attrs", None)
-    strategy = attrs.get("in_strategy") if isinstance(attrs, dict) else None
-    if strategy is None:
-        return
-    import warnings
-
-    user = next((f for f in _stack() if "mindspore" not in f.f_code.co_filename
-                 and not _is_fshard_file(f.f_code.co_filename)), None)
-    message = OperatorStrategyWarning(
-        f"fshard does not apply the strategy of {prim.name}.shard({strategy!r}): "
-        "fs.shard's propagation chooses this operator's layout from the layouts of its "
-        "inputs and outputs.\nFix: give the layouts you want to fs.shard (in_strategy, "
-        "out_strategy, parameter_plan), or save and edit a strategy file "
-        "(save_strategies / load_strategies); drop the .shard(...) call to silence this.")
-    if user is None:
-        warnings.warn(message, stacklevel=2)
-    else:  # point at the user's line, where the operator is called
-        warnings.warn_explicit(message, OperatorStrategyWarning, user.f_code.co_filename,
-                               user.f_lineno, module=user.f_globals.get("__name__"),
-                               registry=user.f_globals.setdefault("__warningregistry__", {}))
-
-
 def _wrap_pyboost(orig):
     def pyboost(prim, args):
         _refuse_random(prim.name)
         if _has_tracer(args):
-            _warn_strategy(prim)
             return _convert(prim.name, prim, args, {})
         return orig(prim, args)
 
@@ -758,7 +736,6 @@ def _wrap_run_op(orig):
     def _run_op(obj, op_name, args):
         _refuse_random(op_name)
         if _has_tracer(args):
-            _warn_strategy(obj)
             return _convert(op_name, obj, args, {})
         return orig(obj, op_name, args)
 

@@ -601,6 +601,18 @@ def _custom_lin_batching(spec, sample):
 
 
 # ---------------------------------------------------------------------------
+# layout_constraint: the identity, with a layout fs.shard's planner must give it
+# ---------------------------------------------------------------------------
+
+
+def _layout_constraint(rng, dt):
+    cases = [((4, 6), ((0,), ()), (2, 1)), ((4, 6), ((), (0,)), (1, 2)), ((6,), ((),), (1,))]
+    return [Sample((values(rng, shape, dt),), {
+        "axes": axes, "counts": counts, "n": 2, "origin": "MatMul.shard(...) at net.py:12",
+        "group": 1, "role": ("in", 0, 1), "exact": False}) for shape, axes, counts in cases]
+
+
+# ---------------------------------------------------------------------------
 # block_slice: a device's block of a dimension, along named mesh axes
 # ---------------------------------------------------------------------------
 
@@ -1248,6 +1260,7 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(C.scan_p, _scan, rule_samples=3, jit_samples=2,
                       linear_groups=(PER_SAMPLE,)),
         # Per-device primitives (spmd)
+        PrimitiveSpec(P.layout_constraint_p, _layout_constraint, DATA, linear_groups=((0,),)),
         PrimitiveSpec(P.block_slice_p, _block_slice, eager_error=AxisNameError,
                       linear_groups=((0,),), custom_checks={
                           "batching": _block_slice_batching, "jvp": _block_slice_jvp,

@@ -319,6 +319,7 @@ REFERENCES = {
     "transpose": lambda x, *, perm: np.transpose(x, perm),
     "full": full,
     "stop_gradient": lambda x: x,
+    "layout_constraint": lambda x, **_: x,
     "pipeline_split": lambda x, stage=None: x,
     "concat": lambda *xs, axis: np.concatenate(xs, axis=axis),
     "split": split,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from fshard import context, distributed, tree
+from fshard import context, distributed, tree, user_layouts
 from fshard.core import EvalTrace, current_trace, typeof
 from fshard.errors import CompositionError, ShardingError
 from fshard.ir import Program
@@ -247,7 +247,7 @@ class Sharded:
         if hit is not None:
             return hit
         mesh = ShardMesh.for_devices(n)
-        with context.counted(context.shard_depth):
+        with context.counted(context.shard_depth), context.pushed(context.shard_devices, n):
             traced = trace_fun(fn, in_tree, [typeof(x) for x in leaves])
         prog = traced.program
         avals = [v.aval for v in prog.inputs]
@@ -346,6 +346,8 @@ class Sharded:
         if self._dynamic is not None and type(current_trace()) is EvalTrace:
             return self._dynamic(*args, **kwargs)  # called eagerly: the one program
         fname = fun_name(self.fn)
+        if context.shard_depth.get() and context.shard_annotations.get():
+            return self._annotate(fname, args, kwargs)
         if inside_vmap():
             raise CompositionError(
                 f"shard({fname}) is applied inside vmap, which fshard does not allow.\nRule: "
@@ -357,7 +359,8 @@ class Sharded:
                 f"shard({fname}) is nested inside another fs.shard, which fshard does not "
                 "allow.\nRule: shard cannot nest (as in MindSpore).\nAllowed form: one "
                 "fs.shard around the whole computation; fix inner layouts with its "
-                "in_strategy/out_strategy.")
+                "in_strategy/out_strategy (or train with fs.AutoParallel, whose loss may "
+                "call fs.shard to fix the layouts of a part: docs/shard.md).")
         if kwargs:
             raise ShardingError(
                 f"shard({fname}) was called with keyword arguments {sorted(kwargs)}; a "
@@ -378,6 +381,37 @@ class Sharded:
         if any(sliced) and self.out_strategy is None:
             outs = local_batch.take_outputs(plan.partitioned(), outs, distributed.rank())
         return tree.unflatten(traced.out_tree, outs)
+
+    def _annotate(self, fname: str, args, kwargs):
+        """Called inside ``fs.AutoParallel``'s loss: ``fn`` traced inline, its arguments
+        and results constrained to ``in_strategy``/``out_strategy`` (MindSpore's
+        functional shard inside a network under semi-auto parallel)."""
+        n = context.shard_devices.get()[-1]
+        why = None
+        if kwargs:
+            why = (f"it was called with keyword arguments {sorted(kwargs)}",
+                   "pass the arrays positionally, one in_strategy entry each")
+        elif self.parameter_plan:
+            why = ("it has a parameter_plan, which only an outermost fs.shard applies",
+                   "give the parameters' strategies to AutoParallel.parameter_plan({...})")
+        elif self.dataset_strategy != "full_batch":
+            why = (f"it has dataset_strategy={self.dataset_strategy!r}, which only the "
+                   "outermost step's batch can have",
+                   "give it to AutoParallel.dataset_strategy(...)")
+        elif self.mesh is not None and _device_count(self.mesh, fname) != n:
+            why = (f"its mesh has {_device_count(self.mesh, fname)} devices but the "
+                   f"AutoParallel step runs on {n}", "drop mesh= from the inner fs.shard")
+        elif len(args) != len(self.in_strategy):
+            why = (f"in_strategy has {plural(len(self.in_strategy), 'entry', 'entries')} "
+                   f"but {fname} was called with "
+                   f"{plural(len(args), 'positional argument', 'positional arguments')}",
+                   "give one strategy (or None) per positional argument")
+        if why is not None:
+            raise ShardingError(
+                f"shard({fname}) inside fs.AutoParallel's loss fixes the layouts of "
+                f"{fname}'s arguments and results, but {why[0]}.\nFix: {why[1]}.")
+        return user_layouts.annotated_call(self.fn, fname, args, self.in_strategy,
+                                           self.out_strategy)
 
     # -- strategies ----------------------------------------------------------
     def strategies(self, *args) -> dict:

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fshard import distributed, tree
+from fshard import context, distributed, tree
 from fshard.cells import functional, is_cell
 from fshard.core import typeof
 from fshard.dims import dim_multiple_of
@@ -511,7 +511,9 @@ class AutoParallel:
         norms = self._local_norms if any(self._local_norm) else None
 
         def train_step(params, opt_state, step, *batch):
-            out, grads = value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
+            # An fs.shard called in the loss fixes layouts there (semi-auto parallel).
+            with context.counted(context.shard_annotations):
+                out, grads = value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
             grad_vars[:] = [getattr(g, "ir_var", None) for g in tree.leaves(grads)]
             updates, new_opt_state = opt.update(grads, opt_state, params)
             new = TrainState(apply_updates(params, updates), new_opt_state, step + 1)

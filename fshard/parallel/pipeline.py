@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from fshard import distributed, dtypes, tree
+from fshard import context, distributed, dtypes, tree
 from fshard.core import ArrayType, typeof
 from fshard.errors import ArgumentError
 from fshard.interpret import bind_equation, walk_equations
@@ -103,7 +103,9 @@ class Stages:
         for x in b_leaves:
             a = typeof(x)
             avals.append(ArrayType((local_rows,) + tuple(a.shape[1:]), a.dtype))
-        traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+        # A stage runs data parallelism only: a Primitive.shard strategy met here warns.
+        with context.counted(context.shard_annotations):
+            traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
         prog = self.program = traced.program
         self.consts = list(traced.consts)
         self.name = name

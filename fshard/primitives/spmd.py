@@ -1,4 +1,5 @@
-"""``block_slice``: each device keeps its own block of a dimension it holds whole.
+"""``block_slice``: each device keeps its own block of a dimension it holds whole;
+``layout_constraint``: a layout the user fixed (see its section below).
 
 This is the SPMD partitioner's "split further" step (a value replicated over mesh
 axes becomes split over them). No communication: device ``i`` along the axes takes
@@ -17,7 +18,8 @@ from fshard.dims import dim_multiple_of
 from fshard.errors import AxisNameError
 from fshard.interpret import current_axis
 from fshard.primitives.base import batch_to_front, def_primitive, deflinear, move_axis
-from fshard.rules import batching, unsupported
+from fshard.factors import FactorSpec
+from fshard.rules import batching, sharding, unsupported
 
 FAMILY = "spmd"
 
@@ -113,3 +115,75 @@ deflinear(block_slice_p, _transpose)
 def block_slice(x, axis_name: tuple, dim: int, sizes: tuple):
     """This device's block of dimension ``dim``, split over the mesh axes ``axis_name``."""
     return block_slice_p.bind(x, axis_name=tuple(axis_name), dim=dim, sizes=tuple(sizes))
+
+
+# ---------------------------------------------------------------------------
+# layout_constraint: a layout the user fixed (an operator's ``Primitive.shard``
+# strategy, or an ``fs.shard`` inside ``fs.AutoParallel``'s loss)
+# ---------------------------------------------------------------------------
+#
+# The identity on values. fs.shard's planner gives its output exactly the layout
+# ``axes`` (the prime mesh axes splitting each dimension, for a mesh of ``n``
+# devices); ``counts`` are the user's split counts (``exact``: an ``fs.Layout`` named
+# the mesh axes), ``origin`` says where they were written (for messages), and
+# ``group``/``role`` tie the constraints written for the operands (``("in", k, n)``)
+# and outputs (``("out", k, n)``) of one operator call together,
+# so the planner can run that operator with exactly the user's strategy
+# (fshard/sharding/constraints.py). Outside fs.shard it does nothing: its derivatives
+# and batched forms carry the same constraint.
+
+
+def _constraint_type(x: ArrayType, **_):
+    return x
+
+
+def _constraint_eager(x, **_):
+    return [x]
+
+
+def _constraint_lower(ctx, x, **_):
+    return x
+
+
+layout_constraint_p = def_primitive("layout_constraint", FAMILY, _constraint_type,
+                                    eager=_constraint_eager, lower=_constraint_lower)
+
+
+def _constraint_batching(args, dims, *, axes, counts, **params):
+    (x,), (d,) = args, dims
+    if d is None:
+        return [layout_constraint_p.bind(x, axes=axes, counts=counts, **params)], [None]
+    # The batch dimension is not split: the constraint lays out each lane's value.
+    return [layout_constraint_p.bind(x, axes=axes[:d] + ((),) + axes[d:],
+                                     counts=counts[:d] + (1,) + counts[d:], **params)], [d]
+
+
+batching.set(layout_constraint_p, _constraint_batching)
+
+
+def _constraint_sharding(x, **_):
+    labels = tuple(f"d{i}" for i in range(x.ndim))
+    # linear=(): a pending sum never passes through: the fixed layout is a whole value.
+    return FactorSpec([labels], [labels], {lab: s for lab, s in zip(labels, x.shape)},
+                      linear=())
+
+
+sharding.set(layout_constraint_p, _constraint_sharding)
+
+
+def _constraint_transpose(ct, x, **params):
+    # The cotangent of a value laid out as the user said is laid out the same way.
+    return [layout_constraint_p.bind(ct, **params)]
+
+
+deflinear(layout_constraint_p, _constraint_transpose)
+
+
+def layout_constraint(x, axes: tuple, counts: tuple, n: int, origin: str,
+                      group: int = 0, role: tuple = ("value", 0, 1), exact: bool = False):
+    """``x``, whose layout fs.shard's planner must make ``axes`` (the prime mesh axes of
+    each dimension on ``n`` devices; ``counts`` the split counts the user wrote)."""
+    return layout_constraint_p.bind(x, axes=tuple(tuple(d) for d in axes),
+                                    counts=tuple(int(c) for c in counts), n=int(n),
+                                    origin=str(origin), group=int(group), role=tuple(role),
+                                    exact=bool(exact))

@@ -14,7 +14,7 @@ from fshard.errors import ShardingError
 from fshard.interpret import walk
 from fshard.ir import Literal, Program, pretty
 from fshard.primitives import collectives as C
-from fshard.primitives.spmd import block_slice
+from fshard.primitives.spmd import block_slice, layout_constraint_p
 from fshard.sharding.cost import native_collectives, native_reduce_scatter, plan_bytes
 from fshard.sharding.layouts import (Candidate, ShardMesh, Sharding, after, as_produced,
                                      candidate_shardings, plan)
@@ -166,6 +166,8 @@ def partition(prop: Propagated) -> Partitioned:
         ins, outs = candidate_shardings(spec, cand)
         args = [get(held, a.aval, req) if isinstance(held, dict) else held
                 for a, held, req in zip(eq.inputs, operands, ins)]
+        if eq.prim is layout_constraint_p:  # its operand now has the fixed layout
+            return [{outs[0]: args[0]}]
         params = eq.params
         if spec.local_params is not None:
             params = spec.local_params(

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from fshard.dims import dim_multiple_of
 from fshard.ir import Program, Var
 from fshard.rules import sharding as sharding_rules
+from fshard.sharding.constraints import base_candidates, is_constraint
 from fshard.sharding.cost import (CostModel, compute_cost, local_bytes, native_reduce_scatter,
                                   plan_bytes)
-from fshard.sharding.layouts import (ShardMesh, Sharding, candidate_shardings, candidates,
-                                     carry_variants, plan)
+from fshard.sharding.layouts import (ShardMesh, Sharding, candidate_shardings, carry_variants,
+                                     plan)
 
 
 @dataclass
@@ -127,6 +128,8 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
         for v in eq.outputs:
             producer[v] = i
     specs = [_spec(eq) for eq in program.equations]
+    # Layouts the user fixed (layout_constraint) and the operators they pin: one candidate.
+    bases = base_candidates(program, specs, mesh)
     choice: list = [None] * len(program.equations)
     desired = _desired(program, specs, out_demand, mesh)
 
@@ -136,7 +139,7 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
         partials = [known[a].partial if isinstance(a, Var) and a in known else frozenset()
                     for a in eq.inputs]
         carry = any(partials)  # the spec's linear groups say where it may pass
-        for base in candidates(spec, mesh):
+        for base in bases[i]:
             options = [(base, 0.0)]
             if carry:
                 options += [(c, _deferral_bytes(eq, spec, c, mesh))
@@ -163,6 +166,12 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
     seeds = [v for v, s in known.items() if s.used] or list(known)
     for v in seeds:
         queue.extend(consumers.get(v, []))
+    # The layouts the user fixed start the search too (MindSpore propagates from every
+    # operator given a strategy): decided first, their consumers queued after the inputs'.
+    for i, eq in enumerate(program.equations):
+        if is_constraint(eq):
+            decide(i)
+            queue.extend(consumers.get(eq.outputs[0], []))
     while queue:
         i = queue.popleft()
         if choice[i] is not None:

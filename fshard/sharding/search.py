@@ -44,12 +44,12 @@ from fshard.sharding.layouts import (
     after,
     as_produced,
     candidate_shardings,
-    candidates,
     carry_variants,
 )
 from fshard.sharding.propagation import propagate
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.strategy import split_alternatives
+from fshard.sharding.constraints import base_candidates
 
 # ---------------------------------------------------------------------------
 # The objective
@@ -206,7 +206,7 @@ class Problem:
                 self.free_unused.append(v)
             if v not in last and self.n:
                 self.dying[0].append(v)
-        self.base = [candidates(spec, mesh) for spec in self.specs]
+        self.base = base_candidates(program, self.specs, mesh)  # fixed layouts: one
         # Mesh axes the fixed layouts mention (for the symmetry of the others).
         self.fixed_axes = frozenset(a for sh in list(self.given.values()) + [
             o for o in self.out_shardings if o is not None] for a in sh.used)

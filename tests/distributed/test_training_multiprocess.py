@@ -6,6 +6,8 @@ shares it).
   ("data_parallel")``): 50 Adam steps of the digits MLP on 2 and 4 processes (and on a
   virtual mesh of 8) give the losses and parameters of one process (rtol 1e-5);
 - ``fs.shard(..., dataset_strategy="data_parallel")`` with per-process slices;
+- a Cell whose MatMul carries ``ops.MatMul().shard(((2, 2), (2, 1)))`` trains under
+  ``fs.AutoParallel`` on 4 processes with that strategy, equal to one process;
 - the 2 x 2 (dp x mp) Adam training with ZeRO level1 on 4 processes equals one process
   at every step; its checkpoint, saved by 4 processes, resumes on 2 processes with
   ZeRO level3, on 1 process and on a virtual mesh of 8 with another strategy, the
@@ -23,6 +25,7 @@ import sys
 import numpy as np
 import pytest
 
+import fshard as fs
 from fshard import checkpoint as ckpt
 from fshard import launch
 
@@ -77,6 +80,21 @@ def one_process():
 def _close(got, want, rtol):
     np.testing.assert_allclose(got, want, rtol=rtol,
                                atol=rtol * max(1.0, float(np.abs(want).max())))
+
+
+def test_a_primitive_shard_strategy_trains_in_4_processes_like_one_process(jobs):
+    _, reports = jobs
+    ap = fs.AutoParallel(training_checks.strategy_net(None), fs.optim.sgd(0.1), mesh=1)
+    state = ap.init()
+    want = []
+    for _ in range(training_checks.STRATEGY_STEPS):
+        state, loss = ap(state, *training_checks.strategy_batch())
+        want.append(float(loss.asnumpy()))
+    assert want[-1] < want[0]
+    for r, rep in enumerate(reports[4]):
+        assert rep["strategy_net"]["matmul"] == [[2, 2], [2, 1]], r
+        np.testing.assert_allclose(rep["strategy_net"]["losses"], want, rtol=1e-5,
+                                   err_msg=f"rank {r}")
 
 
 @pytest.mark.parametrize("size", [2, 4])

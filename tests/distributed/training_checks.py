@@ -42,6 +42,54 @@ def n(x):
     return np.asarray(x.asnumpy() if hasattr(x, "asnumpy") else x)
 
 
+STRATEGY_STEPS = 5
+
+
+def strategy_net(strategy=((2, 2), (2, 1))):
+    """A ReLU MLP with a loss whose first MatMul carries ``strategy`` (None: none)."""
+    from mindspore import Parameter, Tensor, nn, ops
+
+    class StrategyNet(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            rng = np.random.default_rng(3)
+            self.w1 = Parameter(Tensor((rng.standard_normal((16, 8)) * 0.3)
+                                       .astype(np.float32)), name="w1")
+            self.w2 = Parameter(Tensor((rng.standard_normal((8, 4)) * 0.3)
+                                       .astype(np.float32)), name="w2")
+            self.matmul1 = ops.MatMul().shard(strategy) if strategy else ops.MatMul()
+            self.relu = ops.ReLU()
+
+        def construct(self, x, y):
+            return ((ops.matmul(self.relu(self.matmul1(x, self.w1)), self.w2) - y) ** 2).mean()
+
+    return StrategyNet()
+
+
+def strategy_batch():
+    rng = np.random.default_rng(4)
+    return (rng.standard_normal((8, 16)).astype(np.float32),
+            rng.standard_normal((8, 4)).astype(np.float32))
+
+
+def train_strategy_net(rank: int, size: int) -> dict:
+    """(4-process job) ``STRATEGY_STEPS`` SGD steps of ``strategy_net()``, a Cell whose
+    MatMul carries a 2 x 2 ``Primitive.shard`` strategy, each process passing its rows;
+    the losses and the strategy of the first MatMul in the plan."""
+    ap = fs.AutoParallel(strategy_net(), fs.optim.sgd(0.1))
+    state = ap.init()
+    x, y = strategy_batch()
+    b = x.shape[0] // size
+    xs, ys = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+    losses = []
+    for _ in range(STRATEGY_STEPS):
+        state, loss = ap(state, xs, ys)
+        losses.append(float(n(loss)))
+    eqs = ap.partitioned(state, xs, ys).strategies()["equations"]
+    return {"losses": losses,
+            "matmul": next(e["in_strategy"] for e in eqs if e["primitive"] == "matmul")}
+
+
 def data_parallel(rank: int, size: int) -> dict:
     """50 Adam steps, each process passing rows [r * b, (r + 1) * b) of the batch."""
     ap = example.make()
@@ -123,6 +171,7 @@ def main(out: str) -> None:
     report = {"data_parallel": data_parallel(rank, size),
               "shard": shard_data_parallel(rank, size)}
     if size == 4:
+        report["strategy_net"] = train_strategy_net(rank, size)
         report["resume"] = train_2x2_and_save(out)
     else:
         report["resume"] = resume_with_zero3(out, rank, size)

@@ -324,4 +324,6 @@ def test_shard_called_inside_a_sharded_function_is_refused():
                    fs.CompositionError) == (
         "shard(dense_relu) is nested inside another fs.shard, which fshard does not allow.\n"
         "Rule: shard cannot nest (as in MindSpore).\nAllowed form: one fs.shard around the "
-        "whole computation; fix inner layouts with its in_strategy/out_strategy.\n" + COMPOSE)
+        "whole computation; fix inner layouts with its in_strategy/out_strategy (or train "
+        "with fs.AutoParallel, whose loss may call fs.shard to fix the layouts of a part: "
+        "docs/shard.md).\n" + COMPOSE)

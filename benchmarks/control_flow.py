@@ -135,6 +135,41 @@ def scan(ctx):
                   target="fs.scan picks the form (SCAN_UNROLL_EQUATIONS)", notes=notes)
 
 
+SHARDED_SCAN_STEPS = 300
+
+
+@benchmark("sharded_scan", title="scan under fs.shard: unrolled vs one loop of the per-device "
+           "program")
+def sharded_scan(ctx):
+    """A 300-step RNN scan (tanh(h @ w + x), the batch of h and xs split 8 ways) under
+    ``fs.shard`` on a virtual mesh of 8, jitted: unrolled (``unroll=True``, what fs.scan
+    did under shard before loops had a sharding rule) against one loop whose body is
+    partitioned as a per-device program (``unroll=1``). First call (trace, partition,
+    compile) and steady call time."""
+    rng = np.random.default_rng(0)
+    n = 20 if ctx.quick else SHARDED_SCAN_STEPS
+    h = ms.Tensor(rng.standard_normal((64, 16)).astype(np.float32))
+    w = ms.Tensor((rng.standard_normal((16, 16)) * 0.3).astype(np.float32))
+    xs = ms.Tensor(rng.standard_normal((n, 64, 16)).astype(np.float32))
+    body = _scan_body(1, w)
+    fns, notes, outs = {}, [], {}
+    for form, unroll in (("unrolled", True), ("loop", 1)):
+        f = fs.jit(fs.shard(lambda h, xs, u=unroll: fs.scan(body, h, xs, unroll=u),
+                            in_strategy=((8, 1), (1, 8, 1)), out_strategy=((8, 1), None),
+                            mesh=8))
+        t0 = time.perf_counter()
+        outs[form] = f(h, xs)[1].asnumpy()
+        notes.append(f"{n} steps, {form}: first call {time.perf_counter() - t0:.2f} s")
+        fns[form] = lambda f=f: f(h, xs)[1].asnumpy()
+    np.testing.assert_allclose(outs["loop"], outs["unrolled"], rtol=1e-4, atol=1e-3)
+    t = ctx.compare(fns, runs=ctx.runs(10, 2), warmup=1, rounds=2)
+    what = f"tanh(h @ w + x), h 64x16 split 8 ways, {n} steps, mesh of 8"
+    rows = [row("fshard", f"fs.shard(fs.scan) {form}: {what}", t[form])
+            for form in ("unrolled", "loop")]
+    return Result(rows, baseline=f"fs.shard(fs.scan) unrolled: {what}",
+                  target="one loop of the per-device program", notes=notes)
+
+
 # ---------------------------------------------------------------------------
 # cond on a traced predicate: every branch and a select vs a graph if
 # ---------------------------------------------------------------------------

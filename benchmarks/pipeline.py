@@ -61,12 +61,16 @@ def worker(out_dir: str) -> None:
     for S, M, sched in CONFIGS[world]:
         ap, params = ex.make("mlp", S, M, sched, output_broadcast=True)
         state = ap.init(params)
-        state, _ = _time_steps(ap, state, data, 2)
-        state, step_s = _time_steps(ap, state, data[2:], STEPS)
+        # each process passes its data-parallel slice of the global batch of BATCH rows
+        dp = world // S
+        j, b = rank % dp, BATCH // dp
+        mine = [(x[j * b:(j + 1) * b], y[j * b:(j + 1) * b]) for x, y in data]
+        state, _ = _time_steps(ap, state, mine, 2)
+        state, step_s = _time_steps(ap, state, mine[2:], STEPS)
         step = next(iter(ap._pipeline._steps.values()))
         step.profile = True
         t0 = time.perf_counter()
-        state, loss = ap(state, *data[-1])
+        state, loss = ap(state, *mine[-1])
         loss.asnumpy()
         prof_s = time.perf_counter() - t0
         (st,) = step.stats

@@ -70,14 +70,16 @@ def mlp_loss(params, x, y):
 # -- a transformer-block stack: one block per chunk ----------------------------------
 
 
-def transformer_params(n_chunks: int, seed: int = 0) -> dict:
+def transformer_params(n_chunks: int, seed: int = 0, d_model: int = D_MODEL,
+                       seq: int = SEQ) -> dict:
+    """``n_chunks`` blocks of width ``d_model`` over ``seq`` tokens (of 64 / seq pixels)."""
     rng = np.random.default_rng(seed)
-    d = D_MODEL
+    d = d_model
 
     def w(*shape):
         return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
 
-    out = {"embed": w(64 // SEQ, d), "head": w(d, 10)}
+    out = {"embed": w(64 // seq, d), "head": w(d, 10)}
     res = np.float32(1 / np.sqrt(2 * n_chunks))  # residual branches scaled by depth
     for i in range(n_chunks):
         out.update({f"block{i}.qkv": w(d, 3 * d), f"block{i}.proj": w(d, d) * res,
@@ -91,7 +93,7 @@ def _norm(x, g):
 
 
 def _block(p, i, x):
-    d = D_MODEL
+    d = x.shape[-1]
     h = _norm(x, p[f"block{i}.g1"])
     qkv = fs.ops.matmul(h, p[f"block{i}.qkv"])
     q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
@@ -103,9 +105,11 @@ def _block(p, i, x):
 
 
 def transformer_loss(params, x, y):
-    """Pixels as 8 tokens of 8, an embedding, one block per stage, mean pool, head."""
+    """Pixels as tokens (8 of 8 by default), an embedding, one block per stage, mean
+    pool, head."""
     n = sum(k.endswith(".qkv") for k in params)
-    h = fs.ops.matmul(fs.ops.reshape(x, (x.shape[0], SEQ, 64 // SEQ)), params["embed"])
+    width = params["embed"].shape[0]  # pixels per token
+    h = fs.ops.matmul(fs.ops.reshape(x, (x.shape[0], 64 // width, width)), params["embed"])
     for i in range(n):
         if i:
             h = fs.pipeline_split(h)
@@ -116,18 +120,21 @@ def transformer_loss(params, x, y):
 MODELS = {"mlp": (mlp_params, mlp_loss), "transformer": (transformer_params, transformer_loss)}
 
 
-def optimizer(name: str):
+def optimizer(name):
+    """"adam", "momentum", or an fshard optimizer (used as it is)."""
+    if not isinstance(name, str):
+        return name
     return fs.optim.adam(1e-2) if name == "adam" else fs.optim.sgd(0.03, momentum=0.9)
 
 
 def make(model: str = "mlp", stages: int = 1, micro_batches: int = 1,
          scheduler: str = "1f1b", interleave: bool = False, output_broadcast: bool = False,
-         mesh=None, opt: str = "adam"):
+         mesh=None, opt="adam", dataset: str = "data_parallel"):
     """``(ap, params)``: the model cut into ``stages`` (x2 with interleave), trained by
-    ``opt`` ("adam" or "momentum")."""
+    ``opt`` ("adam", "momentum" or an fshard optimizer)."""
     init, loss = MODELS[model]
     chunks = stages * (2 if interleave else 1)
-    ap = fs.AutoParallel(loss, optimizer(opt), mesh=mesh)
+    ap = fs.AutoParallel(loss, optimizer(opt), mesh=mesh).dataset_strategy(dataset)
     if stages > 1:
         ap.pipeline(stages=stages, micro_batches=micro_batches, scheduler=scheduler,
                     interleave=interleave, output_broadcast=output_broadcast)
@@ -136,17 +143,26 @@ def make(model: str = "mlp", stages: int = 1, micro_batches: int = 1,
 
 def train(steps: int, model: str = "mlp", stages: int = 1, micro_batches: int = 1,
           scheduler: str = "1f1b", interleave: bool = False, output_broadcast: bool = False,
-          mesh=None, chunks: int | None = None, log_every: int = 0, opt: str = "adam"):
-    """``(losses, state, ap)`` after ``steps`` steps. ``chunks`` fixes the model's size
-    (default: ``stages``, doubled with interleave), so an unpipelined run
-    (``stages=1``) of the same model is the reference."""
+          mesh=None, chunks: int | None = None, log_every: int = 0, opt="adam",
+          params=None, batch: int = BATCH, dataset: str = "data_parallel",
+          part: tuple | None = None):
+    """``(losses, state, ap)`` after ``steps`` steps on batches of ``batch``. ``chunks``
+    fixes the model's size (default: ``stages``, doubled with interleave), so an
+    unpipelined run (``stages=1``) of the same model is the reference; ``params``: the
+    initial parameters (default: the model's own for ``chunks``). ``part=(j, n)``: this
+    process passes block ``j`` of ``n`` of each batch (its data-parallel slice)."""
     init, loss = MODELS[model]
     ap, _ = make(model, stages, micro_batches, scheduler, interleave, output_broadcast, mesh,
-                 opt)
-    params = init(chunks or stages * (2 if interleave else 1))
+                 opt, dataset)
+    if params is None:
+        params = init(chunks or stages * (2 if interleave else 1))
     state = ap.init(params)
     losses = []
-    for i, (x, y) in enumerate(batches(steps)):
+    for i, (x, y) in enumerate(batches(steps, batch)):
+        if part is not None:
+            j, n = part
+            b = len(x) // n
+            x, y = x[j * b:(j + 1) * b], y[j * b:(j + 1) * b]
         state, l = ap(state, x, y)
         losses.append(float(l.asnumpy()))
         if log_every and (i + 1) % log_every == 0:
@@ -175,10 +191,13 @@ def main(argv=None) -> None:
         mesh = args.stages * args.dp
     rank = fs.distributed.rank()
     n = fs.distributed.world_size() if mesh is None else mesh
-    last = rank // (n // args.stages) == args.stages - 1 or mesh is not None
+    dp = n // args.stages
+    last = rank // dp == args.stages - 1 or mesh is not None
+    # in a job each process passes its data-parallel slice of every batch
     losses, state, ap = train(args.steps, args.model, args.stages, args.micro_batches,
                               args.scheduler, args.interleave, mesh=mesh,
-                              log_every=args.log_every if last else 0)
+                              log_every=args.log_every if last else 0,
+                              part=None if mesh is not None else (rank % dp, dp))
     if rank == 0 and (args.show_schedule or args.plot):
         timeline = ap.pipeline_schedule().timeline()
         if args.show_schedule:

@@ -32,6 +32,7 @@ from fshard.errors import (  # noqa: F401
     KeyReuseWarning as KeyReuseWarning,
     MissingRuleError as MissingRuleError,
     OperatorStrategyWarning as OperatorStrategyWarning,
+    PipelineBalanceWarning as PipelineBalanceWarning,
     ProgramTypeError as ProgramTypeError,
     ShapeError as ShapeError,
     ShardingError as ShardingError,
@@ -42,6 +43,8 @@ from fshard.errors import (  # noqa: F401
 from fshard.ir import verify as verify
 from fshard.layout import Layout as Layout
 from fshard.mesh import Mesh as Mesh
+from fshard.sharding.local import ShardedArray as ShardedArray
+from fshard.sharding.local import gather_sharded as gather_sharded
 from fshard.primitives.collectives import (  # noqa: F401
     all_gather as all_gather,
     all_to_all as all_to_all,

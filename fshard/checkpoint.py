@@ -42,12 +42,18 @@ from fshard import distributed, dtypes, tree
 from fshard.core import typeof
 from fshard.errors import CheckpointError
 from fshard.layout import as_layout, block_owners, shard_slices
+from fshard.sharding.layouts import ShardMesh
+from fshard.sharding.local import ShardedArray, block_bounds
+from fshard.sharding.strategy import parse_strategy
 
 __all__ = ["save", "SaveHandle", "load", "latest", "clean", "save_mindspore", "load_mindspore",
            "save_safetensors", "load_safetensors"]
 
 FORMAT = "fshard-checkpoint"
-VERSION = 1
+# Version 2: SHA-256 per block (and of each file's header) instead of per file, so a
+# process reading only its blocks checks all it reads. Version 1 is still read.
+VERSION = 2
+READS = (1, 2)
 INDEX = "index.json"
 _STEP_DIR = re.compile(r"^\d+$")
 _TMP_PREFIX = ".tmp-"
@@ -114,12 +120,13 @@ _SAFETENSORS_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "in
 
 
 def _write_safetensors_durably(path: str, arrays: dict[str, np.ndarray],
-                               metadata=None) -> tuple[int, str]:
+                               metadata=None) -> tuple[int, str, dict[str, str]]:
     """Write ``arrays`` as a safetensors file (8-byte header length, JSON header, the
     tensors' bytes in header order), streaming each array's buffer to the file and to
-    SHA-256 at once, then fsync; return ``(bytes, sha256 hex)``. The same file
-    ``safetensors.numpy.save`` writes, without first building it as one bytes object
-    (a second copy of the whole state)."""
+    its own SHA-256 at once, then fsync; return ``(bytes, SHA-256 of the header part,
+    {key: SHA-256 of that tensor's bytes})``: a reader checks the blocks it reads and
+    nothing else. The same file ``safetensors.numpy.save`` writes, without first
+    building it as one bytes object (a second copy of the whole state)."""
     header: dict[str, Any] = {}
     offset = 0
     for k in sorted(arrays):
@@ -131,18 +138,17 @@ def _write_safetensors_durably(path: str, arrays: dict[str, np.ndarray],
         header["__metadata__"] = metadata
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the tensors start 8-byte aligned
-    digest = hashlib.sha256()
+    head = struct.pack("<Q", len(head)) + head
+    blocks = {}
     with open(path, "wb") as fh:
-        for chunk in (struct.pack("<Q", len(head)), head):
-            fh.write(chunk)
-            digest.update(chunk)
+        fh.write(head)
         for k in sorted(arrays):
             buf = memoryview(np.ascontiguousarray(arrays[k]).reshape(-1).view(np.uint8))
             fh.write(buf)
-            digest.update(buf)
+            blocks[k] = hashlib.sha256(buf).hexdigest()
         fh.flush()
         os.fsync(fh.fileno())
-    return 8 + len(head) + offset, digest.hexdigest()
+    return len(head) + offset, hashlib.sha256(head).hexdigest(), blocks
 
 
 def _world() -> tuple[int, int]:
@@ -285,7 +291,7 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
     if not wait:
         final = _new_checkpoint_dir(path, step)
         # A host copy now (the caller's arrays may change while the thread writes).
-        snapshot = tree.map(lambda x: np.array(_numpy(x), copy=True), state)
+        snapshot = tree.map(_host_copy, state)
         return SaveHandle(final, lambda: save(path, snapshot, step=step, layouts=layouts,
                                               mesh=mesh, timeout=timeout))
     leaves_paths, leaves, _ = tree.flatten_with_path(state)
@@ -307,6 +313,9 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
     mine: dict[str, np.ndarray] = {}
     entries = []
     for i, (p, x, spec) in enumerate(zip(leaves_paths, leaves, specs)):
+        if isinstance(x, ShardedArray):  # this process's block: its own layout
+            entries.append(_local_entry(i, p, x, nproc, rank, mine))
+            continue
         a = _numpy(x)
         try:
             dt = dtypes.to_numpy(dtypes.from_numpy(a.dtype))
@@ -327,17 +336,22 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
         entries.append({"path": tree.keystr(p), "name": _name(p), "shape": list(a.shape),
                         "dtype": a.dtype.name, "layout": _spec_json(spec),
                         "blocks": blocks})
-    nbytes, sha256 = _write_safetensors_durably(os.path.join(tmp, fname), mine,
-                                                {"format": FORMAT})
-    _mark_done(tmp, rank, {"file": fname, "bytes": nbytes, "sha256": sha256})
+    nbytes, head_sha256, block_sha256 = _write_safetensors_durably(
+        os.path.join(tmp, fname), mine, {"format": FORMAT})
+    _mark_done(tmp, rank, {"file": fname, "bytes": nbytes, "header_sha256": head_sha256,
+                           "blocks": block_sha256})
     if rank != 0:
         _wait_for(lambda: os.path.exists(os.path.join(final, INDEX)), timeout,
                   f"process 0 to complete the checkpoint {final!r}")
         return final
     done = _wait_for_done(tmp, nproc, timeout, final)
+    digests = {d["file"]: d["blocks"] for d in done}
+    for e in entries:
+        for b in e["blocks"]:
+            b["sha256"] = digests[b["file"]][b["key"]]
     index = {"format": FORMAT, "version": VERSION, "step": step, "processes": nproc,
              "devices": n_devices, "treedef": str(tree.structure(state)),
-             "files": {d["file"]: {"bytes": d["bytes"], "sha256": d["sha256"]}
+             "files": {d["file"]: {"bytes": d["bytes"], "header_sha256": d["header_sha256"]}
                        for d in done},
              "leaves": entries}
     _write_bytes_durably(os.path.join(tmp, INDEX),
@@ -348,6 +362,39 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
     os.rename(tmp, final)
     _fsync_dir(parent)
     return final
+
+
+def _host_copy(x):
+    """A copy in host memory of a leaf (of a ShardedArray: of its block)."""
+    if isinstance(x, ShardedArray):
+        return ShardedArray(np.array(_numpy(x.block), copy=True), x.shape, x.dtype,
+                            x.sharding, x.mesh, x.rank)
+    return np.array(_numpy(x), copy=True)
+
+
+def _local_entry(i: int, p, x: ShardedArray, nproc: int, rank: int, mine: dict) -> dict:
+    """The index entry of a ShardedArray leaf: its blocks under its own layout, each
+    written by the lowest process holding it; this process's goes into ``mine``."""
+    if x.mesh.size != nproc:
+        raise CheckpointError(
+            f"fs.checkpoint.save: leaf {tree.keystr(p)} is an fs.ShardedArray of a job of "
+            f"{x.mesh.size} processes, this job has {nproc}.")
+    owners: dict = {}
+    for r in range(x.mesh.size):
+        owners.setdefault(block_bounds(x.sharding, x.mesh, r, x.shape), r)
+    mine_bounds = x.bounds
+    blocks = []
+    for bounds, owner in owners.items():
+        idx = tuple(s // max(e - s, 1) for s, e in bounds)
+        key = f"{i}:{','.join(map(str, idx))}"
+        if owner == rank:
+            assert bounds == mine_bounds
+            mine[key] = _numpy(x.block)
+        blocks.append({"key": key, "file": f"shard-{owner:05d}-of-{nproc:05d}.safetensors",
+                       "start": [s for s, _ in bounds], "stop": [e for _, e in bounds]})
+    dt = np.dtype(dtypes.to_numpy(x.dtype))
+    return {"path": tree.keystr(p), "name": _name(p), "shape": list(x.shape),
+            "dtype": dt.name, "layout": list(x.strategy), "blocks": blocks}
 
 
 def _mesh_size(mesh, nproc: int) -> int:
@@ -428,28 +475,34 @@ def _read_index(path: str) -> dict:
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(
             f"fs.checkpoint.load: {file!r} is not an fshard checkpoint index.")
-    if index.get("version") != VERSION:
+    if index.get("version") not in READS:
         raise CheckpointError(
             f"fs.checkpoint.load: {file!r} has version {index.get('version')}; this "
-            f"fshard reads version {VERSION}.")
+            f"fshard reads versions {', '.join(map(str, READS))}.")
     index["_dir"] = os.path.dirname(file)
     return index
 
 
-def load(path, like, *, verify: bool = True):
+def load(path, like, *, layouts=None, verify: bool = True):
     """Read a checkpoint into ``like``'s structure; return the restored pytree.
 
     ``path`` is a checkpoint directory, or a root of step directories (its ``latest``
     is read). ``like`` is a pytree with the structure of the saved state whose leaves
     give the expected shapes and dtypes (arrays, ``fs.ArrayType``s, e.g. a fresh
-    ``ap.init(params)``). The leaves come back whole, as MindSpore Tensors, equal bit for
-    bit to the saved values, whatever mesh, layouts and number of processes wrote them
-    and will use them (fshard's arrays are global values; ``fs.shard`` and
-    ``fs.AutoParallel`` lay them out at each step).
+    ``ap.init(params)``). Values are bit for bit the saved ones, whatever mesh, layouts
+    and number of processes wrote them.
+
+    A leaf of ``like`` that is an ``fs.ShardedArray`` (in a multi-process job, e.g. the
+    state of an ``fs.AutoParallel`` step) comes back as one with the same layout, and
+    this process reads only the saved blocks overlapping its own block. ``layouts``
+    (in a job: a pytree prefix of ``like`` holding split counts, ``fs.Layout`` views or
+    None, e.g. ``ap.state_strategies(like, *batch)``) asks the same for the leaves it
+    splits. Every other leaf comes back whole, as a MindSpore Tensor.
 
     Raises ``CheckpointError`` naming the file and the leaf when a file is missing,
-    truncated or altered (sizes and SHA-256 checked when ``verify``), when the
-    checkpoint holds other leaves than ``like``, or a leaf's shape or dtype differs.
+    truncated or altered (sizes and SHA-256 of every block read checked when
+    ``verify``), when the checkpoint holds other leaves than ``like``, or a leaf's
+    shape or dtype differs.
     """
     import mindspore
 
@@ -467,13 +520,14 @@ def load(path, like, *, verify: bool = True):
             f"{' ...' if len(missing) > 5 else ''} and it has leaves like lacks "
             f"{extra[:5]}{' ...' if len(extra) > 5 else ''}.\nFix: pass a like with the "
             "saved state's structure (e.g. the same model and optimizer's init).")
+    targets = _local_targets(like, likes, layouts)
     files = index["files"]
-    if verify:
+    if verify and index["version"] == 1:  # one SHA-256 per file: read them all
         _verify_files(root, files, index["leaves"])
-    handles: dict[str, Any] = {}
+    reader = _BlockReader(root, files, index["leaves"], verify and index["version"] > 1)
     out = []
     try:
-        for w, x in zip(wanted, likes):
+        for w, x, target in zip(wanted, likes, targets):
             e = saved[w]
             a = typeof(x)
             expect = np.dtype(dtypes.to_numpy(a.dtype))
@@ -483,46 +537,161 @@ def load(path, like, *, verify: bool = True):
                     f"like has {expect.name}{list(a.shape)}.\nFix: load into a like "
                     "built as the saved state was (same shapes and dtypes), or convert "
                     "after loading.")
-            value = np.empty(e["shape"], np.dtype(e["dtype"]))
+            # the region of the leaf this process needs: its block, or all of it
+            want = target.bounds if target is not None else tuple((0, d) for d in e["shape"])
+            value = np.empty([t - s for s, t in want], np.dtype(e["dtype"]))
             for b in e["blocks"]:
-                f = handles.get(b["file"])
-                if f is None:
-                    f = handles[b["file"]] = _open(root, b["file"], w)
-                try:
-                    block = f.get_tensor(b["key"])
-                except Exception as err:  # noqa: BLE001  (safetensors' own error types)
-                    raise CheckpointError(
-                        f"fs.checkpoint.load: {b['file']} lacks block {b['key']} of leaf "
-                        f"{w}: {err}") from None
-                region = tuple(slice(s, t) for s, t in zip(b["start"], b["stop"]))
-                if block.shape != value[region].shape or block.dtype != value.dtype:
-                    raise CheckpointError(
-                        f"fs.checkpoint.load: block {b['key']} of leaf {w} in {b['file']} "
-                        f"is {block.dtype}{list(block.shape)}, the index says "
-                        f"{value.dtype}{list(value[region].shape)}.")
-                value[region] = block
-            out.append(mindspore.Tensor(value))
+                lo = [max(s, ws) for s, (ws, _) in zip(b["start"], want)]
+                hi = [min(t, wt) for t, (_, wt) in zip(b["stop"], want)]
+                if any(l >= h for l, h in zip(lo, hi)):
+                    continue  # no overlap: not read
+                block = reader.block(b, w, value.dtype)
+                src = tuple(slice(l - s, h - s) for l, h, s in zip(lo, hi, b["start"]))
+                dst = tuple(slice(l - ws, h - ws) for l, h, (ws, _) in zip(lo, hi, want))
+                value[dst] = block[src]
+            if target is None:
+                out.append(mindspore.Tensor(value))
+            else:
+                out.append(ShardedArray(mindspore.Tensor(value), target.shape, target.dtype,
+                                        target.sharding, target.mesh, target.rank))
     finally:
-        handles.clear()
+        reader.close()
     return tree.unflatten(spec, out)
 
 
-def _open(root: str, file: str, leaf: str):
-    from safetensors import safe_open
+class _Target:
+    """Where a ShardedArray leaf is loaded: this process's block of its layout."""
 
-    full = os.path.join(root, file)
-    try:
-        return safe_open(full, framework="np")
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"fs.checkpoint.load: {full!r} (holding leaf {leaf}) is missing.") from None
-    except Exception as e:  # noqa: BLE001  (safetensors raises its own types)
-        raise CheckpointError(
-            f"fs.checkpoint.load: {full!r} (holding leaf {leaf}) is not a readable "
-            f"safetensors file: {e}") from None
+    def __init__(self, shape, dtype, sharding, mesh, rank):
+        self.shape, self.dtype, self.sharding, self.mesh, self.rank = (
+            tuple(shape), dtype, sharding, mesh, rank)
+        self.bounds = block_bounds(sharding, mesh, rank, self.shape)
+
+
+def _local_targets(like, likes: list, layouts) -> list:
+    """Per leaf of ``like``: a ``_Target`` for a ShardedArray leaf or a leaf ``layouts``
+    splits (in a job), else None (the whole leaf)."""
+    rank, nproc = _world()
+    specs = [None] * len(likes)
+    if layouts is not None and nproc > 1:
+        try:
+            specs = tree.broadcast_prefix(layouts, like, is_leaf=lambda s: s is None or (
+                isinstance(s, tuple) and all(isinstance(d, int) for d in s))
+                or hasattr(s, "to_strategy"))
+        except ValueError as e:
+            raise CheckpointError(
+                f"fs.checkpoint.load(..., layouts): layouts must have the structure of "
+                f"like (or a prefix of it), with a strategy tuple, an fs.Layout view or "
+                f"None per leaf: {e}") from None
+    mesh = ShardMesh.for_devices(nproc)
+    out = []
+    for k, (x, spec) in enumerate(zip(likes, specs)):
+        if isinstance(x, ShardedArray):
+            if x.mesh.size != nproc:
+                raise CheckpointError(
+                    f"fs.checkpoint.load: like leaf {k} is an fs.ShardedArray of a job of "
+                    f"{x.mesh.size} processes, this job has {nproc}.\nFix: load into a "
+                    "like made in this job (or pass whole arrays and layouts).")
+            out.append(_Target(x.shape, x.dtype, x.sharding, x.mesh, rank))
+            continue
+        a = typeof(x)
+        sh = None if spec is None else parse_strategy(
+            spec, a, mesh, f"fs.checkpoint.load(..., layouts) leaf {k}", f"a {a} leaf")
+        out.append(None if sh is None or not any(sh.dims) else
+                   _Target(a.shape, a.dtype, sh, mesh, rank))
+    return out
+
+
+def _read(fd: int, offset: int, nbytes: int) -> bytes:
+    """``nbytes`` of an open file from ``offset``: every byte a load reads goes through
+    here."""
+    return os.pread(fd, nbytes, offset)
+
+
+class _BlockReader:
+    """Reads saved blocks by their byte ranges (each file opened once, its safetensors
+    header parsed once), checking sizes and, when ``verify``, the SHA-256 of each
+    file's header and of each block read."""
+
+    def __init__(self, root: str, files: dict, leaves: list, verify: bool):
+        self.root, self.files, self.leaves, self.verify = root, files, leaves, verify
+        self.open: dict = {}  # file -> (fd, header dict, data start)
+
+    def _holders(self, file) -> str:
+        names = sorted({e["path"] for e in self.leaves for b in e["blocks"]
+                        if b["file"] == file})
+        return ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+
+    def _file(self, file: str):
+        hit = self.open.get(file)
+        if hit is not None:
+            return hit
+        full = os.path.join(self.root, file)
+        try:
+            fd = os.open(full, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"fs.checkpoint.load: {full!r} is missing; it holds leaves "
+                f"{self._holders(file)}.") from None
+        self.open[file] = (fd, None, 0)  # closed by close() whatever happens next
+        info = self.files.get(file, {})
+        size = os.fstat(fd).st_size
+        if "bytes" in info and size != info["bytes"]:
+            raise CheckpointError(
+                f"fs.checkpoint.load: {full!r} has {size} bytes, the index says "
+                f"{info['bytes']} (truncated or replaced); it holds leaves "
+                f"{self._holders(file)}.")
+        try:
+            n = struct.unpack("<Q", _read(fd, 0, 8))[0]
+            head = _read(fd, 8, n) if 8 + n <= size else b""
+            header = json.loads(head)
+        except (struct.error, ValueError) as e:
+            raise CheckpointError(
+                f"fs.checkpoint.load: {full!r} (holding leaves {self._holders(file)}) is "
+                f"not a readable safetensors file: {e}") from None
+        if self.verify and hashlib.sha256(struct.pack("<Q", n) + head).hexdigest() != \
+                info.get("header_sha256"):
+            raise CheckpointError(
+                f"fs.checkpoint.load: {full!r} does not match the SHA-256 of its header in "
+                f"the index (the file was altered or corrupted); it holds leaves "
+                f"{self._holders(file)}.")
+        hit = self.open[file] = (fd, header, 8 + n)
+        return hit
+
+    def block(self, b: dict, leaf: str, dtype) -> np.ndarray:
+        """Block ``b`` (an index entry) of ``leaf``, as an array."""
+        fd, header, start = self._file(b["file"])
+        full = os.path.join(self.root, b["file"])
+        h = header.get(b["key"])
+        shape = [t - s for s, t in zip(b["start"], b["stop"])]
+        if h is None:
+            raise CheckpointError(
+                f"fs.checkpoint.load: {b['file']} lacks block {b['key']} of leaf {leaf}.")
+        if h.get("shape") != shape or h.get("dtype") != _SAFETENSORS_DTYPES.get(dtype.name):
+            raise CheckpointError(
+                f"fs.checkpoint.load: block {b['key']} of leaf {leaf} in {b['file']} is "
+                f"{h.get('dtype')}{h.get('shape')}, the index says {dtype}{shape}.")
+        lo, hi = h["data_offsets"]
+        data = _read(fd, start + lo, hi - lo)
+        if len(data) != hi - lo:
+            raise CheckpointError(
+                f"fs.checkpoint.load: {full!r} ends inside block {b['key']} of leaf {leaf} "
+                "(truncated).")
+        if self.verify and hashlib.sha256(data).hexdigest() != b.get("sha256"):
+            raise CheckpointError(
+                f"fs.checkpoint.load: {full!r} does not match the SHA-256 of block "
+                f"{b['key']} in the index (the file was altered or corrupted); the block "
+                f"belongs to leaf {leaf}, the file holds leaves {self._holders(b['file'])}.")
+        return np.frombuffer(data, dtype).reshape(shape)
+
+    def close(self) -> None:
+        for fd, _, _ in self.open.values():
+            os.close(fd)
+        self.open.clear()
 
 
 def _verify_files(root: str, files: dict, leaves: list) -> None:
+    """Version 1 checkpoints: every file's size and SHA-256."""
     def holders(file):
         names = sorted({e["path"] for e in leaves for b in e["blocks"] if b["file"] == file})
         return ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")

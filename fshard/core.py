@@ -20,7 +20,7 @@ import numpy as np
 
 from fshard import context, dtypes
 from fshard.errors import ArgumentError, TracerConversionError, TracerLeakError
-from fshard.rules import abstract_eval, impl
+from fshard.rules import abstract_eval, impl, takes_process_local
 
 from fshard.dims import (  # noqa: F401  (the dimension types live beside the core)
     Dim, DimExpr, Symbol, dim_div, dim_eval, dim_mul, dim_multiple_of, dim_prod, dims_equal,
@@ -194,6 +194,17 @@ def is_concrete(x) -> bool:
     return not isinstance(x, Tracer)
 
 
+class ProcessLocalValue:
+    """A concrete value of which this process holds only a part (``fs.ShardedArray``):
+    eager operations refuse it (``refuse``) except the primitives listed in
+    ``rules.takes_process_local`` (a sharded call, which takes the block)."""
+
+    __slots__ = ()
+
+    def refuse(self, what: str):
+        raise NotImplementedError  # ShardedArray says which block it holds and the fix
+
+
 class EvalTrace(Trace):
     """The outermost trace: run each primitive's eager implementation now."""
 
@@ -205,6 +216,8 @@ class EvalTrace(Trace):
                     "created it. It escaped through a global, a closure cell, or an "
                     "attribute set during tracing.\nFix: return the value from the "
                     "transformed function instead of storing it.")
+            if isinstance(x, ProcessLocalValue) and prim not in takes_process_local:
+                x.refuse(f"the eager operation '{prim}'")
         # Type-check first, so a bad operand is an fshard error, never a MindSpore one.
         abstract_eval.lookup(prim, transform="eager evaluation")(
             *[typeof(x) for x in args], **params)

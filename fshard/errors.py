@@ -86,6 +86,11 @@ class OperatorStrategyWarning(UserWarning):
     Layout); under ``fs.shard`` every other strategy is the operator's plan."""
 
 
+class PipelineBalanceWarning(UserWarning):
+    """A pipeline whose stages' estimated costs differ more than ``pipeline(...,
+    max_imbalance=)`` allows: each step runs at the pace of the slowest stage."""
+
+
 class KeyReuseWarning(UserWarning):
     """An ``fs.random`` key consumed twice in one traced function (two draws, or a
     draw and a ``split`` of the same key): both see the same random bits."""

@@ -38,6 +38,13 @@ class FactorSpec:
     # of a group is a pending sum over the same axes (and the others are not), the
     # output is a pending sum over them too. None: ``LINEAR_GROUPS`` by name.
     linear: tuple | None = None
+    # A primitive carrying sub-programs (a loop body, the branches of a cond) runs them
+    # partitioned as per-device programs of their own:
+    # ``(operands, params, in_shardings, out_shardings, partition) -> (operands, params)``
+    # of the per-device equation, where ``partition(program, in_shardings,
+    # out_shardings) -> (per-device program, its constants)``. It may only reorder the
+    # given operands (opaque objects to it) and insert those constants.
+    partition_call: Callable | None = None
 
     def splittable(self) -> list[str]:
         labels = []

@@ -95,6 +95,22 @@ def batching_axis(axis: AxisData):
     return context.pushed(context.batch_axes, axis)
 
 
+def _body_names_axis(eq: Equation, name) -> bool:
+    """Whether a body of ``eq`` (a loop's, a cond's branches) has an equation over the
+    axis ``name`` (a collective inside a loop): then ``eq`` depends on that axis even
+    when none of its operands is batched."""
+    for v in eq.params.values():
+        for sub in (v if isinstance(v, tuple) else (v,)):
+            if not isinstance(sub, Program):
+                continue
+            for e in sub.equations:
+                names = e.params.get("axis_name")
+                names = names if isinstance(names, tuple) else (names,)
+                if ("axis_name" in e.params and name in names) or _body_names_axis(e, name):
+                    return True
+    return False
+
+
 def batch_program(program: Program, args: list, dims: list, axis: AxisData):
     """Evaluate ``program`` on batched ``args`` (batch dim per arg, or None).
 
@@ -102,7 +118,8 @@ def batch_program(program: Program, args: list, dims: list, axis: AxisData):
     """
     def rule(eq, pairs):
         vals, ds = zip(*pairs) if pairs else ((), ())
-        if all(d is None for d in ds) and "axis_name" not in eq.params:
+        if all(d is None for d in ds) and "axis_name" not in eq.params and not (
+                axis.name is not None and _body_names_axis(eq, axis.name)):
             outs = bind_equation(eq, vals)
             out_ds = [None] * len(outs)
         else:

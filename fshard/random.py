@@ -20,7 +20,6 @@ Draw a new subkey for every use: the same key always gives the same numbers.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import warnings
@@ -31,7 +30,7 @@ import numpy as np
 
 from fshard import dtypes, ops
 from fshard.array_types import Array, Bool, Float, Int, Key, Shaped, UInt, UInt32
-from fshard.core import Tracer, current_trace, typeof
+from fshard.core import Tracer, typeof
 from fshard.errors import ArgumentError, KeyReuseWarning
 from fshard.primitives.elementwise import broadcast_shapes
 
@@ -111,6 +110,38 @@ def _uses(trace) -> _KeyUses:
     return uses
 
 
+def _record(key, name: str, stacklevel: int) -> None:
+    """Record that ``name`` consumed the key tracer ``key``; warn if it was before."""
+    uses = _uses(key.trace)
+    before = uses.seen.get(id(key))
+    if before is not None:
+        warnings.warn(KeyReuseWarning(
+            f"{name}: this key was already consumed by {before[1]} in the same "
+            f"traced function ({typeof(key)} key); both see the same random bits, "
+            "so their numbers are equal or correlated.\nFix: split it and give "
+            "each use its own key: key, sub = fs.random.split(key).\nSee "
+            "docs/errors.md#keyreusewarning"), stacklevel=stacklevel + 1)
+    else:
+        uses.seen[id(key)] = (key, name)
+
+
+def consumed_by(x) -> str | None:
+    """What consumed the key tracer ``x`` in its own trace (None: nothing, or ``x`` is
+    not a tracer). A staged body (a branch of ``fs.cond``) reports its operands' uses
+    with it, and its caller records them on the keys it passed (``mark_consumed``)."""
+    if not isinstance(x, Tracer):
+        return None
+    hit = _uses(x.trace).seen.get(id(x))
+    return None if hit is None else hit[1]
+
+
+def mark_consumed(x, name: str) -> None:
+    """Record that ``name`` consumed the key tracer ``x`` (inside a staged body that
+    received it); warn if it was consumed before."""
+    if isinstance(x, Tracer):
+        _record(x, name, stacklevel=3)
+
+
 def _consumes(fn):
     """Record that ``fn`` consumes its key; warn when the key was consumed before."""
     name = f"fs.{fn.__module__.split('.', 1)[1]}.{fn.__name__}"  # fs.random.normal
@@ -121,16 +152,7 @@ def _consumes(fn):
             return fn(key, *args, **kwargs)
         uses = _uses(key.trace)
         if uses.depth == 0:
-            before = uses.seen.get(id(key))
-            if before is not None:
-                warnings.warn(KeyReuseWarning(
-                    f"{name}: this key was already consumed by {before[1]} in the same "
-                    f"traced function ({typeof(key)} key); both see the same random bits, "
-                    "so their numbers are equal or correlated.\nFix: split it and give "
-                    "each use its own key: key, sub = fs.random.split(key).\nSee "
-                    "docs/errors.md#keyreusewarning"), stacklevel=2)
-            else:
-                uses.seen[id(key)] = (key, name)
+            _record(key, name, stacklevel=2)
         uses.depth += 1
         try:
             return fn(key, *args, **kwargs)
@@ -138,27 +160,6 @@ def _consumes(fn):
             uses.depth -= 1
 
     return draw
-
-
-@contextlib.contextmanager
-def alternatives():
-    """Calls of ``enter()`` inside the block start alternative code paths (the branches
-    of ``fs.cond``/``fs.switch`` evaluated on one traced index): each sees the keys
-    consumed before the block, not those of the other branches; after the block a key
-    counts as consumed if any branch consumed it."""
-    uses = _uses(current_trace())
-    before = dict(uses.seen)
-    merged: dict = {}
-
-    def enter():
-        merged.update(uses.seen)
-        uses.seen = dict(before)
-
-    try:
-        yield enter
-    finally:
-        merged.update(uses.seen)
-        uses.seen = merged
 
 
 # ---------------------------------------------------------------------------

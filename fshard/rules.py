@@ -44,6 +44,10 @@ def register_primitive(prim: Primitive, family: str, module: str | None = None) 
 _families: dict[str, str] = {}
 _modules: dict[str, str] = {}
 
+#: Primitives whose eager implementation takes ``fs.ShardedArray`` operands (this
+#: process's block of a global array); every other eager operation refuses them.
+takes_process_local: set = set()
+
 
 def all_primitives() -> list[Primitive]:
     """Every declared primitive, in declaration order (``import fshard`` declares

@@ -209,7 +209,39 @@ def _out_layouts(shape, local_shape, mesh: ShardMesh, *, partial_ok: bool) -> li
 # ---------------------------------------------------------------------------
 
 
+@dataclass
+class _Slot:
+    """Operand ``i`` of the equation, as a placeholder a ``partition_call`` rearranges."""
+
+    i: int
+
+
+@dataclass
+class _Arranged:
+    """Per-device parameters of a primitive with bodies, and its operands: slots of
+    the original operands and the constants of its partitioned bodies."""
+
+    params: dict
+    operands: list
+
+    def arrange(self, values: list) -> list:
+        return [values[o.i] if isinstance(o, _Slot) else _to_np(o) for o in self.operands]
+
+
 def _local_params(spec, params, in_avals, in_sh, out_avals, out_sh, mesh):
+    if spec.partition_call is not None:  # a loop or cond: its bodies partitioned
+        from fshard.ir import Program
+        from fshard.sharding.partition import partition
+        from fshard.sharding.propagation import propagate
+
+        def sub(body, ins, outs):
+            part = partition(propagate(body, ins, outs, mesh))
+            pd = part.program
+            return Program(pd.inputs, pd.equations, pd.outputs), list(part.consts)
+
+        slots = [_Slot(i) for i in range(len(in_avals))]
+        operands, p = spec.partition_call(slots, params, in_sh, out_sh, sub)
+        return _Arranged(p, operands)
     if spec.local_params is None:
         return params
     local_in = [ArrayType(s.local_shape(a.shape, mesh), a.dtype) for a, s in zip(in_avals, in_sh)]
@@ -257,10 +289,15 @@ def _run_per_device(prim, args, in_sh, params, mesh, rng=None):
     type_rule = rules.abstract_eval.lookup(prim, transform="check_sharding_rule")
     local = [ArrayType(s.local_shape(x.shape, mesh), typeof(x).dtype)
              for x, s in zip(args, in_sh)]
+    per_rank, keys = _local_values(args, in_sh, mesh, rng or np.random.default_rng(0))
+    if isinstance(params, _Arranged):
+        local = params.arrange(local)
+        local = [a if isinstance(a, ArrayType) else typeof(a) for a in local]
+        per_rank = [params.arrange(vals) for vals in per_rank]
+        params = params.params
     # The type rule refuses mismatched blocks before MindSpore sees them (its eager
     # errors can surface at a later, unrelated call).
     out_types = type_rule(*local, **params)
-    per_rank, keys = _local_values(args, in_sh, mesh, rng or np.random.default_rng(0))
     cache: dict = {}
     for r, key in enumerate(keys):
         if key not in cache:

@@ -528,20 +528,45 @@ def _switch_fn(k, x, y):
                          lambda x, y: (x - y, x * x)], x, y)
 
 
+def _linear_switch_fn(k, x, y):
+    """Three branches linear in both operands (what reverse mode transposes)."""
+    return fs.switch(k, [lambda x, y: (x * 2.0 + y, x), lambda x, y: (y * -3.0, x + y),
+                         lambda x, y: (x - y, y * 0.5)], x, y)
+
+
 def _cond(rng, dt):
-    """cond equations: fs.switch binds the primitive where a graph if is the faster form;
-    a threshold of 0 makes it so for these small operands."""
-    out, old = [], CF.GRAPH_IF_FLOPS
-    CF.GRAPH_IF_FLOPS = 0
-    try:
-        for shape in _call_shapes(dt):
-            x, y = values(rng, shape, dt), values(rng, shape, dt)
-            for k in (-1, 1, 5):
-                eq, vals = _staged_equation(_switch_fn, (np.int32(k), x, y), CF.cond_p)
-                out.append(Sample(vals, eq.params, diff_argnums=tuple(
-                    i for i in range(1, len(vals)) if np.asarray(vals[i]).dtype.kind == "f")))
-    finally:
-        CF.GRAPH_IF_FLOPS = old
+    """cond equations (fs.switch binds the primitive on a traced index): nonlinear
+    branches, and branches linear in the operands for the transpose checks."""
+    out = []
+    for shape in _call_shapes(dt):
+        x, y = values(rng, shape, dt), values(rng, shape, dt)
+        for k in (-1, 1, 5):
+            eq, vals = _staged_equation(_switch_fn, (np.int32(k), x, y), CF.cond_p)
+            out.append(Sample(vals, eq.params, diff_argnums=tuple(
+                i for i in range(1, len(vals)) if np.asarray(vals[i]).dtype.kind == "f"),
+                linear_groups=()))
+        eq, vals = _staged_equation(_linear_switch_fn, (np.int32(1), x, y), CF.cond_p)
+        n = len(vals)
+        out.append(Sample(vals, eq.params, diff_argnums=tuple(range(1, n)),
+                          linear_groups=(tuple(range(1, n)),)))
+    return out
+
+
+def loop_sharding_samples(rng) -> dict:
+    """scan, while and cond equations whose dimensions divide by the meshes' sizes, so
+    that the sharding rules of the primitives with bodies get split (the generic
+    samples above favour odd and size-1 dimensions): tests/sharding/test_sharding_rules.py."""
+    x, y, xs = (values(rng, s, F32) for s in ((4, 2), (4, 2), (3, 4, 2)))
+    out = {"scan": [], "while": [], "cond": []}
+    for fn, args in ((_scan_fn(3, False, 1), (x, y, xs)), (_scan_fn(3, True, 2), (x, y, xs)),
+                     (_linear_scan_fn(False, 1), (y, x, xs))):
+        eq, vals = _staged_equation(fn, args, C.scan_p)
+        out["scan"].append(Sample(vals, eq.params))
+    eq, vals = _staged_equation(_while_loop_fn, (np.int32(3), x, y), CF.while_p)
+    out["while"].append(Sample(vals, eq.params))
+    for k in (0, 2):
+        eq, vals = _staged_equation(_switch_fn, (np.int32(k), x, y), CF.cond_p)
+        out["cond"].append(Sample(vals, eq.params))
     return out
 
 
@@ -1256,7 +1281,8 @@ def _specs() -> list[PrimitiveSpec]:
                       custom_checks={"batching": _custom_lin_batching}),
         PrimitiveSpec(CF.while_p, _while, rule_samples=3, jit_samples=2,
                       custom_checks={"vjp": _while_vjp}),
-        PrimitiveSpec(CF.cond_p, _cond, rule_samples=3, jit_samples=3),
+        PrimitiveSpec(CF.cond_p, _cond, rule_samples=3, jit_samples=3,
+                      linear_groups=(PER_SAMPLE,)),
         PrimitiveSpec(C.scan_p, _scan, rule_samples=3, jit_samples=2,
                       linear_groups=(PER_SAMPLE,)),
         # Per-device primitives (spmd)

@@ -481,8 +481,8 @@ def test_cond_with_costly_branches_is_a_graph_if_under_jit():
         assert_close(n(jf(np.bool_(p), x, w)), n(_costly(x, w, 1.0 if p else -1.0)))
     assert "if index <= 0" in jf.lower(np.bool_(True), x, w).as_text()  # one graph if
     assert " cond[" in str(fs.make_ir(f)(np.bool_(True), x, w))
-    # cheap branches stay a select
-    assert " cond[" not in str(fs.make_ir(piecewise)(np.array([1.0, 2.0])))
+    # cheap branches are lowered to a select of both
+    assert "if index" not in fs.jit(piecewise).lower(np.array([1.0, 2.0])).as_text()
     # reverse mode: the gradient of the taken branch
     for p in (True, False):
         g = fs.jit(fs.grad(lambda x: f(np.bool_(p), x, w).sum()))(x)
@@ -494,9 +494,56 @@ def test_cond_with_costly_branches_is_a_graph_if_under_jit():
     assert_close(n(got), np.stack([n(_costly(xs[0], w, 1.0)), n(_costly(xs[1], w, -1.0))]))
     got = fs.jit(fs.vmap(f, in_axes=(None, 0, None)))(np.bool_(False), xs, w)
     assert_close(n(got), np.stack([n(_costly(v, w, -1.0)) for v in xs]))
-    # under shard the branches are selected, so layouts propagate through them
+    # under shard each branch is partitioned as a per-device program of its own
     s = fs.shard(lambda x: f(x.sum() > 0, x, w), in_strategy=((4, 1),), mesh=4)
     assert_close(n(s(x)), n(f(np.bool_(x.sum() > 0), x, w)))
+    assert_close(n(fs.jit(s)(x)), n(f(np.bool_(x.sum() > 0), x, w)))
+
+
+def _central_difference(f, x, eps=1e-3):
+    x = np.float64(x)
+    return (float(n(f(x + eps))) - float(n(f(x - eps)))) / (2 * eps)
+
+
+NAN_BRANCHES = {
+    # (function of x, a point where a branch not taken is inf or NaN there, a point
+    # where another branch is taken)
+    "sqrt": (lambda x: fs.cond(x > 0, fs.ops.sqrt, lambda x: x * 1.5, x), -1.0, 4.0),
+    "log": (lambda x: fs.cond(x > 0, fs.ops.log, lambda x: x * x, x), -2.0, 3.0),
+    "division by zero": (lambda x: fs.cond(x < 1, lambda x: x * 3.0,
+                                           lambda x: 1.0 / (x - x), x), -1.0, None),
+    "switch of 3": (lambda x: fs.switch(
+        fs.ops.cast(x > 0, ms.int32) + fs.ops.cast(x > 10, ms.int32),
+        [lambda x: x * 2.0, fs.ops.log, lambda x: 1.0 / (x - x)], x), -3.0, 4.0),
+}
+
+
+@pytest.mark.parametrize("name", list(NAN_BRANCHES))
+def test_the_derivative_of_a_cond_never_sees_the_branch_not_taken(name):
+    """cond's JVP is a cond of the branches' JVPs and its transpose a cond of their
+    transposes: the branch not taken is never differentiated, so its inf or NaN cannot
+    reach the derivative (grad, jit(grad), jvp, jit(jvp)), which equals finite
+    differences."""
+    f, x0, x1 = NAN_BRANCHES[name]
+    for x in (x0, x1) if x1 is not None else (x0,):
+        want = _central_difference(f, x)
+        x = np.float64(x)
+        one = np.float64(1.0)
+        for got in (fs.grad(f)(x), fs.jit(fs.grad(f))(x), fs.jvp(f, (x,), (one,))[1],
+                    fs.jit(lambda x: fs.jvp(f, (x,), (one,))[1])(x)):
+            assert np.isfinite(float(n(got))), got
+            assert_close(float(n(got)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_nan_safe_derivative_of_cond_and_where_vmap_selects():
+    """vmap(grad) keeps the guarantee (the chosen branch's derivative is selected per
+    lane). grad(vmap) with a per-lane predicate runs both branches as a select, as
+    JAX does, and then the branch not taken can make the gradient NaN."""
+    f = NAN_BRANCHES["sqrt"][0]
+    xs = np.array([-1.0, 4.0])
+    assert n(fs.vmap(fs.grad(f))(xs)).tolist() == [1.5, 0.25]
+    per_lane = n(fs.grad(lambda xs: fs.vmap(f)(xs).sum())(xs))
+    assert np.isnan(per_lane[0]) and per_lane[1] == 0.25
 
 
 def test_cond_and_switch_errors_name_both_branches():
@@ -542,9 +589,8 @@ def _carry_programs():
 
 @pytest.mark.parametrize("name", list(_carry_programs()))
 def test_a_split_carry_keeps_its_layout_under_shard(name):
-    """A batch-split carry stays split through scan, an unrolled fori_loop and cond: the
-    per-device program has no collective. A while_loop runs replicated (its sharding
-    rule gathers the carry; docs/control_flow.md)."""
+    """A batch-split carry stays split through scan, fori_loop, while_loop and cond: the
+    per-device program has no collective."""
     rng = np.random.default_rng(0)
     h = rng.standard_normal((8, 4)).astype(np.float32)
     w = (rng.standard_normal((4, 4)) * 0.5).astype(np.float32)
@@ -556,8 +602,127 @@ def test_a_split_carry_keeps_its_layout_under_shard(name):
     for a, b in zip(got, want):
         assert_close(n(a), n(b))
     part = s.partitioned(h, w, xs)
-    assert part.collectives() == (["all_gather"] if name == "while_loop" else [])
+    assert part.collectives() == []
     assert str(part.output_layouts()[0]).endswith("(('m0', 'm1'), 'None')")
+
+
+def _loop_programs():
+    T, M = fs.ops.tanh, fs.ops.matmul
+    f32 = ms.float32
+
+    def rnn(h, w, xs):  # 200 steps of a body of 4 equations: a graph loop
+        return fs.scan(lambda h, x: (T(M(h, w) + x), (h * h).sum(1)), h, xs)
+
+    def fori(h, w, xs):  # 300 static steps: a scan over (i, h)
+        return fs.fori_loop(0, 300, lambda i, h: T(M(h, w) + fs.ops.cast(i, f32) * 1e-3), h)
+
+    def while_(h, w, xs):  # a trip count known at run time, from the split carry
+        return fs.while_loop(lambda h: (h * h).sum() > 0.5, lambda h: T(M(h, w)) * 0.9, h)
+
+    return {"scan": (rnn, "scan"), "fori_loop": (fori, "scan"),
+            "while_loop": (while_, "while")}
+
+
+@pytest.mark.parametrize("mesh", ["8", "2x4"])
+@pytest.mark.parametrize("name", list(_loop_programs()))
+def test_a_sharded_loop_is_one_loop_of_the_per_device_program(name, mesh):
+    """Under fs.shard a loop's body is partitioned as a per-device program of its own:
+    the carry keeps its split layout (no gather of it, output layout = input layout),
+    the loop stays one loop primitive (not unrolled), and the results equal the
+    unsharded ones, eagerly and under jit."""
+    rng = np.random.default_rng(1)
+    h = rng.standard_normal((16, 4)).astype(np.float32)
+    w = (rng.standard_normal((4, 4)) * 0.5).astype(np.float32)
+    xs = rng.standard_normal((200, 16, 4)).astype(np.float32)
+    f, prim = _loop_programs()[name]
+    m = fs.Mesh((8,), ("d",)) if mesh == "8" else fs.Mesh((2, 4), ("dp", "mp"))
+    split = (8, 1)
+    out = ((8, 1), (1, 8)) if name == "scan" else (8, 1)
+    s = fs.shard(f, in_strategy=(split, None, (1, 8, 1)), out_strategy=out, mesh=m)
+    want = fs.tree.flatten(f(h, w, xs))[0]
+    for got in (s(h, w, xs), fs.jit(s)(h, w, xs)):
+        for a, b in zip(fs.tree.flatten(got)[0], want):
+            scale = max(1.0, float(np.abs(n(b)).max()))
+            assert_close(n(a), n(b), rtol=1e-4, atol=1e-5 * scale)
+    part = s.partitioned(h, w, xs)
+    names = [eq.prim.name for eq in part.program.equations]
+    assert names == [prim], part  # one loop, the carry never gathered
+    assert str(part.output_layouts()[0]) == str(part.input_layouts()[-3])  # h's
+    cond_program = part.program.equations[0].params.get("cond")
+    if name == "while_loop":  # the condition's sum over the split carry, inside the loop
+        assert part.collectives() == ["psum"]
+        assert [eq.prim.name for eq in cond_program.equations].count("psum") == 1
+    else:  # each step's y sums over a dimension that is not split: no communication
+        assert part.collectives() == []
+
+
+def _rnn_with_loss(h, w, xs):
+    def step(h, x):
+        h = fs.ops.tanh(fs.ops.matmul(h, w) + x)
+        return h, (h * h).sum()  # a scalar per step: a sum over the split batch
+    return fs.scan(step, h, xs, unroll=1)
+
+
+def test_a_loop_reducing_its_split_carry_keeps_it_split(monkeypatch):
+    """A body that sums its split carry to a scalar (a loss) keeps the carry split and
+    reduces inside the loop (a small AllReduce per step). With such reductions blocked
+    (as a large contraction is), the loop receives its operands whole and the body's
+    own propagation splits work inside it: the body then slices and sums over the mesh
+    while the loop's operands are not split, which the virtual mesh must still run as
+    one loop per device."""
+    from fshard.primitives import control
+
+    rng = np.random.default_rng(4)
+    h = rng.standard_normal((8, 4)).astype(np.float32)
+    w = (rng.standard_normal((4, 4)) * 0.5).astype(np.float32)
+    xs = rng.standard_normal((200, 8, 4)).astype(np.float32)
+    want = _rnn_with_loss(h, w, xs)
+    for blocked in (False, True):
+        if blocked:
+            monkeypatch.setattr(control, "_small_result", lambda eq: False)
+        s = fs.shard(_rnn_with_loss, in_strategy=((8, 1), None, (1, 8, 1)),
+                     out_strategy=((8, 1), None), mesh=8)
+        part = s.partitioned(h, w, xs)
+        names = [eq.prim.name for eq in part.program.equations]
+        if not blocked:
+            assert names == ["scan"] and part.collectives() == ["psum"]
+        else:  # whole operands in, work split inside the body
+            assert part.collectives()[:2] == ["all_gather", "all_gather"]
+            assert "block_slice" in [e.prim.name for e in
+                                      part.program.equations[names.index("scan")]
+                                      .params["body"].equations]
+        for got in (s(h, w, xs), fs.jit(s)(h, w, xs)):
+            for a, b in zip(got, want):
+                assert_close(n(a), n(b), rtol=1e-4, atol=1e-5 * max(1.0, float(
+                    np.abs(n(b)).max())))
+
+
+def test_a_long_sharded_scan_compiles_as_a_loop_and_its_gradient_matches():
+    """A 300-step scan under fs.shard stays one scan primitive in the per-device
+    program (so its compile time does not grow with the length), and the gradient of
+    the sharded scan, either way round, equals the unsharded one."""
+    rng = np.random.default_rng(2)
+    h = rng.standard_normal((8, 4)).astype(np.float32)
+    w = (rng.standard_normal((4, 4)) * 0.5).astype(np.float32)
+    xs = rng.standard_normal((300, 8, 4)).astype(np.float32)
+
+    def loss(h, w, xs):
+        c, ys = fs.scan(lambda h, x: (fs.ops.tanh(fs.ops.matmul(h, w) + x),) * 2, h, xs)
+        return (ys ** 2).sum() + c.sum()
+
+    s = fs.shard(loss, in_strategy=((8, 1), None, (1, 8, 1)), mesh=8)
+    part = s.partitioned(h, w, xs)
+    scans = [eq for eq in part.program.equations if eq.prim.name == "scan"]
+    assert len(scans) == 1 and scans[0].params["length"] == 300
+    assert len(part.program.equations) < 10  # not unrolled
+    assert "while i < 300" in fs.jit(s).lower(h, w, xs).as_text()
+    assert_close(n(fs.jit(s)(h, w, xs)), n(loss(h, w, xs)), rtol=1e-4)
+    want = fs.grad(loss, argnums=(0, 1))(h, w, xs)
+    for got in (fs.grad(s, argnums=(0, 1))(h, w, xs),
+                fs.jit(fs.shard(fs.grad(loss, argnums=(0, 1)), in_strategy=(
+                    (8, 1), None, (1, 8, 1)), mesh=8))(h, w, xs)):
+        for a, b in zip(got, want):
+            assert_close(n(a), n(b), rtol=1e-4, atol=1e-4 * float(np.abs(n(b)).max()))
 
 
 # --- a functional training loop as one program --------------------------------------------

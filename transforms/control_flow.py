@@ -14,17 +14,20 @@ How each is built, and why:
   (``fshard.primitives.control``), one MindSpore graph loop under ``jit``. The
   primitive's JVP and transpose rules sit here (they need the JVP interpreter): the
   JVP is a primal scan stacking the residuals and a tangent scan linear in the
-  tangents; its transpose is a reverse scan. Under ``shard`` scan unrolls, so layouts
-  propagate through the body.
+  tangents; its transpose is a reverse scan.
 - ``fori_loop`` with static bounds is unrolled up to ``MAX_UNROLL`` iterations (the
   body traced per iteration, ``i`` a Python int) and a ``scan`` over ``(i, val)``
   beyond; with traced bounds it is a ``while_loop``.
 - ``cond`` and ``switch`` call the chosen branch when the index is concrete. On a
-  traced index they take the faster form (measured, docs/performance.md): costly
-  branches become a ``cond`` primitive, one MindSpore graph ``if`` under ``jit``;
-  cheap ones are all evaluated and the result selected (``where``), which ``vmap``,
-  ``grad`` and ``shard`` handle like any other operation. Branches must return the
-  same types, checked by tracing each on the operands' types.
+  traced index they bind the ``cond`` primitive, which ``jit`` lowers in the faster
+  form (measured, docs/performance.md): one MindSpore graph ``if`` for costly
+  branches, every branch and a select (``where``) for cheap ones. Its JVP is a cond of
+  the branches' JVPs and its transpose a cond of their transposes, so only the taken
+  branch is ever differentiated. Branches must return the same types, checked by
+  tracing each on the operands' types.
+- Under ``shard`` the loops and cond are partitioned with their bodies as per-device
+  programs of their own (their sharding rules: the carry keeps its layout), and stay
+  one loop (or if) of the per-device program.
 
 This module sits in the transforms layer because the JVP rules of ``while`` and
 ``scan`` need the JVP interpreter (``fshard.transforms.ad``).
@@ -39,13 +42,14 @@ from fshard.backend.mindspore import as_tensor
 from fshard.core import ArrayType, Tracer, typeof
 from fshard.errors import ArgumentError, ProgramTypeError
 from fshard.interpret import eval_program
-from fshard.ir import Literal, Program
+from fshard.ir import Literal, Program, Var
 from fshard.primitives import elementwise as E
 from fshard.primitives import reductions as R
 from fshard.primitives import structural as S
 from fshard.primitives.base import UndefinedPrimal, Zero, batch_size, def_primitive, instantiate
-from fshard.primitives.control import (_all_front, _batch_closed, _call_sharding,
-                                       _front_args, _split, _stage_closed, scan_p)
+from fshard.primitives.control import (BodyLinks, _all_front, _batch_closed, _front_args,
+                                       _split, _stage_closed, body_flops, dims_keys,
+                                       scalar_layout, scan_p)
 from fshard.rules import batching, jvp as jvp_rules, sharding, transpose, unsupported
 from fshard.staging import fun_name
 from fshard.transforms.ad import backward_pass, jvp_program, partial_eval
@@ -76,14 +80,18 @@ def _leaves_of(x, api: str, what: str):
     return out, treedef
 
 
-def _stage_tree_fn(fn, treedef, avals, api: str, name: str, star: bool = False):
+def _stage_tree_fn(fn, treedef, avals, api: str, name: str, star: bool = False,
+                   key_uses: list | None = None):
     """Stage ``fn(unflatten(treedef, xs))`` (``fn(*...)`` with ``star``) into a closed
-    Program; also return its constants and its output tree."""
+    Program; also return its constants and its output tree. ``key_uses`` gets, per
+    input, what consumed it as a random key inside ``fn`` (or None)."""
     box = []
 
     def flat(*xs):
         args = tree.unflatten(treedef, list(xs))
         out = fn(*args) if star else fn(args)
+        if key_uses is not None:
+            key_uses.append([random.consumed_by(x) for x in xs])
         leaves, out_tree = tree.flatten(out)
         for leaf in leaves:
             try:
@@ -250,7 +258,40 @@ unsupported(while_p, "transpose",
             "at run time and the loop keeps no per-iteration values (as in JAX). Fix: use "
             "fs.fori_loop with static bounds or fs.scan (reverse mode works through both), "
             "or forward mode (fs.jvp, fs.jacfwd)")
-sharding.set(while_p, lambda *avals, body, **_: _call_sharding(avals, body.out_avals))
+
+
+def _while_sharding(*avals, cond, body, n_cond_consts, n_body_consts):
+    """As scan's (``fshard.primitives.control._scan_sharding``): the body's factors,
+    each carry dimension tied to itself across the iteration, so the carry keeps its
+    layout; the condition reads the carry in that layout and its scalar is made the
+    same on every device (a pending sum reduced inside the loop), so every device runs
+    the same number of iterations."""
+    links = BodyLinks()
+    links.program(body)
+    b_in, b_out, c_in = body.inputs, body.outputs, cond.inputs
+    n_carry = len(b_out)
+    for k in range(n_carry):
+        links.values(b_in[n_body_consts + k], b_out[k])
+        links.values(c_in[n_cond_consts + k], b_in[n_body_consts + k])
+    in_keys = [dims_keys(v) for v in c_in[:n_cond_consts]] + [dims_keys(v) for v in b_in]
+    out_keys = [dims_keys(b_in[n_body_consts + k]) for k in range(n_carry)]
+    return links.spec(in_keys, out_keys, body_flops(body), _while_partition)
+
+
+def _while_partition(operands, params, ins, outs, partition):
+    if not ins:
+        return operands, params
+    ncc, nbc = params["n_cond_consts"], params["n_body_consts"]
+    cc, bc, carry = _split(list(operands), ncc, nbc)
+    s_cc, s_bc, s_carry = _split(list(ins), ncc, nbc)
+    body, kb = partition(params["body"], s_bc + s_carry, s_carry)
+    cond, kc = partition(params["cond"], s_cc + s_carry, [scalar_layout(ins[0])])
+    return (kc + cc + kb + bc + carry,
+            dict(params, cond=cond, body=body, n_cond_consts=len(kc) + ncc,
+                 n_body_consts=len(kb) + nbc))
+
+
+sharding.set(while_p, _while_sharding)
 
 
 # ===========================================================================
@@ -404,12 +445,12 @@ transpose.set(scan_p, _scan_transpose)
 # Program per branch, each taking consts + operands), n_consts. Branch k runs when
 # index <= k (the first such k), the last one otherwise: the index is clamped.
 #
-# fs.cond / fs.switch bind it only where a graph ``if`` is the faster form (measured:
-# docs/performance.md): the branches not taken would cost more than MindSpore's graph
-# control flow (~100 µs on the CPU backend); cheaper branches are selected with
-# ``where``. Its JVP rule selects between the branches' JVPs, so reverse mode sees
-# ordinary primitives; a batched index selects too; under ``shard`` fs.cond selects
-# (layouts then propagate through the branches).
+# fs.cond / fs.switch bind it for every traced index. Its lowering is a graph ``if``
+# where that is the faster form (measured: docs/performance.md): the branches not
+# taken would cost more than MindSpore's graph control flow (~100 µs on the CPU
+# backend); cheaper branches are all evaluated and selected with ``where``. Its JVP
+# rule binds a primal and a tangent cond (only the taken branch is differentiated), its
+# transpose a cond of the branches' transposes; a batched index selects.
 
 GRAPH_IF_FLOPS = 1_000_000  # work of the branches not taken above which a graph if wins
 
@@ -433,7 +474,16 @@ def _cond_impl(index, *args, branches, n_consts):
 
 
 def _cond_lowering(ctx, index, *exprs, branches, n_consts):
-    helper = ctx.cond_function(list(branches))
+    """A graph ``if`` when the branches not taken cost more than it (measured,
+    ``GRAPH_IF_FLOPS``); below, every branch runs and ``where`` selects the result."""
+    if _graph_if_is_faster(branches):
+        helper = ctx.cond_function(list(branches))
+    else:
+        selected, extra = _stage_closed(
+            lambda i, *xs: _select_results(i, [eval_program(b, *xs) for b in branches]),
+            [ArrayType((), dtypes.int32)] + list(branches[0].in_avals))
+        assert not extra, "a select of closed branches captures no constant"
+        helper = ctx.function(selected, "select")
     return f"{helper}({', '.join((index,) + exprs)})"
 
 
@@ -493,23 +543,151 @@ def _cond_batching(args, dims, *, branches, n_consts):
 batching.set(cond_p, _cond_batching)
 
 
+def _cond_of(index, staged, in_avals):
+    """Bind ``cond`` over branches given as ``(program, constants)`` pairs, each program
+    taking its constants then ``in_avals``; the operands follow."""
+    programs, consts = _uniform_branches(staged, in_avals)
+    return lambda *xs: cond_p.bind(index, *consts, *xs, branches=tuple(programs),
+                                   n_consts=len(consts))
+
+
 def _cond_jvp(primals, tangents, *, branches, n_consts):
-    """Every branch's JVP, then a select (reverse mode transposes the select)."""
+    """A cond of the branches' JVPs, split as reverse mode needs it (NB: JAX's
+    cond partial evaluation): a *primal* cond computing the outputs and the chosen
+    branch's residuals (zeros in the other branches' slots), then a *tangent* cond,
+    linear in the tangents, running the chosen branch's linear part on them. Only the
+    chosen branch's derivative is ever evaluated, so a branch that is not taken cannot
+    leak inf or NaN into the derivative (its partials are never multiplied by zero)."""
     index, args, targs = primals[0], list(primals[1:]), list(tangents[1:])
-    results = []
+    in_avals = list(branches[0].in_avals)
+    n_out = len(branches[0].outputs)
+    nz_in = [not _is_zero_tangent(t, x) for t, x in zip(targs, args)]
+    t_avals = [a for a, z in zip(in_avals, nz_in) if z]
+
+    def joint(branch, want, box):
+        def fn(*xs):
+            it = iter(xs[len(in_avals):])
+            ts = [next(it) if z else Zero(a) for z, a in zip(nz_in, in_avals)]
+            outs, touts = jvp_program(branch, list(xs[:len(in_avals)]), ts)
+            box.append([not isinstance(t, Zero) for t in touts])
+            return list(outs) + [instantiate(t) for t, w in zip(touts, want) if w]
+        return _stage_closed(fn, in_avals + t_avals)
+
+    out_nz = [False] * n_out
+    for b in branches:  # which outputs have a nonzero tangent in some branch
+        box = []
+        joint(b, [False] * n_out, box)
+        out_nz = [x or y for x, y in zip(out_nz, box[0])]
+    splits = []
     for b in branches:
-        outs, touts = jvp_program(b, args, targs)
-        results.append(list(outs) + [instantiate(t) for t in touts])
-    chosen = _select_results(index, results)
-    n = len(branches[0].outputs)
-    return chosen[:n], chosen[n:]
+        prog, k = joint(b, out_nz, [])
+        known, linear = partial_eval(prog, [False] * (len(k) + len(in_avals))
+                                     + [True] * len(t_avals))
+        splits.append((prog, k, known, linear))
+    res_avals = [[v.aval for v in known.outputs] for _, _, known, _ in splits]
+    n_res = [len(r) for r in res_avals]
+    all_res = [a for r in res_avals for a in r]
+
+    primal_staged = []
+    for j, (prog, k, known, _) in enumerate(splits):
+        def primal(*xs, j=j, prog=prog, known=known):
+            r = eval_program(known, *xs)
+            env = dict(zip(known.outputs, r))
+            outs = [a.value if isinstance(a, Literal) else env[a] for a in prog.outputs[:n_out]]
+            res = []
+            for i, avals in enumerate(res_avals):
+                res += list(r) if i == j else [S.zeros(tuple(a.shape), a.dtype) for a in avals]
+            return outs + res
+        p, extra = _stage_closed(primal, [typeof(c) for c in k] + in_avals)
+        primal_staged.append((p, list(extra) + list(k)))
+    outs = _cond_of(index, primal_staged, in_avals)(*args)
+    primal_out, residuals = outs[:n_out], outs[n_out:]
+
+    tangent_staged = []
+    for j, (_, _, _, linear) in enumerate(splits):
+        lo = sum(n_res[:j])
+
+        def tangent(*xs, lo=lo, j=j, linear=linear):
+            res, ts = xs[:len(all_res)], xs[len(all_res):]
+            return eval_program(linear, *res[lo:lo + n_res[j]], *ts)[n_out:]
+        tangent_staged.append(_stage_closed(tangent, all_res + t_avals))
+    t_in = [instantiate(t) for t, z in zip(targs, nz_in) if z]
+    t_outs = iter(_cond_of(index, tangent_staged, all_res + t_avals)(*residuals, *t_in))
+    return primal_out, [next(t_outs) if w else Zero(typeof(o))
+                        for w, o in zip(out_nz, primal_out)]
+
+
+def _cond_transpose(cts, index, *args, branches, n_consts):
+    """A cond of the branches' transposes: only the chosen branch's runs (its known
+    part evaluated forward first, then ``backward_pass``)."""
+    lin = [isinstance(a, UndefinedPrimal) for a in args]
+    in_avals = list(branches[0].in_avals)
+    res = [a for a, z in zip(args, lin) if not z]
+    res_avals = [typeof(a) for a in res]
+    lin_avals = [a for a, z in zip(in_avals, lin) if z]
+    out_avals = list(branches[0].out_avals)
+    cts = [instantiate(c) if not isinstance(c, Zero) else instantiate(Zero(a))
+           for c, a in zip(cts, out_avals)]
+    staged = []
+    for b in branches:
+        # the branch with its linear inputs last (partial_eval splits by position)
+        order = [v for v, z in zip(b.inputs, lin) if not z] + [v for v, z in zip(b.inputs, lin) if z]
+        known, linear = partial_eval(Program(order, b.equations, b.outputs),
+                                     [False] * len(res) + [True] * len(lin_avals))
+
+        def transposed(*xs, known=known, linear=linear):
+            r = eval_program(known, *xs[:len(res)])
+            cts_in = backward_pass(linear, len(known.outputs), r, list(xs[len(res):]))
+            return [instantiate(c) if not isinstance(c, Zero) else instantiate(Zero(a))
+                    for c, a in zip(cts_in, lin_avals)]
+        staged.append(_stage_closed(transposed, res_avals + out_avals))
+    it = iter(_cond_of(index, staged, res_avals + out_avals)(*res, *cts))
+    return [None] + [next(it) if z else None for z in lin]
 
 
 jvp_rules.set(cond_p, _cond_jvp)
-unsupported(cond_p, "transpose",
-            "cond is never linear: its JVP rule selects between the branches' JVPs, which "
-            "reverse mode transposes")
-sharding.set(cond_p, lambda *avals, branches, **_: _call_sharding(avals, branches[0].out_avals))
+transpose.set(cond_p, _cond_transpose)
+
+
+def _cond_sharding(index, *avals, branches, n_consts):
+    """The factors the branches share (``BodyLinks`` over every branch, each input and
+    output tied across the branches); each branch is partitioned as a per-device
+    program of its own, from the operands' layouts to the same output layouts."""
+    links = BodyLinks()
+    for b in branches:
+        links.program(b)
+    first = branches[0]
+    for b in branches[1:]:
+        for x, y in zip(first.inputs, b.inputs):
+            links.values(x, y)
+        for x, y in zip(first.outputs, b.outputs):
+            links.values(x, y)
+    in_keys = [[]] + [dims_keys(v) for v in first.inputs]
+    out_keys = []
+    for j, a in enumerate(first.out_avals):
+        v = next((b.outputs[j] for b in branches if isinstance(b.outputs[j], Var)), None)
+        out_keys.append(dims_keys(v) if v is not None else [None] * a.ndim)
+    return links.spec(in_keys, out_keys, max(body_flops(b) for b in branches),
+                      _cond_partition)
+
+
+def _cond_partition(operands, params, ins, outs, partition):
+    index, rest = operands[0], list(operands[1:])
+    parts = [partition(b, list(ins[1:]), list(outs)) for b in params["branches"]]
+    consts = [c for _, cs in parts for c in cs]
+    programs, off = [], 0
+    for prog, cs in parts:  # every branch takes every branch's constants
+        n = len(cs)
+        before = [Var(typeof(c)) for c in consts[:off]]
+        after = [Var(typeof(c)) for c in consts[off + n:]]
+        programs.append(Program(before + list(prog.inputs[:n]) + after + list(prog.inputs[n:]),
+                                prog.equations, prog.outputs))
+        off += n
+    return ([index] + consts + rest,
+            dict(params, branches=tuple(programs), n_consts=len(consts) + params["n_consts"]))
+
+
+sharding.set(cond_p, _cond_sharding)
 
 
 def _flops(program) -> float:
@@ -531,8 +709,6 @@ def _flops(program) -> float:
 
 def _graph_if_is_faster(programs) -> bool:
     """A graph ``if`` when the branches not taken would cost more than it (measured)."""
-    if context.shard_depth.get() or context.shard_map_depth.get():
-        return False  # under shard a select lets layouts propagate through the branches
     costs = [_flops(p) for p in programs]
     return sum(costs) - max(costs) >= GRAPH_IF_FLOPS
 
@@ -671,7 +847,7 @@ def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=None):
     unrolled when ``length`` times the body's equation count is at most
     ``SCAN_UNROLL_EQUATIONS``, a graph loop beyond (docs/control_flow.md). Every
     transform applies to both forms, reverse-mode ``grad`` included; under ``shard``
-    the loop is unrolled, so layouts propagate through the body.
+    the graph loop's body is partitioned per device and the carry keeps its layout.
     """
     api = "fs.scan"
     _check_fn(api, f, "f")
@@ -728,7 +904,7 @@ def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=None):
         full = n * len(body.equations) <= SCAN_UNROLL_EQUATIONS
     else:
         full = unroll is True or (unroll is not False and int(unroll) >= n)
-    if full or n == 0 or context.shard_depth.get() or context.shard_map_depth.get():
+    if full or n == 0 or context.shard_map_depth.get():
         outs = _scan_unrolled(body, consts, c_leaves, x_leaves, n, reverse)
     else:
         k = 1 if unroll is None or unroll is False else int(unroll)
@@ -789,9 +965,10 @@ def cond(pred, true_fun, false_fun, *operands):
     ``pred`` is a scalar bool (or integer, nonzero meaning True); both branches must
     return the same structure, shapes and dtypes. With a traced ``pred``, costly
     branches run as one graph ``if`` under ``jit``, cheap ones are both evaluated and
-    the result selected; under ``grad`` both branches' derivatives are computed and
-    selected: a branch producing inf or NaN where it is not taken can make the gradient
-    NaN (as ``where`` does).
+    the result selected. Derivatives are those of the taken branch only (a branch
+    that is inf or NaN where it is not taken does not reach the gradient), except
+    under ``vmap`` with a per-lane ``pred``, where both branches run and are selected
+    (docs/control_flow.md).
     """
     api = "fs.cond"
     _check_fn(api, true_fun, "true_fun")
@@ -822,9 +999,10 @@ def _switch(api, index, branches, names, operands):
     leaves, treedef = _leaves_of(tuple(operands), api, "operands")
     operands = tree.unflatten(treedef, leaves)  # arrays, as the branches were traced with
     avals = [typeof(x) for x in leaves]
-    outs, staged = [], []
+    outs, staged, key_uses = [], [], []
     for b, name in zip(branches, names):
-        program, consts, out_tree = _stage_tree_fn(b, treedef, avals, api, name, star=True)
+        program, consts, out_tree = _stage_tree_fn(b, treedef, avals, api, name, star=True,
+                                                   key_uses=key_uses)
         outs.append((name, out_tree, list(program.out_avals)))
         staged.append((program, consts))
     name0, tree0, types0 = outs[0]
@@ -844,19 +1022,12 @@ def _switch(api, index, branches, names, operands):
     if n == 1:
         return branches[0](*operands)
     index = E.cast(index, dtypes.int32)
-    if _graph_if_is_faster([p for p, _ in staged]):
-        programs, consts = _uniform_branches(staged, avals)
-        res = cond_p.bind(index, *consts, *leaves, branches=tuple(programs),
-                          n_consts=len(consts))
-        return tree.unflatten(tree0, res)
-    results = []
-    with random.alternatives() as enter:  # one key may feed a draw in each branch
-        for b in branches:
-            enter()
-            results.append(tree.flatten(b(*operands))[0])
-    chosen = results[-1]
-    for k in range(n - 2, -1, -1):
-        # index <= k picks branch k over the later ones: clamps below 0 and above n-1.
-        take = E.less_equal(index, k)
-        chosen = [E.where(take, r, c) for r, c in zip(results[k], chosen)]
-    return tree.unflatten(tree0, chosen)
+    programs, consts = _uniform_branches(staged, avals)
+    res = cond_p.bind(index, *consts, *leaves, branches=tuple(programs), n_consts=len(consts))
+    # A key any branch drew from counts as consumed after the cond (each branch may
+    # draw from the same key: only one of them runs).
+    for leaf, used in zip(leaves, zip(*key_uses)):
+        name = next((u for u in used if u is not None), None)
+        if name is not None:
+            random.mark_consumed(leaf, name)
+    return tree.unflatten(tree0, res)

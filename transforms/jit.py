@@ -19,7 +19,9 @@ from fshard.core import (ArrayType, EvalTrace, Symbol, current_trace, dim_eval, 
                          typeof)
 from fshard.errors import ArgumentError, ShapeError
 from fshard.mesh import context_key as _mesh_key
+from fshard.sharding.local import ShardedArray
 from fshard.transforms.annotations import AnnotatedShapes
+from fshard.transforms.shard_call import block_of, local_signature, localize, wrap_outputs
 from fshard.staging import (Traced, check_function, check_static_args, fun_name, split_static,
                             trace_fun)
 
@@ -28,8 +30,11 @@ class Lowered:
     """A staged and lowered function: ``as_text()`` shows the MindSpore program."""
 
     def __init__(self, traced: Traced, source: str, globals_: dict, n_out: int,
-                 wait: int | None = None):
+                 wait: int | None = None, local=None):
         self.traced = traced
+        # In a job with fs.ShardedArray inputs or outputs: (the program as compiled, its
+        # inputs and outputs blocks where they are; per output its block layout or None)
+        self.local = local
         self.source = source
         self.globals = globals_
         self.n_out = n_out
@@ -47,12 +52,15 @@ class Lowered:
     def compile(self) -> "Compiled":
         if self._compiled is None:
             prog = self.traced.program
-            in_avals = [v.aval for v in prog.inputs[prog.n_consts:]]
+            run = prog if self.local is None else self.local[0]
+            in_avals = [v.aval for v in run.inputs[run.n_consts:]]
             fn = backend.compile_source(self.source, self.globals, self.traced.name,
                                         dynamic=in_avals if _symbolic(in_avals) else None)
             self._compiled = Compiled(fn, self.n_out, self.traced.out_tree, self.wait,
                                       [v.aval for v in prog.inputs[prog.n_consts:]],
-                                      prog.out_avals, self.traced.name)
+                                      run.out_avals, self.traced.name)
+            if self.local is not None:
+                self._compiled.local = (self.local[1], prog.out_avals)
             if fn.dynamic:  # the same source, compiled for the sizes of one call
                 self._compiled.specialize = lambda: backend.compile_source(
                     self.source, self.globals, self.traced.name)
@@ -76,7 +84,7 @@ class Compiled:
     """
 
     __slots__ = ("fn", "n_out", "out_tree", "_bare", "_wait", "in_avals", "out_avals", "name",
-                 "_checked", "specialize", "_calls", "static")
+                 "_checked", "specialize", "_calls", "static", "local")
 
     def __init__(self, fn, n_out: int, out_tree, wait: int | None = None, in_avals=(),
                  out_avals=(), name: str = "f"):
@@ -89,6 +97,9 @@ class Compiled:
         self.specialize = None      # () -> a GraphFunction for static shapes (dynamic only)
         self._calls: dict = {}      # binding -> calls so far
         self.static: dict = {}      # binding -> its static GraphFunction
+        # In a job: (per output its block layout or None, the global output types):
+        # the program takes blocks for fs.ShardedArray inputs and returns some.
+        self.local = None
 
     @property
     def compiles(self) -> int:
@@ -119,6 +130,8 @@ class Compiled:
 
         This is the per-call path of ``fs.jit``: keep it short.
         """
+        if self.local is not None:
+            return self._call_local(leaves)
         args = [x if isinstance(x, _Tensor) else backend.as_tensor(x) for x in leaves]
         if self._bare:
             return self.fn(*args)
@@ -129,6 +142,12 @@ class Compiled:
             out[self._wait].asnumpy()
         return tree.unflatten(self.out_tree, (out,) if self.n_out == 1 else out)
 
+    def _call_local(self, leaves, fn=None):
+        """A call taking and returning ``fs.ShardedArray`` blocks."""
+        out = self.call_flat([backend.as_tensor(block_of(x)) for x in leaves], fn)
+        out = wrap_outputs(out, *self.local)
+        return tree.unflatten(self.out_tree, out)
+
     def __call__(self, *leaves, names=None):
         """Run on flat inputs, checked against the types the program was traced for:
         a static dimension must match, a ``Symbol`` dimension must satisfy it (and one
@@ -136,7 +155,7 @@ class Compiled:
         program promises for that binding. ``names``: how errors name each input."""
         sizes = _bind(self.name, "input", self.in_avals, leaves, {}, names)
         binding = tuple(v[0] for v in sizes.values())
-        out = self.call_flat([x if isinstance(x, _Tensor) else backend.as_tensor(x)
+        out = self.call_flat([x if isinstance(x, _Tensor) else backend.as_tensor(block_of(x))
                               for x in leaves],
                              self._graph_for(binding) if self.specialize else None)
         # The output shapes follow from the input sizes: check them once per binding
@@ -146,12 +165,16 @@ class Compiled:
         try:
             _bind(self.name, "output", self.out_avals, out, sizes)
             self._checked.add(binding)
+            if self.local is not None:
+                return tree.unflatten(self.out_tree, wrap_outputs(out, *self.local))
         except ShapeError as e:  # never hand back a result of another shape
             raise ShapeError(
                 f"{self.name}: the compiled program returned outputs of other shapes than "
                 f"it promises for these inputs ({e.args[0].splitlines()[0]}). fshard does "
                 "not compile shape-polymorphic graphs yet.\nFix: call fs.jit(f)(...) "
                 "directly (it compiles once per input shape).") from None
+        if self.local is not None:
+            out = wrap_outputs(out, *self.local)
         return tree.unflatten(self.out_tree, out)
 
 
@@ -297,6 +320,8 @@ def _last_output(program) -> int | None:
 
 
 def _leaf_key(x):
+    if isinstance(x, ShardedArray):  # this process's block: the layout is in the key
+        return (x.shape, x.dtype, x.sharding, x.mesh)
     if type(x) is _Tensor:
         return (x.shape, x.dtype)  # Tensor.shape is already a tuple
     if isinstance(x, np.ndarray):  # the same key as the Tensor it becomes: no retrace
@@ -398,8 +423,14 @@ class Jitted:
             # the IR cleanup passes (fshard/passes.py) run on what is compiled only:
             # make_ir and .program show the staged Program as traced
             program = passes.simplify(traced.program)
+            # In a job: fs.ShardedArray inputs are taken as blocks, and shard calls asked
+            # to keep their split outputs as blocks return them (transforms/shard_call.py).
+            sig = local_signature(leaves)
+            program, out_info = localize(program, {program.n_consts + k: v
+                                                   for k, v in sig.items()})
+            local = None if not sig and not any(out_info) else (program, out_info)
             src, globals_, n_out = backend.lower_program(program, traced.consts, traced.name)
-            lowered = Lowered(traced, src, globals_, n_out, _last_computed(program))
+            lowered = Lowered(traced, src, globals_, n_out, _last_computed(program), local)
             self._cache[key] = lowered
         return lowered
 

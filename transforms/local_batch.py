@@ -22,6 +22,7 @@ import numpy as np
 from fshard.backend.mindspore import as_tensor
 from fshard.core import ArrayType, Tracer, typeof
 from fshard.primitives.structural import pad, slice_array
+from fshard.sharding.local import ShardedArray
 
 
 def global_type(x, n: int) -> ArrayType:
@@ -75,5 +76,12 @@ def place_inputs(part, n_consts: int, leaves, sliced, rank: int) -> list:
 
 def take_outputs(part, outs, rank: int) -> list:
     """This process's block of each output split along the batch."""
-    return [to_local(y, block_index(sh, part.prop.mesh, rank)) if sh.dims and sh.dims[0]
-            else y for y, sh in zip(outs, part.out_shardings, strict=True)]
+    out = []
+    for y, sh in zip(outs, part.out_shardings, strict=True):
+        if isinstance(y, ShardedArray):  # (gather_outputs=False) already this block
+            out.append(y.block)
+        elif sh.dims and sh.dims[0]:
+            out.append(to_local(y, block_index(sh, part.prop.mesh, rank)))
+        else:
+            out.append(y)
+    return out

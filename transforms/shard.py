@@ -115,7 +115,7 @@ class Sharded:
     """
 
     def __init__(self, fn, in_strategy, out_strategy, parameter_plan, device, level, mesh,
-                 dataset_strategy, search):
+                 dataset_strategy, search, gather_outputs=True):
         fname = fun_name(fn)
         from fshard.cells import functional, is_cell
 
@@ -130,6 +130,11 @@ class Sharded:
             raise ShardingError(
                 f"shard({fname}): search must be True (plan the whole program with "
                 f"fshard's search) or False (propagation only); got {search!r}.")
+        if not isinstance(gather_outputs, bool):
+            raise ShardingError(
+                f"shard({fname}): gather_outputs must be True (every process gets the "
+                "global outputs) or False (in a multi-process job, split outputs stay "
+                f"fs.ShardedArray blocks); got {gather_outputs!r}.")
         if dataset_strategy not in ("full_batch", "data_parallel"):
             raise ShardingError(
                 f"shard({fname}): dataset_strategy must be 'full_batch' (inputs and outputs "
@@ -150,6 +155,7 @@ class Sharded:
         self.fn, self.in_strategy, self.out_strategy = fn, tuple(in_strategy), out_strategy
         self.parameter_plan, self.level, self.mesh = parameter_plan, level, mesh
         self.dataset_strategy, self.search = dataset_strategy, search
+        self.gather_outputs = gather_outputs
         # Bucket size in bytes for fusing gradient AllReduces (``fs.AutoParallel``'s
         # ``comm_fusion``); None: one AllReduce per value.
         self.comm_fusion = None
@@ -268,6 +274,7 @@ class Sharded:
                          self._fixed, world=world_mesh(mesh) if in_job else None,
                          flexible=flexible, fusion=self.comm_fusion)
         plan.passes = self.passes
+        plan.local_outputs = in_job and not self.gather_outputs
         self._cache[key] = (plan, traced)
         return plan, traced
 
@@ -380,6 +387,7 @@ class Sharded:
         outs = shard_call_p.bind(*traced.consts, *leaves, plan=plan)
         if any(sliced) and self.out_strategy is None:
             outs = local_batch.take_outputs(plan.partitioned(), outs, distributed.rank())
+        # (an fs.ShardedArray output of data_parallel is already this process's rows)
         return tree.unflatten(traced.out_tree, outs)
 
     def _annotate(self, fname: str, args, kwargs):
@@ -486,7 +494,8 @@ def _resolve_parameter_plan(cell, plan_, fname) -> dict:
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device=None, level=0,
-          mesh=None, *, dataset_strategy="full_batch", search=False, in_shapes=None):
+          mesh=None, *, dataset_strategy="full_batch", search=False, in_shapes=None,
+          gather_outputs=True):
     """Shard ``fn`` over a mesh of devices (MindSpore's functional ``shard``).
 
     >>> import numpy as np, fshard as fs
@@ -526,6 +535,11 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device=None, 
             whose shapes the Symbols accept runs one program, partitioned and compiled
             once; a split symbolic dimension must be provably divisible by its split
             count (docs/dynamic_shapes.md).
+        gather_outputs: in a multi-process job, True (default) gives every process the
+            global value of every output (an AllGather of each split output); False
+            returns each split output as an ``fs.ShardedArray``, this process's block,
+            which a sharded function taking it with the same layout uses as it is (no
+            communication). On a virtual mesh every output is global either way.
 
     Raises:
         ShardingError: an invalid strategy, layout, mesh, device, level or parameter
@@ -540,7 +554,7 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device=None, 
             "nest (as in MindSpore).\nAllowed form: a single fs.shard around the whole "
             "computation.")
     out = Sharded(fn, in_strategy, out_strategy, parameter_plan, device, level, mesh,
-                  dataset_strategy, search)
+                  dataset_strategy, search, gather_outputs)
     return out if in_shapes is None else out.set_inputs(*_in_shapes_tuple(in_shapes))
 
 

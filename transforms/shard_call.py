@@ -21,24 +21,39 @@ from __future__ import annotations
 from fshard import dtypes
 from fshard.core import ArrayType, typeof
 from fshard.interpret import batch_program, current_axis, eval_program
-from fshard.ir import Literal, Program, Var
+from fshard.ir import Equation, Literal, Program, Var
+from fshard.primitives import collectives as C
 from fshard.primitives.base import (Zero, batch_to_front, def_primitive, instantiate, is_undefined,
                                     move_axis)
-from fshard.rules import batching, jvp, transpose, unsupported
+from fshard.rules import batching, jvp, takes_process_local, transpose, unsupported
 from fshard.sharding.layouts import Sharding
-from fshard.sharding.runtime import run_virtual
+from fshard.sharding.local import ShardedArray
+from fshard.sharding.runtime import run_virtual, world_mesh
 from fshard.staging import stage
 from fshard.transforms.ad import backward_pass, jvp_program, partial_eval, vjp
 
 
-def _shard_call_type(*avals, plan):
-    assert [tuple(a.shape) for a in avals] == [tuple(v.aval.shape) for v in plan.body.inputs], \
+def _shard_call_type(*avals, plan, local_in=(), local_out=()):
+    """The body's types; in a job, an operand in ``local_in`` (an output in
+    ``local_out``) is this rank's block of it (see ``localize``)."""
+    want = [v.aval for v in plan.body.inputs]
+    outs = list(plan.body.out_avals)
+    if local_in or local_out:
+        part = plan.partitioned()
+        want = [plan.local_type(a, part.in_shardings[i]) if i in local_in else a
+                for i, a in enumerate(want)]
+        outs = [plan.local_type(a, part.out_shardings[j]) if j in local_out else a
+                for j, a in enumerate(outs)]
+    assert [tuple(a.shape) for a in avals] == [tuple(a.shape) for a in want], \
         f"shard_call operands {avals} do not match its body"
-    return list(plan.body.out_avals)
+    return outs
 
 
-def _shard_call_impl(*args, plan):
+def _shard_call_impl(*args, plan, local_in=(), local_out=()):
+    assert not (local_in or local_out), "a localized shard_call is only lowered"
     if plan.world is not None:
+        if plan.local_outputs or any(isinstance(x, ShardedArray) for x in args):
+            return _local_call(plan, args)
         from fshard.backend.mindspore import as_tensor
 
         out = _differentiable_call(plan)(*[as_tensor(x) for x in args])
@@ -83,10 +98,10 @@ def _differentiable_call(plan):
     return cell
 
 
-def _shard_call_lowering(ctx, *exprs, plan):
+def _shard_call_lowering(ctx, *exprs, plan, local_in=(), local_out=()):
     from fshard.backend.mindspore import as_tensor
 
-    program, consts = plan.virtual_program()
+    program, consts = plan.virtual_program(frozenset(local_in), frozenset(local_out))
     closed = Program(program.inputs, program.equations, program.outputs)
     args = [ctx.ref(as_tensor(c), "const") for c in consts] + list(exprs)
     return f"{ctx.function(closed, 'shard')}({', '.join(args)})"
@@ -196,9 +211,144 @@ def _shard_call_batching(args, dims, *, plan):
     return list(outs), [0] * len(outs)
 
 
+# ---------------------------------------------------------------------------
+# Process-local values (fs.ShardedArray) in a multi-process job
+# ---------------------------------------------------------------------------
+
+
+def localize(program: Program, local_inputs: dict) -> tuple[Program, list]:
+    """``program`` (global types, as traced) rewritten for a job where the inputs in
+    ``local_inputs`` (input position -> ``(Sharding, ShardMesh)``) are this process's
+    blocks (``fs.ShardedArray``s), and where every ``shard_call`` whose plan has
+    ``local_outputs`` returns its split outputs as blocks. Returns the program, whose
+    inputs and outputs of those values have block types, and per output its
+    ``(Sharding, ShardMesh)`` if it is a block (None if global).
+
+    A block goes straight into a ``shard_call`` whose plan lays that operand out the
+    same way (no cut, no communication). Anywhere else the global value is needed:
+    an AllGather (``shard_out``) assembles it once, and a ``shard_call`` that wants
+    another layout then cuts its own block from it; gathering then cutting moves more
+    bytes than a direct redistribution would, but it is correct for any pair of
+    layouts and happens only when layouts disagree."""
+    if not local_inputs and not any(
+            eq.prim is shard_call_p and eq.params["plan"].world is not None
+            and eq.params["plan"].local_outputs for eq in program.equations):
+        return program, [None] * len(program.outputs)
+    info: dict = {}       # block Var -> (Sharding, ShardMesh)
+    env: dict = {}        # Var of the traced program -> Var of the new one
+    whole: dict = {}      # block Var -> its gathered global Var
+    equations: list = []
+
+    def new_block(aval, sharding, mesh):
+        v = Var(ArrayType(sharding.local_shape(aval.shape, mesh), aval.dtype))
+        info[v] = (sharding, mesh)
+        return v
+
+    inputs = []
+    for k, v in enumerate(program.inputs):
+        if k in local_inputs:
+            sharding, mesh = local_inputs[k]
+            env[v] = new_block(v.aval, sharding, mesh)
+        else:
+            env[v] = Var(v.aval)
+        inputs.append(env[v])
+
+    def get(a):
+        return env.get(a, a) if isinstance(a, Var) else a
+
+    def global_of(a, aval):
+        """The global value of atom ``a`` (gathered once if it is a block)."""
+        a = get(a)
+        if not isinstance(a, Var) or a not in info:
+            return a
+        g = whole.get(a)
+        if g is None:
+            sharding, mesh = info[a]
+            g = whole[a] = Var(aval)
+            equations.append(Equation(C.shard_out_p, [a], {
+                "dims": tuple(mesh.name(ax) for ax in sharding.dims),
+                "mesh": world_mesh(mesh)}, [g]))
+        return g
+
+    for eq in program.equations:
+        plan = eq.params.get("plan") if eq.prim is shard_call_p else None
+        if plan is None or plan.world is None:
+            ins = [global_of(a, a.aval) for a in eq.inputs]
+            outs = [Var(o.aval) for o in eq.outputs]
+            equations.append(Equation(eq.prim, ins, eq.params, outs, eq.source))
+            env.update(zip(eq.outputs, outs))
+            continue
+        part = plan.partitioned()
+        pmesh = part.prop.mesh
+        ins, local_in = [], []
+        for i, (a, sh) in enumerate(zip(eq.inputs, part.in_shardings)):
+            b = get(a)
+            if isinstance(b, Var) and b in info and info[b] == (Sharding(sh.dims), pmesh) \
+                    and not sh.partial:
+                ins.append(b)
+                local_in.append(i)
+            else:
+                ins.append(global_of(a, a.aval))
+        local_out = [j for j, sh in enumerate(part.out_shardings)
+                     if plan.local_outputs and not sh.partial and any(sh.dims)]
+        outs = [new_block(o.aval, Sharding(part.out_shardings[j].dims), pmesh)
+                if j in local_out else Var(o.aval) for j, o in enumerate(eq.outputs)]
+        params = dict(eq.params, local_in=tuple(local_in), local_out=tuple(local_out))
+        equations.append(Equation(eq.prim, ins, params, outs, eq.source))
+        env.update(zip(eq.outputs, outs))
+    outputs = [get(a) for a in program.outputs]
+    out_info = [info.get(a) if isinstance(a, Var) else None for a in outputs]
+    return Program(inputs, equations, outputs, program.n_consts, dict(program.meta)), out_info
+
+
+def wrap_outputs(outs, out_info, out_avals) -> list:
+    """Compiled outputs as values: a block output becomes an ``fs.ShardedArray``."""
+    from fshard import distributed
+
+    rank = distributed.rank()
+    return [y if i is None else ShardedArray(y, a.shape, a.dtype, i[0], i[1], rank)
+            for y, i, a in zip(outs, out_info, out_avals)]
+
+
+def block_of(x):
+    """What a compiled program takes for argument ``x``: its block if it is an
+    ``fs.ShardedArray``."""
+    return x.block if isinstance(x, ShardedArray) else x
+
+
+def local_signature(leaves) -> dict:
+    """Position -> ``(Sharding, ShardMesh)`` of each ``fs.ShardedArray`` in ``leaves``."""
+    return {k: (x.sharding, x.mesh) for k, x in enumerate(leaves)
+            if isinstance(x, ShardedArray)}
+
+
+def _local_call(plan, args):
+    """An eager ``shard_call`` in a job with blocks in or out: the one-equation program,
+    localized and compiled (once per layout of the arguments)."""
+    from fshard.backend import mindspore as backend
+
+    sig = local_signature(args)
+    key = tuple(sorted(sig.items(), key=lambda kv: kv[0]))
+    calls = plan._local_calls
+    hit = calls.get(key)
+    if hit is None:
+        avals = [typeof(x) for x in args]
+        program, consts = stage(lambda *xs: list(shard_call_p.bind(*xs, plan=plan)), avals)
+        program, out_info = localize(program, {program.n_consts + k: v
+                                               for k, v in sig.items()})
+        src, globals_, n_out = backend.lower_program(program, consts, f"shard_{plan.name}")
+        fn = backend.compile_source(src, globals_, f"shard_{plan.name}")
+        hit = calls[key] = (fn, out_info, list(plan.body.out_avals), n_out)
+    fn, out_info, out_avals, n_out = hit
+    out = fn(*[backend.as_tensor(block_of(x)) for x in args])
+    out = [out] if n_out == 1 else list(out)
+    return wrap_outputs(out, out_info, out_avals)
+
+
 shard_call_p = def_primitive("shard_call", "spmd", _shard_call_type, multiple_results=True,
                              eager=_shard_call_impl, lower=_shard_call_lowering)
 jvp.set(shard_call_p, _shard_call_jvp)
 transpose.set(shard_call_p, _shard_call_transpose)
 batching.set(shard_call_p, _shard_call_batching)
 unsupported(shard_call_p, "sharding", "fs.shard cannot nest: a shard_call is never re-sharded")
+takes_process_local.add(shard_call_p)  # it takes this process's blocks (fs.ShardedArray)

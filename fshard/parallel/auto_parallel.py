@@ -43,8 +43,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fshard import context, distributed, tree
+from fshard.backend.mindspore import as_tensor
 from fshard.cells import functional, is_cell
-from fshard.core import typeof
+from fshard.core import Tracer, typeof
 from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
 from fshard.mesh import Mesh, resolve_mesh
@@ -52,6 +53,8 @@ from fshard.optim import apply_updates
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
+from fshard.sharding.layouts import Sharding
+from fshard.sharding.local import ShardedArray, gather_sharded
 from fshard.sharding.plan import write_json_atomic
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
@@ -302,18 +305,20 @@ class AutoParallel:
         return self
 
     def pipeline(self, stages: int = 1, output_broadcast: bool = False, interleave: bool = False,
-                 scheduler: str = "1f1b", *, micro_batches: int | None = None) -> "AutoParallel":
+                 scheduler: str = "1f1b", *, micro_batches: int | None = None,
+                 max_imbalance: float | None = 8.0) -> "AutoParallel":
         """Pipeline parallelism (docs/pipeline.md): the devices split into ``stages``
         groups, each batch into ``micro_batches`` (default: ``stages``) whose gradients
         are summed before one optimizer update, run in the ``scheduler``'s order
         (``"1f1b"`` or ``"gpipe"``); ``interleave`` gives each stage several model
         chunks; ``output_broadcast`` sends the loss to every stage. ``stages=1`` turns
         it off. The loss marks its stages with ``fs.pipeline_split`` (or Cells'
-        ``pipeline_stage``)."""
+        ``pipeline_stage``). A ``PipelineBalanceWarning`` tells when one stage's
+        estimated cost exceeds ``max_imbalance`` times another's (None: no check)."""
         if micro_batches is None and isinstance(stages, int):
             micro_batches = stages
         cfg = check_pipeline_args(stages, micro_batches, scheduler, interleave,
-                                  output_broadcast, self.n_devices)
+                                  output_broadcast, self.n_devices, max_imbalance)
         if stages == 1 and micro_batches != 1:
             raise ArgumentError(
                 f"AutoParallel.pipeline(stages=1) turns the pipeline off, so "
@@ -323,11 +328,13 @@ class AutoParallel:
         return self
 
     def gather_params(self, state: TrainState):
-        """The trained parameters on every process: with a pipeline in a multi-process
-        job each process updates only its stage's parameters (the rest of its
-        ``state.params`` keeps the values it was given); this collects them."""
+        """The trained parameters, whole, on every process (a collective: every process
+        calls it): in a multi-process job a split parameter is each process's block
+        (``fs.ShardedArray``), and with a pipeline each process updates only its
+        stage's parameters (the rest of its ``state.params`` keeps the values it was
+        given); this collects them."""
         if self._pipeline is None:
-            return state.params
+            return gather_sharded(state.params)
         return self._pipeline.gather_params(state)
 
     def pipeline_schedule(self, virtual_stages: int | None = None) -> Schedule:
@@ -338,6 +345,15 @@ class AutoParallel:
                 f"AutoParallel({self.name}).pipeline_schedule(): no pipeline is configured."
                 "\nFix: call ap.pipeline(stages=S, micro_batches=M) first.")
         return self._pipeline.schedule(virtual_stages)
+
+    def pipeline_stage_costs(self) -> list:
+        """Each pipeline stage's estimated forward cost (flops on one micro-batch of one
+        device, from the sharding cost model), known after the first step."""
+        if self._pipeline is None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).pipeline_stage_costs(): no pipeline is "
+                "configured.\nFix: call ap.pipeline(stages=S, micro_batches=M) first.")
+        return self._pipeline.stage_costs()
 
     # -- the train state -----------------------------------------------------------
     def init(self, params=None) -> TrainState:
@@ -559,8 +575,10 @@ class AutoParallel:
     def _feeds_slices(self) -> bool:
         """Each process passes its own slice of the batch: ``data_parallel`` in a
         multi-process job."""
-        if self._dataset != "data_parallel":
-            return False
+        return self._dataset == "data_parallel" and self._in_job()
+
+    def _in_job(self) -> bool:
+        """The devices are the processes of a multi-process job."""
         if isinstance(self.mesh, int):
             return distributed.is_initialized()
         return not resolve_mesh(self.mesh).is_virtual
@@ -605,6 +623,10 @@ class AutoParallel:
                   mesh=self.mesh, level=2,
                   search=self.parallel_mode != "sharding_propagation")
         s.comm_fusion = self._fusion
+        # In a job the split leaves of the new state stay each process's blocks
+        # (fs.ShardedArray): the next step takes them as they are, so ZeRO's and model
+        # parallelism's memory saving is real and no step gathers the state.
+        s.gather_outputs = not self._in_job()
         if self._fp32_comm or self._gradient_fp32_sync:
             s.passes = (reduce_in_float32,)
         s.grad_vars = grad_vars
@@ -637,6 +659,13 @@ class AutoParallel:
             self._report_norms(result[0].step, result[2])
         return result[0], result[1]
 
+    def gather(self, state):
+        """``state`` with every ``fs.ShardedArray`` leaf (in a multi-process job, a
+        process's block of a split parameter or optimizer state) replaced by its global
+        value: a collective, so every process must call it. On a virtual mesh the state
+        is global already and comes back as it is."""
+        return gather_sharded(state)
+
     def _declared_batch(self, batch) -> tuple:
         """The batch with each declared input replaced by its declared type."""
         if len(self._batch_specs) > len(batch):
@@ -654,21 +683,31 @@ class AutoParallel:
         return tuple(b if sp is None else sp for b, sp in zip(batch, specs))
 
     def _place_slices(self, state: TrainState, batch) -> tuple:
-        """Each slice at its block of a global-shaped batch (where the plan reads it)."""
+        """Each process's slice as what the plan reads: a concrete slice is this
+        process's block of the global batch (an ``fs.ShardedArray``, taken by the step
+        as it is: nothing padded or communicated); a traced one is placed at its block
+        of a global-shaped value."""
         leaves, spec = tree.flatten(tuple(batch))
         key = (spec, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves))
         gbatch = self._plan_batch(batch)
         s, _ = self._sharded(state, gbatch)
-        where = s.batch_places.get(key)
-        if where is None:  # once per plan: this process's block of each batch input
+        places = s.batch_places.get(key)
+        if places is None:  # once per plan: this process's block of each batch input
             part = s.partitioned(state.params, state.opt_state, state.step, *gbatch)
             n_c = part.prop.program.n_consts
             shs = part.in_shardings[n_c + len(tree.leaves(state)):]
             rank = distributed.rank()
-            where = [block_index(sh, part.prop.mesh, rank) for sh in shs]
-            s.batch_places[key] = where
-        return tree.unflatten(spec, [to_global(x, w)
-                                     for x, w in zip(leaves, where, strict=True)])
+            places = [(block_index(sh, part.prop.mesh, rank), Sharding(sh.dims),
+                       part.prop.mesh, typeof(g)) for sh, g in zip(shs, tree.leaves(gbatch))]
+            s.batch_places[key] = places
+        rank = distributed.rank()
+        out = []
+        for x, (where, sh, mesh, g) in zip(leaves, places, strict=True):
+            if isinstance(x, Tracer) or sh.local_shape(g.shape, mesh) != typeof(x).shape:
+                out.append(to_global(x, where))
+            else:
+                out.append(ShardedArray(as_tensor(x), g.shape, g.dtype, sh, mesh, rank))
+        return tree.unflatten(spec, out)
 
     def partitioned(self, state: TrainState, *batch):
         """The per-device program of the step (print it; ``.collectives()``)."""

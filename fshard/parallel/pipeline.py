@@ -39,7 +39,9 @@ Where it runs:
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 import weakref
 from typing import NamedTuple
 
@@ -47,7 +49,8 @@ import numpy as np
 
 from fshard import context, distributed, dtypes, tree
 from fshard.core import ArrayType, typeof
-from fshard.errors import ArgumentError
+from fshard.dims import planning_size
+from fshard.errors import ArgumentError, FshardError, PipelineBalanceWarning
 from fshard.interpret import bind_equation, walk_equations
 from fshard.ir import Var
 from fshard.mesh import Mesh, resolve_mesh
@@ -57,6 +60,7 @@ from fshard.primitives import collectives as C
 from fshard.primitives.elementwise import cast
 from fshard.primitives.pipeline import pipeline_split_p
 from fshard.primitives.structural import concat, reshape
+from fshard.rules import sharding as sharding_rules
 from fshard.staging import trace_fun
 from fshard.transforms.ad import vjp
 from fshard.transforms.jit import jit
@@ -68,14 +72,22 @@ class PipelineConfig(NamedTuple):
     scheduler: str
     interleave: bool
     output_broadcast: bool
+    max_imbalance: float | None = None
 
 
 def check_pipeline_args(stages, micro_batches, scheduler, interleave, output_broadcast,
-                        n_devices: int) -> PipelineConfig:
+                        n_devices: int, max_imbalance=None) -> PipelineConfig:
     for name, v in (("interleave", interleave), ("output_broadcast", output_broadcast)):
         if not isinstance(v, bool):
             raise ArgumentError(
                 f"AutoParallel.pipeline({name}=...) must be True or False; got {v!r}.")
+    if max_imbalance is not None and (
+            isinstance(max_imbalance, bool) or not isinstance(max_imbalance, (int, float))
+            or not max_imbalance >= 1):
+        raise ArgumentError(
+            f"AutoParallel.pipeline(max_imbalance=...) is the largest ratio of two stages' "
+            f"estimated costs accepted without a warning: a number >= 1, or None for no "
+            f"check; got {max_imbalance!r}.\nFix: e.g. max_imbalance=2.0, or None.")
     # (interleave's own check, M a multiple of S, needs only v > 1)
     check_config(stages, micro_batches, scheduler, 2 if interleave else 1)
     if n_devices % stages:
@@ -84,7 +96,8 @@ def check_pipeline_args(stages, micro_batches, scheduler, interleave, output_bro
             f"into equal stage groups; {n_devices} is not a multiple of {stages}.\nFix: "
             f"stages one of {[d for d in range(1, n_devices + 1) if n_devices % d == 0]}, "
             "or a mesh whose device count is a multiple of stages.")
-    return PipelineConfig(stages, micro_batches, scheduler, interleave, output_broadcast)
+    return PipelineConfig(stages, micro_batches, scheduler, interleave, output_broadcast,
+                          None if max_imbalance is None else float(max_imbalance))
 
 
 # ---------------------------------------------------------------------------
@@ -109,7 +122,8 @@ class Stages:
         prog = self.program = traced.program
         self.consts = list(traced.consts)
         self.name = name
-        self._compiled: dict = {}
+        self._compiled: dict = {}  # (kind, chunk) -> programs of a chunk's own
+        self._keys: dict = {}      # chunk -> its chunk_key
         n_c, n_p = prog.n_consts, len(p_leaves)
         self.const_vars = prog.inputs[:n_c]
         self.param_vars = prog.inputs[n_c:n_c + n_p]
@@ -238,6 +252,42 @@ class Stages:
                 f"0..{stages - 1}) for {stages} stages, or pipeline(stages={found}).")
         return found // stages
 
+    def chunk_costs(self) -> list:
+        """Each chunk's estimated forward cost on one micro-batch of one device: the
+        flops of its equations as the sharding cost model counts them (iteration
+        points times flops per point; an equation without a sharding rule counts one
+        flop per output element)."""
+        return [sum(_eq_flops(eq) for eq in eqs) for eqs in self.chunk_eqs]
+
+    def stage_costs(self, stages: int) -> list:
+        """The estimated forward cost of each stage (the sum of its chunks')."""
+        out = [0.0] * stages
+        for c, cost in enumerate(self.chunk_costs()):
+            out[c % stages] += cost
+        return out
+
+    def check_balance(self, stages: int, max_imbalance: float | None) -> None:
+        """A ``PipelineBalanceWarning`` when the costliest stage costs more than
+        ``max_imbalance`` times the cheapest."""
+        if max_imbalance is None:
+            return
+        costs = self.stage_costs(stages)
+        hi, lo = max(costs), min(costs)
+        if hi <= max_imbalance * lo:
+            return
+        idle = 1 - sum(costs) / len(costs) / hi
+        ratio = f"{hi / lo:.1f}x" if lo else "infinitely more than"
+        warnings.warn(PipelineBalanceWarning(
+            f"AutoParallel({self.name}).pipeline: the stages' estimated costs are "
+            f"unbalanced: {', '.join(f'stage {s} {c:.3g}' for s, c in enumerate(costs))} "
+            f"flops per micro-batch (forward); stage {costs.index(hi)} costs {ratio} stage "
+            f"{costs.index(lo)} (max_imbalance={max_imbalance:g}). A step runs at the pace "
+            f"of the slowest stage: the stages idle {idle:.0%} of it on average, besides "
+            "the schedule's bubble.\nFix: move the fs.pipeline_split markers (or the Cells' "
+            "pipeline_stage) so the stages do similar work; ap.pipeline_stage_costs() "
+            "shows the estimates; pipeline(..., max_imbalance=None) turns the check "
+            "off."), stacklevel=5)
+
     def run_chunk(self, c: int, param_vals, carry_in, batch_vals):
         """The outputs of chunk ``c``: its carry to the next chunk, or ``[loss]``."""
         env = dict(zip(self.const_vars, self.consts))
@@ -257,11 +307,68 @@ class Stages:
 
 
     # -- the compiled pieces: one forward and one backward program per chunk --------
+    def chunk_key(self, c: int):
+        """A key equal for two chunks exactly when they compute the same function of
+        the same input types (equations, parameters, literals and constants compared by
+        value, variables by position), so that they can share compiled programs: the
+        middle blocks of a stack, and the same chunk in every configuration with the same
+        micro-batch shapes. ``None`` when an equation holds a value not compared exactly
+        (such a chunk gets programs of its own)."""
+        names: dict = {}
+        consts = dict(zip(self.const_vars, self.consts))
+        last = c == self.n_chunks - 1
+        ins = ([self.param_vars[i] for i in self.chunk_params[c]]
+               + (self.carries[c - 1] if c else []) + list(self.batch_vars))
+        parts: list = [last, tuple(_aval_key(v.aval) for v in ins)]
+        for v in ins:
+            names[v] = len(names)
+        for eq in self.chunk_eqs[c]:
+            args = []
+            for a in eq.inputs:
+                if not isinstance(a, Var):
+                    lit = _exact(a.value)
+                    if lit is None:
+                        return None
+                    args.append(("lit", lit, _aval_key(a.aval)))
+                    continue
+                if a not in names:
+                    const = _exact(consts[a]) if a in consts else None
+                    if const is None:
+                        return None
+                    names[a] = len(names)
+                    parts.append(("const", names[a], const))
+                args.append(names[a])
+            params = _exact(eq.params)
+            if params is None:
+                return None
+            for v in eq.outputs:
+                names[v] = len(names)
+            parts.append((eq.prim, params, tuple(args),
+                          tuple(_aval_key(v.aval) for v in eq.outputs)))
+        outs = [self.program.outputs[0]] if last else self.carries[c]
+        parts.append(tuple(names[v] for v in outs))
+        return tuple(parts)
+
+    def _shared(self, kind: str, c: int, build):
+        if c not in self._keys:
+            self._keys[c] = self.chunk_key(c)
+        key = self._keys[c]
+        if key is None:  # programs of this chunk's own
+            fn = self._compiled.get((kind, c))
+            if fn is None:
+                fn = self._compiled[(kind, c)] = build()
+            return fn
+        fn = _CHUNK_PROGRAMS.get((kind, key))
+        if fn is None:
+            fn = _CHUNK_PROGRAMS[(kind, key)] = build()
+            while len(_CHUNK_PROGRAMS) > MAX_SHARED_PROGRAMS:  # the oldest go first
+                del _CHUNK_PROGRAMS[next(iter(_CHUNK_PROGRAMS))]
+        return fn
+
     def forward_fn(self, c: int):
         """``(params, carry_in, batch) -> carry_out`` of chunk ``c``, compiled; the last
         chunk takes and returns the running loss sum: ``(..., loss_sum) -> loss_sum``."""
-        fn = self._compiled.get(("F", c))
-        if fn is None:
+        def build():
             if c == self.n_chunks - 1:
                 def fwd(pv, ci, bv, loss_sum):
                     return loss_sum + self.run_chunk(c, pv, ci, bv)[0]
@@ -269,23 +376,66 @@ class Stages:
                 def fwd(pv, ci, bv):
                     return self.run_chunk(c, pv, ci, bv)
             fwd.__name__ = f"{self.name}_stage{c}_forward"
-            fn = self._compiled[("F", c)] = jit(fwd)
-        return fn
+            return jit(fwd)
+
+        return self._shared("F", c, build)
 
     def backward_fn(self, c: int):
         """``(params, carry_in, batch, ct, grad_sums) -> (grad_sums + grads, ct_in)`` of
         chunk ``c``, compiled. It recomputes the chunk's forward from its input (the
         one activation kept per micro-batch between a forward and its backward)."""
-        fn = self._compiled.get(("B", c))
-        if fn is None:
+        def build():
             def bwd(pv, ci, bv, ct, sums):
                 _, pull = vjp(lambda p, i: self.run_chunk(c, p, i, bv), pv, ci)
                 g_p, g_c = pull(ct)
                 return [s + g for s, g in zip(sums, g_p)], g_c
 
             bwd.__name__ = f"{self.name}_stage{c}_backward"
-            fn = self._compiled[("B", c)] = jit(bwd)
-        return fn
+            return jit(bwd)
+
+        return self._shared("B", c, build)
+
+
+def _eq_flops(eq) -> float:
+    try:
+        spec = sharding_rules.lookup(eq.prim, transform="pipeline")(
+            *[a.aval for a in eq.inputs], **eq.params)
+    except FshardError:  # no sharding rule (or none for these operands)
+        return float(sum(math.prod(planning_size(d) for d in v.aval.shape)
+                         for v in eq.outputs))
+    return spec.flops_per_point * math.prod(planning_size(d) for d in spec.sizes.values())
+
+
+def _aval_key(a) -> tuple:
+    return (tuple(a.shape), str(a.dtype))
+
+
+def _exact(v):
+    """``v`` as a hashable value equal only to exact copies of it (``None`` when it
+    holds something that cannot be compared exactly): numbers by type and repr (so
+    ``-0.0`` is not ``0.0``), arrays by dtype, shape and bytes."""
+    if v is None or isinstance(v, (bool, str)):
+        return (type(v).__name__, v)
+    if isinstance(v, (int, float, np.generic)):
+        return (type(v).__name__, repr(v))
+    if isinstance(v, np.ndarray):
+        return ("array", str(v.dtype), v.shape, v.tobytes()) if v.size <= 4096 else None
+    if isinstance(v, (tuple, list)):
+        items = [_exact(x) for x in v]
+        return None if any(x is None for x in items) else (type(v).__name__, tuple(items))
+    if isinstance(v, dict):
+        items = [(k, _exact(x)) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))]
+        return None if any(x is None for _, x in items) else ("dict", tuple(items))
+    try:  # a dtype
+        return ("dtype", str(dtypes.to_numpy(v)))
+    except (KeyError, TypeError):
+        return None
+
+
+#: Compiled chunk programs shared by every cut whose chunks compute the same function
+#: (see ``Stages.chunk_key``), the newest MAX_SHARED_PROGRAMS of them.
+_CHUNK_PROGRAMS: dict = {}
+MAX_SHARED_PROGRAMS = 256
 
 
 #: Cut losses, by loss function and signature: the chunks' compiled programs are
@@ -312,8 +462,10 @@ def cut(loss_fn, name: str, params, batch, rows: int) -> Stages:
 # ---------------------------------------------------------------------------
 
 
-def batch_rows(name: str, batch, micro_batches: int, dp: int) -> int:
-    """Rows of one micro-batch on one device (checks the batch splits evenly)."""
+def batch_rows(name: str, batch, micro_batches: int, dp: int, sliced: bool = False) -> int:
+    """Rows of one micro-batch on one device (checks the batch splits evenly). ``sliced``:
+    the batch is this process's slice (``dataset_strategy("data_parallel")`` in a job),
+    split into micro-batches only."""
     leaves = tree.leaves(list(batch))
     if not leaves:
         raise ArgumentError(f"AutoParallel({name}) with a pipeline needs batch inputs.")
@@ -324,6 +476,14 @@ def batch_rows(name: str, batch, micro_batches: int, dp: int) -> int:
             f"dimension (the batch) to split into micro-batches; got first dims "
             f"{[typeof(x).shape[:1] for x in leaves]}.")
     (B,) = rows
+    if sliced and B % micro_batches:
+        raise ArgumentError(
+            f"AutoParallel({name}).pipeline(micro_batches={micro_batches}): this process's "
+            f"slice of the batch has {B} rows, which do not split into {micro_batches} "
+            f"equal micro-batches.\nFix: a per-process batch that is a multiple of "
+            f"{micro_batches}.")
+    if sliced:
+        return B // micro_batches
     if B % (micro_batches * dp):
         raise ArgumentError(
             f"AutoParallel({name}).pipeline(micro_batches={micro_batches}): the batch of "
@@ -363,6 +523,7 @@ class PipelinedStep:
         self.S, self.M = cfg.stages, cfg.micro_batches
         self.dp = runner.ap.n_devices // self.S
         self.rank = rank  # None: a virtual mesh (every device here)
+        self.sliced = runner.sliced
         self.order = schedule.timeline().program_order()
         self.pad = max([sum(a.size for a in plan.carry_avals(b))
                         for b in range(plan.n_chunks - 1)], default=0)
@@ -403,7 +564,10 @@ class PipelinedStep:
         p_leaves, p_tree = tree.flatten(state.params)
         b_leaves = tree.leaves(list(batch))
         B = typeof(b_leaves[0]).shape[0]
-        rows = B // (M * dp)
+        # device j's part of the batch: its process's slice, or block j of dp of the
+        # whole batch (as a job's slices lay it out); micro-batch m is block m of M of it
+        part = B if self.sliced else B // dp
+        rows = part // M
         ranks = range(S * dp) if self.rank is None else [self.rank]
         devices = [_Device(r, r // dp, r % dp) for r in ranks]
         loss_dtype = dtypes.to_numpy(plan.program.outputs[0].aval.dtype)
@@ -413,7 +577,7 @@ class PipelinedStep:
         def micro(m, j):
             key = (m, j)
             if key not in slices:
-                lo = m * (B // M) + j * rows
+                lo = (0 if self.sliced else j * part) + m * rows
                 slices[key] = [x[lo:lo + rows] for x in b_leaves]
             return slices[key]
 
@@ -541,19 +705,35 @@ class PipelinedStep:
                  for g, x in zip(grads, p_leaves)]
         if loss is None:
             loss = np.zeros((), loss_dtype)
+        scale = np.asarray(1.0 / (self.M * self.dp), loss_dtype)
         new_p, new_o, step, out = self.finish(state.params, state.opt_state, state.step,
-                                              tree.unflatten(p_tree, grads), loss,
+                                              tree.unflatten(p_tree, grads), loss, scale,
                                               tuple(owned))
         return self.runner.state_cls(new_p, new_o, step), out
 
     def _make_finish(self):
         ap, cfg = self.runner.ap, self.runner.cfg
         S, M, dp, mesh, plan = self.S, self.M, self.dp, self.mesh, self.plan
-        last = (plan.n_chunks - 1) % S
+        last = (plan.n_chunks - 1) % S  # the stage of the last chunk
         stage = None if self.rank is None else self.rank // dp
-        scale = 1.0 / (M * dp)
+        # one program per optimizer and configuration (on a virtual mesh: one per
+        # optimizer), shared by every pipeline using them; the loss scale 1 / (M * dp)
+        # is an input
+        key = None if mesh is None else (S, dp, last, stage, cfg.output_broadcast)
+        opt_update = ap.optimizer.update
+        try:
+            per_opt = _FINISHES.setdefault(opt_update, {})
+            update = weakref.ref(opt_update)  # (the cache must not keep its key alive)
+        except TypeError:  # not weak-referenceable: a program of its own
+            per_opt = {}
 
-        def finish(params, opt_state, step, grads, loss_sum, owned):
+            def update():
+                return opt_update
+        if key in per_opt:
+            return per_opt[key]
+        broadcast = cfg.output_broadcast
+
+        def finish(params, opt_state, step, grads, loss_sum, scale, owned):
             g_leaves, g_tree = tree.flatten(grads)
             with C.named_axis("pp", S), C.named_axis("dp", dp):
                 if mesh is not None and dp > 1:
@@ -561,14 +741,13 @@ class PipelinedStep:
                                 for g, o in zip(g_leaves, owned)]
                     if stage == last:
                         loss_sum = C.psum_p.bind(loss_sum, axis_name=("dp",), mesh=mesh)
-                loss = loss_sum * np.float32(scale)
+                loss = loss_sum * scale
                 if mesh is not None and stage != last:
                     loss = loss * np.float32(np.nan)  # there is no loss on this stage
-                if mesh is not None and cfg.output_broadcast:
+                if mesh is not None and broadcast:
                     mine = loss if stage == last else np.zeros((), np.float32)
                     loss = C.psum_p.bind(mine, axis_name=("pp",), mesh=mesh)
-            updates, new_opt = ap.optimizer.update(tree.unflatten(g_tree, g_leaves), opt_state,
-                                                   params)
+            updates, new_opt = update()(tree.unflatten(g_tree, g_leaves), opt_state, params)
             new_params = apply_updates(params, updates)
             if mesh is not None:  # this process updates its stage's parameters only
                 new_params = tree.unflatten(g_tree, [
@@ -577,7 +756,12 @@ class PipelinedStep:
             return new_params, new_opt, step + 1, loss
 
         finish.__name__ = f"pipeline_finish_{plan.name}"
-        return jit(finish, static_argnums=(5,))
+        fn = per_opt[key] = jit(finish, static_argnums=(6,))
+        return fn
+
+
+#: The finishing programs, by optimizer (its ``update``) and configuration.
+_FINISHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _saved_bytes(saved: dict, micro, j) -> int:
@@ -629,6 +813,13 @@ class PipelineRunner:
         self.plan: Stages | None = None
 
     @property
+    def sliced(self) -> bool:
+        """Each process passes its slice of the batch: ``dataset_strategy(
+        "data_parallel")`` in a multi-process job (the processes of data-parallel index
+        ``j``, one per stage, pass slice ``j`` of ``dp``)."""
+        return not self.virtual and self.ap._dataset == "data_parallel"
+
+    @property
     def virtual(self) -> bool:
         if isinstance(self.ap.mesh, int):
             return not distributed.is_initialized()
@@ -639,8 +830,8 @@ class PipelineRunner:
         for what, on in (("hsdp(...)", ap._hsdp is not None),
                          ("parameter_plan(...)", bool(ap._param_plan)),
                          ("comm_fusion(...)", ap._fusion is not None),
-                         ("dataset_strategy(...) other than 'data_parallel'",
-                          ap._dataset != "data_parallel"),
+                         ("a dataset_strategy(...) tuple",
+                          ap._dataset not in ("data_parallel", "full_batch")),
                          ("has_aux=True", ap.has_aux),
                          ("enable_fp32_communication()", ap._fp32_comm),
                          ("print_local_norm() / dump_local_norm()",
@@ -661,9 +852,10 @@ class PipelineRunner:
         hit = self._steps.get(key)
         if hit is not None:
             return hit
-        rows = batch_rows(self.ap.name, batch, cfg.micro_batches, dp)
+        rows = batch_rows(self.ap.name, batch, cfg.micro_batches, dp, self.sliced)
         plan = cut(self.ap.loss_fn, self.ap.name, state.params, batch, rows)
         v = plan.check(cfg.stages, cfg.interleave)
+        plan.check_balance(cfg.stages, cfg.max_imbalance)
         self.plan = plan
         sched = Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, v)
         step = PipelinedStep(self, plan, sched, None if self.virtual else distributed.rank())
@@ -672,6 +864,13 @@ class PipelineRunner:
 
     def __call__(self, state, *batch):
         return self.step_for(state, *batch)(state, *batch)
+
+    def stage_costs(self) -> list:
+        if self.plan is None:
+            raise ArgumentError(
+                f"AutoParallel({self.ap.name}).pipeline_stage_costs(): run a step first "
+                "(the stages are found by tracing the loss on a batch).")
+        return self.plan.stage_costs(self.cfg.stages)
 
     def schedule(self, virtual_stages: int | None = None) -> Schedule:
         cfg = self.cfg

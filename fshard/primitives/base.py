@@ -37,6 +37,7 @@ from fshard.core import (ArrayType, DimExpr, Primitive, Symbol, dim_div, dim_pro
                          is_symbolic, typeof)
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
 from fshard.factors import FactorSpec, elementwise_spec
+from fshard.interpret import current_axis
 from fshard.rules import abstract_eval, batching, impl, jvp, lowering, register_primitive, sharding
 from fshard.rules import transpose as transpose_rules
 from fshard.rules import unsupported
@@ -180,10 +181,13 @@ def batch_to_front(x, d, size: int):
 
 
 def batch_size(args, dims) -> int:
+    """The size of the batch axis: a batched operand's, else the axis being batched
+    (an equation whose body uses that axis, e.g. a loop with collectives inside, is
+    batched although none of its operands is)."""
     for x, d in zip(args, dims):
         if d is not None:
             return typeof(x).shape[d]
-    raise AssertionError("batching rule called with no batched operand")
+    return current_axis().size
 
 
 def vectorized(prim):

@@ -26,7 +26,7 @@ from fshard import dtypes, tree
 from fshard.core import ArrayType, EvalTrace, current_trace, typeof
 from fshard.errors import DifferentiationError, ProgramTypeError
 from fshard.interpret import batch_program, current_axis, eval_program
-from fshard.ir import Program
+from fshard.ir import Literal, Program
 from fshard.primitives.base import (Zero, batch_size, batch_to_front, def_primitive, instantiate,
                                     move_axis)
 from fshard.primitives.structural import broadcast_to, expand_dims, getitem, stack, zeros
@@ -210,6 +210,153 @@ def _call_sharding(avals, out_avals):
     return FactorSpec([(None,) * a.ndim for a in avals],
                       [(None,) * a.ndim for a in out_avals], {},
                       flops_per_point=float(max(points, 1)))
+
+
+class BodyLinks:
+    """Which dimensions of a body's values one factor ties together (a union-find over
+    ``(value, dim)``), for the sharding rules of primitives with bodies (loops, cond).
+
+    Every equation of a body links the dimensions its ``FactorSpec`` gives one
+    splittable factor. A class containing a dimension that some equation cannot split
+    freely (a contraction whose result is not small, ``SMALL_REDUCTION``; a ``nosplit``
+    factor; an unlabelled dimension) or dimensions of different sizes is *blocked*:
+    splitting it would make the body communicate a large value on every iteration. The other classes are the primitive's factors: a
+    layout splitting them runs the body on local blocks with no communication.
+    """
+
+    def __init__(self):
+        self.parent: dict = {}
+        self.blocked: set = set()
+
+    def find(self, k):
+        self.parent.setdefault(k, k)
+        root = k
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[k] != root:  # path compression
+            self.parent[k], k = root, self.parent[k]
+        return root
+
+    def union(self, a, b) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[ra] = rb
+            if ra in self.blocked:
+                self.blocked.add(rb)
+
+    def block(self, k) -> None:
+        self.blocked.add(self.find(k))
+
+    def values(self, a, b) -> None:
+        """Tie every dimension of body values ``a`` and ``b`` (a Literal blocks)."""
+        from fshard.ir import Var
+
+        nd = a.aval.ndim
+        for d in range(nd):
+            if isinstance(a, Var) and isinstance(b, Var):
+                self.union((a, d), (b, d))
+            else:
+                for v in (a, b):
+                    if isinstance(v, Var):
+                        self.block((v, d))
+
+    def program(self, program: Program) -> None:
+        """Link the dimensions every equation of ``program`` ties together."""
+        from fshard.ir import Var
+
+        for eq in program.equations:
+            spec = sharding.lookup(eq.prim, transform="shard")(
+                *[a.aval for a in eq.inputs], **eq.params)
+            free = set(spec.splittable())
+            if not _small_result(eq):
+                free -= set(spec.reduce)
+            groups: dict = {}
+            for a, labels in zip(list(eq.inputs) + list(eq.outputs),
+                                 list(spec.inputs) + list(spec.outputs)):
+                if not isinstance(a, Var):
+                    continue
+                for d, lab in enumerate(labels):
+                    if lab is None or lab not in free:
+                        self.block((a, d))
+                    else:
+                        groups.setdefault(lab, []).append((a, d))
+            for keys in groups.values():
+                for k in keys[1:]:
+                    self.union(keys[0], k)
+
+    def spec(self, in_keys: list, out_keys: list, flops: float, partition_call) -> FactorSpec:
+        """The primitive's FactorSpec: ``in_keys[i][d]`` / ``out_keys[j][d]`` is the
+        ``(body value, dim)`` an operand's / output's dimension d is, or None (never
+        split, e.g. a scan's stacking axis)."""
+        sizes: dict = {}
+        for keys in in_keys + out_keys:
+            for k in keys:
+                if k is not None:
+                    sizes.setdefault(self.find(k), set()).add(k[0].aval.shape[k[1]])
+        names: dict = {}
+
+        def label(k):
+            if k is None:
+                return None
+            root = self.find(k)
+            if root in self.blocked or len(sizes[root]) != 1:
+                return None
+            return names.setdefault(root, f"f{len(names)}")
+
+        ins = [tuple(label(k) for k in keys) for keys in in_keys]
+        outs = [tuple(label(k) for k in keys) for keys in out_keys]
+        factor_sizes = {names[r]: next(iter(sizes[r])) for r in names}
+        points = math.prod(int(n) if isinstance(n, int) else 1
+                           for n in factor_sizes.values()) or 1
+        return FactorSpec(ins, outs, factor_sizes, flops_per_point=max(flops, 1.0) / points,
+                          linear=(), partition_call=partition_call)
+
+
+# A reduction whose result is at most this fraction of its operands (a loss, a norm)
+# may run on split operands inside a body: the sum of its partial results is a small
+# AllReduce per iteration. Larger results (a matmul's contraction) block the split.
+SMALL_REDUCTION = 1 / 64
+
+
+def _small_result(eq) -> bool:
+    def size(vals):
+        return sum(math.prod(v.aval.shape) for v in vals)
+
+    avals = [a.aval for a in eq.inputs] + [v.aval for v in eq.outputs]
+    if not all(a.is_static for a in avals):
+        return False
+    return size(eq.outputs) <= max(size(eq.inputs) * SMALL_REDUCTION, 1)
+
+
+def body_flops(program: Program) -> float:
+    """One point per element each equation of ``program`` produces (a rough cost)."""
+    total = 0.0
+    for eq in program.equations:
+        for v in eq.outputs:
+            if v.aval.is_static:
+                total += float(math.prod(v.aval.shape))
+    return total
+
+
+def dims_keys(v, skip_leading: bool = False) -> list:
+    """The ``(value, dim)`` keys of a body value's dimensions (a leading None for an
+    operand that stacks it along a leading axis)."""
+    keys = [(v, d) for d in range(v.aval.ndim)]
+    return ([None] + keys) if skip_leading else keys
+
+
+def drop_leading(sh):
+    """A stacked value's layout without its leading axis (one slice's layout)."""
+    import dataclasses
+
+    return dataclasses.replace(sh, dims=tuple(sh.dims[1:]))
+
+
+def scalar_layout(like):
+    """The replicated layout of a scalar (same class as ``like``)."""
+    import dataclasses
+
+    return dataclasses.replace(like, dims=(), partial=frozenset())
 
 
 # ===========================================================================
@@ -480,11 +627,36 @@ def _scan_batching(args, dims, *, body, length, reverse, unroll, n_consts, n_car
 
 
 batching.set(scan_p, _scan_batching)
-# Every device runs the whole loop on replicated operands (correct on any mesh).
-# fs.scan unrolls under fs.shard instead, so that layouts propagate through the body
-# and a split carry keeps its layout; this rule serves a scan staged elsewhere.
-sharding.set(scan_p, lambda *avals, **params: _call_sharding(avals, _scan_type(*avals,
-                                                                               **params)))
+
+
+def _scan_sharding(*avals, body, length, reverse, unroll, n_consts, n_carry):
+    """The body's factors (``BodyLinks``), each carry dimension tied to itself across
+    the iteration: the carry keeps its layout through the loop (a fixed point), xs are
+    split on their non-scanned dimensions as the body uses them, ys stacked in the
+    body's layout. The body is partitioned as a per-device program of its own."""
+    links = BodyLinks()
+    links.program(body)
+    ins, outs = body.inputs, body.outputs
+    for k in range(n_carry):
+        links.values(ins[n_consts + k], outs[k])
+    in_keys = [dims_keys(v, skip_leading=i >= n_consts + n_carry) for i, v in enumerate(ins)]
+    out_keys = [dims_keys(ins[n_consts + k]) for k in range(n_carry)]
+    out_keys += [dims_keys(v, skip_leading=True) if not isinstance(v, Literal)
+                 else [None] * (v.aval.ndim + 1) for v in outs[n_carry:]]
+    return links.spec(in_keys, out_keys, body_flops(body) * length, _scan_partition)
+
+
+def _scan_partition(operands, params, ins, outs, partition):
+    n_c, n_v = params["n_consts"], params["n_carry"]
+    carry = list(ins[n_c:n_c + n_v])
+    body_ins = list(ins[:n_c + n_v]) + [drop_leading(s) for s in ins[n_c + n_v:]]
+    body_outs = carry + [drop_leading(s) for s in outs[n_v:]]
+    body, consts = partition(params["body"], body_ins, body_outs)
+    return (consts + list(operands),
+            dict(params, body=body, n_consts=len(consts) + n_c))
+
+
+sharding.set(scan_p, _scan_sharding)
 
 
 # ===========================================================================

@@ -18,7 +18,7 @@ from fshard.primitives.spmd import block_slice, layout_constraint_p
 from fshard.sharding.cost import native_collectives, native_reduce_scatter, plan_bytes
 from fshard.sharding.layouts import (Candidate, ShardMesh, Sharding, after, as_produced,
                                      candidate_shardings, plan)
-from fshard.sharding.propagation import Propagated
+from fshard.sharding.propagation import Propagated, propagate
 from fshard.staging import StagedTracer, stage
 
 
@@ -85,11 +85,11 @@ class Partitioned:
         return [s.to_layout(self.prop.mesh) for s in self.out_shardings]
 
     def collectives(self) -> list[str]:
-        """Names of the communicating equations (collectives), in order. Local slices
-        (``block_slice``: keep this device's block of a value it holds whole) are not
-        communication and are not listed."""
-        return [eq.prim.name for eq in self.program.equations
-                if eq.prim in C.COLLECTIVES]
+        """Names of the communicating equations (collectives), in order; those inside
+        the body of a loop or the branches of a cond are listed where the loop is, once
+        (they run once per iteration). Local slices (``block_slice``: keep this device's
+        block of a value it holds whole) are not communication and are not listed."""
+        return _collectives(self.program)
 
     def strategies(self) -> dict:
         """The strategy of every input, equation and output (a strategy file's content,
@@ -121,6 +121,18 @@ class Partitioned:
                 "inputs": [value(s) for s in self.prop.in_shardings],
                 "equations": eqs,
                 "outputs": [value(s) for s in self.out_shardings]}
+
+
+def _collectives(program: Program) -> list[str]:
+    out = []
+    for eq in program.equations:
+        if eq.prim in C.COLLECTIVES:
+            out.append(eq.prim.name)
+        for v in eq.params.values():  # a loop's body, a cond's branches
+            for sub in (v if isinstance(v, tuple) else (v,)):
+                if isinstance(sub, Program):
+                    out += _collectives(sub)
+    return out
 
 
 def _local_aval(aval, sh, mesh):
@@ -173,9 +185,19 @@ def partition(prop: Propagated) -> Partitioned:
             params = spec.local_params(
                 params, [_local_aval(a.aval, s, mesh) for a, s in zip(eq.inputs, ins)],
                 [_local_aval(v.aval, s, mesh) for v, s in zip(eq.outputs, outs)])
+        if spec.partition_call is not None:  # a loop or cond: its bodies per device
+            args, params = spec.partition_call(args, params, ins, outs, sub_program)
         res = bind(eq.prim, *args, **params)
         res = res if eq.prim.multiple_results else [res]
         return [{s: note(r, s)} for r, s in zip(res, outs)]
+
+    def sub_program(body: Program, ins: list, outs: list):
+        # A body partitioned like a program of its own, from the layouts at its
+        # boundary (a loop's carry: the same layout in and out), with the collectives
+        # it needs inside it.
+        part = partition(propagate(body, ins, outs, mesh, prop.level))
+        pd = part.program
+        return Program(pd.inputs, pd.equations, pd.outputs), list(part.consts)
 
     def per_device(*local_inputs):
         held = [{s: note(x, s)} for x, s in zip(local_inputs, prop.in_shardings)]

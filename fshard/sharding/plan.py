@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 
+from fshard.core import ArrayType
 from fshard.errors import ShardingError
 from fshard.ir import Program
 from fshard.sharding.layouts import ShardMesh
@@ -38,8 +39,12 @@ class ShardPlan:
         # The fs.Mesh of prime axes of a multi-process job (one device per process), or
         # None on a virtual mesh.
         self.world = world
+        # In a job: return split outputs as this rank's blocks (fs.ShardedArray)
+        # instead of gathering them (``fs.shard(..., gather_outputs=False)``).
+        self.local_outputs = False
         self._part = None
-        self._virtual = None
+        self._virtual: dict = {}  # (local inputs, local outputs) -> (Program, consts)
+        self._local_calls: dict = {}  # eager calls with blocks (transforms/shard_call.py)
         self._compiled = None
 
     def derive(self, body: Program, in_shardings, out_shardings, what: str) -> "ShardPlan":
@@ -78,22 +83,33 @@ class ShardPlan:
                 self._part.program = rewrite(self._part.program)
         return self._part
 
-    def virtual_program(self) -> tuple[Program, list]:
+    def virtual_program(self, local_in=frozenset(), local_out=frozenset()
+                        ) -> tuple[Program, list]:
         """The whole run as one Program, for lowering: on a virtual mesh, split the
         inputs, run the per-device Program batched over the devices, reassemble; in a
         multi-process job, this rank's blocks in, its per-device Program with the
-        job's collectives, the global outputs out."""
-        if self._virtual is None:
+        job's collectives, the global outputs out. In a job, inputs in ``local_in``
+        are taken as this rank's blocks and outputs in ``local_out`` returned as
+        blocks (``fs.ShardedArray``s, see ``local_types``)."""
+        key = (frozenset(local_in), frozenset(local_out))
+        hit = self._virtual.get(key)
+        if hit is None:
             from fshard import passes
 
             part = self.partitioned()
             run = run_virtual if self.world is None else functools.partial(
-                run_on_rank, mesh=self.world)
-            program, consts = stage(lambda *xs: run(part, list(xs)),
-                                    [v.aval for v in self.body.inputs])
+                run_on_rank, mesh=self.world, local_in=key[0], local_out=key[1])
+            avals = [v.aval for v in self.body.inputs]
+            for i in key[0]:
+                avals[i] = self.local_type(avals[i], part.in_shardings[i])
+            program, consts = stage(lambda *xs: run(part, list(xs)), avals)
             # The block shuffles around the batched program fold into few operations.
-            self._virtual = passes.simplify(program), consts
-        return self._virtual
+            hit = self._virtual[key] = passes.simplify(program), consts
+        return hit
+
+    def local_type(self, aval: ArrayType, sharding) -> ArrayType:
+        """The type of one device's block of a value of type ``aval``."""
+        return ArrayType(sharding.local_shape(aval.shape, self.mesh), aval.dtype)
 
     def compiled(self):
         """The whole run compiled (collectives of a job only run in graphs)."""

@@ -16,6 +16,7 @@ import numpy as np
 
 from fshard.core import ArrayType, bind, typeof
 from fshard.interpret import AxisData, batch_program, eval_program, walk
+from fshard.ir import Equation, Program
 from fshard.primitives import collectives as C
 from fshard.primitives.base import batch_to_front
 from fshard.primitives.spmd import block_slice_p
@@ -128,24 +129,27 @@ def world_mesh(mesh: ShardMesh):
     return Mesh(mesh.sizes, mesh.names) if mesh.sizes else Mesh((1,), ("m0",))
 
 
-def run_on_rank(part: Partitioned, args: list, mesh):
-    """Run this rank's share of a partitioned program in a multi-process job: every
-    process holds the global inputs; it keeps its blocks (``shard_in``), runs the
-    per-device Program with the job's collectives, and gathers the global outputs
-    (``shard_out``). ``mesh`` is ``world_mesh(...)``."""
+def run_on_rank(part: Partitioned, args: list, mesh, local_in=frozenset(),
+                local_out=frozenset()):
+    """Run this rank's share of a partitioned program in a multi-process job: it keeps
+    its block of each global input (``shard_in``), runs the per-device Program with the
+    job's collectives, and gathers the global outputs (``shard_out``). Inputs in
+    ``local_in`` are this rank's block already (an ``fs.ShardedArray`` laid out as the
+    plan wants it) and go in as they are; outputs in ``local_out`` stay this rank's
+    block (no AllGather). ``mesh`` is ``world_mesh(...)``."""
 
     pmesh = part.prop.mesh
 
     def dims(sh: Sharding) -> tuple:
         return _names(sh, pmesh)
 
-    blocks = [C.shard_in_p.bind(x, dims=dims(sh), mesh=mesh)
-              for x, sh in zip(args, part.in_shardings)]
+    blocks = [x if i in local_in else C.shard_in_p.bind(x, dims=dims(sh), mesh=mesh)
+              for i, (x, sh) in enumerate(zip(args, part.in_shardings))]
     program = part.program
     outs = walk(program, list(part.consts) + blocks,
                 lambda eq, vals: bind_on_rank(eq, vals, mesh), "running on this rank")
-    return [C.shard_out_p.bind(y, dims=dims(sh), mesh=mesh)
-            for y, sh in zip(outs, part.out_shardings)]
+    return [y if j in local_out else C.shard_out_p.bind(y, dims=dims(sh), mesh=mesh)
+            for j, (y, sh) in enumerate(zip(outs, part.out_shardings))]
 
 
 def bind_on_rank(eq, values, mesh) -> list:
@@ -154,12 +158,35 @@ def bind_on_rank(eq, values, mesh) -> list:
     to the job's communication; a ``block_slice`` (a value held whole, cut to this
     device's block) becomes this rank's block (``shard_in``). Shared by ``fs.shard``
     and ``fs.shard_map``."""
+    prim, params = _on_rank(eq, mesh)
+    outs = bind(prim, *values, **params)
+    return outs if prim.multiple_results else [outs]
+
+
+def _on_rank(eq, mesh) -> tuple:
+    """The primitive and parameters ``eq`` runs with on this rank of a job (see
+    ``bind_on_rank``); the bodies of a loop or cond are rewritten the same way, so
+    collectives inside a loop body use the job's mesh too."""
     if eq.prim is block_slice_p:
         d = [()] * eq.inputs[0].aval.ndim
         d[eq.params["dim"]] = tuple(eq.params["axis_name"])
-        return [C.shard_in_p.bind(values[0], dims=tuple(d), mesh=mesh)]
+        return C.shard_in_p, {"dims": tuple(d), "mesh": mesh}
     params = eq.params
     if eq.prim in C.NAMED_AXIS_PRIMITIVES:
         params = dict(params, mesh=mesh)
-    outs = bind(eq.prim, *values, **params)
-    return outs if eq.prim.multiple_results else [outs]
+    bodies = {k: v for k, v in params.items() if isinstance(v, Program) or (
+        isinstance(v, tuple) and v and all(isinstance(p, Program) for p in v))}
+    if bodies:
+        params = dict(params)
+        for k, v in bodies.items():
+            params[k] = (_program_on_rank(v, mesh) if isinstance(v, Program)
+                         else tuple(_program_on_rank(p, mesh) for p in v))
+    return eq.prim, params
+
+
+def _program_on_rank(program: Program, mesh) -> Program:
+    eqs = []
+    for eq in program.equations:
+        prim, params = _on_rank(eq, mesh)
+        eqs.append(Equation(prim, eq.inputs, params, eq.outputs, eq.source))
+    return Program(program.inputs, eqs, program.outputs, program.n_consts)

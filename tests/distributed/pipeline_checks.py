@@ -22,17 +22,22 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
 
 STEPS = 20
 
-# (name, model, stages, micro_batches, scheduler, interleave, output_broadcast)
+# (name, model, stages, micro_batches, scheduler, interleave, output_broadcast,
+#  dataset_strategy): with "data_parallel" each process passes its data-parallel slice
+#  of every batch (the processes of dp index j: block j of dp), with "full_batch" the
+#  whole batch
 CONFIGS = {
-    2: [("mlp_1f1b", "mlp", 2, 4, "1f1b", False, False),
-        ("mlp_gpipe_broadcast", "mlp", 2, 2, "gpipe", False, True),
-        ("mlp_1f1b_interleave", "mlp", 2, 4, "1f1b", True, True),
-        ("transformer_1f1b", "transformer", 2, 2, "1f1b", False, False)],
-    4: [("mlp_2x2_1f1b", "mlp", 2, 4, "1f1b", False, True),
-        ("mlp_2x2_gpipe", "mlp", 2, 2, "gpipe", False, False),
-        ("mlp_4_1f1b", "mlp", 4, 4, "1f1b", False, True),
-        ("mlp_4_gpipe_interleave", "mlp", 4, 4, "gpipe", True, True),
-        ("transformer_2x2_1f1b", "transformer", 2, 2, "1f1b", False, True)],
+    2: [("mlp_1f1b", "mlp", 2, 4, "1f1b", False, False, "data_parallel"),
+        ("mlp_gpipe_broadcast", "mlp", 2, 2, "gpipe", False, True, "data_parallel"),
+        ("mlp_1f1b_interleave", "mlp", 2, 4, "1f1b", True, True, "data_parallel"),
+        ("transformer_1f1b", "transformer", 2, 2, "1f1b", False, False, "data_parallel")],
+    4: [("mlp_2x2_1f1b", "mlp", 2, 4, "1f1b", False, True, "data_parallel"),
+        ("mlp_2x2_gpipe_full_batch", "mlp", 2, 2, "gpipe", False, False, "full_batch"),
+        ("mlp_2x2_gpipe", "mlp", 2, 2, "gpipe", False, False, "data_parallel"),
+        ("mlp_4_1f1b", "mlp", 4, 4, "1f1b", False, True, "data_parallel"),
+        ("mlp_4_gpipe_interleave", "mlp", 4, 4, "gpipe", True, True, "data_parallel"),
+        ("transformer_2x2_1f1b", "transformer", 2, 2, "1f1b", False, True,
+         "data_parallel")],
 }
 
 
@@ -43,9 +48,12 @@ def main(out_dir: str) -> None:
     fs.distributed.init()
     rank, world = fs.distributed.rank(), fs.distributed.world_size()
     results: dict = {"rank": rank, "world": world, "configs": {}}
-    for name, model, stages, micro, sched, inter, bcast in CONFIGS[world]:
+    for name, model, stages, micro, sched, inter, bcast, dataset in CONFIGS[world]:
+        dp = world // stages
         losses, state, ap = ex.train(STEPS, model, stages, micro, sched, inter, bcast,
-                                     opt="momentum")
+                                     opt="momentum", dataset=dataset,
+                                     part=(rank % dp, dp) if dataset == "data_parallel"
+                                     else None)
         runner = ap._pipeline
         step = next(iter(runner._steps.values()))
         owned = sorted({k for c in range(step.plan.n_chunks) if c % stages == step.rank //

@@ -1,7 +1,8 @@
 """Pipeline parallelism in real 2- and 4-process jobs (pp x dp = 2 x 1, 2 x 2, 4 x 1):
-every configuration of tests/distributed/pipeline_checks.py trains to the losses and
-parameters of one process's unpipelined run, and its stage transfers are collectives
-in each process's compiled program."""
+every configuration of tests/distributed/pipeline_checks.py (each process passing its
+data-parallel slice of the batch, or with "full_batch" the whole batch) trains to the
+losses and parameters of one process's unpipelined run on the whole batch, and its
+stage transfers are collectives in each process's compiled program."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def _close(got, want, what):
 
 def test_losses_and_parameters_equal_the_unpipelined_run(job):
     n, ranks = job
-    for name, model, stages, micro, sched, inter, bcast in checks.CONFIGS[n]:
+    for name, model, stages, micro, sched, inter, bcast, _ in checks.CONFIGS[n]:
         ref_losses, ref_params = reference(model, stages * (2 if inter else 1))
         assert ref_losses[-1] < ref_losses[0]
         owned = set()

@@ -10,11 +10,13 @@ Every job:
   and under ``fs.jit``, its outputs this process's blocks.
 
 The 4-process job also trains the 2 x 2 (dp x mp) Adam MLP with ZeRO level1 for 10
-steps, saves a checkpoint with the plan's layouts (each process its blocks), trains 10
-more, and writes every loss and the saved values. The 2-process job loads that
-checkpoint into a data-parallel ZeRO level3 step and trains the same 10 steps, then
-checks fs.checkpoint's own sharded save and a process killed during a save
-(checkpoint_checks.py).
+steps (its split state leaves are fs.ShardedArrays: each process holds its blocks, no
+step gathers them), saves a checkpoint (each process its blocks), loads it back (each
+process reading only the saved blocks it holds, counted), trains 10 more from the
+loaded state, and writes every loss and the saved values. The 2-process job loads
+that checkpoint into a data-parallel ZeRO level3 step (as process-local blocks of the
+step's layouts) and trains the same 10 steps, then checks fs.checkpoint's own sharded
+save and a process killed during a save (checkpoint_checks.py).
 """
 
 from __future__ import annotations
@@ -131,8 +133,112 @@ def shard_data_parallel(rank: int, size: int) -> dict:
     return out
 
 
+class CountedReads:
+    """Counts the bytes fs.checkpoint.load reads (every read goes through
+    ``checkpoint._read``)."""
+
+    def __enter__(self):
+        self.bytes, self._read = 0, ckpt._read
+
+        def read(fd, offset, nbytes):
+            data = self._read(fd, offset, nbytes)
+            self.bytes += len(data)
+            return data
+
+        ckpt._read = read
+        return self
+
+    def __exit__(self, *exc):
+        ckpt._read = self._read
+
+
+def _header_bytes(path: str) -> int:
+    with open(path, "rb") as fh:
+        return 8 + int.from_bytes(fh.read(8), "little")
+
+
+def _expected_reads(d: str, like) -> tuple[int, int]:
+    """``(bytes this process must read, bytes of the whole checkpoint)`` loading ``d``
+    into ``like``: the saved blocks overlapping its block of each ShardedArray leaf,
+    every block of a whole leaf, and the header of each file holding one of those."""
+    with open(os.path.join(d, "index.json")) as fh:
+        index = json.load(fh)
+    entries = {e["path"]: e for e in index["leaves"]}
+    paths, leaves, _ = fs.tree.flatten_with_path(like)
+    need, files = 0, set()
+    for p, x in zip(paths, leaves):
+        e = entries[fs.tree.keystr(p)]
+        size = np.dtype(e["dtype"]).itemsize
+        for b in e["blocks"]:
+            if isinstance(x, fs.ShardedArray) and any(
+                    max(s, ws) >= min(t, wt) for s, t, (ws, wt)
+                    in zip(b["start"], b["stop"], x.bounds)):
+                continue
+            need += size * int(np.prod([t - s for s, t in zip(b["start"], b["stop"])]))
+            files.add(b["file"])
+    need += sum(_header_bytes(os.path.join(d, f)) for f in files)
+    return need, sum(info["bytes"] for info in index["files"].values())
+
+
+def _boundary_gathers(ap) -> int:
+    """AllGathers of split values at the boundary of the compiled steps taking
+    ShardedArrays (the state gathered onto every process would be one per leaf)."""
+    from fshard.primitives.collectives import shard_out_p
+
+    count = 0
+    for _, jitted in ap._steps.values():
+        for lowered in jitted._cache.values():
+            if lowered.local is None:
+                continue
+            program = lowered.local[0]
+            for eq in program.equations:
+                count += eq.prim is shard_out_p
+                if eq.prim.name == "shard_call":
+                    body, _ = eq.params["plan"].virtual_program(
+                        frozenset(eq.params["local_in"]), frozenset(eq.params["local_out"]))
+                    count += sum(e.prim is shard_out_p and any(e.params["dims"])
+                                 for e in body.equations)
+    return count
+
+
+def shard_process_local(rank: int, size: int) -> dict:
+    """fs.shard(..., gather_outputs=False): split outputs come back as fs.ShardedArrays
+    (this process's block); a sharded function taking one with the same layout uses
+    the block, another layout or an operation outside a shard gathers it first; eager
+    operations and NumPy conversion refuse it."""
+    x = np.arange(size * 2 * 3, dtype=np.float32).reshape(size * 2, 3)
+    w = np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)
+    rows = (size, 1)
+    make = fs.shard(lambda x, w: x @ w, in_strategy=(rows, None), out_strategy=(rows,),
+                    gather_outputs=False)
+    double = fs.shard(lambda y: y * 2.0, in_strategy=(rows,), out_strategy=(rows,))
+    by_cols = fs.shard(lambda y: y + 1.0, in_strategy=((1, 2),), out_strategy=((1, 2),))
+    want = x @ w
+    out = {}
+    for how, wrap in (("eager", lambda f: f), ("jit", fs.jit)):
+        y = wrap(make)(x, w)
+        ok = isinstance(y, fs.ShardedArray) and fs.typeof(y) == fs.ArrayType(
+            want.shape, fs.dtypes.float32)
+        ok = ok and np.array_equal(n(y.block), want[rank * 2:(rank + 1) * 2])
+        ok = ok and np.allclose(n(wrap(double)(y)), 2 * want)
+        ok = ok and np.allclose(n(wrap(by_cols)(y)), want + 1)  # gathered, then cut
+        ok = ok and np.allclose(n(fs.jit(lambda v: v - 1.0)(y)), want - 1)  # gathered
+        ok = ok and np.array_equal(n(y.gather()), want)
+        out[how] = bool(ok)
+    errors = []
+    for attempt in (lambda: np.asarray(y), lambda: y.asnumpy(), lambda: fs.ops.relu(y)):
+        try:
+            attempt()
+            errors.append("no error")
+        except fs.ShardingError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    return out
+
+
 def train_2x2_and_save(out: str) -> dict:
-    """10 steps of the 2 x 2 Adam step with ZeRO level1, a checkpoint, 10 more."""
+    """10 steps of the 2 x 2 Adam step with ZeRO level1, a checkpoint, loaded back
+    (counting the bytes read), 10 more steps from the loaded state."""
     ap = example.make(mp=2, zero="level1")
     state = ap.init(example.init_params())
     batches = list(example.batches(2 * RESUME_STEPS))
@@ -140,15 +246,35 @@ def train_2x2_and_save(out: str) -> dict:
     for x, y in batches[:RESUME_STEPS]:
         state, loss = ap(state, x, y)
         losses.append(float(n(loss)))
+    local = [fs.tree.keystr(p) for p, v in zip(*fs.tree.flatten_with_path(state)[:2])
+             if isinstance(v, fs.ShardedArray)]
+    try:
+        n(state.params["w1"])
+        refused = ""
+    except fs.ShardingError as e:
+        refused = str(e)
     layouts = ap.state_strategies(state, *batches[0])
     d = ckpt.save(os.path.join(out, "ckpt4"), state, step=RESUME_STEPS, layouts=layouts)
+    whole = ap.gather(state)  # a collective: every process
     if fs.distributed.rank() == 0:
         np.savez(os.path.join(out, "saved4.npz"),
-                 **{f"leaf{i}": n(v) for i, v in enumerate(fs.tree.leaves(state))})
+                 **{f"leaf{i}": n(v) for i, v in enumerate(fs.tree.leaves(whole))})
+    with CountedReads() as reads:
+        back = ckpt.load(d, state)
+    need, total = _expected_reads(d, state)
+    same = all(
+        type(a) is type(b) and (n(a.block if isinstance(a, fs.ShardedArray) else a).tobytes()
+                                == n(b.block if isinstance(b, fs.ShardedArray) else b).tobytes())
+        and (not isinstance(a, fs.ShardedArray) or a.bounds == b.bounds)
+        for a, b in zip(fs.tree.leaves(state), fs.tree.leaves(back)))
+    state = back
     for x, y in batches[RESUME_STEPS:]:
         state, loss = ap(state, x, y)
         losses.append(float(n(loss)))
-    return {"losses": losses, "dir": d,
+    return {"losses": losses, "dir": d, "local_leaves": local, "refused": refused,
+            "boundary_gathers": _boundary_gathers(ap),
+            "read": {"bytes": reads.bytes, "own_blocks": need, "checkpoint": total},
+            "loaded_blocks_identical": same,
             "param_layouts": {k: list(v) for k, v in layouts.params.items()}}
 
 
@@ -156,20 +282,31 @@ def resume_with_zero3(out: str, rank: int, size: int) -> dict:
     """The 4-process checkpoint onto 2 processes: data parallel (own slices), ZeRO
     level3; the next 10 steps."""
     ap = example.make(zero="level3")
-    state = ckpt.load(os.path.join(out, "ckpt4"), ap.init(example.init_params()))
     b = example.BATCH // size
+    batches = list(example.batches(2 * RESUME_STEPS))[RESUME_STEPS:]
+    like = ap.init(example.init_params())
+    mine = [v[rank * b:(rank + 1) * b] for v in batches[0]]
+    with CountedReads() as reads:
+        state = ckpt.load(os.path.join(out, "ckpt4"), like,
+                          layouts=ap.state_strategies(like, *mine))
+    latest = ckpt.latest(os.path.join(out, "ckpt4"))
+    need, total = _expected_reads(latest, state)
+    local = sum(isinstance(v, fs.ShardedArray) for v in fs.tree.leaves(state))
     losses = []
-    for x, y in list(example.batches(2 * RESUME_STEPS))[RESUME_STEPS:]:
+    for x, y in batches:
         state, loss = ap(state, x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])
         losses.append(float(n(loss)))
-    return {"losses": losses, "step": int(n(state.step))}
+    return {"losses": losses, "step": int(n(state.step)), "loaded_local_leaves": local,
+            "read": {"bytes": reads.bytes, "own_blocks": need, "checkpoint": total},
+            "boundary_gathers": _boundary_gathers(ap), "dir": latest}
 
 
 def main(out: str) -> None:
     fs.distributed.init()
     rank, size = fs.distributed.rank(), fs.distributed.world_size()
     report = {"data_parallel": data_parallel(rank, size),
-              "shard": shard_data_parallel(rank, size)}
+              "shard": shard_data_parallel(rank, size),
+              "process_local": shard_process_local(rank, size)}
     if size == 4:
         report["strategy_net"] = train_strategy_net(rank, size)
         report["resume"] = train_2x2_and_save(out)

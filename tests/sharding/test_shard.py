@@ -478,8 +478,9 @@ def test_shard_in_a_multi_process_job(tmp_path, processes):
     """2 and 4 processes (one launch each, ~15-30 s): each runs its block of the
     per-device program with MindSpore's collectives (sub-groups included) and returns
     the global result; the seed's examples (a function and a Cell with a parameter
-    plan), forward, grad(shard), jit(grad(shard)), shard(value_and_grad) and three
-    steps of a sharded training loop all match one process."""
+    plan), forward, grad(shard), jit(grad(shard)), shard(value_and_grad), three
+    steps of a sharded training loop, and a sharded scan and while_loop (their split
+    carries kept, collectives inside the loops) all match one process."""
     from pathlib import Path
 
     from fshard import launch
@@ -493,6 +494,9 @@ def test_shard_in_a_multi_process_job(tmp_path, processes):
         assert "CHECK seed Cell with parameter_plan ok" in out
         assert "CHECK training step 2 loss ok" in out
         assert "CHECK mindspore.value_and_grad(shard) gradient 1 ok" in out
+        # a split carry through a scan and a while_loop, collectives inside the loops
+        assert "CHECK sharded loops: jit(shard) scan ys ok" in out
+        assert "CHECK sharded loops: jit(shard) while_loop ok" in out
         if processes == 4:
             assert "CHECK sub-group collectives ['psum', 'all_gather'] ok" in out
             # relu's bool mask crosses devices: carried in float32 by fshard on CPU

@@ -26,7 +26,8 @@ os.environ.setdefault("GLOG_v", "3")  # MindSpore: errors only, keep the tables 
 from benchmarks import harness, jax_env  # noqa: E402
 
 MODULES = ["foundation", "vmap_grad", "collectives", "sharding", "search", "rng",
-           "checkpointing", "control_flow", "dynamic_shapes", "training", "pipeline"]
+           "checkpointing", "control_flow", "dynamic_shapes", "training", "pipeline",
+           "cost_rates"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "latest.json")
 

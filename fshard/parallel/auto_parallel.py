@@ -15,9 +15,11 @@ it to ``fs.jit(fs.shard(step, ...))``:
   the plan;
 - the rest of the step: ``fs.shard``'s whole-program search (``search=True``) in
   ``"semi_auto"`` and ``"recursive_programming"`` modes, greedy propagation in
-  ``"sharding_propagation"`` mode (a training step is a long chain whose best
-  layouts greedy choices miss: with the search, a data-parallel step is the textbook
-  one AllReduce per gradient and one for the loss);
+  ``"sharding_propagation"`` mode, both pricing a plan by its time (``level=2``: the
+  flops each device computes at the backend's measured rate plus each collective as
+  the backend runs it; a training step is a long chain whose best layouts greedy
+  choices miss: with the search, a data-parallel step is the textbook one AllReduce
+  per gradient and one for the loss when that is the fastest);
 - ZeRO (``hsdp``): the optimizer state (level1), also the gradients (level2: the
   plan reduce-scatters them to the state's layout) and the parameters (level3:
   gathered where used) are split along their first dimension over the data-parallel
@@ -34,6 +36,7 @@ error that says so; none is accepted and ignored.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -185,10 +188,15 @@ class AutoParallel:
 
     def hsdp(self, shard_size: int = -1, threshold: int = 64,
              optimizer_level: str = "level1") -> "AutoParallel":
-        """ZeRO over the data-parallel group: ``level1`` splits the optimizer state,
-        ``level2`` also the gradients, ``level3`` also the parameters, along their
-        first dimension in groups of ``shard_size`` devices (-1: all), leaving tensors
-        under ``threshold`` KB whole."""
+        """ZeRO over each parameter's data-parallel group (MindSpore's meaning: the
+        devices that hold the same copy of that parameter; for a parameter split ``P``
+        ways on ``N`` devices, ``N / P`` of them): ``level1`` splits the optimizer
+        state, ``level2`` also the gradients, ``level3`` also the parameters, along
+        their first dimension (on top of the parameter's own split), over that group
+        or, with ``shard_size=k``, over groups of ``gcd(k, N / P)`` devices; tensors
+        under ``threshold`` KB or whose first dimension does not divide stay as they
+        are. Example: dp x mp = 2 x 4 and a weight split ``(1, 4)``: its Adam moments
+        are ``(2, 4)``, an eighth per device."""
         if optimizer_level not in LEVELS:
             raise ArgumentError(
                 f"AutoParallel.hsdp(optimizer_level=...) must be one of {LEVELS}; got "
@@ -200,7 +208,8 @@ class AutoParallel:
         if isinstance(shard_size, bool) or not isinstance(shard_size, int) or (
                 shard_size != -1 and shard_size < 1):
             raise ArgumentError(
-                f"AutoParallel.hsdp(shard_size=...) must be -1 (all devices) or a positive "
+                f"AutoParallel.hsdp(shard_size=...) must be -1 (each parameter's whole "
+                f"data-parallel group) or a positive "
                 f"int; got {shard_size!r}.")
         self._hsdp = (shard_size, threshold * 1024, optimizer_level)
         self._steps.clear()
@@ -367,28 +376,43 @@ class AutoParallel:
         return TrainState(params, opt_state, ms.Tensor(np.int32(0)))
 
     # -- strategies ----------------------------------------------------------------
-    def _group(self) -> int:
+    def _group(self, base: tuple) -> int:
+        """The ZeRO group of a tensor split ``base`` ways: its data-parallel group, the
+        devices holding the same copy of it (``n_devices / prod(base)``), limited to
+        ``shard_size`` (the largest group dividing both)."""
         n = self.n_devices
         if self._hsdp is None:
             return 1
         size = self._hsdp[0]
-        if size == -1:
-            return n
-        if n % size:
+        if size != -1 and n % size:
             raise ShardingError(
                 f"AutoParallel.hsdp(shard_size={size}) must divide the {n} devices.")
-        return size
+        replicas = n // int(np.prod(base, dtype=np.int64)) if len(base) else n
+        return replicas if size == -1 else math.gcd(size, replicas)
 
-    def _zero(self, x, level_needed: str):
-        """The ZeRO strategy of a leaf at ``level_needed`` (None: not at this level)."""
+    def _zero(self, x, level_needed: str, base=None):
+        """The ZeRO strategy of a leaf at ``level_needed`` (None: not at this level):
+        ``base`` (the leaf's split counts without ZeRO; default whole) with its first
+        dimension further split over the leaf's data-parallel group."""
         if self._hsdp is None or LEVELS.index(self._hsdp[2]) < LEVELS.index(level_needed):
             return None
         a = typeof(x)
-        g = self._group()
-        nbytes = a.size * np.dtype(_np_dtype(a.dtype)).itemsize
-        if a.ndim == 0 or g == 1 or a.shape[0] % g or nbytes < self._hsdp[1]:
+        if a.ndim == 0:
             return None
-        return (g,) + (1,) * (a.ndim - 1)
+        base = tuple(base) if base is not None else self._whole(x)
+        g = self._group(base)
+        nbytes = a.size * np.dtype(_np_dtype(a.dtype)).itemsize
+        if g == 1 or a.shape[0] % (base[0] * g) or nbytes < self._hsdp[1]:
+            return None
+        return (base[0] * g,) + base[1:]
+
+    def _base(self, path, x):
+        """A parameter's split counts without ZeRO: its given strategy, or whole; None
+        for a strategy given as an ``fs.Layout`` view (ZeRO leaves it as given)."""
+        given = self._param_strategy(path, x)
+        if given is None:
+            return self._whole(x)
+        return tuple(given) if _is_counts(given) else None
 
     def _whole(self, x):
         return (1,) * typeof(x).ndim
@@ -407,8 +431,9 @@ class AutoParallel:
         out = []
         for p, x in zip(paths, leaves):
             given = self._param_strategy(p, x)
-            if given is None:
-                given = self._zero(x, "level3")
+            base = self._base(p, x)
+            if base is not None:
+                given = self._zero(x, "level3", base) or given
             if given is None:
                 given = self._whole(x) if self.parallel_mode == "semi_auto" else None
             out.append(given)
@@ -422,15 +447,40 @@ class AutoParallel:
             given = tuple(self._fixed_params[name])
         return given
 
-    def _state_strategies(self, opt_state):
+    def _state_strategies(self, opt_state, params):
+        """Each optimizer-state leaf that is a copy of a parameter (Adam's moments, a
+        momentum) is laid out like that parameter, split further by ZeRO over its
+        data-parallel group; the others (a step count) whole or by ZeRO alone. In the
+        modes that plan parameters, a copy of a parameter without a strategy is left to
+        the plan too."""
         leaves, spec = tree.flatten(opt_state)
+        bases = self._state_bases(opt_state, params)
         out = []
-        for x in leaves:
-            s = self._zero(x, "level1")
-            if s is None:
-                s = self._whole(x) if self.parallel_mode == "semi_auto" else None
+        for x, (base, given) in zip(leaves, bases, strict=True):
+            s = None if base is False else self._zero(x, "level1", base)
+            if s is None and base is not False and (given or self.parallel_mode == "semi_auto"):
+                s = base or self._whole(x)
             out.append(s)
         return tree.unflatten(spec, out)
+
+    def _state_bases(self, opt_state, params) -> list:
+        """Per optimizer-state leaf, ``(base, given)``: the split counts of the
+        parameter it copies (False if that parameter's strategy is an ``fs.Layout``
+        view; None if it copies none) and whether that strategy was given. A copy is a
+        subtree with the structure and shapes of ``params``."""
+        paths, p_leaves, p_spec = tree.flatten_with_path(params)
+        shapes = [tuple(typeof(x).shape) for x in p_leaves]
+        bases = [(False if self._base(p, x) is None else self._base(p, x),
+                  self._param_strategy(p, x) is not None) for p, x in zip(paths, p_leaves)]
+
+        def is_copy(t) -> bool:
+            leaves, spec = tree.flatten(t)
+            return spec == p_spec and [tuple(typeof(x).shape) for x in leaves] == shapes
+
+        out: list = []
+        for item in tree.flatten(opt_state, is_leaf=is_copy)[0]:
+            out.extend(bases if is_copy(item) else [(None, False)])
+        return out
 
     def _batch_strategies(self, batch):
         if isinstance(self._dataset, tuple):
@@ -497,9 +547,9 @@ class AutoParallel:
         paths, leaves, _ = tree.flatten_with_path(params)
         out = {}
         for p, x, g in zip(paths, leaves, tree.leaves(grads), strict=True):
-            given = self._param_strategy(p, x)
-            counts = self._zero(x, "level2") or (
-                tuple(given) if _is_counts(given) else self._whole(x))
+            base = self._base(p, x)
+            counts = (base is not None and self._zero(x, "level2", base)) or (
+                base or self._whole(x))
             shape = typeof(g).shape
             split = [v for d, c in zip(shape, counts) for v in (c, d // c)]
             squares = (g * g).reshape(tuple(split)) if shape else g * g
@@ -561,14 +611,16 @@ class AutoParallel:
         if hit is not None:
             return hit
         p_sh = self._param_strategies(state.params)
-        o_sh = self._state_strategies(state.opt_state)
+        o_sh = self._state_strategies(state.opt_state, state.params)
         b_sh = self._batch_strategies(batch)
         in_strategy = (p_sh, o_sh, ()) + tuple(b_sh)
         out_strategy = (TrainState(p_sh, o_sh, ()), None) + ((None,) if any(
             self._local_norm) else ())
         grad_vars: list = []
+        # level 2: the plan that takes the least time (compute at the backend's flops
+        # rate plus each collective as the backend runs it), not the fewest bytes.
         s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
-                  mesh=self.mesh,
+                  mesh=self.mesh, level=2,
                   search=self.parallel_mode != "sharding_propagation")
         s.comm_fusion = self._fusion
         # In a job the split leaves of the new state stay each process's blocks

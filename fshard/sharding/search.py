@@ -12,8 +12,9 @@ orders assignments by ``level``:
 
 - 0: ``alpha * compute + beta * bytes`` (MindSpore's cost, gamma-weighted), then memory;
 - 1: peak memory per device, then the level-0 cost;
-- 2: estimated time (compute / flop rate + bytes / bandwidth + latency per
-  collective, unweighted), then memory.
+- 2: time: the compute at the backend's measured flops rate plus each collective
+  as the backend runs it (its fixed cost plus the bytes each device sends at its rate;
+  ``BACKEND_RATES`` in fshard/sharding/cost.py), unweighted, then memory.
 
 Its users: ``cost(prop)`` (what greedy propagation costs), ``exhaustive`` (branch and
 bound over every assignment: the reference on small programs), ``search`` (a dynamic
@@ -35,7 +36,8 @@ from fshard import dtypes
 from fshard.dims import planning_prod
 from fshard.factors import linear_groups
 from fshard.ir import Literal, Program, Var
-from fshard.sharding.cost import CostModel, compute_cost, redistribution
+from fshard.sharding.cost import (CostModel, compute_cost, redistribution,
+                                  redistribution_seconds)
 from fshard.sharding.layouts import (
     Candidate,
     Sharding,
@@ -68,7 +70,8 @@ class Cost:
     AllReduce ``2(n-1)/n·S``, ReduceScatter ``(n-1)/n·S``); ``weighted_bytes`` the same
     with an AllReduce that only resolves an output weighted by ``CostModel.gamma``;
     ``memory`` the peak bytes a device holds (every value and each layout it was moved
-    to, from its definition to its last use, plus the transients of a move).
+    to, from its definition to its last use, plus the transients of a move);
+    ``comm_seconds`` the time the collectives take as the backend runs them.
 
     >>> Cost(compute=100.0, comm_bytes=8.0, weighted_bytes=8.0).score(0)
     (500.0, 0.0)
@@ -79,17 +82,23 @@ class Cost:
     weighted_bytes: float = 0.0
     collectives: int = 0
     memory: float = 0.0
+    comm_seconds: float = 0.0
 
     def score(self, level: int, model: CostModel | None = None) -> tuple:
         """The objective of ``level`` (a tuple, compared lexicographically)."""
         return _score(model or CostModel(level=level), self.compute, self.weighted_bytes,
-                      self.comm_bytes, self.collectives, self.memory)
+                      self.comm_bytes, self.collectives, self.memory, self.comm_seconds)
+
+    def seconds(self, model: CostModel | None = None) -> float:
+        """The time of the assignment (level 2's objective): compute at the backend's
+        flops rate plus the collectives' time."""
+        model = model or CostModel(level=2)
+        return self.compute / model.flops_per_s + self.comm_seconds
 
 
-def _score(model: CostModel, compute, wbytes, nbytes, ncoll, memory) -> tuple:
+def _score(model: CostModel, compute, wbytes, nbytes, ncoll, memory, ctime=0.0) -> tuple:
     if model.level == 2:
-        t = compute / model.flops_per_s + nbytes / model.bytes_per_s + ncoll * model.latency_s
-        return (_q(t), _q(memory))
+        return (_q(compute / model.flops_per_s + ctime), _q(memory))
     s = _q(model.alpha * compute + model.beta * wbytes)
     return (s, _q(memory)) if model.level == 0 else (_q(memory), s)
 
@@ -98,22 +107,22 @@ class _State:
     """The partitioner's state after some equations: the layouts each live value holds
     (in the order they were made; the first is the produced one) and the running costs."""
 
-    __slots__ = ("held", "live", "peak", "compute", "comm", "wcomm", "ncoll")
+    __slots__ = ("held", "live", "peak", "compute", "comm", "wcomm", "ncoll", "ctime")
 
     def __init__(self):
         self.held: dict = {}
-        self.live = self.peak = self.compute = self.comm = self.wcomm = 0.0
+        self.live = self.peak = self.compute = self.comm = self.wcomm = self.ctime = 0.0
         self.ncoll = 0
 
     def copy(self) -> "_State":
         s = _State.__new__(_State)
         s.held = dict(self.held)
         s.live, s.peak, s.compute = self.live, self.peak, self.compute
-        s.comm, s.wcomm, s.ncoll = self.comm, self.wcomm, self.ncoll
+        s.comm, s.wcomm, s.ncoll, s.ctime = self.comm, self.wcomm, self.ncoll, self.ctime
         return s
 
     def cost(self) -> Cost:
-        return Cost(self.compute, self.comm, self.wcomm, self.ncoll, self.peak)
+        return Cost(self.compute, self.comm, self.wcomm, self.ncoll, self.peak, self.ctime)
 
 
 def _strip(sh: Sharding) -> Sharding:
@@ -256,8 +265,9 @@ class Problem:
         return b
 
     def _plan(self, v, src: Sharding, dst: Sharding) -> tuple:
-        """``(bytes sent, steps, collectives, transient bytes, only psums)`` of moving
-        ``v``: ``sharding.redistribution``, the one cost of a move."""
+        """``(bytes sent, steps, collectives, transient bytes, only psums, layouts passed
+        through, seconds)`` of moving ``v``: ``sharding.redistribution``, the one cost of
+        a move."""
         akey = self._aval_key(v)
         key = (akey, src, dst)
         info = self._plans.get(key)
@@ -274,8 +284,11 @@ class Problem:
         for st in steps[:-1]:
             sh = after(sh, st)
             passed.append(sh)
+        seconds = redistribution_seconds(src, dst, gshape, itemsize, self.mesh,
+                                         self.model.native, self.model.rates)
         info = (sent, len(steps), sum(st.kind != "slice" for st in steps), transient,
-                bool(steps) and all(st.kind == "psum" for st in steps), tuple(passed))
+                bool(steps) and all(st.kind == "psum" for st in steps), tuple(passed),
+                seconds)
         self._plans[key] = info
         return info
 
@@ -293,8 +306,9 @@ class Problem:
                     best = info
         if best is None:
             return False
-        sent, _, ncoll, transient, only_psum, passed = best
+        sent, _, ncoll, transient, only_psum, passed, seconds = best
         st.comm += sent
+        st.ctime += seconds
         # A pending sum resolved at an output (a gradient's AllReduce) overlaps the rest
         # of a step: MindSpore's costmodel_gamma, as propagation weighs it.
         st.wcomm += sent * (self.model.gamma if at_output and only_psum else 1.0)
@@ -364,12 +378,12 @@ class Problem:
         return st
 
     def score(self, st: _State) -> tuple:
-        return _score(self.model, st.compute, st.wcomm, st.comm, st.ncoll, st.peak)
+        return _score(self.model, st.compute, st.wcomm, st.comm, st.ncoll, st.peak, st.ctime)
 
     def bound(self, st: _State, i: int) -> tuple:
         """A lower bound of the score of every completion of ``st`` (from equation i)."""
         return _score(self.model, st.compute + self.min_compute[i], st.wcomm, st.comm,
-                      st.ncoll, st.peak)
+                      st.ncoll, st.peak, st.ctime)
 
     def evaluate(self, in_shardings, choice) -> Cost | None:
         """The cost of a full assignment (None if infeasible): the objective.
@@ -434,6 +448,31 @@ class Problem:
         return [(c[1] if isinstance(c, tuple) else c,
                  tuple((x, layouts[x]) for x in self.free_at[i]))
                 for i, c in enumerate(choice)]
+
+    def lazy_decisions(self) -> list:
+        """The decisions that communicate as late as possible: at each equation, the one
+        adding the fewest bytes now, then the most compute (whole rather than sliced:
+        what is replicated stays so), no pending sum carried on. From split batches and
+        whole weights this is data parallelism: each gradient reduced where it is first
+        used. A second path the search keeps through its cuts, next to greedy
+        propagation's (which can miss it: it decides each value by its neighbours)."""
+        st = self.initial()
+        out = []
+        for i in range(self.n):
+            best = None
+            for d in self.decisions(st, i):
+                if d[0].carry:
+                    continue
+                s2 = self.step(st, i, *d)
+                if s2 is not None:
+                    k = (s2.comm - st.comm, st.compute - s2.compute)
+                    if best is None or k < best[0]:
+                        best = (k, d, s2)
+            if best is None:
+                return []
+            out.append(best[1])
+            st = best[2]
+        return out
 
     def run(self, decisions) -> list:
         """The states along a list of decisions (``len + 1`` of them; None once
@@ -643,11 +682,11 @@ class _Estimate:
                 self.future(w, o) for w, o in zip(self.P.eqs[j].outputs, outs))
         return r
 
-    def unit(self, compute=0.0, nbytes=0.0, wbytes=0.0, ncoll=0) -> float:
+    def unit(self, compute=0.0, nbytes=0.0, wbytes=0.0, seconds=0.0) -> float:
         """The additive part of the objective of the level."""
         m = self.P.model
         if m.level == 2:
-            return compute / m.flops_per_s + nbytes / m.bytes_per_s + ncoll * m.latency_s
+            return compute / m.flops_per_s + seconds
         return m.alpha * compute + m.beta * wbytes
 
     def move(self, v, src: Sharding, req: Sharding, at_output: bool = False) -> float:
@@ -655,9 +694,9 @@ class _Estimate:
             return 0.0
         if not req.partial <= src.partial:
             return math.inf
-        sent, _, ncoll, _, only_psum, _ = self.P._plan(v, src, req)
+        sent, _, _, _, only_psum, _, seconds = self.P._plan(v, src, req)
         w = sent * (self.P.model.gamma if at_output and only_psum else 1.0)
-        return self.unit(0.0, sent, w, ncoll)
+        return self.unit(0.0, sent, w, seconds)
 
     def _table(self, j: int, v, partial) -> list:
         """``[(layouts v needs, best rest of j)]`` over the candidates of consumer ``j``
@@ -738,8 +777,9 @@ def search(prop, width: int | None = None, polish: int | None = None,
     assignments that reach the same state have the same future, so only the better
     (for level 1: each on the Pareto front of peak memory and cost) is kept. While no
     more than ``width`` states survive a step, the result is optimal (``exact``); past
-    that, the ``width`` states with the lowest bound are kept (a beam), plus the state
-    on greedy propagation's path, so the result is never worse than greedy. Coordinate
+    that, the ``width`` states with the lowest bound are kept (a beam), plus the states
+    on greedy propagation's path and on ``lazy_decisions``' (data parallelism when the
+    batch is split and the weights whole), so the result is never worse than either. Coordinate
     descent (each equation in turn tries every decision, the others fixed) then
     polishes it, within ``polish`` simulated equations.
 
@@ -764,6 +804,8 @@ def search(prop, width: int | None = None, polish: int | None = None,
     level = P.level
     greedy = P.decisions_of(prop.in_shardings, prop.choice)
     greedy_states = P.run(greedy)
+    lazy = P.lazy_decisions()
+    lazy_states = P.run(lazy) if lazy else [None] * (P.n + 1)
     count = 0
     exact = True
     key = _key
@@ -771,7 +813,7 @@ def search(prop, width: int | None = None, polish: int | None = None,
     estimate = None  # built when the first cut is needed
 
     def rank(st, i):
-        total = estimate.unit(st.compute, st.comm, st.wcomm, st.ncoll) + estimate(st, i)
+        total = estimate.unit(st.compute, st.comm, st.wcomm, st.ctime) + estimate(st, i)
         return (_q(st.peak), total) if level == 1 else (total, _q(st.peak))
     # entries: state key -> list of (merit, state, path); a path is (parent path, decision)
     entries = {key(greedy_states[0]): [(merit(greedy_states[0]), greedy_states[0], None)]}
@@ -798,9 +840,10 @@ def search(prop, width: int | None = None, polish: int | None = None,
         entries = {}
         for _, k, e in flat:
             entries.setdefault(k, []).append(e)
-        g = greedy_states[i + 1]
-        if g is not None:  # greedy's path survives every cut
-            _insert(entries, key(g), merit(g), g, _path_of(greedy[:i + 1]), level)
+        for path, states in ((greedy, greedy_states), (lazy, lazy_states)):
+            g = states[i + 1]
+            if g is not None:  # greedy's and the lazy path survive every cut
+                _insert(entries, key(g), merit(g), g, _path_of(path[:i + 1]), level)
     best = None
     for front in entries.values():
         for _, st, path in front:

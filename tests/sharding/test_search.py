@@ -17,7 +17,7 @@ from mindspore import Tensor, ops
 import fshard as fs
 from fshard import dtypes
 from fshard.sharding import search
-from fshard.sharding.cost import native_collectives, step_bytes
+from fshard.sharding.cost import CostModel, native_collectives, step_bytes
 from fshard.sharding.propagation import propagate
 from fshard.transforms.shard_call import shard_call_p
 
@@ -226,11 +226,58 @@ def test_each_level_chooses_differently():
     chosen = {(tuple(f.in_shardings), tuple(f.choice)) for f in found.values()}
     assert len(chosen) == 3
     c0, c1, c2 = (found[k].cost for k in (0, 1, 2))
-    # level 2 counts every byte and collective: the fewest of both
+    # level 2 prices time: on this backend a collective's fixed cost outweighs the
+    # tiny matmul, so it gathers x's 512-byte blocks once and computes the whole output
+    # on every device (the most compute, the fewest bytes and collectives)
     assert c2.comm_bytes < min(c0.comm_bytes, c1.comm_bytes)
     assert c2.collectives < min(c0.collectives, c1.collectives)
+    assert c2.compute > max(c0.compute, c1.compute)
+    assert c2.seconds() < min(c0.seconds(), c1.seconds())
     # level 0 counts an AllReduce that only resolves an output at gamma
-    assert c0.weighted_bytes < min(c1.weighted_bytes, c2.weighted_bytes)
+    assert c0.weighted_bytes < c1.weighted_bytes
     for level, f in found.items():
         prop = _prop(wide, [(16, 64), (64, 1024)], ((8, 1), None), 8, level)
         assert f.score == search.exhaustive(prop).score
+
+
+# ---------------------------------------------------------------------------
+# Level 2: time at the backend's measured rates
+# ---------------------------------------------------------------------------
+
+
+def megatron_mse(x, w1, w2, t):
+    return ((bench.mlp2(x, w1, w2) - t) ** 2).mean()
+
+
+@pytest.mark.parametrize("shapes", [[(16, 32), (32, 64), (64, 32)],
+                                    [(128, 512), (512, 2048), (2048, 512)]],
+                         ids=["small", "large"])
+def test_time_level_plans_the_megatron_mlp_with_one_allreduce(shapes):
+    # W1 split by columns, W2 by rows on 8 virtual devices: forward and the gradients
+    # of both weights (kept in their weights' layouts) need one AllReduce, of y.
+    args = _args(shapes + [(shapes[0][0], shapes[2][1])])
+    forward = fs.shard(bench.mlp2, in_strategy=(None, (1, 8), (8, 1)), mesh=8, level=2,
+                       search=True)
+    assert forward.partitioned(*args[:3]).collectives() == ["psum"]
+    vg = fs.value_and_grad(megatron_mse, argnums=(1, 2))
+    sharded = fs.shard(vg, in_strategy=(None, (1, 8), (8, 1), None),
+                       out_strategy=(None, ((1, 8), (8, 1))), mesh=8, level=2, search=True)
+    assert sharded.partitioned(*args).collectives() == ["psum"]
+    (value, grads), (want_value, want_grads) = sharded(*args), vg(*args)
+    np.testing.assert_allclose(_np(value), _np(want_value), rtol=1e-4)
+    for g, w in zip(grads, want_grads):
+        w = _np(w)
+        np.testing.assert_allclose(_np(g), w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
+
+
+def test_time_is_compute_at_the_flops_rate_plus_each_collective_as_it_runs():
+    # The cost of the level-2 plan of the Megatron forward on 8 devices: its flops at
+    # the backend's rate, plus one AllReduce of y's (16, 32) float32 block: the fixed
+    # cost and the bytes a device sends (2 (n-1)/n of the block) at the AllReduce's rate.
+    prop = _prop(bench.mlp2, [(16, 32), (32, 64), (64, 32)], (None, (1, 8), (8, 1)), 8, 2)
+    c = search.cost(prop)
+    model = CostModel(level=2)
+    latency, rate = model.rates["all_reduce"]
+    assert c.comm_seconds == pytest.approx(latency + 2 * 7 / 8 * 16 * 32 * 4 / rate)
+    assert c.seconds(model) == pytest.approx(c.compute / model.flops_per_s + c.comm_seconds)
+    assert c.score(2, model)[0] == pytest.approx(c.seconds(model), rel=1e-9)

@@ -45,6 +45,10 @@ class FactorSpec:
     # out_shardings) -> (per-device program, its constants)``. It may only reorder the
     # given operands (opaque objects to it) and insert those constants.
     partition_call: Callable | None = None
+    # Which split ``reduce`` factors leave which outputs partial: output index ->
+    # labels (a loop whose accumulator carries alone hold a pending sum). None: every
+    # reduce factor leaves every output partial.
+    partial_outputs: dict | None = None
 
     def splittable(self) -> list[str]:
         labels = []

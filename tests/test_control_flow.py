@@ -896,3 +896,68 @@ def test_fori_loop_and_while_loop_inside_shard_map_stay_loops():
         assert int(n(got_k)) == v
         assert_close(n(got_v), k, rtol=1e-4, atol=1e-6)
         assert_close(float(n(got_total)), total, rtol=1e-4, atol=1e-5)
+
+
+def _reverse_scan(program):
+    scans = [eq for eq in program.equations if eq.prim.name == "scan" and eq.params["reverse"]]
+    assert len(scans) == 1
+    return scans[0]
+
+
+@pytest.mark.parametrize("linear", [True, False], ids=["accumulated", "nonlinear carry"])
+def test_a_reverse_loop_accumulates_weight_gradients_as_a_pending_sum(linear):
+    """grad of a sharded 200-step RNN scan: the reverse loop keeps the batch split, each
+    device sums its share of the weight gradient in the carry, and one psum per weight
+    gradient runs after the loop. A carry the body uses non-linearly keeps the gathered
+    path; both equal the unsharded gradient."""
+    from fshard.primitives.collectives import COLLECTIVES
+
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((16, 4)).astype(np.float32)
+    w = (rng.standard_normal((4, 4)) * 0.5).astype(np.float32)
+    xs = rng.standard_normal((200, 16, 4)).astype(np.float32)
+
+    def loss(w, h, xs):
+        def body(c, x):
+            c = fs.ops.tanh(fs.ops.matmul(c, w) + x)
+            return c, c.sum()
+        c, ys = fs.scan(body, h, xs)
+        return (c * c).sum() + ys.sum()
+
+    g = fs.grad(loss)
+    want = n(g(w, h, xs))
+    sg = fs.shard(g, in_strategy=(None, (8, 1), (1, 8, 1)), mesh=8)
+    gs = fs.grad(fs.shard(loss, in_strategy=(None, (8, 1), (1, 8, 1)), mesh=8))
+    for got in (sg(w, h, xs), gs(w, h, xs)):
+        assert_close(n(got), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    part = sg.partitioned(w, h, xs)
+    assert "all_gather" not in part.collectives()  # the batch is never gathered
+    rev = _reverse_scan(part.program)
+    assert not any(eq.prim in COLLECTIVES for eq in rev.params["body"].equations)
+    n_c = rev.params["n_consts"]
+    carries = [v.aval.shape for v in rev.inputs[n_c:n_c + rev.params["n_carry"]]]
+    assert (2, 4) in carries  # the cotangent of h stays split 8 ways
+    after = part.program.equations[part.program.equations.index(rev) + 1:]
+    assert [eq.prim.name for eq in after if eq.prim in COLLECTIVES] == ["psum"]
+    partial = [part.annotations[v].partial for v in rev.outputs]
+    assert [len(p) for p in partial] == [0, 3]  # the weight gradient: a sum over 8
+
+    if linear:
+        return
+    # The same gradient accumulated non-linearly (tanh(acc) + ...): no pending carry.
+    def loss2(w, h, xs):
+        def body(carry, x):
+            c, acc = carry
+            c = fs.ops.tanh(fs.ops.matmul(c, w) + x)
+            return (c, fs.ops.tanh(acc) + fs.ops.matmul(c.T, c)), c.sum()
+        (c, acc), ys = fs.scan(body, (h, fs.ops.zeros((4, 4), np.float32)), xs)
+        return (c * c).sum() + ys.sum() + acc.sum()
+
+    g2 = fs.grad(loss2)
+    want2 = n(g2(w, h, xs))
+    s2 = fs.shard(g2, in_strategy=(None, (8, 1), (1, 8, 1)), mesh=8)
+    assert_close(n(s2(w, h, xs)), want2, rtol=1e-4, atol=1e-4 * float(np.abs(want2).max()))
+    part2 = s2.partitioned(w, h, xs)
+    for eq in part2.program.equations:
+        if eq.prim.name == "scan" and not eq.params["reverse"]:  # acc feeds tanh
+            assert not any(part2.annotations[v].partial for v in eq.outputs)

@@ -18,6 +18,7 @@ bodies.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -227,6 +228,10 @@ class BodyLinks:
     def __init__(self):
         self.parent: dict = {}
         self.blocked: set = set()
+        # Equations whose large reduction may stay a pending sum: id(eq) -> the body
+        # output (an accumulator carry, ``accumulators``) the sum flows into linearly.
+        self.pending_eqs: dict = {}
+        self.pending: dict = {}  # body output index -> keys of the dims reduced into it
 
     def find(self, k):
         self.parent.setdefault(k, k)
@@ -268,7 +273,14 @@ class BodyLinks:
             spec = sharding.lookup(eq.prim, transform="shard")(
                 *[a.aval for a in eq.inputs], **eq.params)
             free = set(spec.splittable())
-            if not _small_result(eq):
+            into = self.pending_eqs.get(id(eq))
+            if into is not None:  # reduced into an accumulator: a pending sum
+                for a, labels in zip(eq.inputs, spec.inputs):
+                    if isinstance(a, Var):
+                        self.pending.setdefault(into, []).extend(
+                            (a, d) for d, lab in enumerate(labels)
+                            if lab in spec.reduce and lab in free)
+            elif not _small_result(eq):
                 free -= set(spec.reduce)
             groups: dict = {}
             for a, labels in zip(list(eq.inputs) + list(eq.outputs),
@@ -305,11 +317,77 @@ class BodyLinks:
 
         ins = [tuple(label(k) for k in keys) for keys in in_keys]
         outs = [tuple(label(k) for k in keys) for keys in out_keys]
+        used = {lab for labels in ins + outs for lab in labels}
+        partial_outputs: dict = {}
+        for j, keys in self.pending.items():
+            for k in keys:
+                root = self.find(k)
+                lab = names.get(root)
+                if (lab in used and lab not in outs[j] and root not in self.blocked
+                        and len(sizes[root]) == 1):
+                    partial_outputs.setdefault(j, set()).add(lab)
         factor_sizes = {names[r]: next(iter(sizes[r])) for r in names}
         points = math.prod(int(n) if isinstance(n, int) else 1
                            for n in factor_sizes.values()) or 1
         return FactorSpec(ins, outs, factor_sizes, flops_per_point=max(flops, 1.0) / points,
-                          linear=(), partition_call=partition_call)
+                          linear=(), partition_call=partition_call,
+                          reduce=frozenset(lab for v in partial_outputs.values() for lab in v),
+                          partial_outputs={j: frozenset(v) for j, v in partial_outputs.items()})
+
+
+def accumulators(body: Program, carry_in: list, n_carry: int) -> dict:
+    """The carries a loop may hold as a per-device pending sum: ``acc_out = acc_in +
+    t`` where ``acc_in`` has no other use, ``acc_out`` is only that carry's output, and
+    ``t`` (used only there) comes from a reduction through primitives linear in it.
+    Then the final carry is the initial one plus a sum of the ``t``s, and each device
+    may sum its share of them, reduced once after the loop.
+
+    Returns ``{id(eq): carry index}`` for the reductions (the equation ending each
+    chain) whose sum may stay pending."""
+    from fshard.factors import linear_groups
+    from fshard.ir import Var
+
+    uses: dict = {}
+    producer: dict = {}
+    for eq in body.equations:
+        for a in eq.inputs:
+            if isinstance(a, Var):
+                uses[a] = uses.get(a, 0) + 1
+        for v in eq.outputs:
+            producer[v] = eq
+    for v in body.outputs:
+        if isinstance(v, Var):
+            uses[v] = uses.get(v, 0) + 1
+    out = {}
+    for k in range(n_carry):
+        acc_in, acc_out = carry_in[k], body.outputs[k]
+        eq = producer.get(acc_out) if isinstance(acc_out, Var) else None
+        if (eq is None or eq.prim.name != "add" or uses.get(acc_in) != 1
+                or uses.get(acc_out) != 1 or not any(a is acc_in for a in eq.inputs)
+                or acc_out.aval.dtype == dtypes.bool_):
+            continue
+        others = [a for a in eq.inputs if a is not acc_in]
+        if len(others) != 1 or not isinstance(others[0], Var) \
+                or others[0].aval.shape != acc_out.aval.shape:
+            continue
+        t = others[0]
+        while True:
+            e = producer.get(t)
+            if e is None or uses.get(t) != 1 or len(e.outputs) != 1:
+                break
+            spec = sharding.lookup(e.prim, transform="shard")(
+                *[a.aval for a in e.inputs], **e.params)
+            if spec.reduce and not _small_result(e):
+                if spec.partial_outputs is None:
+                    out[id(e)] = k
+                break
+            # on through a primitive linear in one computed operand, the others given
+            computed = [i for i, a in enumerate(e.inputs) if isinstance(a, Var) and a in producer]
+            groups = linear_groups(e.prim.name, spec, len(e.inputs))
+            if len(computed) != 1 or (computed[0],) not in groups:
+                break
+            t = e.inputs[computed[0]]
+    return out
 
 
 # A reduction whose result is at most this fraction of its operands (a loss, a norm)
@@ -661,10 +739,13 @@ def _scan_sharding(*avals, body, length, reverse, unroll, n_consts, n_carry):
     split on their non-scanned dimensions as the body uses them, ys stacked in the
     body's layout. The body is partitioned as a per-device program of its own."""
     links = BodyLinks()
-    links.program(body)
     ins, outs = body.inputs, body.outputs
+    links.pending_eqs = accumulators(body, list(ins[n_consts:n_consts + n_carry]), n_carry)
+    links.program(body)
     for k in range(n_carry):
         links.values(ins[n_consts + k], outs[k])
+    _unused_like_used(links, body, [i for i in range(len(ins))
+                                    if not n_consts <= i < n_consts + n_carry])
     in_keys = [dims_keys(v, skip_leading=i >= n_consts + n_carry) for i, v in enumerate(ins)]
     out_keys = [dims_keys(ins[n_consts + k]) for k in range(n_carry)]
     out_keys += [dims_keys(v, skip_leading=True) if not isinstance(v, Literal)
@@ -672,14 +753,51 @@ def _scan_sharding(*avals, body, length, reverse, unroll, n_consts, n_carry):
     return links.spec(in_keys, out_keys, body_flops(body) * length, _scan_partition)
 
 
+def _unused_like_used(links: BodyLinks, body: Program, which: list) -> None:
+    """Tie each body input of ``which`` that the body never reads to a read one of the
+    same type: its layout is then free to follow that one's (a reverse loop receives
+    residuals it does not use; a factor of its own would have to stay whole, since the
+    used ones take every mesh axis, and gathering it would be wasted communication)."""
+    from fshard.ir import Var
+
+    read = {a for eq in body.equations for a in eq.inputs if isinstance(a, Var)}
+    read |= {v for v in body.outputs if isinstance(v, Var)}
+    ins = [body.inputs[i] for i in which]
+    used = [v for v in ins if v in read]
+    for v in ins:
+        if v in read:
+            continue
+        like = next((u for u in used if u.aval == v.aval), None)
+        if like is not None:
+            links.values(v, like)
+
+
 def _scan_partition(operands, params, ins, outs, partition):
     n_c, n_v = params["n_consts"], params["n_carry"]
-    carry = list(ins[n_c:n_c + n_v])
-    body_ins = list(ins[:n_c + n_v]) + [drop_leading(s) for s in ins[n_c + n_v:]]
+    # An accumulator carry (``accumulators``) comes out a pending sum: inside the loop
+    # it is one too, started from the initial value on one device of each group
+    # summed over and from zeros on the others.
+    carry = [dataclasses.replace(s, partial=o.partial)
+             for s, o in zip(ins[n_c:n_c + n_v], outs)]
+    operands = list(operands)
+    for k, s in enumerate(carry):
+        if s.partial:
+            operands[n_c + k] = _share_of_one(operands[n_c + k], s.partial)
+    body_ins = list(ins[:n_c]) + carry + [drop_leading(s) for s in ins[n_c + n_v:]]
     body_outs = carry + [drop_leading(s) for s in outs[n_v:]]
     body, consts = partition(params["body"], body_ins, body_outs)
-    return (consts + list(operands),
+    return (consts + operands,
             dict(params, body=body, n_consts=len(consts) + n_c))
+
+
+def _share_of_one(x, axes):
+    """``x`` as a pending sum over mesh axes ``axes`` (the partitioner names them
+    ``m<i>``): itself on the first device of each group summed over, zeros elsewhere."""
+    from fshard.primitives.collectives import axis_index
+    from fshard.primitives.elementwise import equal, where, zeros_like
+
+    first = equal(axis_index(tuple(f"m{a}" for a in sorted(axes))), 0)
+    return where(first, x, zeros_like(x))
 
 
 sharding.set(scan_p, _scan_sharding)

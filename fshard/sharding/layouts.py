@@ -191,6 +191,11 @@ def candidate_shardings(spec: FactorSpec, cand: Candidate):
     """``(operand shardings, output shardings)`` a candidate requires and produces."""
     ins = [cand.sharding(lab, cand.carry if i in cand.carry_ops else frozenset())
            for i, lab in enumerate(spec.inputs)]
+    if spec.partial_outputs is not None:
+        outs = [cand.sharding(lab, frozenset(a for r in spec.partial_outputs.get(j, ())
+                                             for a in cand.axes(r)) | cand.carry)
+                for j, lab in enumerate(spec.outputs)]
+        return ins, outs
     partial = frozenset(a for lab in spec.reduce for a in cand.axes(lab)) | cand.carry
     outs = [cand.sharding(lab, partial) for lab in spec.outputs]
     return ins, outs

@@ -48,11 +48,16 @@ def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
             n_coll += bool(plan(known[a], req, native_reduce_scatter(model.native)) and b)
     for v, out in zip(eq.outputs, outs):
         for req in demand.get(v, ()):
-            if req.partial <= out.partial:
+            if not req.partial <= out.partial:  # a pending sum cannot be made
+                comm = float("inf")
+            elif req.partial <= out.partial:
                 b = plan_bytes(out, req, v.aval, mesh, model.native)
                 comm += b
                 n_coll += bool(b)
         for req in (out_demand or {}).get(v, ()):
+            if not req.partial <= out.partial:  # a loop body's pending-sum carry
+                comm = float("inf")
+                continue
             steps = plan(out, req, native_reduce_scatter(model.native))
             b = plan_bytes(out, req, v.aval, mesh, model.native)
             # A pending sum resolved at a program output (a gradient's AllReduce) runs
@@ -139,11 +144,18 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
         partials = [known[a].partial if isinstance(a, Var) and a in known else frozenset()
                     for a in eq.inputs]
         carry = any(partials)  # the spec's linear groups say where it may pass
+        # A loop body's accumulator carry is requested as a pending sum at its end.
+        wanted = {r.partial for v in eq.outputs for r in out_demand.get(v, ()) if r.partial}
         for base in bases[i]:
             options = [(base, 0.0)]
             if carry:
                 options += [(c, _deferral_bytes(eq, spec, c, mesh))
                             for c in carry_variants(spec, base, eq.prim.name, partials)]
+            for q in wanted:  # the output must be a pending sum: pass it through
+                guess = [q if isinstance(a, Var) and a not in known and a in producer
+                         else p for a, p in zip(eq.inputs, partials)]
+                options += [(c, 0.0) for c in carry_variants(spec, base, eq.prim.name, guess)
+                            if c.carry == q]
             for cand, extra in options:
                 score = _eq_cost(eq, spec, cand, known, demand, mesh, model, extra,
                                  out_demand, desired)

@@ -497,6 +497,8 @@ def test_shard_in_a_multi_process_job(tmp_path, processes):
         # a split carry through a scan and a while_loop, collectives inside the loops
         assert "CHECK sharded loops: jit(shard) scan ys ok" in out
         assert "CHECK sharded loops: jit(shard) while_loop ok" in out
+        # the reverse loop's weight gradient: a pending-sum carry, reduced after it
+        assert "CHECK sharded loops: jit(shard)(grad) scan weight gradient ok" in out
         if processes == 4:
             assert "CHECK sub-group collectives ['psum', 'all_gather'] ok" in out
             # relu's bool mask crosses devices: carried in float32 by fshard on CPU

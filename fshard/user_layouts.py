@@ -25,7 +25,8 @@ from fshard.errors import OperatorStrategyWarning, ShardingError
 from fshard.layout import Layout
 from fshard.primitives.spmd import layout_constraint
 from fshard.sharding.layouts import ShardMesh
-from fshard.sharding.strategy import is_strategy_leaf, parse_strategy, plural
+from fshard.sharding.strategy import (argument_strategies, is_strategy_leaf, parse_strategy,
+                                      plural)
 
 # One id per annotated call, tying its constraints together (like ir's Var ids).
 _groups = itertools.count(1)
@@ -186,14 +187,7 @@ def annotated_call(fn, fname: str, args, in_strategy, out_strategy):
     flat = []  # (argument, path, leaf, strategy) of every leaf of every argument
     structures = []
     for i, (a, s) in enumerate(zip(args, in_strategy)):
-        paths, leaves, structure = tree.flatten_with_path(a)
-        try:
-            per_leaf = tree.broadcast_prefix(s, a, is_leaf=is_strategy_leaf)
-        except ValueError as e:
-            raise ShardingError(
-                f"{origin}: in_strategy[{i}] = {s!r} does not match the structure of "
-                f"argument {i}: {e}\nFix: give one strategy per array (a pytree prefix of "
-                "the argument), or None.") from None
+        paths, leaves, structure, per_leaf = argument_strategies(origin, i, s, a)
         flat += [(i, p, x, e) for p, x, e in zip(paths, leaves, per_leaf)]
         structures.append((structure, len(leaves)))
     # Role ("arg", k, n): the k-th of the n leaves, so the equation consuming them all

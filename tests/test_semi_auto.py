@@ -296,6 +296,9 @@ def test_fs_shard_still_refuses_to_nest_outside_autoparallel():
      r"AutoParallel.dataset_strategy"),
     (lambda: fs.shard(_layer, in_strategy=((16, 1), None)),
      r"in_strategy\[0\] = \(16, 1\) splits .* into 16 blocks"),
+    (lambda: fs.shard(_layer, in_strategy=((2, 4), {"w": (4, 1)})),
+     r"in_strategy\[1\] = \{'w': \(4, 1\)\} does not match the structure of argument 1"
+     r".*Fix: give one strategy per array"),
 ])
 def test_a_misused_fs_shard_inside_the_loss_is_an_error(make, match):
     ap = fs.AutoParallel(_loss(make()), fs.optim.sgd(0.1), mesh=8)

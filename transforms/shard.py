@@ -22,7 +22,8 @@ from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.partition import Partitioned
 from fshard.sharding.plan import ShardPlan, read_strategy_file, write_json_atomic
 from fshard.sharding.runtime import world_mesh
-from fshard.sharding.strategy import is_count, is_strategy_leaf, parse_strategy, plural
+from fshard.sharding.strategy import (argument_strategies, is_count, is_strategy_leaf,
+                                      parse_strategy, plural)
 from fshard.staging import fun_name, trace_fun
 from fshard.transforms import local_batch
 from fshard.transforms.shard_call import shard_call_p
@@ -200,14 +201,7 @@ class Sharded:
                 f"propagation choose.{hint}")
         entries = []
         for i, (a, s) in enumerate(zip(args, self.in_strategy)):
-            paths, leaves_i, _ = tree.flatten_with_path(a)
-            try:
-                per_leaf = tree.broadcast_prefix(s, a, is_leaf=is_strategy_leaf)
-            except ValueError as e:
-                raise ShardingError(
-                    f"shard({fname}): in_strategy[{i}] = {s!r} does not match the structure "
-                    f"of argument {i}: {e}\nFix: give one strategy per array (a pytree "
-                    "prefix of the argument), or None.") from None
+            paths, leaves_i, _, per_leaf = argument_strategies(f"shard({fname})", i, s, a)
             for p, x, e in zip(paths, leaves_i, per_leaf):
                 entries.append((e, f"shard({fname}): in_strategy[{i}]{tree.keystr(p)}",
                                 self._what(i, p, x), True))

@@ -238,6 +238,21 @@ def is_strategy_leaf(s) -> bool:
     return not isinstance(s, dict)
 
 
+def argument_strategies(origin: str, i: int, strategy, arg) -> tuple:
+    """``(paths, leaves, structure, strategies)`` of positional argument ``i``: ``strategy`` (a pytree
+    prefix of ``arg``) broadcast to one strategy per leaf. ``origin`` names the caller
+    in the error (``shard(f)``)."""
+    paths, leaves, structure = tree.flatten_with_path(arg)
+    try:
+        per_leaf = tree.broadcast_prefix(strategy, arg, is_leaf=is_strategy_leaf)
+    except ValueError as e:
+        raise ShardingError(
+            f"{origin}: in_strategy[{i}] = {strategy!r} does not match the structure of "
+            f"argument {i}: {e}\nFix: give one strategy per array (a pytree prefix of the "
+            "argument), or None.") from None
+    return paths, leaves, structure, per_leaf
+
+
 # ---------------------------------------------------------------------------
 # fs.shard_map: strategies over the named axes of an fs.Mesh
 # ---------------------------------------------------------------------------

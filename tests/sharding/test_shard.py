@@ -593,3 +593,12 @@ def test_mindspore_autodiff_over_a_sharded_function_on_a_virtual_mesh():
     np.testing.assert_allclose(v.asnumpy(), v0.asnumpy(), rtol=1e-6)
     for a, b in zip(g, g0):
         np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_in_strategy_of_another_structure_than_its_argument_is_an_error():
+    x = Tensor(np.ones((8, 4), np.float32))
+    f = fs.shard(lambda p: p["a"] * 2.0, in_strategy=(((8, 1), (8, 1)),), mesh=8)
+    with pytest.raises(fs.ShardingError, match=r"(?s)in_strategy\[0\] = \(\(8, 1\), \(8, 1\)\) "
+                       r"does not match the structure of argument 0.*Fix: give one strategy "
+                       r"per array \(a pytree prefix of the argument\), or None"):
+        f({"a": x})

@@ -188,7 +188,13 @@ def _gather_fn(sharding: Sharding, mesh: ShardMesh, block_type: ArrayType):
 
 def gather_sharded(tree_):
     """``tree_`` with every ``ShardedArray`` leaf replaced by its global value (one
-    AllGather per such leaf: every process of the job must call it)."""
+    AllGather per such leaf: every process of the job must call it), e.g. to print a
+    train state in a job::
+
+        params = fs.gather_sharded(state.params)  # on every process
+        if fs.distributed.rank() == 0:
+            print({k: v.asnumpy().sum() for k, v in params.items()})
+    """
     from fshard import tree
 
     return tree.map(lambda x: x.gather() if isinstance(x, ShardedArray) else x, tree_)

@@ -239,8 +239,8 @@ def is_strategy_leaf(s) -> bool:
 
 
 def argument_strategies(origin: str, i: int, strategy, arg) -> tuple:
-    """``(paths, leaves, structure, strategies)`` of positional argument ``i``: ``strategy`` (a pytree
-    prefix of ``arg``) broadcast to one strategy per leaf. ``origin`` names the caller
+    """``(paths, leaves, structure, strategies)`` of positional argument ``i``:
+    ``strategy`` (a pytree prefix of ``arg``) broadcast to one strategy per leaf. ``origin`` names the caller
     in the error (``shard(f)``)."""
     paths, leaves, structure = tree.flatten_with_path(arg)
     try:

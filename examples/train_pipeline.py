@@ -5,10 +5,12 @@ MLP or a small transformer-block stack, cut into stages with ``fs.pipeline_split
     python examples/train_pipeline.py --stages 4 --micro-batches 8 --interleave
     python -m fshard.launch -n 2 examples/train_pipeline.py --stages 2 --micro-batches 4
     python -m fshard.launch -n 4 examples/train_pipeline.py --stages 2 --scheduler gpipe
+    python -m fshard.launch -n 4 examples/train_pipeline.py --stages 2 --model-parallel
 
 On a virtual mesh the mesh has ``stages`` devices (``--dp`` more per stage); under the
 launcher every process is one device and the job's ``n / stages`` devices per stage
-split each micro-batch (data parallel). ``--show-schedule`` prints the schedule's
+split each micro-batch (data parallel), or with ``--model-parallel`` the stage's
+weights too (operator parallelism inside each stage). ``--show-schedule`` prints the schedule's
 timeline; ``--plot PATH`` saves it as an image. The last stage logs the loss in the
 seed's LossMonitor format (``epoch: 1 step: 10, loss is 1.234``); ``--out`` writes the
 losses as JSON.
@@ -120,6 +122,19 @@ def transformer_loss(params, x, y):
 MODELS = {"mlp": (mlp_params, mlp_loss), "transformer": (transformer_params, transformer_loss)}
 
 
+def model_parallel_plan(model: str, n_chunks: int, devices: int) -> dict:
+    """Strategies splitting each stage's weights over its ``devices`` devices (operator
+    parallelism inside the stages): the MLP's hidden layers by columns and its last
+    layer by rows, each block's feed-forward pair column- then row-wise."""
+    if model == "mlp":
+        n = max(n_chunks, 2)
+        return {f"layer{i}.w": (1, devices) if i < n - 1 else (devices, 1) for i in range(n)}
+    plan = {}
+    for i in range(n_chunks):
+        plan[f"block{i}.up"], plan[f"block{i}.down"] = (1, devices), (devices, 1)
+    return plan
+
+
 def optimizer(name):
     """"adam", "momentum", or an fshard optimizer (used as it is)."""
     if not isinstance(name, str):
@@ -129,12 +144,15 @@ def optimizer(name):
 
 def make(model: str = "mlp", stages: int = 1, micro_batches: int = 1,
          scheduler: str = "1f1b", interleave: bool = False, output_broadcast: bool = False,
-         mesh=None, opt="adam", dataset: str = "data_parallel"):
+         mesh=None, opt="adam", dataset: str = "data_parallel", plan: dict | None = None):
     """``(ap, params)``: the model cut into ``stages`` (x2 with interleave), trained by
-    ``opt`` ("adam", "momentum" or an fshard optimizer)."""
+    ``opt`` ("adam", "momentum" or an fshard optimizer); ``plan``: parameter strategies
+    (operator parallelism inside each stage)."""
     init, loss = MODELS[model]
     chunks = stages * (2 if interleave else 1)
     ap = fs.AutoParallel(loss, optimizer(opt), mesh=mesh).dataset_strategy(dataset)
+    if plan:
+        ap.parameter_plan(plan)
     if stages > 1:
         ap.pipeline(stages=stages, micro_batches=micro_batches, scheduler=scheduler,
                     interleave=interleave, output_broadcast=output_broadcast)
@@ -145,15 +163,16 @@ def train(steps: int, model: str = "mlp", stages: int = 1, micro_batches: int = 
           scheduler: str = "1f1b", interleave: bool = False, output_broadcast: bool = False,
           mesh=None, chunks: int | None = None, log_every: int = 0, opt="adam",
           params=None, batch: int = BATCH, dataset: str = "data_parallel",
-          part: tuple | None = None):
+          part: tuple | None = None, plan: dict | None = None):
     """``(losses, state, ap)`` after ``steps`` steps on batches of ``batch``. ``chunks``
     fixes the model's size (default: ``stages``, doubled with interleave), so an
     unpipelined run (``stages=1``) of the same model is the reference; ``params``: the
     initial parameters (default: the model's own for ``chunks``). ``part=(j, n)``: this
-    process passes block ``j`` of ``n`` of each batch (its data-parallel slice)."""
+    process passes block ``j`` of ``n`` of each batch (its data-parallel slice); ``plan``:
+    parameter strategies inside each stage."""
     init, loss = MODELS[model]
     ap, _ = make(model, stages, micro_batches, scheduler, interleave, output_broadcast, mesh,
-                 opt, dataset)
+                 opt, dataset, plan)
     if params is None:
         params = init(chunks or stages * (2 if interleave else 1))
     state = ap.init(params)
@@ -179,6 +198,8 @@ def main(argv=None) -> None:
     p.add_argument("--scheduler", choices=["1f1b", "gpipe"], default="1f1b")
     p.add_argument("--interleave", action="store_true")
     p.add_argument("--dp", type=int, default=1, help="devices per stage (virtual mesh)")
+    p.add_argument("--model-parallel", action="store_true",
+                   help="split the weights over each stage's devices (model_parallel_plan)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--show-schedule", action="store_true")
     p.add_argument("--plot", default=None, help="save the schedule's timeline here (PNG)")
@@ -193,11 +214,13 @@ def main(argv=None) -> None:
     n = fs.distributed.world_size() if mesh is None else mesh
     dp = n // args.stages
     last = rank // dp == args.stages - 1 or mesh is not None
+    chunks = args.stages * (2 if args.interleave else 1)
+    plan = model_parallel_plan(args.model, chunks, dp) if args.model_parallel else None
     # in a job each process passes its data-parallel slice of every batch
     losses, state, ap = train(args.steps, args.model, args.stages, args.micro_batches,
                               args.scheduler, args.interleave, mesh=mesh,
                               log_every=args.log_every if last else 0,
-                              part=None if mesh is not None else (rank % dp, dp))
+                              part=None if mesh is not None else (rank % dp, dp), plan=plan)
     if rank == 0 and (args.show_schedule or args.plot):
         timeline = ap.pipeline_schedule().timeline()
         if args.show_schedule:

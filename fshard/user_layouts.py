@@ -129,9 +129,10 @@ def operator_call(prim, args, kwargs, convert, user_frame):
         elif context.shard_annotations.get():  # an AutoParallel pipeline's stages
             _user_warning(
                 f"fshard does not apply the strategy of {prim.name}.shard("
-                f"{_describe(found)}): with AutoParallel.pipeline(...) each stage runs data "
-                "parallelism only.\nFix: train without the pipeline to use operator "
-                "strategies; drop the .shard(...) call to silence this.", user_frame)
+                f"{_describe(found)}): with AutoParallel.pipeline(...) each stage here has "
+                "one device, so there is nothing to split.\nFix: give the stages several "
+                "devices each (a mesh of more devices than stages) to apply it; drop the "
+                ".shard(...) call to silence this.", user_frame)
         return convert(*args, **kwargs)
     line = (f" at {user_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{user_frame.f_lineno}"
             if user_frame is not None else "")

@@ -456,3 +456,91 @@ def test_a_process_slice_must_split_into_micro_batches():
     with pytest.raises(fs.ArgumentError, match="this process's slice of the batch has 6 "
                        "rows, which do not split into 4 equal micro-batches"):
         batch_rows("loss", (x,), 4, 2, sliced=True)
+
+
+# -- operator parallelism inside each stage --------------------------------------------
+
+#: (S, M, scheduler, interleave, devices per stage) with parameter strategies.
+SHARDED_CONFIGS = [(2, 4, "1f1b", False, 4), (2, 2, "gpipe", False, 2),
+                   (2, 4, "1f1b", True, 2), (4, 4, "gpipe", False, 2)]
+
+
+@pytest.mark.parametrize("S, M, sched, inter, k", SHARDED_CONFIGS)
+def test_operator_parallelism_inside_each_stage(S, M, sched, inter, k):
+    """parameter_plan with a pipeline: each stage's programs are fs.shard-ed over its
+    k devices (the weights split as planned, collectives inside the stage), and the
+    training equals the unpipelined run."""
+    chunks = S * (2 if inter else 1)
+    plan = example.model_parallel_plan("mlp", chunks, k)
+    ref_losses, ref_params = _reference("mlp", chunks)
+    losses, state, ap = example.train(STEPS, "mlp", S, M, sched, inter, mesh=S * k, opt=OPT,
+                                      params=_params("mlp", chunks), plan=plan)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for name, want in ref_params.items():
+        np.testing.assert_allclose(state.params[name].asnumpy(), want, rtol=1e-5,
+                                   atol=1e-5 * float(np.abs(want).max()), err_msg=name)
+    step = next(iter(ap._pipeline._steps.values()))
+    assert step.sharding is not None and step.sharding.devices == k
+    # chunk 0's forward on its stage: layer0.w arrives as column blocks of k, and the
+    # stage communicates (its outputs are whole values)
+    p = step.plan
+    leaves = fs.tree.leaves(state.params)
+    pv = [leaves[i] for i in p.chunk_params[0]]
+    x, _ = next(example.batches(1))
+    bv = [np.zeros(v.aval.shape, fs.dtypes.to_numpy(v.aval.dtype)) for v in p.batch_vars]
+    part = p.forward_fn(0, step.sharding).fun.partitioned(pv, [], bv)
+    names = [k_ for k_, _ in sorted(state.params.items())]
+    w = p.chunk_params[0].index(names.index("layer0.w"))
+    assert part.in_shardings[w].strategy(part.prop.mesh) == (1, k)
+    assert part.collectives()
+
+
+def test_transformer_stack_with_operator_parallelism_inside_stages():
+    plan = example.model_parallel_plan("transformer", 4, 2)
+    ref_losses, ref_params = _reference("transformer", 4)
+    losses, state, _ = example.train(STEPS, "transformer", 2, 4, "1f1b", True, mesh=4,
+                                     opt=OPT, params=_params("transformer", 4),
+                                     batch=BATCHES["transformer"], plan=plan)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-11)
+    for name, want in ref_params.items():
+        np.testing.assert_allclose(state.params[name].asnumpy(), want, rtol=1e-11,
+                                   atol=1e-11 * float(np.abs(want).max()), err_msg=name)
+
+
+def test_operator_strategies_in_the_loss_apply_inside_each_stage():
+    from mindspore import ops
+
+    def make(relu):
+        def loss(p, x, y):
+            h = fs.pipeline_split(relu(x @ p["w1"]))
+            return ((h @ p["w2"] - y) ** 2).mean()
+        return loss
+
+    p, x, y = _data()
+    ref = fs.AutoParallel(make(ops.ReLU()), fs.optim.sgd(0.1), mesh=1)
+    ap = fs.AutoParallel(make(ops.ReLU().shard(((2, 1),))), fs.optim.sgd(0.1), mesh=4).pipeline(stages=2, micro_batches=2)
+    s_ref, s = ref.init(p), ap.init(p)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # applied: no OperatorStrategyWarning
+        for _ in range(3):
+            s_ref, l_ref = ref(s_ref, x, y)
+            s, l = ap(s, x, y)
+            np.testing.assert_allclose(float(l.asnumpy()), float(l_ref.asnumpy()), rtol=1e-5)
+    step = next(iter(ap._pipeline._steps.values()))
+    assert step.sharding is not None and step.plan.constrained
+    for k in p:
+        np.testing.assert_allclose(s.params[k].asnumpy(), s_ref.params[k].asnumpy(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_a_parameter_strategy_larger_than_a_stage_is_an_error():
+    p, x, y = _data()
+    ap = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=8).parameter_plan({"w1": (1, 8)})
+    ap.pipeline(stages=2, micro_batches=2)
+    with pytest.raises(fs.ArgumentError, match=r"(?s)the strategy \(1, 8\) of parameter "
+                       r"\['w1'\] \(f32\[4,8\]\) splits it over 8 devices, but each stage "
+                       r"has 4 \(8 devices / 2 stages\).*Fix: split counts whose product "
+                       r"divides 4"):
+        ap(ap.init(p), x, y)

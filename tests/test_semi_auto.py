@@ -324,8 +324,8 @@ def test_a_strategy_in_a_pipelined_step_is_a_warning_not_a_silent_drop():
     state = ap.init()
     with pytest.warns(fs.OperatorStrategyWarning,
                       match=r"(?s)does not apply the strategy of ReLU.shard\(\(\(2, 1\),\)\): "
-                            r"with AutoParallel.pipeline\(...\) each stage runs data "
-                            r"parallelism only.*Fix: train without the pipeline"):
+                            r"with AutoParallel.pipeline\(...\) each stage here has one "
+                            r"device.*Fix: give the stages several devices"):
         ap(state, *_batch())
 
 

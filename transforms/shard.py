@@ -73,8 +73,10 @@ def _device_count(mesh, fname: str) -> int:
         f"{type(mesh).__name__} {mesh!r}.\nFix: mesh=8 or mesh=fs.Mesh((2, 4), ('dp', 'mp')).")
 
 
-def _devices_and_place(mesh, fname: str) -> tuple[int, bool]:
-    """``(device count, whether the devices are this multi-process job's ranks)``."""
+def _devices_and_place(mesh, fname: str, groups: int = 1) -> tuple[int, bool]:
+    """``(device count, whether the devices are this multi-process job's ranks)``;
+    ``groups``: the job's processes form that many equal groups of devices (see
+    ``Sharded.process_groups``)."""
     from fshard import distributed
     from fshard.mesh import Mesh, resolve_mesh
 
@@ -85,7 +87,7 @@ def _devices_and_place(mesh, fname: str) -> tuple[int, bool]:
         in_job = not resolve_mesh(None).is_virtual
     else:
         in_job = distributed.is_initialized()
-    if in_job and n != distributed.world_size():
+    if in_job and n * groups != distributed.world_size():
         raise ShardingError(
             f"shard({fname}): the mesh has {n} devices but this job has "
             f"{distributed.world_size()} processes (one device each).\nFix: use a mesh of "
@@ -161,6 +163,10 @@ class Sharded:
         # ``comm_fusion``); None: one AllReduce per value.
         self.comm_fusion = None
         self.passes = ()  # rewrites of the per-device program (fs.AutoParallel's)
+        # ``(axis name, count)``: in a job, the devices are one of ``count`` equal groups
+        # of the processes (consecutive ranks), this process's group, and all
+        # communication stays inside it (a pipeline stage's devices); None: the world.
+        self.process_groups = None
         self._cache: dict = {}
         self._fixed = None
         self._cell = None
@@ -240,9 +246,10 @@ class Sharded:
 
     def _plan(self, fn, leaves, entries, in_tree):
         fname = fun_name(self.fn)
-        n, in_job = _devices_and_place(self.mesh, fname)
+        groups = self.process_groups
+        n, in_job = _devices_and_place(self.mesh, fname, groups[1] if groups else 1)
         key = (in_tree, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves), n,
-               in_job)
+               in_job, groups)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -265,7 +272,7 @@ class Sharded:
         flexible += [("out", k) for k in out_flexible]
         body = Program(prog.inputs, prog.equations, prog.outputs)
         plan = ShardPlan(body, in_sh, out_sh, mesh, self.level, fname, self.search,
-                         self._fixed, world=world_mesh(mesh) if in_job else None,
+                         self._fixed, world=world_mesh(mesh, groups) if in_job else None,
                          flexible=flexible, fusion=self.comm_fusion)
         plan.passes = self.passes
         plan.local_outputs = in_job and not self.gather_outputs
@@ -368,7 +375,8 @@ class Sharded:
                 "sharded function takes its arrays positionally (one in_strategy entry "
                 "each).\nFix: pass them positionally.")
         fn, leaves, entries, in_tree = self._flat_call(args)
-        n, in_job = _devices_and_place(self.mesh, fname)
+        groups = self.process_groups
+        n, in_job = _devices_and_place(self.mesh, fname, groups[1] if groups else 1)
         # data_parallel in a job: each process passes its own slice of each unannotated
         # argument and gets its block of each unannotated output (local_batch.py).
         sliced = [in_job and self.dataset_strategy == "data_parallel" and e is None and

@@ -59,11 +59,13 @@ from fshard.parallel.schedule import Event, Schedule, check_config
 from fshard.primitives import collectives as C
 from fshard.primitives.elementwise import cast
 from fshard.primitives.pipeline import pipeline_split_p
+from fshard.primitives.spmd import layout_constraint_p
 from fshard.primitives.structural import concat, reshape
 from fshard.rules import sharding as sharding_rules
 from fshard.staging import trace_fun
 from fshard.transforms.ad import vjp
 from fshard.transforms.jit import jit
+from fshard.transforms.shard import shard
 
 
 class PipelineConfig(NamedTuple):
@@ -108,7 +110,8 @@ def check_pipeline_args(stages, micro_batches, scheduler, interleave, output_bro
 class Stages:
     """The loss program cut into ``n`` chunks (see the module docstring)."""
 
-    def __init__(self, loss_fn, name: str, params, batch, local_rows: int):
+    def __init__(self, loss_fn, name: str, params, batch, local_rows: int,
+                 devices: int = 1):
         p_leaves, _ = tree.flatten(params)
         b_leaves, _ = tree.flatten(list(batch))
         in_tree = tree.structure(((params, *batch), {}))
@@ -116,9 +119,19 @@ class Stages:
         for x in b_leaves:
             a = typeof(x)
             avals.append(ArrayType((local_rows,) + tuple(a.shape[1:]), a.dtype))
-        # A stage runs data parallelism only: a Primitive.shard strategy met here warns.
+        # A stage of ``devices`` devices may run operator parallelism: Primitive.shard
+        # strategies and fs.shard calls in the loss become layout constraints (as in
+        # AutoParallel's step), which each stage's fs.shard honours. One device: they warn.
         with context.counted(context.shard_annotations):
-            traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+            if devices > 1:
+                with context.counted(context.shard_depth), \
+                        context.pushed(context.shard_devices, devices):
+                    traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+            else:
+                traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+        #: The loss fixes layouts of its own (operator strategies, fs.shard calls).
+        self.constrained = any(eq.prim is layout_constraint_p
+                               for eq in traced.program.equations)
         prog = self.program = traced.program
         self.consts = list(traced.consts)
         self.name = name
@@ -349,25 +362,30 @@ class Stages:
         parts.append(tuple(names[v] for v in outs))
         return tuple(parts)
 
-    def _shared(self, kind: str, c: int, build):
+    def _shared(self, kind: str, c: int, build, sharding: "StageSharding | None"):
         if c not in self._keys:
             self._keys[c] = self.chunk_key(c)
         key = self._keys[c]
-        if key is None:  # programs of this chunk's own
-            fn = self._compiled.get((kind, c))
-            if fn is None:
-                fn = self._compiled[(kind, c)] = build()
-            return fn
-        fn = _CHUNK_PROGRAMS.get((kind, key))
+        layout = None if sharding is None else sharding.key(self.chunk_params[c])
+        if key is None or layout is None and sharding is not None:
+            # programs of this chunk's own (kept with the sharding they were made for,
+            # so that its id is not reused while they live)
+            hit = self._compiled.get((kind, c, id(sharding)))
+            if hit is None:
+                hit = self._compiled[(kind, c, id(sharding))] = (sharding, build())
+            return hit[1]
+        fn = _CHUNK_PROGRAMS.get((kind, key, layout))
         if fn is None:
-            fn = _CHUNK_PROGRAMS[(kind, key)] = build()
+            fn = _CHUNK_PROGRAMS[(kind, key, layout)] = build()
             while len(_CHUNK_PROGRAMS) > MAX_SHARED_PROGRAMS:  # the oldest go first
                 del _CHUNK_PROGRAMS[next(iter(_CHUNK_PROGRAMS))]
         return fn
 
-    def forward_fn(self, c: int):
+    def forward_fn(self, c: int, sharding: "StageSharding | None" = None):
         """``(params, carry_in, batch) -> carry_out`` of chunk ``c``, compiled; the last
-        chunk takes and returns the running loss sum: ``(..., loss_sum) -> loss_sum``."""
+        chunk takes and returns the running loss sum: ``(..., loss_sum) -> loss_sum``.
+        With a ``sharding``, the program runs on the stage's devices through
+        ``fs.shard`` (operator parallelism inside the stage)."""
         def build():
             if c == self.n_chunks - 1:
                 def fwd(pv, ci, bv, loss_sum):
@@ -376,11 +394,14 @@ class Stages:
                 def fwd(pv, ci, bv):
                     return self.run_chunk(c, pv, ci, bv)
             fwd.__name__ = f"{self.name}_stage{c}_forward"
-            return jit(fwd)
+            if sharding is None:
+                return jit(fwd)
+            extra = (None,) if c == self.n_chunks - 1 else ()
+            return sharding.compile(fwd, self._param_strategies(c, sharding), extra)
 
-        return self._shared("F", c, build)
+        return self._shared("F", c, build, sharding)
 
-    def backward_fn(self, c: int):
+    def backward_fn(self, c: int, sharding: "StageSharding | None" = None):
         """``(params, carry_in, batch, ct, grad_sums) -> (grad_sums + grads, ct_in)`` of
         chunk ``c``, compiled. It recomputes the chunk's forward from its input (the
         one activation kept per micro-batch between a forward and its backward)."""
@@ -391,9 +412,48 @@ class Stages:
                 return [s + g for s, g in zip(sums, g_p)], g_c
 
             bwd.__name__ = f"{self.name}_stage{c}_backward"
-            return jit(bwd)
+            if sharding is None:
+                return jit(bwd)
+            strategies = self._param_strategies(c, sharding)
+            return sharding.compile(bwd, strategies, (None, strategies))
 
-        return self._shared("B", c, build)
+        return self._shared("B", c, build, sharding)
+
+    def _param_strategies(self, c: int, sharding: "StageSharding") -> list:
+        return [sharding.params[i] for i in self.chunk_params[c]]
+
+
+class StageSharding(NamedTuple):
+    """Operator parallelism inside each stage: every chunk's programs run through
+    ``fs.shard`` on the ``devices`` devices of a stage, with the parameters' strategies
+    (``parameter_plan``) and the micro-batch split along its rows; propagation (or the
+    search) lays out the rest and inserts the stage's collectives. The programs take
+    and return whole values, so stages hand each other whole activations."""
+
+    devices: int
+    params: tuple          # per parameter leaf: its strategy (None: derived)
+    batch: tuple           # per batch leaf: its strategy
+    groups: tuple | None   # ("pp", S) in a job: the stage is one of S groups of ranks
+    search: bool           # plan with fshard's search (else propagation alone)
+
+    def key(self, chunk_params) -> tuple | None:
+        """A key of what chunk programs compiled with this sharding depend on (None
+        when a strategy cannot be compared exactly)."""
+        parts = [_exact(self.params[i]) for i in chunk_params] + [
+            _exact(b) for b in self.batch]
+        if any(p is None for p in parts):
+            return None
+        return (self.devices, self.groups, self.search, tuple(parts))
+
+    def compile(self, fn, param_strategies: list, extra: tuple):
+        """``fn(params, carry, batch, *extra)`` compiled as ``fs.shard`` on the stage's
+        devices; ``extra``: the strategies of the further arguments."""
+        mesh = (self.devices if self.groups is not None
+                else Mesh(self.devices, "stage", virtual=True))
+        s = shard(fn, in_strategy=(param_strategies, None, list(self.batch)) + extra,
+                  mesh=mesh, level=2, search=self.search, dataset_strategy="full_batch")
+        s.process_groups = self.groups
+        return jit(s)
 
 
 def _eq_flops(eq) -> float:
@@ -443,8 +503,8 @@ MAX_SHARED_PROGRAMS = 256
 _CUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def cut(loss_fn, name: str, params, batch, rows: int) -> Stages:
-    sig = (tree.structure((params, batch)), rows, tuple(
+def cut(loss_fn, name: str, params, batch, rows: int, devices: int = 1) -> Stages:
+    sig = (tree.structure((params, batch)), rows, devices, tuple(
         (tuple(typeof(x).shape[1:]), typeof(x).dtype) for x in tree.leaves(list(batch))),
         tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves(params)))
     try:
@@ -453,7 +513,7 @@ def cut(loss_fn, name: str, params, batch, rows: int) -> Stages:
         per_fn = {}
     hit = per_fn.get(sig)
     if hit is None:
-        hit = per_fn[sig] = Stages(loss_fn, name, params, batch, rows)
+        hit = per_fn[sig] = Stages(loss_fn, name, params, batch, rows, devices)
     return hit
 
 
@@ -517,13 +577,20 @@ class PipelinedStep:
     """One configuration's step: the schedule's program order run over the compiled
     chunk programs, then one compiled ``finish`` (reduce, optimizer update)."""
 
-    def __init__(self, runner, plan: Stages, schedule: Schedule, rank: int | None):
+    def __init__(self, runner, plan: Stages, schedule: Schedule, rank: int | None,
+                 sharding: StageSharding | None = None):
         self.runner, self.plan, self.schedule = runner, plan, schedule
         cfg = runner.cfg
         self.S, self.M = cfg.stages, cfg.micro_batches
-        self.dp = runner.ap.n_devices // self.S
+        self.dp = runner.ap.n_devices // self.S  # devices per stage
         self.rank = rank  # None: a virtual mesh (every device here)
         self.sliced = runner.sliced
+        #: Operator parallelism inside the stages (None: data parallelism, each device
+        #: of a stage running whole chunks on its rows).
+        self.sharding = sharding
+        #: The data-parallel replicas the pipeline runs itself: a stage's devices, or
+        #: one when each stage's programs are sharded over its devices.
+        self.groups = 1 if sharding is not None else self.dp
         self.order = schedule.timeline().program_order()
         self.pad = max([sum(a.size for a in plan.carry_avals(b))
                         for b in range(plan.n_chunks - 1)], default=0)
@@ -545,7 +612,7 @@ class PipelinedStep:
         pieces (compiling thousands of equations at once costs more than it saves)."""
         if self.rank is not None:
             return False
-        size = sum(len(eqs) for eqs in self.plan.chunk_eqs) * 4 * self.M * self.dp
+        size = sum(len(eqs) for eqs in self.plan.chunk_eqs) * 4 * self.M * self.groups
         return size <= FUSE_LIMIT
 
     def __call__(self, state, *batch):
@@ -560,24 +627,30 @@ class PipelinedStep:
         return self._whole(state.params, state.opt_state, state.step, *batch)
 
     def _run(self, state, *batch):
-        plan, S, M, dp = self.plan, self.S, self.M, self.dp
+        plan, S, M, dp, groups = self.plan, self.S, self.M, self.dp, self.groups
         p_leaves, p_tree = tree.flatten(state.params)
         b_leaves = tree.leaves(list(batch))
+        sliced = self.sliced
+        if sliced and self.sharding is not None:
+            # a stage's sharded programs take the whole micro-batch: gather the slices
+            b_leaves = self._gather_slices(b_leaves)
+            sliced = False
         B = typeof(b_leaves[0]).shape[0]
         # device j's part of the batch: its process's slice, or block j of dp of the
         # whole batch (as a job's slices lay it out); micro-batch m is block m of M of it
-        part = B if self.sliced else B // dp
+        part = B if sliced else B // groups
         rows = part // M
-        ranks = range(S * dp) if self.rank is None else [self.rank]
-        devices = [_Device(r, r // dp, r % dp) for r in ranks]
+        # (with sharded stages, one "device" per stage runs the stage's programs)
+        ranks = range(0, S * dp, dp // groups) if self.rank is None else [self.rank]
+        devices = [_Device(r, r // dp, (r % dp) % groups) for r in ranks]
         loss_dtype = dtypes.to_numpy(plan.program.outputs[0].aval.dtype)
-        seed = [np.asarray(1.0 / (M * dp), loss_dtype)]
+        seed = [np.asarray(1.0 / (M * groups), loss_dtype)]
         slices: dict = {}
 
         def micro(m, j):
             key = (m, j)
             if key not in slices:
-                lo = (0 if self.sliced else j * part) + m * rows
+                lo = (0 if sliced else j * part) + m * rows
                 slices[key] = [x[lo:lo + rows] for x in b_leaves]
             return slices[key]
 
@@ -611,16 +684,17 @@ class PipelinedStep:
             if last:
                 if d.loss is None:
                     d.loss = np.zeros((), loss_dtype)
-                d.loss = plan.forward_fn(c)(pv, carry, micro(m, d.j), d.loss)
+                d.loss = plan.forward_fn(c, self.sharding)(pv, carry, micro(m, d.j), d.loss)
                 return [d.loss]
-            out = list(plan.forward_fn(c)(pv, carry, micro(m, d.j)))
+            out = list(plan.forward_fn(c, self.sharding)(pv, carry, micro(m, d.j)))
             self._send(d, "F", c + 1, m, out)
             return out
         ct = seed if last else d.inbox.pop(("B", c, m))
         sums = d.sums.get(c)
         if sums is None:
             sums = [np.zeros(typeof(x).shape, dtypes.to_numpy(typeof(x).dtype)) for x in pv]
-        sums, g_carry = plan.backward_fn(c)(pv, d.saved.pop((c, m)), micro(m, d.j), ct, sums)
+        sums, g_carry = plan.backward_fn(c, self.sharding)(pv, d.saved.pop((c, m)),
+                                                           micro(m, d.j), ct, sums)
         d.sums[c] = list(sums)
         if c:
             self._send(d, "B", c - 1, m, list(g_carry))
@@ -641,8 +715,9 @@ class PipelinedStep:
                 continue
             if self.rank is None:  # a virtual mesh: hand the values over
                 by_rank = {d.rank: d for d in devices}
+                step = dp // self.groups
                 for src, dst, _, _ in moves:
-                    for j in range(dp):
+                    for j in range(0, dp, step):
                         chunk, m, vals = by_rank[src * dp + j].outbox.pop(kind)
                         by_rank[dst * dp + j].inbox[(kind, chunk, m)] = vals
                 continue
@@ -687,6 +762,21 @@ class PipelinedStep:
         fn = self._transfers[key] = jit(transfer)
         return fn
 
+    def _gather_slices(self, b_leaves) -> list:
+        """The whole batch from each process's slice (in a job with sharded stages):
+        one AllGather per batch input over the stage's processes, in rank order."""
+        if "gather" not in self._transfers:
+            S, dp, mesh = self.S, self.dp, self.mesh
+
+            def gather(xs):
+                with C.named_axis("pp", S), C.named_axis("dp", dp):
+                    return [C.all_gather_p.bind(x, axis_name=("dp",), axis_sizes=(dp,),
+                                                axis=0, mesh=mesh) for x in xs]
+
+            gather.__name__ = f"pipeline_batch_{self.plan.name}"
+            self._transfers["gather"] = jit(gather)
+        return list(self._transfers["gather"](list(b_leaves)))
+
     # -- reduce and update -----------------------------------------------------------
     def _finish(self, devices, state, p_leaves, p_tree, loss_dtype):
         plan = self.plan
@@ -705,7 +795,7 @@ class PipelinedStep:
                  for g, x in zip(grads, p_leaves)]
         if loss is None:
             loss = np.zeros((), loss_dtype)
-        scale = np.asarray(1.0 / (self.M * self.dp), loss_dtype)
+        scale = np.asarray(1.0 / (self.M * self.groups), loss_dtype)
         new_p, new_o, step, out = self.finish(state.params, state.opt_state, state.step,
                                               tree.unflatten(p_tree, grads), loss, scale,
                                               tuple(owned))
@@ -717,9 +807,11 @@ class PipelinedStep:
         last = (plan.n_chunks - 1) % S  # the stage of the last chunk
         stage = None if self.rank is None else self.rank // dp
         # one program per optimizer and configuration (on a virtual mesh: one per
-        # optimizer), shared by every pipeline using them; the loss scale 1 / (M * dp)
-        # is an input
-        key = None if mesh is None else (S, dp, last, stage, cfg.output_broadcast)
+        # optimizer), shared by every pipeline using them; the loss scale
+        # 1 / (M * replicas) is an input. Sharded stages sum over their devices inside
+        # their programs already.
+        reduce_dp = mesh is not None and self.groups > 1
+        key = None if mesh is None else (S, dp, last, stage, cfg.output_broadcast, reduce_dp)
         opt_update = ap.optimizer.update
         try:
             per_opt = _FINISHES.setdefault(opt_update, {})
@@ -736,7 +828,7 @@ class PipelinedStep:
         def finish(params, opt_state, step, grads, loss_sum, scale, owned):
             g_leaves, g_tree = tree.flatten(grads)
             with C.named_axis("pp", S), C.named_axis("dp", dp):
-                if mesh is not None and dp > 1:
+                if reduce_dp:
                     g_leaves = [C.psum_p.bind(g, axis_name=("dp",), mesh=mesh) if o else g
                                 for g, o in zip(g_leaves, owned)]
                     if stage == last:
@@ -828,7 +920,6 @@ class PipelineRunner:
     def check_combination(self):
         ap = self.ap
         for what, on in (("hsdp(...)", ap._hsdp is not None),
-                         ("parameter_plan(...)", bool(ap._param_plan)),
                          ("comm_fusion(...)", ap._fusion is not None),
                          ("a dataset_strategy(...) tuple",
                           ap._dataset not in ("data_parallel", "full_batch")),
@@ -840,8 +931,9 @@ class PipelineRunner:
             if on:
                 raise ArgumentError(
                     f"AutoParallel({ap.name}): pipeline(...) cannot be combined with {what} "
-                    "yet: inside a stage fshard runs data parallelism only.\nFix: drop one "
-                    "of the two settings.")
+                    "yet: inside a stage fshard runs data parallelism or the operator "
+                    "strategies of parameter_plan(...) and the loss.\nFix: drop one of the "
+                    "two settings.")
 
     def step_for(self, state, *batch) -> PipelinedStep:
         self.check_combination()
@@ -852,18 +944,57 @@ class PipelineRunner:
         hit = self._steps.get(key)
         if hit is not None:
             return hit
-        rows = batch_rows(self.ap.name, batch, cfg.micro_batches, dp, self.sliced)
-        plan = cut(self.ap.loss_fn, self.ap.name, state.params, batch, rows)
+        ap = self.ap
+        rows = batch_rows(ap.name, batch, cfg.micro_batches, dp, self.sliced)
+        plan = None
+        if dp > 1:  # a stage of several devices: sharded if the loss or the plan says so
+            plan = cut(ap.loss_fn, ap.name, state.params, batch, rows * dp, dp)
+            if not (plan.constrained or ap._param_plan):
+                plan = None
+        sharding = self._stage_sharding(state.params, batch, dp, plan is not None)
+        if plan is None:
+            plan = cut(ap.loss_fn, ap.name, state.params, batch, rows)
         v = plan.check(cfg.stages, cfg.interleave)
         plan.check_balance(cfg.stages, cfg.max_imbalance)
         self.plan = plan
         sched = Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, v)
-        step = PipelinedStep(self, plan, sched, None if self.virtual else distributed.rank())
+        step = PipelinedStep(self, plan, sched, None if self.virtual else distributed.rank(),
+                             sharding)
         self._steps[key] = step
         return step
 
     def __call__(self, state, *batch):
         return self.step_for(state, *batch)(state, *batch)
+
+    def _stage_sharding(self, params, batch, dp: int, sharded: bool):
+        """Operator parallelism inside the stages (``parameter_plan`` or strategies in
+        the loss), or None. The parameters' strategies are checked against a stage's
+        ``dp`` devices."""
+        ap, S = self.ap, self.cfg.stages
+        paths, leaves, _ = tree.flatten_with_path(params)
+        strategies = []
+        for path, x in zip(paths, leaves):
+            given = ap._param_strategy(path, x)
+            counts = given if isinstance(given, tuple) and all(
+                isinstance(k, int) for k in given) else None
+            if counts is not None and dp % math.prod(counts):
+                raise ArgumentError(
+                    f"AutoParallel({ap.name}).pipeline(stages={S}): the strategy "
+                    f"{given} of parameter {tree.keystr(path) or '0'} ({typeof(x)}) splits "
+                    f"it over {math.prod(counts)} devices, but each stage has {dp} "
+                    f"({ap.n_devices} devices / {S} stages): a stage's strategies run on "
+                    f"its own devices.\nFix: split counts whose product divides {dp}, or "
+                    "fewer stages.")
+            if given is None and ap.parallel_mode == "semi_auto":
+                given = (1,) * typeof(x).ndim
+            strategies.append(given)
+        if not sharded:
+            return None
+        batch_strategies = tuple((dp,) + (1,) * (typeof(x).ndim - 1)
+                                 for x in tree.leaves(list(batch)))
+        return StageSharding(dp, tuple(strategies), batch_strategies,
+                             None if self.virtual else ("pp", S),
+                             ap.parallel_mode != "sharding_propagation")
 
     def stage_costs(self) -> list:
         if self.plan is None:

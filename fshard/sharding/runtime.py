@@ -121,12 +121,18 @@ def run_virtual(part: Partitioned, args: list):
     return [from_blocks(y, d, axes) for y, d in zip(outs, out_dims)]
 
 
-def world_mesh(mesh: ShardMesh):
+def world_mesh(mesh: ShardMesh, groups: tuple | None = None):
     """The ``fs.Mesh`` of ``mesh``'s prime axes over the ranks of this job (row-major,
-    so rank r has the same coordinates on both)."""
+    so rank r has the same coordinates on both). ``groups = (name, count)``: the job's
+    ranks are ``count`` consecutive copies of ``mesh``, told apart by a leading axis
+    ``name`` that no collective of the plan names, so each copy communicates inside
+    itself."""
     from fshard.mesh import Mesh
 
-    return Mesh(mesh.sizes, mesh.names) if mesh.sizes else Mesh((1,), ("m0",))
+    sizes, names = (mesh.sizes, mesh.names) if mesh.sizes else ((1,), ("m0",))
+    if groups is not None:
+        sizes, names = (groups[1],) + tuple(sizes), (groups[0],) + tuple(names)
+    return Mesh(sizes, names)
 
 
 def run_on_rank(part: Partitioned, args: list, mesh, local_in=frozenset(),

@@ -596,6 +596,7 @@ class PipelinedStep:
                         for b in range(plan.n_chunks - 1)], default=0)
         self.mesh = None if rank is None else Mesh((self.S, self.dp), ("pp", "dp"))
         self._transfers: dict = {}
+        self._gather = None  # the batch from the processes' slices (sharded stages)
         self._whole = None
         self.finish = self._make_finish()
         #: With ``profile = True`` (pieces only) each computation is waited for and
@@ -765,7 +766,7 @@ class PipelinedStep:
     def _gather_slices(self, b_leaves) -> list:
         """The whole batch from each process's slice (in a job with sharded stages):
         one AllGather per batch input over the stage's processes, in rank order."""
-        if "gather" not in self._transfers:
+        if self._gather is None:
             S, dp, mesh = self.S, self.dp, self.mesh
 
             def gather(xs):
@@ -774,8 +775,8 @@ class PipelinedStep:
                                                 axis=0, mesh=mesh) for x in xs]
 
             gather.__name__ = f"pipeline_batch_{self.plan.name}"
-            self._transfers["gather"] = jit(gather)
-        return list(self._transfers["gather"](list(b_leaves)))
+            self._gather = jit(gather)
+        return list(self._gather(list(b_leaves)))
 
     # -- reduce and update -----------------------------------------------------------
     def _finish(self, devices, state, p_leaves, p_tree, loss_dtype):

@@ -23,9 +23,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
 STEPS = 20
 
 # (name, model, stages, micro_batches, scheduler, interleave, output_broadcast,
-#  dataset_strategy): with "data_parallel" each process passes its data-parallel slice
-#  of every batch (the processes of dp index j: block j of dp), with "full_batch" the
-#  whole batch
+#  dataset_strategy[, model_parallel]): with "data_parallel" each process passes its
+#  data-parallel slice of every batch (the processes of dp index j: block j of dp), with
+#  "full_batch" the whole batch; model_parallel: the stages' weights split over their
+#  devices (examples/train_pipeline.py's model_parallel_plan)
 CONFIGS = {
     2: [("mlp_1f1b", "mlp", 2, 4, "1f1b", False, False, "data_parallel"),
         ("mlp_gpipe_broadcast", "mlp", 2, 2, "gpipe", False, True, "data_parallel"),
@@ -37,7 +38,12 @@ CONFIGS = {
         ("mlp_4_1f1b", "mlp", 4, 4, "1f1b", False, True, "data_parallel"),
         ("mlp_4_gpipe_interleave", "mlp", 4, 4, "gpipe", True, True, "data_parallel"),
         ("transformer_2x2_1f1b", "transformer", 2, 2, "1f1b", False, True,
-         "data_parallel")],
+         "data_parallel"),
+        ("mlp_2x2_model_parallel", "mlp", 2, 4, "1f1b", False, True, "data_parallel", True),
+        ("mlp_2x2_model_parallel_full_batch", "mlp", 2, 2, "gpipe", True, False,
+         "full_batch", True),
+        ("transformer_2x2_model_parallel", "transformer", 2, 2, "1f1b", False, True,
+         "data_parallel", True)],
 }
 
 
@@ -48,12 +54,14 @@ def main(out_dir: str) -> None:
     fs.distributed.init()
     rank, world = fs.distributed.rank(), fs.distributed.world_size()
     results: dict = {"rank": rank, "world": world, "configs": {}}
-    for name, model, stages, micro, sched, inter, bcast, dataset in CONFIGS[world]:
+    for name, model, stages, micro, sched, inter, bcast, dataset, *mp in CONFIGS[world]:
         dp = world // stages
+        chunks = stages * (2 if inter else 1)
+        plan = ex.model_parallel_plan(model, chunks, dp) if mp else None
         losses, state, ap = ex.train(STEPS, model, stages, micro, sched, inter, bcast,
                                      opt="momentum", dataset=dataset,
                                      part=(rank % dp, dp) if dataset == "data_parallel"
-                                     else None)
+                                     else None, plan=plan)
         runner = ap._pipeline
         step = next(iter(runner._steps.values()))
         owned = sorted({k for c in range(step.plan.n_chunks) if c % stages == step.rank //
@@ -65,6 +73,7 @@ def main(out_dir: str) -> None:
             "owned": {k: np.asarray(state.params[k].asnumpy()).tolist() for k in owned},
             "gathered": {k: np.asarray(v.asnumpy()).tolist() for k, v in gathered.items()},
             "rounds": len(step.schedule.timeline().rounds()),
+            "stage_collectives": _stage_collectives(step, state) if mp else None,
             "transfer_programs": {f"{k[0]}:{k[1]}:{k[2]}": fn.lower(*_transfer_args(step, k))
                                   .as_text() for k, fn in step._transfers.items()},
         }
@@ -78,6 +87,24 @@ def _names(params, leaf_indices) -> list:
 
     keys = [str(p[-1]) for p in tree.flatten_with_path(params)[0]]  # flat dict: its keys
     return [keys[i] for i in leaf_indices]
+
+
+def _stage_collectives(step, state) -> dict:
+    """The collectives of this stage's first chunk's forward program (sharded over the
+    stage's devices) and the lowered text of its compiled program."""
+    import fshard as fs
+
+    plan, c = step.plan, step.rank // step.dp
+    leaves = fs.tree.leaves(state.params)
+    args = ([leaves[i] for i in plan.chunk_params[c]],
+            [np.zeros(a.shape, fs.dtypes.to_numpy(a.dtype)) for a in plan.carry_avals(c - 1)]
+            if c else [],
+            [np.zeros(v.aval.shape, fs.dtypes.to_numpy(v.aval.dtype)) for v in plan.batch_vars])
+    if c == plan.n_chunks - 1:
+        args += (np.zeros((), np.float32),)
+    fn = plan.forward_fn(c, step.sharding)
+    return {"collectives": fn.fun.partitioned(*args).collectives(),
+            "lowered": fn.lower(*args).as_text()}
 
 
 def _transfer_args(step, key):

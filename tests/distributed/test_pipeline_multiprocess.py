@@ -62,7 +62,7 @@ def _close(got, want, what):
 
 def test_losses_and_parameters_equal_the_unpipelined_run(job):
     n, ranks = job
-    for name, model, stages, micro, sched, inter, bcast, _ in checks.CONFIGS[n]:
+    for name, model, stages, micro, sched, inter, bcast, *_ in checks.CONFIGS[n]:
         ref_losses, ref_params = reference(model, stages * (2 if inter else 1))
         assert ref_losses[-1] < ref_losses[0]
         owned = set()
@@ -91,3 +91,17 @@ def test_stage_transfers_are_collectives_in_every_process(job):
                 # the CPU emulation of a point-to-point transfer: one collective over
                 # the pipeline group per round and direction
                 assert len(_COLLECTIVE.findall(text)) == 1, (name, r, key, text)
+
+
+def test_model_parallel_stages_communicate_inside_the_stage(job):
+    """With model_parallel the stage's first chunk is one fs.shard over the stage's
+    processes: its per-device program has collectives, and they are in the compiled
+    program of every process."""
+    n, ranks = job
+    configs = [c for c in checks.CONFIGS[n] if c[8:]]
+    assert configs or n == 2
+    for name, *_ in configs:
+        for r, res in enumerate(ranks):
+            e = res["configs"][name]["stage_collectives"]
+            assert e["collectives"], (name, r)
+            assert _COLLECTIVE.findall(e["lowered"]), (name, r)

@@ -26,9 +26,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 HIDDEN = 512
 BATCH = 256
 STEPS = 5
-# (stages, micro_batches, scheduler) per job size; the 4-process job also runs 2 x 2
+# (stages, micro_batches, scheduler[, model_parallel]) per job size; the 4-process job
+# also runs 2 x 2, with the stages' devices data parallel, then splitting the weights
 CONFIGS = {2: [(2, 4, "gpipe"), (2, 4, "1f1b"), (2, 8, "gpipe"), (2, 8, "1f1b")],
-           4: [(4, 8, "gpipe"), (4, 8, "1f1b"), (2, 4, "1f1b")]}
+           4: [(4, 8, "gpipe"), (4, 8, "1f1b"), (2, 4, "1f1b"), (2, 4, "1f1b", True)]}
 
 
 def _setup():
@@ -58,11 +59,12 @@ def worker(out_dir: str) -> None:
     rank, world = fs.distributed.rank(), fs.distributed.world_size()
     data = list(ex.batches(STEPS + 3, BATCH))
     results = {}
-    for S, M, sched in CONFIGS[world]:
-        ap, params = ex.make("mlp", S, M, sched, output_broadcast=True)
+    for S, M, sched, *mp in CONFIGS[world]:
+        dp = world // S
+        plan = ex.model_parallel_plan("mlp", S, dp) if mp else None
+        ap, params = ex.make("mlp", S, M, sched, output_broadcast=True, plan=plan)
         state = ap.init(params)
         # each process passes its data-parallel slice of the global batch of BATCH rows
-        dp = world // S
         j, b = rank % dp, BATCH // dp
         mine = [(x[j * b:(j + 1) * b], y[j * b:(j + 1) * b]) for x, y in data]
         state, _ = _time_steps(ap, state, mine, 2)
@@ -74,7 +76,7 @@ def worker(out_dir: str) -> None:
         loss.asnumpy()
         prof_s = time.perf_counter() - t0
         (st,) = step.stats
-        results[f"{S}x{world // S}:{M}:{sched}"] = {
+        results[f"{S}x{dp}{' model-parallel' if mp else ''}:{M}:{sched}"] = {
             "stage": st["stage"], "step_s": step_s, "profiled_step_s": prof_s,
             "busy_s": st["busy_s"], "peak_saved": st["peak_saved"],
             "peak_saved_bytes": st["peak_saved_bytes"],

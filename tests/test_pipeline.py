@@ -544,3 +544,16 @@ def test_a_parameter_strategy_larger_than_a_stage_is_an_error():
                        r"has 4 \(8 devices / 2 stages\).*Fix: split counts whose product "
                        r"divides 4"):
         ap(ap.init(p), x, y)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_parameter_plan_naming_no_parameter_is_an_error(stages):
+    p, x, y = _data()
+    ap = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=4).parameter_plan(
+        {"w1": (1, 2), "w3": (2, 1)})
+    if stages > 1:
+        ap.pipeline(stages=stages, micro_batches=2)
+    with pytest.raises(fs.ArgumentError, match=r"(?s)parameter_plan names \['w3'\], which is "
+                       r"not a parameter of the model; its parameters are \['w1', 'w2'\]"
+                       r".*Fix: use those names"):
+        ap(ap.init(p), x, y)

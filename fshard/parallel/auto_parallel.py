@@ -439,6 +439,21 @@ class AutoParallel:
             out.append(given)
         return tree.unflatten(spec, out)
 
+    def check_param_plan(self, params) -> None:
+        """Every name in ``parameter_plan`` names a parameter of ``params`` (a typo
+        would otherwise leave that parameter unsplit without a word)."""
+        paths = tree.flatten_with_path(params)[0]
+        names = {_name(p) for p in paths} | {tree.keystr(p) for p in paths}
+        unknown = [k for k in self._param_plan if k not in names]
+        if unknown:
+            known = sorted(_name(p) for p in paths)
+            raise ArgumentError(
+                f"AutoParallel({self.name}).parameter_plan names {unknown}, which "
+                f"{'is not a parameter' if len(unknown) == 1 else 'are not parameters'} of "
+                f"the model; its parameters are {known[:12]}"
+                f"{' ...' if len(known) > 12 else ''}.\nFix: use those names (a Cell's "
+                "'dense1.weight', a dict's key 'w1' or key path \"['w1']\").")
+
     def _param_strategy(self, path, x):
         """The strategy given for a parameter (parameter_plan, a loaded file), or None."""
         name = _name(path)
@@ -610,6 +625,7 @@ class AutoParallel:
         hit = self._steps.get(key)
         if hit is not None:
             return hit
+        self.check_param_plan(state.params)
         p_sh = self._param_strategies(state.params)
         o_sh = self._state_strategies(state.opt_state, state.params)
         b_sh = self._batch_strategies(batch)

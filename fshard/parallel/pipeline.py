@@ -12,7 +12,10 @@ train step into a pipelined one:
    uses it.
 2. **Devices.** The devices form a ``(pp, dp) = (S, n / S)`` grid, stage-major (stage
    ``s`` holds ranks ``s * dp ... s * dp + dp - 1``, as MindSpore's stages do); chunk
-   ``c`` runs on stage ``c % S``; inside a stage the micro-batch is split over ``dp``.
+   ``c`` runs on stage ``c % S``; inside a stage the micro-batch is split over ``dp``
+   (data parallelism), or, when ``parameter_plan`` or the loss gives operator
+   strategies, each chunk's programs are ``fs.shard``-ed over the stage's devices
+   (``StageSharding``: operator parallelism inside the stage).
 3. **One step** follows the schedule's program order (fshard/parallel/schedule.py):
    each forward is the chunk's ``fs.vjp`` on its micro-batch (activations kept until
    the backward), each backward pulls the cotangent through; a transfer round moves

@@ -544,6 +544,18 @@ def test_a_parameter_strategy_larger_than_a_stage_is_an_error():
                        r"has 4 \(8 devices / 2 stages\).*Fix: split counts whose product "
                        r"divides 4"):
         ap(ap.init(p), x, y)
+    # a Layout describes a stage's devices too
+    for devices, ok in ((4, True), (8, False)):
+        view = fs.Layout((2, devices // 2), ("a", "b"))("None", "b")
+        ap = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=8).parameter_plan({"w1": view})
+        ap.pipeline(stages=2, micro_batches=2)
+        if ok:
+            ap(ap.init(p), x, y)
+            continue
+        with pytest.raises(fs.ArgumentError, match=r"(?s)the Layout .* of parameter \['w1'\] "
+                           r"\(f32\[4,8\]\) has a device matrix of 8 devices, but each stage "
+                           r"has 4.*Fix: a Layout whose device matrix has 4 devices"):
+            ap(ap.init(p), x, y)
 
 
 @pytest.mark.parametrize("stages", [1, 2])

@@ -56,6 +56,7 @@ from fshard.dims import planning_size
 from fshard.errors import ArgumentError, FshardError, PipelineBalanceWarning
 from fshard.interpret import bind_equation, walk_equations
 from fshard.ir import Var
+from fshard.layout import Layout
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import apply_updates
 from fshard.parallel.schedule import Event, Schedule, check_config
@@ -980,16 +981,23 @@ class PipelineRunner:
         strategies = []
         for path, x in zip(paths, leaves):
             given = ap._param_strategy(path, x)
+            what = f"parameter {tree.keystr(path) or '0'} ({typeof(x)})"
+            if isinstance(given, Layout) and math.prod(given.device_matrix) != dp:
+                raise ArgumentError(
+                    f"AutoParallel({ap.name}).pipeline(stages={S}): the Layout {given!r} "
+                    f"of {what} has a device matrix of {math.prod(given.device_matrix)} "
+                    f"devices, but each stage has {dp} ({ap.n_devices} devices / {S} "
+                    "stages): a stage's strategies describe its own devices.\nFix: a "
+                    f"Layout whose device matrix has {dp} devices.")
             counts = given if isinstance(given, tuple) and all(
                 isinstance(k, int) for k in given) else None
             if counts is not None and dp % math.prod(counts):
                 raise ArgumentError(
                     f"AutoParallel({ap.name}).pipeline(stages={S}): the strategy "
-                    f"{given} of parameter {tree.keystr(path) or '0'} ({typeof(x)}) splits "
-                    f"it over {math.prod(counts)} devices, but each stage has {dp} "
-                    f"({ap.n_devices} devices / {S} stages): a stage's strategies run on "
-                    f"its own devices.\nFix: split counts whose product divides {dp}, or "
-                    "fewer stages.")
+                    f"{given} of {what} splits it over {math.prod(counts)} devices, but "
+                    f"each stage has {dp} ({ap.n_devices} devices / {S} stages): a stage's "
+                    f"strategies run on its own devices.\nFix: split counts whose product "
+                    f"divides {dp}, or fewer stages.")
             if given is None and ap.parallel_mode == "semi_auto":
                 given = (1,) * typeof(x).ndim
             strategies.append(given)

@@ -496,10 +496,10 @@ def test_operator_parallelism_inside_each_stage(S, M, sched, inter, k):
 
 
 def test_transformer_stack_with_operator_parallelism_inside_stages():
-    plan = example.model_parallel_plan("transformer", 4, 2)
-    ref_losses, ref_params = _reference("transformer", 4)
-    losses, state, _ = example.train(STEPS, "transformer", 2, 4, "1f1b", True, mesh=4,
-                                     opt=OPT, params=_params("transformer", 4),
+    plan = example.model_parallel_plan("transformer", 2, 2)
+    ref_losses, ref_params = _reference("transformer", 2)
+    losses, state, _ = example.train(STEPS, "transformer", 2, 2, "1f1b", False, mesh=4,
+                                     opt=OPT, params=_params("transformer", 2),
                                      batch=BATCHES["transformer"], plan=plan)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-11)
     for name, want in ref_params.items():

@@ -101,6 +101,14 @@ class Sharding:
     dims: tuple[tuple[int, ...], ...]
     partial: frozenset = frozenset()
 
+    # The search hashes layouts millions of times (dict keys of its states and
+    # tables): hash the nested tuples once.
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.dims, self.partial)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @staticmethod
     def replicated(ndim: int) -> "Sharding":
         return Sharding(((),) * ndim)
@@ -153,6 +161,12 @@ class Candidate:
     assign: tuple  # ((factor, axes), ...)
     carry: frozenset = frozenset()
     carry_ops: tuple = ()
+
+    def __post_init__(self):  # hashed once (see Sharding)
+        object.__setattr__(self, "_hash", hash((self.assign, self.carry, self.carry_ops)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def axes(self, label) -> tuple:
         for lab, ax in self.assign:

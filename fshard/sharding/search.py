@@ -527,7 +527,7 @@ class _Budget(Exception):
 
 def _key(st: _State) -> tuple:
     """What the future of a state depends on: the layouts each live value holds."""
-    return tuple((id(v), vs) for v, vs in st.held.items())
+    return tuple(st.held.items())  # (a Var compares and hashes by identity)
 
 
 def _fresh_groups(P: Problem, st: _State) -> list:
@@ -663,6 +663,7 @@ class _Estimate:
                 self.out_req.setdefault(a, []).append(req)
         self._edge: dict = {}
         self._future: dict = {}
+        self._held: dict = {}  # (value, its layouts, i) -> what it adds from equation i
         self._tables: dict = {}
         self._rest: dict = {}
         self.best = [0.0] * P.n  # each equation's unconstrained best
@@ -751,12 +752,19 @@ class _Estimate:
     def __call__(self, st: _State, i: int) -> float:
         """The estimated cost of equations ``i``.. and the output moves."""
         h = self.rootless[i]
+        memo = self._held
         for v, versions in st.held.items():
-            for j in self.cons.get(v, ()):
-                if j >= i:
-                    h += min(self.edge(v, j, s) for s in versions)
-            for req in self.out_req.get(v, ()):
-                h += min(self.move(v, s, req or Sharding(s.dims), True) for s in versions)
+            # (many states of a beam hold a value the same way: priced once)
+            c = memo.get((v, versions, i))
+            if c is None:
+                c = 0.0
+                for j in self.cons.get(v, ()):
+                    if j >= i:
+                        c += min(self.edge(v, j, s) for s in versions)
+                for req in self.out_req.get(v, ()):
+                    c += min(self.move(v, s, req or Sharding(s.dims), True) for s in versions)
+                memo[(v, versions, i)] = c
+            h += c
         return h
 
 

@@ -569,3 +569,27 @@ def test_a_parameter_plan_naming_no_parameter_is_an_error(stages):
                        r"not a parameter of the model; its parameters are \['w1', 'w2'\]"
                        r".*Fix: use those names"):
         ap(ap.init(p), x, y)
+
+
+def test_fs_shard_in_the_loss_applies_inside_stages_or_warns_with_one_device():
+    """A stage of several devices honours an fs.shard written in the loss; with one
+    device per stage there is nothing to split: a warning, and the function runs as it
+    is (its own shard would wait for processes running other stages)."""
+    inner = fs.shard(lambda h: fs.ops.relu(h), in_strategy=((2, 1),))
+
+    def loss(p, x, y):
+        h = fs.pipeline_split(inner(x @ p["w1"]))
+        return ((h @ p["w2"] - y) ** 2).mean()
+
+    p, x, y = _data()
+    want = float(fs.jit(_loss)(p, x, y).asnumpy())
+    ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=4).pipeline(stages=2, micro_batches=2)
+    _, l = ap(ap.init(p), x, y)
+    np.testing.assert_allclose(float(l.asnumpy()), want, rtol=1e-6)
+    assert next(iter(ap._pipeline._steps.values())).sharding is not None
+    ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=2).pipeline(stages=2, micro_batches=2)
+    with pytest.warns(fs.OperatorStrategyWarning, match=r"(?s)does not apply fs.shard\(<lambda>"
+                      r", in_strategy=\(\(2, 1\),\)\) inside the loss: .* each stage here has "
+                      r"one device.*Fix: give the stages several devices"):
+        _, l = ap(ap.init(p), x, y)
+    np.testing.assert_allclose(float(l.asnumpy()), want, rtol=1e-6)

@@ -13,10 +13,11 @@ the user guide.
 from __future__ import annotations
 
 import functools
+import warnings
 
 from fshard import context, distributed, tree, user_layouts
 from fshard.core import EvalTrace, current_trace, typeof
-from fshard.errors import CompositionError, ShardingError
+from fshard.errors import CompositionError, OperatorStrategyWarning, ShardingError
 from fshard.ir import Program
 from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.partition import Partitioned
@@ -356,6 +357,17 @@ class Sharded:
         fname = fun_name(self.fn)
         if context.shard_depth.get() and context.shard_annotations.get():
             return self._annotate(fname, args, kwargs)
+        if context.shard_annotations.get():
+            # the loss of a pipeline whose stages have one device each: its own shard
+            # would communicate with processes running other stages
+            warnings.warn(OperatorStrategyWarning(
+                f"fshard does not apply fs.shard({fname}, in_strategy="
+                f"{self.in_strategy!r}) inside the loss: with AutoParallel.pipeline(...) "
+                f"each stage here has one device, so there is nothing to split; {fname} "
+                "runs as it is.\nFix: give the stages several devices each (a mesh of more "
+                "devices than stages) to apply it; call the function without fs.shard to "
+                "silence this."), stacklevel=2)
+            return self.fn(*args, **kwargs)
         if inside_vmap():
             raise CompositionError(
                 f"shard({fname}) is applied inside vmap, which fshard does not allow.\nRule: "

@@ -5,6 +5,8 @@ partitioning and search all price with these functions.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass, field
 
@@ -56,11 +58,19 @@ def step_bytes(kind: str, local: float, n: int, world: bool, native: dict) -> fl
 
 
 def redistribution(src: Sharding, dst: Sharding, shape, itemsize: int, mesh: ShardMesh,
-                   native: dict) -> tuple[float, list, list]:
+                   native: dict) -> tuple[float, tuple, tuple]:
     """``(bytes each device sends, steps, local bytes after each step)`` of moving a
     value of global ``shape`` from ``src`` to ``dst``: the one cost of a move, used by
     propagation, partitioning and search."""
-    steps = plan(src, dst, native_reduce_scatter(native)) if src != dst else []
+    return _redistribution(src, dst, tuple(shape), itemsize, mesh,
+                           frozenset(native.items()))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a pure function that planning calls very often
+def _redistribution(src: Sharding, dst: Sharding, shape: tuple, itemsize: int,
+                    mesh: ShardMesh, native_items: frozenset) -> tuple[float, tuple, tuple]:
+    native = dict(native_items)
+    steps = plan(src, dst, native_reduce_scatter(native)) if src != dst else ()
     local_shape = list(src.local_shape(shape, mesh))
     sent, sizes = 0.0, []
     for st in steps:
@@ -72,7 +82,7 @@ def redistribution(src: Sharding, dst: Sharding, shape, itemsize: int, mesh: Sha
         elif st.kind in ("psum_scatter", "slice"):
             local_shape[st.dim] //= n
         sizes.append(float(planning_prod(local_shape) * itemsize))
-    return sent, steps, sizes
+    return sent, steps, tuple(sizes)
 
 
 def plan_bytes(src: Sharding, dst: Sharding, aval: ArrayType, mesh: ShardMesh,

@@ -19,6 +19,8 @@ Vocabulary (NB: Shardy's factor-based sharding rules, GSPMD's partial state):
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 import math
 from dataclasses import dataclass
@@ -258,7 +260,8 @@ class Step:
     dim: int = -1      # tensor dim (not for psum)
 
 
-def plan(src: Sharding, dst: Sharding, reduce_scatter: bool = True) -> list[Step]:
+@functools.lru_cache(maxsize=1 << 16)  # (propagation asks for the same moves over and over)
+def plan(src: Sharding, dst: Sharding, reduce_scatter: bool = True) -> tuple[Step, ...]:
     """The steps from ``src`` to ``dst`` (``dst`` must not add pending sums). Without
     ``reduce_scatter`` (a backend that would emulate it by an AllReduce and a slice) a
     pending sum is reduced whole and then sliced, so the whole value is held too."""
@@ -284,7 +287,7 @@ def plan(src: Sharding, dst: Sharding, reduce_scatter: bool = True) -> list[Step
     for d, ax in new_axes.items():
         if ax:
             steps.append(Step("slice", ax, d))
-    return steps
+    return tuple(steps)
 
 
 def after(sh: Sharding, st: Step) -> Sharding:

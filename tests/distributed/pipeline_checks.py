@@ -41,9 +41,7 @@ CONFIGS = {
          "data_parallel"),
         ("mlp_2x2_model_parallel", "mlp", 2, 4, "1f1b", False, True, "data_parallel", True),
         ("mlp_2x2_model_parallel_full_batch", "mlp", 2, 2, "gpipe", True, False,
-         "full_batch", True),
-        ("transformer_2x2_model_parallel", "transformer", 2, 2, "1f1b", False, True,
-         "data_parallel", True)],
+         "full_batch", True)],
 }
 
 

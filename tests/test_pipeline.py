@@ -593,3 +593,24 @@ def test_fs_shard_in_the_loss_applies_inside_stages_or_warns_with_one_device():
                       r"one device.*Fix: give the stages several devices"):
         _, l = ap(ap.init(p), x, y)
     np.testing.assert_allclose(float(l.asnumpy()), want, rtol=1e-6)
+
+
+def test_an_operator_strategy_inside_a_loop_body_shards_the_stages_too():
+    from mindspore import ops
+
+    def make(relu):
+        def loss(p, x, y):
+            h, _ = fs.scan(lambda c, _: (relu(c) * 0.9, None), x @ p["w1"], None, length=3)
+            return ((fs.pipeline_split(h) @ p["w2"] - y) ** 2).mean()
+        return loss
+
+    p, x, y = _data()
+    ref = fs.AutoParallel(make(ops.ReLU()), fs.optim.sgd(0.1), mesh=1)
+    ap = fs.AutoParallel(make(ops.ReLU().shard(((2, 1),))), fs.optim.sgd(0.1), mesh=4).pipeline(
+        stages=2, micro_batches=2)
+    s_ref, s = ref.init(p), ap.init(p)
+    for _ in range(2):
+        s_ref, l_ref = ref(s_ref, x, y)
+        s, l = ap(s, x, y)
+        np.testing.assert_allclose(float(l.asnumpy()), float(l_ref.asnumpy()), rtol=1e-5)
+    assert next(iter(ap._pipeline._steps.values())).sharding is not None

@@ -55,7 +55,7 @@ from fshard.core import ArrayType, typeof
 from fshard.dims import planning_size
 from fshard.errors import ArgumentError, FshardError, PipelineBalanceWarning
 from fshard.interpret import bind_equation, walk_equations
-from fshard.ir import Var
+from fshard.ir import Program, Var
 from fshard.layout import Layout
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import apply_updates
@@ -134,8 +134,7 @@ class Stages:
             else:
                 traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
         #: The loss fixes layouts of its own (operator strategies, fs.shard calls).
-        self.constrained = any(eq.prim is layout_constraint_p
-                               for eq in traced.program.equations)
+        self.constrained = _has_constraints(traced.program)
         prog = self.program = traced.program
         self.consts = list(traced.consts)
         self.name = name
@@ -458,6 +457,18 @@ class StageSharding(NamedTuple):
                   mesh=mesh, level=2, search=self.search, dataset_strategy="full_batch")
         s.process_groups = self.groups
         return jit(s)
+
+
+def _has_constraints(program) -> bool:
+    """Whether ``program`` (or a loop body or branch in it) fixes a layout."""
+    for eq in program.equations:
+        if eq.prim is layout_constraint_p:
+            return True
+        for v in eq.params.values():
+            if any(_has_constraints(p) for p in (v if isinstance(v, tuple) else (v,))
+                   if isinstance(p, Program)):
+                return True
+    return False
 
 
 def _eq_flops(eq) -> float:

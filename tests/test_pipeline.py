@@ -614,3 +614,36 @@ def test_an_operator_strategy_inside_a_loop_body_shards_the_stages_too():
         s, l = ap(s, x, y)
         np.testing.assert_allclose(float(l.asnumpy()), float(l_ref.asnumpy()), rtol=1e-5)
     assert next(iter(ap._pipeline._steps.values())).sharding is not None
+
+
+def test_a_cells_parameter_plan_shards_its_stages():
+    from mindspore import nn
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layer1 = nn.Dense(64, 32)
+            self.relu = nn.ReLU()
+            self.layer2 = nn.Dense(32, 10)
+
+        def construct(self, x, y):
+            return fs.ops.softmax_cross_entropy(self.layer2(self.relu(self.layer1(x))), y)
+
+    x, y = next(example.batches(1))
+    net = Net()
+    ref = fs.AutoParallel(net, fs.optim.sgd(0.1), mesh=1)
+    s_ref = ref.init()
+    net.layer1.pipeline_stage, net.layer2.pipeline_stage = 0, 1
+    ap = fs.AutoParallel(net, fs.optim.sgd(0.1), mesh=4).parameter_plan(
+        {"layer1.weight": (2, 1), "layer2.weight": (1, 2)}).pipeline(stages=2, micro_batches=4)
+    s = ap.init()
+    for _ in range(3):
+        s_ref, l_ref = ref(s_ref, x, y)
+        s, l = ap(s, x, y)
+        np.testing.assert_allclose(float(l.asnumpy()), float(l_ref.asnumpy()), rtol=1e-5)
+    sharding = next(iter(ap._pipeline._steps.values())).sharding
+    assert sharding is not None and (2, 1) in sharding.params and (1, 2) in sharding.params
+    for k in s.params:
+        want = s_ref.params[k].asnumpy()
+        np.testing.assert_allclose(s.params[k].asnumpy(), want, rtol=1e-5,
+                                   atol=1e-5 * float(np.abs(want).max()), err_msg=k)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +15,9 @@ import pytest
 import fshard as fs
 from fshard import checkpoint as ckpt
 from fshard.sharding.layouts import ShardMesh
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
+from training_checks import CountedReads  # noqa: E402
 
 
 def _cut(rank=1):
@@ -66,28 +70,12 @@ def test_sharded_arrays_of_another_job_size_are_checkpoint_errors(tmp_path):
         ckpt.load(d, {"y": y})
 
 
-class _Reads:
-    def __enter__(self):
-        self.bytes, self._read = 0, ckpt._read
-
-        def read(fd, offset, n):
-            data = self._read(fd, offset, n)
-            self.bytes += len(data)
-            return data
-
-        ckpt._read = read
-        return self
-
-    def __exit__(self, *exc):
-        ckpt._read = self._read
-
-
 def test_a_whole_load_reads_each_byte_once_and_layouts_need_a_job(tmp_path):
     state = {"w": np.arange(64, dtype=np.float32).reshape(16, 4), "s": np.int32(3)}
     d = ckpt.save(tmp_path / "c", state, layouts={"w": (2, 1), "s": None}, mesh=2)
     size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)
                if f.endswith(".safetensors"))
-    with _Reads() as reads:
+    with CountedReads() as reads:
         back = ckpt.load(d, state, layouts={"w": (2, 1), "s": None})  # one process: whole
     assert reads.bytes == size  # verified while read: no second pass over the files
     assert not isinstance(back["w"], fs.ShardedArray)

@@ -228,7 +228,8 @@ def test_data_parallel_inside_each_stage():
     _check_equal("mlp", 2, 4, "1f1b", False, dp=2)
 
 
-def test_cells_with_pipeline_stage():
+def _dense_net():
+    """A two-layer Cell for the digits (its stages are set by the tests)."""
     from mindspore import nn
 
     class Net(nn.Cell):
@@ -242,8 +243,12 @@ def test_cells_with_pipeline_stage():
             h = self.relu(self.layer1(x))
             return fs.ops.softmax_cross_entropy(self.layer2(h), y)
 
+    return Net()
+
+
+def test_cells_with_pipeline_stage():
     x, y = next(example.batches(1))
-    net = Net()
+    net = _dense_net()
     ref = fs.AutoParallel(net, fs.optim.sgd(0.1), mesh=1)
     s_ref = ref.init()
     net.layer1.pipeline_stage, net.layer2.pipeline_stage = 0, 1
@@ -617,20 +622,8 @@ def test_an_operator_strategy_inside_a_loop_body_shards_the_stages_too():
 
 
 def test_a_cells_parameter_plan_shards_its_stages():
-    from mindspore import nn
-
-    class Net(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.layer1 = nn.Dense(64, 32)
-            self.relu = nn.ReLU()
-            self.layer2 = nn.Dense(32, 10)
-
-        def construct(self, x, y):
-            return fs.ops.softmax_cross_entropy(self.layer2(self.relu(self.layer1(x))), y)
-
     x, y = next(example.batches(1))
-    net = Net()
+    net = _dense_net()
     ref = fs.AutoParallel(net, fs.optim.sgd(0.1), mesh=1)
     s_ref = ref.init()
     net.layer1.pipeline_stage, net.layer2.pipeline_stage = 0, 1

@@ -136,9 +136,12 @@ def model_parallel_plan(model: str, n_chunks: int, devices: int) -> dict:
 
 
 def optimizer(name):
-    """"adam", "momentum", or an fshard optimizer (used as it is)."""
+    """"adam", "momentum", "clipped" (Adam after a global-norm clip, which couples every
+    parameter's update), or an fshard optimizer (used as it is)."""
     if not isinstance(name, str):
         return name
+    if name == "clipped":
+        return fs.optim.chain(fs.optim.clip_by_global_norm(0.5), fs.optim.adam(1e-2))
     return fs.optim.adam(1e-2) if name == "adam" else fs.optim.sgd(0.03, momentum=0.9)
 
 

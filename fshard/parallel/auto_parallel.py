@@ -330,9 +330,8 @@ class AutoParallel:
     def gather_params(self, state: TrainState):
         """The trained parameters, whole, on every process (a collective: every process
         calls it): in a multi-process job a split parameter is each process's block
-        (``fs.ShardedArray``), and with a pipeline each process updates only its
-        stage's parameters (the rest of its ``state.params`` keeps the values it was
-        given); this collects them."""
+        (``fs.ShardedArray``); this collects them. With a pipeline every process holds
+        them whole already."""
         if self._pipeline is None:
             return gather_sharded(state.params)
         return self._pipeline.gather_params(state)

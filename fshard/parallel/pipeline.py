@@ -34,10 +34,11 @@ Where it runs:
   ``fs.ppermute`` over the ``pp`` axis (MindSpore's CPU backend has no Send/Receive in
   graphs: the verified emulation is a one-hot slot buffer summed over the pipeline
   group), the carried values flattened into one float32 buffer padded to the largest
-  boundary; every rank of a pipeline group runs the same rounds. Gradients are summed
-  over ``dp`` with ``fs.psum``. Each process updates the parameters of its stage; the
-  other entries of its ``state.params`` stay as they were (``ap.gather_params(state)``
-  collects the trained values everywhere).
+  boundary; every rank of a pipeline group runs the same rounds. The gradients are
+  summed over the whole job with one ``fs.psum`` each (a process holds zeros for the
+  other stages' parameters), so every process runs the whole optimizer on the whole
+  gradient: an optimizer coupling the parameters (a global-norm clip) is exact, and
+  every process's state is the trained state.
 """
 
 from __future__ import annotations
@@ -805,7 +806,7 @@ class PipelinedStep:
                     grads[i] = g if grads[i] is None else grads[i] + g
             if d.loss is not None:
                 loss = d.loss if loss is None else loss + d.loss
-        owned = [g is not None for g in grads]
+        # (in a job, the parameters of other stages get their gradients from them)
         grads = [g if g is not None else np.zeros(typeof(x).shape,
                                                    dtypes.to_numpy(typeof(x).dtype))
                  for g, x in zip(grads, p_leaves)]
@@ -813,8 +814,7 @@ class PipelinedStep:
             loss = np.zeros((), loss_dtype)
         scale = np.asarray(1.0 / (self.M * self.groups), loss_dtype)
         new_p, new_o, step, out = self.finish(state.params, state.opt_state, state.step,
-                                              tree.unflatten(p_tree, grads), loss, scale,
-                                              tuple(owned))
+                                              tree.unflatten(p_tree, grads), loss, scale)
         return self.runner.state_cls(new_p, new_o, step), out
 
     def _make_finish(self):
@@ -841,13 +841,19 @@ class PipelinedStep:
             return per_opt[key]
         broadcast = cfg.output_broadcast
 
-        def finish(params, opt_state, step, grads, loss_sum, scale, owned):
+        def finish(params, opt_state, step, grads, loss_sum, scale):
             g_leaves, g_tree = tree.flatten(grads)
             with C.named_axis("pp", S), C.named_axis("dp", dp):
-                if reduce_dp:
-                    g_leaves = [C.psum_p.bind(g, axis_name=("dp",), mesh=mesh) if o else g
-                                for g, o in zip(g_leaves, owned)]
-                    if stage == last:
+                if mesh is not None:
+                    # Every process gets every gradient: its stage's replicas' sums (each
+                    # process holds zeros for the other stages' parameters) summed over
+                    # the job. Every process then runs the whole optimizer, so one that
+                    # couples the parameters (a global-norm clip) sees the whole
+                    # gradient, and every process's state is the trained state (what a
+                    # checkpoint of any process holds).
+                    axes = ("pp", "dp") if reduce_dp else ("pp",)
+                    g_leaves = [C.psum_p.bind(g, axis_name=axes, mesh=mesh) for g in g_leaves]
+                    if reduce_dp and stage == last:
                         loss_sum = C.psum_p.bind(loss_sum, axis_name=("dp",), mesh=mesh)
                 loss = loss_sum * scale
                 if mesh is not None and stage != last:
@@ -856,15 +862,10 @@ class PipelinedStep:
                     mine = loss if stage == last else np.zeros((), np.float32)
                     loss = C.psum_p.bind(mine, axis_name=("pp",), mesh=mesh)
             updates, new_opt = update()(tree.unflatten(g_tree, g_leaves), opt_state, params)
-            new_params = apply_updates(params, updates)
-            if mesh is not None:  # this process updates its stage's parameters only
-                new_params = tree.unflatten(g_tree, [
-                    nw if o else old for nw, old, o in zip(
-                        tree.leaves(new_params), tree.leaves(params), owned)])
-            return new_params, new_opt, step + 1, loss
+            return apply_updates(params, updates), new_opt, step + 1, loss
 
         finish.__name__ = f"pipeline_finish_{plan.name}"
-        fn = per_opt[key] = jit(finish, static_argnums=(6,))
+        fn = per_opt[key] = jit(finish)
         return fn
 
 
@@ -1043,28 +1044,6 @@ class PipelineRunner:
         return Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, virtual_stages)
 
     def gather_params(self, state):
-        """``state.params`` with every parameter's trained value, on every process (in
-        a multi-process job each stage updates only its own; this sums each parameter
-        from its stage over ``pp``). On a virtual mesh: ``state.params``."""
-        if self.virtual:
-            return state.params
-        if self.plan is None:
-            raise ArgumentError(
-                f"AutoParallel({self.ap.name}).gather_params(state): run a step first (the "
-                "stages are found by tracing the loss on a batch).")
-        S, plan = self.cfg.stages, self.plan
-        dp = self.ap.n_devices // S
-        stage = distributed.rank() // dp
-        owned = tuple(plan.param_owner[i] % S == stage for i in range(len(plan.param_vars)))
-        mesh = Mesh((S, dp), ("pp", "dp"))
-
-        def gather(params):
-            leaves, spec = tree.flatten(params)
-            with C.named_axis("pp", S), C.named_axis("dp", dp):
-                out = [C.psum_p.bind(x if o else x * np.zeros((), dtypes.to_numpy(
-                    typeof(x).dtype)), axis_name=("pp",), mesh=mesh)
-                    for x, o in zip(leaves, owned)]
-            return tree.unflatten(spec, out)
-
-        gather.__name__ = f"pipeline_gather_{plan.name}"
-        return jit(gather)(state.params)
+        """``state.params``: every process holds every trained parameter (each step
+        hands every gradient to every process), in a job as on a virtual mesh."""
+        return state.params

@@ -23,25 +23,29 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
 STEPS = 20
 
 # (name, model, stages, micro_batches, scheduler, interleave, output_broadcast,
-#  dataset_strategy[, model_parallel]): with "data_parallel" each process passes its
+#  dataset_strategy[, extras]): with "data_parallel" each process passes its
 #  data-parallel slice of every batch (the processes of dp index j: block j of dp), with
-#  "full_batch" the whole batch; model_parallel: the stages' weights split over their
-#  devices (examples/train_pipeline.py's model_parallel_plan)
+#  "full_batch" the whole batch; extras: "mp" splits the stages' weights over their
+#  devices (examples/train_pipeline.py's model_parallel_plan), "opt" names the optimizer
+#  (default "momentum"; "clipped" clips by the global norm of every stage's gradients)
 CONFIGS = {
     2: [("mlp_1f1b", "mlp", 2, 4, "1f1b", False, False, "data_parallel"),
-        ("mlp_gpipe_broadcast", "mlp", 2, 2, "gpipe", False, True, "data_parallel"),
+        ("mlp_gpipe_broadcast_clipped", "mlp", 2, 2, "gpipe", False, True, "data_parallel",
+         {"opt": "clipped"}),
         ("mlp_1f1b_interleave", "mlp", 2, 4, "1f1b", True, True, "data_parallel"),
         ("transformer_1f1b", "transformer", 2, 2, "1f1b", False, False, "data_parallel")],
     4: [("mlp_2x2_1f1b", "mlp", 2, 4, "1f1b", False, True, "data_parallel"),
         ("mlp_2x2_gpipe_full_batch", "mlp", 2, 2, "gpipe", False, False, "full_batch"),
-        ("mlp_2x2_gpipe", "mlp", 2, 2, "gpipe", False, False, "data_parallel"),
+        ("mlp_2x2_gpipe_clipped", "mlp", 2, 2, "gpipe", False, False, "data_parallel",
+         {"opt": "clipped"}),
         ("mlp_4_1f1b", "mlp", 4, 4, "1f1b", False, True, "data_parallel"),
         ("mlp_4_gpipe_interleave", "mlp", 4, 4, "gpipe", True, True, "data_parallel"),
         ("transformer_2x2_1f1b", "transformer", 2, 2, "1f1b", False, True,
          "data_parallel"),
-        ("mlp_2x2_model_parallel", "mlp", 2, 4, "1f1b", False, True, "data_parallel", True),
+        ("mlp_2x2_model_parallel", "mlp", 2, 4, "1f1b", False, True, "data_parallel",
+         {"mp": True}),
         ("mlp_2x2_model_parallel_full_batch", "mlp", 2, 2, "gpipe", True, False,
-         "full_batch", True)],
+         "full_batch", {"mp": True, "opt": "clipped"})],
 }
 
 
@@ -52,12 +56,14 @@ def main(out_dir: str) -> None:
     fs.distributed.init()
     rank, world = fs.distributed.rank(), fs.distributed.world_size()
     results: dict = {"rank": rank, "world": world, "configs": {}}
-    for name, model, stages, micro, sched, inter, bcast, dataset, *mp in CONFIGS[world]:
+    for name, model, stages, micro, sched, inter, bcast, dataset, *extras in CONFIGS[world]:
+        extras = extras[0] if extras else {}
+        mp = extras.get("mp", False)
         dp = world // stages
         chunks = stages * (2 if inter else 1)
         plan = ex.model_parallel_plan(model, chunks, dp) if mp else None
         losses, state, ap = ex.train(STEPS, model, stages, micro, sched, inter, bcast,
-                                     opt="momentum", dataset=dataset,
+                                     opt=extras.get("opt", "momentum"), dataset=dataset,
                                      part=(rank % dp, dp) if dataset == "data_parallel"
                                      else None, plan=plan)
         runner = ap._pipeline
@@ -69,6 +75,10 @@ def main(out_dir: str) -> None:
             "stage": rank // (world // stages),
             "losses": [None if np.isnan(v) else v for v in losses],
             "owned": {k: np.asarray(state.params[k].asnumpy()).tolist() for k in owned},
+            # every process holds the trained state, the optimizer's included
+            "params": {k: np.asarray(v.asnumpy()).tolist() for k, v in state.params.items()},
+            "opt_state": [np.asarray(x.asnumpy(), np.float64).ravel().tolist()
+                          for x in fs.tree.leaves(state.opt_state)],
             "gathered": {k: np.asarray(v.asnumpy()).tolist() for k, v in gathered.items()},
             "rounds": len(step.schedule.timeline().rounds()),
             "stage_collectives": _stage_collectives(step, state) if mp else None,

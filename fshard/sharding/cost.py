@@ -6,7 +6,6 @@ partitioning and search all price with these functions.
 from __future__ import annotations
 
 import functools
-
 import math
 from dataclasses import dataclass, field
 

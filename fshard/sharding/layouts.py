@@ -20,7 +20,6 @@ Vocabulary (NB: Shardy's factor-based sharding rules, GSPMD's partial state):
 from __future__ import annotations
 
 import functools
-
 import itertools
 import math
 from dataclasses import dataclass

@@ -110,6 +110,9 @@ class Sharding:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self):  # rebuilt, so a copy in another process hashes there
+        return Sharding, (self.dims, self.partial)
+
     @staticmethod
     def replicated(ndim: int) -> "Sharding":
         return Sharding(((),) * ndim)
@@ -168,6 +171,9 @@ class Candidate:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self):  # rebuilt (a str factor's hash differs between processes)
+        return Candidate, (self.assign, self.carry, self.carry_ops)
 
     def axes(self, label) -> tuple:
         for lab, ax in self.assign:

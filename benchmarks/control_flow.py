@@ -138,6 +138,24 @@ def scan(ctx):
 SHARDED_SCAN_STEPS = 300
 
 
+def _unrolled_vs_loop(ctx, make, h, xs, n, label, what):
+    """Time ``make(unroll)(h, xs)`` unrolled (``unroll=True``) against one loop
+    (``unroll=1``), after checking both give the same ``ys``: rows ``label form: what``,
+    the unrolled form the baseline, and each form's first call in the notes."""
+    fns, notes, outs = {}, [], {}
+    for form, unroll in (("unrolled", True), ("loop", 1)):
+        f = make(unroll)
+        t0 = time.perf_counter()
+        outs[form] = f(h, xs)[1].asnumpy()
+        notes.append(f"{n} steps, {form}: first call {time.perf_counter() - t0:.2f} s")
+        fns[form] = lambda f=f: f(h, xs)[1].asnumpy()
+    np.testing.assert_allclose(outs["loop"], outs["unrolled"], rtol=1e-4, atol=1e-3)
+    t = ctx.compare(fns, runs=ctx.runs(10, 2), warmup=1, rounds=2)
+    rows = [row("fshard", f"{label} {form}: {what}", t[form]) for form in ("unrolled", "loop")]
+    return Result(rows, baseline=f"{label} unrolled: {what}",
+                  target="one loop of the per-device program", notes=notes)
+
+
 @benchmark("sharded_scan", title="scan under fs.shard: unrolled vs one loop of the per-device "
            "program")
 def sharded_scan(ctx):
@@ -152,22 +170,14 @@ def sharded_scan(ctx):
     w = ms.Tensor((rng.standard_normal((16, 16)) * 0.3).astype(np.float32))
     xs = ms.Tensor(rng.standard_normal((n, 64, 16)).astype(np.float32))
     body = _scan_body(1, w)
-    fns, notes, outs = {}, [], {}
-    for form, unroll in (("unrolled", True), ("loop", 1)):
-        f = fs.jit(fs.shard(lambda h, xs, u=unroll: fs.scan(body, h, xs, unroll=u),
-                            in_strategy=((8, 1), (1, 8, 1)), out_strategy=((8, 1), None),
-                            mesh=8))
-        t0 = time.perf_counter()
-        outs[form] = f(h, xs)[1].asnumpy()
-        notes.append(f"{n} steps, {form}: first call {time.perf_counter() - t0:.2f} s")
-        fns[form] = lambda f=f: f(h, xs)[1].asnumpy()
-    np.testing.assert_allclose(outs["loop"], outs["unrolled"], rtol=1e-4, atol=1e-3)
-    t = ctx.compare(fns, runs=ctx.runs(10, 2), warmup=1, rounds=2)
-    what = f"tanh(h @ w + x), h 64x16 split 8 ways, {n} steps, mesh of 8"
-    rows = [row("fshard", f"fs.shard(fs.scan) {form}: {what}", t[form])
-            for form in ("unrolled", "loop")]
-    return Result(rows, baseline=f"fs.shard(fs.scan) unrolled: {what}",
-                  target="one loop of the per-device program", notes=notes)
+
+    def make(unroll):
+        return fs.jit(fs.shard(lambda h, xs: fs.scan(body, h, xs, unroll=unroll),
+                               in_strategy=((8, 1), (1, 8, 1)), out_strategy=((8, 1), None),
+                               mesh=8))
+
+    return _unrolled_vs_loop(ctx, make, h, xs, n, "fs.shard(fs.scan)",
+                             f"tanh(h @ w + x), h 64x16 split 8 ways, {n} steps, mesh of 8")
 
 
 @benchmark("shard_map_scan", title="scan inside fs.shard_map: unrolled vs one loop")
@@ -187,22 +197,14 @@ def shard_map_scan(ctx):
         c = fs.ops.tanh(fs.ops.matmul(c, w) + x)
         return c, fs.psum(c.sum(), "d")
 
-    fns, notes, outs = {}, [], {}
-    for form, unroll in (("loop", 1), ("unrolled", True)):
-        f = fs.jit(fs.shard_map(lambda h, xs, u=unroll: fs.scan(body, h, xs, unroll=u),
-                                ((8, 1), (1, 8, 1)), ((8, 1), None),
-                                mesh=fs.Mesh((8,), ("d",), virtual=True)))
-        t0 = time.perf_counter()
-        outs[form] = f(h, xs)[1].asnumpy()
-        notes.append(f"{n} steps, {form}: first call {time.perf_counter() - t0:.2f} s")
-        fns[form] = lambda f=f: f(h, xs)[1].asnumpy()
-    np.testing.assert_allclose(outs["loop"], outs["unrolled"], rtol=1e-4, atol=1e-3)
-    t = ctx.compare(fns, runs=ctx.runs(10, 2), warmup=1, rounds=2)
-    what = f"tanh(h @ w + x) and a psum, h 64x16 split 8 ways, {n} steps, mesh of 8"
-    rows = [row("fshard", f"fs.shard_map(fs.scan) {form}: {what}", t[form])
-            for form in ("unrolled", "loop")]
-    return Result(rows, baseline=f"fs.shard_map(fs.scan) unrolled: {what}",
-                  target="one loop of the per-device program", notes=notes)
+    def make(unroll):
+        return fs.jit(fs.shard_map(lambda h, xs: fs.scan(body, h, xs, unroll=unroll),
+                                   ((8, 1), (1, 8, 1)), ((8, 1), None),
+                                   mesh=fs.Mesh((8,), ("d",), virtual=True)))
+
+    return _unrolled_vs_loop(ctx, make, h, xs, n, "fs.shard_map(fs.scan)",
+                             f"tanh(h @ w + x) and a psum, h 64x16 split 8 ways, {n} steps, "
+                             "mesh of 8")
 
 
 @benchmark("sharded_scan_grad", title="gradient of a sharded scan: the reverse loop's "

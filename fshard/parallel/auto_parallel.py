@@ -438,7 +438,7 @@ class AutoParallel:
             out.append(given)
         return tree.unflatten(spec, out)
 
-    def check_param_plan(self, params) -> None:
+    def _check_param_plan(self, params) -> None:
         """Every name in ``parameter_plan`` names a parameter of ``params`` (a typo
         would otherwise leave that parameter unsplit without a word)."""
         paths = tree.flatten_with_path(params)[0]
@@ -624,7 +624,7 @@ class AutoParallel:
         hit = self._steps.get(key)
         if hit is not None:
             return hit
-        self.check_param_plan(state.params)
+        self._check_param_plan(state.params)
         p_sh = self._param_strategies(state.params)
         o_sh = self._state_strategies(state.opt_state, state.params)
         b_sh = self._batch_strategies(batch)

@@ -988,7 +988,7 @@ class PipelineRunner:
         the loss), or None. The parameters' strategies are checked against a stage's
         ``dp`` devices."""
         ap, S = self.ap, self.cfg.stages
-        ap.check_param_plan(params)
+        ap._check_param_plan(params)
         paths, leaves, _ = tree.flatten_with_path(params)
         strategies = []
         for path, x in zip(paths, leaves):

@@ -18,3 +18,34 @@ ms.set_context(pynative_synchronize=True)
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# ---------------------------------------------------------------------------
+# Quick run and full matrix
+# ---------------------------------------------------------------------------
+# README's test command runs every public feature at least once in about five minutes
+# on two cores. Tests marked ``full`` (every configuration of a matrix, the launched
+# multi-process jobs, the notebooks) run only with ``--full``, which `.ci/run` passes.
+# They are deselected, not skipped: the quick run reports how many it left out.
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run the full matrix: tests marked `full` too (multi-process jobs, "
+                          "notebooks, every configuration)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "full: part of the full matrix only (run with --full); see README")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    kept, left = [], []
+    for item in items:
+        (left if item.get_closest_marker("full") else kept).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept

@@ -16,9 +16,11 @@ def _commands():
 
 
 def test_ci_runs_readme_test_command():
-    demo, tests = _commands()[:2]
+    demo, tests, full = _commands()[:3]
     assert "pytest" in tests and "examples/demo.py" in demo
-    assert tests.strip() in (ROOT / ".ci" / "run").read_text()
+    # CI runs README's test command with the full-matrix flag README documents
+    assert full.strip() == ".venv/bin/python -m pytest --full"
+    assert tests.strip() + " --full" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_demo_runs():

@@ -30,9 +30,6 @@ import os
 
 os.environ.setdefault("GLOG_v", "3")
 
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 from sklearn.datasets import load_digits
@@ -152,3 +149,4 @@ ax.set_xlabel("step")
 ax.set_ylabel("loss (with dropout)")
 ax.set_title("dropout MLP on digits, 4 steps per fs.scan call")
 fig.tight_layout()
+plt.show()

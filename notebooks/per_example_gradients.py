@@ -40,9 +40,6 @@
 # %%
 import io
 
-import matplotlib
-
-matplotlib.use("Agg")  # render off-screen; the figure is shown as a PNG below
 import matplotlib.pyplot as plt
 import mindspore as ms
 import numpy as np

@@ -34,9 +34,6 @@ import sys
 os.environ.setdefault("GLOG_v", "3")
 sys.path.insert(0, os.path.join(os.getcwd(), "..", "examples"))
 
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -72,6 +69,7 @@ ax.set_xlabel("step")
 ax.set_ylabel("loss")
 ax.legend()
 fig.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## 2. ZeRO: memory per device
@@ -118,6 +116,7 @@ ax.set_ylabel("KiB per device")
 ax.set_title(f"ZeRO levels on {MESH.size} devices, Adam, {P} parameters")
 ax.legend()
 fig.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## 3. Collectives per step
@@ -213,3 +212,4 @@ ax.set_xlabel("step")
 ax.set_ylabel("loss")
 ax.legend()
 fig.tight_layout()
+plt.show()

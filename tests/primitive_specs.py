@@ -40,6 +40,22 @@ from fshard.primitives import reductions as R
 from fshard.primitives import spmd as P
 from fshard.primitives import structural as S
 
+
+def quick_first(params: list, per=lambda p: p.values[0]) -> list:
+    """``params`` with every case but the first of each group (by ``per``: the
+    primitive, by default) marked ``full``: the quick run checks each primitive's rule
+    once, the full matrix (``pytest --full``) every sample, dtype and mesh."""
+    seen, out = set(), []
+    for p in params:
+        key = per(p)
+        key = getattr(key, "name", key)
+        if key in seen:
+            p = pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.full))
+        seen.add(key)
+        out.append(p)
+    return out
+
+
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tests/ is not a package
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from references import (LANES, REFERENCES, W, block_index, shard_in_block,  # noqa: E402

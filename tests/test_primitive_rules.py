@@ -40,7 +40,7 @@ from fshard.interpret import batching_axis as vmap_axis
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tests/ is not a package
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from primitive_specs import F64, SPECS, out_types  # noqa: E402
+from primitive_specs import F64, SPECS, out_types, quick_first  # noqa: E402
 
 # Rule kinds the completeness test does not require yet: sharding rules arrive with
 # the SPMD partitioner, primitive by primitive. Remove a kind to require it everywhere.
@@ -89,7 +89,7 @@ def cases(*, dtypes=None, first_dtype_only=False, which=None, limit_jit=False,
                 if needs_args and not s.args and "batching" not in spec.custom_checks:
                     continue
                 out.append(pytest.param(prim.name, spec, s, id=f"{prim.name}[{s.id}]"))
-    return out
+    return quick_first(out)
 
 
 # ---------------------------------------------------------------------------
@@ -446,7 +446,7 @@ def transpose_cases():
                         fs.dtypes.is_float(o.dtype) for o in outs):
                     out.append(pytest.param(prim.name, spec, sample, group,
                                             id=f"{prim.name}[{sample.id}]-linear_in={group}"))
-    return out
+    return quick_first(out)
 
 
 @pytest.mark.parametrize("name,spec,sample,group", transpose_cases())

@@ -41,7 +41,8 @@ from fshard.sharding.layouts import Sharding, candidate_shardings, candidates
 from fshard.testing import (all_shardings, check_sharding, check_sharding_rule, shard_mesh)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: not a package
-from primitive_specs import SPECS, Sample, indices, loop_sharding_samples, values  # noqa: E402
+from primitive_specs import (SPECS, Sample, indices, loop_sharding_samples, quick_first,  # noqa: E402
+                             values)
 
 MESHES = (2, 4, 8)
 PRIMS = rules.all_primitives()
@@ -171,7 +172,7 @@ def _rule_cases():
         for s in samples:
             for n in MESHES:
                 out.append(pytest.param(prim, s, n, id=f"{prim.name}[{s.id}]-mesh{n}"))
-    return out
+    return quick_first(out)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -252,7 +253,7 @@ def _e2e_cases():
         for k, s in enumerate(_samples(prim)):
             n = MESHES[k % len(MESHES)]
             out.append(pytest.param(prim, s, n, id=f"{prim.name}[{s.id}]-mesh{n}"))
-    return out
+    return quick_first(out)
 
 
 def _layouts(prim, sample, n, rng) -> list:

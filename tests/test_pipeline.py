@@ -35,6 +35,13 @@ def _configs():
 
 
 CONFIGS = _configs()
+#: What the quick run trains: one configuration per scheduler, one of them interleaved;
+#: ``--full`` trains every configuration.
+QUICK_CONFIGS = {(2, 4, "1f1b", False), (4, 8, "gpipe", True)}
+
+
+def _quick(configs, quick):
+    return [c if c in quick else pytest.param(*c, marks=pytest.mark.full) for c in configs]
 
 
 # -- schedules ---------------------------------------------------------------------
@@ -183,12 +190,12 @@ def _check_equal(model, S, M, sched, inter, dp=1):
     assert ap.pipeline_schedule().virtual_stages == (2 if inter else 1)
 
 
-@pytest.mark.parametrize("S, M, sched, inter", CONFIGS)
+@pytest.mark.parametrize("S, M, sched, inter", _quick(CONFIGS, QUICK_CONFIGS))
 def test_mlp_trains_like_the_unpipelined_run(S, M, sched, inter):
     _check_equal("mlp", S, M, sched, inter)
 
 
-@pytest.mark.parametrize("S, M, sched, inter", CONFIGS)
+@pytest.mark.parametrize("S, M, sched, inter", _quick(CONFIGS, {(2, 4, "1f1b", False)}))
 def test_transformer_stack_trains_like_the_unpipelined_run(S, M, sched, inter):
     _check_equal("transformer", S, M, sched, inter)
 
@@ -470,7 +477,7 @@ SHARDED_CONFIGS = [(2, 4, "1f1b", False, 4), (2, 2, "gpipe", False, 2),
                    (2, 4, "1f1b", True, 2), (4, 4, "gpipe", False, 2)]
 
 
-@pytest.mark.parametrize("S, M, sched, inter, k", SHARDED_CONFIGS)
+@pytest.mark.parametrize("S, M, sched, inter, k", _quick(SHARDED_CONFIGS, SHARDED_CONFIGS[:1]))
 def test_operator_parallelism_inside_each_stage(S, M, sched, inter, k):
     """parameter_plan with a pipeline: each stage's programs are fs.shard-ed over its
     k devices (the weights split as planned, collectives inside the stage), and the

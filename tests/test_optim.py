@@ -442,7 +442,9 @@ def test_weight_decay_skips_gamma_and_beta_as_mindspore_does(name):
         params = {k: v.asnumpy() for k, v in fs.optim.apply_updates(params, u).items()}
     want = {p.name: p.asnumpy() for p in net.trainable_params()}
     assert sorted(want) == ["dense.bias", "dense.weight", "ln.beta", "ln.gamma"]
-    close(params, want, rtol=5e-4 if name == "adamw" else 1e-6)  # (decayed: off by 1e-2)
+    # Decaying gamma/beta puts them 1e-2 off; MindSpore's AdamWeightDecay kernel is itself
+    # ~1e-5 off float64 maths per step (fshard's float32 updates are closer).
+    close(params, want, rtol=5e-4 if name == "adamw" else 1e-6)
 
 
 def test_the_weight_decay_mask_is_configurable():

@@ -122,19 +122,20 @@ def _same_structure(fn: str, what: str, a, b) -> None:
 
 # -- dtypes --------------------------------------------------------------------------
 #
-# Each leaf is updated in its own dtype, and so are the numbers the update is made of
-# (the learning rate of a schedule, Adam's bias correction): a float64 parameter gets
-# a float64 update computed from float64 hyperparameters. Half-precision leaves get
-# their hyperparameters in float32 (1 - 0.999 has 2 significant digits in float16).
-# Integer (and bool) parameters are updated in float32, as optax does: the moments
-# and the updates are float32, and apply_updates adds in float then casts back
-# (rounding towards zero, like NumPy's astype).
+# A float32 or float64 leaf is updated in its own dtype, and so are the numbers the
+# update is made of (the learning rate of a schedule, Adam's bias correction): a
+# float64 parameter gets a float64 update computed from float64 hyperparameters.
+# Every other leaf keeps its optimizer state and gets its update in float32, and
+# apply_updates adds in float then casts back: a float16 leaf (in float16, Adam's
+# eps = 1e-8 is 0 and a second moment of 1e-9 underflows, so a small or zero
+# gradient gives inf or NaN), and integer or bool leaves, as optax updates them
+# (the cast rounds towards zero, like NumPy's astype).
 
 
 def _state_dtype(dtype):
-    """The dtype of a leaf's optimizer state and updates: its own for a float leaf,
-    float32 otherwise."""
-    return dtype if dtypes.is_float(dtype) else dtypes.float32
+    """The dtype of a leaf's optimizer state and updates: its own for a float32 or
+    float64 leaf, float32 otherwise."""
+    return dtype if dtype in (dtypes.float32, dtypes.float64) else dtypes.float32
 
 
 def _hyper_dtype(dtype):

@@ -514,3 +514,22 @@ def test_a_schedule_giving_a_bad_learning_rate_is_an_fshard_error(value):
     with pytest.raises(fs.ArgumentError, match=r"the schedule gave .* for step 0; a learning "
                                                r"rate must be a finite number >= 0"):
         opt.update(p, opt.init(p), p)
+
+
+def test_float16_parameters_keep_float32_state_and_never_divide_by_zero():
+    # In float16, eps = 1e-8 is 0 and 0.001 * (1e-3)^2 underflows: a zero or small
+    # gradient made Adam's update NaN or -inf.
+    p16 = {"w": np.array([1.0, 2.0, -3.0], np.float16)}
+    g16 = {"w": np.array([0.0, 1e-3, 0.5], np.float16)}
+    p32, g32 = tree.map(lambda x: x.astype(np.float32), p16), tree.map(
+        lambda x: x.astype(np.float32), g16)
+    for opt in (fs.optim.adam(0.1), fs.optim.adamw(0.1), fs.optim.sgd(0.1, momentum=0.9)):
+        s16, s32 = opt.init(p16), opt.init(p32)
+        assert all(x.dtype in (ms.int32, ms.float32) for x in tree.leaves(s16))
+        u16, _ = opt.update(g16, s16, p16)
+        u32, _ = opt.update(g32, s32, p32)
+        np.testing.assert_array_equal(u16["w"].asnumpy(), u32["w"].asnumpy())
+        new = fs.optim.apply_updates(p16, u16)["w"].asnumpy()
+        assert new.dtype == np.float16 and np.isfinite(new).all()
+        np.testing.assert_array_equal(
+            new, (p32["w"] + u32["w"].asnumpy()).astype(np.float16))

@@ -25,6 +25,8 @@ exchange a flat dict of named parameters (``fs.functional(cell)``'s) with MindSp
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -40,7 +42,7 @@ import numpy as np
 
 from fshard import distributed, dtypes, tree
 from fshard.core import typeof
-from fshard.errors import CheckpointError
+from fshard.errors import ArgumentError, CheckpointError, FshardError
 from fshard.layout import as_layout, block_owners, shard_slices
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.local import ShardedArray, block_bounds
@@ -72,7 +74,11 @@ def _name(path) -> str:
 def _numpy(x) -> np.ndarray:
     if isinstance(x, np.ndarray):
         return x
-    if isinstance(x, (np.generic, bool, int, float)):
+    if isinstance(x, float) and not isinstance(x, np.generic):
+        # A Python float is float32 wherever fshard holds it (fs.typeof, a like of
+        # load): saved so, {"lr": 0.1} loads back into a like of {"lr": 0.1}.
+        return np.asarray(x, np.float32)
+    if isinstance(x, (np.generic, bool, int)):
         return np.asarray(x)
     asnumpy = getattr(x, "asnumpy", None)
     if asnumpy is None:
@@ -228,7 +234,14 @@ class SaveHandle:
     def _run(self, write) -> None:
         try:
             write()
-        except BaseException as e:  # noqa: BLE001  (re-raised by wait())
+        except FshardError as e:
+            self._error = e
+        except Exception as e:  # noqa: BLE001  (re-raised by wait(), as an fshard error)
+            self._error = CheckpointError(
+                f"fs.checkpoint.save(wait=False): writing {self.path!r} failed: "
+                f"{type(e).__name__}: {e}")
+            self._error.__cause__ = e
+        except BaseException as e:  # noqa: BLE001  (KeyboardInterrupt, SystemExit)
             self._error = e
 
     def done(self) -> bool:
@@ -248,9 +261,34 @@ class SaveHandle:
         return f"SaveHandle({self.path!r}, {'done' if self.done() else 'writing'})"
 
 
+def _check_step(step) -> int | None:
+    """``step`` as a Python int (None stays None): a non-negative integer, given as a
+    Python int, a NumPy integer or a 0-d integer array (or Tensor, e.g. a TrainState's
+    step). Anything else is refused before anything is written."""
+    if step is None:
+        return None
+    value = step
+    if hasattr(value, "asnumpy") and not isinstance(value, np.ndarray):
+        try:
+            value = value.asnumpy()
+        except Exception:  # noqa: BLE001  (a traced step: refused below)
+            pass
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if not ok or value < 0:
+        what = f"{step!r} ({type(step).__name__})" if not ok else repr(int(value))
+        raise ArgumentError(
+            f"fs.checkpoint.save(step=...) must be a non-negative integer (a Python int, "
+            f"a NumPy integer or a 0-d integer array): it names the directory "
+            f"<path>/<step>; got {what}.\nFix: pass the training step as an int, e.g. "
+            "step=int(state.step.asnumpy()).")
+    return int(value)
+
+
 def _new_checkpoint_dir(path, step) -> str:
     """The directory a save writes: ``path/step`` (or ``path``), which must not exist."""
-    final = os.path.join(os.fspath(path), str(int(step))) if step is not None else \
+    final = os.path.join(os.fspath(path), str(step)) if step is not None else \
         os.fspath(path)
     if os.path.exists(final):
         raise CheckpointError(
@@ -288,6 +326,7 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
     Every process of a job calls ``save`` with the same arguments; it returns when the
     checkpoint is complete.
     """
+    step = _check_step(step)
     if not wait:
         final = _new_checkpoint_dir(path, step)
         # A host copy now (the caller's arrays may change while the thread writes).
@@ -304,10 +343,9 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
     specs = _leaf_strategies(state, layouts, len(leaves))
     final = _new_checkpoint_dir(path, step)
     parent = os.path.dirname(os.path.abspath(final))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f"{_TMP_PREFIX}{os.path.basename(final)}-{_job_token(nproc)}")
-    os.makedirs(tmp, exist_ok=True)
 
+    # Everything that can be refused is checked (and this process's blocks gathered)
+    # before anything is written.
     process_of = (lambda device: device) if nproc > 1 else (lambda device: 0)
     fname = f"shard-{rank:05d}-of-{nproc:05d}.safetensors"
     mine: dict[str, np.ndarray] = {}
@@ -336,32 +374,119 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
         entries.append({"path": tree.keystr(p), "name": _name(p), "shape": list(a.shape),
                         "dtype": a.dtype.name, "layout": _spec_json(spec),
                         "blocks": blocks})
-    nbytes, head_sha256, block_sha256 = _write_safetensors_durably(
-        os.path.join(tmp, fname), mine, {"format": FORMAT})
-    _mark_done(tmp, rank, {"file": fname, "bytes": nbytes, "header_sha256": head_sha256,
-                           "blocks": block_sha256})
-    if rank != 0:
-        _wait_for(lambda: os.path.exists(os.path.join(final, INDEX)), timeout,
-                  f"process 0 to complete the checkpoint {final!r}")
+
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(
+            f"fs.checkpoint.save: cannot create {parent!r}: {e}.\nFix: pass a path "
+            "this process can write.") from e
+    tmp = os.path.join(parent, f"{_TMP_PREFIX}{os.path.basename(final)}-{_job_token(nproc)}")
+    lock = _lock_tmp(tmp)
+    mine_written = False
+    try:
+        nbytes, head_sha256, block_sha256 = _write_safetensors_durably(
+            os.path.join(tmp, fname), mine, {"format": FORMAT})
+        mine_written = True
+        _mark_done(tmp, rank, {"file": fname, "bytes": nbytes, "header_sha256": head_sha256,
+                               "blocks": block_sha256})
+        if rank != 0:
+            _wait_for(lambda: os.path.exists(os.path.join(final, INDEX)), timeout,
+                      f"process 0 to complete the checkpoint {final!r}")
+            return final
+        done = _wait_for_done(tmp, nproc, timeout, final)
+        digests = {d["file"]: d["blocks"] for d in done}
+        for e in entries:
+            for b in e["blocks"]:
+                b["sha256"] = digests[b["file"]][b["key"]]
+        index = {"format": FORMAT, "version": VERSION, "step": step, "processes": nproc,
+                 "devices": n_devices, "treedef": str(tree.structure(state)),
+                 "files": {d["file"]: {"bytes": d["bytes"],
+                                       "header_sha256": d["header_sha256"]} for d in done},
+                 "leaves": entries}
+        _write_bytes_durably(os.path.join(tmp, INDEX),
+                             json.dumps(index, indent=1).encode())
+        for r in range(nproc):
+            os.remove(os.path.join(tmp, f"done-{r}.json"))
+        _fsync_dir(tmp)
+        _publish(tmp, final)
+        _fsync_dir(parent)
         return final
-    done = _wait_for_done(tmp, nproc, timeout, final)
-    digests = {d["file"]: d["blocks"] for d in done}
-    for e in entries:
-        for b in e["blocks"]:
-            b["sha256"] = digests[b["file"]][b["key"]]
-    index = {"format": FORMAT, "version": VERSION, "step": step, "processes": nproc,
-             "devices": n_devices, "treedef": str(tree.structure(state)),
-             "files": {d["file"]: {"bytes": d["bytes"], "header_sha256": d["header_sha256"]}
-                       for d in done},
-             "leaves": entries}
-    _write_bytes_durably(os.path.join(tmp, INDEX),
-                         json.dumps(index, indent=1).encode())
-    for r in range(nproc):
-        os.remove(os.path.join(tmp, f"done-{r}.json"))
-    _fsync_dir(tmp)
-    os.rename(tmp, final)
-    _fsync_dir(parent)
-    return final
+    except BaseException as e:
+        if nproc == 1:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif not mine_written or not isinstance(e, CheckpointError):
+            # In a job the directory is shared: this process removes its own part only
+            # (a timed-out job's parts stay for clean(), as the message says).
+            for f in (fname, f"done-{rank}.json", f"done-{rank}.json.part"):
+                _remove_quietly(os.path.join(tmp, f))
+        if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+            raise CheckpointError(
+                f"fs.checkpoint.save: writing {final!r} failed: {e}\nFix: check the "
+                "path and free space; earlier checkpoints are intact.") from e
+        raise
+    finally:
+        os.close(lock)
+
+
+def _remove_quietly(file: str) -> None:
+    try:
+        os.remove(file)
+    except OSError:
+        pass
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Rename the complete ``tmp`` to ``final``; then drop the lock file."""
+    try:
+        os.rename(tmp, final)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        # Another save (another program, or another thread) of the same step won the
+        # race: its checkpoint stands, this one is not written over it. (Every process
+        # of this job has written its part by now: the directory is this save's alone.)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"fs.checkpoint.save: {final!r} was completed by another save while this one "
+            "was writing; a checkpoint is never overwritten, so this save's files were "
+            "removed and the other's checkpoint stands.\nFix: give each run its own "
+            "root, or save under a new step.") from None
+    _remove_quietly(os.path.join(final, _LOCK))
+
+
+# ``clean`` must not remove the temporary directory of a save that is still writing
+# (in this process, a save(wait=False) thread; or another process). Each saving
+# process holds a shared flock on ``<tmp>/.lock`` until it has written its part;
+# ``clean`` removes a directory only when it can take the lock exclusively (no saver
+# holds it, or the one that did has died). flock locks belong to open file
+# descriptions, so this works between threads of one process too.
+_LOCK = ".lock"
+
+
+def _lock_tmp(tmp: str) -> int:
+    """Create ``tmp`` (shared by the processes of a job) and hold its lock; return the
+    lock's file descriptor."""
+    for _ in range(20):
+        try:
+            os.makedirs(tmp, exist_ok=True)
+            fd = os.open(os.path.join(tmp, _LOCK), os.O_CREAT | os.O_RDWR, 0o644)
+        except FileNotFoundError:  # a clean() removed the new directory: again
+            continue
+        except OSError as e:
+            raise CheckpointError(
+                f"fs.checkpoint.save: cannot create {tmp!r}: {e}.\nFix: pass a path "
+                "this process can write.") from e
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:  # still the file in the directory (not one a clean() just removed)?
+            if os.path.samestat(os.fstat(fd), os.stat(os.path.join(tmp, _LOCK))):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise CheckpointError(
+        f"fs.checkpoint.save: could not create {tmp!r}: something removes it as soon as it "
+        "is made.\nFix: do not run fs.checkpoint.clean in a loop on this root.")
 
 
 def _host_copy(x):
@@ -713,16 +838,36 @@ def _verify_files(root: str, files: dict, leaves: list) -> None:
 
 
 def clean(path) -> list[str]:
-    """Remove the temporary directories of unfinished saves under ``path`` (run it when
-    no save is in progress); return what was removed."""
+    """Remove the temporary directories of unfinished saves under ``path`` (saves that
+    died or timed out); return what was removed. The directory of a save still writing
+    (a ``save(wait=False)`` in this process, or a save in another process) is left
+    alone."""
     path = os.fspath(path)
     gone = []
     if os.path.isdir(path):
-        for d in os.listdir(path):
-            if d.startswith(_TMP_PREFIX):
-                shutil.rmtree(os.path.join(path, d), ignore_errors=True)
-                gone.append(os.path.join(path, d))
+        for d in sorted(os.listdir(path)):
+            full = os.path.join(path, d)
+            if d.startswith(_TMP_PREFIX) and os.path.isdir(full) and _remove_if_dead(full):
+                gone.append(full)
     return gone
+
+
+def _remove_if_dead(tmp: str) -> bool:
+    try:
+        fd = os.open(os.path.join(tmp, _LOCK), os.O_RDONLY)
+    except FileNotFoundError:
+        # no lock: a save that has not taken it yet retries (see _lock_tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live save holds it
+        shutil.rmtree(tmp, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------

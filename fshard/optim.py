@@ -29,14 +29,14 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from fshard import ops, tree
+from fshard import dtypes, ops, tree
 from fshard.backend.mindspore import as_tensor
 from fshard.core import Tracer, typeof
 from fshard.errors import ArgumentError
 
 __all__ = ["Optimizer", "sgd", "adam", "adamw", "apply_updates", "chain",
            "clip_by_global_norm", "cosine_decay", "linear_warmup", "constant",
-           "SgdState", "AdamState", "ClipState"]
+           "Schedule", "SgdState", "AdamState", "ClipState"]
 
 
 class Optimizer(NamedTuple):
@@ -67,9 +67,18 @@ class ClipState(NamedTuple):
 
 def _check_number(fn: str, name: str, value, low=None, high=None, low_open=False,
                   high_open=False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or (
-            isinstance(value, float) and math.isnan(value)):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ArgumentError(f"fs.optim.{fn}({name}=...) must be a number; got {value!r}.")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # a Python int beyond the float range
+        finite = False
+    if not finite:
+        # inf or nan would turn every parameter into inf or nan (or freeze training,
+        # eps=inf) without an error: refused here, where the argument is known.
+        raise ArgumentError(
+            f"fs.optim.{fn}({name}=...) must be a finite number; got {value!r}.\nFix: pass "
+            f"a finite {name}.")
     if low is not None and (value < low or (low_open and value == low)):
         bound = f"> {low}" if low_open else f">= {low}"
         raise ArgumentError(f"fs.optim.{fn}({name}=...) must be {bound}; got {value!r}.")
@@ -86,8 +95,16 @@ def _schedule(fn: str, learning_rate) -> Callable:
     return constant(float(learning_rate))
 
 
+def _check_mask(fn: str, mask) -> None:
+    if mask is not None and not callable(mask) and not tree.leaves(mask):
+        raise ArgumentError(
+            f"fs.optim.{fn}(mask=...) must be None (MindSpore's rule), a pytree of bools "
+            f"like the parameters (or a prefix of it), or a function params -> such a "
+            f"pytree; got {mask!r}.")
+
+
 def _zeros_like(x):
-    return ops.zeros(tuple(typeof(x).shape), typeof(x).dtype)
+    return ops.zeros(tuple(typeof(x).shape), _state_dtype(typeof(x).dtype))
 
 
 def _count0():
@@ -103,25 +120,141 @@ def _same_structure(fn: str, what: str, a, b) -> None:
             "pytree as the params given to init().")
 
 
-def _lr_at(schedule: Callable, count):
-    """The learning rate for step ``count`` (the step being taken, counted from 0)."""
-    return schedule(count)
+# -- dtypes --------------------------------------------------------------------------
+#
+# A float32 or float64 leaf is updated in its own dtype, and so are the numbers the
+# update is made of (the learning rate of a schedule, Adam's bias correction): a
+# float64 parameter gets a float64 update computed from float64 hyperparameters.
+# Every other leaf keeps its optimizer state and gets its update in float32, and
+# apply_updates adds in float then casts back: a float16 leaf (in float16, Adam's
+# eps = 1e-8 is 0 and a second moment of 1e-9 underflows, so a small or zero
+# gradient gives inf or NaN), and integer or bool leaves, as optax updates them
+# (the cast rounds towards zero, like NumPy's astype).
+
+
+def _state_dtype(dtype):
+    """The dtype of a leaf's optimizer state and updates: its own for a float32 or
+    float64 leaf, float32 otherwise."""
+    return dtype if dtype in (dtypes.float32, dtypes.float64) else dtypes.float32
+
+
+def _hyper_dtype(dtype):
+    """The dtype a float leaf's hyperparameters are computed in."""
+    return dtypes.float64 if dtype == dtypes.float64 else dtypes.float32
+
+
+def _as_state(x, dtype):
+    return x if typeof(x).dtype == dtype else ops.cast(x, dtype)
+
+
+def _rate_fn(fn: str, schedule: Callable, count) -> Callable:
+    """``dtype -> the learning rate of step count`` in that dtype (each computed once)."""
+    cache: dict = {}
+
+    def rate(dtype):
+        if dtype not in cache:
+            cache[dtype] = _evaluate(fn, schedule, count, dtype)
+        return cache[dtype]
+
+    return rate
+
+
+def _evaluate(fn: str, schedule: Callable, step, dtype):
+    if isinstance(schedule, Schedule):
+        return schedule(step, dtype)
+    value = schedule(step)
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        # A schedule's own numbers can be checked when they are Python or NumPy values
+        # (a traced one cannot be looked at).
+        try:
+            ok = math.isfinite(value) and value >= 0
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise ArgumentError(
+                f"fs.optim.{fn}(learning_rate=...): the schedule gave {value!r} for step "
+                f"{_show_step(step)}; a learning rate must be a finite number >= 0.\nFix: "
+                "correct the schedule.")
+        return float(value)
+    return ops.cast(_as_array(value), dtype)
+
+
+def _show_step(step):
+    try:
+        return int(np.asarray(step.asnumpy() if hasattr(step, "asnumpy") else step))
+    except Exception:  # noqa: BLE001  (a traced step has no value)
+        return "t"
+
+
+def _decay_mask(fn: str, mask, params) -> list:
+    """Per leaf of ``params``: whether weight decay applies to it.
+
+    Default (``mask=None``): MindSpore's rule for an optimizer given a Cell's
+    parameters, ``'beta' not in name and 'gamma' not in name`` (a LayerNorm's or
+    BatchNorm's scale and shift are not decayed), where a leaf's name is its key path
+    joined by dots (``{'ln.gamma': ...}`` or ``{'ln': {'gamma': ...}}``: ``ln.gamma``).
+    """
+    paths, _, _ = tree.flatten_with_path(params)
+    if mask is None:
+        names = [".".join(str(k) for k in p) for p in paths]
+        return ["beta" not in n and "gamma" not in n for n in names]
+    given = mask(params) if callable(mask) else mask
+    try:
+        flags = tree.broadcast_prefix(given, params)
+    except ValueError as e:
+        raise ArgumentError(
+            f"fs.optim.{fn}(mask=...) must have the structure of the parameters (or a "
+            f"prefix of it), with a bool per leaf (True: decay it): {e}\nFix: e.g. "
+            "mask=lambda params: {k: not k.endswith('bias') for k in params}.") from None
+    for p, f in zip(paths, flags):
+        if not isinstance(f, (bool, np.bool_)):
+            raise ArgumentError(
+                f"fs.optim.{fn}(mask=...) must hold a bool per parameter (True: decay "
+                f"it); got {f!r} for {tree.keystr(p)}.\nFix: use True or False.")
+    return [bool(f) for f in flags]
+
+
+def _masked(flags: list, f, *trees):
+    """``tree.map(f, *trees)`` on the leaves whose flag is set; the others as they are."""
+    leaves = [tree.leaves(t) for t in trees]
+    out = [f(*xs) if flag else xs[0] for flag, *xs in zip(flags, *leaves)]
+    return tree.unflatten(tree.structure(trees[0]), out)
 
 
 # -- schedules -----------------------------------------------------------------------
 
 
-def constant(value: float) -> Callable:
+class Schedule:
+    """A learning-rate schedule ``step -> value`` (``constant``, ``cosine_decay``,
+    ``linear_warmup``). ``schedule(step, dtype=None)`` computes in ``dtype`` (default:
+    the step's float dtype, else float32); the optimizers ask each parameter's dtype,
+    so a float64 parameter gets a float64 learning rate."""
+
+    def __init__(self, fn: Callable, text: str):
+        self._fn, self._text = fn, text
+
+    def __call__(self, step, dtype=None):
+        if dtype is None:
+            d = typeof(step).dtype
+            dtype = d if dtypes.is_float(d) else dtypes.float32
+        return self._fn(step, dtypes.canonical(dtype))
+
+    def __repr__(self) -> str:
+        return self._text
+
+
+def _float_step(step, dtype):
+    return ops.cast(_as_array(step), dtype)
+
+
+def constant(value: float) -> Schedule:
     """The schedule ``step -> value``."""
     _check_number("constant", "value", value)
-
-    def schedule(step):
-        return float(value)
-
-    return schedule
+    value = float(value)
+    return Schedule(lambda step, dtype: value, f"constant({value!r})")
 
 
-def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Callable:
+def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
     """``init_value * ((1 - alpha) * (1 + cos(pi * min(step, decay_steps) /
     decay_steps)) / 2 + alpha)`` (optax's ``cosine_decay_schedule``).
 
@@ -136,16 +269,17 @@ def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Cal
             f"fs.optim.cosine_decay(decay_steps=...) must be an int >= 1; got {decay_steps!r}.")
     _check_number("cosine_decay", "alpha", alpha, low=0.0, high=1.0)
 
-    def schedule(step):
-        t = ops.minimum(ops.cast(_as_array(step), np.float32), float(decay_steps))
-        cos = ops.cos(t * (math.pi / decay_steps))
-        return init_value * ((1.0 - alpha) * 0.5 * (cos + 1.0) + alpha)
+    def schedule(step, dtype):
+        t = ops.minimum(_float_step(step, dtype), float(decay_steps))
+        cos = ops.cos(ops.mul(t, math.pi / decay_steps))
+        return ops.mul(ops.add(ops.mul(ops.add(cos, 1.0), (1.0 - alpha) * 0.5), alpha),
+                       float(init_value))
 
-    return schedule
+    return Schedule(schedule, f"cosine_decay({init_value!r}, {decay_steps!r}, alpha={alpha!r})")
 
 
 def linear_warmup(init_value: float, peak_value: float, warmup_steps: int,
-                  after: Callable | None = None) -> Callable:
+                  after: Callable | None = None) -> Schedule:
     """From ``init_value`` to ``peak_value`` linearly over ``warmup_steps``, then
     ``after(step - warmup_steps)`` (default: ``peak_value``; e.g.
     ``cosine_decay(peak_value, ...)``; optax's ``warmup_cosine_decay_schedule``).
@@ -165,15 +299,22 @@ def linear_warmup(init_value: float, peak_value: float, warmup_steps: int,
         raise ArgumentError(
             f"fs.optim.linear_warmup(after=...) must be a schedule (step -> value); got "
             f"{after!r}.")
+    init_value, peak_value = float(init_value), float(peak_value)
 
-    def schedule(step):
-        t = ops.cast(_as_array(step), np.float32)
-        frac = ops.minimum(t, float(warmup_steps)) * (1.0 / warmup_steps)
-        warm = init_value + (peak_value - init_value) * frac
-        rest = peak_value if after is None else after(ops.maximum(t - warmup_steps, 0.0))
-        return ops.where(t < warmup_steps, warm, rest)
+    def schedule(step, dtype):
+        t = _float_step(step, dtype)
+        frac = ops.mul(ops.minimum(t, float(warmup_steps)), 1.0 / warmup_steps)
+        warm = ops.add(ops.mul(frac, peak_value - init_value), init_value)
+        if after is None:
+            rest = peak_value
+        else:
+            later = ops.maximum(ops.sub(t, float(warmup_steps)), 0.0)
+            rest = after(later, dtype) if isinstance(after, Schedule) else \
+                ops.cast(_as_array(after(later)), dtype)
+        return ops.where(ops.less(t, float(warmup_steps)), warm, rest)
 
-    return schedule
+    return Schedule(schedule, f"linear_warmup({init_value!r}, {peak_value!r}, "
+                              f"{warmup_steps!r}, after={after!r})")
 
 
 def _arrays(t):
@@ -186,13 +327,22 @@ def _as_array(x):
 
 
 # -- optimizers ----------------------------------------------------------------------
+#
+# The arithmetic goes through fshard.ops, never Python operators on Tensors: outside a
+# trace those are MindSpore's, which round a Python float to float32 first
+# (0.9 * a float64 Tensor is 0.899999976...).
 
 
 def sgd(learning_rate, momentum: float = 0.0, nesterov: bool = False,
-        weight_decay: float = 0.0) -> Optimizer:
+        weight_decay: float = 0.0, mask=None) -> Optimizer:
     """MindSpore's ``nn.SGD`` (dampening 0): ``g += weight_decay * p``; with momentum
     ``v = momentum * v + g`` and the step ``v`` (``g + momentum * v`` with
     ``nesterov``); ``p -= lr * step``.
+
+    ``mask`` says which parameters are decayed: by default every one whose name
+    (key path joined by dots) contains neither ``beta`` nor ``gamma``, MindSpore's rule
+    (a LayerNorm's scale and shift are not decayed); or a pytree of bools like the
+    params (a prefix of it), or a function ``params -> such a pytree`` (optax's).
 
     >>> import numpy as np, fshard as fs
     >>> opt = fs.optim.sgd(0.1, momentum=0.9)
@@ -208,6 +358,7 @@ def sgd(learning_rate, momentum: float = 0.0, nesterov: bool = False,
         raise ArgumentError(f"fs.optim.sgd(nesterov=...) must be a bool; got {nesterov!r}.")
     if nesterov and momentum == 0:
         raise ArgumentError("fs.optim.sgd(nesterov=True) needs momentum > 0 (as in MindSpore).")
+    _check_mask("sgd", mask)
 
     def init(params):
         mom = tree.map(_zeros_like, params) if momentum else ()
@@ -216,21 +367,32 @@ def sgd(learning_rate, momentum: float = 0.0, nesterov: bool = False,
     def update(grads, state, params=None):
         _check_state("sgd", state, SgdState)
         grads, params = _arrays(grads), _arrays(params)
+        # integer gradients are worked with in float32 (their updates stay float)
+        grads = tree.map(lambda g: _as_state(g, _state_dtype(typeof(g).dtype)), grads)
         if weight_decay:
             _needs_params("sgd", "weight_decay", params)
             _same_structure("sgd", "the parameters", params, grads)
-            grads = tree.map(lambda g, p: g + weight_decay * p, grads, params)
+            grads = _masked(_decay_mask("sgd", mask, params),
+                            lambda g, p: ops.add(g, ops.mul(_as_state(p, typeof(g).dtype),
+                                                            weight_decay)), grads, params)
         step = grads
         mom = state.momentum
         if momentum:
             _same_structure("sgd", "the gradients", grads, mom)
-            mom = tree.map(lambda v, g: momentum * v + g, mom, grads)
-            step = (tree.map(lambda g, v: g + momentum * v, grads, mom) if nesterov else mom)
-        rate = _lr_at(lr, state.count)
-        updates = tree.map(lambda s: ops.cast(-rate * s, typeof(s).dtype), step)
+            mom = tree.map(lambda v, g: ops.add(ops.mul(v, momentum), g), mom, grads)
+            step = (tree.map(lambda g, v: ops.add(g, ops.mul(v, momentum)), grads, mom)
+                    if nesterov else mom)
+        rate = _rate_fn("sgd", lr, state.count)
+        updates = tree.map(lambda s: _scaled(s, rate), step)
         return updates, SgdState(state.count + 1, mom)
 
     return Optimizer(init, update)
+
+
+def _scaled(s, rate):
+    """``-rate * s`` in ``s``'s dtype, the rate computed in the matching dtype."""
+    d = typeof(s).dtype
+    return _as_state(ops.neg(ops.mul(s, rate(_hyper_dtype(d)))), d)
 
 
 def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Optimizer:
@@ -247,13 +409,16 @@ def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -
     """
     lr = _schedule("adam", learning_rate)
     _check_betas("adam", b1, b2, eps)
-    return _adam("adam", lr, b1, b2, eps, weight_decay=0.0, bias_correction=True)
+    return _adam("adam", lr, b1, b2, eps, weight_decay=0.0, bias_correction=True, mask=None)
 
 
 def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 1e-2) -> Optimizer:
+          weight_decay: float = 1e-2, mask=None) -> Optimizer:
     """MindSpore's ``nn.AdamWeightDecay``: the moments of ``adam``, no bias correction,
     ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)`` (decoupled weight decay).
+
+    ``mask`` says which parameters are decayed, as for ``sgd``: by default those whose
+    name contains neither ``beta`` nor ``gamma`` (MindSpore's rule).
 
     >>> import numpy as np, fshard as fs
     >>> opt = fs.optim.adamw(0.1, weight_decay=0.0)
@@ -265,7 +430,9 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     lr = _schedule("adamw", learning_rate)
     _check_betas("adamw", b1, b2, eps)
     _check_number("adamw", "weight_decay", weight_decay, low=0.0)
-    return _adam("adamw", lr, b1, b2, eps, weight_decay=weight_decay, bias_correction=False)
+    _check_mask("adamw", mask)
+    return _adam("adamw", lr, b1, b2, eps, weight_decay=weight_decay, bias_correction=False,
+                 mask=mask)
 
 
 def _check_betas(fn, b1, b2, eps) -> None:
@@ -274,7 +441,7 @@ def _check_betas(fn, b1, b2, eps) -> None:
     _check_number(fn, "eps", eps, low=0.0, low_open=True)
 
 
-def _adam(fn, lr, b1, b2, eps, weight_decay, bias_correction) -> Optimizer:
+def _adam(fn, lr, b1, b2, eps, weight_decay, bias_correction, mask) -> Optimizer:
     def init(params):
         return AdamState(_count0(), tree.map(_zeros_like, params),
                          tree.map(_zeros_like, params))
@@ -285,17 +452,33 @@ def _adam(fn, lr, b1, b2, eps, weight_decay, bias_correction) -> Optimizer:
         _same_structure(fn, "the gradients", grads, state.mu)
         if weight_decay:
             _needs_params(fn, "weight_decay", params)
-        mu = tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, grads)
-        nu = tree.map(lambda v, g: b2 * v + (1.0 - b2) * (g * g), state.nu, grads)
+            _same_structure(fn, "the parameters", params, grads)
+        grads = tree.map(lambda g, m: _as_state(g, typeof(m).dtype), grads, state.mu)
+        mu = tree.map(lambda m, g: ops.add(ops.mul(m, b1), ops.mul(g, 1.0 - b1)),
+                      state.mu, grads)
+        nu = tree.map(lambda v, g: ops.add(ops.mul(v, b2), ops.mul(ops.mul(g, g), 1.0 - b2)),
+                      state.nu, grads)
         count = state.count + 1
-        rate = _lr_at(lr, state.count)
-        if bias_correction:
-            t = ops.cast(count, np.float32)
-            rate = rate * ops.sqrt(1.0 - ops.pow(b2, t)) / (1.0 - ops.pow(b1, t))
-        direction = tree.map(lambda m, v: m / (ops.sqrt(v) + eps), mu, nu)
+        lr_at = _rate_fn(fn, lr, state.count)
+        cache: dict = {}
+
+        def rate(dtype):  # the learning rate times the bias correction, once per dtype
+            if dtype not in cache:
+                r = lr_at(dtype)
+                if bias_correction:
+                    t = ops.cast(count, dtype)
+                    r = ops.mul(ops.div(ops.sqrt(ops.sub(1.0, ops.pow(b2, t))),
+                                        ops.sub(1.0, ops.pow(b1, t))), r)
+                cache[dtype] = r
+            return cache[dtype]
+
+        direction = tree.map(lambda m, v: ops.div(m, ops.add(ops.sqrt(v), eps)), mu, nu)
         if weight_decay:
-            direction = tree.map(lambda d, p: d + weight_decay * p, direction, params)
-        updates = tree.map(lambda d: ops.cast(-rate * d, typeof(d).dtype), direction)
+            direction = _masked(_decay_mask(fn, mask, params),
+                                lambda d, p: ops.add(d, ops.mul(_as_state(p, typeof(d).dtype),
+                                                                weight_decay)),
+                                direction, params)
+        updates = tree.map(lambda d: _scaled(d, rate), direction)
         return updates, AdamState(count, mu, nu)
 
     return Optimizer(init, update)
@@ -321,8 +504,21 @@ def _needs_params(fn, what, params) -> None:
 def clip_by_global_norm(max_norm: float) -> Optimizer:
     """Scale the gradients so that their global norm (over every leaf) is at most
     ``max_norm`` (``mindspore.ops.clip_by_global_norm``; optax's of the same name).
-    Chain it before an optimizer: ``chain(clip_by_global_norm(1.0), adam(1e-3))``."""
+    Chain it before an optimizer: ``chain(clip_by_global_norm(1.0), adam(1e-3))``.
+
+    The norm is computed in float64 when a leaf is float64 (else float32), scaled by
+    the largest magnitude first, so it neither overflows nor underflows where the
+    gradients themselves do not (``[3e19, 4e19]`` clips to ``[0.6, 0.8]`` in float32
+    too). A NaN or infinite gradient makes the scaled gradients NaN (optax's and
+    PyTorch's behaviour): the step is visibly broken rather than silently skipped.
+
+    >>> import numpy as np, fshard as fs
+    >>> u, _ = fs.optim.clip_by_global_norm(1.0).update({"g": np.array([3e19, 4e19])}, ())
+    >>> [round(v, 12) for v in u["g"].asnumpy().tolist()]
+    [0.6, 0.8]
+    """
     _check_number("clip_by_global_norm", "max_norm", max_norm, low=0.0, low_open=True)
+    max_norm = float(max_norm)
 
     def init(params):
         return ClipState()
@@ -330,15 +526,38 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
     def update(grads, state, params=None):
         grads = _arrays(grads)
         leaves = tree.leaves(grads)
-        if not leaves:
+        # empty leaves add nothing (and MindSpore's ReduceMax refuses them)
+        counted = [g for g in leaves if 0 not in tuple(typeof(g).shape)]
+        if not counted:
             return grads, state
+        ct = _hyper_dtype(dtypes.result_type(*[_state_dtype(typeof(g).dtype)
+                                               for g in counted]))
+        wide = [_as_state(g, ct) for g in counted]
+        biggest = None
+        for g in wide:
+            m = ops.reduce_max(ops.abs(g))
+            biggest = m if biggest is None else ops.maximum(biggest, m)
+        # norm = biggest * r with r = ||g / biggest|| in [1, sqrt(n)]: nothing squared
+        # overflows or underflows. An infinite biggest divides by 1 (r is inf or NaN).
+        usable = ops.where(ops.less(biggest, float("inf")), biggest, 1.0)
+        usable = ops.where(ops.greater(usable, 0.0), usable, 1.0)
         sq = None
-        for g in leaves:
-            s = ops.reduce_sum(ops.cast(g, np.float32) ** 2)
-            sq = s if sq is None else sq + s
-        norm = ops.sqrt(sq)
-        scale = max_norm / ops.maximum(norm, max_norm)
-        return tree.map(lambda g: ops.cast(g * scale, typeof(g).dtype), grads), state
+        for g in wide:
+            s = ops.reduce_sum(ops.square(ops.div(g, usable)))
+            sq = s if sq is None else ops.add(sq, s)
+        r = ops.sqrt(sq)
+        # kept iff norm <= max_norm, i.e. r <= max_norm / usable (False for a NaN r)
+        keep = ops.less_equal(r, ops.div(max_norm, usable))
+        # clipped: (g / usable) * (max_norm / r), never forming the norm itself
+        den = ops.where(keep, 1.0, usable)
+        fac = ops.where(keep, 1.0, ops.div(max_norm, r))
+
+        def clip(g):
+            if 0 in tuple(typeof(g).shape):
+                return g
+            return _as_state(ops.mul(ops.div(_as_state(g, ct), den), fac), typeof(g).dtype)
+
+        return tree.map(clip, grads), state
 
     return Optimizer(init, update)
 
@@ -370,7 +589,9 @@ def chain(*optimizers: Optimizer) -> Optimizer:
 
 
 def apply_updates(params, updates):
-    """``params + updates``, leaf by leaf, in each parameter's dtype."""
+    """``params + updates``, leaf by leaf, cast to each parameter's dtype (optax's): an
+    integer parameter adds its float update in float, then rounds towards zero
+    (``5 + -0.3`` gives 4)."""
     _same_structure("apply_updates", "the updates", updates, params)
     params, updates = _arrays(params), _arrays(updates)
-    return tree.map(lambda p, u: ops.cast(ops.add(p, u), typeof(p).dtype), params, updates)
+    return tree.map(lambda p, u: _as_state(ops.add(p, u), typeof(p).dtype), params, updates)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
+import threading
+import time
 
 import mindspore as ms
 import numpy as np
@@ -375,3 +378,128 @@ def test_training_goes_on_while_a_checkpoint_is_written(tmp_path):
     resumed = ckpt.load(handle.wait(), ap1.init(_mlp_params()))
     _, again = _train(ap1, resumed, batches[3:])
     assert again == second
+
+
+# -- hostile input: steps, failures, races, Python scalars ---------------------------------
+
+
+def _leftovers(root):
+    return [d for d in os.listdir(root) if d.startswith(".tmp-")] if os.path.isdir(root) else []
+
+
+@pytest.mark.parametrize("step", [np.int32(5), np.int64(5), np.array(5), np.array(5, np.uint8),
+                                  ms.Tensor(np.int32(5))])
+def test_a_numpy_or_0d_integer_step_is_an_int(tmp_path, step):
+    d = ckpt.save(tmp_path, {"w": np.ones(2, np.float32)}, step=step)
+    assert d == str(tmp_path / "5") and _index(d)["step"] == 5
+    assert type(_index(d)["step"]) is int and ckpt.latest(tmp_path) == d
+
+
+@pytest.mark.parametrize("step, got", [
+    (1.5, "1.5 (float)"), (True, "True (bool)"), (-1, "-1"), ("../x", "'../x' (str)"),
+    (np.float64(2.0), "(float64)"), (np.array([1]), "(ndarray)"), (np.bool_(True), "(bool"),
+    (np.array(3.0), "(ndarray)"),
+])
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_bad_step_is_refused_before_anything_is_written(tmp_path, step, got, wait):
+    root = tmp_path / "run"
+    with pytest.raises(fs.ArgumentError, match=r"(?s)save\(step=\.\.\.\) must be a "
+                       r"non-negative integer [^\n]*got [^\n]*" + re.escape(got)
+                       + r".*Fix: pass the training step as an int"):
+        ckpt.save(root, {"w": np.ones(2, np.float32)}, step=step, wait=wait)
+    assert not root.exists()
+
+
+def test_a_failed_save_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    with pytest.raises(fs.CheckpointError, match="has dtype complex64"):
+        ckpt.save(tmp_path, {"z": np.ones(2, np.complex64)}, step=1)
+    with pytest.raises(fs.CheckpointError, match="cannot save a leaf of type object"):
+        ckpt.save(tmp_path, {"o": object()}, step=1)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "_write_safetensors_durably", full)
+    with pytest.raises(fs.CheckpointError, match=r"(?s)writing '.*1' failed: \[Errno 28\] "
+                                                 r"No space left.*earlier checkpoints are intact"):
+        ckpt.save(tmp_path, {"w": np.ones(2, np.float32)}, step=1)
+    handle = ckpt.save(tmp_path, {"w": np.ones(2, np.float32)}, step=2, wait=False)
+    with pytest.raises(fs.CheckpointError, match=r"No space left"):
+        handle.wait()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_save_that_loses_the_race_for_its_step_is_an_error_and_removes_its_files(
+        tmp_path, monkeypatch):
+    mine, theirs = {"w": np.zeros(3, np.float32)}, {"w": np.ones(3, np.float32)}
+    fsync_dir, raced = ckpt._fsync_dir, []
+
+    def other_program_saves_first(path):  # just before this save renames its directory
+        if os.path.basename(path).startswith(".tmp-") and not raced:
+            raced.append(path)
+            ckpt.save(tmp_path, theirs, step=5)
+        fsync_dir(path)
+
+    monkeypatch.setattr(ckpt, "_fsync_dir", other_program_saves_first)
+    with pytest.raises(fs.CheckpointError, match=r"(?s)'.*5' was completed by another save "
+                       r"while this one was writing; a checkpoint is never overwritten.*Fix:"):
+        ckpt.save(tmp_path, mine, step=5)
+    assert os.listdir(tmp_path) == ["5"]
+    same_bits(ckpt.load(tmp_path, theirs)["w"], theirs["w"])
+
+
+def test_clean_leaves_a_background_save_alone(tmp_path, monkeypatch):
+    release = threading.Event()
+    write = ckpt._write_safetensors_durably
+
+    def slow(*args, **kwargs):
+        assert release.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "_write_safetensors_durably", slow)
+    (tmp_path / ".tmp-7-123-0").mkdir()  # a save that died (before locks existed)
+    dead = tmp_path / ".tmp-8-456-0"     # a save whose process died: its lock is free
+    dead.mkdir()
+    (dead / ".lock").touch()
+    state = {"w": np.arange(4, dtype=np.float32)}
+    handle = ckpt.save(tmp_path, state, step=9, wait=False)
+    try:
+        for _ in range(3000):  # the thread has made its directory and taken its lock
+            live = [d for d in _leftovers(tmp_path) if d.startswith(".tmp-9-")]
+            if live and os.path.exists(tmp_path / live[0] / ".lock"):
+                break
+            time.sleep(0.01)
+        assert live
+        assert ckpt.clean(tmp_path) == [str(tmp_path / ".tmp-7-123-0"), str(dead)]
+        assert _leftovers(tmp_path) == live
+    finally:
+        release.set()
+    assert handle.wait() == str(tmp_path / "9")
+    assert sorted(os.listdir(tmp_path)) == ["9"] and ckpt.clean(tmp_path) == []
+    assert sorted(os.listdir(tmp_path / "9")) == ["index.json", "shard-00000-of-00001.safetensors"]
+    same_bits(ckpt.load(tmp_path, state)["w"], state["w"])
+
+
+def test_python_scalars_round_trip_with_the_dtypes_fshard_gives_them(tmp_path):
+    state = {"lr": 0.1, "n": 3, "on": True}
+    d = ckpt.save(tmp_path, state, step=1)
+    assert [e["dtype"] for e in _index(d)["leaves"]] == ["float32", "int64", "bool"]
+    back = ckpt.load(d, state)  # a like of Python scalars: float32, int64, bool
+    same_bits(back["lr"], np.float32(0.1))
+    same_bits(back["n"], np.int64(3))
+    same_bits(back["on"], np.bool_(True))
+    # both directions against float32 arrays
+    same_bits(ckpt.load(d, {"lr": np.float32(0), "n": np.int64(0), "on": False})["lr"],
+              np.float32(0.1))
+    d2 = ckpt.save(tmp_path, {"lr": np.float32(0.25)}, step=2)
+    same_bits(ckpt.load(d2, {"lr": 0.1})["lr"], np.float32(0.25))
+    # a float64 stays float64, and a Python float like says what it expects
+    d3 = ckpt.save(tmp_path, {"lr": np.float64(0.1)}, step=3)
+    with pytest.raises(fs.CheckpointError, match=r"saved as float64\[\], like has float32\[\]"):
+        ckpt.load(d3, {"lr": 0.1})
+    # the same rule for single safetensors files and MindSpore .ckpt files
+    ckpt.save_safetensors(tmp_path / "p.safetensors", {"lr": 0.1})
+    same_bits(ckpt.load_safetensors(tmp_path / "p.safetensors", {"lr": 0.1})["lr"],
+              np.float32(0.1))
+    ckpt.save_mindspore(tmp_path / "p.ckpt", {"lr": 0.1})
+    same_bits(ckpt.load_mindspore(tmp_path / "p.ckpt", {"lr": 0.1})["lr"], np.float32(0.1))

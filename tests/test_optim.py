@@ -284,3 +284,252 @@ def test_mismatched_structures_and_missing_params_are_fshard_errors():
         fs.optim.adamw(0.1).update(_grads(0), fs.optim.adamw(0.1).init(_params()))
     with pytest.raises(fs.ArgumentError, match="structure of the parameters"):
         fs.optim.apply_updates(_params(), {"w": _grads(0)["w"]})
+
+
+# -- clipping: the norm in the gradients' dtype, never overflowing ----------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("g, max_norm, want", [
+    ([3e19, 4e19], 1.0, [0.6, 0.8]),             # squares overflow float32
+    ([3e-30, 4e-30], 1e-30, [0.6e-30, 0.8e-30]),  # squares underflow both
+    ([3e37, 4e37], 1.0, [0.6, 0.8]),             # the norm itself overflows float32
+    ([3.0, 4.0], 10.0, [3.0, 4.0]),              # under max_norm: unchanged, exactly
+    ([0.0, 0.0], 1.0, [0.0, 0.0]),
+])
+def test_clip_by_global_norm_at_extreme_magnitudes(dtype, g, max_norm, want):
+    clip = fs.optim.clip_by_global_norm(max_norm)
+    u, _ = clip.update({"g": np.array(g, dtype)}, clip.init(None))
+    got = u["g"].asnumpy()
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got, np.array(want, dtype), rtol=4 * np.finfo(dtype).eps,
+                               atol=0)
+
+
+def test_clip_by_global_norm_over_mixed_dtypes_is_float64_and_jits():
+    g = {"a": np.array([3e-300, 0.0]), "b": np.array([4e-300], np.float64),
+         "c": np.zeros(0, np.float32), "d": np.array([0.0], np.float32)}
+    clip = fs.optim.clip_by_global_norm(1e-300)
+    for update in (clip.update, fs.jit(clip.update)):
+        u, _ = update(g, ())
+        np.testing.assert_allclose(u["a"].asnumpy(), [0.6e-300, 0.0], rtol=1e-15)
+        np.testing.assert_allclose(u["b"].asnumpy(), [0.8e-300], rtol=1e-15)
+        assert u["c"].shape == (0,) and u["d"].asnumpy().dtype == np.float32
+
+
+def test_clip_by_global_norm_makes_non_finite_gradients_visible():
+    clip = fs.optim.clip_by_global_norm(1.0)
+    u, _ = clip.update({"a": np.array([1.0, np.inf], np.float32), "b": np.array([2.0])}, ())
+    assert u["a"].asnumpy()[0] == 0 and np.isnan(u["a"].asnumpy()[1])  # optax's result
+    assert u["b"].asnumpy()[0] == 0
+    u, _ = clip.update({"a": np.array([1.0, np.nan], np.float32)}, ())
+    assert np.isnan(u["a"].asnumpy()).all()
+
+
+# -- float64 parameters: every number of the update in float64 --------------------------
+
+
+def _f64_run(opt, jit=False, steps=6):
+    rng = np.random.default_rng(3)
+    p0 = rng.standard_normal(5)
+    gs = [rng.standard_normal(5) for _ in range(steps)]
+
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return fs.optim.apply_updates(p, u), s
+
+    step = fs.jit(step) if jit else step
+    p, s = {"w": p0}, opt.init({"w": p0})
+    for g in gs:
+        p, s = step(p, s, {"w": g})
+    return p0, gs, p["w"].asnumpy()
+
+
+def _rel_error_of_the_change(p0, got, want):
+    assert got.dtype == np.float64
+    return float(np.abs((got - want) / (want - p0)).max())
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_float64_adam_bias_correction_is_float64(jit):
+    p0, gs, got = _f64_run(fs.optim.adam(0.01), jit)
+    p, m, v = p0.copy(), 0.0, 0.0
+    for t, g in enumerate(gs):
+        m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+        p = p - 0.01 * math.sqrt(1 - 0.999 ** (t + 1)) / (1 - 0.9 ** (t + 1)) * m / (
+            np.sqrt(v) + 1e-8)
+    assert _rel_error_of_the_change(p0, got, p) < 1e-13  # float32 corrections: 7e-6
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_float64_schedules_are_float64(jit):
+    sched = fs.optim.linear_warmup(0.01, 0.1, 3, after=fs.optim.cosine_decay(0.1, 4))
+    p0, gs, got = _f64_run(fs.optim.sgd(sched), jit)
+    p = p0.copy()
+    for t, g in enumerate(gs):
+        lr = 0.01 + 0.09 * t / 3 if t < 3 else 0.05 * (1 + math.cos(math.pi * min(t - 3, 4) / 4))
+        p = p - lr * g
+    assert _rel_error_of_the_change(p0, got, p) < 1e-13  # float32 schedules: 5e-8
+    assert float(sched(4, np.float64).asnumpy()) == 0.05 * (1 + math.cos(math.pi / 4))
+
+
+def test_schedules_compute_in_the_dtype_asked():
+    s = fs.optim.cosine_decay(1.0, 3)
+    assert s(1).dtype == ms.float32 and s(1, np.float64).dtype == ms.float64
+    assert s(np.float64(1)).dtype == ms.float64
+    assert repr(s) == "cosine_decay(1.0, 3, alpha=0.0)"
+
+
+# -- integer parameters: updated in float, as optax does -------------------------------
+
+
+def test_integer_parameters_move_as_in_optax():
+    # optax: apply_updates((5, -5), -0.1 * (3, -3)) = ((5 - 0.3).astype(int), ...) = (4, -4)
+    p = {"w": np.array([5, -5], np.int32)}
+    opt = fs.optim.sgd(0.1)
+    u, _ = opt.update({"w": np.array([3, -3], np.int32)}, opt.init(p), p)
+    assert u["w"].asnumpy().dtype == np.float32
+    got = fs.optim.apply_updates(p, u)["w"].asnumpy()
+    assert got.dtype == np.int32 and got.tolist() == [4, -4]
+    for opt in (fs.optim.sgd(0.1, momentum=0.9), fs.optim.adam(0.5)):
+        s = opt.init(p)
+        assert all(x.asnumpy().dtype == np.float32 for x in tree.leaves(s)[1:])
+        u, s2 = opt.update({"w": np.array([3, -3], np.int32)}, s, p)
+        assert tree.structure(s2) == tree.structure(s)
+        got = fs.optim.apply_updates(p, u)["w"].asnumpy()
+        want = (p["w"] + u["w"].asnumpy()).astype(np.int32)
+        assert got.tolist() == want.tolist() and got.tolist() != [5, -5]
+
+
+# -- weight decay: MindSpore's decay filter, or a mask ----------------------------------
+
+
+class _LNNet(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Dense(3, 4)
+        self.ln = nn.LayerNorm((4,))
+
+    def construct(self, x):
+        return self.ln(self.dense(x))
+
+
+def _ln_params(net):
+    rng = np.random.default_rng(5)
+    for p in net.trainable_params():
+        v = rng.standard_normal(p.shape).astype(np.float32) * 0.5 + (1.5 if "gamma" in p.name else 0)
+        p.set_data(ms.Tensor(v))
+    _, params = fs.functional(net)
+    return {k: v.asnumpy().copy() for k, v in params.items()}  # (asnumpy shares memory)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_weight_decay_skips_gamma_and_beta_as_mindspore_does(name):
+    net = _LNNet()
+    params = _ln_params(net)
+    ms_opt, opt = {
+        "adamw": (nn.AdamWeightDecay(net.trainable_params(), 0.05, weight_decay=0.1),
+                  fs.optim.adamw(0.05, weight_decay=0.1)),
+        "sgd": (nn.SGD(net.trainable_params(), 0.1, weight_decay=0.1),
+                fs.optim.sgd(0.1, weight_decay=0.1)),
+    }[name]
+    state = opt.init(params)
+    rng = np.random.default_rng(6)
+    for _ in range(10):
+        g = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+        ms_opt(tuple(ms.Tensor(g[p.name]) for p in net.trainable_params()))
+        u, state = opt.update(g, state, params)
+        params = {k: v.asnumpy() for k, v in fs.optim.apply_updates(params, u).items()}
+    want = {p.name: p.asnumpy() for p in net.trainable_params()}
+    assert sorted(want) == ["dense.bias", "dense.weight", "ln.beta", "ln.gamma"]
+    # Decaying gamma/beta puts them 1e-2 off; MindSpore's AdamWeightDecay kernel is itself
+    # ~1e-5 off float64 maths per step (fshard's float32 updates are closer).
+    close(params, want, rtol=5e-4 if name == "adamw" else 1e-6)
+
+
+def test_the_weight_decay_mask_is_configurable():
+    params = {"ln": {"gamma": np.ones(2, np.float32)}, "w": np.ones(2, np.float32)}
+    grads = tree.map(np.zeros_like, params)
+
+    def moved(**kw):
+        opt = fs.optim.sgd(1.0, weight_decay=0.5, **kw)
+        u, _ = opt.update(grads, opt.init(params), params)
+        return {k: bool(np.any(v.asnumpy() != 0)) for k, v in
+                zip(["gamma", "w"], tree.leaves(u))}
+
+    assert moved() == {"gamma": False, "w": True}            # nested key path ln.gamma
+    assert moved(mask=True) == {"gamma": True, "w": True}    # a prefix: every leaf
+    assert moved(mask={"ln": False, "w": True}) == {"gamma": False, "w": True}
+    assert moved(mask=lambda p: {"ln": {"gamma": True}, "w": False}) == {"gamma": True,
+                                                                        "w": False}
+    opt = fs.optim.adamw(0.1, mask={"ln": True, "w": False})
+    u, _ = opt.update(grads, opt.init(params), params)
+    assert np.all(u["ln"]["gamma"].asnumpy() != 0) and np.all(u["w"].asnumpy() == 0)
+    # positional leaves have no names: all decayed
+    opt = fs.optim.sgd(1.0, weight_decay=0.5)
+    u, _ = opt.update([np.zeros(1)], opt.init([np.ones(1)]), [np.ones(1)])
+    assert u[0].asnumpy().tolist() == [-0.5]
+
+
+@pytest.mark.parametrize("mask, match", [
+    ({"ln": True}, r"mask=\.\.\.\) must have the structure of the parameters"),
+    ({"ln": {"gamma": 1}, "w": True}, r"must hold a bool per parameter .*got 1 for \['ln'\]"),
+    (lambda p: "yes", r"must hold a bool per parameter"),
+])
+def test_a_wrong_mask_is_an_fshard_error(mask, match):
+    params = {"ln": {"gamma": np.ones(2, np.float32)}, "w": np.ones(2, np.float32)}
+    opt = fs.optim.adamw(0.1, mask=mask)
+    with pytest.raises(fs.ArgumentError, match=match):
+        opt.update(params, opt.init(params), params)
+
+
+# -- non-finite hyperparameters ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: fs.optim.sgd(math.inf), r"sgd\(learning_rate=\.\.\.\) must be a finite number; got inf"),
+    (lambda: fs.optim.sgd(0.1, momentum=math.inf), r"sgd\(momentum=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.sgd(0.1, weight_decay=np.float32(np.inf)), r"sgd\(weight_decay=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.adamw(0.1, weight_decay=math.inf), r"adamw\(weight_decay=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.adam(0.1, eps=math.inf), r"adam\(eps=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.adam(math.nan), r"adam\(learning_rate=\.\.\.\) must be a finite number; got nan"),
+    (lambda: fs.optim.adam(0.1, b2=np.float64(np.nan)), r"adam\(b2=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.sgd(10 ** 400), r"sgd\(learning_rate=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.clip_by_global_norm(math.inf), r"max_norm=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.cosine_decay(math.inf, 10), r"init_value=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.linear_warmup(0.0, math.nan, 3), r"peak_value=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.constant(-math.inf), r"constant\(value=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.sgd(0.1, mask=()), r"sgd\(mask=\.\.\.\) must be None"),
+])
+def test_non_finite_hyperparameters_are_fshard_errors(make, match):
+    with pytest.raises(fs.ArgumentError, match=match) as e:
+        make()
+    assert "Fix:" in str(e.value) or "mask" in match
+
+
+@pytest.mark.parametrize("value", [math.inf, np.float32(np.nan), -0.5])
+def test_a_schedule_giving_a_bad_learning_rate_is_an_fshard_error(value):
+    opt = fs.optim.sgd(lambda step: value)
+    p = {"w": np.ones(2, np.float32)}
+    with pytest.raises(fs.ArgumentError, match=r"the schedule gave .* for step 0; a learning "
+                                               r"rate must be a finite number >= 0"):
+        opt.update(p, opt.init(p), p)
+
+
+def test_float16_parameters_keep_float32_state_and_never_divide_by_zero():
+    # In float16, eps = 1e-8 is 0 and 0.001 * (1e-3)^2 underflows: a zero or small
+    # gradient made Adam's update NaN or -inf.
+    p16 = {"w": np.array([1.0, 2.0, -3.0], np.float16)}
+    g16 = {"w": np.array([0.0, 1e-3, 0.5], np.float16)}
+    p32, g32 = tree.map(lambda x: x.astype(np.float32), p16), tree.map(
+        lambda x: x.astype(np.float32), g16)
+    for opt in (fs.optim.adam(0.1), fs.optim.adamw(0.1), fs.optim.sgd(0.1, momentum=0.9)):
+        s16, s32 = opt.init(p16), opt.init(p32)
+        assert all(x.dtype in (ms.int32, ms.float32) for x in tree.leaves(s16))
+        u16, _ = opt.update(g16, s16, p16)
+        u32, _ = opt.update(g32, s32, p32)
+        np.testing.assert_array_equal(u16["w"].asnumpy(), u32["w"].asnumpy())
+        new = fs.optim.apply_updates(p16, u16)["w"].asnumpy()
+        assert new.dtype == np.float16 and np.isfinite(new).all()
+        np.testing.assert_array_equal(
+            new, (p32["w"] + u32["w"].asnumpy()).astype(np.float16))

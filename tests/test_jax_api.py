@@ -168,3 +168,461 @@ def test_masked_and_decay_refuse_bad_use():
     d = O.add_decayed_weights(0.1)
     with pytest.raises(ArgumentError, match="needs the parameters"):
         d.update(GRADS[0], d.init(PARAMS))
+
+
+# ---------------------------------------------------------------------------
+# fs.device_put, fs.block_until_ready
+# ---------------------------------------------------------------------------
+
+X = np.arange(16, dtype=np.float32).reshape(8, 2)
+
+
+def test_device_put_without_placement_gives_tensors():
+    out = fs.device_put({"a": X, "b": 2.0, "c": np.int32(3)})
+    assert all(isinstance(v, mindspore.Tensor) for v in out.values())
+    np.testing.assert_array_equal(n(out["a"]), X)
+    assert out["c"].dtype == mindspore.int32 and float(n(out["b"])) == 2.0
+    t = mindspore.Tensor(X)
+    assert fs.device_put(t) is t  # already a Tensor: nothing to do
+
+
+def test_a_placed_value_is_laid_out_so_by_shard():
+    with fs.Mesh(4, "d"):
+        x = fs.device_put(X, (4, 1))
+        f = fs.shard(lambda x: x * 2.0, in_strategy=(None,))
+        g = fs.shard(lambda x: x * 2.0, in_strategy=(None,))
+    assert f.strategies(x)["inputs"][0]["strategy"] == [4, 1]
+    np.testing.assert_array_equal(n(f(x)), X * 2)
+    # the same values unplaced: propagation's own choice (here: not split)
+    assert g.strategies(X)["inputs"][0]["strategy"] == [1, 1]
+    # an explicit in_strategy wins over the placement
+    h = fs.shard(lambda x: x * 2.0, in_strategy=((1, 2),), mesh=4)
+    assert h.strategies(x)["inputs"][0]["strategy"] == [1, 2]
+
+
+def test_a_placement_for_another_mesh_is_left_to_propagation():
+    x = fs.device_put(X, (4, 1), mesh=4)
+    f = fs.shard(lambda x: x + 1.0, in_strategy=(None,), mesh=2)
+    assert f.strategies(x)["inputs"][0]["strategy"] == [1, 1]
+    np.testing.assert_array_equal(n(f(x)), X + 1)
+
+
+def test_device_put_with_a_layout_a_mesh_and_pytrees():
+    layout = fs.Layout((2, 2), ("dp", "mp"))
+    x = fs.device_put(X, layout("dp", "mp"))
+    f = fs.shard(lambda x: x.sum(), in_strategy=(None,), mesh=4)
+    assert f.strategies(x)["inputs"][0]["strategy"] == [2, 2]
+    assert float(n(f(x))) == X.sum()
+    whole = fs.device_put(X, fs.Mesh(4, "d"))  # a mesh alone: replicated
+    assert isinstance(whole, mindspore.Tensor) and not hasattr(whole, "_fshard_placement")
+    tree_ = fs.device_put({"a": X, "b": X}, {"a": (2, 1), "b": None}, mesh=2)
+    assert fs.shard(lambda t: t["a"] + t["b"], in_strategy=(None,), mesh=2).strategies(
+        tree_)["inputs"][0]["strategy"] == [2, 1]
+
+
+def test_device_put_leaves_the_callers_tensor_unmarked():
+    t = mindspore.Tensor(X)
+    placed = fs.device_put(t, (2, 1), mesh=2)
+    assert placed is not t and not hasattr(t, "_fshard_placement")
+    np.testing.assert_array_equal(n(placed), X)
+
+
+def test_device_put_errors():
+    with pytest.raises(ShardingError, match=r"fs.device_put: placement = \(3, 1\)"):
+        fs.device_put(X, (3, 1), mesh=4)
+    with pytest.raises(ShardingError, match="has rank 2"):
+        fs.device_put(X, (2,), mesh=2)
+    with pytest.raises(ShardingError, match="does not match x's structure"):
+        fs.device_put({"a": X}, {"b": (2, 1)}, mesh=2)
+    with pytest.raises(ShardingError, match=r"mesh=\.\.\.\) must be an fs.Mesh"):
+        fs.device_put(X, (2, 1), mesh="four")
+    with pytest.raises(ArgumentError, match="is a str, not an array"):
+        fs.device_put({"a": "text"})
+    with pytest.raises(ArgumentError, match="with_sharding_constraint"):
+        fs.jit(lambda x: fs.device_put(x, (2, 1)))(X)
+
+
+def test_block_until_ready_returns_its_argument():
+    y = fs.jit(lambda a: {"s": a @ a.T, "t": a.sum()})(X)
+    assert fs.block_until_ready(y) is y
+    assert fs.block_until_ready(3.0) == 3.0
+    # traced: nothing to wait for, the value goes on
+    np.testing.assert_array_equal(n(fs.jit(lambda a: fs.block_until_ready(a) * 2.0)(X)), X * 2)
+
+
+# ---------------------------------------------------------------------------
+# fs.eval_shape
+# ---------------------------------------------------------------------------
+
+
+class _ShapeDtype:  # what jax.ShapeDtypeStruct looks like: shape and dtype, no data
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+def test_eval_shape_of_types_arrays_and_shape_dtype_structs():
+    def f(x, w, b):
+        return {"y": mindspore.ops.matmul(x, w) + b, "n": x.sum().astype(mindspore.int32)}
+
+    out = fs.eval_shape(f, fs.ArrayType((32, 784), mindspore.float32),
+                        _ShapeDtype((784, 10), np.float32), np.zeros(10, np.float32))
+    assert out["y"] == fs.ArrayType((32, 10), mindspore.float32)
+    assert out["n"] == fs.ArrayType((), mindspore.int32)
+
+
+def test_eval_shape_of_a_cell_and_keyword_arguments():
+    net = mindspore.nn.Dense(784, 10)
+    assert fs.eval_shape(net, fs.ArrayType((5, 784), mindspore.float32)) == fs.ArrayType(
+        (5, 10), mindspore.float32)
+    assert fs.eval_shape(lambda x, *, k: x * k, X, k=2.0) == fs.typeof(X)
+
+
+def test_eval_shape_errors():
+    with pytest.raises(ArgumentError, match="fs.eval_shape expects a function"):
+        fs.eval_shape(3, X)
+    with pytest.raises(ArgumentError, match="expected an array"):
+        fs.eval_shape(lambda x: x, "text")
+
+
+# ---------------------------------------------------------------------------
+# fs.jit: donate_argnums, in_shardings, out_shardings
+# ---------------------------------------------------------------------------
+
+
+def test_donated_arguments_are_accepted_and_stay_valid():
+    f = fs.jit(lambda x, y: x + y, donate_argnums=(0,))
+    x = mindspore.Tensor(X)
+    np.testing.assert_array_equal(n(f(x, X)), X * 2)
+    np.testing.assert_array_equal(n(x), X)  # MindSpore cannot reuse it: still valid
+    g = fs.jit(lambda x, y: x * y, donate_argnames="y")
+    np.testing.assert_array_equal(n(g(X, y=X)), X * X)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(donate_argnums=-1), "non-negative int or a tuple"),
+    (dict(donate_argnums=(True,)), "non-negative int or a tuple"),
+    (dict(donate_argnums=0, static_argnums=0), "both static and donated"),
+    (dict(donate_argnames="z"), "has no parameter named 'z'"),
+])
+def test_donation_is_checked(kwargs, message):
+    with pytest.raises(ArgumentError, match=message):
+        fs.jit(lambda x, y: x + y, **kwargs)
+
+
+def test_donating_a_missing_argument_is_an_error():
+    f = fs.jit(lambda *xs: xs[0], donate_argnums=2)
+    with pytest.raises(ArgumentError, match=r"names argument 2, but the function was called "
+                       r"with 1 positional argument"):
+        f(X)
+
+
+@pytest.fixture(scope="module")
+def sharded_jit():
+    with fs.Mesh(4, "d"):
+        return fs.jit(lambda x, w: fs.ops.relu(x @ w), in_shardings=((4, 1), (1, 1)),
+                      out_shardings=(4, 1))
+
+
+def test_jit_with_shardings_is_the_sharded_function(sharded_jit):
+    w = np.ones((2, 3), np.float32)
+    want = np.maximum(X @ w, 0)
+    np.testing.assert_allclose(n(sharded_jit(X, w)), want)
+    np.testing.assert_allclose(n(sharded_jit(X, w)), want)
+    assert sharded_jit.trace_count == 1
+    assert isinstance(sharded_jit.fun, type(fs.shard(lambda x: x, (None,))))
+    assert sharded_jit.fun.strategies(X, w)["inputs"][0]["strategy"] == [4, 1]
+
+
+def test_jit_with_out_shardings_only():
+    f = fs.jit(lambda x: x * 3.0, out_shardings=(1, 1))  # the default mesh: 1 device
+    with fs.Mesh(2, "d"):
+        g = fs.jit(lambda x: x * 3.0, out_shardings=(2, 1))
+    np.testing.assert_array_equal(n(f(X)), X * 3)
+    assert g.fun.strategies(X)["outputs"][0]["strategy"] == [2, 1]
+
+
+def test_jit_shardings_errors():
+    with pytest.raises(ArgumentError, match="with static arguments"):
+        fs.jit(lambda x, k: x * k, static_argnums=1, in_shardings=((1, 1), None))
+    with pytest.raises(ArgumentError, match="cannot be read from the function's signature"):
+        fs.jit(lambda *xs: xs[0], out_shardings=(1, 1))
+    f = fs.jit(lambda x: x, in_shardings=((3, 1),))
+    with pytest.raises(ShardingError, match=r"in_strategy\[0\] = \(3, 1\)"):
+        f(X)
+
+
+# ---------------------------------------------------------------------------
+# fs.with_sharding_constraint
+# ---------------------------------------------------------------------------
+
+
+def _constrained(x, w):
+    h = fs.with_sharding_constraint(x @ w, (2, 2))
+    return fs.ops.relu(h).sum(axis=1)
+
+
+def _constraints(sharded, *args):
+    return [e["out_strategy"] for e in sharded.strategies(*args)["equations"]
+            if e["primitive"] == "layout_constraint"]
+
+
+def test_with_sharding_constraint_fixes_the_layout_under_shard():
+    w = np.ones((2, 4), np.float32)
+    sharded = fs.shard(_constrained, in_strategy=(None, None), mesh=4)
+    np.testing.assert_allclose(n(sharded(X, w)), n(_constrained(X, w)))
+    assert _constraints(sharded, X, w) == [[[2, 2]]]
+    # without it, propagation lays the product out otherwise
+    plain = fs.shard(lambda x, w: fs.ops.relu(x @ w).sum(axis=1), in_strategy=(None, None),
+                     mesh=4)
+    assert plain.strategies(X, w)["equations"][0]["out_strategy"] != [[2, 2]]
+
+
+def test_with_sharding_constraint_under_grad_and_jit_in_shard():
+    w = np.ones((2, 4), np.float32)
+    loss = lambda x, w: _constrained(x, w).sum()  # noqa: E731
+    got = fs.shard(fs.jit(fs.grad(loss, argnums=1)), in_strategy=(None, None), mesh=4)(X, w)
+    np.testing.assert_allclose(n(got), n(fs.grad(loss, argnums=1)(X, w)), rtol=1e-6)
+
+
+def test_with_sharding_constraint_outside_shard_is_the_identity():
+    assert fs.with_sharding_constraint(X, (4, 1)) is X
+    tree_ = {"a": X, "b": X}
+    assert fs.with_sharding_constraint(tree_, {"a": (2, 1), "b": None}) is tree_
+    np.testing.assert_array_equal(n(fs.jit(lambda x: fs.with_sharding_constraint(x, (2, 1)))(X)), X)
+    np.testing.assert_array_equal(
+        n(fs.vmap(lambda r: fs.with_sharding_constraint(r, (2,)))(X)), X)
+
+
+def test_with_sharding_constraint_errors():
+    with pytest.raises(ShardingError, match="has rank 2"):
+        fs.with_sharding_constraint(X, (2,))
+    with pytest.raises(ShardingError, match="must be a tuple of split counts"):
+        fs.with_sharding_constraint(X, "rows")
+    with pytest.raises(ShardingError, match="does not match x's structure"):
+        fs.with_sharding_constraint({"a": X}, {"b": (1, 1)})
+    bad = fs.shard(lambda x: fs.with_sharding_constraint(x, (3, 1)), in_strategy=(None,),
+                   mesh=4)
+    with pytest.raises(ShardingError, match=r"fs.with_sharding_constraint: strategy = \(3, 1\)"):
+        bad(X)
+
+
+# ---------------------------------------------------------------------------
+# fs.linearize
+# ---------------------------------------------------------------------------
+
+
+def _f(x, y):
+    return {"p": fs.ops.sin(x) * y, "q": (x * x).sum()}
+
+
+def test_linearize_equals_jvp_for_many_tangents():
+    x, y = np.linspace(-1, 1, 4).astype(np.float32), np.full(4, 2.0, np.float32)
+    out, f_jvp = fs.linearize(_f, x, y)
+    want_out = _f(mindspore.Tensor(x), mindspore.Tensor(y))
+    np.testing.assert_allclose(n(out["p"]), n(want_out["p"]), rtol=1e-6)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        tx, ty = rng.standard_normal((2, 4)).astype(np.float32)
+        _, want = fs.jvp(_f, (x, y), (tx, ty))
+        got = f_jvp(tx, ty)
+        for k in ("p", "q"):
+            np.testing.assert_allclose(n(got[k]), n(want[k]), rtol=1e-5, atol=1e-6)
+        # and it is linear: f_jvp(2t) = 2 f_jvp(t)
+        np.testing.assert_allclose(n(f_jvp(2 * tx, 2 * ty)["p"]), 2 * n(got["p"]), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_linearize_composes_with_jit_and_vmap():
+    x = np.linspace(0, 1, 3).astype(np.float32)
+    _, f_jvp = fs.linearize(lambda x: fs.ops.exp(x) * x, x)
+    want = (np.exp(x) * (1 + x)).astype(np.float32)
+    np.testing.assert_allclose(n(fs.jit(f_jvp)(np.ones(3, np.float32))), want, rtol=1e-5)
+    basis = np.eye(3, dtype=np.float32)
+    np.testing.assert_allclose(n(fs.vmap(f_jvp)(basis)), np.diag(want), rtol=1e-5, atol=1e-7)
+
+
+def test_linearize_errors():
+    with pytest.raises(DifferentiationError, match="only floating-point"):
+        fs.linearize(lambda i: i * 2, np.int32(3))
+    _, f_jvp = fs.linearize(_f, X, X)
+    with pytest.raises(DifferentiationError, match="f_jvp takes one tangent per primal"):
+        f_jvp(X)
+    with pytest.raises(DifferentiationError, match="has type f32\\[2\\]"):
+        f_jvp(X, np.ones(2, np.float32))
+
+
+# ---------------------------------------------------------------------------
+# fs.disable_jit
+# ---------------------------------------------------------------------------
+
+
+def test_disable_jit_runs_op_by_op():
+    seen = []
+
+    @fs.jit
+    def f(x, k=1.0):
+        seen.append(type(x).__name__)
+        return x * k
+
+    with fs.disable_jit():
+        np.testing.assert_array_equal(n(f(X, k=2.0)), X * 2)
+        np.testing.assert_array_equal(n(f(X)), X)
+    assert seen == ["Tensor", "Tensor"] and f.trace_count == 0
+    f(X)
+    assert f.trace_count == 1 and seen[-1] == "StagedTracer"
+    with fs.disable_jit(False):
+        f(X)
+    assert f.trace_count == 1 and len(seen) == 3  # compiled and cached
+
+
+def test_disable_jit_keeps_static_arguments_and_other_transforms():
+    f = fs.jit(lambda x, n: x * n, static_argnums=1)
+    with fs.disable_jit():
+        np.testing.assert_array_equal(n(f(X, 3)), X * 3)
+        np.testing.assert_array_equal(n(fs.vmap(f, in_axes=(0, None))(X, 2)), X * 2)
+        np.testing.assert_allclose(n(fs.grad(lambda x: f(x, 2).sum())(X)), np.full_like(X, 2))
+    assert f.trace_count == 0
+
+
+def test_disable_jit_is_restored_after_an_error():
+    f = fs.jit(lambda x: x + 1.0)
+    with pytest.raises(RuntimeError):
+        with fs.disable_jit():
+            raise RuntimeError("boom")
+    f(X)
+    assert f.trace_count == 1
+    with pytest.raises(ArgumentError, match="must be a bool"):
+        with fs.disable_jit("yes"):
+            pass
+
+
+# ---------------------------------------------------------------------------
+# fs.profile
+# ---------------------------------------------------------------------------
+
+
+def _mlp(x, w1, w2):
+    return fs.ops.relu(x @ w1) @ w2
+
+
+def test_profile_times_every_equation():
+    args = (X, np.ones((2, 6), np.float32), np.ones((6, 3), np.float32))
+    p = fs.profile(_mlp, repeat=1, top=2)(*args)
+    program = fs.make_ir(_mlp)(*args).program
+    assert [r[1].split("[")[0] for r in p.rows] == [e.prim.name for e in program.equations]
+    assert all(r[3] >= 0 for r in p.rows) and p.compiled_seconds is not None
+    np.testing.assert_allclose(n(p.outputs), n(fs.jit(_mlp)(*args)))
+    text = str(p)
+    assert "fs.profile(_mlp): 3 equations" in text and "1 more" in text
+    assert len(p.slowest(2)) == 2
+    assert fs.profile(_mlp, compiled=False)(*args).compiled_seconds is None
+
+
+def test_profile_chart():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = fs.profile(_mlp, repeat=1, compiled=False)(X, np.ones((2, 6), np.float32),
+                                                   np.ones((6, 3), np.float32))
+    ax = p.chart()
+    assert len(ax.patches) == 3
+    plt.close(ax.figure)
+
+
+def test_profile_errors():
+    with pytest.raises(ArgumentError, match="repeat=...\\) must be an int >= 1"):
+        fs.profile(_mlp, repeat=0)
+    with pytest.raises(ArgumentError, match="top=...\\) must be an int >= 1 or None"):
+        fs.profile(_mlp, top=0)
+    with pytest.raises(ArgumentError, match="fs.profile expects a function"):
+        fs.profile(None)
+
+
+# ---------------------------------------------------------------------------
+# fs.checkpoint.CheckpointManager
+# ---------------------------------------------------------------------------
+
+STATE = {"w": np.arange(6, dtype=np.float32).reshape(3, 2), "step": np.int32(0)}
+
+
+def _state(step):
+    return {"w": STATE["w"] + step, "step": np.int32(step)}
+
+
+def test_manager_saves_at_intervals_and_keeps_the_newest(tmp_path):
+    m = fs.checkpoint.CheckpointManager(tmp_path / "run", max_to_keep=2, save_interval_steps=3)
+    saved = [s for s in range(10) if m.save(s, _state(s))]
+    assert saved == [0, 3, 6, 9] and m.all_steps() == [6, 9] and m.latest_step() == 9
+    back = m.restore(like=STATE)
+    assert int(n(back["step"])) == 9
+    np.testing.assert_array_equal(n(m.restore(6, like=STATE)["w"]), STATE["w"] + 6)
+    assert not m.should_save(9) and m.should_save(12) and not m.should_save(13)
+    assert m.save(13, _state(13), force=True) and m.all_steps() == [9, 13]
+    # a new manager over the same directory sees the run
+    again = fs.checkpoint.CheckpointManager(tmp_path / "run")
+    assert again.all_steps() == [9, 13] and fs.checkpoint.latest(tmp_path / "run").endswith("13")
+
+
+@pytest.mark.parametrize("mode, losses, kept, best", [
+    ("min", [3.0, 1.0, 2.0, 0.5], [1, 3], 3),
+    ("max", [3.0, 1.0, 2.0, 0.5], [0, 2], 0),
+])
+def test_manager_keeps_the_best(tmp_path, mode, losses, kept, best):
+    m = fs.checkpoint.CheckpointManager(tmp_path, max_to_keep=2, best_fn=lambda m: m["loss"],
+                                        best_mode=mode)
+    for step, loss in enumerate(losses):
+        assert m.save(step, _state(step), metrics={"loss": loss})
+    assert m.all_steps() == kept and m.best_step() == best
+    assert m.metrics(best) == {"loss": losses[best]}
+
+
+def test_manager_keeps_checkpoints_saved_without_metrics(tmp_path):
+    m = fs.checkpoint.CheckpointManager(tmp_path, max_to_keep=1, best_fn=lambda m: m["acc"])
+    m.save(0, _state(0), metrics={"acc": 0.1})
+    m.save(1, _state(1))
+    m.save(2, _state(2), metrics={"acc": 0.9})
+    assert m.all_steps() == [1, 2] and m.best_step() == 2 and m.metrics(1) is None
+
+
+def test_manager_background_saves(tmp_path):
+    with fs.checkpoint.CheckpointManager(tmp_path, max_to_keep=1) as m:
+        for s in range(3):
+            assert m.save(s, _state(s), wait=False)
+    assert m.all_steps() == [2]
+    np.testing.assert_array_equal(n(m.restore(like=STATE)["w"]), STATE["w"] + 2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_to_keep=0), "max_to_keep=...) must be an int >= 1 or None"),
+    (dict(save_interval_steps=2.0), "save_interval_steps=...) must be an int >= 1"),
+    (dict(best_fn="loss"), "best_fn=...) must be a function"),
+    (dict(best_mode="lowest"), "best_mode=...) must be 'max' or 'min'"),
+])
+def test_manager_arguments_are_checked(tmp_path, kwargs, message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        fs.checkpoint.CheckpointManager(tmp_path, **kwargs)
+
+
+def test_manager_misuse(tmp_path):
+    m = fs.checkpoint.CheckpointManager(tmp_path, best_fn=lambda m: m["loss"])
+    with pytest.raises(CheckpointError, match="holds no checkpoint yet"):
+        m.restore(like=STATE)
+    with pytest.raises(CheckpointError, match=r"save\(step=...\) must be an int >= 0"):
+        m.save(1.5, STATE)
+    with pytest.raises(CheckpointError, match="JSON-able dict of numbers"):
+        m.save(0, STATE, metrics={"loss": np.ones(2)})
+    with pytest.raises(KeyError):  # best_fn fails on these metrics: before anything is written
+        m.save(0, STATE, metrics={"acc": 1.0})
+    assert m.all_steps() == []
+    m.save(0, STATE, metrics={"loss": 1.0})
+    with pytest.raises(CheckpointError, match="step 0 is saved already"):
+        m.save(0, STATE, force=True)
+    with pytest.raises(CheckpointError, match="no checkpoint of step 5"):
+        m.restore(5, like=STATE)
+    m.delete(0)
+    assert m.all_steps() == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="exists and is not a directory"):
+        fs.checkpoint.CheckpointManager(tmp_path / "file")

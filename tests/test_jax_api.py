@@ -333,6 +333,16 @@ def test_jit_with_shardings_is_the_sharded_function(sharded_jit):
     assert sharded_jit.fun.strategies(X, w)["inputs"][0]["strategy"] == [4, 1]
 
 
+def test_jit_with_shardings_of_a_cell_reads_its_current_parameters():
+    net = mindspore.nn.Dense(2, 3)
+    x = mindspore.Tensor(X)
+    with fs.Mesh(2, "d"):
+        f = fs.jit(net, in_shardings=((2, 1),), donate_argnums=0)
+    np.testing.assert_allclose(n(f(x)), n(net(x)), rtol=1e-6)
+    net.weight.set_data(mindspore.Tensor(np.ones((3, 2), np.float32)))
+    np.testing.assert_allclose(n(f(x)), n(net(x)), rtol=1e-6)  # not the traced weights
+
+
 def test_jit_with_out_shardings_only():
     f = fs.jit(lambda x: x * 3.0, out_shardings=(1, 1))  # the default mesh: 1 device
     with fs.Mesh(2, "d"):

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import inspect
 
+from fshard.cells import is_cell, maybe_cell
 from fshard.errors import ArgumentError
 from fshard.staging import check_function, fun_name
-from fshard.transforms.jit import _DECORATOR, jit as _jit
+from fshard.transforms.jit import _DECORATOR, check_donation, jit as _jit
 from fshard.transforms.shard import shard
 
 
@@ -88,9 +89,27 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None
             "in_shardings=...)), or use one jit per value.")
     if in_shardings is None:
         in_shardings = (None,) * _positional_count(fun)
-    sharded = shard(fun, in_strategy=in_shardings, out_strategy=out_shardings)
-    return _jit(sharded, in_shapes=in_shapes, donate_argnums=donate_argnums,
-                donate_argnames=donate_argnames)
+    if not is_cell(fun):
+        sharded = shard(fun, in_strategy=in_shardings, out_strategy=out_shardings)
+        return _jit(sharded, in_shapes=in_shapes, donate_argnums=donate_argnums,
+                    donate_argnames=donate_argnames)
+    # A Cell: its functional form, the parameters as argument 0 (left to propagation),
+    # so every call reads the Cell's current parameters (fs.shard(cell) would read them
+    # once, when the program is traced, and compile them in as constants).
+    donate_argnums, donate_argnames = check_donation(
+        "fs.jit", fun.construct, donate_argnums, donate_argnames, (), ())
+    if not isinstance(in_shardings, (tuple, list)):
+        in_shardings = (in_shardings,)  # fs.shard's own check names the mistake
+
+    def make(apply):
+        sharded = shard(apply, in_strategy=(None, *in_shardings), out_strategy=out_shardings)
+        shapes = in_shapes if in_shapes is None or isinstance(in_shapes, str) else (
+            None, *in_shapes)
+        return _jit(sharded, in_shapes=shapes,
+                    donate_argnums=tuple(i + 1 for i in donate_argnums),
+                    donate_argnames=donate_argnames)
+
+    return maybe_cell(fun, make)
 
 
 def _positional_count(fun) -> int:

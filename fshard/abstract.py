@@ -25,9 +25,10 @@ def eval_shape(fun, *args, **kwargs):
     Args:
         fun: a function of pytrees of arrays, or an ``nn.Cell`` (its parameters are
             read, not run).
-        *args, **kwargs: the arguments; each array leaf may be an ``fs.ArrayType``, any
-            object with ``shape`` and ``dtype`` attributes (a ``jax.ShapeDtypeStruct``,
-            a NumPy array, a MindSpore Tensor), or a Python scalar.
+        *args: the arguments; each array leaf may be an ``fs.ArrayType``, any object
+            with ``shape`` and ``dtype`` attributes (a ``jax.ShapeDtypeStruct``, a NumPy
+            array, a MindSpore Tensor), or a Python scalar.
+        **kwargs: keyword arguments, the same.
 
     Returns:
         the pytree ``fun`` returns, each array an ``fs.ArrayType``.

@@ -46,7 +46,18 @@ __all__ = [
 
 class GradientTransformation(NamedTuple):
     """optax's name for a pair ``init(params) -> state``, ``update(updates, state,
-    params=None) -> (updates, state)`` (fshard's optimizers are such pairs too)."""
+    params=None) -> (updates, state)`` (fshard's optimizers are such pairs too).
+
+    >>> import numpy as np, fshard as fs
+    >>> double = fs.optim.GradientTransformation(
+    ...     init=lambda params: fs.optim.EmptyState(),
+    ...     update=lambda updates, state, params=None: (fs.tree.map(lambda u: 2 * u, updates),
+    ...                                                 state))
+    >>> opt = fs.optim.chain(double, fs.optim.scale(-0.1))
+    >>> u, _ = opt.update({"w": np.ones(2, np.float32)}, opt.init(None))
+    >>> [round(float(v), 4) for v in u["w"].asnumpy()]
+    [-0.2, -0.2]
+    """
 
     init: Callable
     update: Callable
@@ -153,7 +164,12 @@ def _schedule_arg(fn: str, name: str, value) -> Callable:
 
 
 def identity() -> GradientTransformation:
-    """Updates unchanged (optax's ``identity``)."""
+    """Updates unchanged (optax's ``identity``).
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.optim.identity().update({"w": np.ones(2)}, fs.optim.EmptyState())[0]["w"].tolist()
+    [1.0, 1.0]
+    """
     return GradientTransformation(lambda params: EmptyState(),
                                   lambda updates, state, params=None: (updates, state))
 
@@ -204,7 +220,14 @@ def scale_by_schedule(step_size_fn: Callable) -> GradientTransformation:
 
 def scale_by_learning_rate(learning_rate, *, flip_sign: bool = True) -> GradientTransformation:
     """``-learning_rate * updates`` (a number or a schedule; optax's
-    ``scale_by_learning_rate``)."""
+    ``scale_by_learning_rate``).
+
+    >>> import numpy as np, fshard as fs
+    >>> t = fs.optim.scale_by_learning_rate(fs.optim.linear_schedule(0.5, 0.0, 10))
+    >>> u, s = t.update({"w": np.ones(2, np.float32)}, t.init(None))
+    >>> u["w"].asnumpy().tolist()
+    [-0.5, -0.5]
+    """
     if not isinstance(flip_sign, bool):
         raise ArgumentError(
             f"fs.optim.scale_by_learning_rate(flip_sign=...) must be a bool; got {flip_sign!r}.")
@@ -290,7 +313,16 @@ def add_decayed_weights(weight_decay=0.0, mask=None) -> GradientTransformation:
 
 def trace(decay, nesterov: bool = False) -> GradientTransformation:
     """Momentum, as optax's ``trace``: ``t = decay * t + g``; the update is ``t`` (``g +
-    decay * t`` with ``nesterov``)."""
+    decay * t`` with ``nesterov``).
+
+    >>> import numpy as np, fshard as fs
+    >>> t = fs.optim.trace(0.9)
+    >>> s = t.init({"w": np.zeros(1, np.float32)})
+    >>> for _ in range(2):
+    ...     u, s = t.update({"w": np.ones(1, np.float32)}, s)
+    >>> [round(float(v), 4) for v in u["w"].asnumpy()]
+    [1.9]
+    """
     _value("trace", "decay", decay, low=0.0)
     if not isinstance(nesterov, bool):
         raise ArgumentError(f"fs.optim.trace(nesterov=...) must be a bool; got {nesterov!r}.")
@@ -432,7 +464,12 @@ def _steps(fn: str, name: str, value, low: int = 1) -> None:
 
 
 def constant_schedule(value) -> Callable:
-    """``step -> value`` (optax's ``constant_schedule``)."""
+    """``step -> value`` (optax's ``constant_schedule``).
+
+    >>> import fshard as fs
+    >>> float(fs.optim.constant_schedule(0.1)(7).asnumpy())
+    0.10000000149011612
+    """
     _number("constant_schedule", "value", value)
     return lambda step: ops.full((), float(value), np.float32)
 
@@ -441,7 +478,13 @@ def polynomial_schedule(init_value, end_value, power, transition_steps: int,
                         transition_begin: int = 0) -> Callable:
     """From ``init_value`` to ``end_value`` over ``transition_steps`` steps after
     ``transition_begin``: ``(init - end) * (1 - t / transition_steps)^power + end``
-    (optax's ``polynomial_schedule``)."""
+    (optax's ``polynomial_schedule``).
+
+    >>> import fshard as fs
+    >>> s = fs.optim.polynomial_schedule(1.0, 0.0, power=2, transition_steps=4)
+    >>> [round(float(s(t).asnumpy()), 4) for t in (0, 2, 4)]
+    [1.0, 0.25, 0.0]
+    """
     for name, v in (("init_value", init_value), ("end_value", end_value), ("power", power)):
         _number("polynomial_schedule", name, v)
     _steps("polynomial_schedule", "transition_steps", transition_steps)

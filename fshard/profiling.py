@@ -42,6 +42,13 @@ class Profile:
 
     ``print(p)`` shows the table (the slowest ``top`` rows, by time), ``p.chart()``
     draws it with matplotlib.
+
+    >>> import numpy as np, fshard as fs
+    >>> p = fs.profile(lambda x: fs.ops.exp(x).sum(), repeat=1)(np.ones(8, np.float32))
+    >>> len(p.rows), [row[1] for row in p.slowest(1)][0] in ("exp", "reduce_sum[axes=(0,)]")
+    (2, True)
+    >>> "fs.profile(<lambda>): 2 equations" in p.to_text()
+    True
     """
 
     def __init__(self, name, rows, compiled_seconds, outputs, top):

@@ -636,3 +636,25 @@ def test_manager_misuse(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="exists and is not a directory"):
         fs.checkpoint.CheckpointManager(tmp_path / "file")
+
+
+# ---------------------------------------------------------------------------
+# In a multi-process job
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.full
+def test_the_jax_api_in_a_multi_process_job(tmp_path):
+    """One 2-process launch (~20 s): fs.device_put keeps this process's block, which
+    fs.shard and fs.jit(fs.shard) take; the constraint and jit's shardings run with
+    the job's collectives."""
+    from fshard import launch
+
+    script = str(ROOT / "tests" / "distributed" / "jax_api_checks.py")
+    result = launch.run(script, 2, [], timeout=300, log_dir=str(tmp_path))
+    assert result.ok, result.message + "\n" + "\n".join(result.output(r)[-3000:]
+                                                        for r in range(2))
+    for rank in range(2):
+        out = result.output(rank)
+        assert "ALL CHECKS PASSED" in out, out
+        assert "CHECK jit(shard(in_strategy=None)) takes the placed block ok" in out

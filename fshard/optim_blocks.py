@@ -398,7 +398,8 @@ def inject_hyperparams(inner_factory: Callable) -> Callable:
     """Make a transformation's hyperparameters part of its state (optax's
     ``inject_hyperparams``): ``inject_hyperparams(factory)(**hyperparams)``.
 
-    A number becomes a float32 scalar in ``state.hyperparams`` (replace it to change
+    The hyperparameters passed (not the factory's defaults, which optax stores too)
+    live in ``state.hyperparams``: a number becomes a float32 scalar (replace it to change
     the value mid-training, e.g. from a validation loss); a schedule (``step ->
     value``) is evaluated at every step, its value stored there. Each update calls
     ``inner_factory`` with the values of the step: ``learning_rate`` as a constant

@@ -389,7 +389,9 @@ def test_with_sharding_constraint_fixes_the_layout_under_shard():
 
 def test_with_sharding_constraint_under_grad_and_jit_in_shard():
     w = np.ones((2, 4), np.float32)
-    loss = lambda x, w: _constrained(x, w).sum()  # noqa: E731
+    def loss(x, w):
+        return _constrained(x, w).sum()
+
     got = fs.shard(fs.jit(fs.grad(loss, argnums=1)), in_strategy=(None, None), mesh=4)(X, w)
     np.testing.assert_allclose(n(got), n(fs.grad(loss, argnums=1)(X, w)), rtol=1e-6)
 

@@ -14,7 +14,8 @@ import inspect
 from fshard.cells import is_cell, maybe_cell
 from fshard.errors import ArgumentError
 from fshard.staging import check_function, fun_name
-from fshard.transforms.jit import _DECORATOR, check_donation, jit as _jit
+from fshard.transforms.jit import _DECORATOR, check_donation
+from fshard.transforms.jit import jit as _jit
 from fshard.transforms.shard import shard
 
 

@@ -18,7 +18,7 @@ import shutil
 from typing import Callable
 
 from fshard import distributed
-from fshard.errors import CheckpointError
+from fshard.errors import ArgumentError, CheckpointError
 
 METRICS = "metrics.json"
 
@@ -80,23 +80,23 @@ class CheckpointManager:
         try:
             self.directory = os.fspath(directory)
         except TypeError:
-            raise CheckpointError(
+            raise ArgumentError(
                 f"{where}(directory=...) must be a path (str or os.PathLike); got "
                 f"{type(directory).__name__} {directory!r}.") from None
         if max_to_keep is not None and (not _is_int(max_to_keep) or max_to_keep < 1):
-            raise CheckpointError(
+            raise ArgumentError(
                 f"{where}(max_to_keep=...) must be an int >= 1 or None (keep all); got "
                 f"{max_to_keep!r}.")
         if not _is_int(save_interval_steps) or save_interval_steps < 1:
-            raise CheckpointError(
+            raise ArgumentError(
                 f"{where}(save_interval_steps=...) must be an int >= 1; got "
                 f"{save_interval_steps!r}.")
         if best_fn is not None and not callable(best_fn):
-            raise CheckpointError(
+            raise ArgumentError(
                 f"{where}(best_fn=...) must be a function metrics -> number; got "
                 f"{best_fn!r}.\nFix: e.g. best_fn=lambda m: m['accuracy'].")
         if best_mode not in ("max", "min"):
-            raise CheckpointError(
+            raise ArgumentError(
                 f"{where}(best_mode=...) must be 'max' or 'min'; got {best_mode!r}.")
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise CheckpointError(f"{where}: {self.directory!r} exists and is not a "
@@ -143,7 +143,7 @@ class CheckpointManager:
             score = self.best_fn(m)
             if isinstance(score, bool) or not isinstance(score, (int, float)) or (
                     isinstance(score, float) and math.isnan(score)):
-                raise CheckpointError(
+                raise ArgumentError(
                     f"fs.checkpoint.CheckpointManager: best_fn returned {score!r} for the "
                     f"metrics of step {step} ({m}); it must return a number (not NaN).")
             out.append((score if self.best_mode == "max" else -score, step))
@@ -177,12 +177,12 @@ class CheckpointManager:
             try:
                 text = json.dumps(metrics, allow_nan=False)
             except (TypeError, ValueError) as e:
-                raise CheckpointError(
+                raise ArgumentError(
                     f"fs.checkpoint.CheckpointManager.save(metrics=...) must be a JSON-able "
                     f"dict of numbers; got {metrics!r} ({e}).\nFix: convert arrays with "
                     "float(x.asnumpy()).") from None
             if not isinstance(metrics, dict):
-                raise CheckpointError(
+                raise ArgumentError(
                     f"fs.checkpoint.CheckpointManager.save(metrics=...) must be a dict; got "
                     f"{type(metrics).__name__} {text}.")
         if self.best_fn is not None and metrics is not None:
@@ -266,7 +266,7 @@ class CheckpointManager:
 
     def _check_step(self, what: str, step) -> None:
         if not _is_int(step) or step < 0:
-            raise CheckpointError(
+            raise ArgumentError(
                 f"fs.checkpoint.CheckpointManager.{what}(step=...) must be an int >= 0; got "
                 f"{type(step).__name__} {step!r}.\nFix: pass the training step as an int, "
                 "e.g. int(state.step.asnumpy()).")

@@ -613,7 +613,7 @@ def test_manager_background_saves(tmp_path):
     (dict(best_mode="lowest"), "best_mode=...) must be 'max' or 'min'"),
 ])
 def test_manager_arguments_are_checked(tmp_path, kwargs, message):
-    with pytest.raises(CheckpointError, match=re.escape(message)):
+    with pytest.raises(ArgumentError, match=re.escape(message)):
         fs.checkpoint.CheckpointManager(tmp_path, **kwargs)
 
 
@@ -621,9 +621,9 @@ def test_manager_misuse(tmp_path):
     m = fs.checkpoint.CheckpointManager(tmp_path, best_fn=lambda m: m["loss"])
     with pytest.raises(CheckpointError, match="holds no checkpoint yet"):
         m.restore(like=STATE)
-    with pytest.raises(CheckpointError, match=r"save\(step=...\) must be an int >= 0"):
+    with pytest.raises(ArgumentError, match=r"save\(step=...\) must be an int >= 0"):
         m.save(1.5, STATE)
-    with pytest.raises(CheckpointError, match="JSON-able dict of numbers"):
+    with pytest.raises(ArgumentError, match="JSON-able dict of numbers"):
         m.save(0, STATE, metrics={"loss": np.ones(2)})
     with pytest.raises(KeyError):  # best_fn fails on these metrics: before anything is written
         m.save(0, STATE, metrics={"acc": 1.0})

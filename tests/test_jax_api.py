@@ -453,6 +453,16 @@ def test_linearize_composes_with_jit_and_vmap():
     np.testing.assert_allclose(n(fs.vmap(f_jvp)(basis)), np.diag(want), rtol=1e-5, atol=1e-7)
 
 
+def test_linearize_with_aux():
+    x = np.linspace(0, 1, 3).astype(np.float32)
+    out, f_jvp, aux = fs.linearize(lambda x: (fs.ops.sin(x), {"n": x.sum()}), x, has_aux=True)
+    np.testing.assert_allclose(n(out), np.sin(x), rtol=1e-6)
+    assert float(n(aux["n"])) == pytest.approx(float(x.sum()))
+    np.testing.assert_allclose(n(f_jvp(np.ones(3, np.float32))), np.cos(x), rtol=1e-6)
+    with pytest.raises(DifferentiationError, match="must return a pair"):
+        fs.linearize(lambda x: x, x, has_aux=True)
+
+
 def test_linearize_errors():
     with pytest.raises(DifferentiationError, match="only floating-point"):
         fs.linearize(lambda i: i * 2, np.int32(3))

@@ -326,7 +326,7 @@ def _vjp(fun, primals, has_aux, api):
     return out, vjp_fn
 
 
-def linearize(fun, *primals):
+def linearize(fun, *primals, has_aux: bool = False):
     """``(fun(*primals), f_jvp)``: ``f_jvp(*tangents)`` is the JVP at ``primals``,
     evaluated without running ``fun`` again (NB: ``jax.linearize``).
 
@@ -343,10 +343,12 @@ def linearize(fun, *primals):
     Args:
         fun: a function of pytrees of float arrays.
         *primals: the arguments at which to linearize.
+        has_aux: ``fun`` returns ``(output, aux)``; aux is returned, not differentiated.
 
     Returns:
-        ``(out, f_jvp)``; ``f_jvp`` takes one tangent per primal (same structure,
-        shapes and dtypes) and returns the output tangent, shaped like ``out``.
+        ``(out, f_jvp)`` (``(out, f_jvp, aux)`` with ``has_aux``); ``f_jvp`` takes one
+        tangent per primal (same structure, shapes and dtypes) and returns the output
+        tangent, shaped like ``out``.
 
     See also: ``fs.jvp``, ``fs.vjp``; docs/autodiff.md.
     """
@@ -377,6 +379,14 @@ def linearize(fun, *primals):
     primals_out = [a.value if isinstance(a, Literal) else res_of[a]
                    for a in jvp_prog.outputs[:n_out]]
     tangent_part = Program(linear.inputs, linear.equations, linear.outputs[n_out:])
+    out_tree, aux = traced.out_tree, None
+    if has_aux:
+        out, aux = _split_aux(fname, "linearize", traced.out_tree, primals_out)
+        out_tree = tree.structure(out)
+        n_main = len(tree.leaves(out))
+        primals_out = primals_out[:n_main]
+        tangent_part = Program(tangent_part.inputs, tangent_part.equations,
+                               tangent_part.outputs[:n_main])
     out_avals = [typeof(x) for x in primals_out]
     primal_tree = tree.structure(tuple(primals))
 
@@ -398,9 +408,11 @@ def linearize(fun, *primals):
         touts = eval_program(tangent_part, *residuals, *t_leaves)
         touts = [t if hasattr(t, "asnumpy") or hasattr(t, "aval") else _as_dtype(t, a.dtype)
                  for t, a in zip(touts, out_avals)]  # a literal output: as an array
-        return tree.unflatten(traced.out_tree, touts)
+        return tree.unflatten(out_tree, touts)
 
-    return tree.unflatten(traced.out_tree, primals_out), f_jvp
+    if has_aux:
+        return tree.unflatten(out_tree, primals_out), f_jvp, aux
+    return tree.unflatten(out_tree, primals_out), f_jvp
 
 
 def _as_dtype(x, dtype):

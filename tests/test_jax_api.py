@@ -341,6 +341,8 @@ def test_jit_with_shardings_of_a_cell_reads_its_current_parameters():
     np.testing.assert_allclose(n(f(x)), n(net(x)), rtol=1e-6)
     net.weight.set_data(mindspore.Tensor(np.ones((3, 2), np.float32)))
     np.testing.assert_allclose(n(f(x)), n(net(x)), rtol=1e-6)  # not the traced weights
+    with pytest.raises(ArgumentError, match="must be a tuple with one strategy"):
+        fs.jit(net, in_shardings="rows")
 
 
 def test_jit_with_out_shardings_only():

@@ -100,7 +100,10 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None
     donate_argnums, donate_argnames = check_donation(
         "fs.jit", fun.construct, donate_argnums, donate_argnames, (), ())
     if not isinstance(in_shardings, (tuple, list)):
-        in_shardings = (in_shardings,)  # fs.shard's own check names the mistake
+        raise ArgumentError(
+            f"fs.jit({fun_name(fun)}, in_shardings=...) must be a tuple with one strategy "
+            f"(or None) per positional argument of the Cell; got {in_shardings!r}.\nFix: "
+            "e.g. in_shardings=((4, 1),) for one input split along its rows.")
 
     def make(apply):
         sharded = shard(apply, in_strategy=(None, *in_shardings), out_strategy=out_shardings)

@@ -45,6 +45,10 @@ from fshard.layout import Layout as Layout
 from fshard.mesh import Mesh as Mesh
 from fshard.sharding.local import ShardedArray as ShardedArray
 from fshard.sharding.local import gather_sharded as gather_sharded
+from fshard.sharding.placement import block_until_ready as block_until_ready
+from fshard.sharding.placement import device_put as device_put
+from fshard.user_layouts import with_sharding_constraint as with_sharding_constraint
+from fshard.abstract import eval_shape as eval_shape
 from fshard.primitives.collectives import (  # noqa: F401
     all_gather as all_gather,
     all_to_all as all_to_all,
@@ -62,12 +66,14 @@ from fshard.primitives.control import custom_vjp as custom_vjp
 from fshard.primitives.pipeline import pipeline_split as pipeline_split
 from fshard.primitives.structural import stop_gradient as stop_gradient
 from fshard.staging import make_ir as make_ir
-from fshard.transforms.jit import jit as jit
+from fshard.transforms.sharded_jit import jit as jit
+from fshard.transforms.jit import disable_jit as disable_jit
 from fshard.transforms.ad import grad as grad
 from fshard.transforms.ad import hessian as hessian
 from fshard.transforms.ad import jacfwd as jacfwd
 from fshard.transforms.ad import jacrev as jacrev
 from fshard.transforms.ad import jvp as jvp
+from fshard.transforms.ad import linearize as linearize
 from fshard.transforms.ad import value_and_grad as value_and_grad
 from fshard.transforms.ad import vjp as vjp
 from fshard.transforms.shard import shard as shard
@@ -81,6 +87,7 @@ from fshard.transforms.control_flow import (  # noqa: F401
     while_loop as while_loop,
 )
 from fshard.visualize import visualize_sharding as visualize_sharding
+from fshard.profiling import profile as profile  # noqa: E402  (tools layer)
 from fshard import nn as nn  # noqa: E402
 from fshard import random as random  # noqa: E402
 from fshard import optim as optim  # noqa: E402  (training layer: above the transforms)

@@ -983,3 +983,16 @@ def load_safetensors(path, like, *, strict: bool = True):
             f"fs.checkpoint.load_safetensors: {path!r} is not a readable safetensors "
             f"file: {e}") from None
     return _restore_named(like, values, path, "load_safetensors", strict)
+
+
+# A run's checkpoints, managed (orbax's CheckpointManager): fshard/checkpoint_manager.py
+# holds the policy; its files are this module's.
+from fshard.checkpoint_manager import CheckpointManager as _Manager  # noqa: E402
+
+
+class CheckpointManager(_Manager):
+    __doc__ = _Manager.__doc__
+    _save, _load, _index = staticmethod(save), staticmethod(load), INDEX
+
+
+__all__ += ["CheckpointManager"]

@@ -40,6 +40,8 @@ shard_map_depth: ContextVar[int] = ContextVar("fshard_shard_map_depth", default=
 replica_axes: ContextVar[tuple] = ContextVar("fshard_replica_axes", default=())
 #: The ``with fs.Mesh(...)`` meshes in effect (innermost last).
 meshes: ContextVar[tuple] = ContextVar("fshard_meshes", default=())
+#: Inside ``with fs.disable_jit():``: ``fs.jit`` functions run op by op, uncompiled.
+jit_disabled: ContextVar[bool] = ContextVar("fshard_jit_disabled", default=False)
 
 
 #: Held while MindSpore runs an eager op or a compiled graph. Its PyNative runtime and

@@ -250,7 +250,12 @@ def bind(prim: Primitive, *args, **params):
 
 
 def typeof(x) -> ArrayType:
-    """The ArrayType of a Tracer, MindSpore Tensor, NumPy array or Python scalar."""
+    """The ArrayType of a Tracer, MindSpore Tensor, NumPy array or Python scalar.
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.typeof(np.ones((2, 3), np.float32)), fs.typeof(1.0)
+    (ArrayType(shape=(2, 3), dtype=mindspore.float32), ArrayType(shape=(), dtype=mindspore.float32))
+    """
     if isinstance(x, Tracer):
         return x.aval
     if isinstance(x, ArrayType):

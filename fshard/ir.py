@@ -144,7 +144,11 @@ def pretty(prog: Program, annotate=None) -> str:
 
 def verify(prog: Program) -> None:
     """Type-check a Program: every var defined once before use, every equation's
-    output types equal to what its primitive's type rule says."""
+    output types equal to what its primitive's type rule says.
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.verify(fs.make_ir(lambda x: x * 2.0)(np.ones(2, np.float32)).program)
+    """
     defined = set()
     for v in prog.inputs:
         if v in defined:

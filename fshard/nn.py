@@ -25,6 +25,10 @@ def dropout(key: Key, x: Float[Array, "*shape"], rate: float) -> Float[Array, "*
     The mask comes from ``key`` alone: thread a fresh subkey per step and per layer
     (``key, sub = fs.random.split(key)``); under ``vmap`` each lane's key gives that
     lane's mask. ``rate=0`` returns ``x``.
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.nn.dropout(fs.random.key(0), np.ones(6, np.float32), 0.5).asnumpy().tolist()
+    [0.0, 0.0, 2.0, 2.0, 0.0, 2.0]
     """
     if isinstance(rate, bool) or not isinstance(rate, (int, float, np.floating)) \
             or not 0.0 <= float(rate) <= 1.0:

@@ -595,3 +595,10 @@ def apply_updates(params, updates):
     _same_structure("apply_updates", "the updates", updates, params)
     params, updates = _arrays(params), _arrays(updates)
     return tree.map(lambda p, u: _as_state(ops.add(p, u), typeof(p).dtype), params, updates)
+
+
+# optax's building blocks and schedules, by optax's names (fshard/optim_blocks.py)
+from fshard.optim_blocks import *  # noqa: E402,F401,F403
+from fshard.optim_blocks import __all__ as _blocks_all  # noqa: E402
+
+__all__ += _blocks_all

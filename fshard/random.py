@@ -242,7 +242,13 @@ def _check_shape(shape, fn: str) -> tuple[int, ...]:
 
 @_consumes
 def split(key: Key, num: int = 2) -> UInt32[Array, "num 2"]:
-    """``num`` new keys, a ``u32[num, 2]`` array; equal to ``jax.random.split``."""
+    """``num`` new keys, a ``u32[num, 2]`` array; equal to ``jax.random.split``.
+
+    >>> import fshard as fs
+    >>> key, sub = fs.random.split(fs.random.key(0))
+    >>> fs.random.split(fs.random.key(0), 3).shape
+    (3, 2)
+    """
     _check_key(key, "split")
     if not isinstance(num, (int, np.integer)) or isinstance(num, bool) or num < 0:
         raise ArgumentError(
@@ -253,7 +259,12 @@ def split(key: Key, num: int = 2) -> UInt32[Array, "num 2"]:
 
 def fold_in(key: Key, data) -> Key:
     """A new key from ``key`` and an integer ``data`` (e.g. a step or a rank);
-    equal to ``jax.random.fold_in``."""
+    equal to ``jax.random.fold_in``.
+
+    >>> import fshard as fs
+    >>> fs.random.fold_in(fs.random.key(0), 3).asnumpy().tolist()
+    [2467461003, 3840466878]
+    """
     _check_key(key, "fold_in")
     if not _is_int_value(data):
         raise ArgumentError(
@@ -273,7 +284,12 @@ def fold_in(key: Key, data) -> Key:
 
 @_consumes
 def bits(key: Key, shape=(), dtype=_U32) -> UInt[Array, "*shape"]:
-    """Uniform random ``uint32`` bits of ``shape``; equal to ``jax.random.bits``."""
+    """Uniform random ``uint32`` bits of ``shape``; equal to ``jax.random.bits``.
+
+    >>> import fshard as fs
+    >>> fs.random.bits(fs.random.key(0), (3,)).asnumpy().tolist()
+    [4070199207, 4202968722, 1427181096]
+    """
     _check_key(key, "bits")
     shape = _check_shape(shape, "bits")
     if dtype != _U32:
@@ -318,7 +334,12 @@ def _as(value, dtype):
 @_consumes
 def uniform(key: Key, shape=(), dtype=dtypes.float32, minval=0.0,
             maxval=1.0) -> Float[Array, "*shape"]:
-    """Uniform floats in ``[minval, maxval)``; equal to ``jax.random.uniform``."""
+    """Uniform floats in ``[minval, maxval)``; equal to ``jax.random.uniform``.
+
+    >>> import fshard as fs
+    >>> [round(float(v), 4) for v in fs.random.uniform(fs.random.key(0), (3,)).asnumpy()]
+    [0.9477, 0.9786, 0.3323]
+    """
     _check_key(key, "uniform")
     shape = _check_shape(shape, "uniform")
     dtype = _check_float(dtype, "uniform")
@@ -376,7 +397,12 @@ def _erfinv(x, dtype):
 @_consumes
 def normal(key: Key, shape=(), dtype=dtypes.float32) -> Float[Array, "*shape"]:
     """Standard normal floats: ``sqrt(2) * erfinv(u)`` for ``u`` uniform in (-1, 1)
-    (``jax.random.normal``'s construction)."""
+    (``jax.random.normal``'s construction).
+
+    >>> import fshard as fs
+    >>> [round(float(v), 3) for v in fs.random.normal(fs.random.key(0), (3,)).asnumpy()]
+    [1.623, 2.025, -0.434]
+    """
     _check_key(key, "normal")
     shape = _check_shape(shape, "normal")
     dtype = _check_float(dtype, "normal")
@@ -389,7 +415,13 @@ def normal(key: Key, shape=(), dtype=dtypes.float32) -> Float[Array, "*shape"]:
 @_consumes
 def truncated_normal(key: Key, lower, upper, shape=None,
                      dtype=dtypes.float32) -> Float[Array, "*shape"]:
-    """Standard normal floats conditioned on ``lower < x < upper`` (inverse CDF)."""
+    """Standard normal floats conditioned on ``lower < x < upper`` (inverse CDF).
+
+    >>> import fshard as fs
+    >>> x = fs.random.truncated_normal(fs.random.key(0), -1.0, 1.0, (3,))
+    >>> [round(float(v), 3) for v in x.asnumpy()]
+    [0.862, 0.941, -0.291]
+    """
     _check_key(key, "truncated_normal")
     dtype = _check_float(dtype, "truncated_normal")
     if shape is None:
@@ -411,7 +443,12 @@ def truncated_normal(key: Key, lower, upper, shape=None,
 
 @_consumes
 def bernoulli(key: Key, p=0.5, shape=None) -> Bool[Array, "*shape"]:
-    """Booleans that are True with probability ``p`` (``uniform < p``)."""
+    """Booleans that are True with probability ``p`` (``uniform < p``).
+
+    >>> import fshard as fs
+    >>> fs.random.bernoulli(fs.random.key(0), 0.5, (4,)).asnumpy().tolist()
+    [False, False, True, True]
+    """
     _check_key(key, "bernoulli")
     dtype = typeof(p).dtype if isinstance(p, Tracer) else dtypes.float32
     if not dtypes.is_float(dtype):
@@ -426,6 +463,10 @@ def bernoulli(key: Key, p=0.5, shape=None) -> Bool[Array, "*shape"]:
 @_consumes
 def randint(key: Key, shape, minval, maxval, dtype=dtypes.int32) -> Int[Array, "*shape"]:
     """Integers uniform in ``[minval, maxval)`` (``minval`` where ``maxval <= minval``).
+
+    >>> import fshard as fs
+    >>> fs.random.randint(fs.random.key(0), (4,), 0, 10).asnumpy().tolist()
+    [9, 9, 3, 4]
 
     The offset is ``floor(bits * span / 2**32)`` (Lemire's multiply-shift): bias below
     ``span / 2**32``.
@@ -454,7 +495,12 @@ def randint(key: Key, shape, minval, maxval, dtype=dtypes.int32) -> Int[Array, "
 
 @_consumes
 def gumbel(key: Key, shape=(), dtype=dtypes.float32) -> Float[Array, "*shape"]:
-    """Standard Gumbel floats, ``-log(-log(u))``."""
+    """Standard Gumbel floats, ``-log(-log(u))``.
+
+    >>> import fshard as fs
+    >>> [round(float(v), 3) for v in fs.random.gumbel(fs.random.key(0), (3,)).asnumpy()]
+    [2.923, 3.833, -0.097]
+    """
     _check_key(key, "gumbel")
     dtype = _check_float(dtype, "gumbel")
     tiny = np.finfo(dtypes.to_numpy(dtype)).tiny
@@ -467,7 +513,13 @@ def categorical(key: Key, logits: Float[Array, "..."], axis: int = -1,
                 shape=None) -> Int[Array, "..."]:
     """Indices drawn with probabilities ``softmax(logits, axis)`` (the Gumbel-max
     trick). ``shape`` (default: ``logits``' shape without ``axis``) may add leading
-    dimensions."""
+    dimensions.
+
+    >>> import numpy as np, fshard as fs
+    >>> p = np.array([[0.1, 0.2, 0.7], [0.9, 0.05, 0.05]], np.float32)
+    >>> fs.random.categorical(fs.random.key(0), np.log(p)).asnumpy().tolist()
+    [1, 0]
+    """
     _check_key(key, "categorical")
     a = typeof(logits)
     if not dtypes.is_float(a.dtype) or a.ndim == 0:
@@ -492,6 +544,10 @@ def categorical(key: Key, logits: Float[Array, "..."], axis: int = -1,
 @_consumes
 def permutation(key: Key, x, axis: int = 0) -> Shaped[Array, "..."]:
     """A random permutation of ``range(x)`` (int ``x``) or of ``x`` along ``axis``.
+
+    >>> import fshard as fs
+    >>> fs.random.permutation(fs.random.key(0), 5).asnumpy().tolist()
+    [2, 3, 4, 0, 1]
 
     Ranks ``n`` random keys by comparing every pair: O(n**2) work and memory, for
     ``n`` up to 16384.

@@ -17,6 +17,7 @@ has no meaning, and, as in MindSpore's PyNative mode, nothing happens.
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 
 from fshard import context, tree
@@ -220,3 +221,63 @@ def annotated_call(fn, fname: str, args, in_strategy, out_strategy):
                          ("result", k, len(leaves))) if isinstance(x, Tracer) else x
               for k, (p, x, e) in enumerate(zip(paths, leaves, per_leaf))]
     return tree.unflatten(structure, leaves)
+
+
+def with_sharding_constraint(x, strategy):
+    """``x`` (a pytree of arrays), whose layout ``fs.shard`` must make ``strategy``
+    (NB: ``jax.lax.with_sharding_constraint``).
+
+    Inside a function staged by ``fs.shard`` (or ``fs.jit(..., in_shardings=...)``,
+    ``fs.AutoParallel``), the value gets exactly that layout and propagation lays out
+    the rest around it; the value itself is unchanged. Anywhere else (eager code,
+    ``fs.jit`` alone, ``fs.vmap``, the ``grad`` family) it is the identity, as in
+    MindSpore's PyNative mode.
+
+    >>> import numpy as np, fshard as fs
+    >>> def f(x, w):
+    ...     h = fs.with_sharding_constraint(x @ w, (4, 1))  # rows split 4 ways
+    ...     return fs.ops.relu(h)
+    >>> x, w = np.ones((8, 4), np.float32), np.ones((4, 2), np.float32)
+    >>> sharded = fs.shard(f, in_strategy=(None, None), mesh=4)
+    >>> sharded(x, w).shape
+    (8, 2)
+    >>> [e["out_strategy"] for e in sharded.strategies(x, w)["equations"]
+    ...  if e["primitive"] == "layout_constraint"]
+    [[[4, 1]]]
+    >>> f(x, w).shape  # unsharded: the identity
+    (8, 2)
+
+    Args:
+        x: a pytree of arrays.
+        strategy: split counts per dimension (``(4, 1)``), an ``fs.Layout`` view, or
+            None (no constraint); or a pytree prefix of ``x`` holding them.
+
+    Raises:
+        ShardingError: a strategy that does not fit the value or the mesh.
+    """
+    paths, leaves, structure = tree.flatten_with_path(x)
+    try:
+        per_leaf = tree.broadcast_prefix(strategy, x, is_leaf=is_strategy_leaf)
+    except ValueError as e:
+        raise ShardingError(
+            f"fs.with_sharding_constraint: the strategy {strategy!r} does not match x's "
+            f"structure {tree.structure(x)}: {e}\nFix: give one strategy, or a pytree "
+            "prefix of x holding strategies.") from None
+    n = shard_devices()
+    if n is None:  # not being sharded: check the strategy's form, change nothing
+        for p, leaf, e in zip(paths, leaves, per_leaf):
+            if e is None or isinstance(e, Layout):
+                continue
+            counts = e if isinstance(e, (tuple, list)) and all(
+                isinstance(c, int) and c > 0 for c in e) else ()
+            parse_strategy(e, typeof(leaf), ShardMesh.for_devices(math.prod(counts)),
+                           f"fs.with_sharding_constraint: strategy{tree.keystr(p)}",
+                           f"x{tree.keystr(p)} ({typeof(leaf)})")
+        return x
+    out = []
+    for p, leaf, e in zip(paths, leaves, per_leaf):
+        where = f"fs.with_sharding_constraint: strategy{tree.keystr(p)}"
+        what = f"x{tree.keystr(p)} ({typeof(leaf)})"
+        out.append(_constrain(leaf, e, n, where, what, f"fs.with_sharding_constraint(x, "
+                              f"{e!r})", next(_groups), ("value", 0, 1)))
+    return tree.unflatten(structure, out)

@@ -29,11 +29,22 @@ def test_the_site_builds_strictly(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     for anchor in ("fshard.jit", "fshard.shard", "fshard.Symbol", "fshard.AutoParallel",
-                   "fshard.optim.adam", "fshard.checkpoint.save", "fshard.ops.matmul"):
+                   "fshard.optim.adam", "fshard.checkpoint.save", "fshard.ops.matmul",
+                   "fshard.device_put", "fshard.with_sharding_constraint", "fshard.linearize",
+                   "fshard.eval_shape", "fshard.profile", "fshard.optim.scale_by_adam",
+                   "fshard.checkpoint_manager.CheckpointManager"):
         assert f'id="{anchor}"' in api, f"{anchor} is missing from the API reference"
     assert "<blockquote>" not in api  # doctest examples render as code, not quotes
+    # public names only: no _private member of any entry (AutoParallel's helpers, ...)
+    private = [i for i in re.findall(r'id="(fshard\.[\w.]+)"', api)
+               if i.rsplit(".", 1)[-1].startswith("_")]
+    assert not private, f"private members in the API reference: {private[:5]}"
+    # signatures formatted by Ruff: fs.jit's, too long for one line, one parameter a line
+    sig = api.split('id="fshard.jit"', 1)[1].split("</code>", 1)[0]
+    assert sig.count("\n") > 5, "fs.jit's signature was not formatted (install ruff)"
 
 
+@pytest.mark.full  # a second site build (~20 s on two busy cores)
 def test_a_broken_link_fails_the_site_build(tmp_path):
     root = tmp_path / "repo"
     shutil.copytree(ROOT / "docs", root / "docs", ignore=shutil.ignore_patterns("__pycache__"))
@@ -65,7 +76,9 @@ def test_every_public_transform_is_documented_in_a_guide():
     for name in ("jit", "vmap", "grad", "value_and_grad", "jvp", "vjp", "jacfwd", "jacrev",
                  "hessian", "custom_jvp", "custom_vjp", "shard", "shard_map", "make_ir",
                  "visualize_sharding", "Mesh", "Layout", "psum", "all_gather",
-                 "psum_scatter", "all_to_all", "ppermute", "axis_index"):
+                 "psum_scatter", "all_to_all", "ppermute", "axis_index", "device_put",
+                 "block_until_ready", "eval_shape", "with_sharding_constraint", "linearize",
+                 "disable_jit", "profile"):
         assert f"fs.{name}" in text, f"fs.{name} is not mentioned in README or docs/"
 
 

@@ -59,11 +59,12 @@ LAYERS = [
     ("fshard.passes",),
     ("fshard.sharding",),
     ("fshard.ops", "fshard.tensor_methods", "fshard.user_layouts", "fshard.interop",
-     "fshard.cells"),
+     "fshard.cells", "fshard.abstract"),
     ("fshard.random", "fshard.nn", "fshard.visualize"),
     ("fshard.transforms",),
-    ("fshard.optim", "fshard.parallel", "fshard.checkpoint"),
-    ("fshard.launch", "fshard.testing"),
+    ("fshard.optim", "fshard.optim_blocks", "fshard.parallel", "fshard.checkpoint",
+     "fshard.checkpoint_manager"),
+    ("fshard.launch", "fshard.testing", "fshard.profiling"),
 ]
 
 def _modules() -> dict[str, Path]:

@@ -8,11 +8,12 @@ itself compiled if the outermost transform is ``jit``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
 
-from fshard import dtypes, tree
+from fshard import context, dtypes, tree
 from fshard import passes
 from fshard.backend import mindspore as backend
 from fshard.core import (ArrayType, EvalTrace, Symbol, current_trace, dim_eval, is_symbolic,
@@ -335,7 +336,8 @@ def _leaf_key(x):
 class Jitted:
     """The result of ``fs.jit(f)``: call it, ``lower`` it, count its traces."""
 
-    def __init__(self, fun, static_argnums=(), static_argnames=()):
+    def __init__(self, fun, static_argnums=(), static_argnames=(), donate_argnums=(),
+                 donate_argnames=()):
         if isinstance(static_argnums, int):
             static_argnums = (static_argnums,)
         if isinstance(static_argnames, str):
@@ -349,6 +351,9 @@ class Jitted:
         self._cache: dict = {}   # key -> Lowered
         self._calls: dict = {}   # key -> Compiled, for signatures without static arguments
         self._static = bool(self.static_argnums or self.static_argnames)
+        # Accepted for JAX's API: MindSpore 2.10 cannot reuse an input's memory for an
+        # output, so a donated argument stays valid (docs/jit.md).
+        self.donate_argnums, self.donate_argnames = donate_argnums, donate_argnames
         functools.update_wrapper(self, fun, updated=())
 
     def set_inputs(self, *specs) -> "Jitted":
@@ -437,6 +442,10 @@ class Jitted:
     def __call__(self, *args, **kwargs):
         if type(current_trace()) is not EvalTrace:
             return self.fun(*args, **kwargs)  # inlined into the enclosing transform
+        if context.jit_disabled.get():
+            return self._eager(args, kwargs)
+        if self.donate_argnums and len(args) <= max(self.donate_argnums):
+            _check_donated(self, len(args))
         if self._in_shapes is not None or self._annotated is not None:
             # declared shapes: every call is checked
             key, leaves, in_tree, rebuild, declared = self._prepare(args, kwargs)
@@ -461,8 +470,99 @@ class Jitted:
         compiled = lowered._compiled or lowered.compile()
         return compiled.call_leaves(leaves)
 
+    def _eager(self, args, kwargs):
+        """``fun`` run op by op (``fs.disable_jit``): its array arguments as Tensors, as
+        a compiled call would take them; static arguments as they are."""
+        static = {i if i >= 0 else len(args) + i for i in self.static_argnums}
+        args = tuple(a if i in static else tree.map(_as_eager, a) for i, a in enumerate(args))
+        kwargs = {k: v if k in self.static_argnames else tree.map(_as_eager, v)
+                  for k, v in kwargs.items()}
+        return self.fun(*args, **kwargs)
+
     def __repr__(self) -> str:
         return f"fs.jit({fun_name(self.fun)})"
+
+
+def _as_eager(x):
+    return backend.as_tensor(x) if isinstance(x, np.ndarray) else x
+
+
+def _check_donated(jitted, nargs: int) -> None:
+    bad = [i for i in jitted.donate_argnums if i >= nargs]
+    if bad:
+        raise ArgumentError(
+            f"{jitted!r}: donate_argnums={jitted.donate_argnums} names argument "
+            f"{bad[0]}, but the function was called with {nargs} positional "
+            f"argument{'s' if nargs != 1 else ''}.\nFix: pass that argument positionally, "
+            "or drop it from donate_argnums.")
+
+
+@contextlib.contextmanager
+def disable_jit(disable: bool = True):
+    """Inside this block ``fs.jit`` functions run op by op, uncompiled (NB:
+    ``jax.disable_jit``): each operation runs eagerly on MindSpore Tensors, so Python
+    ``print`` and a debugger see values, and an error points at the line that raised it.
+
+    >>> import numpy as np, fshard as fs
+    >>> @fs.jit
+    ... def f(x):
+    ...     print("running with", type(x).__name__)
+    ...     return x * 2.0
+    >>> with fs.disable_jit():
+    ...     y = f(np.ones(2, np.float32))
+    running with Tensor
+    >>> f.trace_count  # nothing was traced or compiled
+    0
+
+    Args:
+        disable: False makes the block a no-op (jit as usual), e.g.
+            ``fs.disable_jit(debugging)``.
+
+    Only ``fs.jit`` is affected: ``fs.shard``, ``fs.vmap`` and the ``grad`` family
+    still trace (they are not compilers), and a jitted function called inside another
+    transform is inlined into it as always. The setting is per thread (a contextvar).
+    """
+    if not isinstance(disable, bool):
+        raise ArgumentError(
+            f"fs.disable_jit(disable=...) must be a bool; got {type(disable).__name__} "
+            f"{disable!r}.\nFix: fs.disable_jit() or fs.disable_jit(False).")
+    with context.setting(context.jit_disabled, disable):
+        yield
+
+
+def _argnums(api: str, name: str, value) -> tuple:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    if not isinstance(value, (tuple, list)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise ArgumentError(
+            f"{api}({name}=...) must be a non-negative int or a tuple of them (argument "
+            f"positions); got {value!r}.\nFix: e.g. {name}=(0,).")
+    return tuple(sorted(set(value)))
+
+
+def check_donation(api: str, fun, donate_argnums, donate_argnames, static_argnums,
+                   static_argnames) -> tuple[tuple, tuple]:
+    """``(donate_argnums, donate_argnames)`` checked: positions or parameter names of
+    ``fun``, none of them static (a static argument is a Python value: nothing to
+    donate)."""
+    nums = _argnums(api, "donate_argnums", donate_argnums)
+    if isinstance(donate_argnames, str):
+        donate_argnames = (donate_argnames,)
+    if not isinstance(donate_argnames, (tuple, list)) or not all(
+            isinstance(n, str) for n in donate_argnames):
+        raise ArgumentError(
+            f"{api}(donate_argnames=...) must be a str or a tuple of str (parameter "
+            f"names); got {donate_argnames!r}.")
+    check_static_args(api, fun, (), donate_argnames)  # the names exist
+    both = sorted(set(nums) & {i for i in static_argnums if i >= 0}) or sorted(
+        set(donate_argnames) & set(static_argnames))
+    if both:
+        raise ArgumentError(
+            f"{api}: argument {both[0]!r} is both static and donated; a static argument "
+            "is a Python value, with no array memory to donate.\nFix: drop it from "
+            "donate_argnums/donate_argnames (or from static_argnums/static_argnames).")
+    return nums, tuple(donate_argnames)
 
 
 def _input_names(fun, args, kwargs) -> list[str]:
@@ -508,8 +608,10 @@ class _Omitted:
 _DECORATOR = _Omitted()
 
 
-def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None):
-    """Compile ``fun`` into one MindSpore GRAPH-mode program per input signature.
+def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None,
+        donate_argnums=(), donate_argnames=()):
+    """Compile ``fun`` into one MindSpore GRAPH-mode program per input signature
+    (``fs.jit``, which adds ``in_shardings``/``out_shardings``, documents the rest).
 
     >>> import numpy as np, fshard as fs
     >>> f = fs.jit(lambda x, y: fs.ops.relu(x @ y))
@@ -525,6 +627,8 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None
         static_argnames: the same, for keyword arguments.
         in_shapes: declared input shapes, one entry per positional argument, as for
             ``set_inputs`` (``fs.Symbol`` dimensions: one program for every size).
+        donate_argnums, donate_argnames: arguments whose memory the caller gives up
+            (JAX's); checked, but MindSpore 2.10 cannot reuse it: they stay valid.
 
     Returns:
         a callable with ``.lower(*args)`` (``.as_text()``, ``.compile()``) and
@@ -536,7 +640,8 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None
         def decorate(f):
             check_function("fs.jit", f)
             return jit(f, static_argnums=static_argnums, static_argnames=static_argnames,
-                       in_shapes=in_shapes)
+                       in_shapes=in_shapes, donate_argnums=donate_argnums,
+                       donate_argnames=donate_argnames)
 
         return decorate
     from fshard.cells import is_cell, maybe_cell
@@ -544,8 +649,12 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None
     check_function("fs.jit", fun)
     static_argnums, static_argnames = check_static_args(
         "fs.jit", fun.construct if is_cell(fun) else fun, static_argnums, static_argnames)
+    donate_argnums, donate_argnames = check_donation(
+        "fs.jit", fun.construct if is_cell(fun) else fun, donate_argnums, donate_argnames,
+        static_argnums, static_argnames)
     if is_cell(fun):  # the Cell's parameters become argument 0
         static_argnums = tuple(i + 1 if i >= 0 else i for i in static_argnums)
+        donate_argnums = tuple(i + 1 for i in donate_argnums)
     if in_shapes is not None and in_shapes != "annotations" and not isinstance(
             in_shapes, (tuple, list)):
         raise ArgumentError(
@@ -555,7 +664,7 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None
             "annotations.")
 
     def make(f):
-        out = Jitted(f, static_argnums, static_argnames)
+        out = Jitted(f, static_argnums, static_argnames, donate_argnums, donate_argnames)
         if in_shapes == "annotations":
             if is_cell(fun):
                 raise ArgumentError(

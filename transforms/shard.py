@@ -21,6 +21,7 @@ from fshard.errors import CompositionError, OperatorStrategyWarning, ShardingErr
 from fshard.ir import Program
 from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.partition import Partitioned
+from fshard.sharding.placement import placed_strategy
 from fshard.sharding.plan import ShardPlan, read_strategy_file, write_json_atomic
 from fshard.sharding.runtime import world_mesh
 from fshard.sharding.strategy import (argument_strategies, is_count, is_strategy_leaf,
@@ -249,8 +250,13 @@ class Sharded:
         fname = fun_name(self.fn)
         groups = self.process_groups
         n, in_job = _devices_and_place(self.mesh, fname, groups[1] if groups else 1)
+        # an argument left to propagation takes the strategy fs.device_put gave it
+        entries = [(placed_strategy(x, n), f"shard({fname}): the fs.device_put placement "
+                    f"of {what}", what, is_arg) if e is None and is_arg and
+                   placed_strategy(x, n) is not None else (e, where, what, is_arg)
+                   for (e, where, what, is_arg), x in zip(entries, leaves)]
         key = (in_tree, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves), n,
-               in_job, groups)
+               in_job, groups, tuple(placed_strategy(x, n) for x in leaves))
         hit = self._cache.get(key)
         if hit is not None:
             return hit

@@ -97,7 +97,12 @@ unsupported(stop_gradient_p, "transpose", "its JVP is zero, so it never appears 
 
 
 def stop_gradient(x: ArrayLike) -> Shaped[Array, "*shape"]:
-    """Identity in the forward pass; blocks differentiation (``fs.stop_gradient``)."""
+    """Identity in the forward pass; blocks differentiation (``fs.stop_gradient``).
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.grad(lambda x: (x * fs.stop_gradient(x)).sum())(np.full(2, 3.0, np.float32))
+    Tensor(shape=[2], dtype=Float32, value= [ 3.00000000e+00,  3.00000000e+00])
+    """
     from fshard import tree
 
     return tree.map(lambda v: stop_gradient_p.bind(v), x)

@@ -114,3 +114,66 @@ def test_comm_fusion_accepts_mindspores_spellings(config, bucket):
     ap = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=2)
     assert ap.comm_fusion(config) is ap
     assert ap._fusion == bucket
+
+
+# -- the launcher's checks that need no launch -------------------------------------------
+
+SCRIPT = str(__import__("pathlib").Path(__file__).resolve().parent / "distributed"
+             / "launch_checks.py")
+
+
+def test_more_processes_than_memory_holds_are_refused_before_anything_starts(capsys):
+    n = 100_000  # more than any machine's memory holds (-n 1000 on a 24 GiB machine too)
+    with pytest.raises(fs.ArgumentError) as info:
+        launch.run(SCRIPT, n, ["ok"])
+    msg = str(info.value)
+    assert msg.startswith(f"n={n}: {n} processes need about 41016 GiB (each MindSpore "
+                          "process takes ~420 MiB), more than this machine's "), msg
+    assert "Fix: fewer processes" in msg
+    with pytest.raises(SystemExit) as e:
+        launch.main(["-n", str(n), SCRIPT, "ok"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and f"-n {n}: {n} processes need about" in err
+
+
+def test_processes_far_beyond_the_cores_are_warned_about(monkeypatch):
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    assert launch._check_size(4) == (None, None)  # two per core: no warning
+    refused, warning = launch._check_size(8)
+    assert refused is None
+    assert warning.startswith("fshard.launch: warning: 8 processes on 2 cores: each rank "
+                              "gets 0.25 of a core"), warning
+
+
+@pytest.mark.parametrize("n, load, cores, want", [
+    (2, 0.0, 2, 30), (2, 0.0, 8, 30), (4, 0.0, 2, 60), (4, 6.0, 2, 150), (8, 100.0, 2, 600)])
+def test_the_collective_timeout_is_scaled_to_the_load(monkeypatch, n, load, cores, want):
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(launch.os, "getloadavg", lambda: (load, load, load))
+    assert launch.collective_timeout(n) == want
+
+
+def test_job_lock_runs_jobs_one_at_a_time_and_nests(tmp_path, monkeypatch):
+    import fcntl
+    import threading
+
+    path = str(tmp_path / "jobs.lock")
+    monkeypatch.setenv("FSHARD_LAUNCH_LOCK", path)
+    with launch.job_lock() as waited:
+        assert waited >= 0.0
+        with launch.job_lock() as again:  # nested in one thread: no deadlock
+            assert again == 0.0
+        with open(path) as other:  # another holder is refused while it is held
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        got = []
+        t = threading.Thread(target=lambda: got.append(launch.job_lock().__enter__()))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and not got  # another thread waits for it
+    t.join(30)
+    assert got and not t.is_alive()
+    monkeypatch.delenv("FSHARD_LAUNCH_LOCK")
+    with launch.job_lock() as waited:  # unset: no lock at all
+        assert waited == 0.0

@@ -59,7 +59,8 @@ from fshard.sharding.plan import write_json_atomic
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
 from fshard.transforms.jit import declared_types, jit
-from fshard.transforms.local_batch import block_index, global_type, to_global
+from fshard.transforms.local_batch import (block_index, check_same_slices, global_type,
+                                          to_global)
 from fshard.transforms.shard import shard
 
 MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
@@ -697,6 +698,8 @@ class AutoParallel:
         if self._pipeline is not None:
             return self._pipeline(state, *batch)
         if self._feeds_slices():
+            check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
+                              f"AutoParallel({self.name})")
             batch = self._place_slices(state, batch)
         _, step = self._sharded(state, batch if self._batch_specs is None
                                 else self._declared_batch(batch))

@@ -57,8 +57,9 @@ _BOOT = (
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
 
-#: What a rank prints when MindSpore gives up waiting in a collective (CPU: its ring
-#: algorithms' "wait receiving ... failed", then the kernel's "launch failed").
+#: What a rank logs (an ``[ERROR]`` line) when MindSpore gives up waiting in a
+#: collective (CPU: its ring algorithms' "wait receiving ... failed", then the kernel's
+#: "launch failed").
 _COLLECTIVE_WAIT_FAILED = re.compile(
     r"wait (?:receiving|sending)|CollectiveWait|receive timeout|"
     r"(?:AllReduce|AllGather|Broadcast|ReduceScatter|AlltoAll)\w*KernelMod launch failed")
@@ -381,7 +382,7 @@ def _pump(worker: _Worker, log: TextIO, out: TextIO | None, lock: threading.Lock
         line = raw.decode("utf-8", "replace")
         log.write(line)
         log.flush()
-        if _COLLECTIVE_WAIT_FAILED.search(line):
+        if line.startswith("[ERROR]") and _COLLECTIVE_WAIT_FAILED.search(line):
             # MindSpore logs it and may carry on (the error reaches Python only when
             # the result is read): the job is over either way.
             worker.wait_failed = True
@@ -642,7 +643,7 @@ def _run(script_or_module, n, args, timeout, module, log_dir, port, env, out,
         hung = [w.rank for w in workers if w.rank in running and not w.done]
         finished = [w.rank for w in workers if w.rank not in hung]
         counts = [w.collectives for w in workers]
-        if any(counts) and min(counts[r] for r in hung) < max(counts):
+        if hung and any(counts) and min(counts[r] for r in hung) < max(counts):
             # the ranks that are behind are the hung ones; the rest wait for them
             top = max(counts)
             behind = [r for r in hung if counts[r] < top]

@@ -58,7 +58,9 @@ def check_same_slices(shapes, what: str) -> None:
     programs whose collectives still match up: the job would run, and the copies of the
     parameters silently diverge. The check is an AllGather of a few numbers per
     process, on every call: a check only when a process's own shapes change would be a
-    collective that process alone enters, desynchronising the job."""
+    collective that process alone enters, desynchronising the job. (Under ``fs.jit``
+    the check runs when a call is traced, so a shape that changes on one process only,
+    after the first call, is not caught there.)"""
     n, rank = distributed.world_size(), distributed.rank()
     if n == 1:
         return

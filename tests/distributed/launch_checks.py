@@ -128,6 +128,10 @@ def check_slices_of_different_shapes(fs, r: int, n: int) -> None:
     params = fs.gather_sharded(state.params)["w"]
     check("and keep the parameters one process gets",
           np.allclose(params.asnumpy(), w, rtol=1e-5, atol=1e-6), (params, w))
+    twice = fs.shard(lambda x: x * 2.0, in_strategy=(None,),
+                     dataset_strategy="data_parallel")(x_all[mine])
+    check("fs.shard with equal slices returns this process's rows",
+          np.array_equal(twice.asnumpy(), 2 * x_all[mine]), twice)
 
 
 def run_fail() -> None:

@@ -35,6 +35,7 @@ from fshard.errors import (  # noqa: F401
     PipelineBalanceWarning as PipelineBalanceWarning,
     ProgramTypeError as ProgramTypeError,
     ShapeError as ShapeError,
+    ProcessLocalError as ProcessLocalError,
     ShardingError as ShardingError,
     TracerConversionError as TracerConversionError,
     TracerLeakError as TracerLeakError,

@@ -48,7 +48,7 @@ def is_initialized() -> bool:
 def _tell_launcher(status: bytes) -> None:
     """Tell fshard.launch (when it started this process) what this rank is doing: it
     then stops a job at once when a rank finished without joining while others wait."""
-    fd_pid = os.environ.get("FSHARD_LAUNCH_INIT_FD", "")
+    fd_pid = os.environ.get("FSHARD_LAUNCH_REPORT_FD", "")
     fd, _, pid = fd_pid.partition(":")
     if fd.isdigit() and pid == str(os.getpid()):  # not in a child process
         try:

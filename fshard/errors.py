@@ -63,6 +63,13 @@ class ShardingError(FshardError, ValueError):
     """A sharding strategy, layout, mesh or device is invalid."""
 
 
+class ProcessLocalError(ShardingError, TypeError, AttributeError):
+    """An ``fs.ShardedArray`` (of which this process holds only its block) was read or
+    computed with eagerly: ``.asnumpy()``, ``x + 1``, ``x.sum()``. Also a ``TypeError``
+    (an unsupported operand) and an ``AttributeError`` (a Tensor method it lacks), so
+    ``hasattr`` probes stay False."""
+
+
 class CompositionError(FshardError, ValueError):
     """Transforms were nested in an order fshard does not allow (e.g. ``vmap(shard(f))``)."""
 

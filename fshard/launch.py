@@ -12,7 +12,12 @@ Differences from msrun, each for a measured reason (docs/launch.md):
 - when one rank fails, the others are killed at once, and the exit status names the
   failed rank; an overall ``--timeout`` bounds every job;
 - after its script succeeds, a worker waits until every rank has succeeded, then
-  exits without MindSpore's slow C++ teardown (it cost 4-6 s per job).
+  exits without MindSpore's slow C++ teardown (it cost 4-6 s per job);
+- each rank reports every communicating graph it enters (``fshard.backend``), so when
+  a rank dies waiting in a collective the launcher names the ranks that had fallen
+  behind as hung, instead of the waiting rank's kernel error;
+- MindSpore's wait in a collective (``MS_NODE_TIMEOUT``, 30 s) is scaled to how
+  oversubscribed the cores are, and ``FSHARD_LAUNCH_LOCK`` runs jobs one at a time.
 
 This module imports only the standard library at top level: workers load it as a
 standalone file to run ``_worker_main`` (no ``import fshard`` in the worker).
@@ -21,6 +26,7 @@ standalone file to run ``_worker_main`` (no ``import fshard`` in the worker).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -34,7 +40,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence, TextIO
 
-__all__ = ["run", "main", "LaunchResult", "RankResult", "free_port"]
+__all__ = ["run", "main", "LaunchResult", "RankResult", "free_port", "job_lock",
+           "collective_timeout"]
 
 #: MindSpore's own log lines ("[WARNING] DISTRIBUTED(123,7f..,python):..."); kept in
 #: the log files, left out of the streamed output. ERROR lines are always shown.
@@ -50,13 +57,28 @@ _BOOT = (
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
 
+#: What a rank logs (an ``[ERROR]`` line) when MindSpore gives up waiting in a
+#: collective (CPU: its ring algorithms' "wait receiving ... failed", then the kernel's
+#: "launch failed").
+_COLLECTIVE_WAIT_FAILED = re.compile(
+    r"wait (?:receiving|sending)|CollectiveWait|receive timeout|"
+    r"(?:AllReduce|AllGather|Broadcast|ReduceScatter|AlltoAll)\w*KernelMod launch failed")
+
+#: MindSpore's default wait in a collective (``MS_NODE_TIMEOUT``), seconds.
+_MS_COLLECTIVE_TIMEOUT = 30
+#: Memory of one MindSpore process on CPU (measured: ~420 MiB), for the size check.
+_PROCESS_BYTES = 420 * 2**20
+
 
 @dataclass
 class RankResult:
     """One rank of a finished job.
 
-    ``status`` is ``"ok"``, ``"failed"`` (non-zero exit of its own), ``"stopped"``
-    (killed by the launcher because another rank failed or the job timed out).
+    ``status`` is ``"ok"``, ``"failed"`` (non-zero exit of its own), ``"hung"``
+    (stopped by the launcher: it had stopped making progress, so the other ranks timed
+    out waiting for it in a collective, or the job timed out), ``"stopped"`` (killed
+    by the launcher because another rank failed or hung). ``collectives`` counts the
+    communicating graphs it entered.
     ``output`` is what the rank printed (stdout and stderr), without MindSpore's
     INFO/WARNING log lines; ``log_path`` has everything.
     """
@@ -66,6 +88,7 @@ class RankResult:
     status: str
     output: str
     log_path: str
+    collectives: int = 0
 
 
 @dataclass
@@ -80,6 +103,7 @@ class LaunchResult:
     log_dir: str
     message: str
     scheduler_log: str = ""
+    waited: float = 0.0  # seconds spent waiting for FSHARD_LAUNCH_LOCK before starting
 
     @property
     def ok(self) -> bool:
@@ -103,6 +127,84 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_held_locks: set = set()  # (path, thread): job_lock held here (so it nests)
+
+
+@contextlib.contextmanager
+def job_lock(path: str | None = None, out: TextIO | None = None):
+    """Hold the lock file ``path`` (default: ``$FSHARD_LAUNCH_LOCK``; nothing when
+    neither is set) for the duration of the block: jobs that share it run one at a
+    time, so their processes never compete for the cores (``run`` takes it for each
+    job; take it yourself around jobs started another way, e.g. by ``msrun``). Yields
+    the seconds spent waiting; nests within one thread.
+
+    >>> with job_lock() as waited:  # FSHARD_LAUNCH_LOCK unset: no lock
+    ...     waited
+    0.0
+    """
+    path = path or os.environ.get("FSHARD_LAUNCH_LOCK")
+    key = (path, threading.get_ident())
+    if not path or key in _held_locks:
+        yield 0.0
+        return
+    import fcntl
+
+    start = time.monotonic()
+    with open(path, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if out is not None:
+                print(f"fshard.launch: waiting for {path} (another job holds it)", file=out,
+                      flush=True)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        _held_locks.add(key)
+        try:
+            yield time.monotonic() - start
+        finally:
+            _held_locks.discard(key)
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def collective_timeout(n: int) -> int:
+    """Seconds a rank of an ``n``-process job started now should wait in a collective
+    before MindSpore gives up (``MS_NODE_TIMEOUT``, by default 30 s): 30 s times how
+    oversubscribed the cores are (this job's processes plus the load already
+    running, over the cores), at most 600 s. A loaded machine makes a healthy rank
+    arrive late at a collective; a hung one is still found, later."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available here
+        load = 0.0
+    factor = max(1.0, (n + load) / cores)
+    return int(min(600, math.ceil(_MS_COLLECTIVE_TIMEOUT * factor)))
+
+
+def _check_size(n: int) -> tuple[str | None, str | None]:
+    """(why ``n`` processes cannot run here, or None; a warning, or None)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            total = int(fh.readline().split()[1]) * 1024  # "MemTotal: <kB> kB"
+    except (OSError, ValueError, IndexError):
+        total = None
+    need = (n + 1) * _PROCESS_BYTES  # the ranks and the scheduler
+    if total is not None and need > total:
+        return (f"{n} processes need about {need / 2**30:.0f} GiB (each MindSpore process "
+                f"takes ~420 MiB), more than this machine's {total / 2**30:.1f} GiB. Fix: "
+                "fewer processes (one per device; a virtual mesh, fs.Mesh or "
+                "FSHARD_DEVICES, tries many devices in one process)."), None
+    cores = os.cpu_count() or 1
+    if n > 2 * cores:
+        return None, (
+            f"fshard.launch: warning: {n} processes on {cores} cores: each rank gets "
+            f"{cores / n:.2g} of a core, so the job will be slow and ranks arrive late at "
+            "collectives (MindSpore's wait in a collective is scaled to the load). Fix: "
+            "fewer processes, or a virtual mesh (fs.Mesh, FSHARD_DEVICES) to try many "
+            "devices in one process.")
+    return None, None
 
 
 # ---------------------------------------------------------------------------
@@ -176,8 +278,9 @@ def _worker_main() -> None:
     release_fd = int(os.environ.pop("FSHARD_LAUNCH_RELEASE_FD"))
     module = os.environ.pop("FSHARD_LAUNCH_MODULE") == "1"
     target, args = sys.argv[1], sys.argv[2:]
-    # fs.distributed.init() reports "entering init" through this (only in this process).
-    os.environ["FSHARD_LAUNCH_INIT_FD"] = f"{status_fd}:{os.getpid()}"
+    # fs.distributed.init() reports "entering init" ("i") and fshard.backend each
+    # communicating graph the rank enters ("c") through this (only in this process).
+    os.environ["FSHARD_LAUNCH_REPORT_FD"] = f"{status_fd}:{os.getpid()}"
     exit_funcs = _record_exit_funcs()
     code = 0
     try:
@@ -244,6 +347,8 @@ class _Worker:
         self.eof = False
         self.entered_init = False  # called fs.distributed.init()
         self.left_unjoined = False  # finished without joining the job
+        self.collectives = 0  # communicating graphs entered
+        self.wait_failed = False  # MindSpore gave up waiting in a collective here
         self.reader: threading.Thread | None = None
 
 
@@ -277,6 +382,10 @@ def _pump(worker: _Worker, log: TextIO, out: TextIO | None, lock: threading.Lock
         line = raw.decode("utf-8", "replace")
         log.write(line)
         log.flush()
+        if line.startswith("[ERROR]") and _COLLECTIVE_WAIT_FAILED.search(line):
+            # MindSpore logs it and may carry on (the error reaches Python only when
+            # the result is read): the job is over either way.
+            worker.wait_failed = True
         if _MS_LOG_LINE.match(line) and not show_ms_logs:
             continue
         worker.lines.append(line)
@@ -353,14 +462,32 @@ def run(
             f"script {script_or_module!r} does not exist (cwd {os.getcwd()}). Fix: give the "
             f"path of a Python file, or module=True (-m) for a module name."
         )
+    too_many, warning = _check_size(n)
+    if too_many:
+        from fshard.errors import ArgumentError
+
+        raise ArgumentError(f"n={n}: {too_many}")
+    out = (out or sys.stdout) if stream else None
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    with job_lock(out=out) as waited:
+        result = _run(script_or_module, n, args, timeout, module, log_dir, port, env, out,
+                      show_mindspore_logs)
+    result.waited = waited
+    return result
+
+
+def _run(script_or_module, n, args, timeout, module, log_dir, port, env, out,
+         show_mindspore_logs) -> LaunchResult:
     keep_logs = log_dir is not None
     log_dir = log_dir or tempfile.mkdtemp(prefix="fshard-launch-")
     os.makedirs(log_dir, exist_ok=True)
     port = port or free_port()
-    out = (out or sys.stdout) if stream else None
     here = os.path.abspath(__file__)
     base_env = dict(os.environ)
     base_env.update(env or {})
+    # MindSpore's wait in a collective, scaled to the load (unless the caller set it)
+    base_env.setdefault("MS_NODE_TIMEOUT", str(collective_timeout(n)))
     base_env.update(
         MS_SCHED_HOST="127.0.0.1",
         MS_SCHED_PORT=str(port),
@@ -384,6 +511,7 @@ def run(
     logs: list[TextIO] = []
     failed: list[int] = []
     timed_out = interrupted = False
+    waited_out: list[int] = []  # ranks where MindSpore gave up waiting in a collective
     sched_failed: int | None = None
     try:
         for k in range(n):
@@ -425,15 +553,17 @@ def run(
                 time.sleep(0.05)
             for w in workers:
                 if w.status_r in ready:
-                    data = os.read(w.status_r, 16)
+                    data = os.read(w.status_r, 4096)
                     if not data:  # the worker exited without reporting; poll() tells how
                         w.eof = True
+                    w.collectives += data.count(b"c")
                     w.entered_init |= b"i" in data
                     w.left_unjoined |= b"n" in data
                     w.done |= b"d" in data or b"n" in data
             codes = [w.proc.poll() for w in workers]
             failed = [w.rank for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
-            if failed:
+            waited_out = [w.rank for w in workers if w.wait_failed]
+            if failed or waited_out:
                 break
             unjoined = [w.rank for w in workers if w.left_unjoined]
             waiting = [w.rank for w in workers if w.entered_init and not w.done]
@@ -485,12 +615,14 @@ def run(
             status = "ok"
         else:
             status = "stopped"
-        results.append(RankResult(w.rank, rc, status, "".join(w.lines), w.log_path))
+        results.append(RankResult(w.rank, rc, status, "".join(w.lines), w.log_path,
+                                  w.collectives))
     with open(sched_log_path, errors="replace") as f:
         sched_text = f.read()
 
     where = f"Logs: {log_dir}"
-    if not keep_logs and not (interrupted or timed_out or failed or sched_failed is not None):
+    if not keep_logs and not (interrupted or timed_out or failed or waited_out
+                              or sched_failed is not None):
         # A successful job leaves nothing behind unless logs were asked for (--log-dir).
         import shutil
 
@@ -498,7 +630,7 @@ def run(
         where = "(logs removed; keep them with --log-dir)"
     unjoined = [w.rank for w in workers if w.left_unjoined]
     waiting = [w.rank for w in workers if w.entered_init and not w.done]
-    if unjoined and waiting and not (interrupted or timed_out or failed):
+    if unjoined and waiting and not (interrupted or timed_out or failed or waited_out):
         failed = unjoined
         for r in results:
             if r.rank in unjoined:
@@ -510,12 +642,25 @@ def run(
         code = EXIT_TIMEOUT
         hung = [w.rank for w in workers if w.rank in running and not w.done]
         finished = [w.rank for w in workers if w.rank not in hung]
+        counts = [w.collectives for w in workers]
+        if hung and any(counts) and min(counts[r] for r in hung) < max(counts):
+            # the ranks that are behind are the hung ones; the rest wait for them
+            top = max(counts)
+            behind = [r for r in hung if counts[r] < top]
+            finished += [r for r in hung if r not in behind]
+            hung = behind
+        for r in results:
+            if r.rank in hung:
+                r.status = "hung"
         failed = hung
         running = hung
         msg = (
             f"fshard.launch: timed out after {timeout:g} s: {_ranks(running)} still running "
             f"(hung?) and stopped"
-            + (f"; {_ranks(finished)} had finished" if finished else "")
+            + (f"; {_ranks(sorted(finished))} had finished or waited for "
+               f"{'it' if len(hung) == 1 else 'them'}" if finished and any(counts)
+               else f"; {_ranks(finished)} had finished" if finished else "")
+            + (f" ({_progress(workers)})" if any(counts) else "")
             + ". Fix: raise --timeout, or look for a rank stuck in a collective or in "
             "init (every rank must run the same collectives in the same order, and call "
             f"fs.distributed.init()). {where}"
@@ -529,6 +674,47 @@ def run(
             f"{_ranks(waiting)}. Fix: call fs.distributed.init() on every rank (before "
             f"any rank-dependent early exit). {where}"
         )
+    elif waited_out or failed and any(w.wait_failed for w in workers):
+        # A rank gave up waiting in a collective: the ranks it waited for are the story.
+        code = EXIT_TIMEOUT
+        waiting = [w.rank for w in workers if w.wait_failed]
+        for r in results:
+            if r.rank in waiting:
+                r.status = "failed"
+        counts = [w.collectives for w in workers]
+        top = max(counts[r] for r in waiting)
+        behind = [w.rank for w in workers if w.rank not in waiting and counts[w.rank] < top]
+        wait = base_env["MS_NODE_TIMEOUT"]
+        failed = waiting
+        if behind:
+            failed = behind
+            for r in results:
+                if r.rank in behind:
+                    r.status = "hung"
+            late = results[behind[0]]
+            stopped = [r.rank for r in results if r.status != "ok" and r.rank not in waiting]
+            msg = (
+                f"fshard.launch: {_ranks(behind)} stopped making progress (hung?): "
+                f"{_ranks(waiting)} timed out in a collective after {wall:.1f} s, waiting "
+                f"{wait} s (MS_NODE_TIMEOUT) for {'it' if len(behind) == 1 else 'them'} in "
+                f"collective #{top} ({_progress(workers)}); stopped {_ranks(stopped)}. "
+                f"Fix: look at what {_ranks(behind)} does before its collective "
+                f"#{counts[behind[0]] + 1} (a rank-dependent branch, a long computation, "
+                "waiting for input): every rank must run the same collectives in the same "
+                "order. A slow but healthy rank needs a longer wait: set MS_NODE_TIMEOUT "
+                f"(seconds).\n--- last lines of rank {late.rank} ---\n"
+                f"{_tail(late.output) or '(no output)'}\n--- {where}")
+        else:
+            stopped = [r.rank for r in results if r.status == "stopped"]
+            msg = (
+                f"fshard.launch: {_ranks(waiting)} timed out in a collective after "
+                f"{wall:.1f} s, waiting {wait} s (MS_NODE_TIMEOUT); no rank was behind "
+                f"({_progress(workers)}), so a rank was slow inside the same collective's "
+                "graph (compiling it, or computing on a loaded machine) or the ranks' "
+                "graphs communicate differently; stopped "
+                f"{_ranks(stopped)}. Fix: set MS_NODE_TIMEOUT higher for slow steps, and "
+                "check that every rank runs the same program (the same shapes, the same "
+                f"collectives in the same order). {where}")
     elif failed:
         first = results[failed[0]]
         rc = first.returncode
@@ -551,6 +737,11 @@ def run(
         code = 0
         msg = f"fshard.launch: {n} ranks finished in {wall:.1f} s. {where}"
     return LaunchResult(code, results, failed, timed_out, wall, log_dir, msg, sched_text)
+
+
+def _progress(workers) -> str:
+    return "collectives entered: " + ", ".join(
+        f"rank {w.rank} {w.collectives}" for w in workers)
 
 
 def _check_options(timeout, port, log_dir) -> str | None:
@@ -590,6 +781,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.nproc < 1:
         parser.error(f"-n must be a positive number of ranks; got {ns.nproc}")
+    too_many, _ = _check_size(ns.nproc)
+    if too_many:
+        parser.error(f"-n {ns.nproc}: {too_many}")
     problem = _check_options(ns.timeout, ns.port, ns.log_dir)
     if problem:
         parser.error(problem.replace("timeout", "--timeout", 1).replace("port must", "--port "

@@ -8,6 +8,8 @@ times faster synchronously). Results are identical.
 
 from __future__ import annotations
 
+import os
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -18,6 +20,23 @@ ms.set_context(pynative_synchronize=True)
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_launched_job_at_a_time(tmp_path_factory):
+    """Multi-process jobs of the suite run one at a time, across pytest-xdist's workers:
+    two 4-process jobs at once put 10 MindSpore processes on the cores, and a rank
+    that arrives late at a collective makes the others give up waiting. Every launch
+    goes through ``fshard.launch.run`` (or ``launch.job_lock()`` around ``msrun``),
+    which holds the lock file ``FSHARD_LAUNCH_LOCK`` names; the workers share the
+    parent of their temporary directories."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    with pytest.MonkeyPatch.context() as mp:
+        if not os.environ.get("FSHARD_LAUNCH_LOCK"):
+            mp.setenv("FSHARD_LAUNCH_LOCK", str(root / "fshard-launch.lock"))
+        yield
 
 
 # ---------------------------------------------------------------------------

@@ -399,6 +399,9 @@ class Sharded:
         # argument and gets its block of each unannotated output (local_batch.py).
         sliced = [in_job and self.dataset_strategy == "data_parallel" and e is None and
                   is_arg and typeof(x).ndim > 0 for (e, _, _, is_arg), x in zip(entries, leaves)]
+        if any(sliced) and not groups:  # (a process group's copies may differ)
+            local_batch.check_same_slices(
+                [typeof(x).shape for s, x in zip(sliced, leaves) if s], f"shard({fname})")
         plan, traced = self._plan(fn, [local_batch.global_type(x, n) if s else x
                                        for s, x in zip(sliced, leaves)], entries, in_tree)
         if any(sliced):

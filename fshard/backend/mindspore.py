@@ -409,7 +409,40 @@ def compile_source(src: str, globals_: dict, hint: str, dynamic=None) -> "GraphF
         fn = ms.enable_dynamic(**{f"v{k}": Tensor(shape=[ms_dim(d) for d in a.shape],
                                                    dtype=a.dtype)
                                   for k, a in enumerate(dynamic) if not a.is_static})(fn)
-    return GraphFunction(ms.jit(fn, fullgraph=True), dynamic=dynamic is not None)
+    collective = any(isinstance(v, _COLLECTIVE_OPS) for v in globals_.values())
+    return GraphFunction(ms.jit(fn, fullgraph=True), dynamic=dynamic is not None,
+                         collective=collective)
+
+
+# ---------------------------------------------------------------------------
+# Progress markers for fshard.launch
+# ---------------------------------------------------------------------------
+#
+# A rank started by fshard.launch writes one byte ``c`` to the launcher each time it
+# enters a compiled graph that communicates (every collective of a job runs in one).
+# When a rank dies waiting in a collective, the launcher compares the counts: the
+# ranks with fewer had stopped making progress, and are named as hung.
+
+#: MindSpore's collective op classes: a compiled graph holding one communicates.
+_COLLECTIVE_OPS = (ms.ops.AllReduce, ms.ops.AllGather, ms.ops.Broadcast,
+                   ms.ops.ReduceScatter, ms.ops.AlltoAll)
+#: (pid, fd) of the pipe to fshard.launch, read once per process (a child process
+#: inherits the variable but is not the rank: its pid differs).
+_report_fd: tuple = (None, None)
+
+
+def tell_launcher(status: bytes) -> None:
+    """Send ``status`` to fshard.launch when it started this process (else nothing)."""
+    global _report_fd
+    pid = os.getpid()
+    if _report_fd[0] != pid:
+        fd, _, owner = os.environ.get("FSHARD_LAUNCH_REPORT_FD", "").partition(":")
+        _report_fd = (pid, int(fd) if fd.isdigit() and owner == str(pid) else None)
+    if _report_fd[1] is not None:
+        try:
+            os.write(_report_fd[1], status)
+        except OSError:  # the launcher is gone
+            _report_fd = (pid, None)
 
 
 # ---------------------------------------------------------------------------
@@ -505,11 +538,12 @@ class GraphFunction:
     """
 
     __slots__ = ("jitted", "_phase", "_executor", "_config", "_tried", "_sig", "dynamic",
-                 "compiles")
+                 "compiles", "collective")
 
-    def __init__(self, jitted, dynamic: bool = False):
+    def __init__(self, jitted, dynamic: bool = False, collective: bool = False):
         self.jitted = jitted
         self.dynamic = dynamic  # compiled for every size of its symbolic dimensions
+        self.collective = collective  # holds a collective op (reported to fshard.launch)
         self.compiles = 0       # MindSpore compilations this function caused
         self._phase = None      # set once the direct route is known to be usable
         self._executor = None
@@ -525,6 +559,8 @@ class GraphFunction:
     def __call__(self, *args):
         # MindSpore's graph compiler and executor keep process-global state (call
         # depth, compile cache): threads run graphs one at a time.
+        if self.collective:
+            tell_launcher(b"c")
         with context.runtime_lock:
             return self._call(*args)
 

@@ -59,7 +59,8 @@ from fshard.sharding.plan import write_json_atomic
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
 from fshard.transforms.jit import declared_types, jit
-from fshard.transforms.local_batch import block_index, global_type, to_global
+from fshard.transforms.local_batch import (block_index, check_same_slices, global_type,
+                                          to_global)
 from fshard.transforms.shard import shard
 
 MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
@@ -126,6 +127,11 @@ class AutoParallel:
             raise ArgumentError(
                 f"AutoParallel(mesh=...) must be an fs.Mesh, a device count or None; got "
                 f"{mesh!r}.")
+        if isinstance(mesh, int) and mesh < 1:
+            raise ArgumentError(
+                f"AutoParallel(mesh=...): a device count must be >= 1; got {mesh}.\nFix: "
+                "mesh=2 for two devices, an fs.Mesh, or None for the default mesh (the "
+                "job's processes, or FSHARD_DEVICES virtual devices).")
         self.cell = network if is_cell(network) else None
         if self.cell is not None:
             self.loss_fn, _ = functional(network)
@@ -217,40 +223,66 @@ class AutoParallel:
 
     def comm_fusion(self, config: dict) -> "AutoParallel":
         """Bucket the gradients' AllReduces: ``{"allreduce": {"mode": "auto" | "size",
-        "config": MB}}`` ("auto": 64 MB buckets; "size": ``config`` MB), or
-        ``{"openstate": False}`` to turn fusion off."""
+        "config": MB}}`` ("auto": 64 MB buckets, ``config`` None; "size": ``config`` MB),
+        or ``{"openstate": False}`` to turn fusion off. The keys and values are
+        MindSpore's (``AutoParallel.comm_fusion``), checked as MindSpore checks them."""
+        where = "AutoParallel.comm_fusion(config)"
         if not isinstance(config, dict):
             raise ArgumentError(
-                f"AutoParallel.comm_fusion(config): config must be a dict; got "
-                f"{type(config).__name__}.")
+                f"{where}: config must be a dict; got {type(config).__name__}.\nFix: e.g. "
+                '{"allreduce": {"mode": "auto", "config": None}}.')
         unknown = set(config) - {"openstate", "allreduce", "allgather", "reducescatter"}
         if unknown:
             raise ArgumentError(
-                f"AutoParallel.comm_fusion(config): unknown keys {sorted(unknown)}; use "
-                "'openstate' and 'allreduce'.")
+                f"{where}: unknown keys {sorted(unknown, key=repr)}; MindSpore's keys are "
+                "'openstate', 'allreduce', 'allgather' and 'reducescatter'.\nFix: use "
+                "'openstate' (a bool) and 'allreduce' (a dict of 'mode' and 'config').")
         for kind in ("allgather", "reducescatter"):
             if kind in config:
                 raise ArgumentError(
-                    f"AutoParallel.comm_fusion(config): fusing {kind} is not supported by "
-                    "fshard (only AllReduce buckets); remove that key.")
-        if config.get("openstate", True) is False:
-            self._fusion = None
-        else:
-            ar = config.get("allreduce", {"mode": "auto", "config": None})
-            mode, size = ar.get("mode", "auto"), ar.get("config")
-            if mode == "auto":
-                self._fusion = 64 * 2**20
-            elif mode == "size":
-                if isinstance(size, bool) or not isinstance(size, (int, float)) or size <= 0:
-                    raise ArgumentError(
-                        "AutoParallel.comm_fusion: allreduce mode 'size' needs config = a "
-                        f"bucket size in MB > 0; got {size!r}.")
-                self._fusion = float(size) * 2**20
-            else:
+                    f"{where}: fusing {kind} is not supported by fshard (only AllReduce "
+                    "buckets); remove that key.")
+        openstate = config.get("openstate", True)
+        if not isinstance(openstate, bool):
+            raise ArgumentError(
+                f"{where}: 'openstate' must be a bool (True: fusion on, False: off); got "
+                f"{type(openstate).__name__} {openstate!r}.\nFix: {{'openstate': False}} "
+                "turns fusion off.")
+        ar = config.get("allreduce", {"mode": "auto", "config": None})
+        if not isinstance(ar, dict):
+            raise ArgumentError(
+                f"{where}: 'allreduce' must be a dict with keys 'mode' and 'config'; got "
+                f"{type(ar).__name__} {ar!r}.\nFix: {{'allreduce': {{'mode': 'size', "
+                "'config': 32}}.")
+        if set(ar) != {"mode", "config"}:
+            missing = sorted({"mode", "config"} - set(ar))
+            extra = sorted(set(ar) - {"mode", "config"}, key=repr)
+            raise ArgumentError(
+                f"{where}: 'allreduce' must have exactly the keys 'mode' and 'config' (as "
+                f"MindSpore asks)" + (f"; missing {missing}" if missing else "")
+                + (f"; unknown {extra}" if extra else "") + ".\nFix: {'mode': 'auto', "
+                "'config': None} or {'mode': 'size', 'config': <MB>}.")
+        mode, size = ar["mode"], ar["config"]
+        if mode == "auto":
+            if size is not None:
                 raise ArgumentError(
-                    f"AutoParallel.comm_fusion: allreduce mode must be 'auto' or 'size'; got "
-                    f"{mode!r} ('index' names MindSpore's graph-compiler fusion indices, "
-                    "which fshard has no use for).")
+                    f"{where}: allreduce mode 'auto' uses 64 MB buckets, so config "
+                    f"{size!r} would be ignored.\nFix: config None, or mode 'size' for a "
+                    "bucket of config MB.")
+            fusion = 64 * 2**20
+        elif mode == "size":
+            if isinstance(size, bool) or not isinstance(size, (int, float)) or not (
+                    math.isfinite(size) and size > 0):
+                raise ArgumentError(
+                    f"{where}: allreduce mode 'size' needs config = a bucket size in MB, "
+                    f"a finite number > 0; got {size!r}.")
+            fusion = float(size) * 2**20
+        else:
+            raise ArgumentError(
+                f"{where}: allreduce mode must be 'auto' or 'size'; got {mode!r} ('index' "
+                "names MindSpore's graph-compiler fusion indices, which fshard has no use "
+                "for).")
+        self._fusion = fusion if openstate else None
         self._steps.clear()
         return self
 
@@ -666,6 +698,8 @@ class AutoParallel:
         if self._pipeline is not None:
             return self._pipeline(state, *batch)
         if self._feeds_slices():
+            check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
+                              f"AutoParallel({self.name})")
             batch = self._place_slices(state, batch)
         _, step = self._sharded(state, batch if self._batch_specs is None
                                 else self._declared_batch(batch))

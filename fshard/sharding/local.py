@@ -23,7 +23,7 @@ import functools
 import numpy as np
 
 from fshard.core import ArrayType, ProcessLocalValue, typeof
-from fshard.errors import ShardingError
+from fshard.errors import ProcessLocalError
 from fshard.primitives import collectives as C
 from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.runtime import world_mesh
@@ -123,13 +123,14 @@ class ShardedArray(ProcessLocalValue):
         return _gather_fn(self.sharding, self.mesh, typeof(self.block))(self.block)
 
     def refuse(self, what: str):
-        raise ShardingError(
+        raise ProcessLocalError(
             f"{what} needs the values of a {self.aval} array, but this process holds only "
             f"its block {list(self.bounds)} of it (an fs.ShardedArray, split "
             f"{self.strategy} over the job's processes).\nFix: call x.gather() (or "
             "ap.gather(state) / ap.gather_params(state) for an fs.AutoParallel train "
             "state, fs.gather_sharded(tree) for any pytree) in every process first: it is "
-            "a collective; x.block is this process's block.")
+            "a collective; or compute inside fs.jit / fs.shard, which take the array as "
+            "it is; x.block is this process's block.")
 
     def asnumpy(self):
         self.refuse(".asnumpy()")
@@ -155,6 +156,27 @@ class ShardedArray(ProcessLocalValue):
     def __index__(self):
         self.refuse("operator.index()")
 
+    def __len__(self):
+        self.refuse("len()")
+
+    def __iter__(self):
+        self.refuse("iteration")
+
+    def __getitem__(self, index):
+        self.refuse("indexing x[...]")
+
+    def __setitem__(self, index, value):
+        self.refuse("assigning x[...] = v")
+
+    # Eager operators and Tensor methods would compute on the block as if it were the
+    # whole array (or fail inside MindSpore): refused with the fix. `==` and `!=` stay
+    # identity (containers and caches compare values with them).
+    def __getattr__(self, name: str):
+        if not name.startswith("_") and hasattr(_tensor_class(), name):
+            self.refuse(f"the Tensor method .{name}")
+        raise AttributeError(f"'ShardedArray' object has no attribute {name!r}")
+
+
     # -- making one ---------------------------------------------------------------------
     @staticmethod
     def cut(x, strategy, mesh: ShardMesh, rank: int) -> "ShardedArray":
@@ -170,6 +192,33 @@ class ShardedArray(ProcessLocalValue):
         host = x.asnumpy() if hasattr(x, "asnumpy") else np.asarray(x)
         block = np.ascontiguousarray(host[tuple(slice(s, e) for s, e in bounds)])
         return ShardedArray(as_tensor(block), a.shape, a.dtype, sh, mesh, rank)
+
+
+_OPERATORS = {
+    "add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%",
+    "pow": "**", "matmul": "@", "and": "&", "or": "|", "xor": "^", "lshift": "<<",
+    "rshift": ">>"}
+
+
+def _refusing(what: str):
+    def op(self, *args):
+        self.refuse(what)
+    return op
+
+
+for _name, _sym in _OPERATORS.items():
+    for _dunder in (f"__{_name}__", f"__r{_name}__", f"__i{_name}__"):
+        setattr(ShardedArray, _dunder, _refusing(f"the eager operator {_sym!r}"))
+for _name, _sym in {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "neg": "unary -",
+                    "pos": "unary +", "abs": "abs()", "invert": "~", "round": "round()"
+                    }.items():
+    setattr(ShardedArray, f"__{_name}__", _refusing(f"the eager operator {_sym!r}"))
+
+
+def _tensor_class():
+    from fshard.backend.mindspore import Tensor
+
+    return Tensor
 
 
 @functools.lru_cache(maxsize=None)

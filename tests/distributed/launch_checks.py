@@ -9,7 +9,14 @@
 - ``noinit``: rank 1 finishes (exit 0) without joining while rank 0 waits in ``init()``;
 - ``hang``: rank 0 finishes at once, the others sleep (for the launcher's timeout);
 - ``child``: every rank starts a ``sleep`` process it never stops, prints its pid, and
-  finishes (the launcher must stop the children with the job).
+  finishes (the launcher must stop the children with the job);
+- ``collective_hang``: both ranks run one fshard collective, then the last rank sleeps
+  while the others wait for it in a second one (until MindSpore's collective timeout).
+
+``ok`` also checks ``dataset_strategy("data_parallel")``: slices of 2 rows on rank 0
+and 3 on the last rank are an ``ArgumentError`` on every rank naming the counts (for
+``fs.AutoParallel`` and ``fs.shard``), after which the job is still in step: equal
+slices train as one process would.
 
 Launches cost ~10-20 s each on 2 cores, so checks are batched into one job.
 """
@@ -77,7 +84,54 @@ def run_ok() -> None:
         dist.group_for([(r + 1) % n])
     except fs.DistributedError as e:
         check("group_for refuses a group without this rank", "not in the group" in str(e))
+    check_slices_of_different_shapes(fs, r, n)
     print("ALL CHECKS PASSED", flush=True)
+
+
+def check_slices_of_different_shapes(fs, r: int, n: int) -> None:
+    import numpy as np
+
+    def loss(p, x, y):
+        return ((x @ p["w"] - y) ** 2).mean()
+
+    ap = fs.AutoParallel(loss, fs.optim.sgd(0.1))
+    w0 = np.linspace(-1, 1, 3, dtype=np.float32).reshape(3, 1)
+    state = ap.init({"w": w0})
+    x_all = np.arange(3 * n * 3, dtype=np.float32).reshape(3 * n, 3) / 10
+    y_all = np.ones((3 * n, 1), np.float32)
+    rows = 3 if r == n - 1 else 2  # the last rank passes one row more
+    counts = ", ".join(f"{3 if k == n - 1 else 2} rows (rank {k})" for k in range(n))
+    for name, call in (
+            ("AutoParallel", lambda: ap(state, x_all[:rows], y_all[:rows])),
+            ("shard", lambda: fs.shard(lambda x: x * 2.0, in_strategy=(None,),
+                                       dataset_strategy="data_parallel")(x_all[:rows]))):
+        try:
+            call()
+            check(f"{name}: slices of different row counts refused", False, "accepted")
+        except fs.ArgumentError as e:
+            msg = str(e)
+            check(f"{name}: slices of different row counts refused on every rank",
+                  f"the first batch input has {counts}" in msg and "data_parallel" in msg
+                  and "Fix: give every process the same number of rows" in msg, msg)
+    # still in step: 3 equal steps train as one process on the whole batch would
+    b = 2
+    mine = slice(r * b, (r + 1) * b)
+    w, want = w0.astype(np.float64), []
+    for _ in range(3):
+        state, got = ap(state, x_all[mine], y_all[mine])
+        xs, ys = x_all[:n * b].astype(np.float64), y_all[:n * b]
+        err = xs @ w - ys
+        want.append(float((err ** 2).mean()))
+        w = w - 0.1 * 2 * xs.T @ err / (n * b)
+        check("equal slices after the refusal train as one process",
+              np.isclose(float(got.asnumpy()), want[-1], rtol=1e-5), (got, want))
+    params = fs.gather_sharded(state.params)["w"]
+    check("and keep the parameters one process gets",
+          np.allclose(params.asnumpy(), w, rtol=1e-5, atol=1e-6), (params, w))
+    twice = fs.shard(lambda x: x * 2.0, in_strategy=(None,),
+                     dataset_strategy="data_parallel")(x_all[mine])
+    check("fs.shard with equal slices returns this process's rows",
+          np.array_equal(twice.asnumpy(), 2 * x_all[mine]), twice)
 
 
 def run_fail() -> None:
@@ -107,6 +161,22 @@ def run_hang() -> None:
     time.sleep(600)
 
 
+def run_collective_hang() -> None:
+    import numpy as np
+
+    import fshard as fs
+
+    fs.distributed.init()
+    r, n = fs.distributed.rank(), fs.distributed.world_size()
+    total = fs.jit(fs.shard_map(lambda v: fs.psum(v.sum(), "d"), in_strategy=((n,),),
+                                out_strategy=(), mesh=fs.Mesh((n,), ("d",))))
+    print("first", float(total(np.ones(n, np.float32)).asnumpy()), flush=True)
+    if r == n - 1:
+        print("sleeping before the second collective", flush=True)
+        time.sleep(600)
+    total(np.ones(n, np.float32))  # waits for the last rank until MindSpore gives up
+
+
 def run_child() -> None:
     import subprocess
 
@@ -116,4 +186,4 @@ def run_child() -> None:
 
 if __name__ == "__main__":
     {"ok": run_ok, "fail": run_fail, "hang": run_hang, "child": run_child,
-     "noinit": run_noinit}[sys.argv[1]]()
+     "noinit": run_noinit, "collective_hang": run_collective_hang}[sys.argv[1]]()

@@ -19,6 +19,9 @@ import pytest
 
 from fshard import launch
 
+# launched jobs: the full matrix (tests/test_launch.py has the quick run's one job)
+pytestmark = pytest.mark.full
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "collective_checks.py")
 sys.path.insert(0, HERE)

@@ -11,6 +11,9 @@ import pytest
 
 from fshard import launch
 
+# launched jobs: the full matrix (tests/test_launch.py has the quick run's one job)
+pytestmark = pytest.mark.full
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dynamic_checks.py")
 
 

@@ -20,6 +20,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+
+from fshard import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.abspath(os.path.join(HERE, "..", "..", "examples", "train_autoparallel.py"))
@@ -45,11 +48,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_of_two_processes_under_msrun_match_one_process(tmp_path):
-    assert os.path.exists(MSRUN), f"msrun (installed with mindspore) is missing: {MSRUN}"
-    port = _free_port()
-    out = tmp_path / "losses"
-    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+def _run_two_nodes(port, out, env, tmp_path):
     procs = []
     for node in (0, 1):
         args = ["--worker_num", "4", "--local_worker_num", "2",
@@ -70,6 +69,18 @@ def test_two_nodes_of_two_processes_under_msrun_match_one_process(tmp_path):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+    return outputs, procs
+
+
+@pytest.mark.full
+def test_two_nodes_of_two_processes_under_msrun_match_one_process(tmp_path):
+    assert os.path.exists(MSRUN), f"msrun (installed with mindspore) is missing: {MSRUN}"
+    port = _free_port()
+    out = tmp_path / "losses"
+    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+    env.setdefault("MS_NODE_TIMEOUT", str(launch.collective_timeout(4)))
+    with launch.job_lock():  # one job at a time, as fshard.launch's jobs
+        outputs, procs = _run_two_nodes(port, out, env, tmp_path)
     logs = {f.name: f.read_text(errors="replace")
             for node in (0, 1) for f in (tmp_path / f"node{node}").glob("*.log")}
     detail = "\n".join(o[-2000:] for o in outputs) + "\n".join(

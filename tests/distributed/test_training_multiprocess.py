@@ -29,6 +29,9 @@ import fshard as fs
 from fshard import checkpoint as ckpt
 from fshard import launch
 
+# launched jobs: the full matrix (tests/test_launch.py has the quick run's one job)
+pytestmark = pytest.mark.full
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "training_checks.py")
 sys.path.insert(0, HERE)
@@ -132,8 +135,12 @@ def test_shard_can_return_process_local_blocks(jobs, size):
     for rep in reports[size]:
         got = rep["process_local"]
         assert got["eager"] and got["jit"], got
+        assert len(got["errors"]) == 5, got["errors"]
         for msg in got["errors"]:
             assert "holds only its block" in msg and "x.gather()" in msg, msg
+        # eager operators and Tensor methods too (not a raw TypeError / AttributeError)
+        assert got["errors"][3].startswith("the eager operator '+' needs"), got["errors"]
+        assert got["errors"][4].startswith("the Tensor method .sum needs"), got["errors"]
 
 
 @pytest.fixture(scope="module")

@@ -226,7 +226,8 @@ def shard_process_local(rank: int, size: int) -> dict:
         ok = ok and np.array_equal(n(y.gather()), want)
         out[how] = bool(ok)
     errors = []
-    for attempt in (lambda: np.asarray(y), lambda: y.asnumpy(), lambda: fs.ops.relu(y)):
+    for attempt in (lambda: np.asarray(y), lambda: y.asnumpy(), lambda: fs.ops.relu(y),
+                    lambda: y + 1, lambda: y.sum()):
         try:
             attempt()
             errors.append("no error")

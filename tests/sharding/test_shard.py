@@ -473,6 +473,7 @@ def test_sharded_is_a_callable_with_the_function_name(seed_inputs):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("processes", [2, 4])
 def test_shard_in_a_multi_process_job(tmp_path, processes):
     """2 and 4 processes (one launch each, ~15-30 s): each runs its block of the

@@ -369,6 +369,7 @@ LAUNCH_FAULTS = {
 }
 
 
+@pytest.mark.full  # three launched jobs: the full matrix
 @pytest.mark.parametrize("fault", list(LAUNCH_FAULTS))
 def test_the_launcher_under_faults(fault, tmp_path, capsys):
     LAUNCH_FAULTS[fault](tmp_path, capsys)

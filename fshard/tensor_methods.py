@@ -305,10 +305,11 @@ METHODS.update({
     "__lshift__": ops.shift_left, "__rlshift__": _r(ops.shift_left),
     "__rshift__": ops.shift_right, "__rrshift__": _r(ops.shift_right),
 })
-for _names, _symbol in ((("__floordiv__", "__rfloordiv__"), "//"),
-                        (("__mod__", "__rmod__"), "%"), (("__invert__",), "~")):
-    for _n in _names:
-        METHODS.setdefault(_n, _refuse_operator(_symbol))
+METHODS.update({
+    "__floordiv__": ops.floor_divide, "__rfloordiv__": _r(ops.floor_divide),
+    "__mod__": ops.remainder, "__rmod__": _r(ops.remainder),
+})
+METHODS.setdefault("__invert__", _refuse_operator("~"))
 
 def _round(self, decimals=0, *, out=None):
     _no_out(out)
@@ -338,6 +339,64 @@ def _tile(self, *multiples):
     x = ops.broadcast_to(x, tuple(d for r, s in zip(reps, shape) for d in (r, s)))
     return ops.reshape(x, tuple(r * s for r, s in zip(reps, shape)))
 
+
+def _axis_kw(axis, kw, default=None):
+    """MindSpore's Tensor methods name the axis ``axis`` or ``dim``."""
+    dim = kw.pop("dim", None)
+    if kw:
+        raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
+    return default if axis is None and dim is None else (axis if dim is None else dim)
+
+
+def _running(fn):
+    def method(self, axis=None, dtype=None, **kw):
+        axis = _axis_kw(axis, kw)
+        x = self if dtype is None else ops.cast(self, dtype)
+        if axis is None:  # over the flattened value (NumPy's rule)
+            x, axis = ops.reshape(x, (-1,)), 0
+        return fn(x, axis)
+
+    return method
+
+
+def _sort(self, axis=None, descending=False, **kw):
+    kw.pop("stable", None)
+    return ops.sort(self, _axis_kw(axis, kw, -1), descending)
+
+
+def _argsort(self, axis=None, descending=False, **kw):
+    kw.pop("stable", None)
+    return ops.cast(ops.argsort(self, _axis_kw(axis, kw, -1), descending), dtypes.int64)
+
+
+def _topk(self, k, dim=None, largest=True, sorted=True):  # noqa: A002
+    return ops.topk(self, k, -1 if dim is None else dim, largest, sorted)
+
+
+def _prod(self, axis=None, keep_dims=False, dtype=None, **kw):
+    keep = kw.pop("keepdim", kw.pop("keepdims", keep_dims))
+    return ops.prod(self, _axis_kw(axis, kw), keep, dtype)
+
+
+METHODS.update({
+    "cumsum": _running(ops.cumsum), "cumprod": _running(ops.cumprod),
+    "sort": _sort, "argsort": _argsort, "topk": _topk, "prod": _prod,
+    "flip": lambda self, dims: ops.flip(self, dims),
+    "roll": lambda self, shifts, dims=None: ops.roll(self, shifts, dims),
+    "tril": lambda self, diagonal=0: ops.tril(self, diagonal),
+    "triu": lambda self, diagonal=0: ops.triu(self, diagonal),
+    "narrow": lambda self, axis, start, length: ops.narrow(self, axis, start, length),
+    "repeat_interleave": lambda self, repeats, dim=None: ops.repeat_interleave(
+        self, repeats, dim),
+    "isnan": ops.isnan, "isinf": ops.isinf, "isfinite": ops.isfinite,
+    "nan_to_num": ops.nan_to_num,
+    "logical_and": ops.logical_and, "logical_or": ops.logical_or,
+    "logical_xor": ops.logical_xor, "logical_not": ops.logical_not,
+    "isclose": ops.isclose, "log1p": ops.log1p, "expm1": ops.expm1,
+    "reciprocal": ops.reciprocal, "atan2": ops.atan2, "arctan2": ops.atan2,
+    "floor_divide": ops.floor_divide, "remainder": ops.remainder,
+    "masked_fill": ops.masked_fill,
+})
 
 METHODS.update({
     "floor": ops.floor, "round": _round, "tile": _tile,

@@ -762,6 +762,8 @@ def _isclose(prim, x, y, rtol=1e-5, atol=1e-8, equal_nan=False):
 
 @converts("ProdExt")
 def _prod(prim, x, axis=None, keep_dims=False, dtype=None):
+    if dtype is None and not dtypes.is_float(typeof(x).dtype):
+        dtype = dtypes.int64  # MindSpore multiplies bool and integers as int64
     return fo.prod(x, _axis(axis), bool(keep_dims), None if dtype is None else _dtype(dtype))
 
 

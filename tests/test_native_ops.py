@@ -85,7 +85,7 @@ CASES = {
     "mint.std": (lambda a: mint.std(a, dim=1), True),
     "log1p": (lambda a: ops.log1p(ops.abs(a)), True),
     "expm1": (lambda a: ops.expm1(a), True),
-    "atan2": (lambda a: ops.atan2(a, a[::-1] + 0.1), True),
+    "atan2": (lambda a: ops.atan2(a, ops.flip(a, (0,)) + 0.1), True),
     "reciprocal": (lambda a: ops.reciprocal(a + 3.0), True),
     "narrow": (lambda a: ops.narrow(a, 1, 1, 3), True),
     "mint.narrow": (lambda a: mint.narrow(a, 0, 1, 2), True),
@@ -94,16 +94,16 @@ CASES = {
     "scatter_nd": (lambda a: ops.scatter_nd(ROWS.reshape(3, 1), a[:3], (4, 6)), True),
     "tensor_scatter_add": (lambda a: ops.tensor_scatter_add(a, ROWS.reshape(3, 1), a[1:]),
                            True),
-    "index_add": (lambda a: ops.index_add(a, ROWS, a[1:], 0), True),
+    "index_add": (lambda a: ops.index_add(a * 1.0, ROWS, a[1:], 0), True),
     "mint.index_add": (lambda a: mint.index_add(a, 1, Tensor(np.array([5, 0], np.int64)),
                                                 a[:, :2], alpha=2), True),
     "mint.scatter_add": (lambda a: mint.scatter_add(
         a, 0, Tensor(np.array([[3, 0, 1], [0, 0, 2]], np.int64)), a[1:3, 1:4] * 3), True),
     "bce_with_logits": (lambda a: ops.binary_cross_entropy_with_logits(
-        a, ops.sigmoid(a[::-1]), a * 0 + 0.5, a[0] * 0 + 2.0), True),
-    "kl_div": (lambda a: ops.kl_div(a, ops.softmax(a[::-1], 1), "batchmean"), True),
-    "smooth_l1": (lambda a: ops.smooth_l1_loss(a, a[::-1], 0.5, "mean"), True),
-    "cosine_similarity": (lambda a: ops.cosine_similarity(a, a[::-1] + 1.0), True),
+        a, ops.sigmoid(ops.flip(a, (0,))), a * 0 + 0.5, a[0] * 0 + 2.0), True),
+    "kl_div": (lambda a: ops.kl_div(a, ops.softmax(ops.flip(a, (0,)), 1), "batchmean"), True),
+    "smooth_l1": (lambda a: ops.smooth_l1_loss(a, ops.flip(a, (0,)), 0.5, "mean"), True),
+    "cosine_similarity": (lambda a: ops.cosine_similarity(a, ops.flip(a, (0,)) + 1.0), True),
 }
 INT_CASES = {
     "floor_divide_int": lambda a: ops.floor_divide(a, Tensor(np.array([2, -4, -3, 3, 5, -2] * 1, np.int32))),
@@ -141,7 +141,13 @@ REFERENCE = {
     "mint.std": lambda a: np.std(a.astype(np.float64), 1, ddof=1).astype(np.float32),
     "mint.index_add": _index_add_ref,
     "mint.scatter_add": _scatter_add_ref,
+    # MindSpore's PadV3 with a negative (cropping) width returns garbage
+    "pad_crop": lambda a: np.pad(a[:, 1:], ((1, 0), (0, 2))),
 }
+# MindSpore's own gradient is wrong or partial here (SeLU's bprop for x < 0 has the wrong sign and
+# size): fs.grad is checked against central differences in float64 instead.
+# KLDivLoss's bprop gives the labels no gradient.
+GRAD_BY_DIFFERENCES = {"selu", "pad_crop", "kl_div"}
 
 
 def _eager(name, x):
@@ -181,13 +187,24 @@ def test_integer_ops_match_eager(name):
     _close(fs.jit(fn)(XI), fn(XI), name)
 
 
-@pytest.mark.parametrize("name", [n for n, (_, d) in CASES.items() if d and n not in REFERENCE])
+@pytest.mark.parametrize("name", [n for n, (_, d) in CASES.items()
+                                  if d and (n not in REFERENCE or n in GRAD_BY_DIFFERENCES)])
 def test_grad_matches_mindspore(name):
     fn, _ = CASES[name]
     x = _arg(name)
     loss = lambda a: (fn(a) * ops.cos(fn(a))).sum()  # noqa: E731  (a non-constant cotangent)
     got = fs.grad(loss)(x)
-    want = ms.grad(loss)(x)
+    if name in GRAD_BY_DIFFERENCES:
+        x64, eps = _np(x).astype(np.float64), 1e-6
+        f64 = fs.jit(loss)
+        want = np.zeros_like(x64)
+        for i in np.ndindex(x64.shape):
+            e = np.zeros_like(x64)
+            e[i] = eps
+            want[i] = (_np(f64(Tensor(x64 + e))) - _np(f64(Tensor(x64 - e)))) / (2 * eps)
+        want = want.astype(np.float32)
+    else:
+        want = ms.grad(loss)(x)
     _close(got, want, name)
 
 

@@ -138,6 +138,7 @@ from fshard.primitives.structural import (  # noqa: F401
     full as full,
     gather as gather,
     getitem as getitem,
+    index_update as index_update,
     one_hot as one_hot,
     ones as ones,
     pad as pad,

@@ -25,6 +25,7 @@ from fshard.primitives.base import (  # noqa: F401  (re-exported: the shape prim
     _shape_param,
     batch_size,
     batch_to_front,
+    broadcast_shapes,
     broadcast_to,
     broadcast_to_p,
     def_primitive,
@@ -951,6 +952,10 @@ def getitem(x: Shaped[Array, "..."], idx) -> Shaped[Array, "..."]:
     """
     a = typeof(x)
     idx = idx if isinstance(idx, tuple) else (idx,)
+    # A concrete 1-D boolean mask selects a known number of entries: its positions.
+    idx = tuple(np.nonzero(np.asarray(_concrete_index(e)))[0] if (
+        not isinstance(e, Tracer) and getattr(e, "ndim", 0) == 1
+        and typeof(e).dtype == dtypes.bool_) else e for e in idx)
     for e in idx:
         if isinstance(e, (bool, np.bool_)):
             raise ArgumentError(
@@ -1056,3 +1061,93 @@ def _normalized_index(e, n, dim: int, a: ArrayType):
     from fshard.primitives.elementwise import add, less, where
 
     return where(less(indices, 0), add(indices, n), indices)
+
+
+# ---------------------------------------------------------------------------
+# index_update: x[idx] = value, functionally (NB: JAX's x.at[idx].set(value))
+# ---------------------------------------------------------------------------
+
+
+def _concrete_index(e):
+    """A static index entry as NumPy (concrete Tensors included), or None if traced."""
+    if isinstance(e, Tracer):
+        return None
+    if hasattr(e, "asnumpy"):
+        return e.asnumpy()
+    return e
+
+
+def index_update(x: Shaped[Array, "..."], idx, value) -> Shaped[Array, "..."]:
+    """``x`` with ``x[idx]`` replaced by ``value`` (broadcast, cast to ``x``'s dtype),
+    as a new value: what ``x[idx] = value`` on a traced value records. ``idx`` is any
+    static NumPy index (ints, slices, ``None``, ``...``, integer arrays, boolean masks),
+    or a traced boolean mask of ``x``'s shape. Where an integer-array index repeats a
+    position, the last assignment wins (as NumPy).
+
+    >>> import numpy as np, fshard as fs
+    >>> x = np.zeros((2, 3), np.float32)
+    >>> fs.ops.index_update(x, (0, slice(1, None)), 5.0).asnumpy().tolist()
+    [[0.0, 5.0, 5.0], [0.0, 0.0, 0.0]]
+    """
+    from fshard.primitives.elementwise import cast, where
+
+    a = typeof(x)
+    _int_dims(a, "item assignment")
+    value = cast(value, a.dtype)
+    entries = idx if isinstance(idx, tuple) else (idx,)
+    if any(isinstance(e, Tracer) for e in entries):
+        if len(entries) == 1 and typeof(entries[0]).dtype == dtypes.bool_:
+            mask = entries[0]
+            if tuple(typeof(mask).shape) != tuple(a.shape) or typeof(value).ndim:
+                raise ArgumentError(
+                    f"x[mask] = value with a traced mask {typeof(mask)} on x {a}: fshard "
+                    "supports a traced boolean mask of x's own shape with a scalar value.\n"
+                    "Fix: use fs.ops.where(mask, value, x) with broadcastable operands.")
+            return where(mask, value, x)
+        raise ArgumentError(
+            f"x[idx] = value with a traced index ({', '.join(str(typeof(e)) for e in entries if isinstance(e, Tracer))}) "
+            "on a traced value: the positions written would depend on the data, and "
+            "repeated indices have no single answer.\nFix: for additions use "
+            "fs.ops.index_add(x, indices, updates, axis) (repeats accumulate); for a "
+            "mask use x[mask] = scalar or fs.ops.where(mask, value, x).")
+    np_idx = tuple(_concrete_index(e) for e in entries) if isinstance(idx, tuple) else (
+        _concrete_index(idx))
+    try:
+        pos = np.arange(a.size, dtype=np.int64).reshape(a.shape)[np_idx]
+    except (IndexError, TypeError, ValueError) as err:
+        raise ArgumentError(f"x[{idx!r:.60}] = value on a traced value {a}: {err}.") from None
+    pos = np.asarray(pos)
+    vshape = tuple(typeof(value).shape)
+    try:
+        target = broadcast_shapes(vshape, pos.shape)
+    except ShapeError:
+        target = None
+    if target != pos.shape:
+        raise ShapeError(
+            f"x[{idx!r:.60}] = value: a value of shape {vshape} cannot be broadcast to the "
+            f"indexed shape {pos.shape} of x {a}.\nFix: reshape the value to {pos.shape} "
+            "(or to a shape that broadcasts to it).")
+    if pos.size == 0:
+        return x
+    flat_pos = pos.ravel()
+    # Where a position repeats, the last write wins: keep each position's last entry.
+    _, last_rev = np.unique(flat_pos[::-1], return_index=True)
+    keep = np.sort(flat_pos.size - 1 - last_rev)
+    if tuple(vshape) != pos.shape:
+        value = broadcast_to(value, pos.shape)
+    v = reshape(value, (flat_pos.size,))
+    if keep.size != flat_pos.size:
+        v = gather_p.bind(v, keep.astype(np.int32), axis=0)
+    rows = flat_pos[keep]
+    if rows.size == a.size and a.size and np.array_equal(np.sort(rows), np.arange(a.size)):
+        # every position is written: the result is a permutation of the values
+        order = np.empty(a.size, np.int64)
+        order[rows] = np.arange(a.size)
+        out = v if np.array_equal(order, np.arange(a.size)) else gather_p.bind(
+            v, order.astype(np.int32), axis=0)
+        return reshape(out, tuple(a.shape))
+    scattered = scatter_add_p.bind(v, rows.astype(np.int32), shape=(a.size,), axis=0)
+    mask = np.zeros(a.size, bool)
+    mask[rows] = True
+    flat = reshape(x, (a.size,)) if a.ndim != 1 else x
+    return reshape(where(mask, scattered, flat), tuple(a.shape))

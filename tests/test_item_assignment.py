@@ -145,13 +145,53 @@ def test_assignment_into_a_view_is_refused():
         fs.jit(f)(X)
 
 
-def test_traced_integer_index_is_refused():
+def traced_index(x, i, v):
+    y = x * 1.0
+    y[i] = v  # i repeats a position: the last write wins
+    y[:, i[:1]] += 10.0
+    return y
+
+
+def traced_index_np(x, i, v):
+    y = x.copy()
+    y[i] = v
+    y[:, i[:1]] += 10.0
+    return y
+
+
+I = np.array([2, -1, 2], np.int32)
+VI = np.arange(9, dtype=np.float32).reshape(3, 3)
+X43 = np.arange(12, dtype=np.float32).reshape(4, 3) / 3
+
+
+def test_traced_integer_index_under_jit_and_vmap():
+    _close(fs.jit(traced_index)(X43, I, VI), traced_index_np(X43, I, VI))
+    i2 = np.stack([I, np.array([0, 1, 0], np.int32)])
+    got = fs.vmap(traced_index, in_axes=(None, 0, None))(X43, i2, VI)
+    _close(got, np.stack([traced_index_np(X43, i2[k], VI) for k in range(2)]))
+
+
+def test_traced_integer_index_gradient():
+    def loss(x, v):
+        return (traced_index(x, I, v) ** 2).sum()
+
+    gx, gv = fs.grad(loss, argnums=(0, 1))(X43, VI)
+    y = traced_index_np(X43, I, VI)
+    want_x = 2 * y
+    want_x[[2, 3]] = 0  # overwritten rows
+    want_v = 2 * y[[2, 3, 2]]
+    want_v[0] = 0  # superseded by the later write to row 2
+    _close(gx, want_x)
+    _close(gv, want_v)
+
+
+def test_two_traced_indices_are_refused():
     def f(x, i):
         y = x * 1.0
-        y[i] = 0.0
+        y[i, i] = 0.0
         return y
 
-    with pytest.raises(ArgumentError, match="traced index") as e:
+    with pytest.raises(ArgumentError, match="one traced integer index") as e:
         fs.jit(f)(X, np.int32(1))
     assert "fs.ops.index_add" in str(e.value)
 

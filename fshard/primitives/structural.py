@@ -1104,12 +1104,7 @@ def index_update(x: Shaped[Array, "..."], idx, value) -> Shaped[Array, "..."]:
                     "supports a traced boolean mask of x's own shape with a scalar value.\n"
                     "Fix: use fs.ops.where(mask, value, x) with broadcastable operands.")
             return where(mask, value, x)
-        raise ArgumentError(
-            f"x[idx] = value with a traced index ({', '.join(str(typeof(e)) for e in entries if isinstance(e, Tracer))}) "
-            "on a traced value: the positions written would depend on the data, and "
-            "repeated indices have no single answer.\nFix: for additions use "
-            "fs.ops.index_add(x, indices, updates, axis) (repeats accumulate); for a "
-            "mask use x[mask] = scalar or fs.ops.where(mask, value, x).")
+        return _update_at_traced_index(x, entries, value)
     np_idx = tuple(_concrete_index(e) for e in entries) if isinstance(idx, tuple) else (
         _concrete_index(idx))
     try:
@@ -1151,3 +1146,76 @@ def index_update(x: Shaped[Array, "..."], idx, value) -> Shaped[Array, "..."]:
     mask[rows] = True
     flat = reshape(x, (a.size,)) if a.ndim != 1 else x
     return reshape(where(mask, scattered, flat), tuple(a.shape))
+
+
+def _update_at_traced_index(x, entries, value):
+    """``x[..., i, ...] = value`` for one traced integer index ``i`` (any shape) along
+    one axis, every other entry a whole slice ``:`` (or ``...``). A position that ``i``
+    repeats takes the last write (as NumPy); out-of-range positions are dropped (a
+    traced index cannot raise)."""
+    from fshard.primitives.elementwise import (
+        add, bitwise_and, cast, equal, greater, less, where)
+
+    a = typeof(x)
+    traced = [k for k, e in enumerate(entries) if isinstance(e, Tracer)]
+    n_ell = sum(e is Ellipsis for e in entries)
+    others_ok = all(k in traced or entries[k] is Ellipsis or (
+        isinstance(entries[k], slice) and entries[k] == slice(None))
+        for k in range(len(entries)))
+    if len(traced) != 1 or n_ell > 1 or not others_ok or not dtypes.is_int(
+            typeof(entries[traced[0]]).dtype):
+        raise ArgumentError(
+            f"x[idx] = value with a traced index on {a}: fshard supports one traced integer "
+            "index along one axis, the other entries whole slices (x[i] = v, x[:, i] = v, "
+            "x[..., i] = v), or a traced boolean mask of x's shape.\nFix: for additions "
+            "use fs.ops.index_add(x, indices, updates, axis) (repeats accumulate); for a "
+            "mask use x[mask] = scalar or fs.ops.where(mask, value, x).")
+    k = traced[0]
+    if n_ell:
+        e = entries.index(Ellipsis)
+        axis = k if k < e else a.ndim - (len(entries) - k)
+    else:
+        axis = k
+    if not 0 <= axis < a.ndim:
+        raise ArgumentError(f"x[idx] = value: too many indices for {a}.")
+    n = a.shape[axis]
+    i = entries[k]
+    ishape = tuple(typeof(i).shape)
+    m = int(np.prod(ishape, dtype=np.int64))
+    i = cast(reshape(i, (m,)), dtypes.int32)
+    i = where(less(i, 0), add(i, n), i)
+    target = tuple(a.shape[:axis]) + ishape + tuple(a.shape[axis + 1:])
+    vshape = tuple(typeof(value).shape)
+    try:
+        ok = broadcast_shapes(vshape, target) == target
+    except ShapeError:
+        ok = False
+    if not ok:
+        raise ShapeError(
+            f"x[...] = value: a value of shape {vshape} cannot be broadcast to the indexed "
+            f"shape {target} of x {a}.\nFix: reshape the value to {target}.")
+    v = broadcast_to(value, target) if vshape != target else value
+    v = reshape(v, tuple(a.shape[:axis]) + (m,) + tuple(a.shape[axis + 1:]))
+    if m > 1:
+        # An entry is superseded when a later entry writes the same position: zero it,
+        # so the scatter's sum is the last write.
+        later = np.triu(np.ones((m, m), bool), 1)
+        same = equal(broadcast_to(reshape(i, (m, 1)), (m, m)),
+                     broadcast_to(reshape(i, (1, m)), (m, m)))
+        superseded = greater(_reduce_any(bitwise_and(same, later)), 0)
+        mask_shape = (1,) * axis + (m,) + (1,) * (a.ndim - axis - 1)
+        superseded = broadcast_to(reshape(superseded, mask_shape), typeof(v).shape)
+        v = where(superseded, np.zeros((), dtypes.to_numpy(a.dtype)), v)
+    scattered = scatter_add_p.bind(v, i, shape=tuple(a.shape), axis=axis)
+    hits = scatter_add_p.bind(broadcast_to(np.ones((), np.int32), (m,)), i, shape=(n,), axis=0)
+    hit = reshape(greater(hits, 0), (1,) * axis + (n,) + (1,) * (a.ndim - axis - 1))
+    return where(broadcast_to(hit, tuple(a.shape)), scattered, x)
+
+
+def _reduce_any(flags):
+    """Row-wise any of a bool matrix, as an int32 count (reductions sit beside this
+    module, so the sum is bound directly)."""
+    from fshard.primitives.base import reduce_sum_p
+    from fshard.primitives.elementwise import cast
+
+    return reduce_sum_p.bind(cast(flags, dtypes.int32), axes=(1,))

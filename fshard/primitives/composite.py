@@ -77,7 +77,7 @@ def silu(x: ArrayLike) -> Float[Array, "*shape"]:
     """``x * sigmoid(x)`` (swish).
 
     >>> import numpy as np, fshard as fs
-    >>> round(float(fs.ops.silu(np.float32(1.0)).asnumpy()), 4)
+    >>> print(f"{float(fs.ops.silu(np.float32(1.0)).asnumpy()):.4f}")
     0.7311
     """
     x = _float(x)

@@ -677,7 +677,7 @@ def atan2(y: ArrayLike, x: ArrayLike) -> Float[Array, "..."]:
     other)``: ``input`` is ``y``); integer operands compute in float32.
 
     >>> import numpy as np, fshard as fs
-    >>> round(float(fs.ops.atan2(np.float32(1), np.float32(-1)).asnumpy()), 4)
+    >>> print(f"{float(fs.ops.atan2(np.float32(1), np.float32(-1)).asnumpy()):.4f}")
     2.3562
     """
     y, x = promote(y, x)

@@ -692,7 +692,7 @@ def _floor_operands(name, x, y):
         from fshard.errors import ArgumentError
 
         raise ArgumentError(
-            f"{name} of bool operands is not supported (MindSpore has no bool kernel).\n"
+            f"{name}(x, y): bool operands are not supported.\n"
             "Fix: cast them to an integer dtype first, e.g. x.astype(mindspore.int32).")
     return x, y
 

@@ -185,7 +185,7 @@ def test_reshape_size_mismatch():
     (lambda: fs.ops.getitem(rand(2, 3), (5,)), ArgumentError,
      r"index 5 is out of bounds for dimension 0 of f32\[2,3\]"),
     (lambda: fs.ops.getitem(rand(2, 3), ([0], [1])), ArgumentError, r"one array index"),
-    (lambda: fs.ops.getitem(rand(2, 3), np.array([True, False])), ArgumentError,
+    (lambda: fs.ops.getitem(rand(2, 3), np.array([[True, False, True]] * 2)), ArgumentError,
      r"boolean masks select a data-dependent number"),
     (lambda: fs.ops.getitem(rand(2, 3), [0, 2]), ArgumentError,
      r"index 2 is out of bounds for dimension 0"),
@@ -383,3 +383,9 @@ def test_index_arithmetic_matches_numpy():
 def test_native_op_errors_name_the_argument(call, error, pattern):
     with pytest.raises(error, match=pattern):
         call()
+
+
+def test_getitem_with_a_concrete_one_dimensional_mask_matches_numpy():
+    x, mask = rand(3, 4), np.array([True, False, True, True])
+    np.testing.assert_array_equal(to_np(fs.ops.getitem(x, (slice(None), mask))), x[:, mask])
+    np.testing.assert_array_equal(to_np(fs.jit(lambda a: a[mask[:3]])(x)), x[mask[:3]])

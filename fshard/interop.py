@@ -1436,6 +1436,20 @@ SUPPORTED_OPS: tuple[str, ...] = (
     "mint.argmax", "mint.softmax", "mint.reshape", "mint.permute", "mint.transpose",
     "mint.unsqueeze", "mint.squeeze", "mint.broadcast_to", "mint.cat", "mint.split",
     "mint.nn.functional.relu", "mint.nn.functional.gelu",
+    # native ops (docs/ops.md)
+    "ops.silu", "ops.elu", "ops.softplus", "ops.mish", "ops.hardswish", "ops.selu",
+    "ops.prelu", "ops.clamp", "ops.clip", "ops.cumsum", "ops.cumprod", "ops.sort",
+    "ops.argsort", "ops.topk", "ops.stack", "ops.unstack", "ops.tile",
+    "ops.repeat_interleave", "ops.flip", "ops.roll", "ops.pad", "ops.tril", "ops.triu",
+    "ops.masked_fill", "ops.floor_divide", "ops.remainder", "ops.isnan", "ops.isinf",
+    "ops.isfinite", "ops.nan_to_num", "ops.logical_and", "ops.logical_or",
+    "ops.logical_not", "ops.logical_xor", "ops.isclose", "ops.prod", "ops.var", "ops.std",
+    "ops.std_mean", "ops.log1p", "ops.expm1", "ops.atan2", "ops.reciprocal", "ops.narrow",
+    "ops.dense", "ops.gather_nd", "ops.scatter_nd", "ops.tensor_scatter_add",
+    "ops.index_add", "ops.binary_cross_entropy_with_logits", "ops.kl_div",
+    "ops.smooth_l1_loss", "ops.cosine_similarity", "mint.clamp", "mint.stack",
+    "mint.remainder", "mint.floor_divide", "mint.narrow", "mint.index_add",
+    "mint.nn.functional.silu", "mint.nn.functional.pad",
 )
 
 #: Operators and methods of mindspore.Tensor that work on traced values (and, for the
@@ -1451,6 +1465,11 @@ SUPPORTED_TENSOR_METHODS: tuple[str, ...] = (
     "minimum", "pow", "neg", "masked_fill", "half", "int", "long", "bool", "numel", "T",
     "mT", "shape", "dtype", "ndim", "size", "dim",
     "clip", "clamp", "var", "std", "any", "all", "norm", "copy", "floor", "round", "tile",
+    # native ops (docs/ops.md) and item assignment (docs/tracing.md)
+    "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__setitem__", "cumsum",
+    "cumprod", "sort", "argsort", "topk", "prod", "flip", "roll", "tril", "triu", "narrow",
+    "repeat_interleave", "isnan", "isclose", "logical_and", "log1p", "remainder",
+    "floor_divide",
 )
 
 #: nn Cells whose construct traces (user Cells built from these trace too).
@@ -1458,6 +1477,9 @@ SUPPORTED_CELLS: tuple[str, ...] = (
     "nn.Dense", "nn.ReLU", "nn.GELU", "nn.Sigmoid", "nn.Tanh", "nn.Flatten",
     "nn.SequentialCell", "nn.LayerNorm", "nn.Softmax", "nn.LogSoftmax",
     "nn.SoftmaxCrossEntropyWithLogits",
+    # native ops (docs/ops.md)
+    "nn.SiLU", "nn.PReLU", "nn.ELU", "nn.HSwish", "nn.Mish", "nn.SeLU",
+    "nn.BCEWithLogitsLoss", "nn.SmoothL1Loss",
 )
 
 

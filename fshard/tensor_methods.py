@@ -404,7 +404,7 @@ def _sort(self, axis=None, descending=False, **kw):
 
 def _argsort(self, axis=None, descending=False, **kw):
     kw.pop("stable", None)
-    return ops.cast(ops.argsort(self, _axis_kw(axis, kw, -1), descending), dtypes.int64)
+    return ops.argsort(self, _axis_kw(axis, kw, -1), descending)  # int32, as MindSpore
 
 
 def _topk(self, k, dim=None, largest=True, sorted=True):  # noqa: A002

@@ -28,8 +28,7 @@ from fshard.primitives.base import (
     move_axis,
     reshape,
 )
-from fshard.primitives.elementwise import cast, mul, select
-from fshard.primitives.reductions import reduce_sum
+from fshard.primitives.elementwise import cast, mul
 from fshard.primitives.structural import _slice_axis, gather_p
 from fshard.rules import batching, jvp, sharding, unsupported
 
@@ -108,24 +107,22 @@ def _cumprod_type(x, *, axis, reverse):
 
 
 def _cumprod_jvp(t, ans, x, *, axis, reverse):
-    # d out_i = sum_{j <= i} t_j * prod_{k <= i, k != j} x_k. The products that leave
-    # one factor out are running products of x with x_j replaced by 1, for each j: exact
-    # when some x_k are zero (where out / x_j would divide by zero). O(n^2) in the axis.
-    a = typeof(x)
-    n = a.shape[axis]
-    xm = move_axis(x, axis, -1)
-    lead = tuple(typeof(xm).shape[:-1])
-    eye = np.eye(n, dtype=bool)
-    rows = broadcast_to(reshape(xm, lead + (1, n)), lead + (n, n))
-    left_out = select(broadcast_to(eye, lead + (n, n)), broadcast_to(
-        np.ones((), dtypes.to_numpy(a.dtype)), lead + (n, n)), rows)
-    partial = cumprod_p.bind(left_out, axis=len(lead) + 1, reverse=reverse)  # [.., j, i]
-    tri = np.triu(np.ones((n, n), dtypes.to_numpy(a.dtype)))  # j <= i
-    if reverse:
-        tri = tri.T
-    weights = mul(partial, broadcast_to(tri, lead + (n, n)))
-    tm = broadcast_to(reshape(move_axis(t, axis, -1), lead + (n, 1)), lead + (n, n))
-    return move_axis(reduce_sum(mul(tm, weights), len(lead)), -1, axis)
+    # d out_i = sum_{j <= i} t_j * prod_{k <= i, k != j} x_k, in O(n) and exact at zeros:
+    # with no zero among x_1..x_i it is out_i * sum_{j <= i} t_j / x_j; with exactly one,
+    # at p, it is t_p times the product of the others; with two or more it is 0. (The
+    # products skip the zeros: x with its zeros replaced by 1.)
+    from fshard.primitives.elementwise import div, equal, where
+
+    dt = dtypes.to_numpy(typeof(x).dtype)
+    zero, one = np.zeros((), dt), np.ones((), dt)
+    is_zero = equal(x, zero)
+    nonzero = where(is_zero, one, x)
+    skip = cumprod_p.bind(nonzero, axis=axis, reverse=reverse)
+    zeros_so_far = cumsum_p.bind(cast(is_zero, typeof(x).dtype), axis=axis, reverse=reverse)
+    none = cumsum_p.bind(div(t, nonzero), axis=axis, reverse=reverse)
+    first = cumsum_p.bind(where(is_zero, t, zero), axis=axis, reverse=reverse)
+    t_out = where(equal(zeros_so_far, zero), none, where(equal(zeros_so_far, one), first, zero))
+    return mul(skip, t_out)
 
 
 cumprod_p = def_primitive("cumprod", FAMILY, _cumprod_type, _ms_cumprod)

@@ -283,7 +283,7 @@ def _setitem(self, idx, value):
     see the old value, later ones the new (``x[idx] += v`` reads, adds, then assigns)."""
     from fshard.core import current_trace
     from fshard.errors import TracerConversionError
-    from fshard.primitives.structural import index_update
+    from fshard.primitives.composite import index_update
     from fshard.staging import StagedTracer
 
     trace = current_trace()

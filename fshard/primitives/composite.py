@@ -48,15 +48,18 @@ from fshard.primitives.elementwise import (
 )
 from fshard.primitives.linalg import matmul
 from fshard.primitives.reductions import _axes, mean, reduce_sum
-from fshard.primitives.scans import cumprod
+from fshard.primitives.scans import cumprod, sort
 from fshard.primitives.structural import (
+    _concrete_index,
     _index_array,
+    _int_dims,
     _slice_axis,
     _static_ints,
     concat,
     expand_dims,
     gather_p,
     scatter_add,
+    scatter_add_p,
     slice_array,
     split,
     squeeze,
@@ -584,6 +587,144 @@ def scatter_add_elements(x: Shaped[Array, "..."], axis: int, index, src) -> Shap
     n = int(np.prod(a.shape, dtype=np.int64))
     out = scatter_add(reshape(src, (-1,)), reshape(flat, (-1,)), (n,), 0)
     return add(x, cast(reshape(out, tuple(a.shape)), a.dtype))
+
+
+# ---------------------------------------------------------------------------
+# index_update: x[idx] = value, functionally (NB: JAX's x.at[idx].set(value))
+# ---------------------------------------------------------------------------
+
+
+def index_update(x: Shaped[Array, "..."], idx, value) -> Shaped[Array, "..."]:
+    """``x`` with ``x[idx]`` replaced by ``value`` (broadcast, cast to ``x``'s dtype),
+    as a new value: what ``x[idx] = value`` on a traced value records. ``idx`` is any
+    static NumPy index (ints, slices, ``None``, ``...``, integer arrays, boolean masks),
+    or a traced boolean mask of ``x``'s shape. Where an integer-array index repeats a
+    position, the last assignment wins (as NumPy).
+
+    >>> import numpy as np, fshard as fs
+    >>> x = np.zeros((2, 3), np.float32)
+    >>> fs.ops.index_update(x, (0, slice(1, None)), 5.0).asnumpy().tolist()
+    [[0.0, 5.0, 5.0], [0.0, 0.0, 0.0]]
+    """
+    a = typeof(x)
+    _int_dims(a, "item assignment")
+    value = cast(value, a.dtype)
+    entries = idx if isinstance(idx, tuple) else (idx,)
+    if any(isinstance(e, Tracer) for e in entries):
+        if len(entries) == 1 and typeof(entries[0]).dtype == dtypes.bool_:
+            mask = entries[0]
+            if tuple(typeof(mask).shape) != tuple(a.shape) or typeof(value).ndim:
+                raise ArgumentError(
+                    f"x[mask] = value with a traced mask {typeof(mask)} on x {a}: fshard "
+                    "supports a traced boolean mask of x's own shape with a scalar value.\n"
+                    "Fix: use fs.ops.where(mask, value, x) with broadcastable operands.")
+            return where(mask, value, x)
+        return _update_at_traced_index(x, entries, value)
+    np_idx = tuple(_concrete_index(e) for e in entries) if isinstance(idx, tuple) else (
+        _concrete_index(idx))
+    try:
+        pos = np.arange(a.size, dtype=np.int64).reshape(a.shape)[np_idx]
+    except (IndexError, TypeError, ValueError) as err:
+        raise ArgumentError(f"x[{idx!r:.60}] = value on a traced value {a}: {err}.") from None
+    pos = np.asarray(pos)
+    vshape = tuple(typeof(value).shape)
+    try:
+        target = broadcast_shapes(vshape, pos.shape)
+    except ShapeError:
+        target = None
+    if target != pos.shape:
+        raise ShapeError(
+            f"x[{idx!r:.60}] = value: a value of shape {vshape} cannot be broadcast to the "
+            f"indexed shape {pos.shape} of x {a}.\nFix: reshape the value to {pos.shape} "
+            "(or to a shape that broadcasts to it).")
+    if pos.size == 0:
+        return x
+    flat_pos = pos.ravel()
+    # Where a position repeats, the last write wins: keep each position's last entry.
+    _, last_rev = np.unique(flat_pos[::-1], return_index=True)
+    keep = np.sort(flat_pos.size - 1 - last_rev)
+    if tuple(vshape) != pos.shape:
+        value = broadcast_to(value, pos.shape)
+    v = reshape(value, (flat_pos.size,))
+    if keep.size != flat_pos.size:
+        v = gather_p.bind(v, keep.astype(np.int32), axis=0)
+    rows = flat_pos[keep]
+    if rows.size == a.size and a.size and np.array_equal(np.sort(rows), np.arange(a.size)):
+        # every position is written: the result is a permutation of the values
+        order = np.empty(a.size, np.int64)
+        order[rows] = np.arange(a.size)
+        out = v if np.array_equal(order, np.arange(a.size)) else gather_p.bind(
+            v, order.astype(np.int32), axis=0)
+        return reshape(out, tuple(a.shape))
+    scattered = scatter_add_p.bind(v, rows.astype(np.int32), shape=(a.size,), axis=0)
+    mask = np.zeros(a.size, bool)
+    mask[rows] = True
+    flat = reshape(x, (a.size,)) if a.ndim != 1 else x
+    return reshape(where(mask, scattered, flat), tuple(a.shape))
+
+
+def _update_at_traced_index(x, entries, value):
+    """``x[..., i, ...] = value`` for one traced integer index ``i`` (any shape) along
+    one axis, every other entry a whole slice ``:`` (or ``...``). A position that ``i``
+    repeats takes the last write (as NumPy); out-of-range positions are dropped (a
+    traced index cannot raise)."""
+    a = typeof(x)
+    traced = [k for k, e in enumerate(entries) if isinstance(e, Tracer)]
+    n_ell = sum(e is Ellipsis for e in entries)
+    others_ok = all(k in traced or entries[k] is Ellipsis or (
+        isinstance(entries[k], slice) and entries[k] == slice(None))
+        for k in range(len(entries)))
+    if len(traced) != 1 or n_ell > 1 or not others_ok or not dtypes.is_int(
+            typeof(entries[traced[0]]).dtype):
+        raise ArgumentError(
+            f"x[idx] = value with a traced index on {a}: fshard supports one traced integer "
+            "index along one axis, the other entries whole slices (x[i] = v, x[:, i] = v, "
+            "x[..., i] = v), or a traced boolean mask of x's shape.\nFix: for additions "
+            "use fs.ops.index_add(x, indices, updates, axis) (repeats accumulate); for a "
+            "mask use x[mask] = scalar or fs.ops.where(mask, value, x).")
+    k = traced[0]
+    if n_ell:
+        e = entries.index(Ellipsis)
+        axis = k if k < e else a.ndim - (len(entries) - k)
+    else:
+        axis = k
+    if not 0 <= axis < a.ndim:
+        raise ArgumentError(f"x[idx] = value: too many indices for {a}.")
+    n = a.shape[axis]
+    i = entries[k]
+    ishape = tuple(typeof(i).shape)
+    m = int(np.prod(ishape, dtype=np.int64))
+    i = cast(reshape(i, (m,)), dtypes.int32)
+    i = where(less(i, 0), add(i, n), i)
+    target = tuple(a.shape[:axis]) + ishape + tuple(a.shape[axis + 1:])
+    vshape = tuple(typeof(value).shape)
+    try:
+        ok = broadcast_shapes(vshape, target) == target
+    except ShapeError:
+        ok = False
+    if not ok:
+        raise ShapeError(
+            f"x[...] = value: a value of shape {vshape} cannot be broadcast to the indexed "
+            f"shape {target} of x {a}.\nFix: reshape the value to {target}.")
+    v = broadcast_to(value, target) if vshape != target else value
+    v = reshape(v, tuple(a.shape[:axis]) + (m,) + tuple(a.shape[axis + 1:]))
+    if m > 1:
+        # An entry is superseded when a later entry writes the same position: zero it,
+        # so the scatter's sum is the last write. A stable sort puts equal positions
+        # next to each other in their original order: each but the last of a run is
+        # superseded; scattering the flags back through the sort's permutation puts
+        # them at the entries' places (O(m log m)).
+        s, perm = sort(i, 0)
+        nxt = equal(slice_array(s, (0,), (m - 1,)), slice_array(s, (1,), (m,)))
+        flags = concat([cast(nxt, dtypes.int32), np.zeros((1,), np.int32)], 0)
+        superseded = greater(scatter_add_p.bind(flags, perm, shape=(m,), axis=0), 0)
+        mask_shape = (1,) * axis + (m,) + (1,) * (a.ndim - axis - 1)
+        superseded = broadcast_to(reshape(superseded, mask_shape), typeof(v).shape)
+        v = where(superseded, np.zeros((), dtypes.to_numpy(a.dtype)), v)
+    scattered = scatter_add_p.bind(v, i, shape=tuple(a.shape), axis=axis)
+    hits = scatter_add_p.bind(broadcast_to(np.ones((), np.int32), (m,)), i, shape=(n,), axis=0)
+    hit = reshape(greater(hits, 0), (1,) * axis + (n,) + (1,) * (a.ndim - axis - 1))
+    return where(broadcast_to(hit, tuple(a.shape)), scattered, x)
 
 
 # ---------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import numpy as np
 from fshard import dtypes, tree
 from fshard import ops as fo
 from fshard.backend import mindspore as backend
-from fshard.core import Tracer, is_symbolic, typeof
+from fshard.core import Tracer, current_trace, is_symbolic, typeof
 from fshard.errors import FshardError, ProgramTypeError, UnsupportedOpError
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.staging import register_user_code_hook
@@ -946,7 +946,23 @@ def _unsupported(name: str, args) -> UnsupportedOpError:
         "function and pass it in.")
 
 
+def _is_captured_constant(t) -> bool:
+    """Whether the Tensor ``t`` is already a constant of the program being traced: the
+    program reads it when it runs, so writing into it now would change the values its
+    earlier uses see."""
+    consts = getattr(current_trace(), "const_vars", None)
+    return consts is not None and id(t) in consts and consts[id(t)][0] is t
+
+
 def _unsupported_operator(name: str, args) -> UnsupportedOpError:
+    if name == "__setitem__" and not _has_tracer(args[1:]):
+        return UnsupportedOpError(
+            f"a MindSpore Tensor that the traced function already used was written into "
+            f"(tensor[...] = value){_call_site(_stack())}. The traced program reads that "
+            "Tensor when it runs, so every use of it, also those before this write, would "
+            "see the new value.\nFix: make a traced copy and assign into it (t = t + 0, "
+            "then t[...] = value), or build the Tensor fully before the transformed "
+            "function reads it.")
     if name == "__setitem__":
         return UnsupportedOpError(
             f"a traced value was written into a MindSpore Tensor (tensor[...] = traced)"
@@ -1125,7 +1141,8 @@ def _wrap_tensor_operator(name, orig, fn):
     if fn is None:
         def dunder(self, other, *rest):
             if isinstance(other, Tracer) or (type(other) is tuple and _has_tracer(other)) or (
-                    rest and _has_tracer(rest)):
+                    rest and _has_tracer(rest)) or (
+                    name == "__setitem__" and _is_captured_constant(self)):
                 raise _unsupported_operator(name, (self, other, *rest))
             return orig(self, other, *rest)
     else:

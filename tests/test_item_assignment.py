@@ -225,3 +225,26 @@ def test_index_update_op_function():
     want = X.copy()
     want[:, 0] = 1
     _close(out, want)
+
+
+def test_writing_into_a_constant_the_program_already_read_is_refused():
+    # The program reads a closed-over Tensor when it runs: before this check, both uses
+    # of `t` saw the write (201 where MindSpore gives 101).
+    t = Tensor(np.zeros(3, np.float32))
+
+    def f(x):
+        a = x + t
+        t[0] = 100.0
+        return a + t
+
+    with pytest.raises(UnsupportedOpError, match="already used was written into"):
+        fs.jit(f)(np.ones(3, np.float32))
+
+
+def test_a_tensor_built_inside_the_function_may_be_written():
+    def f(x):
+        m = ms.ops.zeros((3,), ms.float32)
+        m[1] = 5.0  # a constant computed while tracing
+        return x + m
+
+    _close(fs.jit(f)(np.ones(3, np.float32)), [1.0, 6.0, 1.0])

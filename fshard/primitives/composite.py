@@ -656,11 +656,25 @@ def index_update(x: Shaped[Array, "..."], idx, value) -> Shaped[Array, "..."]:
         out = v if np.array_equal(order, np.arange(a.size)) else gather_p.bind(
             v, order.astype(np.int32), axis=0)
         return reshape(out, tuple(a.shape))
-    scattered = scatter_add_p.bind(v, rows.astype(np.int32), shape=(a.size,), axis=0)
+    scattered = _scatter_any(v, rows.astype(np.int32), (a.size,), 0)
     mask = np.zeros(a.size, bool)
     mask[rows] = True
     flat = reshape(x, (a.size,)) if a.ndim != 1 else x
     return reshape(where(mask, scattered, flat), tuple(a.shape))
+
+
+_SCATTER_DTYPES = (dtypes.float32, dtypes.float64, dtypes.int32, dtypes.int64)
+
+
+def _scatter_any(v, indices, shape, axis):
+    """``scatter_add`` of values that land on distinct positions, for any dtype:
+    MindSpore's CPU segment sum has no bool or small-integer kernel, so those are moved
+    as int32 (float16 as float32) and cast back, exactly."""
+    dt = typeof(v).dtype
+    if dt in _SCATTER_DTYPES:
+        return scatter_add_p.bind(v, indices, shape=shape, axis=axis)
+    via = dtypes.float32 if dtypes.is_float(dt) else dtypes.int32
+    return cast(scatter_add_p.bind(cast(v, via), indices, shape=shape, axis=axis), dt)
 
 
 def _update_at_traced_index(x, entries, value):
@@ -721,7 +735,7 @@ def _update_at_traced_index(x, entries, value):
         mask_shape = (1,) * axis + (m,) + (1,) * (a.ndim - axis - 1)
         superseded = broadcast_to(reshape(superseded, mask_shape), typeof(v).shape)
         v = where(superseded, np.zeros((), dtypes.to_numpy(a.dtype)), v)
-    scattered = scatter_add_p.bind(v, i, shape=tuple(a.shape), axis=axis)
+    scattered = _scatter_any(v, i, tuple(a.shape), axis)
     hits = scatter_add_p.bind(broadcast_to(np.ones((), np.int32), (m,)), i, shape=(n,), axis=0)
     hit = reshape(greater(hits, 0), (1,) * axis + (n,) + (1,) * (a.ndim - axis - 1))
     return where(broadcast_to(hit, tuple(a.shape)), scattered, x)

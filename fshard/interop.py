@@ -622,16 +622,17 @@ def _f_clamp(prim, input, min=None, max=None):  # noqa: A002
 
 
 def _exclusive(x, out, axis: int, reverse: bool, identity):
-    """The running result shifted by one (the first entry is ``identity``)."""
+    """The running result shifted by one place, ``identity`` entering at the start."""
     a = typeof(x)
     n = a.shape[axis]
-    keep = fo.slice_array(out, [0] * a.ndim, [n - 1 if i == axis else d for i, d in
-                                             enumerate(a.shape)]) if not reverse else \
-        fo.slice_array(out, [1 if i == axis else 0 for i in range(a.ndim)], list(a.shape))
-    lo = [1 if (i == axis and not reverse) else 0 for i in range(a.ndim)]
-    hi = [1 if (i == axis and reverse) else 0 for i in range(a.ndim)]
-    padded = fo.pad(fo.sub(keep, identity) if identity else keep, lo, hi)
-    return fo.add(padded, identity) if identity else padded
+    edge = fo.full(tuple(1 if i == axis else d for i, d in enumerate(a.shape)), identity,
+                   typeof(out).dtype)
+    if reverse:
+        return fo.concat([fo.slice_array(out, [1 if i == axis else 0 for i in range(a.ndim)],
+                                         list(a.shape)), edge], axis)
+    return fo.concat([edge, fo.slice_array(out, [0] * a.ndim, [n - 1 if i == axis else d
+                                                               for i, d in
+                                                               enumerate(a.shape)])], axis)
 
 
 @converts("CumSum", "CumProd")

@@ -229,3 +229,11 @@ def test_shard_matches_unsharded(name):
     mesh = fs.Mesh((4,), ("d",))
     got = fs.shard(fn, in_strategy=((2, 2),), mesh=mesh)(x)
     _close(got, _eager(name, x), name)
+
+
+def test_exclusive_cumprod_keeps_small_products():
+    # Shifting the running product by (out - 1) + 1 would round 1e-9 to 0 in float32.
+    x = Tensor(np.full((2, 5), 1e-3, np.float32))
+    for reverse in (False, True):
+        fn = lambda a, r=reverse: ops.CumProd(exclusive=True, reverse=r)(a, 1)  # noqa: E731
+        np.testing.assert_allclose(_np(fs.jit(fn)(x)), _np(fn(x)), rtol=1e-6, atol=0)

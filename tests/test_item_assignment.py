@@ -268,3 +268,9 @@ def test_assignment_keeps_any_dtype(dtype):
     got = fs.jit(f)(x, np.int32(1))
     assert got.asnumpy().dtype == want.dtype
     np.testing.assert_array_equal(got.asnumpy(), want)
+
+
+def test_traced_index_under_shard_split_along_the_written_axis():
+    mesh = fs.Mesh((4,), ("d",))
+    got = fs.shard(traced_index, in_strategy=((2, 1), None, None), mesh=mesh)(X43, I, VI)
+    _close(got, traced_index_np(X43, I, VI))

@@ -38,7 +38,7 @@ import numpy as np
 from fshard import dtypes, tree
 from fshard import ops as fo
 from fshard.backend import mindspore as backend
-from fshard.core import Tracer, is_symbolic, typeof
+from fshard.core import Tracer, current_trace, is_symbolic, typeof
 from fshard.errors import FshardError, ProgramTypeError, UnsupportedOpError
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.staging import register_user_code_hook
@@ -564,6 +564,302 @@ def _f_gelu(prim, input, *, approximate="none"):
     return fo.gelu(input, approximate)
 
 
+# -- native ops: activations, scans and sorts, structure, masks, statistics, index
+# arithmetic and losses (fshard.primitives.composite and .scans) --------------------
+
+_REDUCTIONS = {0: "sum", 1: "mean", 2: "none"}  # MindSpore's Reduction enum
+
+
+def _attr(prim, name: str, default=None):
+    """An attribute of a MindSpore primitive (legacy ones keep them in ``attrs``)."""
+    attrs = getattr(prim, "attrs", None) or {}
+    if name in attrs:
+        return attrs[name]
+    return getattr(prim, name, default)
+
+
+def _reduction(r) -> str:
+    return _REDUCTIONS.get(r, r) if not isinstance(r, str) else r
+
+
+for _names, _fn in (
+    (("SiLU",), fo.silu), (("Mish", "MishExt"), fo.mish), (("HSwish",), fo.hardswish),
+    (("HSigmoid",), fo.hardsigmoid), (("SeLU", "SeLUExt"), fo.selu), (("PReLU",), fo.prelu),
+    (("Log1p",), fo.log1p), (("Expm1",), fo.expm1), (("Atan2", "Atan2Ext"), fo.atan2),
+    (("Reciprocal",), fo.reciprocal), (("FloorDiv",), fo.floor_divide),
+    (("FloorMod",), fo.remainder), (("IsNan",), fo.isnan), (("IsInf",), fo.isinf),
+    (("IsFinite",), fo.isfinite), (("LogicalAnd",), fo.logical_and),
+    (("LogicalOr",), fo.logical_or), (("LogicalXor",), fo.logical_xor),
+    (("LogicalNot",), fo.logical_not), (("GatherNd",), fo.gather_nd),
+    (("TensorScatterAdd",), fo.tensor_scatter_add),
+):
+    converts(*_names)(lambda prim, *args, _fn=_fn: _fn(*args))
+
+
+@converts("Elu", "EluExt")
+def _elu(prim, x, alpha=1.0):
+    return fo.elu(x, float(_scalar(alpha)))
+
+
+@converts("Softplus")
+def _softplus(prim, x):
+    return fo.softplus(x, 1.0, float("inf"))  # the primitive itself has no threshold
+
+
+@converts("SoftplusExt")
+def _softplus_ext(prim, x, beta=1, threshold=20):
+    return fo.softplus(x, float(_scalar(beta)), float(_scalar(threshold)))
+
+
+@converts("ClampScalar", "ClampTensor")
+def _clamp(prim, x, min=None, max=None):  # noqa: A002
+    return fo.clamp(x, _scalar(min), _scalar(max))
+
+
+@converts("functional.clamp", "functional.clip")
+def _f_clamp(prim, input, min=None, max=None):  # noqa: A002
+    return fo.clamp(input, _scalar(min), _scalar(max))
+
+
+def _exclusive(x, out, axis: int, reverse: bool, identity):
+    """The running result shifted by one place, ``identity`` entering at the start."""
+    a = typeof(x)
+    n = a.shape[axis]
+    edge = fo.full(tuple(1 if i == axis else d for i, d in enumerate(a.shape)), identity,
+                   typeof(out).dtype)
+    if reverse:
+        return fo.concat([fo.slice_array(out, [1 if i == axis else 0 for i in range(a.ndim)],
+                                         list(a.shape)), edge], axis)
+    return fo.concat([edge, fo.slice_array(out, [0] * a.ndim, [n - 1 if i == axis else d
+                                                               for i, d in
+                                                               enumerate(a.shape)])], axis)
+
+
+@converts("CumSum", "CumProd")
+def _cum(prim, x, axis, exclusive=False, reverse=False):
+    axis, exclusive, reverse = int(axis), bool(_scalar(exclusive)), bool(_scalar(reverse))
+    fn = fo.cumsum if prim.name == "CumSum" else fo.cumprod
+    out = fn(x, axis, reverse)
+    if exclusive and typeof(x).shape[axis % typeof(x).ndim]:
+        out = _exclusive(x, out, axis % typeof(x).ndim, reverse,
+                         0 if prim.name == "CumSum" else 1)
+    return out
+
+
+@converts("CumsumExt")
+def _cumsum_ext(prim, x, dim, dtype=None):
+    return fo.cumsum(_with_dtype(x, dtype), int(dim))
+
+
+@converts("Sort")
+def _sort_prim(prim, x):
+    return fo.sort(x, int(_attr(prim, "axis", -1)), bool(_attr(prim, "descending", False)))
+
+
+@converts("ArgSort")
+def _argsort(prim, x, dim=-1, descending=False, stable=False):
+    return fo.cast(fo.argsort(x, int(dim), bool(descending)), dtypes.int64)
+
+
+@converts("TopK")
+def _topk(prim, x, k):
+    return fo.topk(x, int(_scalar(k)))
+
+
+@converts("TopkExt")
+def _topk_ext(prim, x, k, dim=-1, largest=True, sorted=True):  # noqa: A002
+    values, idx = fo.topk(x, int(_scalar(k)), int(dim), bool(largest))
+    return values, fo.cast(idx, dtypes.int64)
+
+
+@converts("Stack")
+def _stack(prim, tensors):
+    return fo.stack(list(tensors), int(_attr(prim, "axis", 0)))
+
+
+@converts("StackExt")
+def _stack_ext(prim, tensors, dim=0):
+    return fo.stack(list(tensors), int(dim))
+
+
+@converts("Unstack")
+def _unstack(prim, x):
+    return fo.unstack(x, int(_attr(prim, "axis", 0)))
+
+
+@converts("UnstackExtView")
+def _unstack_ext(prim, x, dim=0):
+    return fo.unstack(x, int(dim))
+
+
+@converts("Tile")
+def _tile(prim, x, multiples):
+    return fo.tile(x, tuple(multiples))
+
+
+@converts("ReverseV2")
+def _flip(prim, x, axis):
+    return fo.flip(x, tuple(axis))
+
+
+@converts("Roll")
+def _roll(prim, x, shifts, dims=None):
+    return fo.roll(x, shifts, dims)
+
+
+@converts("PadV3")
+def _pad_v3(prim, x, paddings, value=None):
+    if not _attr(prim, "paddings_contiguous", True):
+        raise UnsupportedOpError("MindSpore PadV3 with paddings_contiguous=False has no "
+                                 "fshard converter; give (before, after) pairs.")
+    mode = _attr(prim, "mode", "constant")
+    mode = {"edge": "replicate"}.get(mode, mode)
+    return fo.pad_nd(x, tuple(paddings), mode, _scalar(value))
+
+
+@converts("ConstantPadND")
+def _constant_pad(prim, x, padding, value=0):
+    return fo.pad_nd(x, tuple(padding), "constant", _scalar(value))
+
+
+@converts("ReflectionPad1D", "ReflectionPad2D", "ReflectionPad3D", "ReplicationPad1D",
+          "ReplicationPad2D", "ReplicationPad3D")
+def _mode_pad(prim, x, padding):
+    return fo.pad_nd(x, tuple(padding), "reflect" if "Reflection" in prim.name else
+                     "replicate")
+
+
+@converts("Tril", "Triu", "TrilExt")
+def _tri(prim, x, diagonal=None):
+    d = _attr(prim, "diagonal", 0) if diagonal is None else diagonal
+    return (fo.triu if prim.name == "Triu" else fo.tril)(x, int(_scalar(d)))
+
+
+@converts("MaskedFill")
+def _masked_fill(prim, x, mask, value):
+    return fo.masked_fill(x, mask, _scalar(value))
+
+
+@converts("functional.floor_divide")
+def _f_floor_divide(prim, input, other):
+    return fo.floor_divide(input, other)
+
+
+@converts("functional.remainder")
+def _f_remainder(prim, input, other):
+    return fo.remainder(input, other)
+
+
+@converts("NanToNum")
+def _nan_to_num(prim, x, nan=None, posinf=None, neginf=None):
+    nan = _attr(prim, "nan", 0.0) if nan is None else nan
+    return fo.nan_to_num(x, float(_scalar(nan)), _scalar(posinf), _scalar(neginf))
+
+
+@converts("IsClose")
+def _isclose(prim, x, y, rtol=1e-5, atol=1e-8, equal_nan=False):
+    return fo.isclose(x, y, float(_scalar(rtol)), float(_scalar(atol)), bool(equal_nan))
+
+
+@converts("ProdExt")
+def _prod(prim, x, axis=None, keep_dims=False, dtype=None):
+    if dtype is None and not dtypes.is_float(typeof(x).dtype):
+        dtype = dtypes.int64  # MindSpore multiplies bool and integers as int64
+    return fo.prod(x, _axis(axis), bool(keep_dims), None if dtype is None else _dtype(dtype))
+
+
+@converts("ReduceStd")
+def _reduce_std(prim, x, axis=(), unbiased=False, keep_dims=False):
+    v, mu = fo.var_mean(x, _axis(axis), 1 if unbiased else 0, bool(keep_dims))
+    return fo.sqrt(v), mu
+
+
+@converts("Std", "Var", "StdMean")
+def _std_var(prim, x, dim=None, correction=1, keepdim=False):
+    v, mu = fo.var_mean(x, _axis(dim), int(_scalar(correction)), bool(keepdim))
+    if prim.name == "Var":
+        return v
+    return fo.sqrt(v) if prim.name == "Std" else (fo.sqrt(v), mu)
+
+
+@converts("LpNorm")
+def _lp_norm(prim, x):
+    return fo.norm(x, float(_attr(prim, "p", 2)), _axis(_attr(prim, "axis", None)),
+                   bool(_attr(prim, "keep_dims", False)), float(_attr(prim, "epsilon", 0.0)))
+
+
+@converts("Slice")
+def _slice(prim, x, begin, size):
+    a = typeof(x)
+    begin = tuple(int(b) for b in begin)
+    limit = tuple(d if int(n) == -1 else b + int(n) for b, n, d in zip(begin, size, a.shape))
+    return fo.slice_array(x, begin, limit)
+
+
+@converts("NarrowView", "Narrow")
+def _narrow(prim, x, dim, start, length):
+    return fo.narrow(x, int(dim), int(_scalar(start)), int(_scalar(length)))
+
+
+@converts("Dense")
+def _dense(prim, x, w, b=None):
+    return fo.dense(x, w, b)
+
+
+@converts("ScatterNd")
+def _scatter_nd(prim, indices, updates, shape):
+    return fo.scatter_nd(indices, updates, tuple(shape))
+
+
+@converts("ScatterAdd")
+def _scatter_add_ref(prim, x, indices, updates):
+    # On a traced value the update is functional: the result is the updated value.
+    return fo.index_add(x, fo.reshape(indices, (-1,)) if typeof(indices).ndim != 1 else
+                        indices, fo.reshape(updates, (-1,) + tuple(typeof(x).shape[1:]))
+                        if typeof(indices).ndim != 1 else updates, 0)
+
+
+@converts("IndexAdd")
+def _index_add(prim, x, indices, y):
+    return fo.index_add(x, indices, y, int(_attr(prim, "axis", 0)))
+
+
+@converts("functional.index_add")
+def _f_index_add(prim, input, dim, index, source, *, alpha=1):
+    return fo.index_add(input, index, source, int(dim), _scalar(alpha))
+
+
+@converts("ScatterAddExt")
+def _scatter_add_ext(prim, x, dim, index, src):
+    return fo.scatter_add_elements(x, int(dim), index, src)
+
+
+@converts("functional.repeat_interleave")
+def _f_repeat_interleave(prim, input, repeats, dim=None, *, output_size=None):
+    return fo.repeat_interleave(input, repeats, dim)
+
+
+@converts("BCEWithLogitsLoss")
+def _bce_with_logits(prim, logits, label, weight=None, pos_weight=None, reduction=1):
+    return fo.binary_cross_entropy_with_logits(logits, label, weight, pos_weight,
+                                               _reduction(reduction))
+
+
+@converts("KLDivLoss")
+def _kl_div_loss(prim, logits, labels):
+    return fo.kl_div(logits, labels, _attr(prim, "reduction", "mean"))
+
+
+@converts("KLDiv")
+def _kl_div(prim, logits, labels, reduction=1, log_target=False):
+    return fo.kl_div(logits, labels, _reduction(reduction), bool(log_target))
+
+
+@converts("SmoothL1Loss")
+def _smooth_l1(prim, x, target, beta=1.0, reduction="none"):
+    return fo.smooth_l1_loss(x, target, float(_scalar(beta)), _reduction(reduction))
+
+
 # ---------------------------------------------------------------------------
 # Tensor operators with a Tracer on the right (``tensor + tracer``)
 # ---------------------------------------------------------------------------
@@ -579,8 +875,10 @@ _TENSOR_OPERATORS: dict[str, Callable] = {
     "__iadd__": fo.add, "__isub__": fo.sub, "__imul__": fo.mul, "__itruediv__": fo.div,
     "__getitem__": fo.getitem,
     "__and__": fo.bitwise_and, "__or__": fo.bitwise_or, "__xor__": fo.bitwise_xor,
+    "__floordiv__": fo.floor_divide, "__mod__": fo.remainder,
+    "__ifloordiv__": fo.floor_divide, "__imod__": fo.remainder,
 }
-_TENSOR_UNSUPPORTED = ("__mod__", "__floordiv__", "__setitem__")
+_TENSOR_UNSUPPORTED = ("__setitem__",)
 
 
 # ---------------------------------------------------------------------------
@@ -649,7 +947,23 @@ def _unsupported(name: str, args) -> UnsupportedOpError:
         "function and pass it in.")
 
 
+def _is_captured_constant(t) -> bool:
+    """Whether the Tensor ``t`` is already a constant of the program being traced: the
+    program reads it when it runs, so writing into it now would change the values its
+    earlier uses see."""
+    consts = getattr(current_trace(), "const_vars", None)
+    return consts is not None and id(t) in consts and consts[id(t)][0] is t
+
+
 def _unsupported_operator(name: str, args) -> UnsupportedOpError:
+    if name == "__setitem__" and not _has_tracer(args[1:]):
+        return UnsupportedOpError(
+            f"a MindSpore Tensor that the traced function already used was written into "
+            f"(tensor[...] = value){_call_site(_stack())}. The traced program reads that "
+            "Tensor when it runs, so every use of it, also those before this write, would "
+            "see the new value.\nFix: make a traced copy and assign into it (t = t + 0, "
+            "then t[...] = value), or build the Tensor fully before the transformed "
+            "function reads it.")
     if name == "__setitem__":
         return UnsupportedOpError(
             f"a traced value was written into a MindSpore Tensor (tensor[...] = traced)"
@@ -828,7 +1142,8 @@ def _wrap_tensor_operator(name, orig, fn):
     if fn is None:
         def dunder(self, other, *rest):
             if isinstance(other, Tracer) or (type(other) is tuple and _has_tracer(other)) or (
-                    rest and _has_tracer(rest)):
+                    rest and _has_tracer(rest)) or (
+                    name == "__setitem__" and _is_captured_constant(self)):
                 raise _unsupported_operator(name, (self, other, *rest))
             return orig(self, other, *rest)
     else:
@@ -1139,6 +1454,20 @@ SUPPORTED_OPS: tuple[str, ...] = (
     "mint.argmax", "mint.softmax", "mint.reshape", "mint.permute", "mint.transpose",
     "mint.unsqueeze", "mint.squeeze", "mint.broadcast_to", "mint.cat", "mint.split",
     "mint.nn.functional.relu", "mint.nn.functional.gelu",
+    # native ops (docs/ops.md)
+    "ops.silu", "ops.elu", "ops.softplus", "ops.mish", "ops.hardswish", "ops.selu",
+    "ops.prelu", "ops.clamp", "ops.clip", "ops.cumsum", "ops.cumprod", "ops.sort",
+    "ops.argsort", "ops.topk", "ops.stack", "ops.unstack", "ops.tile",
+    "ops.repeat_interleave", "ops.flip", "ops.roll", "ops.pad", "ops.tril", "ops.triu",
+    "ops.masked_fill", "ops.floor_divide", "ops.remainder", "ops.isnan", "ops.isinf",
+    "ops.isfinite", "ops.nan_to_num", "ops.logical_and", "ops.logical_or",
+    "ops.logical_not", "ops.logical_xor", "ops.isclose", "ops.prod", "ops.var", "ops.std",
+    "ops.std_mean", "ops.log1p", "ops.expm1", "ops.atan2", "ops.reciprocal", "ops.narrow",
+    "ops.dense", "ops.gather_nd", "ops.scatter_nd", "ops.tensor_scatter_add",
+    "ops.index_add", "ops.binary_cross_entropy_with_logits", "ops.kl_div",
+    "ops.smooth_l1_loss", "ops.cosine_similarity", "mint.clamp", "mint.stack",
+    "mint.remainder", "mint.floor_divide", "mint.narrow", "mint.index_add",
+    "mint.nn.functional.silu", "mint.nn.functional.pad",
 )
 
 #: Operators and methods of mindspore.Tensor that work on traced values (and, for the
@@ -1154,6 +1483,11 @@ SUPPORTED_TENSOR_METHODS: tuple[str, ...] = (
     "minimum", "pow", "neg", "masked_fill", "half", "int", "long", "bool", "numel", "T",
     "mT", "shape", "dtype", "ndim", "size", "dim",
     "clip", "clamp", "var", "std", "any", "all", "norm", "copy", "floor", "round", "tile",
+    # native ops (docs/ops.md) and item assignment (docs/tracing.md)
+    "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__setitem__", "cumsum",
+    "cumprod", "sort", "argsort", "topk", "prod", "flip", "roll", "tril", "triu", "narrow",
+    "repeat_interleave", "isnan", "isclose", "logical_and", "log1p", "remainder",
+    "floor_divide",
 )
 
 #: nn Cells whose construct traces (user Cells built from these trace too).
@@ -1161,6 +1495,9 @@ SUPPORTED_CELLS: tuple[str, ...] = (
     "nn.Dense", "nn.ReLU", "nn.GELU", "nn.Sigmoid", "nn.Tanh", "nn.Flatten",
     "nn.SequentialCell", "nn.LayerNorm", "nn.Softmax", "nn.LogSoftmax",
     "nn.SoftmaxCrossEntropyWithLogits",
+    # native ops (docs/ops.md)
+    "nn.SiLU", "nn.PReLU", "nn.ELU", "nn.HSwish", "nn.Mish", "nn.SeLU",
+    "nn.BCEWithLogitsLoss", "nn.SmoothL1Loss",
 )
 
 

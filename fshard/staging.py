@@ -110,6 +110,9 @@ def stage(fn: Callable, in_avals: Sequence[ArrayType]) -> tuple[Program, list]:
     """
     trace = StagingTrace()
     args = [trace.new_arg(a) for a in in_avals]
+    # The inputs' variables, read now: ``x[i] = v`` inside ``fn`` rebinds the tracer ``x``
+    # to the updated value (fshard.tensor_methods), and that must not change the inputs.
+    arg_vars = [a.ir_var for a in args]
     try:
         with set_trace(trace), contextlib.ExitStack() as around:
             for hook in _user_code_hooks:
@@ -120,7 +123,7 @@ def stage(fn: Callable, in_avals: Sequence[ArrayType]) -> tuple[Program, list]:
     out_atoms = [trace.to_atom(x) for x in outs]
     consts = [v for v, _ in trace.const_vars.values()]
     const_vars = [var for _, var in trace.const_vars.values()]
-    program = Program(const_vars + [a.ir_var for a in args], trace.equations, out_atoms,
+    program = Program(const_vars + arg_vars, trace.equations, out_atoms,
                       n_consts=len(consts))
     return program, consts
 

@@ -276,6 +276,44 @@ def _refuse_in_place(self, *args, **kwargs):
         "instead of x[mask] = v.")
 
 
+def _setitem(self, idx, value):
+    """``x[idx] = value`` on a traced value: ``x`` is rebound to the functional update
+    (``fs.ops.index_update``). The staged program refers to values by their IR variable,
+    and equations already recorded hold the old one: uses of ``x`` before the assignment
+    see the old value, later ones the new (``x[idx] += v`` reads, adds, then assigns)."""
+    from fshard.core import current_trace
+    from fshard.errors import TracerConversionError
+    from fshard.primitives.composite import index_update
+    from fshard.staging import StagedTracer
+
+    trace = current_trace()
+    if not isinstance(self, StagedTracer) or self.trace is not trace or not trace.active:
+        raise TracerConversionError(
+            f"x[...] = value on a traced value {self} that belongs to an enclosing "
+            "transform (a closed-over value, or one that escaped its transform): fshard can "
+            "only rebind a value of the function being traced.\nFix: pass the value in as "
+            "an argument, or assign into a copy made here: y = x + 0; y[...] = value "
+            "(or use fs.ops.index_update(x, idx, value)).")
+    if self.ir_var in trace.__dict__.get("view_vars", ()):
+        from fshard.errors import UnsupportedOpError
+
+        raise UnsupportedOpError(
+            f"x[...] = value on {self}, which was made from another traced value by "
+            "indexing or a view method (x[...], reshape, view, transpose, squeeze, ...). In "
+            "MindSpore that value shares memory with its source and the assignment writes "
+            "into the source too; a traced program has no shared memory, so fshard "
+            "refuses rather than leave the source unchanged.\nFix: assign into the source "
+            "itself (x[0, 1] = v instead of row = x[0]; row[1] = v), or, if the source "
+            "must not change, update a copy explicitly: "
+            "row = fs.ops.index_update(row, 1, v).")
+    new = index_update(self, idx, value)
+    if new is self:
+        return
+    if not isinstance(new, StagedTracer) or new.trace is not trace:  # an untraced update
+        raise TracerConversionError(f"x[...] = value could not be traced for {self}.")
+    self.ir_var = new.ir_var
+
+
 def _refuse_tolist(self):
     from fshard.errors import TracerConversionError
 
@@ -305,10 +343,11 @@ METHODS.update({
     "__lshift__": ops.shift_left, "__rlshift__": _r(ops.shift_left),
     "__rshift__": ops.shift_right, "__rrshift__": _r(ops.shift_right),
 })
-for _names, _symbol in ((("__floordiv__", "__rfloordiv__"), "//"),
-                        (("__mod__", "__rmod__"), "%"), (("__invert__",), "~")):
-    for _n in _names:
-        METHODS.setdefault(_n, _refuse_operator(_symbol))
+METHODS.update({
+    "__floordiv__": ops.floor_divide, "__rfloordiv__": _r(ops.floor_divide),
+    "__mod__": ops.remainder, "__rmod__": _r(ops.remainder),
+})
+METHODS.setdefault("__invert__", _refuse_operator("~"))
 
 def _round(self, decimals=0, *, out=None):
     _no_out(out)
@@ -339,6 +378,64 @@ def _tile(self, *multiples):
     return ops.reshape(x, tuple(r * s for r, s in zip(reps, shape)))
 
 
+def _axis_kw(axis, kw, default=None):
+    """MindSpore's Tensor methods name the axis ``axis`` or ``dim``."""
+    dim = kw.pop("dim", None)
+    if kw:
+        raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
+    return default if axis is None and dim is None else (axis if dim is None else dim)
+
+
+def _running(fn):
+    def method(self, axis=None, dtype=None, **kw):
+        axis = _axis_kw(axis, kw)
+        x = self if dtype is None else ops.cast(self, dtype)
+        if axis is None:  # over the flattened value (NumPy's rule)
+            x, axis = ops.reshape(x, (-1,)), 0
+        return fn(x, axis)
+
+    return method
+
+
+def _sort(self, axis=None, descending=False, **kw):
+    kw.pop("stable", None)
+    return ops.sort(self, _axis_kw(axis, kw, -1), descending)
+
+
+def _argsort(self, axis=None, descending=False, **kw):
+    kw.pop("stable", None)
+    return ops.argsort(self, _axis_kw(axis, kw, -1), descending)  # int32, as MindSpore
+
+
+def _topk(self, k, dim=None, largest=True, sorted=True):  # noqa: A002
+    return ops.topk(self, k, -1 if dim is None else dim, largest, sorted)
+
+
+def _prod(self, axis=None, keep_dims=False, dtype=None, **kw):
+    keep = kw.pop("keepdim", kw.pop("keepdims", keep_dims))
+    return ops.prod(self, _axis_kw(axis, kw), keep, dtype)
+
+
+METHODS.update({
+    "cumsum": _running(ops.cumsum), "cumprod": _running(ops.cumprod),
+    "sort": _sort, "argsort": _argsort, "topk": _topk, "prod": _prod,
+    "flip": lambda self, dims: ops.flip(self, dims),
+    "roll": lambda self, shifts, dims=None: ops.roll(self, shifts, dims),
+    "tril": lambda self, diagonal=0: ops.tril(self, diagonal),
+    "triu": lambda self, diagonal=0: ops.triu(self, diagonal),
+    "narrow": lambda self, axis, start, length: ops.narrow(self, axis, start, length),
+    "repeat_interleave": lambda self, repeats, dim=None: ops.repeat_interleave(
+        self, repeats, dim),
+    "isnan": ops.isnan, "isinf": ops.isinf, "isfinite": ops.isfinite,
+    "nan_to_num": ops.nan_to_num,
+    "logical_and": ops.logical_and, "logical_or": ops.logical_or,
+    "logical_xor": ops.logical_xor, "logical_not": ops.logical_not,
+    "isclose": ops.isclose, "log1p": ops.log1p, "expm1": ops.expm1,
+    "reciprocal": ops.reciprocal, "atan2": ops.atan2, "arctan2": ops.atan2,
+    "floor_divide": ops.floor_divide, "remainder": ops.remainder,
+    "masked_fill": ops.masked_fill,
+})
+
 METHODS.update({
     "floor": ops.floor, "round": _round, "tile": _tile,
     "clip": _clip, "clamp": _clip, "var": _var,
@@ -346,9 +443,35 @@ METHODS.update({
         _var(self, axis, ddof, keepdims, **kw)),
     "any": _any, "all": _all, "norm": _norm,
     "copy": lambda self: self,
-    "__setitem__": _refuse_in_place, "fill_": _refuse_in_place, "fill": _refuse_in_place,
+    "__setitem__": _setitem, "fill_": _refuse_in_place, "fill": _refuse_in_place,
     "tolist": _refuse_tolist,
 })
+
+# MindSpore Tensors share memory with their views: after ``v = x[0]`` (or
+# ``x.reshape``, ``x.transpose``, ...), ``v[1] = 5`` writes into ``x`` too. A traced
+# program has no aliasing, so the results of these methods are remembered (per trace,
+# by IR variable) and assignment into one is refused instead of silently not writing
+# through to ``x``.
+_VIEW_METHODS = ("__getitem__", "reshape", "view", "transpose", "permute", "swapaxes",
+                 "expand_dims", "unsqueeze", "squeeze", "flatten", "narrow", "T", "mT")
+
+
+def _marks_view(method):
+    def view_method(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        var = getattr(out, "ir_var", None)
+        if var is not None and out is not self and out.trace is self.trace:
+            views = self.trace.__dict__.setdefault("view_vars", set())
+            views.add(var)
+        return out
+
+    view_method.__name__ = getattr(method, "__name__", "view_method")
+    return view_method
+
+
+for _name in _VIEW_METHODS:
+    if _name in METHODS:
+        METHODS[_name] = _marks_view(METHODS[_name])
 
 for _name, _fn in METHODS.items():
     setattr(Tracer, _name, _fn)
@@ -382,5 +505,5 @@ def _T(self):
     return ops.transpose(self)
 
 
-Tracer.T = property(_T)
-Tracer.mT = property(lambda self: ops.swapaxes(self, -1, -2))
+Tracer.T = property(_marks_view(_T))
+Tracer.mT = property(_marks_view(lambda self: ops.swapaxes(self, -1, -2)))

@@ -37,6 +37,7 @@ from fshard.primitives import linalg as L
 from fshard.primitives import nn as N
 from fshard.primitives import pipeline as PL
 from fshard.primitives import reductions as R
+from fshard.primitives import scans as SC
 from fshard.primitives import spmd as P
 from fshard.primitives import structural as S
 
@@ -257,6 +258,27 @@ def binary(kind_x="any", kind_y="any", shapes=SHAPES):
 def _gelu(rng, dt):
     return [Sample((values(rng, s, dt),), {"approximate": a})
             for s, a in zip(SHAPES, itertools.cycle(["tanh", "none"]))]
+
+
+def _running(rng, dt):
+    cases = [((3,), 0, False), ((2, 3), 1, True), ((2, 3), 0, False), ((1, 4, 1), 1, True),
+             ((2, 1, 3), 2, False), ((1,), 0, True)]
+    return [Sample((values(rng, a, dt),), {"axis": ax, "reverse": r}) for a, ax, r in cases]
+
+
+def _cumprod(rng, dt):
+    out = _running(rng, dt)
+    x = values(rng, (2, 4), dt)
+    x[0, 1] = 0  # a zero factor: the derivative leaves it out instead of dividing by it
+    x[1, 2] = 0
+    return out + [Sample((x,), {"axis": 1, "reverse": False}),
+                  Sample((x,), {"axis": 1, "reverse": True})]
+
+
+def _sort(rng, dt):
+    cases = [((4,), 0, False), ((2, 3), 1, True), ((3, 2), 0, False), ((1, 4, 1), 1, True),
+             ((2, 1, 3), 2, False)]
+    return [Sample((values(rng, a, dt),), {"axis": ax, "descending": d}) for a, ax, d in cases]
 
 
 def _select(rng, dt):
@@ -1246,6 +1268,15 @@ def _specs() -> list[PrimitiveSpec]:
         float_unary(E.floor_p, zero_derivative=True),
         float_unary(E.round_p, zero_derivative=True),
         PrimitiveSpec(E.gelu_p, _gelu),
+        float_unary(E.log1p_p, "positive"),
+        float_unary(E.expm1_p),
+        PrimitiveSpec(E.atan2_p, binary(), (F32,), (0, 1)),
+        PrimitiveSpec(E.floor_div_p, binary("any", "positive"), NUMERIC, (0, 1),
+                      zero_derivative=True),
+        PrimitiveSpec(E.floor_mod_p, binary("any", "positive"), NUMERIC, (0, 1)),
+        PrimitiveSpec(SC.cumsum_p, _running, NUMERIC, linear_groups=((0,),), **THOROUGH),
+        PrimitiveSpec(SC.cumprod_p, _cumprod, (F32,), **THOROUGH),
+        PrimitiveSpec(SC.sort_p, _sort, (F32,), **THOROUGH),
         PrimitiveSpec(E.add_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.sub_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.mul_p, binary(), NUMERIC, (0, 1), ((0,), (1,))),

@@ -45,6 +45,24 @@ def full(*, shape, value, dtype):
     return np.full(shape, value, dtypes.to_numpy(dtype))
 
 
+def _running(fn):
+    def ref(x, *, axis, reverse):
+        if reverse:
+            return np.flip(fn(np.flip(x, axis), axis=axis), axis).astype(x.dtype)
+        return fn(x, axis=axis).astype(x.dtype)
+
+    return ref
+
+
+cumsum = _running(np.cumsum)
+cumprod = _running(np.cumprod)
+
+
+def sort(x, *, axis, descending):
+    idx = np.argsort(-x if descending else x, axis=axis, kind="stable")
+    return [np.take_along_axis(x, idx, axis), idx.astype(np.int32)]
+
+
 def bias_add(x, b):
     return x + b.reshape((1, -1) + (1,) * (x.ndim - 2))
 
@@ -293,6 +311,11 @@ REFERENCES = {
     "floor": np.floor,
     "round": np.round,
     "gelu": gelu,
+    "log1p": np.log1p,
+    "expm1": np.expm1,
+    "atan2": np.arctan2,
+    "floor_div": np.floor_divide,
+    "floor_mod": np.mod,
     "add": np.add,
     "sub": np.subtract,
     "mul": np.multiply,
@@ -336,6 +359,10 @@ REFERENCES = {
     "dim_size": lambda x, *, axes, dtype: np.asarray(
         np.prod([x.shape[a] for a in axes], dtype=np.int64), dtypes.to_numpy(dtype)),
     "argmin": lambda x, *, axis: np.argmin(x, axis=axis),
+    # scans
+    "cumsum": cumsum,
+    "cumprod": cumprod,
+    "sort": sort,
     # nn
     "bias_add": bias_add,
     "softmax": softmax,

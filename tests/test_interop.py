@@ -261,6 +261,123 @@ METHOD_CASES = {
     "dim": (lambda x: x.sum(x.dim() - 2), [X3]),
 }
 
+# Native ops (docs/ops.md; their transforms are checked in tests/test_native_ops.py).
+ROWS = np.array([0, 2, 0], np.int32)
+OP_CASES.update({
+    "ops.silu": (ops.silu, [X]),
+    "ops.elu": (ops.elu, [X]),
+    "ops.softplus": (lambda x: ops.softplus(x * 10, 2.0), [X]),
+    "ops.mish": (ops.mish, [X]),
+    "ops.hardswish": (lambda x: ops.hardswish(x * 3), [X]),
+    "ops.selu": (ops.selu, [X]),
+    "ops.prelu": (lambda x, g: ops.prelu(x, g), [X, G]),
+    "ops.clamp": (lambda x, y: ops.clamp(x, -0.5, 0.5) + ops.clamp(x, y), [X, Y]),
+    "ops.clip": (lambda x: ops.clip(x, None, 0.2), [X]),
+    "ops.cumsum": (lambda x: ops.cumsum(x, 1), [X]),
+    "ops.cumprod": (lambda x: ops.cumprod(x, 0), [X]),
+    "ops.sort": (lambda x: ops.sort(x, 1, True), [X]),
+    "ops.argsort": (lambda x: ops.argsort(x, 0), [X]),
+    "ops.topk": (lambda x: ops.topk(x, 3), [X]),
+    "ops.stack": (lambda x, y: ops.stack([x, y], 1), [X, Y]),
+    "ops.unstack": (lambda x: ops.unstack(x, 1), [X]),
+    "ops.tile": (lambda x: ops.tile(x, (2, 1)), [X]),
+    "ops.repeat_interleave": (lambda x: ops.repeat_interleave(x, 2, 1), [X]),
+    "ops.flip": (lambda x: ops.flip(x, (1,)), [X]),
+    "ops.roll": (lambda x: ops.roll(x, 2, 1), [X], lambda x: np.roll(x, 2, 1)),
+    "ops.pad": (lambda x: ops.pad(x, (1, 2), value=0.5), [X]),
+    "ops.tril": (lambda x: ops.tril(x, -1), [X]),
+    "ops.triu": (lambda x: ops.triu(x, 1), [X]),
+    "ops.masked_fill": (lambda x: ops.masked_fill(x, x > 0, 2.0), [X]),
+    "ops.floor_divide": (lambda x, y: ops.floor_divide(x, y), [X, POS]),
+    "ops.remainder": (lambda x, y: ops.remainder(x, y), [X, POS]),
+    "ops.isnan": (lambda x: ops.isnan(ops.log(x)), [X]),
+    "ops.isinf": (lambda x: ops.isinf(x / (x - x)), [X]),
+    "ops.isfinite": (lambda x: ops.isfinite(ops.log(x)), [X]),
+    "ops.nan_to_num": (lambda x: ops.nan_to_num(ops.log(x), 1.0), [X]),
+    "ops.logical_and": (lambda x: ops.logical_and(x > 0, x < 1), [X]),
+    "ops.logical_or": (lambda x: ops.logical_or(x > 1, x < 0), [X]),
+    "ops.logical_not": (lambda x: ops.logical_not(x > 0), [X]),
+    "ops.logical_xor": (lambda x: ops.logical_xor(x > 0, x < 1), [X]),
+    "ops.isclose": (lambda x, y: ops.isclose(x, y, 0.5, 0.5), [X, Y]),
+    "ops.prod": (lambda x: ops.prod(x, 1), [X]),
+    "ops.var": (lambda x: ops.var(x, 1, 1), [X]),
+    "ops.std": (lambda x: ops.std(x), [X]),
+    "ops.std_mean": (lambda x: ops.std_mean(x, 0), [X]),
+    "ops.log1p": (ops.log1p, [POS]),
+    "ops.expm1": (ops.expm1, [X]),
+    "ops.atan2": (lambda x, y: ops.atan2(x, y), [X, Y]),
+    "ops.reciprocal": (ops.reciprocal, [POS]),
+    "ops.narrow": (lambda x: ops.narrow(x, 1, 2, 3), [X]),
+    "ops.dense": (lambda x, w: ops.dense(x, w, BT), [X, W.T.copy()]),
+    "ops.gather_nd": (lambda x: ops.gather_nd(x, Tensor(np.array([[0, 1], [3, 7]], np.int32))),
+                      [X]),
+    "ops.scatter_nd": (lambda x: ops.scatter_nd(Tensor(ROWS.reshape(3, 1)), x[:3], (4, 8)),
+                       [X]),
+    "ops.tensor_scatter_add": (lambda x, y: ops.tensor_scatter_add(
+        x, Tensor(ROWS.reshape(3, 1)), y[:3]), [X, Y]),
+    "ops.index_add": (lambda x, y: ops.index_add(x * 1.0, Tensor(ROWS), y[:3], 0), [X, Y]),
+    "ops.binary_cross_entropy_with_logits": (
+        lambda x, y: ops.binary_cross_entropy_with_logits(x, ops.sigmoid(y)), [X, Y]),
+    "ops.kl_div": (lambda x, y: ops.kl_div(x, ops.softmax(y, 1), "sum"), [X, Y]),
+    "ops.smooth_l1_loss": (lambda x, y: ops.smooth_l1_loss(x, y, 0.5), [X, Y]),
+    "ops.cosine_similarity": (lambda x, y: ops.cosine_similarity(x, y), [X, Y]),
+    "mint.clamp": (lambda x: mint.clamp(x, min=-0.3), [X]),
+    "mint.stack": (lambda x, y: mint.stack((x, y)), [X, Y], lambda x, y: np.stack((x, y))),
+    "mint.remainder": (lambda x: mint.remainder(x, 0.7), [X]),
+    "mint.floor_divide": (lambda x: mint.floor_divide(x, 0.7), [X],
+                          lambda x: np.floor_divide(x, np.float32(0.7))),
+    "mint.narrow": (lambda x: mint.narrow(x, 0, 1, 2), [X]),
+    "mint.index_add": (lambda x, y: mint.index_add(x, 0, Tensor(ROWS), y[:3]), [X, Y],
+                       lambda x, y: _index_add_np(x, y)),
+    "mint.nn.functional.silu": (mint.nn.functional.silu, [X]),
+    "mint.nn.functional.pad": (lambda x: mint.nn.functional.pad(x, (1, 1)), [X],
+                               lambda x: np.pad(x, ((0, 0), (1, 1)))),
+})
+
+
+def _index_add_np(x, y):
+    out = x.copy()
+    np.add.at(out, ROWS, y[:3])
+    return out
+
+
+METHOD_CASES.update({
+    "__floordiv__": (lambda x: x // 0.7, [X]),
+    "__floordiv__:tensor_left": (lambda x: XT // x, [POS]),
+    "__rfloordiv__": (lambda x: 3.0 // x, [POS]),
+    "__mod__": (lambda x: x % 0.7, [X]),
+    "__mod__:tensor_left": (lambda x: XT % x, [POS]),
+    "__rmod__": (lambda x: 3.0 % x, [POS]),
+    "__setitem__": (lambda x: _setitem(x * 1.0), [X]),
+    "cumsum": (lambda x: (x.cumsum(0), x.cumsum(axis=1)), [X]),
+    "cumprod": (lambda x: x.cumprod(1), [X]),
+    "sort": (lambda x: x.sort(0), [X]),
+    "argsort": (lambda x: x.argsort(), [X]),
+    "topk": (lambda x: x.topk(2), [X]),
+    "prod": (lambda x: (x.prod(), x.prod(1)), [X]),
+    "flip": (lambda x: x.flip((0, 1)), [X]),
+    "roll": (lambda x: x.roll(1, 0), [X], lambda x: np.roll(x, 1, 0)),
+    "tril": (lambda x: x.tril(), [X]),
+    "triu": (lambda x: x.triu(1), [X]),
+    "narrow": (lambda x: x.narrow(1, 0, 2), [X]),
+    "repeat_interleave": (lambda x: x.repeat_interleave(2, 0), [X]),
+    "isnan": (lambda x: x.log().isnan(), [X]),
+    "isclose": (lambda x, y: x.isclose(y, 0.5, 0.5), [X, Y]),
+    "logical_and": (lambda x: (x > 0).logical_and(x < 1), [X]),
+    "log1p": (lambda x: x.log1p(), [POS]),
+    "remainder": (lambda x: x.remainder(0.7), [X]),
+    "floor_divide": (lambda x: x.floor_divide(0.7), [X],
+                     lambda x: np.floor_divide(x, np.float32(0.7))),
+})
+
+
+def _setitem(y):
+    y[0, 1:3] = 2.0
+    y[1] += 1.0
+    return y
+
+
+
 
 def _iadd(t, x):
     t += x
@@ -294,6 +411,17 @@ CELL_CASES = {
         lambda: nn.SoftmaxCrossEntropyWithLogits(reduction="sum"),
         [X[:, :3], np.eye(3, dtype=np.float32)[LABELS]]),
 }
+
+CELL_CASES.update({
+    "nn.SiLU": (lambda: nn.SiLU(), [X]),
+    "nn.PReLU": (lambda: nn.PReLU(4, 0.2), [X3.transpose(0, 1, 2)[:, :, :4].reshape(2, 4, 4)]),
+    "nn.ELU": (lambda: nn.ELU(), [X]),
+    "nn.HSwish": (lambda: nn.HSwish(), [X]),
+    "nn.Mish": (lambda: nn.Mish(), [X]),
+    "nn.SeLU": (lambda: nn.SeLU(), [X]),
+    "nn.BCEWithLogitsLoss": (lambda: nn.BCEWithLogitsLoss(), [X, (Y > 0).astype(np.float32)]),
+    "nn.SmoothL1Loss": (lambda: nn.SmoothL1Loss(), [X, Y]),
+})
 
 
 # ---------------------------------------------------------------------------

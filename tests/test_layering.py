@@ -53,7 +53,7 @@ LAYERS = [
     ("fshard.primitives.elementwise",),
     ("fshard.primitives.structural", "fshard.primitives.reductions"),
     ("fshard.primitives.linalg", "fshard.primitives.nn", "fshard.primitives.collectives",
-     "fshard.primitives.pipeline"),
+     "fshard.primitives.pipeline", "fshard.primitives.scans", "fshard.primitives.composite"),
     ("fshard.primitives.spmd", "fshard.primitives.control"),
     ("fshard.primitives",),
     ("fshard.passes",),

@@ -185,7 +185,7 @@ def test_reshape_size_mismatch():
     (lambda: fs.ops.getitem(rand(2, 3), (5,)), ArgumentError,
      r"index 5 is out of bounds for dimension 0 of f32\[2,3\]"),
     (lambda: fs.ops.getitem(rand(2, 3), ([0], [1])), ArgumentError, r"one array index"),
-    (lambda: fs.ops.getitem(rand(2, 3), np.array([True, False])), ArgumentError,
+    (lambda: fs.ops.getitem(rand(2, 3), np.array([[True, False, True]] * 2)), ArgumentError,
      r"boolean masks select a data-dependent number"),
     (lambda: fs.ops.getitem(rand(2, 3), [0, 2]), ArgumentError,
      r"index 2 is out of bounds for dimension 0"),
@@ -303,3 +303,89 @@ def test_one_hot_dtypes_and_out_of_range_rows():
 def test_scatter_add_accumulates_repeated_indices():
     out = fs.ops.scatter_add(np.ones((2, 3), np.float32), np.array([1, 1, 0]), (2, 2), axis=1)
     np.testing.assert_array_equal(to_np(out), [[1, 2], [1, 2]])
+
+
+# ---------------------------------------------------------------------------
+# Native-op functions: floor division, remainder, scans, sorts, masks, index arithmetic
+# ---------------------------------------------------------------------------
+
+INTS = np.array([[-7, -6, 5, 7], [0, 3, -1, 9]], np.int32)
+
+
+@pytest.mark.parametrize("name,ref", [("floor_divide", np.floor_divide),
+                                      ("remainder", np.mod)])
+@pytest.mark.parametrize("y", [3, -4, np.array([2, -3, 5, -2], np.int32)],
+                         ids=["3", "-4", "array"])
+def test_floor_division_of_negative_integers_is_pythons(name, ref, y):
+    out = getattr(fs.ops, name)(INTS, y)
+    assert out.dtype == ms.int32
+    np.testing.assert_array_equal(to_np(out), ref(INTS, y))
+    np.testing.assert_array_equal(to_np(fs.jit(getattr(fs.ops, name))(INTS, y)), ref(INTS, y))
+
+
+def test_floor_division_with_a_python_float_is_float32():
+    out = fs.ops.floor_divide(INTS, 2.0)
+    assert out.dtype == ms.float32
+    np.testing.assert_array_equal(to_np(out), np.floor_divide(INTS, 2.0).astype(np.float32))
+
+
+def test_scans_and_sorts_match_numpy():
+    x = rand(3, 5)
+    np.testing.assert_allclose(to_np(fs.ops.cumsum(x, 1)), np.cumsum(x, 1), rtol=1e-6)
+    np.testing.assert_allclose(to_np(fs.ops.cumprod(x, -2, reverse=True)),
+                               np.cumprod(x[::-1], 0)[::-1], rtol=1e-6)
+    values, idx = fs.ops.sort(x, 0, descending=True)
+    np.testing.assert_array_equal(to_np(idx), np.argsort(-x, 0, kind="stable"))
+    np.testing.assert_allclose(to_np(values), -np.sort(-x, 0))
+    v, i = fs.ops.topk(x, 2)
+    np.testing.assert_array_equal(to_np(i), np.argsort(-x, 1, kind="stable")[:, :2])
+
+
+def test_prod_gradient_is_exact_at_zeros():
+    x = np.array([2.0, 0.0, 3.0, 0.5])
+    g = fs.grad(lambda a: fs.ops.prod(a))(x)
+    np.testing.assert_allclose(to_np(g), [0.0, 3.0, 0.0, 0.0])
+
+
+def test_index_arithmetic_matches_numpy():
+    x = rand(3, 4)
+    idx = np.array([[0, 1], [2, 3], [2, 0]], np.int32)
+    np.testing.assert_allclose(to_np(fs.ops.gather_nd(x, idx)), x[idx[:, 0], idx[:, 1]])
+    rows = np.array([0, 2, 0], np.int32)
+    want = x.copy()
+    np.add.at(want, rows, x)
+    np.testing.assert_allclose(to_np(fs.ops.index_add(x, rows, x, 0)), want, rtol=1e-6)
+    want = np.zeros((3, 4), np.float32)
+    np.add.at(want, (rows, [1, 1, 1]), 1.0)
+    np.testing.assert_allclose(
+        to_np(fs.ops.scatter_nd(np.stack([rows, [1, 1, 1]], 1), np.ones(3, np.float32), (3, 4))),
+        want)
+
+
+@pytest.mark.parametrize("call,error,pattern", [
+    (lambda: fs.ops.floor_divide(np.array([True]), np.array([False])), ArgumentError,
+     "bool operands are not supported"),
+    (lambda: fs.ops.topk(rand(2, 3), 4), ArgumentError, r"k must be a Python int in \[0, 3\]"),
+    (lambda: fs.ops.sort(np.array([True, False])), ArgumentError, "cast it to int32"),
+    (lambda: fs.ops.cumsum(rand(2, 3), 2), ArgumentError, "out of range"),
+    (lambda: fs.ops.cumsum(np.float32(1), 0), ArgumentError, "rank >= 1"),
+    (lambda: fs.ops.pad_nd(rand(2, 3), (3, 3), "reflect"), ArgumentError,
+     "must be smaller than dimension 1"),
+    (lambda: fs.ops.pad_nd(rand(2, 3), (1,)), ArgumentError, r"\(before, after\) pairs"),
+    (lambda: fs.ops.narrow(rand(2, 3), 1, 2, 2), ArgumentError, "outside dimension 1"),
+    (lambda: fs.ops.prelu(rand(2, 3), rand(4)), ShapeError, "3 channels"),
+    (lambda: fs.ops.masked_fill(rand(2), rand(2), 0.0), ArgumentError, "must be a bool array"),
+    (lambda: fs.ops.clamp(rand(2)), ArgumentError, "at least one bound"),
+    (lambda: fs.ops.repeat_interleave(rand(3), [1, 2]), ShapeError, "2 counts for 3 entries"),
+    (lambda: fs.ops.index_update(rand(2, 3), 0, rand(2)), ShapeError,
+     r"cannot be broadcast to the indexed shape \(3,\)"),
+])
+def test_native_op_errors_name_the_argument(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_getitem_with_a_concrete_one_dimensional_mask_matches_numpy():
+    x, mask = rand(3, 4), np.array([True, False, True, True])
+    np.testing.assert_array_equal(to_np(fs.ops.getitem(x, (slice(None), mask))), x[:, mask])
+    np.testing.assert_array_equal(to_np(fs.jit(lambda a: a[mask[:3]])(x)), x[mask[:3]])

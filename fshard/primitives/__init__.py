@@ -1,6 +1,7 @@
 """Every primitive, declared once with all of its rules, by family."""
 
 from fshard.primitives import elementwise, linalg, nn, reductions, structural  # noqa: F401
+from fshard.primitives import scans  # noqa: F401
 from fshard.primitives import spmd  # noqa: F401
 from fshard.primitives import collectives  # noqa: F401
 from fshard.primitives import pipeline  # noqa: F401

@@ -252,6 +252,20 @@ sharding.set(gelu_p, _elementwise_sharding)
 defjvp(gelu_p, _gelu_jvp)
 unsupported(gelu_p, "transpose", "not linear")
 
+# log1p and expm1: accurate near zero, where log(1 + x) and exp(x) - 1 lose the digits.
+
+
+def _ms_log1p(x):
+    return ops.log1p(x)
+
+
+def _ms_expm1(x):
+    return ops.expm1(x)
+
+
+log1p_p = def_unary("log1p", _ms_log1p, lambda t, ans, x: div(t, add(x, 1.0)))
+expm1_p = def_unary("expm1", _ms_expm1, lambda t, ans, x: mul(t, add(ans, 1.0)))
+
 # ---------------------------------------------------------------------------
 # Binary arithmetic
 # ---------------------------------------------------------------------------
@@ -349,6 +363,58 @@ batching.set(minimum_p, broadcasting(minimum_p))
 sharding.set(minimum_p, _elementwise_sharding)
 defjvp(minimum_p, *_minmax_jvp(lambda a, b: less(a, b)))
 unsupported(minimum_p, "transpose", "not linear")
+
+# atan2(y, x): the angle of the point (x, y), in (-pi, pi].
+
+
+def _ms_atan2(y, x):
+    return ops.atan2(y, x)
+
+
+def _atan2_type(y, x):
+    a = _same_types("atan2", y, x)
+    if not dtypes.is_float(a.dtype):
+        raise ProgramTypeError(f"atan2 needs float operands, got {y}, {x}")
+    return a
+
+
+atan2_p = def_primitive("atan2", FAMILY, _atan2_type, _ms_atan2)
+batching.set(atan2_p, broadcasting(atan2_p))
+sharding.set(atan2_p, _elementwise_sharding)
+defjvp(atan2_p,
+       lambda t, ans, y, x: mul(t, div(x, add(mul(x, x), mul(y, y)))),
+       lambda t, ans, y, x: mul(t, neg(div(y, add(mul(x, x), mul(y, y))))))
+unsupported(atan2_p, "transpose", "not linear")
+
+
+# floor_div and floor_mod: Python's // and % (the quotient rounds toward -inf; the
+# remainder has the divisor's sign), which are MindSpore's FloorDiv and FloorMod, for
+# integers and floats alike. floor_div is piecewise constant; floor_mod is
+# x - floor_div(x, y) * y, so its derivative is 1 in x and -floor_div(x, y) in y.
+
+
+def _ms_floor_div(x, y):
+    return ops.floor_divide(x, y)
+
+
+def _ms_floor_mod(x, y):
+    return ops.floor_mod(x, y)
+
+
+floor_div_p = def_primitive("floor_div", FAMILY, _numeric_binary_type("floor_div"),
+                            _ms_floor_div)
+batching.set(floor_div_p, broadcasting(floor_div_p))
+sharding.set(floor_div_p, _elementwise_sharding)
+defjvp(floor_div_p, None, None)
+unsupported(floor_div_p, "transpose", "not linear")
+
+floor_mod_p = def_primitive("floor_mod", FAMILY, _numeric_binary_type("floor_mod"),
+                            _ms_floor_mod)
+batching.set(floor_mod_p, broadcasting(floor_mod_p))
+sharding.set(floor_mod_p, _elementwise_sharding)
+defjvp(floor_mod_p, lambda t, ans, x, y: t,
+       lambda t, ans, x, y: mul(t, neg(floor_div_p.bind(x, y))))
+unsupported(floor_mod_p, "transpose", "not linear")
 
 # ---------------------------------------------------------------------------
 # Comparisons (boolean outputs, zero derivative)
@@ -600,6 +666,57 @@ erf = _float_un(erf_p)
 def gelu(x: ArrayLike, approximate: str = "tanh") -> Float[Array, "*shape"]:
     """GELU, exact (``approximate='none'``) or with the tanh approximation."""
     return gelu_p.bind(_float_arg(x), approximate=approximate)
+
+
+log1p = _float_un(log1p_p)
+expm1 = _float_un(expm1_p)
+
+
+def atan2(y: ArrayLike, x: ArrayLike) -> Float[Array, "..."]:
+    """The angle of the point ``(x, y)`` elementwise (MindSpore's ``ops.atan2(input,
+    other)``: ``input`` is ``y``); integer operands compute in float32.
+
+    >>> import numpy as np, fshard as fs
+    >>> print(f"{float(fs.ops.atan2(np.float32(1), np.float32(-1)).asnumpy()):.4f}")
+    2.3562
+    """
+    y, x = promote(y, x)
+    if not dtypes.is_float(typeof(y).dtype):
+        y, x = cast(y, dtypes.float32), cast(x, dtypes.float32)
+    return atan2_p.bind(y, x)
+
+
+def _floor_operands(name, x, y):
+    x, y = promote(x, y)
+    if typeof(x).dtype == dtypes.bool_:
+        from fshard.errors import ArgumentError
+
+        raise ArgumentError(
+            f"{name}(x, y): bool operands are not supported.\n"
+            "Fix: cast them to an integer dtype first, e.g. x.astype(mindspore.int32).")
+    return x, y
+
+
+def floor_divide(x: ArrayLike, y: ArrayLike) -> Shaped[Array, "..."]:
+    """``x // y``: the quotient rounded toward minus infinity (integers stay integers),
+    with MindSpore's promotion.
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.ops.floor_divide(np.array([-7, 7], np.int32), 2).asnumpy().tolist()
+    [-4, 3]
+    """
+    return floor_div_p.bind(*_floor_operands("floor_divide", x, y))
+
+
+def remainder(x: ArrayLike, y: ArrayLike) -> Shaped[Array, "..."]:
+    """``x % y``: ``x - floor(x / y) * y``, which has the sign of ``y`` (as Python's
+    ``%``, MindSpore's ``ops.remainder`` / ``floor_mod``).
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.ops.remainder(np.array([-7, 7], np.int32), 3).asnumpy().tolist()
+    [2, 1]
+    """
+    return floor_mod_p.bind(*_floor_operands("remainder", x, y))
 
 
 add = _bin(add_p)

@@ -25,6 +25,7 @@ from fshard.primitives.base import (  # noqa: F401  (re-exported: the shape prim
     _shape_param,
     batch_size,
     batch_to_front,
+    broadcast_shapes,
     broadcast_to,
     broadcast_to_p,
     def_primitive,
@@ -956,6 +957,10 @@ def getitem(x: Shaped[Array, "..."], idx) -> Shaped[Array, "..."]:
     """
     a = typeof(x)
     idx = idx if isinstance(idx, tuple) else (idx,)
+    # A concrete 1-D boolean mask selects a known number of entries: its positions.
+    idx = tuple(np.nonzero(np.asarray(_concrete_index(e)))[0] if (
+        not isinstance(e, Tracer) and getattr(e, "ndim", 0) == 1
+        and typeof(e).dtype == dtypes.bool_) else e for e in idx)
     for e in idx:
         if isinstance(e, (bool, np.bool_)):
             raise ArgumentError(
@@ -1061,3 +1066,17 @@ def _normalized_index(e, n, dim: int, a: ArrayType):
     from fshard.primitives.elementwise import add, less, where
 
     return where(less(indices, 0), add(indices, n), indices)
+
+
+# ---------------------------------------------------------------------------
+# index_update: x[idx] = value, functionally (NB: JAX's x.at[idx].set(value))
+# ---------------------------------------------------------------------------
+
+
+def _concrete_index(e):
+    """A static index entry as NumPy (concrete Tensors included), or None if traced."""
+    if isinstance(e, Tracer):
+        return None
+    if hasattr(e, "asnumpy"):
+        return e.asnumpy()
+    return e

@@ -709,8 +709,7 @@ class AutoParallel:
         places = s.batch_places.get(key)
         if places is None:  # once per plan: this process's block of each batch input
             part = s.partitioned(state.params, state.opt_state, state.step, *gbatch)
-            n_c = part.prop.program.n_consts
-            shs = part.in_shardings[n_c + len(tree.leaves(state)):]
+            shs = _arg_shardings(part, (state, gbatch))[len(tree.leaves(state)):]
             rank = distributed.rank()
             places = [(block_index(sh, part.prop.mesh, rank), Sharding(sh.dims),
                        part.prop.mesh, typeof(g)) for sh, g in zip(shs, tree.leaves(gbatch))]
@@ -745,12 +744,14 @@ class AutoParallel:
         n_p = len(tree.leaves(state.params))
         n_o = len(tree.leaves(state.opt_state))
         program = prop.program
-        ins = program.inputs[program.n_consts:]
+        n_args = len(tree.leaves((state, batch)))
+        ins = program.inputs[len(program.inputs) - n_args:]
+        shs = _arg_shardings(part, (state, batch))
         report = {
             "params": sum(local_bytes(sh, v.aval, mesh) for v, sh in
-                          zip(ins[:n_p], part.in_shardings[program.n_consts:][:n_p])),
+                          zip(ins[:n_p], shs[:n_p])),
             "optimizer_state": sum(local_bytes(sh, v.aval, mesh) for v, sh in zip(
-                ins[n_p:n_p + n_o], part.in_shardings[program.n_consts:][n_p:n_p + n_o])),
+                ins[n_p:n_p + n_o], shs[n_p:n_p + n_o])),
         }
         # Each gradient as its first consumer reads it (the optimizer update: reduced,
         # and split like the optimizer state at ZeRO level 2 and above).
@@ -771,8 +772,7 @@ class AutoParallel:
         part = self.partitioned(state, *batch)
         mesh = part.prop.mesh
         leaves, spec = tree.flatten(TrainState(state.params, state.opt_state, state.step))
-        n_c = part.prop.program.n_consts
-        shs = part.in_shardings[n_c:n_c + len(leaves)]
+        shs = _arg_shardings(part, (state, batch))[:len(leaves)]
         return tree.unflatten(spec, [tuple(sh.strategy(mesh)) for sh in shs])
 
     def save_param_strategy_file(self, path, state: TrainState, *batch) -> dict:
@@ -781,8 +781,7 @@ class AutoParallel:
         part = self.partitioned(state, *batch)
         mesh = part.prop.mesh
         paths, _, _ = tree.flatten_with_path(state.params)
-        n_c = part.prop.program.n_consts
-        shs = part.in_shardings[n_c:n_c + len(paths)]
+        shs = _arg_shardings(part, (state, batch))[:len(paths)]
         data = {"format": "fshard-param-strategy", "devices": mesh.size,
                 "params": {_name(p): list(sh.strategy(mesh)) for p, sh in zip(paths, shs)}}
         _write_json(path, data)
@@ -817,6 +816,16 @@ class AutoParallel:
 
     def __repr__(self) -> str:
         return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode!r})"
+
+
+def _arg_shardings(part, args) -> list:
+    """The layouts of the step's arguments (``(state, batch)`` leaves, in order) in its
+    per-device program. The program's first inputs are the constants its tracing
+    captured (a MindSpore loss Cell's class weights, a table): they come before the
+    arguments, and the program's ``n_consts`` does not count them (to the plan they
+    are ordinary inputs), so the arguments are its last inputs."""
+    n = len(tree.leaves(args))
+    return list(part.in_shardings[len(part.in_shardings) - n:])
 
 
 def _is_counts(x) -> bool:

@@ -92,3 +92,119 @@ def test_loss_cell_with_constants_reports_true_state_strategies_and_memory(xent_
     assert got == want
     n_params = 64 * 16 + 16 + 16 * 10 + 10
     assert got["params"] == 4 * n_params
+
+
+# ---------------------------------------------------------------------------
+# Frozen parameters (requires_grad=False)
+# ---------------------------------------------------------------------------
+
+
+class Scaled(nn.Cell):
+    """A Dense layer times a frozen per-feature scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Dense(4, 4)
+        self.dense.weight.set_data(ms.Tensor(
+            np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)))
+        self.dense.bias.set_data(ms.Tensor(np.zeros(4, np.float32)))
+        self.scale = ms.Parameter(ms.Tensor(np.array([1, 2, 3, 4], np.float32)),
+                                  name="scale", requires_grad=False)
+
+    def construct(self, x, y):
+        return ((self.dense(x) * self.scale - y) ** 2).mean()
+
+
+def frozen_batch():
+    rng = np.random.default_rng(1)
+    return (rng.standard_normal((8, 4)).astype(np.float32),
+            rng.standard_normal((8, 4)).astype(np.float32))
+
+
+def mindspore_trained(steps=3):
+    """MindSpore's own training: TrainOneStepCell + nn.SGD(trainable_params())."""
+    net = Scaled()
+    step = nn.TrainOneStepCell(net, nn.SGD(net.trainable_params(), 0.1))
+    x, y = frozen_batch()
+    for _ in range(steps):
+        step(ms.Tensor(x), ms.Tensor(y))
+    return {k: p.asnumpy() for k, p in net.parameters_and_names()}
+
+
+def test_frozen_parameter_is_not_trained_by_autoparallel_as_mindspore():
+    want = mindspore_trained()
+    ap = fs.AutoParallel(Scaled(), fs.optim.sgd(0.1), mesh=2)
+    state = ap.init()
+    x, y = frozen_batch()
+    for _ in range(3):
+        state, _ = ap(state, x, y)
+    assert set(state.params) == set(want)
+    np.testing.assert_array_equal(state.params["scale"].asnumpy(), [1, 2, 3, 4])
+    for k in want:
+        close(state.params[k].asnumpy(), want[k])
+
+
+def test_frozen_parameter_has_no_gradient_and_no_optimizer_state():
+    ap = fs.AutoParallel(Scaled(), fs.optim.adam(0.1), mesh=2)
+    state = ap.init()
+    assert set(state.opt_state.mu) == {"dense.weight", "dense.bias"}
+    x, y = frozen_batch()
+    s, _ = ap.sharded(state, x, y)
+    s.partitioned(state.params, state.opt_state, state.step, x, y)
+    assert len(s.grad_vars) == 2  # the two trainable parameters only
+    for _ in range(2):
+        state, _ = ap(state, x, y)
+    np.testing.assert_array_equal(state.params["scale"].asnumpy(), [1, 2, 3, 4])
+
+
+def test_frozen_parameter_with_functional_and_optim_as_mindspore():
+    want = mindspore_trained()
+    net = Scaled()
+    apply, params = fs.functional(net)
+    grads = fs.grad(apply)(params, *frozen_batch())
+    np.testing.assert_array_equal(grads["scale"].asnumpy(), 0)  # as MindSpore: no gradient
+    # MindSpore's trainable_params(): the frozen ones may be left out of params.
+    trainable = {k: v for k, v in params.items() if v.requires_grad}
+    assert set(trainable) == {"dense.weight", "dense.bias"}
+    opt = fs.optim.sgd(0.1)
+    state = opt.init(trainable)
+    for _ in range(3):
+        g = fs.grad(apply)(trainable, *frozen_batch())
+        updates, state = opt.update(g, state, trainable)
+        trainable = fs.optim.apply_updates(trainable, updates)
+    for k in trainable:
+        close(trainable[k].asnumpy(), want[k])
+    np.testing.assert_array_equal(net.scale.asnumpy(), [1, 2, 3, 4])
+
+
+def test_functional_still_names_missing_trainable_parameters():
+    apply, params = fs.functional(Scaled())
+    with pytest.raises(fs.FshardError, match=r"missing \['dense.bias'\].*requires_grad=False"):
+        apply({"dense.weight": params["dense.weight"]}, *frozen_batch())
+
+
+class ScaledTwoStages(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.d1, self.d2 = nn.Dense(4, 4), nn.Dense(4, 4)
+        self.scale = ms.Parameter(ms.Tensor(np.array([1, 2, 3, 4], np.float32)),
+                                  name="scale", requires_grad=False)
+
+    def construct(self, x, y):
+        h = fs.pipeline_split(self.d1(x) * self.scale)
+        return ((self.d2(h) - y) ** 2).mean()
+
+
+def test_frozen_parameter_is_not_trained_by_a_pipeline():
+    net = ScaledTwoStages()
+    x, y = frozen_batch()
+    piped = fs.AutoParallel(net, fs.optim.adam(0.1), mesh=2).pipeline(stages=2)
+    plain = fs.AutoParallel(net, fs.optim.adam(0.1), mesh=2)
+    s1, s2 = piped.init(), plain.init()
+    for _ in range(2):
+        s1, l1 = piped(s1, x, y)
+        s2, l2 = plain(s2, x, y)
+    close(l1.asnumpy(), l2.asnumpy())
+    np.testing.assert_array_equal(s1.params["scale"].asnumpy(), [1, 2, 3, 4])
+    for k in s2.params:
+        close(s1.params[k].asnumpy(), s2.params[k].asnumpy())

@@ -44,12 +44,12 @@ import numpy as np
 
 from fshard import context, distributed, tree
 from fshard.backend.mindspore import as_tensor
-from fshard.cells import functional, is_cell
+from fshard.cells import frozen, functional, is_cell
 from fshard.core import Tracer, typeof
 from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
 from fshard.mesh import Mesh, resolve_mesh
-from fshard.optim import apply_updates
+from fshard.optim import Optimizer, apply_updates
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
@@ -147,6 +147,7 @@ class AutoParallel:
         self._gradient_fp32_sync = True  # MindSpore's default; disable_gradient_fp32_sync
         self._local_norm = (False, None)  # (print, dump directory)
         self._batch_specs = None  # declared batch input shapes (set_inputs)
+        self._frozen_opt = None  # (frozen names, optimizer, step_optimizer()) cache
         if in_shapes is not None:
             if not isinstance(in_shapes, (tuple, list)):
                 raise ArgumentError(
@@ -371,8 +372,38 @@ class AutoParallel:
         # Parameters become plain Tensors: the state is values, not the Cell's objects.
         params = tree.map(lambda x: ms.Tensor(x.asnumpy()) if isinstance(x, ms.Parameter)
                           else x, params)
-        opt_state = self.optimizer.init(params)
+        opt_state = self.optimizer.init(_without(params, self._frozen()))
         return TrainState(params, opt_state, ms.Tensor(np.int32(0)))
+
+    def _frozen(self) -> set:
+        """Names of the Cell's parameters with ``requires_grad=False``: kept in the
+        state, never differentiated or updated, without optimizer state."""
+        return frozen(self.cell) if self.cell is not None else set()
+
+    def step_optimizer(self):
+        """The optimizer over the whole ``params`` of the state: the given one, or, if
+        the Cell has frozen parameters, one that applies it to the others and leaves
+        the frozen ones unchanged (the pipeline's update uses it)."""
+        fixed = self._frozen()
+        if not fixed:
+            return self.optimizer
+        hit = self._frozen_opt
+        if hit is not None and hit[0] == fixed and hit[1] is self.optimizer:
+            return hit[2]
+        inner = self.optimizer
+
+        def init(params):
+            return inner.init(_without(params, fixed))
+
+        def update(grads, state, params=None):
+            updates, state = inner.update(_without(grads, fixed), state,
+                                          None if params is None else _without(params, fixed))
+            zero = {k: g * 0 for k, g in grads.items() if k in fixed}
+            return {k: updates[k] if k in updates else zero[k] for k in grads}, state
+
+        opt = Optimizer(init, update)
+        self._frozen_opt = (fixed, inner, opt)
+        return opt
 
     # -- strategies ----------------------------------------------------------------
     def _group(self, base: tuple) -> int:
@@ -537,19 +568,29 @@ class AutoParallel:
         """The step; while ``fs.shard`` stages it, the Vars of the gradients are noted
         in ``grad_vars`` (for ``memory_report``)."""
         loss_fn, opt, has_aux = self.loss_fn, self.optimizer, self.has_aux
+        fixed = self._frozen()
 
         norms = self._local_norms if any(self._local_norm) else None
 
         def train_step(params, opt_state, step, *batch):
+            # Frozen parameters (requires_grad=False) are read, not differentiated, and
+            # the optimizer never sees them (MindSpore's trainable_params()).
+            trainable = _without(params, fixed)
+
+            def loss_of(t, *b):
+                return loss_fn({**params, **t} if fixed else t, *b)
+
             # An fs.shard called in the loss fixes layouts there (semi-auto parallel).
             with context.counted(context.shard_annotations):
-                out, grads = value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
+                out, grads = value_and_grad(loss_of, has_aux=has_aux)(trainable, *batch)
             grad_vars[:] = [getattr(g, "ir_var", None) for g in tree.leaves(grads)]
-            updates, new_opt_state = opt.update(grads, opt_state, params)
-            new = TrainState(apply_updates(params, updates), new_opt_state, step + 1)
+            updates, new_opt_state = opt.update(grads, opt_state, trainable)
+            new_t = apply_updates(trainable, updates)
+            new_p = {k: new_t.get(k, v) for k, v in params.items()} if fixed else new_t
+            new = TrainState(new_p, new_opt_state, step + 1)
             if norms is None:
                 return new, out
-            return new, out, norms(params, grads)
+            return new, out, norms(trainable, grads)
 
         train_step.__name__ = f"train_step_{self.name}"
         return train_step
@@ -626,7 +667,7 @@ class AutoParallel:
             return hit
         self._check_param_plan(state.params)
         p_sh = self._param_strategies(state.params)
-        o_sh = self._state_strategies(state.opt_state, state.params)
+        o_sh = self._state_strategies(state.opt_state, _without(state.params, self._frozen()))
         b_sh = self._batch_strategies(batch)
         in_strategy = (p_sh, o_sh, ()) + tuple(b_sh)
         out_strategy = (TrainState(p_sh, o_sh, ()), None) + ((None,) if any(
@@ -816,6 +857,13 @@ class AutoParallel:
 
     def __repr__(self) -> str:
         return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode!r})"
+
+
+def _without(params, names: set):
+    """``params`` (a Cell's dict) without the entries ``names``."""
+    if not names:
+        return params
+    return {k: v for k, v in params.items() if k not in names}
 
 
 def _arg_shardings(part, args) -> list:

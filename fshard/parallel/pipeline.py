@@ -828,7 +828,7 @@ class PipelinedStep:
         # their programs already.
         reduce_dp = mesh is not None and self.groups > 1
         key = None if mesh is None else (S, dp, last, stage, cfg.output_broadcast, reduce_dp)
-        opt_update = ap.optimizer.update
+        opt_update = ap.step_optimizer().update
         try:
             per_opt = _FINISHES.setdefault(opt_update, {})
             update = weakref.ref(opt_update)  # (the cache must not keep its key alive)

@@ -208,3 +208,221 @@ def test_frozen_parameter_is_not_trained_by_a_pipeline():
     np.testing.assert_array_equal(s1.params["scale"].asnumpy(), [1, 2, 3, 4])
     for k in s2.params:
         close(s1.params[k].asnumpy(), s2.params[k].asnumpy())
+
+
+# ---------------------------------------------------------------------------
+# How a pipeline combines its micro-batch losses
+# ---------------------------------------------------------------------------
+
+
+def two_stage_params():
+    rng = np.random.default_rng(3)
+    return {"w0": rng.standard_normal((4, 8)).astype(np.float32),
+            "w1": rng.standard_normal((8, 1)).astype(np.float32)}
+
+
+def regression_batch():
+    rng = np.random.default_rng(4)
+    return (rng.standard_normal((8, 4)).astype(np.float32),
+            rng.standard_normal((8, 1)).astype(np.float32))
+
+
+def residual(p, x, y):
+    h = fs.pipeline_split(x @ p["w0"])
+    return h @ p["w1"] - y
+
+
+def loss_sum_over_global_batch(p, x, y):
+    return (residual(p, x, y) ** 2).sum() / 8  # 8: the global batch, a constant
+
+
+def loss_mean(p, x, y):
+    return (residual(p, x, y) ** 2).mean()
+
+
+@pytest.mark.parametrize("loss", [loss_sum_over_global_batch, loss_mean])
+@pytest.mark.parametrize("mesh", [2, 4])
+def test_pipelined_loss_equals_unpipelined_for_mean_and_sum_over_constant(loss, mesh):
+    x, y = regression_batch()
+    piped = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=mesh).pipeline(
+        stages=2, micro_batches=2)
+    plain = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=mesh)
+    s1, s2 = piped.init(two_stage_params()), plain.init(two_stage_params())
+    for _ in range(2):
+        s1, l1 = piped(s1, x, y)
+        s2, l2 = plain(s2, x, y)
+        close(l1.asnumpy(), l2.asnumpy())
+    for k in s2.params:
+        close(s1.params[k].asnumpy(), s2.params[k].asnumpy())
+
+
+def test_pipeline_refuses_a_loss_that_is_neither_mean_nor_sum():
+    def loss(p, x, y):  # divides by the square of the batch size
+        return (residual(p, x, y) ** 2).sum() / x.shape[0] ** 2
+
+    ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=2).pipeline(stages=2, micro_batches=2)
+    with pytest.raises(fs.FshardError, match=r"(?s)combines the micro-batch losses by their "
+                       r"mean.*or their sum.*it is neither.*Fix: write the loss as a mean"):
+        ap(ap.init(two_stage_params()), *regression_batch())
+
+
+def test_pipeline_refuses_a_loss_it_cannot_classify_when_zero():
+    def loss(p, x, y):
+        return (residual(p, x, y) * 0).sum()
+
+    ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=2).pipeline(stages=2, micro_batches=2)
+    with pytest.raises(fs.FshardError, match="the loss is zero on these rows"):
+        ap(ap.init(two_stage_params()), *regression_batch())
+
+
+# ---------------------------------------------------------------------------
+# MindSpore's auto-parallel context
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ms_context():
+    """MindSpore's global auto-parallel context, reset after the test."""
+    ms.reset_auto_parallel_context()
+    yield ms
+    ms.reset_auto_parallel_context()
+
+
+def dense(x, w):
+    return x @ w
+
+
+def dense_args():
+    return np.arange(24, dtype=np.float32).reshape(8, 3), np.ones((3, 2), np.float32)
+
+
+def strategies(sharded):
+    st = sharded.strategies(*dense_args())
+    return st["device_num"], st["inputs"][0]["strategy"], st["outputs"][0]["strategy"]
+
+
+@pytest.mark.parametrize("setting, want", [
+    ({"dataset_strategy": "data_parallel"}, [2, 1]),
+    ({"full_batch": False}, [2, 1]),
+    ({"dataset_strategy": "full_batch"}, [1, 1]),
+    ({"full_batch": True}, [1, 1]),
+    ({}, [1, 1]),  # never set: fs.shard's default, full_batch
+])
+def test_shard_follows_the_context_dataset_strategy(ms_context, setting, want):
+    ms_context.set_auto_parallel_context(**setting)
+    g = fs.shard(dense, in_strategy=(None, (1, 1)), mesh=2)
+    assert strategies(g) == (2, want, want)
+    x, w = dense_args()
+    np.testing.assert_array_equal(g(x, w).asnumpy(), x @ w)
+
+
+def test_shard_argument_wins_over_the_context(ms_context):
+    ms_context.set_auto_parallel_context(dataset_strategy="data_parallel")
+    g = fs.shard(dense, in_strategy=(None, (1, 1)), mesh=2, dataset_strategy="full_batch")
+    assert strategies(g) == (2, [1, 1], [1, 1])
+
+
+def test_shard_uses_the_context_device_num(ms_context):
+    ms_context.set_auto_parallel_context(device_num=4, dataset_strategy="data_parallel")
+    assert strategies(fs.shard(dense, in_strategy=(None, (1, 1)))) == (4, [4, 1], [4, 1])
+    with pytest.raises(fs.ShardingError, match=r"(?s)device_num=4\) but the mesh has 2 devices"
+                       r".*Fix: make them agree"):
+        fs.shard(dense, in_strategy=(None, (1, 1)), mesh=2)
+
+
+def test_shard_refuses_a_context_tuple_dataset_strategy(ms_context):
+    ms_context.set_auto_parallel_context(dataset_strategy=((2, 1), (1, 1)))
+    with pytest.raises(fs.ShardingError, match=r"(?s)dataset_strategy=\(\(2, 1\), \(1, 1\)\)\) "
+                       r"gives the dataset's per-input strategies.*Fix: give the strategies "
+                       "as fs.shard's in_strategy"):
+        fs.shard(dense, in_strategy=(None, (1, 1)), mesh=2)
+
+
+def test_shard_follows_the_context_search_mode(ms_context):
+    ms_context.set_auto_parallel_context(parallel_mode="auto_parallel",
+                                         search_mode="sharding_propagation")
+    g = fs.shard(dense, in_strategy=((2, 1), None), mesh=2)
+    assert g.search is False
+    # MindSpore's partitioner (which refuses the CPU) never runs on fshard's programs
+    x, w = dense_args()
+    np.testing.assert_array_equal(fs.jit(g)(x, w).asnumpy(), x @ w)
+    ms_context.set_auto_parallel_context(search_mode="recursive_programming")
+    assert fs.shard(dense, in_strategy=(None, None), mesh=2).search is True
+    ms_context.set_auto_parallel_context(search_mode="dynamic_programming")
+    with pytest.raises(fs.ShardingError, match="(?s)search_mode='dynamic_programming'.*Fix"):
+        fs.shard(dense, in_strategy=(None, None), mesh=2)
+
+
+def mse(p, x, y):
+    return ((x @ p["w"] - y) ** 2).mean()
+
+
+def mse_data():
+    rng = np.random.default_rng(5)
+    return ({"w": rng.standard_normal((3, 1)).astype(np.float32)},
+            rng.standard_normal((8, 3)).astype(np.float32),
+            rng.standard_normal((8, 1)).astype(np.float32))
+
+
+def batch_strategy(ap):
+    p, x, y = mse_data()
+    state = ap.init(p)
+    part = ap.partitioned(state, x, y)
+    mesh = part.prop.mesh
+    return [tuple(sh.strategy(mesh)) for sh in part.in_shardings[-2:]]
+
+
+def test_autoparallel_follows_the_context_dataset_strategy(ms_context):
+    assert batch_strategy(fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=2)) == [(2, 1)] * 2
+    ms_context.set_auto_parallel_context(full_batch=True)
+    ap = fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=2)
+    assert batch_strategy(ap) == [(1, 1)] * 2
+    ap.dataset_strategy("data_parallel")  # its own setting wins
+    assert batch_strategy(ap) == [(2, 1)] * 2
+    ms_context.set_auto_parallel_context(dataset_strategy=((2, 1), (1, 1)))
+    assert batch_strategy(fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=2)) == [
+        (2, 1), (1, 1)]
+
+
+def test_autoparallel_uses_the_context_device_num(ms_context):
+    ms_context.set_auto_parallel_context(device_num=4)
+    ap = fs.AutoParallel(mse, fs.optim.sgd(0.1))
+    assert ap.n_devices == 4 and batch_strategy(ap) == [(4, 1)] * 2
+    with pytest.raises(fs.ShardingError, match=r"device_num=4\) but the mesh has 2"):
+        fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=2).n_devices
+
+
+@pytest.mark.parametrize("setting, mode, ok", [
+    ({"parallel_mode": "semi_auto_parallel"}, "semi_auto", True),
+    ({"parallel_mode": "semi_auto_parallel"}, "sharding_propagation", False),
+    ({"parallel_mode": "auto_parallel", "search_mode": "sharding_propagation"},
+     "sharding_propagation", True),
+    ({"parallel_mode": "auto_parallel", "search_mode": "recursive_programming"},
+     "recursive_programming", True),
+    ({"parallel_mode": "auto_parallel", "search_mode": "sharding_propagation"},
+     "semi_auto", False),
+    ({"parallel_mode": "data_parallel"}, "semi_auto", True),
+    ({"parallel_mode": "data_parallel"}, "recursive_programming", False),
+    ({"parallel_mode": "hybrid_parallel"}, "semi_auto", False),
+])
+def test_autoparallel_checks_the_context_parallel_mode(ms_context, setting, mode, ok):
+    ms_context.set_auto_parallel_context(**setting)
+    ap = fs.AutoParallel(mse, fs.optim.sgd(0.1), mode, mesh=2)
+    p, x, y = mse_data()
+    if ok:
+        ap(ap.init(p), x, y)
+    else:
+        with pytest.raises(fs.ArgumentError, match=r"(?s)ms.set_auto_parallel_context\(parallel_"
+                           r"mode='[a-z_]+'.*Fix"):
+            ap(ap.init(p), x, y)
+
+
+def test_autoparallel_accepts_context_gradients_mean(ms_context):
+    # MindSpore's gradients_mean=True gives the full batch's mean gradient: fshard's
+    p, x, y = mse_data()
+    plain = fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=2)
+    s1, l1 = plain(plain.init(p), x, y)
+    ms_context.set_auto_parallel_context(gradients_mean=True)
+    ap = fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=2)
+    s2, l2 = ap(ap.init(p), x, y)
+    close(s2.params["w"].asnumpy(), s1.params["w"].asnumpy())

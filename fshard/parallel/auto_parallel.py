@@ -48,6 +48,7 @@ from fshard.cells import frozen, functional, is_cell
 from fshard.core import Tracer, typeof
 from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
+from fshard.interop import check_context_mode, context_dataset_strategy, context_mesh
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import Optimizer, apply_updates
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
@@ -134,9 +135,9 @@ class AutoParallel:
         self.name = fun_name(self.loss_fn)
         self.optimizer = optimizer
         self.parallel_mode = parallel_mode
-        self.mesh = mesh
+        self._mesh = mesh
         self.has_aux = has_aux
-        self._dataset = "data_parallel"
+        self._dataset_given = None  # dataset_strategy(config); None: not called
         self._param_plan: dict = {}
         self._hsdp = None  # (shard_size, threshold_bytes, level)
         self._fusion = None  # bucket bytes
@@ -156,7 +157,24 @@ class AutoParallel:
                     "(fs.ArrayType((fs.Symbol(divisor=8), 784), mindspore.float32), ...).")
             self.set_inputs(*in_shapes)
 
-    # -- the mesh ------------------------------------------------------------------
+    # -- the mesh and MindSpore's context ------------------------------------------
+    @property
+    def mesh(self):
+        """The mesh given (None: the default mesh), or ``device_num`` devices when
+        ``ms.set_auto_parallel_context(device_num=...)`` set it (checked against a
+        given mesh)."""
+        return context_mesh(self._mesh, f"AutoParallel({self.name})")
+
+    @property
+    def _dataset(self):
+        """The dataset strategy: ``dataset_strategy(config)``'s, else the one
+        ``ms.set_auto_parallel_context(dataset_strategy=... / full_batch=...)`` set,
+        else "data_parallel" (MindSpore's default)."""
+        if self._dataset_given is not None:
+            return self._dataset_given
+        return context_dataset_strategy(f"AutoParallel({self.name})",
+                                        allow_tuple=True) or "data_parallel"
+
     @property
     def n_devices(self) -> int:
         if isinstance(self.mesh, int):
@@ -172,7 +190,7 @@ class AutoParallel:
             raise ArgumentError(
                 "AutoParallel.dataset_strategy(config): config must be 'data_parallel', "
                 f"'full_batch' or a tuple of per-input strategies; got {config!r}.")
-        self._dataset = config
+        self._dataset_given = config
         self._steps.clear()
         return self
 
@@ -660,8 +678,11 @@ class AutoParallel:
                 "program, so partitioned(), memory_report(), state_strategies() and the "
                 "strategy files are not available.\nFix: inspect the pipeline with "
                 "pipeline_schedule(); call pipeline(stages=1) to turn it off.")
+        check_context_mode(self.parallel_mode, f"AutoParallel({self.name})")
+        # (the dataset strategy and the mesh may come from MindSpore's context)
         key = (tree.structure(state), tuple(
-            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))))
+            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))),
+            repr(self._dataset), self.n_devices)
         hit = self._steps.get(key)
         if hit is not None:
             return hit
@@ -676,7 +697,7 @@ class AutoParallel:
         # level 2: the plan that takes the least time (compute at the backend's flops
         # rate plus each collective as the backend runs it), not the fewest bytes.
         s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
-                  mesh=self.mesh, level=2,
+                  mesh=self.mesh, level=2, dataset_strategy="full_batch",
                   search=self.parallel_mode != "sharding_propagation")
         s.comm_fusion = self._fusion
         # In a job the split leaves of the new state stay each process's blocks

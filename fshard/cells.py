@@ -21,6 +21,26 @@ def is_cell(obj) -> bool:
     return isinstance(obj, nn.Cell)
 
 
+def pipeline_wrapper(cell):
+    """``(network, micro_size)`` for MindSpore's pipeline wrappers (``nn.PipelineCell``,
+    ``mindspore.parallel.nn.Pipeline``), whose ``stage_config`` has set the sub-cells'
+    ``pipeline_stage`` already; None for any other Cell. (Their ``construct`` adds
+    the micro-batch losses; a pipeline of ``fs.AutoParallel`` runs the wrapped network
+    instead, so the loss is the batch's.)"""
+    from mindspore import nn
+    from mindspore.parallel import nn as parallel_nn
+
+    if isinstance(cell, (nn.PipelineCell, parallel_nn.PipelineCell)):
+        return cell.network, cell.micro_size
+    return None
+
+
+def segmented(cell) -> list:
+    """Names of the sub-cells given a ``pipeline_segment`` (``segment_config``)."""
+    return [n for n, c in cell.cells_and_names()
+            if c.__dict__.get("_pipeline_segment") is not None]
+
+
 def parameters(cell) -> dict:
     """The Cell's parameters as ``{name: Parameter}`` in definition order."""
     return dict(cell.parameters_and_names())

@@ -426,3 +426,69 @@ def test_autoparallel_accepts_context_gradients_mean(ms_context):
     ap = fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=2)
     s2, l2 = ap(ap.init(p), x, y)
     close(s2.params["w"].asnumpy(), s1.params["w"].asnumpy())
+
+
+# ---------------------------------------------------------------------------
+# MindSpore's Pipeline wrapper
+# ---------------------------------------------------------------------------
+
+
+class SeedNetwork(nn.Cell):
+    """Seed 001's pipeline network, smaller."""
+
+    def __init__(self):
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.layer1 = nn.Dense(64, 32)
+        self.relu1 = nn.ReLU()
+        self.layer2 = nn.Dense(32, 32)
+        self.relu2 = nn.ReLU()
+        self.layer3 = nn.Dense(32, 10)
+
+    def construct(self, x):
+        x = self.relu1(self.layer1(self.flatten(x)))
+        return self.layer3(self.relu2(self.layer2(x)))
+
+
+STAGE_CONFIG = {"_backbone.flatten": 0, "_backbone.layer1": 0, "_backbone.relu1": 0,
+                "_backbone.layer2": 1, "_backbone.relu2": 1, "_backbone.layer3": 1}
+
+
+def test_mindspore_pipeline_wrapper_trains_like_the_unpipelined_network():
+    from mindspore.parallel.nn import Pipeline
+
+    ms.set_seed(2)
+    net = SeedNetwork()
+    x, y = digits_batch(rows=16)
+    plain = fs.AutoParallel(nn.WithLossCell(net, nn.CrossEntropyLoss()), fs.optim.sgd(0.1),
+                            mesh=2)
+    s2 = plain.init()
+    piped = fs.AutoParallel(
+        Pipeline(nn.WithLossCell(net, nn.CrossEntropyLoss()), 4, stage_config=STAGE_CONFIG),
+        fs.optim.sgd(0.1), "semi_auto", mesh=2)
+    piped.pipeline(stages=2)
+    assert piped._pipeline.cfg.micro_batches == 4  # micro_size
+    s1 = piped.init()
+    assert set(s1.params) == set(s2.params)
+    for _ in range(2):
+        s1, l1 = piped(s1, x, y)
+        s2, l2 = plain(s2, x, y)
+        close(l1.asnumpy(), l2.asnumpy())
+    for k in s2.params:
+        close(s1.params[k].asnumpy(), s2.params[k].asnumpy())
+    # the stages are the stage_config's
+    assert len(piped.pipeline_stage_costs()) == 2
+
+
+def test_mindspore_pipeline_wrapper_micro_size_conflicts_and_segments_are_refused():
+    from mindspore.parallel.nn import Pipeline
+
+    net = nn.WithLossCell(SeedNetwork(), nn.CrossEntropyLoss())
+    ap = fs.AutoParallel(Pipeline(net, 4, stage_config=STAGE_CONFIG), fs.optim.sgd(0.1),
+                         mesh=2)
+    with pytest.raises(fs.ArgumentError, match=r"(?s)micro_batches=2\).*micro_size=4.*Fix"):
+        ap.pipeline(stages=2, micro_batches=2)
+    net = nn.WithLossCell(SeedNetwork(), nn.CrossEntropyLoss())
+    with pytest.raises(fs.ArgumentError, match=r"(?s)segment_config.*Fix: drop segment_config"):
+        fs.AutoParallel(Pipeline(net, 4, stage_config=STAGE_CONFIG,
+                                 segment_config={"_backbone.layer1": 1}), fs.optim.sgd(0.1))

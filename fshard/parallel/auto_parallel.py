@@ -44,7 +44,7 @@ import numpy as np
 
 from fshard import context, distributed, tree
 from fshard.backend.mindspore import as_tensor
-from fshard.cells import frozen, functional, is_cell
+from fshard.cells import frozen, functional, is_cell, pipeline_wrapper, segmented
 from fshard.core import Tracer, typeof
 from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
@@ -127,6 +127,20 @@ class AutoParallel:
             raise ArgumentError(
                 f"AutoParallel(mesh=...) must be an fs.Mesh, a device count or None; got "
                 f"{mesh!r}.")
+        # MindSpore's Pipeline(net, micro_size, stage_config): its stage_config marked
+        # the stages on the sub-cells; the step runs the wrapped network (the wrapper's
+        # construct would add the micro-batch losses), micro_size micro-batches.
+        self._micro_size = None
+        wrapped = pipeline_wrapper(network) if is_cell(network) else None
+        if wrapped is not None:
+            network, self._micro_size = wrapped
+            if segmented(network):
+                raise ArgumentError(
+                    f"AutoParallel(network=Pipeline(...)): segment_config (pipeline_segment "
+                    f"on {segmented(network)}) names MindSpore's interleaved segments, "
+                    "which fshard derives itself.\nFix: drop segment_config and use "
+                    "ap.pipeline(stages=S, interleave=True) with stage_config giving "
+                    "each cell its chunk.")
         self.cell = network if is_cell(network) else None
         if self.cell is not None:
             self.loss_fn, _ = functional(network)
@@ -334,8 +348,15 @@ class AutoParallel:
         it off. The loss marks its stages with ``fs.pipeline_split`` (or Cells'
         ``pipeline_stage``). A ``PipelineBalanceWarning`` tells when one stage's
         estimated cost exceeds ``max_imbalance`` times another's (None: no check)."""
+        if self._micro_size is not None and micro_batches is not None and \
+                micro_batches != self._micro_size and stages != 1:
+            raise ArgumentError(
+                f"AutoParallel.pipeline(micro_batches={micro_batches}): the network is "
+                f"MindSpore's Pipeline(..., micro_size={self._micro_size}), which sets the "
+                "micro-batch count.\nFix: drop micro_batches, or make the two agree.")
         if micro_batches is None and isinstance(stages, int):
-            micro_batches = stages
+            micro_batches = stages if self._micro_size is None or stages == 1 \
+                else self._micro_size
         cfg = check_pipeline_args(stages, micro_batches, scheduler, interleave,
                                   output_broadcast, self.n_devices, max_imbalance)
         if stages == 1 and micro_batches != 1:

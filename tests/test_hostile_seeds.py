@@ -492,3 +492,50 @@ def test_mindspore_pipeline_wrapper_micro_size_conflicts_and_segments_are_refuse
     with pytest.raises(fs.ArgumentError, match=r"(?s)segment_config.*Fix: drop segment_config"):
         fs.AutoParallel(Pipeline(net, 4, stage_config=STAGE_CONFIG,
                                  segment_config={"_backbone.layer1": 1}), fs.optim.sgd(0.1))
+
+
+# ---------------------------------------------------------------------------
+# semi_auto: operators without a strategy run data parallel over the batch split
+# ---------------------------------------------------------------------------
+
+
+def mlp_params():
+    rng = np.random.default_rng(6)
+    return {"w1": rng.standard_normal((64, 32)).astype(np.float32) / 8,
+            "b1": np.zeros(32, np.float32),
+            "w2": rng.standard_normal((32, 10)).astype(np.float32) / 8,
+            "b2": np.zeros(10, np.float32)}
+
+
+def mlp_loss(p, x, y):
+    h = fs.ops.relu(x @ p["w1"] + p["b1"])
+    return fs.ops.softmax_cross_entropy(h @ p["w2"] + p["b2"], y).mean()
+
+
+@pytest.fixture(scope="module")
+def one_device_step():
+    x, y = digits_batch(rows=64)
+    ap = fs.AutoParallel(mlp_loss, fs.optim.sgd(0.1), mesh=1)
+    state, loss = ap(ap.init(mlp_params()), x, y)
+    return state, loss
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_semi_auto_runs_unannotated_operators_data_parallel(one_device_step, fused):
+    x, y = digits_batch(rows=64)
+    ap = fs.AutoParallel(mlp_loss, fs.optim.sgd(0.1), "semi_auto", mesh=8)
+    ap.dataset_strategy("data_parallel")
+    if fused:
+        ap.comm_fusion({"openstate": True, "allreduce": {"mode": "auto", "config": None}})
+    state = ap.init(mlp_params())
+    got = ap.partitioned(state, x, y).collectives()
+    # one AllReduce per gradient and one for the loss (fused: one bucket); the batch is
+    # never gathered
+    assert "all_gather" not in got
+    assert set(got) == {"psum"}
+    assert len(got) == (1 if fused else len(mlp_params()) + 1)
+    new, loss = ap(state, x, y)
+    want_state, want_loss = one_device_step
+    close(loss.asnumpy(), want_loss.asnumpy())
+    for k in new.params:
+        close(new.params[k].asnumpy(), want_state.params[k].asnumpy())

@@ -13,13 +13,15 @@ it to ``fs.jit(fs.shard(step, ...))``:
 - the parameters: whole (data parallel) unless ``parameter_plan`` gives a strategy,
   or, in ``"sharding_propagation"`` and ``"recursive_programming"`` modes, left to
   the plan;
-- the rest of the step: ``fs.shard``'s whole-program search (``search=True``) in
-  ``"semi_auto"`` and ``"recursive_programming"`` modes, greedy propagation in
-  ``"sharding_propagation"`` mode, both pricing a plan by its time (``level=2``: the
-  flops each device computes at the backend's measured rate plus each collective as
-  the backend runs it; a training step is a long chain whose best layouts greedy
-  choices miss: with the search, a data-parallel step is the textbook one AllReduce
-  per gradient and one for the loss when that is the fastest);
+- the rest of the step: in ``"semi_auto"`` mode, as MindSpore's semi-auto parallel,
+  an operator without a strategy follows the layouts of its inputs (propagation from
+  the batch split, the parameters' and the operators' strategies, no search), so a
+  data-parallel step is one AllReduce per gradient and one for the loss and the batch
+  is never gathered; ``"sharding_propagation"`` mode plans the parameters too, by
+  greedy propagation; ``"recursive_programming"`` mode by ``fs.shard``'s
+  whole-program search (``search=True``); both price a plan by its time
+  (``level=2``: the flops each device computes at the backend's measured rate plus
+  each collective as the backend runs it);
 - ZeRO (``hsdp``): the optimizer state (level1), also the gradients (level2: the
   plan reduce-scatters them to the state's layout) and the parameters (level3:
   gathered where used) are split along their first dimension over the data-parallel
@@ -99,9 +101,11 @@ class AutoParallel:
             returns the loss (its Parameters are the params, as ``fs.functional``).
         optimizer: an ``fs.optim`` optimizer (``init(params)``, ``update(grads, state,
             params)``).
-        parallel_mode: ``"semi_auto"`` (the strategies given; data parallel
-            elsewhere), ``"sharding_propagation"`` (propagation derives the rest), or
-            ``"recursive_programming"`` (the whole step planned by fshard's search).
+        parallel_mode: ``"semi_auto"`` (the strategies given; an operator without one
+            follows its inputs' layouts: data parallel over the batch split),
+            ``"sharding_propagation"`` (propagation derives the rest, the parameters
+            too), or ``"recursive_programming"`` (the whole step planned by fshard's
+            search).
         mesh: an ``fs.Mesh``, a device count, or None (the default mesh).
         has_aux: ``network`` returns ``(loss, aux)``.
         in_shapes: declared shapes of the batch inputs (``set_inputs``), for batches
@@ -719,8 +723,12 @@ class AutoParallel:
         # rate plus each collective as the backend runs it), not the fewest bytes.
         s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
                   mesh=self.mesh, level=2, dataset_strategy="full_batch",
-                  search=self.parallel_mode != "sharding_propagation")
+                  search=self.parallel_mode == "recursive_programming")
         s.comm_fusion = self._fusion
+        if self.parallel_mode == "semi_auto":
+            # MindSpore's semi-auto parallel: an operator without a strategy follows
+            # its inputs (data parallel over the batch split), planned by no search.
+            s.search = "follow_inputs"
         # In a job the split leaves of the new state stay each process's blocks
         # (fs.ShardedArray): the next step takes them as they are, so ZeRO's and model
         # parallelism's memory saving is real and no step gathers the state.

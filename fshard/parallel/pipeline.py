@@ -441,7 +441,7 @@ class StageSharding(NamedTuple):
     params: tuple          # per parameter leaf: its strategy (None: derived)
     batch: tuple           # per batch leaf: its strategy
     groups: tuple | None   # ("pp", S) in a job: the stage is one of S groups of ranks
-    search: bool           # plan with fshard's search (else propagation alone)
+    search: bool | str     # True: fshard's search; False: propagation; "follow_inputs"
 
     def key(self, chunk_params) -> tuple | None:
         """A key of what chunk programs compiled with this sharding depend on (None
@@ -458,7 +458,9 @@ class StageSharding(NamedTuple):
         mesh = (self.devices if self.groups is not None
                 else Mesh(self.devices, "stage", virtual=True))
         s = shard(fn, in_strategy=(param_strategies, None, list(self.batch)) + extra,
-                  mesh=mesh, level=2, search=self.search, dataset_strategy="full_batch")
+                  mesh=mesh, level=2, search=self.search is True,
+                  dataset_strategy="full_batch")
+        s.search = self.search  # (semi_auto: "follow_inputs")
         s.process_groups = self.groups
         return jit(s)
 
@@ -1086,7 +1088,8 @@ class PipelineRunner:
                                  for x in tree.leaves(list(batch)))
         return StageSharding(dp, tuple(strategies), batch_strategies,
                              None if self.virtual else ("pp", S),
-                             ap.parallel_mode != "sharding_propagation")
+                             {"semi_auto": "follow_inputs", "sharding_propagation": False,
+                              "recursive_programming": True}[ap.parallel_mode])
 
     def stage_costs(self) -> list:
         if self.plan is None:

@@ -98,7 +98,10 @@ class AutoParallel:
     Args:
         network: ``loss_fn(params, *batch) -> loss`` (a float scalar; ``(loss, aux)``
             with ``has_aux=True``), or an ``nn.Cell`` whose ``construct(*batch)``
-            returns the loss (its Parameters are the params, as ``fs.functional``).
+            returns the loss (its Parameters are the params, as ``fs.functional``;
+            those with ``requires_grad=False`` are frozen: never differentiated or
+            updated), or MindSpore's ``Pipeline(cell, micro_size, stage_config)``
+            wrapper (the stages and micro-batch count of ``pipeline(stages=S)``).
         optimizer: an ``fs.optim`` optimizer (``init(params)``, ``update(grads, state,
             params)``).
         parallel_mode: ``"semi_auto"`` (the strategies given; an operator without one

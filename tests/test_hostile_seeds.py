@@ -539,3 +539,21 @@ def test_semi_auto_runs_unannotated_operators_data_parallel(one_device_step, fus
     close(loss.asnumpy(), want_loss.asnumpy())
     for k in new.params:
         close(new.params[k].asnumpy(), want_state.params[k].asnumpy())
+
+
+def test_context_dataset_strategy_is_the_steps_not_an_inner_shards(ms_context):
+    # seed 000's context with an fs.shard inside an AutoParallel loss (MindSpore's
+    # functional shard in a network): the context's dataset strategy is the step's
+    ms_context.set_auto_parallel_context(dataset_strategy="data_parallel")
+    inner = fs.shard(dense, in_strategy=((2, 1), (1, 1)))
+    p, x, y = mse_data()
+
+    def loss(p, x, y):
+        return ((inner(x, p["w"]) - y) ** 2).mean()
+
+    got = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=2)
+    s1, l1 = got(got.init(p), x, y)
+    want = fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=1)
+    s2, l2 = want(want.init(p), x, y)
+    close(l1.asnumpy(), l2.asnumpy())
+    close(s1.params["w"].asnumpy(), s2.params["w"].asnumpy())

@@ -132,6 +132,7 @@ class Sharded:
                 f"shard({fname}): level must be 0 (best compute/communication ratio), 1 "
                 f"(least memory) or 2 (fastest); got {level!r}.\nFix: pass level=0, 1 or 2.")
         # MindSpore's auto-parallel context fills what the call leaves unsaid.
+        self._dataset_given = dataset_strategy is not None
         if dataset_strategy is None:
             dataset_strategy = context_dataset_strategy(
                 f"shard({fname})", allow_tuple=False) or "full_batch"
@@ -424,7 +425,8 @@ class Sharded:
         elif self.parameter_plan:
             why = ("it has a parameter_plan, which only an outermost fs.shard applies",
                    "give the parameters' strategies to AutoParallel.parameter_plan({...})")
-        elif self.dataset_strategy != "full_batch":
+        elif self._dataset_given and self.dataset_strategy != "full_batch":
+            # (one from MindSpore's context is the step's: the AutoParallel reads it)
             why = (f"it has dataset_strategy={self.dataset_strategy!r}, which only the "
                    "outermost step's batch can have",
                    "give it to AutoParallel.dataset_strategy(...)")

@@ -14,8 +14,9 @@ it to ``fs.jit(fs.shard(step, ...))``:
   or, in ``"sharding_propagation"`` and ``"recursive_programming"`` modes, left to
   the plan;
 - the rest of the step: in ``"semi_auto"`` mode, as MindSpore's semi-auto parallel,
-  an operator without a strategy follows the layouts of its inputs (propagation from
-  the batch split, the parameters' and the operators' strategies, no search), so a
+  an operator without a strategy follows the layouts of its inputs (from the batch
+  split, the parameters' and the operators' strategies, each equation communicating
+  as late as it can: ``fshard.sharding.search.follow_inputs``, no search), so a
   data-parallel step is one AllReduce per gradient and one for the loss and the batch
   is never gathered; ``"sharding_propagation"`` mode plans the parameters too, by
   greedy propagation; ``"recursive_programming"`` mode by ``fs.shard``'s

@@ -598,16 +598,22 @@ def loss_combination(loss_fn, name: str, params, batch, rows: int, devices: int 
     second = [x[rows:2 * rows] for x in b_leaves] if B >= 2 * rows else first
     in_tree = tree.structure(((params, *batch), {}))
 
+    programs: dict = {}  # rows -> the loss traced on that many rows
+
     def loss_on(blocks, n):
-        avals = [typeof(x) for x in p_leaves] + [
-            ArrayType((n,) + tuple(typeof(x).shape[1:]), typeof(x).dtype) for x in b_leaves]
-        with context.counted(context.shard_annotations):
-            if devices > 1:
-                with context.counted(context.shard_depth), \
-                        context.pushed(context.shard_devices, devices):
+        traced = programs.get(n)
+        if traced is None:
+            avals = [typeof(x) for x in p_leaves] + [
+                ArrayType((n,) + tuple(typeof(x).shape[1:]), typeof(x).dtype)
+                for x in b_leaves]
+            with context.counted(context.shard_annotations):
+                if devices > 1:
+                    with context.counted(context.shard_depth), \
+                            context.pushed(context.shard_devices, devices):
+                        traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+                else:
                     traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
-            else:
-                traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+            programs[n] = traced
         out = eval_program(traced.program, *traced.consts, *p_leaves, *blocks)[0]
         return float(np.asarray(out.asnumpy() if hasattr(out, "asnumpy") else out))
 

@@ -12,12 +12,33 @@ from __future__ import annotations
 import contextlib
 
 from fshard.backend.mindspore import cell_first_call_checks, cell_params
+from fshard.primitives.structural import stop_gradient
 
 
 def is_cell(obj) -> bool:
     from mindspore import nn
 
     return isinstance(obj, nn.Cell)
+
+
+def pipeline_wrapper(cell):
+    """``(network, micro_size)`` for MindSpore's pipeline wrappers (``nn.PipelineCell``,
+    ``mindspore.parallel.nn.Pipeline``), whose ``stage_config`` has set the sub-cells'
+    ``pipeline_stage`` already; None for any other Cell. (Their ``construct`` adds
+    the micro-batch losses; a pipeline of ``fs.AutoParallel`` runs the wrapped network
+    instead, so the loss is the batch's.)"""
+    from mindspore import nn
+    from mindspore.parallel import nn as parallel_nn
+
+    if isinstance(cell, (nn.PipelineCell, parallel_nn.PipelineCell)):
+        return cell.network, cell.micro_size
+    return None
+
+
+def segmented(cell) -> list:
+    """Names of the sub-cells given a ``pipeline_segment`` (``segment_config``)."""
+    return [n for n, c in cell.cells_and_names()
+            if c.__dict__.get("_pipeline_segment") is not None]
 
 
 def parameters(cell) -> dict:
@@ -63,6 +84,12 @@ def _first_call_checks(cell) -> None:
     cell_first_call_checks(cell)
 
 
+def frozen(cell) -> set:
+    """Names of the Cell's Parameters with ``requires_grad=False`` (MindSpore trains
+    only ``trainable_params()``)."""
+    return {n for n, p in parameters(cell).items() if not p.requires_grad}
+
+
 def functional(cell):
     """``(apply, params)`` for a Cell.
 
@@ -71,18 +98,28 @@ def functional(cell):
     >>> apply, params = fs.functional(nn.Dense(3, 2))
     >>> sorted(params)
     ['bias', 'weight']
+
+    A Parameter with ``requires_grad=False`` is frozen, as in MindSpore: ``apply``
+    reads it through ``fs.stop_gradient`` (its gradient is zero and never computed),
+    and ``params`` may leave it out (``apply`` then uses the Cell's own value), so
+    ``{k: v for k, v in params.items() if v.requires_grad}`` is MindSpore's
+    ``trainable_params()``.
     """
     names = list(parameters(cell))
 
     def apply(params, *args, **kwargs):
-        missing = [n for n in names if n not in params]
+        fixed = frozen(cell)
+        missing = [n for n in names if n not in params and n not in fixed]
         if missing:
             from fshard.errors import ArgumentError
 
             raise ArgumentError(
                 f"apply(params, ...) for {type(cell).__name__}: params is missing "
-                f"{missing}; expected the keys {names}.")
-        with swapped(cell, {n: params[n] for n in names}):
+                f"{missing}; expected the keys {names} (those with requires_grad=False "
+                "may be left out).")
+        values = {n: stop_gradient(params[n]) if n in fixed else params[n]
+                  for n in names if n in params}
+        with swapped(cell, values):
             return cell(*args, **kwargs)
 
     apply.__name__ = type(cell).__name__

@@ -39,7 +39,8 @@ from fshard import dtypes, tree
 from fshard import ops as fo
 from fshard.backend import mindspore as backend
 from fshard.core import Tracer, current_trace, is_symbolic, typeof
-from fshard.errors import FshardError, ProgramTypeError, UnsupportedOpError
+from fshard.errors import (ArgumentError, FshardError, ProgramTypeError, ShardingError,
+                           UnsupportedOpError)
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.staging import register_user_code_hook
 from fshard.tensor_methods import ms_mean, ms_sum, truthy_reduce
@@ -1499,6 +1500,110 @@ SUPPORTED_CELLS: tuple[str, ...] = (
     "nn.SiLU", "nn.PReLU", "nn.ELU", "nn.HSwish", "nn.Mish", "nn.SeLU",
     "nn.BCEWithLogitsLoss", "nn.SmoothL1Loss",
 )
+
+
+# ---------------------------------------------------------------------------
+# MindSpore's auto-parallel context (ms.set_auto_parallel_context)
+# ---------------------------------------------------------------------------
+# A MindSpore script configures parallelism globally; fshard reads the settings where
+# its own defaults would otherwise apply, and refuses by name what it cannot honour.
+# An argument given to fshard always wins over the context.
+
+#: The AutoParallel mode each MindSpore (parallel_mode, search_mode) means.
+_MODES = {("semi_auto_parallel", None): "semi_auto",
+          ("auto_parallel", "sharding_propagation"): "sharding_propagation",
+          ("auto_parallel", "recursive_programming"): "recursive_programming"}
+
+
+def context_dataset_strategy(where: str, allow_tuple: bool):
+    """The dataset strategy the user set in MindSpore's context (``dataset_strategy=``
+    or ``full_batch=``), or None. A tuple of per-input strategies is returned only
+    where it applies (``allow_tuple``: an AutoParallel step's batch)."""
+    given = backend.auto_parallel_settings()["dataset_strategy"]
+    if isinstance(given, tuple) and not allow_tuple:
+        raise ShardingError(
+            f"{where}: ms.set_auto_parallel_context(dataset_strategy={given!r}) gives the "
+            "dataset's per-input strategies, which fs.shard has no dataset inputs to apply "
+            "to.\nFix: give the strategies as fs.shard's in_strategy, or train with "
+            "fs.AutoParallel (it takes them), or reset the context "
+            "(ms.reset_auto_parallel_context()).")
+    return given
+
+
+def context_mesh(mesh, where: str):
+    """``mesh``, or, when it is None and MindSpore's context has ``device_num``, that
+    many devices (a job's world, checked; else a virtual mesh). A ``device_num`` the
+    mesh contradicts is an error."""
+    from fshard import distributed
+    from fshard.mesh import Mesh, current_mesh
+
+    n = backend.auto_parallel_settings()["device_num"]
+    if n is None:
+        return mesh
+    if mesh is None:
+        mesh = current_mesh()
+    if mesh is None:
+        if distributed.is_initialized() and distributed.world_size() != n:
+            raise ShardingError(
+                f"{where}: ms.set_auto_parallel_context(device_num={n}) but this job has "
+                f"{distributed.world_size()} processes (one device each).\nFix: "
+                f"device_num={distributed.world_size()}, or drop device_num.")
+        return n
+    size = mesh.size if isinstance(mesh, Mesh) else mesh
+    if size != n:
+        raise ShardingError(
+            f"{where}: ms.set_auto_parallel_context(device_num={n}) but the mesh has {size} "
+            f"devices.\nFix: make them agree (device_num={size}, or a mesh of {n} "
+            "devices), or drop device_num.")
+    return mesh
+
+
+def context_search(where: str):
+    """For ``fs.shard``: whether MindSpore's context asks for a search over the whole
+    program (``parallel_mode="auto_parallel"`` with ``search_mode``
+    ``"recursive_programming"``: True; ``"sharding_propagation"``: False), or None (the
+    context says nothing: fs.shard's default). ``"dynamic_programming"`` is refused."""
+    s = backend.auto_parallel_settings()
+    if s["parallel_mode"] != "auto_parallel":
+        return None
+    if s["search_mode"] == "dynamic_programming":
+        raise ShardingError(
+            f"{where}: ms.set_auto_parallel_context(search_mode='dynamic_programming') "
+            "names MindSpore's dynamic-programming search, which fshard does not have.\n"
+            "Fix: search_mode='sharding_propagation' (propagation) or "
+            "'recursive_programming' (fshard's whole-program search).")
+    return s["search_mode"] == "recursive_programming"
+
+
+def check_context_mode(parallel_mode: str, where: str) -> None:
+    """``fs.AutoParallel``'s ``parallel_mode`` against MindSpore's context: a context
+    left at ``stand_alone`` (or ``data_parallel`` for ``semi_auto``) agrees; another
+    mode that names a different AutoParallel mode is an error naming both."""
+    s = backend.auto_parallel_settings()
+    mode = s["parallel_mode"]
+    if mode == "stand_alone" or (mode == "data_parallel" and parallel_mode == "semi_auto"):
+        return
+    if mode == "hybrid_parallel":
+        raise ArgumentError(
+            f"{where}: ms.set_auto_parallel_context(parallel_mode='hybrid_parallel') asks "
+            "for MindSpore's hand-written model parallelism, which fshard does not run.\n"
+            "Fix: drop that setting (fs.AutoParallel's parallel_mode decides), or write "
+            "the communication with fs.shard_map.")
+    if mode == "data_parallel":
+        raise ArgumentError(
+            f"{where}: ms.set_auto_parallel_context(parallel_mode='data_parallel') asks "
+            f"for data parallelism only, but this AutoParallel's parallel_mode is "
+            f"{parallel_mode!r}.\nFix: AutoParallel(..., parallel_mode='semi_auto') or "
+            "drop the context's parallel_mode.")
+    meant = _MODES.get((mode, s["search_mode"] if mode == "auto_parallel" else None))
+    if meant != parallel_mode:
+        said = f"parallel_mode={mode!r}" + (
+            f", search_mode={s['search_mode']!r}" if mode == "auto_parallel" else "")
+        raise ArgumentError(
+            f"{where}: ms.set_auto_parallel_context({said}) means "
+            f"{'parallel_mode=' + repr(meant) if meant else 'a mode fshard does not have'}, "
+            f"but this AutoParallel's parallel_mode is {parallel_mode!r}.\nFix: make them "
+            "agree, or drop the context's parallel_mode (AutoParallel's own decides).")
 
 
 register_user_code_hook(tracing)

@@ -18,6 +18,7 @@ import warnings
 from fshard import context, distributed, tree, user_layouts
 from fshard.core import EvalTrace, current_trace, typeof
 from fshard.errors import CompositionError, OperatorStrategyWarning, ShardingError
+from fshard.interop import context_dataset_strategy, context_mesh, context_search
 from fshard.ir import Program
 from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.partition import Partitioned
@@ -131,6 +132,13 @@ class Sharded:
             raise ShardingError(
                 f"shard({fname}): level must be 0 (best compute/communication ratio), 1 "
                 f"(least memory) or 2 (fastest); got {level!r}.\nFix: pass level=0, 1 or 2.")
+        # MindSpore's auto-parallel context fills what the call leaves unsaid.
+        self._dataset_given = dataset_strategy is not None
+        if dataset_strategy is None:
+            dataset_strategy = context_dataset_strategy(
+                f"shard({fname})", allow_tuple=False) or "full_batch"
+        if search is None:
+            search = bool(context_search(f"shard({fname})"))
         if not isinstance(search, bool):
             raise ShardingError(
                 f"shard({fname}): search must be True (plan the whole program with "
@@ -151,6 +159,7 @@ class Sharded:
                 f"argument; got {type(in_strategy).__name__} {in_strategy!r}.\nFix: e.g. "
                 "in_strategy=((4, 2), None, None).")
         self.device = _check_device(device, fname)
+        mesh = context_mesh(mesh, f"shard({fname})")
         if mesh is None:  # made inside `with fs.Mesh(...)`: keep that mesh
             from fshard.mesh import current_mesh
 
@@ -425,7 +434,8 @@ class Sharded:
         elif self.parameter_plan:
             why = ("it has a parameter_plan, which only an outermost fs.shard applies",
                    "give the parameters' strategies to AutoParallel.parameter_plan({...})")
-        elif self.dataset_strategy != "full_batch":
+        elif self._dataset_given and self.dataset_strategy != "full_batch":
+            # (one from MindSpore's context is the step's: the AutoParallel reads it)
             why = (f"it has dataset_strategy={self.dataset_strategy!r}, which only the "
                    "outermost step's batch can have",
                    "give it to AutoParallel.dataset_strategy(...)")
@@ -517,7 +527,7 @@ def _resolve_parameter_plan(cell, plan_, fname) -> dict:
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device=None, level=0,
-          mesh=None, *, dataset_strategy="full_batch", search=False, in_shapes=None,
+          mesh=None, *, dataset_strategy=None, search=None, in_shapes=None,
           gather_outputs=True):
     """Shard ``fn`` over a mesh of devices (MindSpore's functional ``shard``).
 
@@ -548,11 +558,16 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device=None, 
         level: propagation objective: 0 compute/communication ratio, 1 least memory,
             2 fastest.
         mesh: an ``fs.Mesh`` or a device count; default: the ``with fs.Mesh`` block,
-            the launcher's world, or ``FSHARD_DEVICES``.
-        dataset_strategy: "full_batch" (default: whole inputs, replicated outputs) or
+            the launcher's world, or ``FSHARD_DEVICES`` (``device_num`` of
+            ``ms.set_auto_parallel_context``, when set, gives the count or is checked).
+        dataset_strategy: "full_batch" (whole inputs, replicated outputs) or
             "data_parallel" (an unannotated argument is each device's batch slice; the
-            outputs are split along the batch).
-        search: refine propagation by a search over the whole program's cost.
+            outputs are split along the batch); default: the ``dataset_strategy`` (or
+            ``full_batch``) of ``ms.set_auto_parallel_context`` if set, else
+            "full_batch".
+        search: refine propagation by a search over the whole program's cost; default:
+            as ``ms.set_auto_parallel_context(parallel_mode="auto_parallel",
+            search_mode=...)`` says ("recursive_programming": True), else False.
         in_shapes: declared input shapes with ``fs.Symbol`` dimensions, one entry per
             positional argument, as ``fs.jit``'s (``set_inputs`` is the same): every call
             whose shapes the Symbols accept runs one program, partitioned and compiled

@@ -521,6 +521,15 @@ def native_collectives() -> dict:
     return NATIVE_COLLECTIVES.get(device_target(), {})
 
 
+def _auto_parallel_context():
+    from mindspore.parallel._auto_parallel_context import auto_parallel_context
+
+    return auto_parallel_context()
+
+
+_ms_parallel = _auto_parallel_context()
+
+
 class GraphFunction:
     """A ``mindspore.jit`` function for one input signature, with a direct route
     to its compiled graph after the first call.
@@ -562,7 +571,17 @@ class GraphFunction:
         if self.collective:
             tell_launcher(b"c")
         with context.runtime_lock:
-            return self._call(*args)
+            mode = _ms_parallel.get_parallel_mode()
+            if mode == "stand_alone":
+                return self._call(*args)
+            # fshard's programs are partitioned already: MindSpore's own partitioner
+            # (parallel_mode set by ms.set_auto_parallel_context) must not run on them
+            # (on CPU it refuses to compile at all). Its other settings stay as set.
+            _ms_parallel.set_parallel_mode("stand_alone")
+            try:
+                return self._call(*args)
+            finally:
+                _ms_parallel.set_parallel_mode(mode)
 
     def _call(self, *args):
         phase = self._phase
@@ -742,6 +761,30 @@ def cell_params(cell) -> dict:
 def cell_children(cell) -> dict:
     """The Cell's direct sub-Cells (``{name: Cell}``)."""
     return cell._cells
+
+
+def auto_parallel_settings() -> dict:
+    """What ``ms.set_auto_parallel_context`` holds that fshard acts on, with whether
+    the user set it (MindSpore's getters return a default otherwise):
+    ``dataset_strategy`` (None: never set; "full_batch" / "data_parallel" (also from
+    ``full_batch=``); a tuple of per-input strategies or of Layouts), ``device_num``
+    (None: never set), ``parallel_mode``, ``search_mode``, ``gradients_mean``."""
+    from mindspore.parallel._auto_parallel_context import auto_parallel_context
+
+    ctx = auto_parallel_context()
+    dataset = None
+    given = [] if ctx._dataset_strategy_using_str else ctx.get_dataset_strategy()
+    if ctx._dataset_layout is not None:
+        dataset = tuple(ctx._dataset_layout)
+    elif given:  # (after a reset MindSpore keeps the flag but the strategy is empty)
+        dataset = tuple(tuple(s) for s in given)
+    elif ctx.get_full_batch_is_set():
+        dataset = "full_batch" if ctx.get_full_batch() else "data_parallel"
+    return {"dataset_strategy": dataset,
+            "device_num": ctx.get_device_num() if ctx.get_device_num_is_set() else None,
+            "parallel_mode": ctx.get_parallel_mode(),
+            "search_mode": ctx.get_strategy_search_mode(),
+            "gradients_mean": bool(ctx.get_gradients_mean())}
 
 
 def cell_first_call_checks(cell) -> None:

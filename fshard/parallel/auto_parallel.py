@@ -13,13 +13,16 @@ it to ``fs.jit(fs.shard(step, ...))``:
 - the parameters: whole (data parallel) unless ``parameter_plan`` gives a strategy,
   or, in ``"sharding_propagation"`` and ``"recursive_programming"`` modes, left to
   the plan;
-- the rest of the step: ``fs.shard``'s whole-program search (``search=True``) in
-  ``"semi_auto"`` and ``"recursive_programming"`` modes, greedy propagation in
-  ``"sharding_propagation"`` mode, both pricing a plan by its time (``level=2``: the
-  flops each device computes at the backend's measured rate plus each collective as
-  the backend runs it; a training step is a long chain whose best layouts greedy
-  choices miss: with the search, a data-parallel step is the textbook one AllReduce
-  per gradient and one for the loss when that is the fastest);
+- the rest of the step: in ``"semi_auto"`` mode, as MindSpore's semi-auto parallel,
+  an operator without a strategy follows the layouts of its inputs (from the batch
+  split, the parameters' and the operators' strategies, each equation communicating
+  as late as it can: ``fshard.sharding.search.follow_inputs``, no search), so a
+  data-parallel step is one AllReduce per gradient and one for the loss and the batch
+  is never gathered; ``"sharding_propagation"`` mode plans the parameters too, by
+  greedy propagation; ``"recursive_programming"`` mode by ``fs.shard``'s
+  whole-program search (``search=True``); both price a plan by its time
+  (``level=2``: the flops each device computes at the backend's measured rate plus
+  each collective as the backend runs it);
 - ZeRO (``hsdp``): the optimizer state (level1), also the gradients (level2: the
   plan reduce-scatters them to the state's layout) and the parameters (level3:
   gathered where used) are split along their first dimension over the data-parallel
@@ -44,12 +47,13 @@ import numpy as np
 
 from fshard import context, distributed, tree
 from fshard.backend.mindspore import as_tensor
-from fshard.cells import functional, is_cell
+from fshard.cells import frozen, functional, is_cell, pipeline_wrapper, segmented
 from fshard.core import Tracer, typeof
 from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
+from fshard.interop import check_context_mode, context_dataset_strategy, context_mesh
 from fshard.mesh import Mesh, resolve_mesh
-from fshard.optim import apply_updates
+from fshard.optim import Optimizer, apply_updates
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
@@ -96,12 +100,17 @@ class AutoParallel:
     Args:
         network: ``loss_fn(params, *batch) -> loss`` (a float scalar; ``(loss, aux)``
             with ``has_aux=True``), or an ``nn.Cell`` whose ``construct(*batch)``
-            returns the loss (its Parameters are the params, as ``fs.functional``).
+            returns the loss (its Parameters are the params, as ``fs.functional``;
+            those with ``requires_grad=False`` are frozen: never differentiated or
+            updated), or MindSpore's ``Pipeline(cell, micro_size, stage_config)``
+            wrapper (the stages and micro-batch count of ``pipeline(stages=S)``).
         optimizer: an ``fs.optim`` optimizer (``init(params)``, ``update(grads, state,
             params)``).
-        parallel_mode: ``"semi_auto"`` (the strategies given; data parallel
-            elsewhere), ``"sharding_propagation"`` (propagation derives the rest), or
-            ``"recursive_programming"`` (the whole step planned by fshard's search).
+        parallel_mode: ``"semi_auto"`` (the strategies given; an operator without one
+            follows its inputs' layouts: data parallel over the batch split),
+            ``"sharding_propagation"`` (propagation derives the rest, the parameters
+            too), or ``"recursive_programming"`` (the whole step planned by fshard's
+            search).
         mesh: an ``fs.Mesh``, a device count, or None (the default mesh).
         has_aux: ``network`` returns ``(loss, aux)``.
         in_shapes: declared shapes of the batch inputs (``set_inputs``), for batches
@@ -132,6 +141,20 @@ class AutoParallel:
                 f"AutoParallel(mesh=...): a device count must be >= 1; got {mesh}.\nFix: "
                 "mesh=2 for two devices, an fs.Mesh, or None for the default mesh (the "
                 "job's processes, or FSHARD_DEVICES virtual devices).")
+        # MindSpore's Pipeline(net, micro_size, stage_config): its stage_config marked
+        # the stages on the sub-cells; the step runs the wrapped network (the wrapper's
+        # construct would add the micro-batch losses), micro_size micro-batches.
+        self._micro_size = None
+        wrapped = pipeline_wrapper(network) if is_cell(network) else None
+        if wrapped is not None:
+            network, self._micro_size = wrapped
+            if segmented(network):
+                raise ArgumentError(
+                    f"AutoParallel(network=Pipeline(...)): segment_config (pipeline_segment "
+                    f"on {segmented(network)}) names MindSpore's interleaved segments, "
+                    "which fshard derives itself.\nFix: drop segment_config and use "
+                    "ap.pipeline(stages=S, interleave=True) with stage_config giving "
+                    "each cell its chunk.")
         self.cell = network if is_cell(network) else None
         if self.cell is not None:
             self.loss_fn, _ = functional(network)
@@ -140,9 +163,9 @@ class AutoParallel:
         self.name = fun_name(self.loss_fn)
         self.optimizer = optimizer
         self.parallel_mode = parallel_mode
-        self.mesh = mesh
+        self._mesh = mesh
         self.has_aux = has_aux
-        self._dataset = "data_parallel"
+        self._dataset_given = None  # dataset_strategy(config); None: not called
         self._param_plan: dict = {}
         self._hsdp = None  # (shard_size, threshold_bytes, level)
         self._fusion = None  # bucket bytes
@@ -153,6 +176,7 @@ class AutoParallel:
         self._gradient_fp32_sync = True  # MindSpore's default; disable_gradient_fp32_sync
         self._local_norm = (False, None)  # (print, dump directory)
         self._batch_specs = None  # declared batch input shapes (set_inputs)
+        self._frozen_opt = None  # (frozen names, optimizer, step_optimizer()) cache
         if in_shapes is not None:
             if not isinstance(in_shapes, (tuple, list)):
                 raise ArgumentError(
@@ -161,7 +185,24 @@ class AutoParallel:
                     "(fs.ArrayType((fs.Symbol(divisor=8), 784), mindspore.float32), ...).")
             self.set_inputs(*in_shapes)
 
-    # -- the mesh ------------------------------------------------------------------
+    # -- the mesh and MindSpore's context ------------------------------------------
+    @property
+    def mesh(self):
+        """The mesh given (None: the default mesh), or ``device_num`` devices when
+        ``ms.set_auto_parallel_context(device_num=...)`` set it (checked against a
+        given mesh)."""
+        return context_mesh(self._mesh, f"AutoParallel({self.name})")
+
+    @property
+    def _dataset(self):
+        """The dataset strategy: ``dataset_strategy(config)``'s, else the one
+        ``ms.set_auto_parallel_context(dataset_strategy=... / full_batch=...)`` set,
+        else "data_parallel" (MindSpore's default)."""
+        if self._dataset_given is not None:
+            return self._dataset_given
+        return context_dataset_strategy(f"AutoParallel({self.name})",
+                                        allow_tuple=True) or "data_parallel"
+
     @property
     def n_devices(self) -> int:
         if isinstance(self.mesh, int):
@@ -177,7 +218,7 @@ class AutoParallel:
             raise ArgumentError(
                 "AutoParallel.dataset_strategy(config): config must be 'data_parallel', "
                 f"'full_batch' or a tuple of per-input strategies; got {config!r}.")
-        self._dataset = config
+        self._dataset_given = config
         self._steps.clear()
         return self
 
@@ -347,8 +388,15 @@ class AutoParallel:
         it off. The loss marks its stages with ``fs.pipeline_split`` (or Cells'
         ``pipeline_stage``). A ``PipelineBalanceWarning`` tells when one stage's
         estimated cost exceeds ``max_imbalance`` times another's (None: no check)."""
+        if self._micro_size is not None and micro_batches is not None and \
+                micro_batches != self._micro_size and stages != 1:
+            raise ArgumentError(
+                f"AutoParallel.pipeline(micro_batches={micro_batches}): the network is "
+                f"MindSpore's Pipeline(..., micro_size={self._micro_size}), which sets the "
+                "micro-batch count.\nFix: drop micro_batches, or make the two agree.")
         if micro_batches is None and isinstance(stages, int):
-            micro_batches = stages
+            micro_batches = stages if self._micro_size is None or stages == 1 \
+                else self._micro_size
         cfg = check_pipeline_args(stages, micro_batches, scheduler, interleave,
                                   output_broadcast, self.n_devices, max_imbalance)
         if stages == 1 and micro_batches != 1:
@@ -403,8 +451,38 @@ class AutoParallel:
         # Parameters become plain Tensors: the state is values, not the Cell's objects.
         params = tree.map(lambda x: ms.Tensor(x.asnumpy()) if isinstance(x, ms.Parameter)
                           else x, params)
-        opt_state = self.optimizer.init(params)
+        opt_state = self.optimizer.init(_without(params, self._frozen()))
         return TrainState(params, opt_state, ms.Tensor(np.int32(0)))
+
+    def _frozen(self) -> set:
+        """Names of the Cell's parameters with ``requires_grad=False``: kept in the
+        state, never differentiated or updated, without optimizer state."""
+        return frozen(self.cell) if self.cell is not None else set()
+
+    def step_optimizer(self):
+        """The optimizer over the whole ``params`` of the state: the given one, or, if
+        the Cell has frozen parameters, one that applies it to the others and leaves
+        the frozen ones unchanged (the pipeline's update uses it)."""
+        fixed = self._frozen()
+        if not fixed:
+            return self.optimizer
+        hit = self._frozen_opt
+        if hit is not None and hit[0] == fixed and hit[1] is self.optimizer:
+            return hit[2]
+        inner = self.optimizer
+
+        def init(params):
+            return inner.init(_without(params, fixed))
+
+        def update(grads, state, params=None):
+            updates, state = inner.update(_without(grads, fixed), state,
+                                          None if params is None else _without(params, fixed))
+            zero = {k: g * 0 for k, g in grads.items() if k in fixed}
+            return {k: updates[k] if k in updates else zero[k] for k in grads}, state
+
+        opt = Optimizer(init, update)
+        self._frozen_opt = (fixed, inner, opt)
+        return opt
 
     # -- strategies ----------------------------------------------------------------
     def _group(self, base: tuple) -> int:
@@ -569,19 +647,29 @@ class AutoParallel:
         """The step; while ``fs.shard`` stages it, the Vars of the gradients are noted
         in ``grad_vars`` (for ``memory_report``)."""
         loss_fn, opt, has_aux = self.loss_fn, self.optimizer, self.has_aux
+        fixed = self._frozen()
 
         norms = self._local_norms if any(self._local_norm) else None
 
         def train_step(params, opt_state, step, *batch):
+            # Frozen parameters (requires_grad=False) are read, not differentiated, and
+            # the optimizer never sees them (MindSpore's trainable_params()).
+            trainable = _without(params, fixed)
+
+            def loss_of(t, *b):
+                return loss_fn({**params, **t} if fixed else t, *b)
+
             # An fs.shard called in the loss fixes layouts there (semi-auto parallel).
             with context.counted(context.shard_annotations):
-                out, grads = value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
+                out, grads = value_and_grad(loss_of, has_aux=has_aux)(trainable, *batch)
             grad_vars[:] = [getattr(g, "ir_var", None) for g in tree.leaves(grads)]
-            updates, new_opt_state = opt.update(grads, opt_state, params)
-            new = TrainState(apply_updates(params, updates), new_opt_state, step + 1)
+            updates, new_opt_state = opt.update(grads, opt_state, trainable)
+            new_t = apply_updates(trainable, updates)
+            new_p = {k: new_t.get(k, v) for k, v in params.items()} if fixed else new_t
+            new = TrainState(new_p, new_opt_state, step + 1)
             if norms is None:
                 return new, out
-            return new, out, norms(params, grads)
+            return new, out, norms(trainable, grads)
 
         train_step.__name__ = f"train_step_{self.name}"
         return train_step
@@ -651,14 +739,17 @@ class AutoParallel:
                 "program, so partitioned(), memory_report(), state_strategies() and the "
                 "strategy files are not available.\nFix: inspect the pipeline with "
                 "pipeline_schedule(); call pipeline(stages=1) to turn it off.")
+        check_context_mode(self.parallel_mode, f"AutoParallel({self.name})")
+        # (the dataset strategy and the mesh may come from MindSpore's context)
         key = (tree.structure(state), tuple(
-            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))))
+            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))),
+            repr(self._dataset), self.n_devices)
         hit = self._steps.get(key)
         if hit is not None:
             return hit
         self._check_param_plan(state.params)
         p_sh = self._param_strategies(state.params)
-        o_sh = self._state_strategies(state.opt_state, state.params)
+        o_sh = self._state_strategies(state.opt_state, _without(state.params, self._frozen()))
         b_sh = self._batch_strategies(batch)
         in_strategy = (p_sh, o_sh, ()) + tuple(b_sh)
         out_strategy = (TrainState(p_sh, o_sh, ()), None) + ((None,) if any(
@@ -667,9 +758,13 @@ class AutoParallel:
         # level 2: the plan that takes the least time (compute at the backend's flops
         # rate plus each collective as the backend runs it), not the fewest bytes.
         s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
-                  mesh=self.mesh, level=2,
-                  search=self.parallel_mode != "sharding_propagation")
+                  mesh=self.mesh, level=2, dataset_strategy="full_batch",
+                  search=self.parallel_mode == "recursive_programming")
         s.comm_fusion = self._fusion
+        if self.parallel_mode == "semi_auto":
+            # MindSpore's semi-auto parallel: an operator without a strategy follows
+            # its inputs (data parallel over the batch split), planned by no search.
+            s.search = "follow_inputs"
         # In a job the split leaves of the new state stay each process's blocks
         # (fs.ShardedArray): the next step takes them as they are, so ZeRO's and model
         # parallelism's memory saving is real and no step gathers the state.
@@ -743,8 +838,7 @@ class AutoParallel:
         places = s.batch_places.get(key)
         if places is None:  # once per plan: this process's block of each batch input
             part = s.partitioned(state.params, state.opt_state, state.step, *gbatch)
-            n_c = part.prop.program.n_consts
-            shs = part.in_shardings[n_c + len(tree.leaves(state)):]
+            shs = _arg_shardings(part, (state, gbatch))[len(tree.leaves(state)):]
             rank = distributed.rank()
             places = [(block_index(sh, part.prop.mesh, rank), Sharding(sh.dims),
                        part.prop.mesh, typeof(g)) for sh, g in zip(shs, tree.leaves(gbatch))]
@@ -779,12 +873,14 @@ class AutoParallel:
         n_p = len(tree.leaves(state.params))
         n_o = len(tree.leaves(state.opt_state))
         program = prop.program
-        ins = program.inputs[program.n_consts:]
+        n_args = len(tree.leaves((state, batch)))
+        ins = program.inputs[len(program.inputs) - n_args:]
+        shs = _arg_shardings(part, (state, batch))
         report = {
             "params": sum(local_bytes(sh, v.aval, mesh) for v, sh in
-                          zip(ins[:n_p], part.in_shardings[program.n_consts:][:n_p])),
+                          zip(ins[:n_p], shs[:n_p])),
             "optimizer_state": sum(local_bytes(sh, v.aval, mesh) for v, sh in zip(
-                ins[n_p:n_p + n_o], part.in_shardings[program.n_consts:][n_p:n_p + n_o])),
+                ins[n_p:n_p + n_o], shs[n_p:n_p + n_o])),
         }
         # Each gradient as its first consumer reads it (the optimizer update: reduced,
         # and split like the optimizer state at ZeRO level 2 and above).
@@ -805,8 +901,7 @@ class AutoParallel:
         part = self.partitioned(state, *batch)
         mesh = part.prop.mesh
         leaves, spec = tree.flatten(TrainState(state.params, state.opt_state, state.step))
-        n_c = part.prop.program.n_consts
-        shs = part.in_shardings[n_c:n_c + len(leaves)]
+        shs = _arg_shardings(part, (state, batch))[:len(leaves)]
         return tree.unflatten(spec, [tuple(sh.strategy(mesh)) for sh in shs])
 
     def save_param_strategy_file(self, path, state: TrainState, *batch) -> dict:
@@ -815,8 +910,7 @@ class AutoParallel:
         part = self.partitioned(state, *batch)
         mesh = part.prop.mesh
         paths, _, _ = tree.flatten_with_path(state.params)
-        n_c = part.prop.program.n_consts
-        shs = part.in_shardings[n_c:n_c + len(paths)]
+        shs = _arg_shardings(part, (state, batch))[:len(paths)]
         data = {"format": "fshard-param-strategy", "devices": mesh.size,
                 "params": {_name(p): list(sh.strategy(mesh)) for p, sh in zip(paths, shs)}}
         _write_json(path, data)
@@ -851,6 +945,23 @@ class AutoParallel:
 
     def __repr__(self) -> str:
         return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode!r})"
+
+
+def _without(params, names: set):
+    """``params`` (a Cell's dict) without the entries ``names``."""
+    if not names:
+        return params
+    return {k: v for k, v in params.items() if k not in names}
+
+
+def _arg_shardings(part, args) -> list:
+    """The layouts of the step's arguments (``(state, batch)`` leaves, in order) in its
+    per-device program. The program's first inputs are the constants its tracing
+    captured (a MindSpore loss Cell's class weights, a table): they come before the
+    arguments, and the program's ``n_consts`` does not count them (to the plan they
+    are ordinary inputs), so the arguments are its last inputs."""
+    n = len(tree.leaves(args))
+    return list(part.in_shardings[len(part.in_shardings) - n:])
 
 
 def _is_counts(x) -> bool:

@@ -21,8 +21,10 @@ train step into a pipelined one:
    the backward), each backward pulls the cotangent through; a transfer round moves
    activations one stage on and cotangents one stage back. Gradients are summed over
    micro-batches and the ``dp`` replicas (MindSpore's ``PipelineGradReducer``), the
-   last chunk seeding ``1 / (M * dp)``, and the optimizer runs once. For a loss that is
-   a mean over the examples, that is exactly the gradient of the full batch's loss.
+   last chunk seeding ``1 / (M * dp)`` for a loss that is a mean over the examples and
+   ``1`` for a sum over them divided by a constant (``loss_combination`` tells them
+   apart on the first step and refuses any other loss), and the optimizer runs once:
+   exactly the gradient of the full batch's loss.
 
 Where it runs:
 
@@ -52,10 +54,11 @@ from typing import NamedTuple
 import numpy as np
 
 from fshard import context, distributed, dtypes, tree
-from fshard.core import ArrayType, typeof
+from fshard.core import ArrayType, Tracer, typeof
 from fshard.dims import planning_size
 from fshard.errors import ArgumentError, FshardError, PipelineBalanceWarning
-from fshard.interpret import bind_equation, walk_equations
+from fshard.interop import check_context_mode
+from fshard.interpret import bind_equation, eval_program, walk_equations
 from fshard.ir import Program, Var
 from fshard.layout import Layout
 from fshard.mesh import Mesh, resolve_mesh
@@ -438,7 +441,7 @@ class StageSharding(NamedTuple):
     params: tuple          # per parameter leaf: its strategy (None: derived)
     batch: tuple           # per batch leaf: its strategy
     groups: tuple | None   # ("pp", S) in a job: the stage is one of S groups of ranks
-    search: bool           # plan with fshard's search (else propagation alone)
+    search: bool | str     # True: fshard's search; False: propagation; "follow_inputs"
 
     def key(self, chunk_params) -> tuple | None:
         """A key of what chunk programs compiled with this sharding depend on (None
@@ -455,7 +458,9 @@ class StageSharding(NamedTuple):
         mesh = (self.devices if self.groups is not None
                 else Mesh(self.devices, "stage", virtual=True))
         s = shard(fn, in_strategy=(param_strategies, None, list(self.batch)) + extra,
-                  mesh=mesh, level=2, search=self.search, dataset_strategy="full_batch")
+                  mesh=mesh, level=2, search=self.search is True,
+                  dataset_strategy="full_batch")
+        s.search = self.search  # (semi_auto: "follow_inputs")
         s.process_groups = self.groups
         return jit(s)
 
@@ -570,6 +575,67 @@ def batch_rows(name: str, batch, micro_batches: int, dp: int, sliced: bool = Fal
     return B // (micro_batches * dp)
 
 
+def loss_combination(loss_fn, name: str, params, batch, rows: int, devices: int = 1) -> str:
+    """How a pipeline combines its micro-batch losses into the batch's: ``"mean"`` or
+    ``"sum"``, found by evaluating the loss (once per step signature, on this process's
+    first rows): on two blocks ``a`` and ``b`` of ``rows`` rows and on the ``2 * rows``
+    rows ``a; b`` (``a; a`` when there are fewer rows). A loss that is a mean over the
+    examples gives ``L(a; b) = (L(a) + L(b)) / 2``; a sum over the examples divided by a
+    constant (``sum / global_batch``) gives ``L(a; b) = L(a) + L(b)``. Any other loss
+    has no split into micro-batches that reproduces the unpipelined loss: an
+    ``ArgumentError``. (A loss that couples the examples, such as one normalising by
+    batch statistics, may pass this test and is never exact when pipelined.)"""
+    p_leaves = tree.leaves(params)
+    b_leaves = tree.leaves(list(batch))
+    if any(isinstance(x, Tracer) for x in p_leaves + b_leaves):
+        raise ArgumentError(
+            f"AutoParallel({name}).pipeline: the first step of a pipeline runs its loss on "
+            "concrete values to learn how micro-batch losses combine; it was called on "
+            "traced values (inside fs.jit or a transform).\nFix: call the AutoParallel "
+            "step directly (it is compiled already).")
+    B = typeof(b_leaves[0]).shape[0]
+    first = [x[:rows] for x in b_leaves]
+    second = [x[rows:2 * rows] for x in b_leaves] if B >= 2 * rows else first
+    in_tree = tree.structure(((params, *batch), {}))
+
+    programs: dict = {}  # rows -> the loss traced on that many rows
+
+    def loss_on(blocks, n):
+        traced = programs.get(n)
+        if traced is None:
+            avals = [typeof(x) for x in p_leaves] + [
+                ArrayType((n,) + tuple(typeof(x).shape[1:]), typeof(x).dtype)
+                for x in b_leaves]
+            with context.counted(context.shard_annotations):
+                if devices > 1:
+                    with context.counted(context.shard_depth), \
+                            context.pushed(context.shard_devices, devices):
+                        traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+                else:
+                    traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+            programs[n] = traced
+        out = eval_program(traced.program, *traced.consts, *p_leaves, *blocks)[0]
+        return float(np.asarray(out.asnumpy() if hasattr(out, "asnumpy") else out))
+
+    la, lb = loss_on(first, rows), loss_on(second, rows)
+    both = loss_on([concat([a, b], 0) for a, b in zip(first, second)], 2 * rows)
+    mean, total = (la + lb) / 2, la + lb
+    scale = max(abs(la), abs(lb), abs(both))
+    tol = 1e-4 * scale + 1e-30
+    is_mean, is_sum = abs(both - mean) <= tol, abs(both - total) <= tol
+    if is_mean != is_sum:
+        return "mean" if is_mean else "sum"
+    why = ("the loss is zero on these rows, so they cannot tell" if is_mean else
+           f"it is neither: L(a) = {la:.6g}, L(b) = {lb:.6g}, L(a; b) = {both:.6g}")
+    raise ArgumentError(
+        f"AutoParallel({name}).pipeline: a pipeline computes the loss per micro-batch of "
+        f"{rows} rows and combines the micro-batch losses by their mean (a loss that is a "
+        "mean over the examples) or their sum (a sum over the examples divided by a "
+        f"constant); on two blocks a, b of the batch {why}, so no combination gives the "
+        "unpipelined loss.\nFix: write the loss as a mean over the batch (or a sum "
+        "divided by a constant), or train without pipeline(...).")
+
+
 #: The largest step (in equations, estimated) compiled as one program on a virtual mesh.
 FUSE_LIMIT = 1000
 
@@ -594,7 +660,7 @@ class PipelinedStep:
     chunk programs, then one compiled ``finish`` (reduce, optimizer update)."""
 
     def __init__(self, runner, plan: Stages, schedule: Schedule, rank: int | None,
-                 sharding: StageSharding | None = None):
+                 sharding: StageSharding | None = None, combine: str = "mean"):
         self.runner, self.plan, self.schedule = runner, plan, schedule
         cfg = runner.cfg
         self.S, self.M = cfg.stages, cfg.micro_batches
@@ -607,6 +673,11 @@ class PipelinedStep:
         #: The data-parallel replicas the pipeline runs itself: a stage's devices, or
         #: one when each stage's programs are sharded over its devices.
         self.groups = 1 if sharding is not None else self.dp
+        #: How the micro-batch losses make the batch's (``loss_combination``): their
+        #: mean (a loss that is a mean over the examples) or their sum (a sum over the
+        #: examples divided by a constant); the last chunk's seed and the loss scale.
+        self.combine = combine
+        self.loss_scale = 1.0 / (self.M * self.groups) if combine == "mean" else 1.0
         self.order = schedule.timeline().program_order()
         self.pad = max([sum(a.size for a in plan.carry_avals(b))
                         for b in range(plan.n_chunks - 1)], default=0)
@@ -661,7 +732,7 @@ class PipelinedStep:
         ranks = range(0, S * dp, dp // groups) if self.rank is None else [self.rank]
         devices = [_Device(r, r // dp, (r % dp) % groups) for r in ranks]
         loss_dtype = dtypes.to_numpy(plan.program.outputs[0].aval.dtype)
-        seed = [np.asarray(1.0 / (M * groups), loss_dtype)]
+        seed = [np.asarray(self.loss_scale, loss_dtype)]
         slices: dict = {}
 
         def micro(m, j):
@@ -812,7 +883,7 @@ class PipelinedStep:
                  for g, x in zip(grads, p_leaves)]
         if loss is None:
             loss = np.zeros((), loss_dtype)
-        scale = np.asarray(1.0 / (self.M * self.groups), loss_dtype)
+        scale = np.asarray(self.loss_scale, loss_dtype)
         new_p, new_o, step, out = self.finish(state.params, state.opt_state, state.step,
                                               tree.unflatten(p_tree, grads), loss, scale)
         return self.runner.state_cls(new_p, new_o, step), out
@@ -828,7 +899,7 @@ class PipelinedStep:
         # their programs already.
         reduce_dp = mesh is not None and self.groups > 1
         key = None if mesh is None else (S, dp, last, stage, cfg.output_broadcast, reduce_dp)
-        opt_update = ap.optimizer.update
+        opt_update = ap.step_optimizer().update
         try:
             per_opt = _FINISHES.setdefault(opt_update, {})
             update = weakref.ref(opt_update)  # (the cache must not keep its key alive)
@@ -953,6 +1024,7 @@ class PipelineRunner:
                     "two settings.")
 
     def step_for(self, state, *batch) -> PipelinedStep:
+        check_context_mode(self.ap.parallel_mode, f"AutoParallel({self.ap.name})")
         self.check_combination()
         cfg = self.cfg
         dp = self.ap.n_devices // cfg.stages
@@ -975,8 +1047,11 @@ class PipelineRunner:
         plan.check_balance(cfg.stages, cfg.max_imbalance)
         self.plan = plan
         sched = Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, v)
+        combine = loss_combination(ap.loss_fn, ap.name, state.params, batch,
+                                   plan.batch_vars[0].aval.shape[0],
+                                   dp if sharding is not None else 1)
         step = PipelinedStep(self, plan, sched, None if self.virtual else distributed.rank(),
-                             sharding)
+                             sharding, combine)
         self._steps[key] = step
         return step
 
@@ -1019,7 +1094,8 @@ class PipelineRunner:
                                  for x in tree.leaves(list(batch)))
         return StageSharding(dp, tuple(strategies), batch_strategies,
                              None if self.virtual else ("pp", S),
-                             ap.parallel_mode != "sharding_propagation")
+                             {"semi_auto": "follow_inputs", "sharding_propagation": False,
+                              "recursive_programming": True}[ap.parallel_mode])
 
     def stage_costs(self) -> list:
         if self.plan is None:

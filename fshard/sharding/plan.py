@@ -16,7 +16,7 @@ from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.partition import Partitioned, apply_fixed, partition
 from fshard.sharding.propagation import propagate
 from fshard.sharding.runtime import run_on_rank, run_virtual
-from fshard.sharding.search import choose_split_axes, refine
+from fshard.sharding.search import choose_split_axes, follow_inputs, refine
 from fshard.staging import stage
 
 
@@ -71,6 +71,8 @@ class ShardPlan:
                              self.level)
             if self.fixed is not None:
                 prop = apply_fixed(prop, self.fixed)
+            elif self.search == "follow_inputs":  # fs.AutoParallel's semi_auto
+                prop = follow_inputs(prop)
             elif self.search:
                 prop = refine(prop)
             self._part = partition(prop)

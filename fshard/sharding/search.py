@@ -968,6 +968,23 @@ def refine(prop, budget: int = 60_000):
     return with_assignment(prop, found.in_shardings, found.choice)
 
 
+def follow_inputs(prop):
+    """``prop`` planned as MindSpore's semi-auto parallel plans an operator without a
+    strategy: each equation takes the decision that communicates as late as possible
+    (``Problem.lazy_decisions``), so from split batches and whole weights every
+    unconstrained operator runs data parallel and each gradient is reduced where it is
+    first used; the given layouts and operator strategies stay. ``prop`` itself when
+    the shapes are symbolic or no such plan exists."""
+    if not all(v.aval.is_static for v in prop.program.inputs) or not all(
+            v.aval.is_static for eq in prop.program.equations for v in eq.outputs):
+        return prop
+    problem = Problem.from_propagated(prop)
+    decisions = problem.lazy_decisions()
+    if not decisions:
+        return prop
+    return with_assignment(prop, *problem.assignment(decisions))
+
+
 def with_assignment(prop, in_shardings, choice):
     """A Propagated running ``choice`` (a candidate per equation) from ``in_shardings``."""
     program = prop.program

@@ -6,6 +6,8 @@ shares it).
   ("data_parallel")``): 50 Adam steps of the digits MLP on 2 and 4 processes (and on a
   virtual mesh of 8) give the losses and parameters of one process (rtol 1e-5);
 - ``fs.shard(..., dataset_strategy="data_parallel")`` with per-process slices;
+- the dataset strategy set by ``ms.set_auto_parallel_context``, for fs.shard and for
+  seed 001's ``nn.CrossEntropyLoss`` trained by fs.AutoParallel (equal to one process);
 - a Cell whose MatMul carries ``ops.MatMul().shard(((2, 2), (2, 1)))`` trains under
   ``fs.AutoParallel`` on 4 processes with that strategy, equal to one process;
 - the 2 x 2 (dp x mp) Adam training with ZeRO level1 on 4 processes equals one process
@@ -249,3 +251,21 @@ def test_two_processes_save_their_blocks_and_survive_a_killed_save(jobs):
     back = ckpt.load(root, checkpoint_checks.state())
     for k, v in checkpoint_checks.state().items():
         assert back[k].asnumpy().tobytes() == np.asarray(v).tobytes()
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("size", [2, 4])
+def test_context_dataset_strategy_and_seed_loss_in_a_job(jobs, size):
+    """ms.set_auto_parallel_context(dataset_strategy="data_parallel") is honoured in a
+    job: fs.shard takes and returns each process's rows; seed 001's loss (which
+    captures constants) trains with per-process slices to one process's numbers."""
+    _, reports = jobs
+    want_losses, want_params = training_checks.seed_train(
+        fs.AutoParallel(training_checks.seed_cell(), fs.optim.sgd(0.1), mesh=1),
+        slice(None))
+    for r in range(size):
+        got = reports[size][r]["seed_context"]
+        assert got["shard_rows"] and got["shard_shape"] == [3, 2], got
+        _close(got["losses"], want_losses, 1e-5)
+        for k, v in want_params.items():
+            _close(got["params"][k], v, 1e-5)

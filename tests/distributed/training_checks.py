@@ -7,7 +7,12 @@ Every job:
   (``dataset_strategy("data_parallel")``): 50 Adam steps of the digits MLP, losses and
   final parameters written for the test to compare with one process;
 - ``fs.shard(..., dataset_strategy="data_parallel")`` with per-process slices, eager
-  and under ``fs.jit``, its outputs this process's blocks.
+  and under ``fs.jit``, its outputs this process's blocks;
+- the same with the dataset strategy set by MindSpore's context
+  (``ms.set_auto_parallel_context(dataset_strategy="data_parallel")``), and seed 001's
+  loss (``nn.CrossEntropyLoss`` in ``nn.WithLossCell``, whose tracing captures
+  constants) trained by ``fs.AutoParallel`` with per-process slices
+  (``seed_context``).
 
 The 4-process job also trains the 2 x 2 (dp x mp) Adam MLP with ZeRO level1 for 10
 steps (its split state leaves are fs.ShardedArrays: each process holds its blocks, no
@@ -131,6 +136,63 @@ def shard_data_parallel(rank: int, size: int) -> dict:
             "total": bool(np.isclose(float(n(total)), float(want.sum()), rtol=1e-6)),
         }
     return out
+
+
+SEED_STEPS = 3
+SEED_ROWS = 16
+
+
+def seed_cell():
+    """Seed 001's loss around a small MLP (nn.CrossEntropyLoss captures constants
+    when traced), with fixed parameters."""
+    import mindspore as ms
+    from mindspore import nn
+
+    net = nn.SequentialCell([nn.Dense(64, 16), nn.ReLU(), nn.Dense(16, 10)])
+    rng = np.random.default_rng(7)
+    for _, prm in sorted(net.parameters_and_names()):
+        prm.set_data(ms.Tensor((rng.standard_normal(prm.shape) / 8).astype(np.float32)))
+    return nn.WithLossCell(net, nn.CrossEntropyLoss())
+
+
+def seed_batch():
+    rng = np.random.default_rng(8)
+    return (rng.standard_normal((SEED_ROWS, 64)).astype(np.float32),
+            rng.integers(0, 10, SEED_ROWS).astype(np.int32))
+
+
+def seed_train(ap, rows):
+    """SEED_STEPS SGD steps of ``seed_cell`` on ``rows`` of ``seed_batch``."""
+    x, y = seed_batch()
+    state = ap.init()
+    losses = []
+    for _ in range(SEED_STEPS):
+        state, loss = ap(state, x[rows], y[rows])
+        losses.append(float(n(loss)))
+    return losses, {k: n(v).tolist() for k, v in ap.gather_params(state).items()}
+
+
+def seed_context(rank: int, size: int) -> dict:
+    """MindSpore's context sets the dataset strategy, as seed 000 recommends: fs.shard
+    then takes and returns each process's rows; and seed 001's loss trains under
+    fs.AutoParallel with each process passing its own rows."""
+    import mindspore as ms
+
+    ms.set_auto_parallel_context(dataset_strategy="data_parallel")
+    try:
+        b = 3
+        x_all = np.arange(size * b * 4, dtype=np.float32).reshape(size * b, 4)
+        w = np.linspace(-1, 1, 8, dtype=np.float32).reshape(4, 2)
+        y = fs.shard(lambda x, w: x @ w, in_strategy=(None, (1, 1)))(
+            x_all[rank * b:(rank + 1) * b], w)
+        rows = bool(np.allclose(n(y), (x_all @ w)[rank * b:(rank + 1) * b]))
+        per = SEED_ROWS // size
+        ap = fs.AutoParallel(seed_cell(), fs.optim.sgd(0.1))
+        losses, params = seed_train(ap, slice(rank * per, (rank + 1) * per))
+        return {"shard_rows": rows, "shard_shape": list(n(y).shape), "losses": losses,
+                "params": params}
+    finally:
+        ms.reset_auto_parallel_context()
 
 
 class CountedReads:
@@ -307,7 +369,8 @@ def main(out: str) -> None:
     rank, size = fs.distributed.rank(), fs.distributed.world_size()
     report = {"data_parallel": data_parallel(rank, size),
               "shard": shard_data_parallel(rank, size),
-              "process_local": shard_process_local(rank, size)}
+              "process_local": shard_process_local(rank, size),
+              "seed_context": seed_context(rank, size)}
     if size == 4:
         report["strategy_net"] = train_strategy_net(rank, size)
         report["resume"] = train_2x2_and_save(out)

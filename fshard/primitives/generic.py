@@ -164,7 +164,7 @@ class MsFunction:
     tensor for one output, else a tuple)."""
 
     __slots__ = ("call", "derivs", "parent", "in_avals", "out_avals", "graph_fn",
-                 "is_seq", "_elementwise")
+                 "is_seq", "_elementwise", "_checked")
 
     def __init__(self, call: MsCall, derivs: tuple, parent, in_avals: tuple, out_avals: tuple,
                  graph_fn):
@@ -172,6 +172,7 @@ class MsFunction:
         self.in_avals, self.out_avals, self.graph_fn = in_avals, out_avals, graph_fn
         self.is_seq = len(out_avals) != 1  # the op returned a tuple (maybe of one)
         self._elementwise = None
+        self._checked = False
 
     def __repr__(self) -> str:
         return self.label()
@@ -192,9 +193,49 @@ class MsFunction:
         ``("vmap", (in_axes, size))``."""
         return _make(self.call, self.derivs + ((kind, arg),), self, self.in_avals)
 
+    def retyped(self, in_avals: tuple) -> MsFunction:
+        """This function for operands of other shapes (a device's blocks under shard)."""
+        in_avals = tuple(in_avals)
+        if in_avals == self.in_avals:
+            return self
+        if not self.derivs:
+            return _make(self.call, (), None, in_avals)
+        kind, arg = self.derivs[-1]
+        n = len(self.parent.in_avals)
+        if kind == "vmap":
+            axes, _ = arg
+            size = next(a.shape[d] for a, d in zip(in_avals, axes) if d is not None)
+            inner = tuple(a if d is None else ArrayType(
+                tuple(a.shape[:d]) + tuple(a.shape[d + 1:]), a.dtype)
+                for a, d in zip(in_avals, axes))
+            return self.parent.retyped(inner).derive(kind, (axes, size))
+        return self.parent.retyped(in_avals[:n]).derive(kind, arg)
+
+    @property
+    def order(self) -> int:
+        """How many MindSpore bprops deep this function differentiates (a JVP is the
+        bprop of a bprop)."""
+        return sum({"vjp": 1, "jvp": 2}.get(k, 0) for k, _ in self.derivs)
+
     def __call__(self, *xs):
-        out = self.graph_fn(*map(backend.as_tensor, xs))
+        try:
+            out = self.graph_fn(*map(backend.as_tensor, xs))
+        except Exception as e:  # noqa: BLE001
+            if not self.derivs:
+                raise
+            raise _derivative_error(self, e) from e
         return list(out) if len(self.out_avals) != 1 else [out]
+
+    def check_runs(self) -> None:
+        """Run a derivative once eagerly (once per function), so that a missing
+        higher-order bprop is an fshard error, not a failure of MindSpore's compiler."""
+        if self._checked:
+            return
+        try:
+            _run_checked(self.graph_fn, [_sample(a, 2) for a in self.in_avals])
+        except Exception as e:  # noqa: BLE001
+            raise _derivative_error(self, e) from e
+        self._checked = True
 
     @property
     def elementwise(self) -> bool:
@@ -219,6 +260,22 @@ def _make(call: MsCall, derivs: tuple, parent, in_avals: tuple) -> MsFunction:
         f = _build(call, derivs, parent, in_avals)
         _functions[key] = f
         return f
+
+
+def _derivative_error(f: MsFunction, e: Exception) -> UnsupportedOpError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    forward = any(k == "jvp" for k, _ in f.derivs)
+    return UnsupportedOpError(
+        f"the derivative {f.label()} of the MindSpore op {f.call.name} cannot be computed: "
+        f"MindSpore said: {first}\nfshard differentiates an op without a native rule with "
+        "MindSpore's registered bprop; "
+        + ("forward mode (jvp, jacfwd, hessian) differentiates that bprop once more, and "
+           "MindSpore has no derivative of it for this op. Fix: use reverse mode (fs.grad, "
+           "fs.vjp, fs.jacrev) for this function, or add a native rule for the op "
+           "(docs/adding_a_primitive.md)." if forward else
+           "a derivative of a derivative differentiates that bprop once more, and MindSpore "
+           "has none for this op. Fix: differentiate once, or add a native rule for the op "
+           "(docs/adding_a_primitive.md)."))
 
 
 def _zeros_np(a: ArrayType, fill=0.0):
@@ -450,6 +507,8 @@ def _type_rule(*avals, fn: MsFunction):
 
 
 def _lower(ctx, *exprs, fn: MsFunction):
+    if fn.order >= 2:
+        fn.check_runs()
     call = ctx.call(fn.graph_fn, *exprs)
     return call if len(fn.out_avals) != 1 else f"({call},)"
 
@@ -557,11 +616,16 @@ def _sharding_rule(*avals, fn: MsFunction):
         labels = tuple(f"d{i}" for i in range(nd))
         return FactorSpec([labels if a.ndim == nd else () for a in avals],
                           [labels] * len(fn.out_avals),
-                          {lab: fn.out_avals[0].shape[i] for i, lab in enumerate(labels)})
+                          {lab: fn.out_avals[0].shape[i] for i, lab in enumerate(labels)},
+                          local_params=_local_params)
     _warn_once(fn.call.name, "for shard and is not elementwise: it runs replicated (each "
                "device computes it whole)")
     return FactorSpec([(None,) * a.ndim for a in avals],
                       [(None,) * a.ndim for a in fn.out_avals], {}, flops_per_point=0.0)
+
+
+def _local_params(params, local_in, local_out):
+    return {"fn": params["fn"].retyped(tuple(local_in))}
 
 
 sharding.set(ms_op_p, _sharding_rule)

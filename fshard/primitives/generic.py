@@ -164,7 +164,7 @@ class MsFunction:
     tensor for one output, else a tuple)."""
 
     __slots__ = ("call", "derivs", "parent", "in_avals", "out_avals", "graph_fn",
-                 "is_seq", "_elementwise", "_checked")
+                 "is_seq", "loop_outputs", "_elementwise", "_checked")
 
     def __init__(self, call: MsCall, derivs: tuple, parent, in_avals: tuple, out_avals: tuple,
                  graph_fn):
@@ -173,6 +173,7 @@ class MsFunction:
         self.is_seq = len(out_avals) != 1  # the op returned a tuple (maybe of one)
         self._elementwise = None
         self._checked = False
+        self.loop_outputs = ()  # of a vmap: outputs MindSpore's rule gets wrong
 
     def __repr__(self) -> str:
         return self.label()
@@ -388,8 +389,14 @@ def _build(call: MsCall, derivs: tuple, parent, in_avals: tuple) -> MsFunction:
         n, pouts = len(parent.in_avals), parent.out_avals
         a = _names("a", n)
         fo = parent.float_outs
+        # GRAPH mode's GradOperation(get_all=True) leaves out the gradient of an
+        # argument that is a graph constant (a closed-over weight) and returns the
+        # others shifted (measured: wrong numbers or an index error). So the function
+        # differentiated, ``d``, takes the operands differentiated first and the rest
+        # after them: a constant among the rest shifts nothing that is read.
         if kind == "vjp":
             wrt = arg
+            rest = [i for i in range(n) if i not in wrt]
             c = _names("c", len(fo))
             sens = []
             for j, o in enumerate(pouts):
@@ -398,9 +405,13 @@ def _build(call: MsCall, derivs: tuple, parent, in_avals: tuple) -> MsFunction:
                 else:  # an integer output's cotangent: zeros (MindSpore wants one)
                     sens.append(f"{src.ref(ops.zeros, 'zeros')}({tuple(o.shape)!r}, "
                                 f"{src.ref(o.dtype, 'dt')})")
-            body = [f"def f({', '.join(a + c)}):",
-                    f"    r = {g}({p})({', '.join(a)}, {_tuple_src(sens)})",
-                    f"    return {_tuple_src([f'r[{i}]' for i in wrt])}"]
+            order = [a[i] for i in wrt] + [a[i] for i in rest]
+            body = [f"def d({', '.join(order)}):",
+                    f"    return {p}({', '.join(a)})",
+                    "",
+                    f"def f({', '.join(a + c)}):",
+                    f"    r = {g}(d)({', '.join(order)}, {_tuple_src(sens)})",
+                    f"    return {_tuple_src([f'r[{k}]' for k in range(len(wrt))])}"]
             fn_in = tuple(parent.in_avals) + tuple(pouts[j] for j in fo)
             out_avals = tuple(parent.in_avals[i] for i in wrt)
         elif kind == "jvp":
@@ -409,14 +420,17 @@ def _build(call: MsCall, derivs: tuple, parent, in_avals: tuple) -> MsFunction:
             vjp_fn = parent.derive("vjp", wrt)
             v = src.ref(vjp_fn.graph_fn, "vjp")
             zl = src.ref(ops.zeros_like, "zeros_like")
+            z = _names("z", len(fo))
             # The cotangent at which the (linear) VJP is differentiated: zeros_like of the
-            # op's outputs. Not a constant: GRAPH mode drops the gradient of a constant
-            # argument (and returns the others shifted: measured, wrong numbers).
-            body = [f"def f({', '.join(a + t)}):",
+            # op's outputs, not a constant zeros (whose gradient GRAPH mode leaves out).
+            body = [f"def d({', '.join(z + a)}):",
+                    f"    return {v}({', '.join(a + z)})",
+                    "",
+                    f"def f({', '.join(a + t)}):",
                     f"    y = {p}({', '.join(a)})"]
             zs = ([f"{zl}(y)"] if len(pouts) == 1 else [f"{zl}(y[{j}])" for j in fo])
-            body.append(f"    r = {g}({v})({', '.join(a + zs)}, {_tuple_src(t)})")
-            body.append(f"    return {_tuple_src([f'r[{n + k}]' for k in range(len(fo))])}")
+            body.append(f"    r = {g}(d)({', '.join(zs + a)}, {_tuple_src(t)})")
+            body.append(f"    return {_tuple_src([f'r[{k}]' for k in range(len(fo))])}")
             fn_in = tuple(parent.in_avals) + tuple(parent.in_avals[i] for i in wrt)
             out_avals = tuple(pouts[j] for j in fo)
         else:
@@ -452,15 +466,33 @@ class _NoBatchingRule(Exception):
 
 
 def _check_vmap(f: MsFunction) -> None:
-    """Run ``mindspore.vmap`` of the parent once: without a batching rule (or with one
-    that returns other shapes) the per-example loop is used instead."""
+    """Run ``mindspore.vmap`` of the parent once on sample operands and compare its
+    first and last examples with the parent run on them alone: without a batching rule,
+    or with one that gives other shapes or numbers (measured: MindSpore's ``Addcdiv``
+    rule fails to broadcast), the per-example loop is used instead."""
+    xs = [_sample(a, 2) for a in f.in_avals]
     try:
-        out = _run_checked(f.graph_fn, [_sample(a, 2) for a in f.in_avals])
+        out = _run_checked(f.graph_fn, xs)
     except Exception as e:  # noqa: BLE001
         raise _NoBatchingRule(str(e).strip().splitlines()[0] if str(e).strip() else "") from e
     seq = out if isinstance(out, (tuple, list)) else (out,)
     if tuple(ArrayType(tuple(o.shape), o.dtype) for o in seq) != f.out_avals:
         raise _NoBatchingRule("its batched output has other shapes")
+    axes, size = f.derivs[-1][1]
+    wrong = set()
+    for i in sorted({0, size - 1}):
+        one = [x if d is None else backend.as_tensor(np.take(x.asnumpy(), i, axis=d))
+               for x, d in zip(xs, axes)]
+        want = f.parent(*one)
+        for j, (o, w) in enumerate(zip(seq, want)):
+            if not np.allclose(o.asnumpy()[i], w.asnumpy(), rtol=1e-4, atol=1e-5,
+                               equal_nan=True):
+                wrong.add(j)
+    if len(wrong) == len(seq):
+        raise _NoBatchingRule("its batched results differ from a per-example loop")
+    # Some outputs only (measured: the auxiliary batch-mean output of BatchNorm in
+    # inference mode): those come from the loop; an unused one costs nothing compiled.
+    f.loop_outputs = tuple(sorted(wrong))
 
 
 def _measure_elementwise(f: MsFunction) -> bool:
@@ -585,7 +617,11 @@ def _batching_rule(args, dims, *, fn: MsFunction):
         _warn_once(fn.call.name, "for vmap and no MindSpore batching rule: vmap runs it "
                    "once per example (a loop)")
         return _loop(args, dims, size, fn)
-    return ms_op_p.bind(*args, fn=vfn), [0] * len(fn.out_avals)
+    outs = ms_op_p.bind(*args, fn=vfn)
+    if vfn.loop_outputs:
+        looped, _ = _loop(args, dims, size, fn)
+        outs = [looped[j] if j in vfn.loop_outputs else o for j, o in enumerate(outs)]
+    return outs, [0] * len(fn.out_avals)
 
 
 def _loop(args, dims, size, fn):

@@ -290,3 +290,19 @@ def test_op_that_fails_in_mindspore_fails_at_trace_time():
     with pytest.raises(fs.UnsupportedOpError, match="cannot run on operands") as info:
         fs.jit(lambda x: ops.conv2d(x, _t(4, 5, 3, 3)))(IMG)
     assert "Conv2D" in str(info.value)
+
+
+def test_op_with_a_restricted_domain_traces():
+    # Cholesky refuses zeros, ones and random matrices: shape inference tries a
+    # positive definite sample too
+    a = rng.standard_normal((3, 3))
+    spd = ms.Tensor((a @ a.T + 3 * np.eye(3)).astype(np.float32))
+    _close(fs.jit(lambda m: ops.cholesky(m))(spd).asnumpy(), ops.cholesky(spd).asnumpy())
+
+
+def test_op_without_a_mindspore_gradient_is_a_clear_error():
+    a = rng.standard_normal((3, 3))
+    spd = ms.Tensor((a @ a.T + 3 * np.eye(3)).astype(np.float32))
+    with pytest.raises(fs.UnsupportedOpError, match="MindSpore has no gradient for it") as info:
+        fs.grad(lambda m: ops.cholesky(m).sum())(spd)
+    assert "Cholesky" in str(info.value) and "CholeskyGrad" in str(info.value)

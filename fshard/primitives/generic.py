@@ -263,37 +263,61 @@ def _make(call: MsCall, derivs: tuple, parent, in_avals: tuple) -> MsFunction:
         return f
 
 
+def _first_line(e: Exception) -> str:
+    """The first line of a MindSpore error that says something (its C++ errors open
+    with rules of dashes and headings)."""
+    for line in str(e).splitlines():
+        line = line.strip()
+        if line and line[0] not in "-#" and any(c.isalpha() for c in line):
+            return line
+    return type(e).__name__
+
+
 def _derivative_error(f: MsFunction, e: Exception) -> UnsupportedOpError:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    forward = any(k == "jvp" for k, _ in f.derivs)
+    if f.order <= 1:
+        why = ("MindSpore has no gradient for it on this backend, so neither has fshard's "
+               "generic path. Fix: compute this value outside the differentiated function "
+               "(fs.stop_gradient), or add a native rule for the op "
+               "(docs/adding_a_primitive.md).")
+    elif any(k == "jvp" for k, _ in f.derivs):
+        why = ("forward mode (jvp, jacfwd, hessian) differentiates that bprop once more, and "
+               "MindSpore has no derivative of it for this op. Fix: use reverse mode "
+               "(fs.grad, fs.vjp, fs.jacrev) for this function, or add a native rule for the "
+               "op (docs/adding_a_primitive.md).")
+    else:
+        why = ("a derivative of a derivative differentiates that bprop once more, and "
+               "MindSpore has none for this op. Fix: differentiate once, or add a native "
+               "rule for the op (docs/adding_a_primitive.md).")
     return UnsupportedOpError(
         f"the derivative {f.label()} of the MindSpore op {f.call.name} cannot be computed: "
-        f"MindSpore said: {first}\nfshard differentiates an op without a native rule with "
-        "MindSpore's registered bprop; "
-        + ("forward mode (jvp, jacfwd, hessian) differentiates that bprop once more, and "
-           "MindSpore has no derivative of it for this op. Fix: use reverse mode (fs.grad, "
-           "fs.vjp, fs.jacrev) for this function, or add a native rule for the op "
-           "(docs/adding_a_primitive.md)." if forward else
-           "a derivative of a derivative differentiates that bprop once more, and MindSpore "
-           "has none for this op. Fix: differentiate once, or add a native rule for the op "
-           "(docs/adding_a_primitive.md)."))
+        f"MindSpore said: {_first_line(e)}\nfshard differentiates an op without a native "
+        f"rule with MindSpore's registered bprop; {why}")
 
 
 def _zeros_np(a: ArrayType, fill=0.0):
     return np.full(tuple(a.shape), fill, dtypes.to_numpy(a.dtype))
 
 
+#: How many kinds of sample operands shape inference tries, in order.
+_N_SAMPLES = 4
+
+
 def _sample(a: ArrayType, kind: int):
-    """Sample operand number ``kind`` (0: zeros, 1: ones, 2: random) of type ``a``."""
+    """Sample operand of type ``a``: ``kind`` 0 zeros, 1 ones, 2 random values in
+    (0.1, 0.9) (integers in [0, 3)), 3 the random values plus ``n`` times the identity
+    on square matrices (symmetric positive definite: Cholesky's domain)."""
     if kind < 2:
         return backend.as_tensor(_zeros_np(a, float(kind)))
     rng = np.random.default_rng(0)
+    shape = tuple(a.shape)
     if dtypes.is_float(a.dtype):
-        v = rng.uniform(0.1, 0.9, tuple(a.shape))
+        v = rng.uniform(0.1, 0.9, shape)
+        if kind == 3 and len(shape) >= 2 and shape[-1] == shape[-2]:
+            v = (v + np.swapaxes(v, -1, -2)) / 2 + shape[-1] * np.eye(shape[-1])
     elif a.dtype == dtypes.bool_:
-        v = rng.integers(0, 2, tuple(a.shape))
+        v = rng.integers(0, 2, shape)
     else:
-        v = rng.integers(0, 3, tuple(a.shape))
+        v = rng.integers(0, 3, shape)
     return backend.as_tensor(v.astype(dtypes.to_numpy(a.dtype)))
 
 
@@ -310,9 +334,10 @@ def _run_checked(fn, args):
 
 
 def _infer(call: MsCall, in_avals: tuple) -> tuple:
-    """Output types of ``call`` from MindSpore itself (see the module docstring)."""
+    """Output types of ``call`` from MindSpore itself: the op run on sample operands
+    (the first kind of sample in its domain), and whether it returned a sequence."""
     errors = []
-    for kind in range(3):
+    for kind in range(_N_SAMPLES):
         try:
             out = _run_checked(call, [_sample(a, kind) for a in in_avals])
         except Exception as e:  # noqa: BLE001  MindSpore raises RuntimeError, ValueError...
@@ -321,15 +346,16 @@ def _infer(call: MsCall, in_avals: tuple) -> tuple:
         seq = out if isinstance(out, (tuple, list)) else (out,)
         return tuple(ArrayType(tuple(o.shape), o.dtype) for o in seq), isinstance(
             out, (tuple, list))
-    first = str(errors[0]).strip().splitlines()[0] if str(errors[0]).strip() else type(
-        errors[0]).__name__
+    first = _first_line(errors[0])
     raise UnsupportedOpError(
         f"the MindSpore op {call.name} cannot run on operands of types "
         f"({', '.join(str(a) for a in in_avals)}) on this backend: MindSpore said: {first}\n"
-        "fshard traces an op without a native rule by running it once eagerly to learn its "
-        "output types; it failed, so the op would fail outside fshard too.\nFix: check the "
-        "op's arguments (dtypes, shapes), or compute this value outside the traced "
-        "function and pass it in.")
+        "fshard learns the output types of an op without a native rule by running it "
+        "once eagerly on sample operands of these types (zeros, ones, random values, "
+        "positive definite matrices); it failed on each, so the op most likely fails "
+        "outside fshard too.\nFix: check the op's arguments (dtypes, shapes); if it only "
+        "accepts special values, compute it outside the traced function and pass the "
+        "result in, or add a native rule for it (docs/adding_a_primitive.md).")
 
 
 # -- generated source --------------------------------------------------------
@@ -474,7 +500,7 @@ def _check_vmap(f: MsFunction) -> None:
     try:
         out = _run_checked(f.graph_fn, xs)
     except Exception as e:  # noqa: BLE001
-        raise _NoBatchingRule(str(e).strip().splitlines()[0] if str(e).strip() else "") from e
+        raise _NoBatchingRule(_first_line(e)) from e
     seq = out if isinstance(out, (tuple, list)) else (out,)
     if tuple(ArrayType(tuple(o.shape), o.dtype) for o in seq) != f.out_avals:
         raise _NoBatchingRule("its batched output has other shapes")

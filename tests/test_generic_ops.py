@@ -306,3 +306,36 @@ def test_op_without_a_mindspore_gradient_is_a_clear_error():
     with pytest.raises(fs.UnsupportedOpError, match="MindSpore has no gradient for it") as info:
         fs.grad(lambda m: ops.cholesky(m).sum())(spd)
     assert "Cholesky" in str(info.value) and "CholeskyGrad" in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# State a layer updates: BatchNorm's moving statistics in training mode
+# ---------------------------------------------------------------------------
+
+
+def _training_bn():
+    bn = nn.BatchNorm2d(3)
+    bn.set_train(True)
+    return bn
+
+
+def test_batchnorm_training_updates_its_statistics_as_mindspore_jit():
+    x = ms.Tensor(rng.standard_normal((4, 3, 5, 5)).astype(np.float32) * 2 + 1)
+    ours, theirs = _training_bn(), _training_bn()
+    f, g = fs.jit(ours), ms.jit(theirs.construct)
+    for _ in range(2):
+        _close(f(x).asnumpy(), g(x).asnumpy())
+        _close(ours.moving_mean.asnumpy(), theirs.moving_mean.asnumpy(), 1e-5)
+        _close(ours.moving_variance.asnumpy(), theirs.moving_variance.asnumpy(), 1e-5)
+    assert not np.allclose(ours.moving_mean.asnumpy(), 0)
+
+
+def test_batchnorm_training_under_grad_updates_its_statistics_once():
+    # MindSpore's bprop runs the op again: the derivative must not update them again
+    x = ms.Tensor(rng.standard_normal((4, 3, 5, 5)).astype(np.float32) * 2 + 1)
+    ours, theirs = _training_bn(), _training_bn()
+    got = fs.jit(fs.grad(lambda x: (ours(x) ** 2).sum()))(x).asnumpy()
+    want = ms.grad(lambda x: (theirs(x) ** 2).sum())(x).asnumpy()
+    _close(got, want)
+    _close(ours.moving_mean.asnumpy(), theirs.moving_mean.asnumpy(), 1e-5)
+    _close(ours.moving_variance.asnumpy(), theirs.moving_variance.asnumpy(), 1e-5)

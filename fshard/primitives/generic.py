@@ -420,6 +420,13 @@ def _build(call: MsCall, derivs: tuple, parent, in_avals: tuple) -> MsFunction:
         # others shifted (measured: wrong numbers or an index error). So the function
         # differentiated, ``d``, takes the operands differentiated first and the rest
         # after them: a constant among the rest shifts nothing that is read.
+        # An op that writes into its operands (BatchNorm's moving statistics in
+        # training mode) must do so once per call: its derivatives run it again inside
+        # GradOperation, so they get copies of the operands they do not differentiate.
+        attrs = getattr(call.fn, "attrs", None)
+        side = isinstance(attrs, dict) and bool(attrs.get("side_effect_mem"))
+        copy = (lambda e: f"{src.ref(ops.deepcopy, 'deepcopy')}({e})") if side else (
+            lambda e: e)
         if kind == "vjp":
             wrt = arg
             rest = [i for i in range(n) if i not in wrt]
@@ -436,7 +443,8 @@ def _build(call: MsCall, derivs: tuple, parent, in_avals: tuple) -> MsFunction:
                     f"    return {p}({', '.join(a)})",
                     "",
                     f"def f({', '.join(a + c)}):",
-                    f"    r = {g}(d)({', '.join(order)}, {_tuple_src(sens)})",
+                    f"    r = {g}(d)({', '.join([a[i] for i in wrt] + [copy(a[i]) for i in rest])}"
+                    f", {_tuple_src(sens)})",
                     f"    return {_tuple_src([f'r[{k}]' for k in range(len(wrt))])}"]
             fn_in = tuple(parent.in_avals) + tuple(pouts[j] for j in fo)
             out_avals = tuple(parent.in_avals[i] for i in wrt)
@@ -453,9 +461,10 @@ def _build(call: MsCall, derivs: tuple, parent, in_avals: tuple) -> MsFunction:
                     f"    return {v}({', '.join(a + z)})",
                     "",
                     f"def f({', '.join(a + t)}):",
-                    f"    y = {p}({', '.join(a)})"]
+                    f"    y = {p}({', '.join(copy(e) for e in a)})"]
             zs = ([f"{zl}(y)"] if len(pouts) == 1 else [f"{zl}(y[{j}])" for j in fo])
-            body.append(f"    r = {g}(d)({', '.join(zs + a)}, {_tuple_src(t)})")
+            body.append(f"    r = {g}(d)({', '.join(zs + [copy(e) for e in a])}, "
+                        f"{_tuple_src(t)})")
             body.append(f"    return {_tuple_src([f'r[{k}]' for k in range(len(fo))])}")
             fn_in = tuple(parent.in_avals) + tuple(parent.in_avals[i] for i in wrt)
             out_avals = tuple(pouts[j] for j in fo)

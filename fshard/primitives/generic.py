@@ -7,8 +7,8 @@ arguments fixed) and a chain of derivatives and batchings of it. Every rule of
 ``ms_op`` is MindSpore's own:
 
 - shapes and dtypes: MindSpore's inference, by running the op once eagerly on
-  zeros (ones, then random values, if zeros are outside its domain) of the operands'
-  types, cached per signature;
+  zeros (ones, random values, positive definite matrices, if zeros are outside its
+  domain) of the operands' types, cached per signature;
 - eager evaluation and lowering: one generated Python function per ``MsFunction``,
   written to a real file (MindSpore's GRAPH mode parses sources), called eagerly
   and referenced by the lowered program, so the compiled graph calls the very same
@@ -20,7 +20,8 @@ arguments fixed) and a chain of derivatives and batchings of it. Every rule of
   does not compile; its bprop of a bprop does). The two transpose into each other,
   so ``grad`` runs one VJP per op and ``grad(grad)`` a VJP of a VJP;
 - batching: ``("vmap", in_axes, size)`` is ``mindspore.vmap`` of the function (its
-  registered batching rule); where MindSpore has none, a per-example loop with a
+  registered batching rule), checked once against the op run on single examples;
+  where MindSpore has none (or it disagrees), a per-example loop with a
   ``GenericOpWarning``;
 - sharding: an op measured to be elementwise keeps its operands' layout; any other
   runs replicated, with a ``GenericOpWarning``.
@@ -30,7 +31,6 @@ The IR prints the equation by its MindSpore name: ``Conv2D[kernel_size=(3, 3) ..
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import threading
@@ -42,8 +42,8 @@ from mindspore import ops
 
 from fshard import dtypes
 from fshard.backend import mindspore as backend
-from fshard.core import ArrayType, is_symbolic, typeof
-from fshard.errors import GenericOpWarning, UnsupportedOpError
+from fshard.core import ArrayType, Tracer, is_symbolic, typeof
+from fshard.errors import GenericOpWarning, ProgramTypeError, UnsupportedOpError
 from fshard.factors import FactorSpec
 from fshard.primitives.base import (UndefinedPrimal, Zero, batch_size, def_primitive,
                                     instantiate, move_axis, reshape)
@@ -76,8 +76,6 @@ class _Slot:
 
 
 def _is_tensor_like(v) -> bool:
-    from fshard.core import Tracer
-
     return isinstance(v, Tracer) or backend.is_tensor(v)
 
 
@@ -565,8 +563,6 @@ def _measure_elementwise(f: MsFunction) -> bool:
 
 def _type_rule(*avals, fn: MsFunction):
     if tuple(avals) != tuple(fn.in_avals):
-        from fshard.errors import ProgramTypeError
-
         raise ProgramTypeError(
             f"{fn.label()} was traced for operands ({', '.join(map(str, fn.in_avals))}) but "
             f"got ({', '.join(map(str, avals))})")

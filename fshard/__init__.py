@@ -29,6 +29,7 @@ from fshard.errors import (  # noqa: F401
     DifferentiationError as DifferentiationError,
     DistributedError as DistributedError,
     FshardError as FshardError,
+    GenericOpWarning as GenericOpWarning,
     KeyReuseWarning as KeyReuseWarning,
     MissingRuleError as MissingRuleError,
     OperatorStrategyWarning as OperatorStrategyWarning,

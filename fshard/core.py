@@ -90,11 +90,13 @@ class ArrayType:
 class Primitive:
     """A named operation. Its rules live in the tables of ``fshard.rules``."""
 
-    __slots__ = ("name", "multiple_results")
+    __slots__ = ("name", "multiple_results", "show")
 
-    def __init__(self, name: str, multiple_results: bool = False):
+    def __init__(self, name: str, multiple_results: bool = False, show=None):
         self.name = name
         self.multiple_results = multiple_results
+        # show(params) -> the equation's head in printed IR (default: name[params])
+        self.show = show
 
     def __repr__(self) -> str:
         return self.name

@@ -98,6 +98,12 @@ class PipelineBalanceWarning(UserWarning):
     max_imbalance=)`` allows: each step runs at the pace of the slowest stage."""
 
 
+class GenericOpWarning(UserWarning):
+    """A MindSpore op without a native fshard rule ran in a slower form than a native
+    rule would give: under ``vmap`` once per example (MindSpore has no batching rule
+    for it), or under ``shard`` replicated (it is not elementwise). Once per op."""
+
+
 class KeyReuseWarning(UserWarning):
     """An ``fs.random`` key consumed twice in one traced function (two draws, or a
     draw and a ``split`` of the same key): both see the same random bits."""

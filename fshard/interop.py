@@ -41,6 +41,7 @@ from fshard.backend import mindspore as backend
 from fshard.core import Tracer, current_trace, is_symbolic, typeof
 from fshard.errors import (ArgumentError, FshardError, ProgramTypeError, ShardingError,
                            UnsupportedOpError)
+from fshard.primitives.generic import ms_call
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.staging import register_user_code_hook
 from fshard.tensor_methods import ms_mean, ms_sum, truthy_reduce
@@ -938,16 +939,6 @@ def _describe(args) -> str:
     return ", ".join(one(a) for a in args)
 
 
-def _unsupported(name: str, args) -> UnsupportedOpError:
-    return UnsupportedOpError(
-        f"fshard cannot trace the MindSpore op '{name}'{_call_site(_stack())}: it has no "
-        f"converter to fshard ops. It was called on ({_describe(args)}).\nFix: add a "
-        f"converter for '{name}' to CONVERTERS in fshard/interop.py that maps it onto "
-        "fshard's op functions (fshard.ops); if fshard has no primitive for it, declare one "
-        "first (see docs/adding_a_primitive.md). Or compute this value outside the traced "
-        "function and pass it in.")
-
-
 def _is_captured_constant(t) -> bool:
     """Whether the Tensor ``t`` is already a constant of the program being traced: the
     program reads it when it runs, so writing into it now would change the values its
@@ -979,10 +970,16 @@ def _unsupported_operator(name: str, args) -> UnsupportedOpError:
         "needed; see docs/adding_a_primitive.md), or compute the value another way.")
 
 
-def _convert(name: str, prim, args, kwargs):
-    conv = CONVERTERS.get(name)
-    if conv is None:
-        raise _unsupported(name, args)
+def _generic(name: str, fn):
+    """The converter of an op without one: fshard's generic path (one ``ms_op``
+    equation calling ``fn``, the MindSpore primitive or overload itself)."""
+    return lambda prim, *args, **kwargs: ms_call(name, fn, args, kwargs)
+
+
+def _convert(name: str, prim, args, kwargs, call=None):
+    """``call``: the object to call with ``args``/``kwargs`` on the generic path (the
+    primitive, by default)."""
+    conv = CONVERTERS.get(name) or _generic(name, prim if call is None else call)
     if operator_strategy(prim) is None:
         return conv(prim, *args, **kwargs)
     # ops.MatMul().shard(...): fs.shard runs the operator with that strategy.
@@ -1035,11 +1032,46 @@ def _refuse_random(name: str) -> None:
         "noise = fs.random.normal(sub, shape) (docs/random.md).")
 
 
+def _call_arguments(prim):
+    """``(args, kwargs)`` of the outermost ``prim.__call__`` on the stack (None if there
+    is none): what calling ``prim`` again, eagerly or in a graph, takes. The arguments
+    a ``pyboost_*`` function or ``_run_op`` got went through MindSpore's argument
+    handlers (dtypes as enum ids, a subclass's extra attributes appended)."""
+    found = None
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "__call__" and f.f_locals.get("self") is prim:
+            found = f
+        f = f.f_back
+    if found is None:
+        return None
+    code, loc = found.f_code, found.f_locals
+    names = code.co_varnames
+    args = tuple(loc[n] for n in names[1:code.co_argcount])
+    i = code.co_argcount + code.co_kwonlyargcount
+    kwargs = {n: loc[n] for n in names[code.co_argcount:i]}
+    if code.co_flags & 0x04:  # *args
+        args += tuple(loc[names[i]])
+        i += 1
+    if code.co_flags & 0x08:  # **kwargs
+        kwargs.update(loc[names[i]])
+    return args, kwargs
+
+
+def _convert_native(name: str, prim, args):
+    """``_convert`` for the entry points below the primitive's ``__call__``."""
+    if name not in CONVERTERS:
+        found = _call_arguments(prim)
+        if found is not None:
+            return _convert(name, prim, *found)
+    return _convert(name, prim, args, {})
+
+
 def _wrap_pyboost(orig):
     def pyboost(prim, args):
         _refuse_random(prim.name)
         if _has_tracer(args):
-            return _convert(prim.name, prim, args, {})
+            return _convert_native(prim.name, prim, args)
         return orig(prim, args)
 
     pyboost.__name__ = getattr(orig, "__name__", "pyboost")
@@ -1051,7 +1083,7 @@ def _wrap_run_op(orig):
     def _run_op(obj, op_name, args):
         _refuse_random(op_name)
         if _has_tracer(args):
-            return _convert(op_name, obj, args, {})
+            return _convert_native(op_name, obj, args)
         return orig(obj, op_name, args)
 
     _run_op.__wrapped__ = orig
@@ -1064,7 +1096,7 @@ def _wrap_overload(orig):
     def overload(*args, **kwargs):
         _refuse_random(orig.name)
         if _has_tracer(args) or (kwargs and _has_tracer(kwargs.values())):
-            return _convert(key, orig, args, kwargs)
+            return _convert(key, orig, args, kwargs, call=orig)
         return orig(*args, **kwargs)
 
     overload.__wrapped__ = orig

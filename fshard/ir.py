@@ -128,10 +128,13 @@ def pretty(prog: Program, annotate=None) -> str:
     lines = [f"{{ lambda {head} ."]
     for eq in prog.equations:
         outs = " ".join(decl(v) for v in eq.outputs)
-        params = " ".join(f"{k}={_fmt_param(v)}" for k, v in eq.params.items())
-        params = f"[{params}]" if params else ""
+        if eq.prim.show is not None:
+            head = eq.prim.show(eq.params)
+        else:
+            params = " ".join(f"{k}={_fmt_param(v)}" for k, v in eq.params.items())
+            head = eq.prim.name + (f"[{params}]" if params else "")
         ins = " ".join(name(a) for a in eq.inputs)
-        lines.append(f"    {outs} = {eq.prim.name}{params} {ins}".rstrip())
+        lines.append(f"    {outs} = {head} {ins}".rstrip())
     outs = ", ".join(name(a) for a in prog.outputs)
     lines.append(f"  in ({outs}) }}")
     return "\n".join(lines)

@@ -33,6 +33,7 @@ from fshard.primitives import collectives as K
 from fshard.primitives import control as C
 from fshard.transforms import control_flow as CF
 from fshard.primitives import elementwise as E
+from fshard.primitives import generic as G
 from fshard.primitives import linalg as L
 from fshard.primitives import nn as N
 from fshard.primitives import pipeline as PL
@@ -635,6 +636,20 @@ def _custom_vjp_call(rng, dt):
             eq, vals = _staged_equation(fn, (x,), C.custom_vjp_call_p)
             n_c = sum(eq.params["n_consts"])
             out.append(Sample(vals, eq.params, diff_argnums=tuple(range(n_c, len(vals)))))
+    return out
+
+
+def _ms_op(rng, dt):
+    """Generic equations: MindSpore's CumSum (linear) and Atan2 (two operands)."""
+    from mindspore import ops
+
+    out = []
+    for shape in ((3,), (2, 3), (2, 1, 3)):
+        x, y = values(rng, shape, dt), values(rng, shape, dt)
+        eq, vals = _staged_equation(lambda a: ops.cumsum(a, 0), (x,), G.ms_op_p)
+        out.append(Sample(vals, eq.params, linear_groups=((0,),)))
+        eq, vals = _staged_equation(lambda a, b: ops.atan2(a, b), (x, y), G.ms_op_p)
+        out.append(Sample(vals, eq.params, diff_argnums=(0, 1), linear_groups=()))
     return out
 
 
@@ -1323,6 +1338,7 @@ def _specs() -> list[PrimitiveSpec]:
                       jit_samples=2),
         PrimitiveSpec(C.custom_vjp_call_p, _custom_vjp_call, rule_samples=None,
                       jit_samples=2, forward_mode=False),
+        PrimitiveSpec(G.ms_op_p, _ms_op, linear_groups=(PER_SAMPLE,), jit_samples=2),
         PrimitiveSpec(C.custom_lin_p, _custom_lin, diff_argnums=(), linear_groups=(PER_SAMPLE,),
                       eager_error=DifferentiationError,
                       custom_checks={"batching": _custom_lin_batching}),

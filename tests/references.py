@@ -182,6 +182,15 @@ def custom_vjp_call(*args, n_consts, name, **_):
     return CALLS[name](*args[sum(n_consts):])
 
 
+def ms_op(*args, fn):
+    """The generic path's samples (MindSpore ops without a native rule)."""
+    if fn.call.name == "CumSum":
+        return np.cumsum(args[0], axis=fn.call.args[1]).astype(args[0].dtype)
+    if fn.call.name == "Atan2":
+        return np.arctan2(*args)
+    raise AssertionError(f"no reference for {fn.call.name}")
+
+
 def custom_lin(*args, n_consts, name, **_):
     return LINEARIZED[name](*args[n_consts:])
 
@@ -369,6 +378,7 @@ REFERENCES = {
     "log_softmax": log_softmax,
     # control
     "custom_jvp_call": custom_jvp_call,
+    "ms_op": ms_op,
     "custom_vjp_call": custom_vjp_call,
     "custom_lin": custom_lin,
     "while": while_,

@@ -180,7 +180,7 @@ def backward_pass(linear: Program, n_res: int, residuals: list, cts_out: list) -
         cts = [ct_env.pop(v, None) for v in eq.outputs]
         if all(c is None for c in cts):
             continue
-        cts = [Zero(v.aval) if c is None else c for c in cts]
+        cts = [Zero(v.aval) if c is None else c for v, c in zip(eq.outputs, cts)]
         args = []
         for a in eq.inputs:
             if isinstance(a, Literal):

@@ -5,5 +5,6 @@ from fshard.primitives import scans  # noqa: F401
 from fshard.primitives import spmd  # noqa: F401
 from fshard.primitives import collectives  # noqa: F401
 from fshard.primitives import pipeline  # noqa: F401
+from fshard.primitives import generic  # noqa: F401
 from fshard.primitives import control  # noqa: F401  (after the families its rules use)
 from fshard.rules import all_primitives as all_primitives

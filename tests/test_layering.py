@@ -55,6 +55,7 @@ LAYERS = [
     ("fshard.primitives.linalg", "fshard.primitives.nn", "fshard.primitives.collectives",
      "fshard.primitives.pipeline"),
     ("fshard.primitives.spmd", "fshard.primitives.control"),
+    ("fshard.primitives.remat",),
     ("fshard.primitives",),
     ("fshard.passes",),
     ("fshard.sharding",),

@@ -248,3 +248,21 @@ def test_errors_name_the_argument_and_the_fix():
     with pytest.raises(fs.ArgumentError, match=r"(?s)fs.remat expects a function.*got int 3.*Fix"):
         fs.remat(3)
     assert isinstance(fs.ArgumentError("x"), (TypeError, ValueError))
+
+
+def test_shard_of_remat_and_grad_of_shard():
+    """An undifferentiated remat_call is partitioned like its body (data parallel
+    here), and grad(shard(f)) differentiates through it."""
+    f = fs.remat(block)
+    s = fs.shard(f, in_strategy=(None, None, (4, 1)), mesh=4)
+    np.testing.assert_allclose(n(s(W1, W2, X)), n(fs.jit(block)(W1, W2, X)), rtol=1e-5,
+                               atol=1e-5)
+    part = s.partitioned(W1, W2, X)
+    eq = next(e for e in part.program.equations if e.prim.name == "remat_call")
+    assert eq.outputs[0].aval.shape == (1, 8)  # each device runs its quarter of the batch
+
+    def loss(w1, w2, x):
+        return (s(w1, w2, x) ** 2).sum()
+
+    want = fs.grad(lambda a, b, x: (block(a, b, x) ** 2).sum(), argnums=(0, 1))(W1, W2, X)
+    assert_grads_equal(fs.grad(loss, argnums=(0, 1))(W1, W2, X), want, rtol=1e-4)

@@ -38,8 +38,9 @@ from fshard.factors import FactorSpec, elementwise_spec
 from fshard.interpret import eval_program
 from fshard.primitives.base import (batch_size, deflinear, def_primitive, instantiate,
                                     vectorized)
-from fshard.primitives.control import _all_front, _batch_closed, _call_sharding, _front_args
-from fshard.primitives.control import _stage_closed
+from fshard.ir import Var
+from fshard.primitives.control import (BodyLinks, _all_front, _batch_closed, _front_args,
+                                      _stage_closed, body_flops, dims_keys)
 from fshard.rules import batching, jvp, sharding, transpose, unsupported
 
 FAMILY = "control"
@@ -253,11 +254,27 @@ def _remat_batching(args, dims, *, body, policy, name):
 
 
 batching.set(remat_call_p, _remat_batching)
-# Only an undifferentiated remat_call reaches the partitioner (a gradient's program
-# holds the forward equations and the recomputation inline): every device runs it
-# whole on replicated operands, like the other call primitives (fs.shard inlines it
-# first; see transforms/shard.py).
-sharding.set(remat_call_p, lambda *avals, body, **_: _call_sharding(avals, body.out_avals))
+
+
+def _remat_sharding(*avals, body, policy, name):
+    """The body's factors (``BodyLinks``, as for a cond's branches); the body is
+    partitioned as a per-device program of its own. (A gradient's program holds the
+    forward equations and the recomputation inline: only an undifferentiated
+    remat_call, or one in ``grad(shard(f))``, reaches the partitioner.)"""
+    links = BodyLinks()
+    links.program(body)
+    in_keys = [dims_keys(v) for v in body.inputs]
+    out_keys = [dims_keys(v) if isinstance(v, Var) else [None] * v.aval.ndim
+                for v in body.outputs]
+    return links.spec(in_keys, out_keys, body_flops(body), _remat_partition)
+
+
+def _remat_partition(operands, params, ins, outs, partition):
+    body, consts = partition(params["body"], list(ins), list(outs))
+    return list(consts) + list(operands), dict(params, body=body)
+
+
+sharding.set(remat_call_p, _remat_sharding)
 
 
 def _is_operand(x) -> bool:

@@ -374,3 +374,6 @@ def apply_updates(params, updates):
     _same_structure("apply_updates", "the updates", updates, params)
     params, updates = _arrays(params), _arrays(updates)
     return tree.map(lambda p, u: ops.cast(ops.add(p, u), typeof(p).dtype), params, updates)
+
+
+from fshard.optim_accumulate import MultiSteps, MultiStepsState, multi_steps  # noqa: E402,F401

@@ -63,7 +63,7 @@ LAYERS = [
      "fshard.cells"),
     ("fshard.random", "fshard.nn", "fshard.visualize"),
     ("fshard.transforms",),
-    ("fshard.optim", "fshard.parallel", "fshard.checkpoint"),
+    ("fshard.optim", "fshard.optim_accumulate", "fshard.parallel", "fshard.checkpoint"),
     ("fshard.launch", "fshard.testing"),
 ]
 

@@ -266,3 +266,29 @@ def test_shard_of_remat_and_grad_of_shard():
 
     want = fs.grad(lambda a, b, x: (block(a, b, x) ** 2).sum(), argnums=(0, 1))(W1, W2, X)
     assert_grads_equal(fs.grad(loss, argnums=(0, 1))(W1, W2, X), want, rtol=1e-4)
+
+
+def test_remat_in_pipeline_stages():
+    """A rematted layer in each of two pipeline stages: the step equals the plain one."""
+    def layer(w, h):
+        return ops.tanh(ops.sin(h @ w) @ w)
+
+    def make(f):
+        def loss(p, x, y):
+            h = fs.pipeline_split(f(p["w1"], x))
+            return ((f(p["w2"], h) - y) ** 2).mean()
+        return loss
+
+    p = {"w1": (RNG.standard_normal((8, 8)) * 0.3).astype(np.float32),
+         "w2": (RNG.standard_normal((8, 8)) * 0.3).astype(np.float32)}
+    x, y = RNG.standard_normal((8, 8)).astype(np.float32), RNG.standard_normal((8, 8))
+    y = y.astype(np.float32)
+    out = []
+    for f in (layer, fs.remat(layer)):
+        ap = fs.AutoParallel(make(f), fs.optim.sgd(0.1), mesh=2).pipeline(stages=2,
+                                                                          micro_batches=2)
+        state, value = ap(ap.init(p), x, y)
+        out.append((state.params, float(n(value))))
+    assert out[1][1] == pytest.approx(out[0][1], rel=1e-6)
+    for k in p:
+        np.testing.assert_allclose(n(out[1][0][k]), n(out[0][0][k]), rtol=1e-5, atol=1e-6)

@@ -292,3 +292,21 @@ def test_remat_in_pipeline_stages():
     assert out[1][1] == pytest.approx(out[0][1], rel=1e-6)
     for k in p:
         np.testing.assert_allclose(n(out[1][0][k]), n(out[0][0][k]), rtol=1e-5, atol=1e-6)
+
+
+def test_an_output_and_a_recomputed_value_from_one_equation():
+    """split gives an output of the function and a value its derivative recomputes:
+    the recomputation defines both (the output is not also an input of it)."""
+    def f(x):
+        a, b = fs.ops.split(ops.sin(x), [2, 2], 0)
+        return a, ops.exp(b) * a
+
+    def loss(x, f):
+        a, e = f(x)
+        return (a * e).sum()
+
+    x = RNG.standard_normal((4, 3)).astype(np.float32)
+    want = fs.grad(loss)(x, f)
+    for g in (fs.grad(loss)(x, fs.remat(f)), fs.jit(fs.grad(loss), static_argnums=1)(
+            x, fs.remat(f))):
+        np.testing.assert_allclose(n(g), n(want), rtol=1e-5, atol=1e-6)

@@ -146,8 +146,10 @@ def _remat_partial_eval(eq, mask):
         return k_eqs, []
     # The backward pass: the recomputation, then the linear part.
     reads = {a for e in recompute + lin_b.equations for a in e.inputs if isinstance(a, Var)}
+    redone = {o for e in recompute for o in e.outputs}  # (another output of an equation
+    # recomputed for a value the linear part needs may itself be an output)
     free = [v for v in list(body.inputs) + list(body.outputs)
-            if isinstance(v, Var) and v in outer and v in reads]
+            if isinstance(v, Var) and v in outer and v in reads and v not in redone]
     free = list(dict.fromkeys(free))
     kept = [o for e in known_b.equations for o in e.outputs if o in saved]
     u_body = Program(free + kept + unknown_in, recompute + list(lin_b.equations),

@@ -170,3 +170,20 @@ def test_gradient_accumulation_errors():
     with pytest.raises(fs.ArgumentError,
                        match=r"(?s)gradient_accumulation\(3\).*f32\[512,64\].*multiple of 12"):
         ap(state, X, Y)
+
+
+def test_gradient_accumulation_with_aux_stacks_it_per_micro_batch():
+    def loss_aux(p, x, y):
+        r = x @ p["w"] - y
+        return (r ** 2).mean(), r.sum()
+
+    p = {"w": (RNG.standard_normal((4, 1))).astype(np.float32)}
+    x, y = RNG.standard_normal((16, 4)).astype(np.float32), np.ones((16, 1), np.float32)
+    ap = fs.AutoParallel(loss_aux, fs.optim.sgd(0.1), "sharding_propagation", mesh=2,
+                         has_aux=True).gradient_accumulation(2)
+    _, (value, aux) = ap(ap.init(p), x, y)
+    r = x @ p["w"] - y
+    np.testing.assert_allclose(float(n(value)), (r ** 2).mean(), rtol=1e-5)
+    # micro-batch j: the j-th half of each device's 8 rows
+    halves = [np.concatenate([r[0:4], r[8:12]]), np.concatenate([r[4:8], r[12:16]])]
+    np.testing.assert_allclose(n(aux), [h.sum() for h in halves], rtol=1e-5, atol=1e-5)

@@ -78,6 +78,9 @@ from fshard.transforms.ad import jvp as jvp
 from fshard.transforms.ad import linearize as linearize
 from fshard.transforms.ad import value_and_grad as value_and_grad
 from fshard.transforms.ad import vjp as vjp
+from fshard.transforms.remat import remat as remat
+from fshard.transforms.remat import remat_policies as remat_policies
+from fshard.primitives.remat import checkpoint_name as checkpoint_name
 from fshard.transforms.shard import shard as shard
 from fshard.transforms.shard_map import shard_map as shard_map
 from fshard.transforms.vmap import vmap as vmap

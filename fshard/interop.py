@@ -43,6 +43,7 @@ from fshard.errors import (ArgumentError, FshardError, ProgramTypeError, Shardin
                            UnsupportedOpError)
 from fshard.primitives.generic import ms_call
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
+from fshard.primitives.remat import nothing_saveable, remat_call
 from fshard.staging import register_user_code_hook
 from fshard.tensor_methods import ms_mean, ms_sum, truthy_reduce
 from fshard.user_layouts import operator_call, operator_strategy
@@ -1145,6 +1146,9 @@ def _wrap_cell_call(orig):
             stage = self.__dict__.get("_pipeline_stage")
             if stage is not None:  # MindSpore's cell.pipeline_stage = k: the inputs enter k
                 args, kwargs = _enter_stage((args, kwargs), stage)
+            if self.__dict__.get("_has_config_recompute"):  # cell.recompute(): fs.remat
+                return remat_call(self.construct, args, kwargs, nothing_saveable,
+                                  type(self).__name__)
             return self.construct(*args, **kwargs)
         return orig(self, *args, **kwargs)
 

@@ -602,3 +602,7 @@ from fshard.optim_blocks import *  # noqa: E402,F401,F403
 from fshard.optim_blocks import __all__ as _blocks_all  # noqa: E402
 
 __all__ += _blocks_all
+
+# gradient accumulation (optax's MultiSteps: fshard/optim_accumulate.py)
+from fshard.optim_accumulate import MultiSteps, MultiStepsState, multi_steps  # noqa: E402,F401
+__all__ += ["MultiSteps", "MultiStepsState", "multi_steps"]

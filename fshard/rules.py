@@ -103,6 +103,13 @@ jvp: RuleTable = RuleTable("jvp", "JVP rule")
 transpose: RuleTable = RuleTable("transpose", "transpose rule")
 sharding: RuleTable = RuleTable("sharding", "sharding rule")
 
+# Reverse mode splits a linearized Program into its known and linear parts by a taint
+# from the tangents (transforms/ad.py ``partial_eval``). A primitive carrying a body
+# that must split differently (``remat_call``: what to save and what to recompute)
+# registers ``partial_eval(eq, unknown_mask) -> (known_eqs, unknown_eqs)``. Only such
+# primitives have one, so the table is not among the kinds every primitive lists.
+partial_eval: RuleTable = RuleTable("partial_eval", "partial-evaluation rule")
+
 TABLES = {t.kind: t for t in (abstract_eval, impl, lowering, batching, jvp, transpose, sharding)}
 
 

@@ -37,6 +37,7 @@ from fshard.primitives import generic as G
 from fshard.primitives import linalg as L
 from fshard.primitives import nn as N
 from fshard.primitives import pipeline as PL
+from fshard.primitives import remat as RM
 from fshard.primitives import reductions as R
 from fshard.primitives import scans as SC
 from fshard.primitives import spmd as P
@@ -676,6 +677,50 @@ def _custom_lin_batching(spec, sample):
     batched = [np.stack([a, a]) for a in sample.args]
     with pytest.raises(DifferentiationError, match="forward-mode"):
         fs.vmap(lambda *xs: spec.apply(*xs, **sample.params))(*batched)
+
+
+# ---------------------------------------------------------------------------
+# fs.remat: remat_call, checkpoint_name, remat_barrier
+# ---------------------------------------------------------------------------
+
+
+def _remat_fn(policy):
+    def fn(x, y):
+        return fs.remat(lambda x, y: (fs.ops.sin(x) * y * _w(x), x + y), policy=policy)(x, y)
+    return fn
+
+
+def _remat_linear_fn(x, y):
+    return fs.remat(lambda x, y: x * _w(x) + y)(x, y)
+
+
+def _remat_call(rng, dt):
+    """remat_call equations: a nonlinear body (two outputs, a closed-over constant)
+    under two policies, and a body linear in its arguments (what reverse mode
+    transposes)."""
+    out = []
+    for shape in _call_shapes(dt):
+        x, y = values(rng, shape, dt), values(rng, shape, dt)
+        for policy in (None, "everything_saveable"):
+            eq, vals = _staged_equation(_remat_fn(policy), (x, y), RM.remat_call_p)
+            out.append(Sample(vals, eq.params, diff_argnums=tuple(range(len(vals))),
+                              linear_groups=()))
+        eq, vals = _staged_equation(_remat_linear_fn, (x, y), RM.remat_call_p)
+        nc = len(vals) - 2
+        out.append(Sample(vals, eq.params, diff_argnums=tuple(range(len(vals))),
+                          linear_groups=((nc, nc + 1),)))
+    return out
+
+
+def _checkpoint_name(rng, dt):
+    return [Sample((values(rng, shape, dt),), {"name": "h"}) for shape in SHAPES]
+
+
+def _remat_barrier(rng, dt):
+    """The dependency (last) shaped like an x, and not."""
+    return [Sample((values(rng, (2, 4), dt), values(rng, (3,), dt), values(rng, (2, 4), dt))),
+            Sample((values(rng, (2, 3), dt), values(rng, (3,), dt), values(rng, (4,), dt))),
+            Sample((values(rng, (), dt), values(rng, (2, 2), dt)))]
 
 
 # ---------------------------------------------------------------------------
@@ -1348,6 +1393,10 @@ def _specs() -> list[PrimitiveSpec]:
                       linear_groups=(PER_SAMPLE,)),
         PrimitiveSpec(C.scan_p, _scan, rule_samples=3, jit_samples=2,
                       linear_groups=(PER_SAMPLE,)),
+        PrimitiveSpec(RM.remat_call_p, _remat_call, rule_samples=None, jit_samples=2,
+                      linear_groups=(PER_SAMPLE,)),
+        PrimitiveSpec(RM.checkpoint_name_p, _checkpoint_name, DATA, linear_groups=((0,),)),
+        PrimitiveSpec(RM.remat_barrier_p, _remat_barrier, diff_argnums=(0, 1, 2)),
         # Per-device primitives (spmd)
         PrimitiveSpec(P.layout_constraint_p, _layout_constraint, DATA, linear_groups=((0,),)),
         PrimitiveSpec(P.block_slice_p, _block_slice, eager_error=AxisNameError,

@@ -55,6 +55,7 @@ LAYERS = [
     ("fshard.primitives.linalg", "fshard.primitives.nn", "fshard.primitives.collectives",
      "fshard.primitives.pipeline", "fshard.primitives.scans", "fshard.primitives.composite"),
     ("fshard.primitives.spmd", "fshard.primitives.control"),
+    ("fshard.primitives.remat",),
     ("fshard.primitives",),
     ("fshard.passes",),
     ("fshard.sharding",),
@@ -62,8 +63,8 @@ LAYERS = [
      "fshard.cells", "fshard.abstract"),
     ("fshard.random", "fshard.nn", "fshard.visualize"),
     ("fshard.transforms",),
-    ("fshard.optim", "fshard.optim_blocks", "fshard.parallel", "fshard.checkpoint",
-     "fshard.checkpoint_manager"),
+    ("fshard.optim", "fshard.optim_blocks", "fshard.optim_accumulate", "fshard.parallel",
+     "fshard.checkpoint", "fshard.checkpoint_manager"),
     ("fshard.launch", "fshard.testing", "fshard.profiling"),
 ]
 

@@ -27,6 +27,7 @@ from fshard.ir import Literal, Program, Var
 from fshard.primitives.base import UndefinedPrimal, Zero, add_tangents, instantiate
 from fshard.primitives.collectives import input_cotangents, replica_axes, seed_cotangents
 from fshard.rules import jvp as jvp_rules
+from fshard.rules import partial_eval as partial_eval_rules
 from fshard.rules import transpose as transpose_rules
 from fshard.staging import check_function, fun_name, stage, trace_fun
 from fshard.transforms.vmap import arg_path, type_tree
@@ -135,11 +136,20 @@ def partial_eval(program: Program, unknown_inputs: list[bool]):
     unknown = {v for v, u in zip(program.inputs, unknown_inputs) if u}
     known_eqs, lin_eqs = [], []
     for eq in program.equations:
-        if any(isinstance(a, Var) and a in unknown for a in eq.inputs):
+        mask = [isinstance(a, Var) and a in unknown for a in eq.inputs]
+        if not any(mask):
+            known_eqs.append(eq)
+            continue
+        rule = partial_eval_rules.get(eq.prim)
+        if rule is None:
             lin_eqs.append(eq)
             unknown.update(eq.outputs)
-        else:
-            known_eqs.append(eq)
+            continue
+        # a primitive that splits itself (remat_call): its known outputs stay known
+        k_eqs, u_eqs = rule(eq, mask)
+        known_eqs += k_eqs
+        lin_eqs += u_eqs
+        unknown.update(v for e in u_eqs for v in e.outputs)
     # Residuals: known values the linear part reads.
     lin_defined = set(v for v, u in zip(program.inputs, unknown_inputs) if u)
     for eq in lin_eqs:

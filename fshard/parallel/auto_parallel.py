@@ -62,6 +62,7 @@ from fshard.sharding.local import ShardedArray, gather_sharded
 from fshard.sharding.plan import write_json_atomic
 from fshard.staging import fun_name
 from fshard.transforms.ad import value_and_grad
+from fshard.transforms.control_flow import scan
 from fshard.transforms.jit import declared_types, jit
 from fshard.transforms.local_batch import (block_index, check_same_slices, global_type,
                                           to_global)
@@ -434,6 +435,80 @@ class AutoParallel:
                 "configured.\nFix: call ap.pipeline(stages=S, micro_batches=M) first.")
         return self._pipeline.stage_costs()
 
+    # -- gradient accumulation ------------------------------------------------------
+    def gradient_accumulation(self, k: int) -> "AutoParallel":
+        """Each step splits its batch into ``k`` micro-batches (along dimension 0),
+        sums their gradients in a loop and makes one optimizer update with their mean
+        (MindSpore's ``GradAccumulation``; optax's ``MultiSteps`` over one call). The
+        loss is the mean of the micro-batches' losses: for a mean loss, the step equals
+        the step on the whole batch, with the activations of one micro-batch alive at a
+        time. Under data parallelism each device's micro-batch is a slice of its own
+        rows, and the gradients stay per-device sums through the loop: reduced once
+        per update, not per micro-step. With ``has_aux`` the aux is stacked over the
+        micro-batches. ``k=1`` turns it off. Returns ``self``."""
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ArgumentError(
+                f"AutoParallel.gradient_accumulation(k): k must be an int >= 1 (micro-batches "
+                f"per update); got {type(k).__name__} {k!r}.\nFix: e.g. "
+                "ap.gradient_accumulation(4).")
+        if self._pipeline is not None and k > 1:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).gradient_accumulation({k}): a pipeline already "
+                "accumulates the gradients of its micro-batches.\nFix: use "
+                "ap.pipeline(stages, micro_batches=...) alone.")
+        self._accumulate = int(k)
+        self._steps.clear()
+        return self
+
+    def _value_and_grad(self, loss_fn, params, batch):
+        """``(loss, grads)`` of ``loss_fn(params, *batch)`` for one step: of the whole
+        batch, or with ``gradient_accumulation(k)`` the mean over ``k`` micro-batches
+        (a loop)."""
+        vg = value_and_grad(loss_fn, has_aux=self.has_aux)
+        k = self.__dict__.get("_accumulate", 1)
+        if k == 1:
+            return vg(params, *batch)
+        dp = self.n_devices if self._dataset == "data_parallel" else 1
+        micro = tuple(tree.map(lambda x, n=(st[0] if _is_counts(st) and st else dp):
+                               self._micro_batches(x, n, k), b)
+                      for b, st in zip(batch, self._batch_strategies(batch)))
+        box = {}
+
+        def body(carry, mb):
+            acc, loss_sum = carry
+            out, grads = vg(params, *mb)
+            loss, aux = (out[0], out[1]) if self.has_aux else (out, ())
+            box["dtype"] = typeof(loss).dtype
+            acc = tree.map(lambda a, g: a + g, acc, grads)
+            if typeof(loss).dtype != typeof(loss_sum).dtype:
+                loss = loss.astype(np.float32)
+            return (acc, loss_sum + loss), aux
+
+        zeros = tree.map(lambda p: np.zeros(typeof(p).shape, _np_dtype(typeof(p).dtype)),
+                         params)
+        (acc, loss_sum), auxs = scan(body, (zeros, np.float32(0.0)), micro)
+        grads = tree.map(lambda a: a / float(k), acc)
+        loss = (loss_sum / float(k)).astype(box["dtype"])
+        return ((loss, auxs) if self.has_aux else loss), grads
+
+    def _micro_batches(self, x, n: int, k: int):
+        """``x`` (batch first) as ``(k, batch / k, ...)``: micro-batch ``j`` takes the
+        ``j``-th slice of each of the ``n`` row blocks the batch strategy splits
+        dimension 0 into, so each device keeps its own rows (no communication)."""
+        a = typeof(x)
+        b = a.shape[0] if a.ndim else None
+        if not isinstance(b, int) or b % (n * k):
+            raise ArgumentError(
+                f"AutoParallel({self.name}).gradient_accumulation({k}): a batch input is "
+                f"{a}, but its dimension 0 must split into {k} micro-batches"
+                + (f" on each of the {n} row blocks of its strategy" if n > 1 else "")
+                + f" (a multiple of {n * k}).\nFix: use a batch size divisible by {n * k}, "
+                "or another k.")
+        rest = tuple(a.shape[1:])
+        x = x.reshape((n, k, b // (n * k)) + rest)
+        x = x.transpose((1, 0, 2) + tuple(range(3, 3 + len(rest))))
+        return x.reshape((k, b // k) + rest)
+
     # -- the train state -----------------------------------------------------------
     def init(self, params=None) -> TrainState:
         """The train state for ``params`` (for a Cell: its current parameters)."""
@@ -661,7 +736,7 @@ class AutoParallel:
 
             # An fs.shard called in the loss fixes layouts there (semi-auto parallel).
             with context.counted(context.shard_annotations):
-                out, grads = value_and_grad(loss_of, has_aux=has_aux)(trainable, *batch)
+                out, grads = self._value_and_grad(loss_of, trainable, batch)
             grad_vars[:] = [getattr(g, "ir_var", None) for g in tree.leaves(grads)]
             updates, new_opt_state = opt.update(grads, opt_state, trainable)
             new_t = apply_updates(trainable, updates)

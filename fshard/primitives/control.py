@@ -377,7 +377,10 @@ def accumulators(body: Program, carry_in: list, n_carry: int) -> dict:
                 break
             spec = sharding.lookup(e.prim, transform="shard")(
                 *[a.aval for a in e.inputs], **e.params)
-            if spec.reduce and not _small_result(e):
+            # A small reduction is pending too when it is not a scalar (a bias's or a
+            # small weight's gradient summed over micro-batches: one reduction after the
+            # loop). A scalar (a loss) is reduced in the body, as before.
+            if spec.reduce and (not _small_result(e) or e.outputs[0].aval.ndim):
                 if spec.partial_outputs is None:
                     out[id(e)] = k
                 break

@@ -67,6 +67,10 @@ KNOWN_UNCLAIMED = {
     "dim_size": "a split of a dimension the size does not count leaves the output "
                 "(replicated) unchanged, but in FactorSpec a factor that appears in no "
                 "output can only be a pending sum; the rule gathers such inputs instead",
+    "remat_barrier": "the dependency's values are never read, so it may have any layout, "
+                     "but a factor rule splits a mesh axis over one factor: a dependency "
+                     "shaped like no x gets factors of its own, so a layout splitting it "
+                     "and an x over the same axis is valid but not claimed",
     "while": "with a trip count of 0 the body never runs, so any layout of the body's "
              "constants gives the right (initial) carry; a factor rule claims layouts "
              "that hold for every trip count",

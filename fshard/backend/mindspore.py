@@ -24,7 +24,7 @@ import mindspore as ms
 import numpy as np
 
 from fshard import context, dtypes
-from fshard.core import ArrayType, DimExpr, Symbol, is_symbolic
+from fshard.core import ArrayType, DimExpr, Symbol, is_symbolic, kernel_dtype_errors
 from fshard.errors import ShapeError
 from fshard.interpret import walk
 from fshard.ir import Program
@@ -525,7 +525,7 @@ class GraphFunction:
     def __call__(self, *args):
         # MindSpore's graph compiler and executor keep process-global state (call
         # depth, compile cache): threads run graphs one at a time.
-        with context.runtime_lock:
+        with context.runtime_lock, kernel_dtype_errors("a compiled program"):
             return self._call(*args)
 
     def _call(self, *args):

@@ -62,7 +62,7 @@ LAYERS = [
      "fshard.cells"),
     ("fshard.random", "fshard.nn", "fshard.visualize"),
     ("fshard.transforms",),
-    ("fshard.optim", "fshard.parallel", "fshard.checkpoint"),
+    ("fshard.optim", "fshard.parallel", "fshard.checkpoint", "fshard.amp"),
     ("fshard.launch", "fshard.testing"),
 ]
 

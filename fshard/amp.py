@@ -202,14 +202,17 @@ def autocast(fn: Callable, policy: Policy | str = "O2") -> Callable:
             f"fs.amp.autocast(fn, policy=...) must be an fs.amp.Policy or a level "
             f"({', '.join(LEVELS)}); got {policy!r}.")
 
-    def rule(eq, values):
+    def rule(casts, eq, values):
         dtype = _equation_dtype(pol, eq)
         vals = []
         for a, v in zip(eq.inputs, values, strict=True):
             if not dtypes.is_float(a.aval.dtype) or isinstance(v, (float, int)):
                 vals.append(v)
-            else:  # to the policy's dtype, or back to the traced one
-                vals.append(ops.cast(v, dtype or a.aval.dtype))
+            else:  # to the policy's dtype, or back to the traced one; once per value
+                key = (id(v), dtype or a.aval.dtype)
+                if key not in casts:
+                    casts[key] = (v, ops.cast(v, key[1]))  # v kept alive: its id stays
+                vals.append(casts[key][1])
         outs = bind_equation(eq, vals)
         if pol.level == "O1" and dtype is not None:  # O1: only the op is low precision
             outs = [ops.cast(o, a.aval.dtype) if dtypes.is_float(a.aval.dtype) else o
@@ -219,7 +222,9 @@ def autocast(fn: Callable, policy: Policy | str = "O2") -> Callable:
     def wrapped(*args, **kwargs):
         flat, in_tree = tree.flatten((args, kwargs))
         traced = trace_fun(fn, in_tree, [typeof(x) for x in flat])
-        outs = walk(traced.program, list(traced.consts) + flat, rule, "autocasting")
+        casts = {}
+        outs = walk(traced.program, list(traced.consts) + flat,
+                    lambda eq, values: rule(casts, eq, values), "autocasting")
         outs = [ops.cast(o, pol.output_dtype) if _is_float_leaf(o)
                 and not isinstance(o, (float, int)) else o for o in outs]
         return tree.unflatten(traced.out_tree, outs)

@@ -174,11 +174,11 @@ def autocast(fn: Callable, policy: Policy | str = "O2") -> Callable:
     >>> f = fs.amp.autocast(lambda w, x: fs.ops.matmul(x, w).sum(), "O1")
     >>> fs.make_ir(f)(np.ones((3, 2), np.float32), np.ones((4, 3), np.float32))
     { lambda a:f32[3,2] b:f32[4,3] .
-        c:f16[4,3] = cast b dtype=Float16
-        d:f16[3,2] = cast a dtype=Float16
-        e:f16[4,2] = matmul c d
-        f:f32[4,2] = cast e dtype=Float32
-        g:f32[] = reduce_sum f axes=(0, 1)
+        c:f16[4,3] = cast[dtype=Float16] b
+        d:f16[3,2] = cast[dtype=Float16] a
+        e:f16[4,2] = matmul[transpose_a=False transpose_b=False] c d
+        f:f32[4,2] = cast[dtype=Float32] e
+        g:f32[] = reduce_sum[axes=(0, 1)] f
       in (g) }
 
     Args:

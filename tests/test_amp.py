@@ -303,3 +303,26 @@ def test_digits_float16_skipped_steps_are_counted_and_change_nothing():
     assert float(_np(state.loss_scale.scale)) == 2.0 ** 15
     assert losses[1] == losses[0]  # two steps with the initial parameters
     assert losses[-1] == pytest.approx(_train("O0", 2 * STEPS - 2)[0][-1], rel=0.02)
+
+
+def test_loss_scaling_with_auto_parallel_needs_no_hook():
+    # The loss reads the scale as a batch input (a scalar: its dataset strategy is ());
+    # loss_scaled(optimizer) unscales, skips and adjusts inside the compiled step.
+    rng = np.random.default_rng(0)
+    w0 = (rng.standard_normal((8, 4)) * 0.3).astype(np.float32)
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    y = rng.standard_normal((16, 4)).astype(np.float32)
+    amp_loss = fs.amp.autocast(lambda p, x, y: ((ops.matmul(x, p["w"]) - y) ** 2).mean(), "O2")
+    ls = fs.amp.DynamicLossScale(initial_scale=2.0 ** 17)  # two skipped steps, as digits
+    ap = fs.AutoParallel(lambda p, x, y, scale: amp_loss(p, x, y) * scale,
+                         fs.amp.loss_scaled(fs.optim.sgd(0.1), ls), mesh=fs.Mesh((2,), ("dp",)))
+    ap.dataset_strategy(((2, 1), (2, 1), ()))
+    state = ap.init({"w": Tensor(w0)})
+    for _ in range(3):
+        state, _ = ap(state, x, y, state.opt_state.loss_scale.scale)
+    s = state.opt_state.loss_scale
+    assert (int(_np(s.skipped)), float(_np(s.scale)), int(_np(s.good_steps))) == (2, 2.0 ** 15, 1)
+    # two steps skipped, one taken: plain float32 SGD's one step, to float16 accuracy
+    g = 2 * x.T @ (x @ w0 - y) / y.size
+    want = w0 - 0.1 * g
+    np.testing.assert_allclose(_np(state.params["w"]), want, atol=2e-3 * np.abs(want).max())

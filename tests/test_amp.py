@@ -202,6 +202,9 @@ def test_bfloat16_values_trace_run_and_compile():
     assert str(fs.typeof(x)) == "bf16[2,3]"
     f = fs.jit(lambda a: (ops.add(a, a) * a).astype(F32))
     np.testing.assert_array_equal(_np(f(x)), 2 * np.arange(6.0).reshape(2, 3) ** 2)
+    # a Python scalar becomes a bfloat16 constant of the compiled program
+    np.testing.assert_array_equal(_np(fs.jit(lambda a: a * 2.5 + 1.0)(x).astype(F32)),
+                                  np.arange(6.0).reshape(2, 3) * 2.5 + 1.0)
     g = fs.grad(lambda a: (ops.add(a, a) * a).astype(F32).sum())(x)
     assert g.dtype == BF16
     np.testing.assert_array_equal(_np(g.astype(F32)), 4 * np.arange(6.0).reshape(2, 3))

@@ -341,7 +341,8 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
                 ctx.dims.setdefault(size, f"{names[var]}.shape[{d}]")
 
     def literal(a) -> str:
-        return ctx.ref(Tensor(a.value, a.aval.dtype), "lit")
+        # NB: MindSpore's Tensor takes a NumPy bfloat16 array but not a bfloat16 scalar
+        return ctx.ref(Tensor(np.asarray(a.value), a.aval.dtype), "lit")
 
     body = []
 

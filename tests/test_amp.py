@@ -329,3 +329,24 @@ def test_loss_scaling_with_auto_parallel_needs_no_hook():
     g = 2 * x.T @ (x @ w0 - y) / y.size
     want = w0 - 0.1 * g
     np.testing.assert_allclose(_np(state.params["w"]), want, atol=2e-3 * np.abs(want).max())
+
+
+@pytest.mark.full
+def test_float16_and_bfloat16_psum_in_a_two_process_job(tmp_path):
+    # MindSpore's CPU AllReduce takes float32 and float16: bfloat16 travels in float32
+    # (exact) and is rounded once at the end.
+    import json
+    import os
+
+    from fshard import launch
+
+    script = os.path.join(os.path.dirname(__file__), "distributed", "amp_checks.py")
+    result = launch.run(script, 2, [str(tmp_path)], timeout=420)
+    assert result.ok, result.message + "\n" + "\n".join(result.output(r)[-3000:]
+                                                        for r in range(2))
+    x = np.arange(2 * 4 * 3, dtype=np.float32).reshape(8, 3) / 8 + 0.125
+    for r in range(2):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        for name in ("float16", "bfloat16"):
+            assert out[name]["dtype"] == {"float16": "Float16", "bfloat16": "BFloat16"}[name]
+            np.testing.assert_allclose(out[name]["psum"], 3 * x, rtol=2 ** -8)

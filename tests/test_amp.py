@@ -350,3 +350,11 @@ def test_float16_and_bfloat16_psum_in_a_two_process_job(tmp_path):
         for name in ("float16", "bfloat16"):
             assert out[name]["dtype"] == {"float16": "Float16", "bfloat16": "BFloat16"}[name]
             np.testing.assert_allclose(out[name]["psum"], 3 * x, rtol=2 ** -8)
+
+
+def test_bfloat16_leaves_checkpoint_and_restore_exactly(tmp_path):
+    x = Tensor(np.arange(6, dtype=np.float32).reshape(2, 3) / 3).astype(BF16)
+    fs.checkpoint.save(str(tmp_path), {"w": x}, step=1)
+    back = fs.checkpoint.load(str(tmp_path), {"w": x})["w"]
+    assert back.dtype == BF16
+    np.testing.assert_array_equal(_np(back.astype(F32)), _np(x.astype(F32)))

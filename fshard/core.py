@@ -13,15 +13,14 @@ This module imports no transform and runs no MindSpore op.
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fshard import context, dtypes
-import contextlib
-import re
-
 from fshard.errors import (ArgumentError, TracerConversionError, TracerLeakError,
                            UnsupportedDtypeError)
 from fshard.rules import abstract_eval, impl, takes_process_local
@@ -226,8 +225,8 @@ class EvalTrace(Trace):
         abstract_eval.lookup(prim, transform="eager evaluation")(
             *[typeof(x) for x in args], **params)
         kernel = impl.lookup(prim, transform="eager evaluation")
-        where = f"the eager '{prim}' of {', '.join(str(typeof(x)) for x in args)}"
-        with context.runtime_lock, kernel_dtype_errors(where):
+        with context.runtime_lock, kernel_dtype_errors(
+                lambda: f"the eager '{prim}' of {', '.join(str(typeof(x)) for x in args)}"):
             # MindSpore runs one op at a time (fshard.context)
             return kernel(*args, **params)
 
@@ -237,10 +236,11 @@ _KERNEL_GOT = re.compile(r"but get input\[(.*?)\]", re.S)
 
 
 @contextlib.contextmanager
-def kernel_dtype_errors(where: str):
+def kernel_dtype_errors(where):
     """Turn MindSpore's "Select CPU operator[Op] fail! Unsupported data type" (a kernel
     that lacks the operands' dtype, e.g. bfloat16 MatMul on CPU) into an
-    UnsupportedDtypeError that names the op; other errors pass unchanged."""
+    UnsupportedDtypeError that names the op; other errors pass unchanged. ``where`` is a
+    string or a function giving it (built only on failure: eager ops are hot)."""
     try:
         yield
     except (TypeError, RuntimeError) as e:
@@ -250,7 +250,8 @@ def kernel_dtype_errors(where: str):
         got = _KERNEL_GOT.search(str(e))
         kinds = sorted(set(re.findall(r"\b[A-Z][A-Za-z]*\d*\b", got.group(1)))) if got else []
         raise UnsupportedDtypeError(
-            f"MindSpore's {m.group(1)} kernel for '{m.group(2)}' (in {where}) does not "
+            f"MindSpore's {m.group(1)} kernel for '{m.group(2)}' (in "
+            f"{where() if callable(where) else where}) does not "
             "accept its operands' dtypes"
             f"{' (' + ', '.join(kinds) + ')' if kinds else ''}.\nFix: compute "
             "that op in a dtype the kernel takes: cast its operands (x.astype("

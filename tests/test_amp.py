@@ -288,6 +288,8 @@ def _train(level, steps, initial_scale=2.0 ** 15):
 STEPS = 30
 
 
+@pytest.mark.full  # two compiled train steps: ~10 s (the quick run checks loss scaling
+# against float32 in test_loss_scaling_with_auto_parallel_needs_no_hook)
 def test_digits_float16_with_loss_scaling_reaches_the_float32_loss():
     losses, state = _train("O2", STEPS)
     assert int(_np(state.loss_scale.skipped)) == 0

@@ -26,7 +26,7 @@ from fshard.staging import check_function, trace_fun
 
 __all__ = ["Policy", "policy", "autocast", "LEVELS", "LOW_PRECISION_OPS", "FLOAT32_OPS",
            "DynamicLossScale", "LossScaleState", "all_finite", "select_tree",
-           "loss_scaled"]
+           "loss_scaled", "LossScaledState"]
 
 LEVELS = ("O0", "O1", "O2", "O3")
 

@@ -11,7 +11,6 @@ import pytest
 from mindspore import Tensor, ops
 
 import fshard as fs
-from fshard.amp import LossScaleState
 
 F16, BF16, F32 = ms.float16, ms.bfloat16, ms.float32
 

@@ -40,6 +40,7 @@ from fshard.errors import (  # noqa: F401
     ShardingError as ShardingError,
     TracerConversionError as TracerConversionError,
     TracerLeakError as TracerLeakError,
+    UnsupportedDtypeError as UnsupportedDtypeError,
     UnsupportedOpError as UnsupportedOpError,
 )
 from fshard.ir import verify as verify
@@ -97,6 +98,7 @@ from fshard import nn as nn  # noqa: E402
 from fshard import random as random  # noqa: E402
 from fshard import optim as optim  # noqa: E402  (training layer: above the transforms)
 from fshard import checkpoint as checkpoint  # noqa: E402
+from fshard import amp as amp  # noqa: E402
 from fshard import parallel as parallel  # noqa: E402
 from fshard.parallel import AutoParallel as AutoParallel  # noqa: E402
 from fshard.parallel import TrainState as TrainState  # noqa: E402

@@ -120,7 +120,7 @@ def _safetensors_bytes(arrays: dict[str, np.ndarray], metadata=None) -> bytes:
                 metadata=metadata)
 
 
-_SAFETENSORS_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8",
+_SAFETENSORS_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64", "int8": "I8",
                        "int16": "I16", "int32": "I32", "int64": "I64", "uint8": "U8",
                        "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL"}
 

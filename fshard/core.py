@@ -13,13 +13,16 @@ This module imports no transform and runs no MindSpore op.
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fshard import context, dtypes
-from fshard.errors import ArgumentError, TracerConversionError, TracerLeakError
+from fshard.errors import (ArgumentError, TracerConversionError, TracerLeakError,
+                           UnsupportedDtypeError)
 from fshard.rules import abstract_eval, impl, takes_process_local
 
 from fshard.dims import (  # noqa: F401  (the dimension types live beside the core)
@@ -224,8 +227,38 @@ class EvalTrace(Trace):
         abstract_eval.lookup(prim, transform="eager evaluation")(
             *[typeof(x) for x in args], **params)
         kernel = impl.lookup(prim, transform="eager evaluation")
-        with context.runtime_lock:  # MindSpore runs one op at a time (fshard.context)
+        with context.runtime_lock, kernel_dtype_errors(
+                lambda: f"the eager '{prim}' of {', '.join(str(typeof(x)) for x in args)}"):
+            # MindSpore runs one op at a time (fshard.context)
             return kernel(*args, **params)
+
+
+_KERNEL_REFUSED = re.compile(r"Select (\w+) operator\[(\w+)\] fail! Unsupported data type")
+_KERNEL_GOT = re.compile(r"but get input\[(.*?)\]", re.S)
+
+
+@contextlib.contextmanager
+def kernel_dtype_errors(where):
+    """Turn MindSpore's "Select CPU operator[Op] fail! Unsupported data type" (a kernel
+    that lacks the operands' dtype, e.g. bfloat16 MatMul on CPU) into an
+    UnsupportedDtypeError that names the op; other errors pass unchanged. ``where`` is a
+    string or a function giving it (built only on failure: eager ops are hot)."""
+    try:
+        yield
+    except (TypeError, RuntimeError) as e:
+        m = _KERNEL_REFUSED.search(str(e))
+        if m is None:
+            raise
+        got = _KERNEL_GOT.search(str(e))
+        kinds = sorted(set(re.findall(r"\b[A-Z][A-Za-z]*\d*\b", got.group(1)))) if got else []
+        raise UnsupportedDtypeError(
+            f"MindSpore's {m.group(1)} kernel for '{m.group(2)}' (in "
+            f"{where() if callable(where) else where}) does not "
+            "accept its operands' dtypes"
+            f"{' (' + ', '.join(kinds) + ')' if kinds else ''}.\nFix: compute "
+            "that op in a dtype the kernel takes: cast its operands (x.astype("
+            "mindspore.float32)), or use an fs.amp policy whose compute dtype is float16 "
+            "or float32; docs/amp.md lists which ops run in which dtype.") from None
 
 
 _EVAL = EvalTrace()

@@ -18,6 +18,9 @@ _MS_TO_NP = {
     mstype.uint8: np.uint8,
     mstype.uint32: np.uint32,
     mstype.float16: np.float16,
+    # NB: MindSpore registers a NumPy ``bfloat16`` dtype on import (``asnumpy()`` of a
+    # bfloat16 Tensor returns one); it is storage and casts, NumPy has no arithmetic on it.
+    mstype.bfloat16: np.dtype("bfloat16").type,
     mstype.float32: np.float32,
     mstype.float64: np.float64,
 }
@@ -31,6 +34,7 @@ _SHORT = {
     mstype.uint8: "u8",
     mstype.uint32: "u32",
     mstype.float16: "f16",
+    mstype.bfloat16: "bf16",
     mstype.float32: "f32",
     mstype.float64: "f64",
 }
@@ -38,6 +42,7 @@ _SHORT = {
 float32 = mstype.float32
 float64 = mstype.float64
 float16 = mstype.float16
+bfloat16 = mstype.bfloat16
 int32 = mstype.int32
 int64 = mstype.int64
 uint32 = mstype.uint32
@@ -59,8 +64,7 @@ def from_numpy(dtype) -> mstype.Type:
         raise ArgumentError(
             f"dtype {dtype} is not supported by fshard; use one of "
             f"{', '.join(sorted(str(d) for d in _MS_TO_NP))}.\nFix: cast the value first "
-            "(e.g. x.astype(mindspore.float32)); bfloat16 and complex dtypes are not "
-            "supported yet."
+            "(e.g. x.astype(mindspore.float32)); complex dtypes are not supported yet."
         ) from None
 
 
@@ -82,7 +86,7 @@ def short_name(dtype) -> str:
 
 
 def is_float(dtype) -> bool:
-    return dtype in (mstype.float16, mstype.float32, mstype.float64)
+    return dtype in (mstype.float16, mstype.bfloat16, mstype.float32, mstype.float64)
 
 
 def is_int(dtype) -> bool:
@@ -117,4 +121,7 @@ def result_type(*dtypes) -> mstype.Type:
     floats = [d for d in dtypes if is_float(d)]
     if floats:
         dtypes = floats
+        if mstype.bfloat16 in floats and mstype.float16 in floats:
+            # NumPy has no common type of the two; MindSpore's is float32 (or wider)
+            dtypes = [float32 if d in (mstype.float16, mstype.bfloat16) else d for d in floats]
     return from_numpy(np.result_type(*[to_numpy(d) for d in dtypes]))

@@ -31,6 +31,15 @@ class UnsupportedOpError(FshardError, NotImplementedError):
     """A MindSpore op or Cell was called on a traced value and fshard has no primitive for it."""
 
 
+class UnsupportedDtypeError(FshardError, TypeError):
+    """MindSpore's kernel for an op does not accept the operands' dtype on this backend
+    (on CPU most kernels refuse bfloat16: ``MatMul``, ``Exp``, ``Softmax``, ...).
+
+    Fix: compute that op in a dtype its kernel takes (``x.astype(mindspore.float32)``, or
+    an ``fs.amp`` policy whose compute dtype is float16 or float32).
+    """
+
+
 class MissingRuleError(FshardError, NotImplementedError):
     """A transform needs a rule that a primitive does not have."""
 

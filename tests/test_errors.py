@@ -216,3 +216,18 @@ def test_every_program_walker_notes_the_equation(monkeypatch, kind, run, what):
         run(f, np.ones(4, np.float32))
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert f"while {what} equation 'sin' on (f32[" in notes, notes
+
+
+def test_unsupported_dtype_error_names_the_kernel():
+    import mindspore
+
+    x = mindspore.Tensor(np.ones((2, 2), np.float32)).astype(mindspore.bfloat16)
+    with pytest.raises(fs.UnsupportedDtypeError) as info:
+        F.exp(x)
+    assert str(info.value) == (
+        "MindSpore's CPU kernel for 'Exp' (in the eager 'exp' of bf16[2,2]) does not accept "
+        "its operands' dtypes.\nFix: compute that op in a dtype the kernel takes: cast its "
+        "operands (x.astype(mindspore.float32)), or use an fs.amp policy whose compute "
+        "dtype is float16 or float32; docs/amp.md lists which ops run in which dtype.\n"
+        "See docs/errors.md#unsupporteddtypeerror")
+    assert isinstance(info.value, TypeError)

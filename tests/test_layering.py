@@ -64,7 +64,7 @@ LAYERS = [
     ("fshard.random", "fshard.nn", "fshard.visualize"),
     ("fshard.transforms",),
     ("fshard.optim", "fshard.optim_blocks", "fshard.optim_accumulate", "fshard.parallel",
-     "fshard.checkpoint", "fshard.checkpoint_manager"),
+     "fshard.checkpoint", "fshard.checkpoint_manager", "fshard.amp"),
     ("fshard.launch", "fshard.testing", "fshard.profiling"),
 ]
 

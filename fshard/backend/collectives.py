@@ -129,6 +129,9 @@ class Comm:
         ctx = self.ctx
         if dtype == dtypes.bool_:
             return ctx.call(_ms_from_float_bool, native(ctx.call(_ms_to_float32, x)))
+        if dtype == dtypes.bfloat16 and self.carries(dtypes.float32):
+            # exact in float32 (bfloat16 is float32's upper half); one rounding at the end
+            return ctx.call(_ms_cast, native(ctx.call(_ms_to_float32, x)), dtype=dtype)
         if dtypes.is_int(dtype) and op == "sum":
             if self.n > 256:
                 raise ArgumentError(
@@ -284,6 +287,10 @@ def _ms_expand0(x):
 
 def _ms_to_float32(x):
     return x.astype(mstype.float32)
+
+
+def _ms_cast(x, dtype):
+    return x.astype(dtype)
 
 
 def _ms_from_float_bool(x):

@@ -24,7 +24,7 @@ import mindspore as ms
 import numpy as np
 
 from fshard import context, dtypes
-from fshard.core import ArrayType, DimExpr, Symbol, is_symbolic
+from fshard.core import ArrayType, DimExpr, Symbol, is_symbolic, kernel_dtype_errors
 from fshard.errors import ShapeError
 from fshard.interpret import walk
 from fshard.ir import Program
@@ -341,7 +341,8 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
                 ctx.dims.setdefault(size, f"{names[var]}.shape[{d}]")
 
     def literal(a) -> str:
-        return ctx.ref(Tensor(a.value, a.aval.dtype), "lit")
+        # NB: MindSpore's Tensor takes a NumPy bfloat16 array but not a bfloat16 scalar
+        return ctx.ref(Tensor(np.asarray(a.value), a.aval.dtype), "lit")
 
     body = []
 
@@ -570,7 +571,7 @@ class GraphFunction:
         # depth, compile cache): threads run graphs one at a time.
         if self.collective:
             tell_launcher(b"c")
-        with context.runtime_lock:
+        with context.runtime_lock, kernel_dtype_errors("a compiled program"):
             mode = _ms_parallel.get_parallel_mode()
             if mode == "stand_alone":
                 return self._call(*args)

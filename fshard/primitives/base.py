@@ -32,6 +32,7 @@ from mindspore import ops
 
 from fshard import dtypes
 from fshard.array_types import Array, ArrayLike, Shaped
+from fshard.backend import mindspore as backend
 from fshard.backend.mindspore import as_tensor
 from fshard.core import (ArrayType, DimExpr, Primitive, Symbol, dim_div, dim_prod, dims_equal,
                          is_symbolic, typeof)
@@ -73,11 +74,23 @@ def def_primitive(name: str, family: str, type_rule: Callable, ms_fn: Callable |
     if eager is not None:
         impl.set(prim, eager)
     elif multiple_results:
-        impl.set(prim, lambda *xs, **p: list(ms_fn(*map(as_tensor, xs), **p)))
+        impl.set(prim, lambda *xs, **p: list(_run_eager(ms_fn, xs, p)))
     else:
-        impl.set(prim, lambda *xs, **p: [ms_fn(*map(as_tensor, xs), **p)])
+        impl.set(prim, lambda *xs, **p: [_run_eager(ms_fn, xs, p)])
     lowering.set(prim, lower or (lambda ctx, *xs, **p: ctx.call(ms_fn, *xs, **p)))
     return prim
+
+
+def _run_eager(ms_fn: Callable, xs, params):
+    """``ms_fn`` on ``xs`` as Tensors. PyNative ops run asynchronously, so a kernel that
+    refuses the operands' dtype fails at some later read; on CPU that is most kernels on
+    bfloat16, so bfloat16 operands wait for their op: the refusal (an
+    UnsupportedDtypeError naming the op) is raised by the op that caused it."""
+    ts = [as_tensor(x) for x in xs]
+    out = ms_fn(*ts, **params)
+    if any(t.dtype == dtypes.bfloat16 for t in ts):
+        backend.sync_pynative()
+    return out
 
 
 class Zero:

@@ -31,6 +31,7 @@ from fshard.ir import Program
 from fshard.rules import lowering
 
 Tensor = ms.Tensor
+Parameter = ms.Parameter  # mutable by identity: a compiled program reads it at each call
 
 
 def is_tensor(x) -> bool:

@@ -225,9 +225,10 @@ def lift_parameters(program, consts) -> tuple:
     constants moved to the front of its (non-constant) inputs.
 
     A Parameter is a variable: ``set_data``, ``assign`` and MindSpore's optimizers change
-    it in place between calls, and ``mindspore.jit`` reads it at each call. Baked into
-    the graph it would keep its value at tracing time, so the compiled program takes it
-    as an input instead, passed at each call (``Compiled.param_values``). Other arrays a
+    it between calls. Baked into the graph as a module global it kept the memory it had
+    when compiled (``set_data``, which gives it new memory, went unseen), so the
+    compiled program takes it as an input instead, passed at each call
+    (``Compiled.param_values``). Other arrays a
     function closes over (Tensors, NumPy arrays) stay constants, as in JAX. Transforms
     never see the difference: they ran before lowering, with every Parameter a constant
     (so ``grad`` does not differentiate with respect to it)."""

@@ -548,8 +548,8 @@ class GraphFunction:
     def _call(self, *args):
         phase = self._phase
         if (phase is not None and _jit_context() is None and not _requires_grad()
-                and _plain_tensors(args, self.n_params) and (self.dynamic or [a.shape for a in args]
-                                              == self._sig)):
+                and _plain_tensors(args, self.n_params)
+                and (self.dynamic or [a.shape for a in args] == self._sig)):
             try:
                 self._executor.set_jit_config(self._config)
                 return _convert_output(self._executor(args, phase))
@@ -576,7 +576,8 @@ class GraphFunction:
 
     def _find_phase(self, args) -> None:
         """Ask MindSpore which compiled phase ``self.jitted(*args)`` just ran."""
-        if _jit_context() is not None or _requires_grad() or not _plain_tensors(args, self.n_params):
+        if (_jit_context() is not None or _requires_grad()
+                or not _plain_tensors(args, self.n_params)):
             return  # this call is special; a later plain one may enable the direct route
         self._tried = True
         if (_ms_api is None or os.getenv("MS_JIT") == "0"

@@ -1,9 +1,10 @@
 """A MindSpore ``Parameter`` a function reaches through a closure (not through its
-arguments) is a variable: the compiled program reads its value at each call, as
-``mindspore.jit`` does. It was once compiled in as a constant, so ``set_data``, an
-in-place ``assign`` or a MindSpore optimizer step between calls went unseen (off by
-~30 after ``set_data`` in the examples here). Plain Tensors a function closes over
-stay constants, as in JAX (docs/jit.md, "Closures").
+arguments) is a variable: the compiled program takes it as an input and reads it at
+each call. It was once a module global of the generated program, which MindSpore binds
+by its memory when it compiles: in-place updates (``assign``, optimizer steps) were
+seen, but ``set_data``, which gives the Parameter new memory, was not (off by ~30 in the
+examples here), nor was a change of shape. Plain Tensors a function closes over stay
+constants, as in JAX (docs/jit.md, "Closures").
 """
 
 from __future__ import annotations

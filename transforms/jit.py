@@ -19,6 +19,7 @@ from fshard.backend import mindspore as backend
 from fshard.core import (ArrayType, EvalTrace, Symbol, current_trace, dim_eval, is_symbolic,
                          typeof)
 from fshard.errors import ArgumentError, ShapeError
+from fshard.ir import Program
 from fshard.mesh import context_key as _mesh_key
 from fshard.sharding.local import ShardedArray
 from fshard.transforms.annotations import AnnotatedShapes
@@ -31,8 +32,12 @@ class Lowered:
     """A staged and lowered function: ``as_text()`` shows the MindSpore program."""
 
     def __init__(self, traced: Traced, source: str, globals_: dict, n_out: int,
-                 wait: int | None = None, local=None):
+                 wait: int | None = None, local=None, run=None, params=()):
         self.traced = traced
+        # The program as compiled: the closure's Parameters lifted to its leading
+        # inputs (``params``, read at each call; see ``lift_parameters``)
+        self.run = run if run is not None else traced.program
+        self.params = tuple(params)
         # In a job with fs.ShardedArray inputs or outputs: (the program as compiled, its
         # inputs and outputs blocks where they are; per output its block layout or None)
         self.local = local
@@ -52,19 +57,19 @@ class Lowered:
 
     def compile(self) -> "Compiled":
         if self._compiled is None:
-            prog = self.traced.program
-            run = prog if self.local is None else self.local[0]
+            prog, run = self.traced.program, self.run
             in_avals = [v.aval for v in run.inputs[run.n_consts:]]
             fn = backend.compile_source(self.source, self.globals, self.traced.name,
-                                        dynamic=in_avals if _symbolic(in_avals) else None)
+                                        dynamic=in_avals if _symbolic(in_avals) else None,
+                                        n_params=len(self.params))
             self._compiled = Compiled(fn, self.n_out, self.traced.out_tree, self.wait,
                                       [v.aval for v in prog.inputs[prog.n_consts:]],
-                                      run.out_avals, self.traced.name)
+                                      run.out_avals, self.traced.name, self.params)
             if self.local is not None:
                 self._compiled.local = (self.local[1], prog.out_avals)
             if fn.dynamic:  # the same source, compiled for the sizes of one call
                 self._compiled.specialize = lambda: backend.compile_source(
-                    self.source, self.globals, self.traced.name)
+                    self.source, self.globals, self.traced.name, n_params=len(self.params))
         return self._compiled
 
 
@@ -85,11 +90,16 @@ class Compiled:
     """
 
     __slots__ = ("fn", "n_out", "out_tree", "_bare", "_wait", "in_avals", "out_avals", "name",
-                 "_checked", "specialize", "_calls", "static", "local")
+                 "_checked", "specialize", "_calls", "static", "local", "params",
+                 "_param_types")
 
     def __init__(self, fn, n_out: int, out_tree, wait: int | None = None, in_avals=(),
-                 out_avals=(), name: str = "f"):
+                 out_avals=(), name: str = "f", params=()):
         self.fn, self.n_out, self.out_tree = fn, n_out, out_tree
+        # The Parameters the function reaches through a closure: the graph's leading
+        # inputs, read at each call (``lift_parameters``), with their types at tracing
+        self.params = tuple(params)
+        self._param_types = [(tuple(p.shape), p.dtype) for p in self.params]
         self.in_avals, self.out_avals, self.name = list(in_avals), list(out_avals), name
         # a function returning one array needs no unflattening
         self._bare = n_out == 1 and out_tree.is_leaf()
@@ -118,9 +128,20 @@ class Compiled:
             return fn
         return self.fn
 
+    def param_values(self) -> list:
+        """The lifted Parameters, checked to have the types the program was traced for
+        (the graph reads their values when it runs)."""
+        for p, (shape, dtype) in zip(self.params, self._param_types):
+            # `is not` first: MindSpore's dtype `!=` costs ~3 µs, identity ~0.1 µs
+            if p.shape != shape or (p.dtype is not dtype and p.dtype != dtype):
+                raise ParameterChanged(self, p, shape, dtype)
+        return list(self.params)
+
     def call_flat(self, leaves, fn=None) -> list:
         if self.n_out == 0:
             return []
+        if self.params:
+            leaves = self.param_values() + list(leaves)
         out = (fn or self.fn)(*leaves)
         if self._wait is not None:
             out[self._wait].asnumpy()
@@ -134,6 +155,8 @@ class Compiled:
         if self.local is not None:
             return self._call_local(leaves)
         args = [x if isinstance(x, _Tensor) else backend.as_tensor(x) for x in leaves]
+        if self.params:
+            args = self.param_values() + args
         if self._bare:
             return self.fn(*args)
         if self.n_out == 0:
@@ -180,6 +203,44 @@ class Compiled:
 
 
 _Tensor = backend.Tensor
+
+
+class ParameterChanged(ShapeError):
+    """A Parameter lifted into a compiled program has another shape or dtype than when
+    the program was traced (``fs.jit`` catches it and traces again)."""
+
+    def __init__(self, compiled: Compiled, param, shape: tuple, dtype):
+        self.compiled = compiled
+        now = ArrayType(tuple(param.shape), param.dtype)
+        super().__init__(
+            f"{compiled.name}: the Parameter {param.name!r} it reads through a closure is "
+            f"{now} now, but the program was compiled for "
+            f"{ArrayType(shape, dtypes.canonical(dtype))}.\nFix: call the fs.jit function "
+            "itself (it traces again when a closed-over Parameter changes shape), or lower "
+            "it again with .lower(...).")
+
+
+def lift_parameters(program, consts) -> tuple:
+    """``(program, consts, params)``: the MindSpore Parameters among ``program``'s
+    constants moved to the front of its (non-constant) inputs.
+
+    A Parameter is a variable: ``set_data``, ``assign`` and MindSpore's optimizers change
+    it between calls. Baked into the graph as a module global it kept the memory it had
+    when compiled (``set_data``, which gives it new memory, went unseen), so the
+    compiled program takes it as an input instead, passed at each call
+    (``Compiled.param_values``). Other arrays a
+    function closes over (Tensors, NumPy arrays) stay constants, as in JAX. Transforms
+    never see the difference: they ran before lowering, with every Parameter a constant
+    (so ``grad`` does not differentiate with respect to it)."""
+    n = program.n_consts
+    lifted = [k for k, c in enumerate(consts) if isinstance(c, backend.Parameter)]
+    if not lifted:
+        return program, consts, ()
+    kept = [k for k in range(n) if k not in set(lifted)]
+    inputs = ([program.inputs[k] for k in kept] + [program.inputs[k] for k in lifted]
+              + list(program.inputs[n:]))
+    program = Program(inputs, program.equations, program.outputs, len(kept), program.meta)
+    return program, [consts[k] for k in kept], tuple(consts[k] for k in lifted)
 
 
 def _symbolic(avals) -> bool:
@@ -434,12 +495,25 @@ class Jitted:
             program, out_info = localize(program, {program.n_consts + k: v
                                                    for k, v in sig.items()})
             local = None if not sig and not any(out_info) else (program, out_info)
-            src, globals_, n_out = backend.lower_program(program, traced.consts, traced.name)
-            lowered = Lowered(traced, src, globals_, n_out, _last_computed(program), local)
+            program, consts, params = lift_parameters(program, traced.consts)
+            src, globals_, n_out = backend.lower_program(program, consts, traced.name)
+            lowered = Lowered(traced, src, globals_, n_out, _last_computed(program), local,
+                              program, params)
             self._cache[key] = lowered
         return lowered
 
     def __call__(self, *args, **kwargs):
+        try:
+            return self._call(args, kwargs)
+        except ParameterChanged as e:
+            # a Parameter the function closes over changed shape or dtype: trace again
+            for cache in (self._calls, self._cache):
+                for k in [k for k, v in cache.items()
+                          if v is e.compiled or getattr(v, "_compiled", None) is e.compiled]:
+                    del cache[k]
+            return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         if type(current_trace()) is not EvalTrace:
             return self.fun(*args, **kwargs)  # inlined into the enclosing transform
         if context.jit_disabled.get():

@@ -16,7 +16,7 @@ import functools
 import warnings
 
 from fshard import context, distributed, tree, user_layouts
-from fshard.core import EvalTrace, current_trace, typeof
+from fshard.core import EvalTrace, Tracer, current_trace, typeof
 from fshard.errors import CompositionError, OperatorStrategyWarning, ShardingError
 from fshard.interop import context_dataset_strategy, context_mesh, context_search
 from fshard.ir import Program
@@ -74,6 +74,15 @@ def _device_count(mesh, fname: str) -> int:
     raise ShardingError(
         f"shard({fname}): mesh must be an fs.Mesh, a positive device count, or None; got "
         f"{type(mesh).__name__} {mesh!r}.\nFix: mesh=8 or mesh=fs.Mesh((2, 4), ('dp', 'mp')).")
+
+
+def _closure_unchanged(traced) -> bool:
+    """Whether the arrays ``traced`` closes over still have the types it was traced
+    with: ``set_data`` may give a Parameter another shape (then the function is traced
+    and planned again)."""
+    prog = traced.program
+    return all(isinstance(c, Tracer) or typeof(c) == v.aval
+               for c, v in zip(traced.consts, prog.inputs[:prog.n_consts]))
 
 
 def _devices_and_place(mesh, fname: str, groups: int = 1) -> tuple[int, bool]:
@@ -267,7 +276,7 @@ class Sharded:
         key = (in_tree, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves), n,
                in_job, groups, tuple(placed_strategy(x, n) for x in leaves))
         hit = self._cache.get(key)
-        if hit is not None:
+        if hit is not None and _closure_unchanged(hit[1]):
             return hit
         mesh = ShardMesh.for_devices(n)
         with context.counted(context.shard_depth), context.pushed(context.shard_devices, n):

@@ -31,6 +31,7 @@ from fshard.ir import Program
 from fshard.rules import lowering
 
 Tensor = ms.Tensor
+Parameter = ms.Parameter  # mutable by identity: a compiled program reads it at each call
 
 
 def is_tensor(x) -> bool:
@@ -386,11 +387,14 @@ def load_module(src: str, globals_: dict, hint: str):
     return mod
 
 
-def compile_source(src: str, globals_: dict, hint: str, dynamic=None) -> "GraphFunction":
+def compile_source(src: str, globals_: dict, hint: str, dynamic=None,
+                   n_params: int = 0) -> "GraphFunction":
     """``mindspore.jit`` of the function defined by ``src``, with the fast call path
     of ``GraphFunction``. ``dynamic``: the ArrayTypes of the function's parameters when
     some have symbolic dimensions; the graph is then compiled once for all their sizes
-    (``mindspore.enable_dynamic``, one ``mindspore.Symbol`` per fshard Symbol)."""
+    (``mindspore.enable_dynamic``, one ``mindspore.Symbol`` per fshard Symbol).
+    ``n_params``: how many leading arguments are MindSpore Parameters (see
+    ``GraphFunction``)."""
     mod = load_module(src, globals_, hint)
     fname = src.split("(", 1)[0][4:]
     fn = getattr(mod, fname)
@@ -412,7 +416,7 @@ def compile_source(src: str, globals_: dict, hint: str, dynamic=None) -> "GraphF
                                   for k, a in enumerate(dynamic) if not a.is_static})(fn)
     collective = any(isinstance(v, _COLLECTIVE_OPS) for v in globals_.values())
     return GraphFunction(ms.jit(fn, fullgraph=True), dynamic=dynamic is not None,
-                         collective=collective)
+                         collective=collective, n_params=n_params)
 
 
 # ---------------------------------------------------------------------------
@@ -479,9 +483,14 @@ except (ImportError, AttributeError):  # pragma: no cover  (another MindSpore ve
         return False
 
 
-def _plain_tensors(args) -> bool:
-    for a in args:
-        if type(a) is not Tensor or a.const_arg or a.has_init:
+def _plain_tensors(args, n_params: int = 0) -> bool:
+    """Whether the direct route may take ``args``: plain, initialised, non-constant
+    Tensors, except that the first ``n_params`` may be initialised Parameters."""
+    for k, a in enumerate(args):
+        if type(a) is not Tensor:
+            if k >= n_params or not isinstance(a, Parameter) or a.has_init:
+                return False
+        elif a.const_arg or a.has_init:
             return False
     return True
 
@@ -545,13 +554,21 @@ class GraphFunction:
 
     Every call must use arguments of the same shapes and dtypes (fshard's jit
     cache guarantees it: one GraphFunction per signature).
+
+    ``n_params`` leading arguments are the Parameters a jitted function reaches
+    through a closure (``fs.jit`` passes the same objects at every call, checked for
+    their types): the direct route takes them as they are, reading their current
+    values (measured on MindSpore 2.10: ``set_data``, ``assign`` and an optimizer
+    step are all seen). Parameters elsewhere take the ``mindspore.jit`` route.
     """
 
     __slots__ = ("jitted", "_phase", "_executor", "_config", "_tried", "_sig", "dynamic",
-                 "compiles", "collective")
+                 "compiles", "collective", "n_params")
 
-    def __init__(self, jitted, dynamic: bool = False, collective: bool = False):
+    def __init__(self, jitted, dynamic: bool = False, collective: bool = False,
+                 n_params: int = 0):
         self.jitted = jitted
+        self.n_params = n_params
         self.dynamic = dynamic  # compiled for every size of its symbolic dimensions
         self.collective = collective  # holds a collective op (reported to fshard.launch)
         self.compiles = 0       # MindSpore compilations this function caused
@@ -587,8 +604,8 @@ class GraphFunction:
     def _call(self, *args):
         phase = self._phase
         if (phase is not None and _jit_context() is None and not _requires_grad()
-                and _plain_tensors(args) and (self.dynamic or [a.shape for a in args]
-                                              == self._sig)):
+                and _plain_tensors(args, self.n_params)
+                and (self.dynamic or [a.shape for a in args] == self._sig)):
             try:
                 self._executor.set_jit_config(self._config)
                 return _convert_output(self._executor(args, phase))
@@ -615,7 +632,8 @@ class GraphFunction:
 
     def _find_phase(self, args) -> None:
         """Ask MindSpore which compiled phase ``self.jitted(*args)`` just ran."""
-        if _jit_context() is not None or _requires_grad() or not _plain_tensors(args):
+        if (_jit_context() is not None or _requires_grad()
+                or not _plain_tensors(args, self.n_params)):
             return  # this call is special; a later plain one may enable the direct route
         self._tried = True
         if (_ms_api is None or os.getenv("MS_JIT") == "0"

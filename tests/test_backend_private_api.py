@@ -79,12 +79,22 @@ def _sources() -> list[Path]:
 def _own_attributes(paths) -> set[str]:
     """Private attribute names fshard sets itself (``self._compiled = ...``): those are
     fshard's, even where MindSpore has one of the same name."""
+    def flat(targets):
+        for t in targets:
+            yield from flat(t.elts) if isinstance(t, ast.Tuple) else [t]
+
     names = set()
     for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
             if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                names.update(t.attr for t in targets if isinstance(t, ast.Attribute))
+                names.update(t.attr for t in flat(targets) if isinstance(t, ast.Attribute))
+            if isinstance(node, ast.ClassDef):  # class attributes (``_load = ...``)
+                for stmt in node.body:
+                    if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                        names.update(t.id for t in flat(targets) if isinstance(t, ast.Name))
     return names
 
 

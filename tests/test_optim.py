@@ -377,7 +377,10 @@ def test_schedules_compute_in_the_dtype_asked():
     s = fs.optim.cosine_decay(1.0, 3)
     assert s(1).dtype == ms.float32 and s(1, np.float64).dtype == ms.float64
     assert s(np.float64(1)).dtype == ms.float64
-    assert repr(s) == "cosine_decay(1.0, 3, alpha=0.0)"
+    # one implementation under both names
+    assert fs.optim.cosine_decay is fs.optim.cosine_decay_schedule
+    assert fs.optim.constant is fs.optim.constant_schedule
+    assert repr(s) == "cosine_decay_schedule(1.0, 3, alpha=0.0, exponent=1.0)"
 
 
 # -- integer parameters: updated in float, as optax does -------------------------------
@@ -498,7 +501,7 @@ def test_a_wrong_mask_is_an_fshard_error(mask, match):
     (lambda: fs.optim.clip_by_global_norm(math.inf), r"max_norm=\.\.\.\) must be a finite"),
     (lambda: fs.optim.cosine_decay(math.inf, 10), r"init_value=\.\.\.\) must be a finite"),
     (lambda: fs.optim.linear_warmup(0.0, math.nan, 3), r"peak_value=\.\.\.\) must be a finite"),
-    (lambda: fs.optim.constant(-math.inf), r"constant\(value=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.constant(-math.inf), r"constant_schedule\(value=\.\.\.\) must be a finite"),
     (lambda: fs.optim.sgd(0.1, mask=()), r"sgd\(mask=\.\.\.\) must be None"),
 ])
 def test_non_finite_hyperparameters_are_fshard_errors(make, match):

@@ -18,8 +18,13 @@ optax's optimizer exactly:
 >>> [round(float(u), 7) for u in updates["w"].asnumpy()]
 [-0.0010001, -0.0010001]
 
-A schedule is a function ``step -> value`` (step counted from 0), traceable, so it
-runs inside compiled programs.
+Every number is computed in the dtype of the values updated (float64 updates get
+float64 hyperparameters, bias corrections and schedules; see "dtypes" below), as in
+fs.optim's optimizers, which share this module's dtype rules and schedules.
+
+A schedule is a ``Schedule``: ``step -> value`` (step counted from 0), traceable, so
+it runs inside compiled programs, and ``schedule(step, dtype)`` computes in ``dtype``.
+A plain function ``step -> value`` works wherever a schedule is taken.
 """
 
 from __future__ import annotations

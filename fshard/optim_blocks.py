@@ -251,9 +251,10 @@ class Schedule:
 
 
 def _scalar(value, dtype):
-    """A number as a ``dtype`` scalar array. (Not ``ops.full``: under ``fs.jit`` its
-    float64 value is rounded to float32.)"""
-    return as_tensor(np.asarray(value, dtypes.to_numpy(dtype)))
+    """A number as a ``dtype`` scalar array, computed in the program (a captured Tensor
+    would be a constant input of every compiled step). Not ``ops.full((), value)``:
+    under ``fs.jit`` that rounds a float64 value to float32; 0 + value is exact."""
+    return ops.add(ops.zeros((), dtype), float(value))
 
 
 def _float_step(step, dtype):

@@ -92,7 +92,7 @@ class MaskedState(NamedTuple):
 
 class InjectHyperparamsState(NamedTuple):
     count: Any          # int32 scalar: steps taken
-    hyperparams: dict   # name -> float32/float64 scalar (the value of the step being taken)
+    hyperparams: dict   # name -> float64 scalar (the value of the step being taken)
     inner_state: Any
 
 
@@ -217,13 +217,6 @@ def _per_dtype(fn: Callable) -> Callable:
         return cache[dtype]
 
     return at
-
-
-def _tree_dtype(t):
-    """The hyperparameter dtype of a pytree's values: float64 if any leaf is float64."""
-    leaves = [] if t is None else tree.leaves(_arrays(t))
-    return (dtypes.float64 if any(typeof(x).dtype == dtypes.float64 for x in leaves)
-            else dtypes.float32)
 
 
 # -- the schedule protocol ---------------------------------------------------------------
@@ -560,8 +553,9 @@ def inject_hyperparams(inner_factory: Callable) -> Callable:
     The hyperparameters passed (not the factory's defaults, which optax stores too)
     live in ``state.hyperparams``: a number becomes a scalar array (replace it to change
     the value mid-training, e.g. from a validation loss); a schedule (``step ->
-    value``) is evaluated at every step, its value stored there. They are float64 when
-    a parameter is float64, else float32. Each update calls
+    value``) is evaluated at every step, its value stored there. They are float64
+    scalars (the numbers passed, exactly); each block computes with them in its
+    values' dtype. Each update calls
     ``inner_factory`` with the values of the step: ``learning_rate`` as a constant
     schedule (every fshard optimizer takes schedules there), the others as arrays (the
     building blocks take arrays; fshard's ``sgd``/``adam``/``adamw`` check their other
@@ -599,17 +593,17 @@ def inject_hyperparams(inner_factory: Callable) -> Callable:
             return inner_factory(**{k: (lambda step, v=v: v) if k == "learning_rate" else v
                                     for k, v in vals.items()})
 
-        # The values live in the dtype of the parameters' hyperparameters: float64 if
-        # a parameter (an update) is float64, else float32.
+        # The values are kept in float64, the number passed exactly (init may not see
+        # the parameters: init(None)); each block rounds them to its leaf's dtype.
         def init(params):
             count = _count0()
-            vals = values(count, numeric, _tree_dtype(params))
+            vals = values(count, numeric, dtypes.float64)
             return InjectHyperparamsState(count, vals, build(vals).init(params))
 
         def update(updates, state, params=None):
             _check_state("inject_hyperparams", state, InjectHyperparamsState)
             vals = values(state.count, {k: state.hyperparams[k] for k in numeric},
-                          _tree_dtype(updates))
+                          dtypes.float64)
             new, inner_state = build(vals).update(updates, state.inner_state, params)
             return new, InjectHyperparamsState(state.count + 1, vals, inner_state)
 

@@ -690,6 +690,11 @@ def test_a_wrong_mask_is_an_fshard_error(mask, match):
     (lambda: fs.optim.linear_warmup(0.0, math.nan, 3), r"peak_value=\.\.\.\) must be a finite"),
     (lambda: fs.optim.constant(-math.inf), r"constant_schedule\(value=\.\.\.\) must be a finite"),
     (lambda: fs.optim.sgd(0.1, mask=()), r"sgd\(mask=\.\.\.\) must be None"),
+    # optax's blocks and schedules: an inf made every value inf without an error
+    (lambda: fs.optim.scale(math.inf), r"scale\(step_size=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.linear_schedule(0.0, math.inf, 3), r"end_value=\.\.\.\) must be a fin"),
+    (lambda: fs.optim.scale_by_adam(eps=math.inf), r"adam\(eps=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.exponential_decay(1.0, 2, 0.5, end_value=-math.inf), "end_value"),
 ])
 def test_non_finite_hyperparameters_are_fshard_errors(make, match):
     with pytest.raises(fs.ArgumentError, match=match) as e:

@@ -32,6 +32,7 @@ import numpy as np
 from fshard import dtypes, ops, tree
 from fshard.core import typeof
 from fshard.errors import ArgumentError
+
 # The dtype rules and the schedules are shared with optax's building blocks, which
 # live below fs.optim's optimizers (fshard/optim_blocks.py).
 from fshard.optim_blocks import (Schedule, _arrays, _as_array, _as_state, _count0,

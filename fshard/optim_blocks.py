@@ -265,12 +265,6 @@ def _schedule_value(schedule: Callable, step, dtype):
     return _as_state(_as_array(value), dtype)
 
 
-def _check_schedule(fn: str, name: str, value) -> None:
-    if not callable(value):
-        raise ArgumentError(f"fs.optim.{fn}({name}=...) must be a schedule (step -> value); "
-                            f"got {value!r}.")
-
-
 # -- transformations -------------------------------------------------------------------
 
 

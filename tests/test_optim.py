@@ -498,7 +498,7 @@ def test_inject_hyperparams_keeps_the_numbers_passed_in_float64():
         u32, _ = opt.update(p32, opt.init(p32), p32)  # float32 leaves: float32 updates
         assert u32["w"].dtype == ms.float32
     scale = fs.optim.inject_hyperparams(fs.optim.scale)(step_size=-0.1)
-    u, s = scale.update({"w": np.ones(2)}, scale.init(None))
+    u, _ = scale.update({"w": np.ones(2)}, scale.init(None))
     assert u["w"].asnumpy().tolist() == [-0.1, -0.1]
 
 
@@ -536,8 +536,9 @@ F64_SCHEDULES = {
                           lambda t: _exp_decay(t, 1.0, 3, 0.7, 2, end=0.2)),
     "exponential_decay_staircase": (fs.optim.exponential_decay(1.0, 3, 0.3, staircase=True),
                                     lambda t: _exp_decay(t, 1.0, 3, 0.3, staircase=True)),
-    "piecewise_constant_schedule": (fs.optim.piecewise_constant_schedule(1.0, {3: 0.3, 7: 0.1}),
-                                    lambda t: 1.0 * (0.3 if t >= 3 else 1) * (0.1 if t >= 7 else 1)),
+    "piecewise_constant_schedule": (
+        fs.optim.piecewise_constant_schedule(1.0, {3: 0.3, 7: 0.1}),
+        lambda t: 1.0 * (0.3 if t >= 3 else 1) * (0.1 if t >= 7 else 1)),
     "join_schedules": (
         fs.optim.join_schedules([fs.optim.constant_schedule(0.7),
                                  fs.optim.linear_schedule(0.7, 0.1, 3)], [5]),

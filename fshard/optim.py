@@ -30,9 +30,15 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from fshard import dtypes, ops, tree
-from fshard.backend.mindspore import as_tensor
-from fshard.core import Tracer, typeof
+from fshard.core import typeof
 from fshard.errors import ArgumentError
+
+# The dtype rules and the schedules are shared with optax's building blocks, which
+# live below fs.optim's optimizers (fshard/optim_blocks.py).
+from fshard.optim_blocks import (Schedule, _arrays, _as_array, _as_state, _count0,
+                                 _hyper_dtype, _per_dtype, _state_dtype, _zeros_like,
+                                 constant_schedule, cosine_decay_schedule, join_schedules,
+                                 linear_schedule)
 
 __all__ = ["Optimizer", "sgd", "adam", "adamw", "apply_updates", "chain",
            "clip_by_global_norm", "cosine_decay", "linear_warmup", "constant",
@@ -103,14 +109,6 @@ def _check_mask(fn: str, mask) -> None:
             f"pytree; got {mask!r}.")
 
 
-def _zeros_like(x):
-    return ops.zeros(tuple(typeof(x).shape), _state_dtype(typeof(x).dtype))
-
-
-def _count0():
-    return as_tensor(np.int32(0))
-
-
 def _same_structure(fn: str, what: str, a, b) -> None:
     ta, tb = tree.structure(a), tree.structure(b)
     if ta != tb:
@@ -132,31 +130,9 @@ def _same_structure(fn: str, what: str, a, b) -> None:
 # (the cast rounds towards zero, like NumPy's astype).
 
 
-def _state_dtype(dtype):
-    """The dtype of a leaf's optimizer state and updates: its own for a float32 or
-    float64 leaf, float32 otherwise."""
-    return dtype if dtype in (dtypes.float32, dtypes.float64) else dtypes.float32
-
-
-def _hyper_dtype(dtype):
-    """The dtype a float leaf's hyperparameters are computed in."""
-    return dtypes.float64 if dtype == dtypes.float64 else dtypes.float32
-
-
-def _as_state(x, dtype):
-    return x if typeof(x).dtype == dtype else ops.cast(x, dtype)
-
-
 def _rate_fn(fn: str, schedule: Callable, count) -> Callable:
     """``dtype -> the learning rate of step count`` in that dtype (each computed once)."""
-    cache: dict = {}
-
-    def rate(dtype):
-        if dtype not in cache:
-            cache[dtype] = _evaluate(fn, schedule, count, dtype)
-        return cache[dtype]
-
-    return rate
+    return _per_dtype(lambda dtype: _evaluate(fn, schedule, count, dtype))
 
 
 def _evaluate(fn: str, schedule: Callable, step, dtype):
@@ -222,67 +198,21 @@ def _masked(flags: list, f, *trees):
 
 
 # -- schedules -----------------------------------------------------------------------
+#
+# One implementation per schedule (fshard/optim_blocks.py); fs.optim's older names are
+# the same functions.
 
-
-class Schedule:
-    """A learning-rate schedule ``step -> value`` (``constant``, ``cosine_decay``,
-    ``linear_warmup``). ``schedule(step, dtype=None)`` computes in ``dtype`` (default:
-    the step's float dtype, else float32); the optimizers ask each parameter's dtype,
-    so a float64 parameter gets a float64 learning rate."""
-
-    def __init__(self, fn: Callable, text: str):
-        self._fn, self._text = fn, text
-
-    def __call__(self, step, dtype=None):
-        if dtype is None:
-            d = typeof(step).dtype
-            dtype = d if dtypes.is_float(d) else dtypes.float32
-        return self._fn(step, dtypes.canonical(dtype))
-
-    def __repr__(self) -> str:
-        return self._text
-
-
-def _float_step(step, dtype):
-    return ops.cast(_as_array(step), dtype)
-
-
-def constant(value: float) -> Schedule:
-    """The schedule ``step -> value``."""
-    _check_number("constant", "value", value)
-    value = float(value)
-    return Schedule(lambda step, dtype: value, f"constant({value!r})")
-
-
-def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
-    """``init_value * ((1 - alpha) * (1 + cos(pi * min(step, decay_steps) /
-    decay_steps)) / 2 + alpha)`` (optax's ``cosine_decay_schedule``).
-
-    >>> import fshard as fs
-    >>> s = fs.optim.cosine_decay(1.0, 10)
-    >>> [round(float(s(t)), 4) for t in (0, 5, 10, 20)]
-    [1.0, 0.5, 0.0, 0.0]
-    """
-    _check_number("cosine_decay", "init_value", init_value)
-    if isinstance(decay_steps, bool) or not isinstance(decay_steps, int) or decay_steps < 1:
-        raise ArgumentError(
-            f"fs.optim.cosine_decay(decay_steps=...) must be an int >= 1; got {decay_steps!r}.")
-    _check_number("cosine_decay", "alpha", alpha, low=0.0, high=1.0)
-
-    def schedule(step, dtype):
-        t = ops.minimum(_float_step(step, dtype), float(decay_steps))
-        cos = ops.cos(ops.mul(t, math.pi / decay_steps))
-        return ops.mul(ops.add(ops.mul(ops.add(cos, 1.0), (1.0 - alpha) * 0.5), alpha),
-                       float(init_value))
-
-    return Schedule(schedule, f"cosine_decay({init_value!r}, {decay_steps!r}, alpha={alpha!r})")
+constant = constant_schedule
+cosine_decay = cosine_decay_schedule
 
 
 def linear_warmup(init_value: float, peak_value: float, warmup_steps: int,
                   after: Callable | None = None) -> Schedule:
     """From ``init_value`` to ``peak_value`` linearly over ``warmup_steps``, then
     ``after(step - warmup_steps)`` (default: ``peak_value``; e.g.
-    ``cosine_decay(peak_value, ...)``; optax's ``warmup_cosine_decay_schedule``).
+    ``cosine_decay(peak_value, ...)``): ``join_schedules([linear_schedule(init_value,
+    peak_value, warmup_steps), after], [warmup_steps])``, optax's
+    ``warmup_cosine_decay_schedule`` with a cosine ``after``.
 
     >>> import fshard as fs
     >>> s = fs.optim.linear_warmup(0.0, 1.0, 4)
@@ -300,30 +230,13 @@ def linear_warmup(init_value: float, peak_value: float, warmup_steps: int,
             f"fs.optim.linear_warmup(after=...) must be a schedule (step -> value); got "
             f"{after!r}.")
     init_value, peak_value = float(init_value), float(peak_value)
-
-    def schedule(step, dtype):
-        t = _float_step(step, dtype)
-        frac = ops.mul(ops.minimum(t, float(warmup_steps)), 1.0 / warmup_steps)
-        warm = ops.add(ops.mul(frac, peak_value - init_value), init_value)
-        if after is None:
-            rest = peak_value
-        else:
-            later = ops.maximum(ops.sub(t, float(warmup_steps)), 0.0)
-            rest = after(later, dtype) if isinstance(after, Schedule) else \
-                ops.cast(_as_array(after(later)), dtype)
-        return ops.where(ops.less(t, float(warmup_steps)), warm, rest)
-
-    return Schedule(schedule, f"linear_warmup({init_value!r}, {peak_value!r}, "
-                              f"{warmup_steps!r}, after={after!r})")
+    rest = constant_schedule(peak_value) if after is None else after
+    joined = join_schedules([linear_schedule(init_value, peak_value, warmup_steps), rest],
+                            [warmup_steps])
+    return Schedule(joined, f"linear_warmup({init_value!r}, {peak_value!r}, "
+                            f"{warmup_steps!r}, after={after!r})")
 
 
-def _arrays(t):
-    """NumPy leaves as Tensors (Python operators on a Tensor and an ndarray fail)."""
-    return None if t is None else tree.map(_as_array, t)
-
-
-def _as_array(x):
-    return x if isinstance(x, Tracer) or hasattr(x, "asnumpy") else as_tensor(np.asarray(x))
 
 
 # -- optimizers ----------------------------------------------------------------------

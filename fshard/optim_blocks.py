@@ -18,8 +18,13 @@ optax's optimizer exactly:
 >>> [round(float(u), 7) for u in updates["w"].asnumpy()]
 [-0.0010001, -0.0010001]
 
-A schedule is a function ``step -> value`` (step counted from 0), traceable, so it
-runs inside compiled programs.
+Every number is computed in the dtype of the values updated (float64 updates get
+float64 hyperparameters, bias corrections and schedules; see "dtypes" below), as in
+fs.optim's optimizers, which share this module's dtype rules and schedules.
+
+A schedule is a ``Schedule``: ``step -> value`` (step counted from 0), traceable, so
+it runs inside compiled programs, and ``schedule(step, dtype)`` computes in ``dtype``.
+A plain function ``step -> value`` works wherever a schedule is taken.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from fshard import ops, tree
+from fshard import dtypes, ops, tree
 from fshard.backend.mindspore import as_tensor
 from fshard.core import Tracer, typeof
 from fshard.errors import ArgumentError
@@ -87,7 +92,7 @@ class MaskedState(NamedTuple):
 
 class InjectHyperparamsState(NamedTuple):
     count: Any          # int32 scalar: steps taken
-    hyperparams: dict   # name -> float32 scalar (the value of the step being taken)
+    hyperparams: dict   # name -> float64 scalar (the value of the step being taken)
     inner_state: Any
 
 
@@ -98,9 +103,16 @@ def _number(fn: str, name: str, value, low=None, low_open=False, high=None,
             high_open=False, integer=False) -> None:
     kinds = (int, np.integer) if integer else (int, float, np.number)
     what = "an int" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, kinds) or (
-            not integer and math.isnan(float(value))):
+    if isinstance(value, bool) or not isinstance(value, kinds):
         raise ArgumentError(f"fs.optim.{fn}({name}=...) must be {what}; got {value!r}.")
+    if not integer:
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # a Python int beyond the float range
+            finite = False
+        if not finite:  # an inf or nan hyperparameter makes every value inf or nan
+            raise ArgumentError(f"fs.optim.{fn}({name}=...) must be a finite number; got "
+                                f"{value!r}.\nFix: pass a finite {name}.")
     if low is not None and (value < low or (low_open and value == low)):
         raise ArgumentError(
             f"fs.optim.{fn}({name}=...) must be {'>' if low_open else '>='} {low}; got "
@@ -126,24 +138,12 @@ def _as_array(x):
 
 
 def _arrays(t):
+    """NumPy leaves as Tensors (Python operators on a Tensor and an ndarray fail)."""
     return None if t is None else tree.map(_as_array, t)
-
-
-def _step(step):
-    return ops.cast(_as_array(step), np.float32)
-
-
-def _zeros_like(x):
-    return ops.zeros(tuple(typeof(x).shape), typeof(x).dtype)
 
 
 def _count0():
     return as_tensor(np.int32(0))
-
-
-def _like(u, x):
-    """``x`` in the dtype of the update ``u`` it replaces."""
-    return ops.cast(x, typeof(u).dtype)
 
 
 def _check_state(fn: str, state, cls) -> None:
@@ -153,11 +153,116 @@ def _check_state(fn: str, state, cls) -> None:
             f"its init() returned; got {type(state).__name__}.")
 
 
-def _schedule_arg(fn: str, name: str, value) -> Callable:
-    if callable(value):
-        return value
-    _value(fn, name, value)
-    return lambda step: value
+# -- dtypes ------------------------------------------------------------------------------
+#
+# Every number is computed in the dtype of the values it updates: a float64 leaf gets a
+# float64 update made of float64 hyperparameters (bias corrections, schedules), a
+# float32 leaf float32 ones. Any other leaf (float16, integers) is worked with in
+# float32, its state too, and its update is float32 (apply_updates casts back): in
+# float16, eps = 1e-8 is 0 and a second moment of 1e-9 underflows. fs.optim's
+# optimizers follow the same rules (fshard/optim.py).
+#
+# The arithmetic goes through fshard.ops, never Python operators on Tensors: outside a
+# trace those are MindSpore's, which round a Python float to float32 first (0.9 * a
+# float64 Tensor is 0.899999976...). Two Python numbers are combined in Python
+# (float64); ops.sub(1.0, 0.9) would be a float32 Tensor.
+
+
+def _state_dtype(dtype):
+    """The dtype of a leaf's state and update: its own for a float32 or float64 leaf,
+    float32 otherwise."""
+    return dtype if dtype in (dtypes.float32, dtypes.float64) else dtypes.float32
+
+
+def _hyper_dtype(dtype):
+    """The dtype a float leaf's hyperparameters are computed in."""
+    return dtypes.float64 if dtype == dtypes.float64 else dtypes.float32
+
+
+def _as_state(x, dtype):
+    return x if typeof(x).dtype == dtype else ops.cast(x, dtype)
+
+
+def _work(x):
+    """A leaf in the dtype it is updated in."""
+    x = _as_array(x)
+    return _as_state(x, _state_dtype(typeof(x).dtype))
+
+
+def _zeros_like(x):
+    return ops.zeros(tuple(typeof(x).shape), _state_dtype(typeof(x).dtype))
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _hp(x, dtype):
+    """A hyperparameter in ``dtype``: a number stays a Python float (fshard.ops computes
+    it in the other operand's dtype), an array (``inject_hyperparams``) is cast."""
+    return float(x) if _is_number(x) else _as_state(_as_array(x), dtype)
+
+
+def _one_minus(x):
+    return 1.0 - x if _is_number(x) else ops.sub(1.0, x)
+
+
+def _per_dtype(fn: Callable) -> Callable:
+    """``fn(dtype)``, computed once per dtype (one schedule value per leaf dtype)."""
+    cache: dict = {}
+
+    def at(dtype):
+        if dtype not in cache:
+            cache[dtype] = fn(dtype)
+        return cache[dtype]
+
+    return at
+
+
+# -- the schedule protocol ---------------------------------------------------------------
+
+
+class Schedule:
+    """A schedule ``step -> value`` that computes in a given dtype:
+    ``schedule(step, dtype=None)`` (default: the step's float dtype, else float32).
+    Every fshard schedule is one; the optimizers and building blocks ask each leaf's
+    dtype, so a float64 parameter gets a float64 learning rate. ``Schedule(fn, text)``
+    makes one of ``fn(step, dtype)``; a plain function ``step -> value`` works too, its
+    value cast to the dtype asked."""
+
+    def __init__(self, fn: Callable, text: str):
+        self._fn, self._text = fn, text
+
+    def __call__(self, step, dtype=None):
+        if dtype is None:
+            d = typeof(step).dtype
+            dtype = d if dtypes.is_float(d) else dtypes.float32
+        return self._fn(step, dtypes.canonical(dtype))
+
+    def __repr__(self) -> str:
+        return self._text
+
+
+def _scalar(value, dtype):
+    """A number as a ``dtype`` scalar array, computed in the program (a captured Tensor
+    would be a constant input of every compiled step). Not ``ops.full((), value)``:
+    under ``fs.jit`` that rounds a float64 value to float32; 0 + value is exact."""
+    return ops.add(ops.zeros((), dtype), float(value))
+
+
+def _float_step(step, dtype):
+    return ops.cast(_as_array(step), dtype)
+
+
+def _schedule_value(schedule: Callable, step, dtype):
+    """A schedule's value at ``step`` as a ``dtype`` scalar array."""
+    if isinstance(schedule, Schedule):
+        value = schedule(step, dtype)
+    else:
+        value = schedule(step)
+    if _is_number(value):
+        return _scalar(value, dtype)
+    return _as_state(_as_array(value), dtype)
 
 
 # -- transformations -------------------------------------------------------------------
@@ -184,9 +289,12 @@ def scale(step_size) -> GradientTransformation:
     """
     _value("scale", "step_size", step_size)
 
+    def scaled(u):
+        w = _work(u)
+        return ops.mul(w, _hp(step_size, typeof(w).dtype))
+
     def update(updates, state, params=None):
-        updates = _arrays(updates)
-        return tree.map(lambda u: _like(u, u * step_size), updates), state
+        return tree.map(scaled, _arrays(updates)), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
 
@@ -210,10 +318,13 @@ def scale_by_schedule(step_size_fn: Callable) -> GradientTransformation:
 
     def update(updates, state, params=None):
         _check_state("scale_by_schedule", state, ScaleByScheduleState)
-        updates = _arrays(updates)
-        step_size = step_size_fn(state.count)
-        updates = tree.map(lambda u: _like(u, u * step_size), updates)
-        return updates, ScaleByScheduleState(state.count + 1)
+        step_size = _per_dtype(lambda d: _schedule_value(step_size_fn, state.count, d))
+
+        def scaled(u):
+            w = _work(u)
+            return ops.mul(w, step_size(typeof(w).dtype))
+
+        return tree.map(scaled, _arrays(updates)), ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(lambda params: ScaleByScheduleState(_count0()), update)
 
@@ -231,11 +342,16 @@ def scale_by_learning_rate(learning_rate, *, flip_sign: bool = True) -> Gradient
     if not isinstance(flip_sign, bool):
         raise ArgumentError(
             f"fs.optim.scale_by_learning_rate(flip_sign=...) must be a bool; got {flip_sign!r}.")
-    sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
-        return scale_by_schedule(lambda count: sign * learning_rate(count))
+        if not flip_sign:
+            return scale_by_schedule(learning_rate)
+        return scale_by_schedule(Schedule(
+            lambda step, dtype: ops.neg(_schedule_value(learning_rate, step, dtype)),
+            f"-{learning_rate!r}"))
     _value("scale_by_learning_rate", "learning_rate", learning_rate)
-    return scale(sign * learning_rate)
+    if not flip_sign:
+        return scale(learning_rate)
+    return scale(-learning_rate if _is_number(learning_rate) else ops.neg(learning_rate))
 
 
 def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, *,
@@ -267,21 +383,42 @@ def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, *,
 
     def update(updates, state, params=None):
         _check_state("scale_by_adam", state, ScaleByAdamState)
-        updates = _arrays(updates)
-        mu = tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, updates)
-        nu = tree.map(lambda v, g: b2 * v + (1.0 - b2) * (g * g), state.nu, updates)
+        # each gradient in the dtype of its moments (float32 for a float16 leaf)
+        grads = tree.map(lambda g, m: _as_state(_as_array(g), typeof(m).dtype),
+                         updates, state.mu)
+
+        def first(m, g):
+            h = _hp(b1, typeof(m).dtype)
+            return ops.add(ops.mul(m, h), ops.mul(g, _one_minus(h)))
+
+        def second(v, g):
+            h = _hp(b2, typeof(v).dtype)
+            return ops.add(ops.mul(v, h), ops.mul(ops.mul(g, g), _one_minus(h)))
+
+        mu = tree.map(first, state.mu, grads)
+        nu = tree.map(second, state.nu, grads)
         count = state.count + 1
-        t = ops.cast(count, np.float32)
-        c1 = 1.0 - ops.pow(b1, t)
-        c2 = 1.0 - ops.pow(b2, t)
-        if nesterov:  # optax: b1 mu / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)
-            c1_next = 1.0 - ops.pow(b1, t + 1.0)
-            mu_hat = tree.map(lambda m, g: b1 * m / c1_next + (1.0 - b1) * g / c1, mu, updates)
-        else:
-            mu_hat = tree.map(lambda m: m / c1, mu)
-        out = tree.map(lambda u, m, v: _like(u, m / (ops.sqrt(v / c2 + eps_root) + eps)),
-                       updates, mu_hat, nu)
-        return out, ScaleByAdamState(count, mu, nu)
+
+        @_per_dtype
+        def corrections(d):  # 1 - b1^t, 1 - b2^t, 1 - b1^(t+1) in the leaf's dtype
+            t = ops.cast(count, d)
+            h1 = _hp(b1, d)
+            return (ops.sub(1.0, ops.pow(h1, t)), ops.sub(1.0, ops.pow(_hp(b2, d), t)),
+                    ops.sub(1.0, ops.pow(h1, ops.add(t, 1.0))) if nesterov else None)
+
+        def direction(m, v, g):
+            d = typeof(m).dtype
+            c1, c2, c1_next = corrections(d)
+            if nesterov:  # optax: b1 mu / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)
+                h1 = _hp(b1, d)
+                m_hat = ops.add(ops.div(ops.mul(m, h1), c1_next),
+                                ops.div(ops.mul(g, _one_minus(h1)), c1))
+            else:
+                m_hat = ops.div(m, c1)
+            root = ops.sqrt(ops.add(ops.div(v, c2), _hp(eps_root, d)))
+            return ops.div(m_hat, ops.add(root, _hp(eps, d)))
+
+        return tree.map(direction, mu, nu, grads), ScaleByAdamState(count, mu, nu)
 
     return GradientTransformation(init, update)
 
@@ -304,8 +441,12 @@ def add_decayed_weights(weight_decay=0.0, mask=None) -> GradientTransformation:
             raise ArgumentError(
                 "fs.optim.add_decayed_weights.update(updates, state, params): weight decay "
                 "needs the parameters.\nFix: pass params as the third argument.")
-        updates, params = _arrays(updates), _arrays(params)
-        return tree.map(lambda u, p: _like(u, u + weight_decay * p), updates, params), state
+        def decayed(u, p):
+            w = _work(u)
+            d = typeof(w).dtype
+            return ops.add(w, ops.mul(_as_state(_as_array(p), d), _hp(weight_decay, d)))
+
+        return tree.map(decayed, _arrays(updates), _arrays(params)), state
 
     inner = GradientTransformation(lambda params: EmptyState(), update)
     return inner if mask is None else masked(inner, mask)
@@ -332,10 +473,15 @@ def trace(decay, nesterov: bool = False) -> GradientTransformation:
 
     def update(updates, state, params=None):
         _check_state("trace", state, TraceState)
-        updates = _arrays(updates)
-        new = tree.map(lambda t, g: decay * t + g, state.trace, updates)
-        out = tree.map(lambda g, t: g + decay * t, updates, new) if nesterov else new
-        return tree.map(_like, updates, out), TraceState(new)
+        grads = tree.map(lambda g, t: _as_state(_as_array(g), typeof(t).dtype),
+                         updates, state.trace)
+        new = tree.map(lambda t, g: ops.add(ops.mul(t, _hp(decay, typeof(t).dtype)), g),
+                       state.trace, grads)
+        if not nesterov:
+            return new, TraceState(new)
+        out = tree.map(lambda g, t: ops.add(g, ops.mul(t, _hp(decay, typeof(t).dtype))),
+                       grads, new)
+        return out, TraceState(new)
 
     return GradientTransformation(init, update)
 
@@ -399,9 +545,11 @@ def inject_hyperparams(inner_factory: Callable) -> Callable:
     ``inject_hyperparams``): ``inject_hyperparams(factory)(**hyperparams)``.
 
     The hyperparameters passed (not the factory's defaults, which optax stores too)
-    live in ``state.hyperparams``: a number becomes a float32 scalar (replace it to change
+    live in ``state.hyperparams``: a number becomes a scalar array (replace it to change
     the value mid-training, e.g. from a validation loss); a schedule (``step ->
-    value``) is evaluated at every step, its value stored there. Each update calls
+    value``) is evaluated at every step, its value stored there. They are float64
+    scalars (the numbers passed, exactly); each block computes with them in its
+    values' dtype. Each update calls
     ``inner_factory`` with the values of the step: ``learning_rate`` as a constant
     schedule (every fshard optimizer takes schedules there), the others as arrays (the
     building blocks take arrays; fshard's ``sgd``/``adam``/``adamw`` check their other
@@ -429,26 +577,27 @@ def inject_hyperparams(inner_factory: Callable) -> Callable:
         for k, v in numeric.items():
             _value("inject_hyperparams", k, v)
 
-        def values(count, stored):
-            out = dict(stored)
+        def values(count, stored, dtype):
+            out = {k: _as_state(_as_array(v), dtype) for k, v in stored.items()}
             for k, s in schedules.items():
-                out[k] = ops.cast(_as_array(s(count)), np.float32)
+                out[k] = _schedule_value(s, count, dtype)
             return out
 
         def build(vals):
             return inner_factory(**{k: (lambda step, v=v: v) if k == "learning_rate" else v
                                     for k, v in vals.items()})
 
+        # The values are kept in float64, the number passed exactly (init may not see
+        # the parameters: init(None)); each block rounds them to its leaf's dtype.
         def init(params):
             count = _count0()
-            stored = {k: as_tensor(np.float32(v)) if not _is_array(v) else
-                      ops.cast(v, np.float32) for k, v in numeric.items()}
-            vals = values(count, stored)
+            vals = values(count, numeric, dtypes.float64)
             return InjectHyperparamsState(count, vals, build(vals).init(params))
 
         def update(updates, state, params=None):
             _check_state("inject_hyperparams", state, InjectHyperparamsState)
-            vals = values(state.count, {k: state.hyperparams[k] for k in numeric})
+            vals = values(state.count, {k: state.hyperparams[k] for k in numeric},
+                          dtypes.float64)
             new, inner_state = build(vals).update(updates, state.inner_state, params)
             return new, InjectHyperparamsState(state.count + 1, vals, inner_state)
 
@@ -458,25 +607,30 @@ def inject_hyperparams(inner_factory: Callable) -> Callable:
 
 
 # -- schedules ---------------------------------------------------------------------------
+#
+# Each is a Schedule: schedule(step, dtype) computes in dtype (fs.optim's optimizers and
+# the blocks above ask each leaf's), the Python numbers combined in Python.
 
 
 def _steps(fn: str, name: str, value, low: int = 1) -> None:
     _number(fn, name, value, low=low, integer=True)
 
 
-def constant_schedule(value) -> Callable:
-    """``step -> value`` (optax's ``constant_schedule``).
+def constant_schedule(value) -> Schedule:
+    """``step -> value`` (optax's ``constant_schedule``; also ``fs.optim.constant``).
 
     >>> import fshard as fs
     >>> float(fs.optim.constant_schedule(0.1)(7).asnumpy())
     0.10000000149011612
     """
     _number("constant_schedule", "value", value)
-    return lambda step: ops.full((), float(value), np.float32)
+    value = float(value)
+    return Schedule(lambda step, dtype: _scalar(value, dtype),
+                    f"constant_schedule({value!r})")
 
 
 def polynomial_schedule(init_value, end_value, power, transition_steps: int,
-                        transition_begin: int = 0) -> Callable:
+                        transition_begin: int = 0) -> Schedule:
     """From ``init_value`` to ``end_value`` over ``transition_steps`` steps after
     ``transition_begin``: ``(init - end) * (1 - t / transition_steps)^power + end``
     (optax's ``polynomial_schedule``).
@@ -490,18 +644,20 @@ def polynomial_schedule(init_value, end_value, power, transition_steps: int,
         _number("polynomial_schedule", name, v)
     _steps("polynomial_schedule", "transition_steps", transition_steps)
     _steps("polynomial_schedule", "transition_begin", transition_begin, low=0)
+    init_value, end_value, power = float(init_value), float(end_value), float(power)
 
-    def schedule(step):
-        t = ops.minimum(ops.maximum(_step(step) - transition_begin, 0.0),
-                        float(transition_steps))
-        frac = 1.0 - t / float(transition_steps)
-        return (init_value - end_value) * ops.pow(frac, float(power)) + end_value
+    def schedule(step, dtype):
+        t = ops.sub(_float_step(step, dtype), float(transition_begin))
+        t = ops.minimum(ops.maximum(t, 0.0), float(transition_steps))
+        frac = ops.sub(1.0, ops.div(t, float(transition_steps)))
+        return ops.add(ops.mul(ops.pow(frac, power), init_value - end_value), end_value)
 
-    return schedule
+    return Schedule(schedule, f"polynomial_schedule({init_value!r}, {end_value!r}, {power!r}, "
+                              f"{transition_steps!r}, {transition_begin!r})")
 
 
 def linear_schedule(init_value, end_value, transition_steps: int,
-                    transition_begin: int = 0) -> Callable:
+                    transition_begin: int = 0) -> Schedule:
     """Linearly from ``init_value`` to ``end_value`` over ``transition_steps`` steps
     after ``transition_begin`` (optax's ``linear_schedule``).
 
@@ -514,12 +670,15 @@ def linear_schedule(init_value, end_value, transition_steps: int,
         _number("linear_schedule", name, v)
     _steps("linear_schedule", "transition_steps", transition_steps)
     _steps("linear_schedule", "transition_begin", transition_begin, low=0)
-    return polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)
+    s = polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)
+    return Schedule(s, f"linear_schedule({float(init_value)!r}, {float(end_value)!r}, "
+                       f"{transition_steps!r}, {transition_begin!r})")
 
 
-def cosine_decay_schedule(init_value, decay_steps: int, alpha=0.0, exponent=1.0) -> Callable:
+def cosine_decay_schedule(init_value, decay_steps: int, alpha=0.0, exponent=1.0) -> Schedule:
     """``init_value * ((1 - alpha) * ((1 + cos(pi * min(step, decay_steps) /
-    decay_steps)) / 2)^exponent + alpha)`` (optax's ``cosine_decay_schedule``).
+    decay_steps)) / 2)^exponent + alpha)`` (optax's ``cosine_decay_schedule``; also
+    ``fs.optim.cosine_decay``).
 
     >>> import fshard as fs
     >>> s = fs.optim.cosine_decay_schedule(1.0, 10)
@@ -530,18 +689,22 @@ def cosine_decay_schedule(init_value, decay_steps: int, alpha=0.0, exponent=1.0)
     _steps("cosine_decay_schedule", "decay_steps", decay_steps)
     _number("cosine_decay_schedule", "alpha", alpha)
     _number("cosine_decay_schedule", "exponent", exponent)
+    init_value, alpha, exponent = float(init_value), float(alpha), float(exponent)
 
-    def schedule(step):
-        t = ops.minimum(_step(step), float(decay_steps))
-        cosine = 0.5 * (1.0 + ops.cos(t * (math.pi / decay_steps)))
-        return init_value * ((1.0 - alpha) * ops.pow(cosine, float(exponent)) + alpha)
+    def schedule(step, dtype):
+        t = ops.minimum(_float_step(step, dtype), float(decay_steps))
+        cosine = ops.mul(ops.add(ops.cos(ops.mul(t, math.pi / decay_steps)), 1.0), 0.5)
+        decayed = ops.add(ops.mul(ops.pow(cosine, exponent), 1.0 - alpha), alpha)
+        return ops.mul(decayed, init_value)
 
-    return schedule
+    return Schedule(schedule, f"cosine_decay_schedule({init_value!r}, {decay_steps!r}, "
+                              f"alpha={alpha!r}, exponent={exponent!r})")
 
 
-def join_schedules(schedules, boundaries) -> Callable:
+def join_schedules(schedules, boundaries) -> Schedule:
     """``schedules[0]`` until ``boundaries[0]``, then ``schedules[1]`` (counting from 0
-    again at the boundary), ... (optax's ``join_schedules``).
+    again at the boundary), ... (optax's ``join_schedules``). A schedule after a
+    boundary is never asked for a step before it (it gets 0 there, its value unused).
 
     >>> import fshard as fs
     >>> s = fs.optim.join_schedules([fs.optim.constant_schedule(1.0),
@@ -560,18 +723,19 @@ def join_schedules(schedules, boundaries) -> Callable:
         raise ArgumentError(f"fs.optim.join_schedules: boundaries must increase; got "
                             f"{boundaries}.")
 
-    def schedule(step):
-        t = _step(step)
-        out = _as_array(schedules[0](t))
+    def schedule(step, dtype):
+        t = _float_step(step, dtype)
+        out = _schedule_value(schedules[0], t, dtype)
         for b, s in zip(boundaries, schedules[1:]):
-            out = ops.where(t < float(b), out, _as_array(s(t - float(b))))
+            later = ops.maximum(ops.sub(t, float(b)), 0.0)
+            out = ops.where(ops.less(t, float(b)), out, _schedule_value(s, later, dtype))
         return out
 
-    return schedule
+    return Schedule(schedule, f"join_schedules({schedules!r}, {boundaries!r})")
 
 
 def warmup_cosine_decay_schedule(init_value, peak_value, warmup_steps: int, decay_steps: int,
-                                 end_value=0.0, exponent=1.0) -> Callable:
+                                 end_value=0.0, exponent=1.0) -> Schedule:
     """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then
     cosine decay to ``end_value`` at ``decay_steps`` (counted from step 0, warmup
     included; optax's ``warmup_cosine_decay_schedule``).
@@ -599,7 +763,7 @@ def warmup_cosine_decay_schedule(init_value, peak_value, warmup_steps: int, deca
 
 
 def exponential_decay(init_value, transition_steps: int, decay_rate, transition_begin: int = 0,
-                      staircase: bool = False, end_value=None) -> Callable:
+                      staircase: bool = False, end_value=None) -> Schedule:
     """``init_value * decay_rate^((step - transition_begin) / transition_steps)``
     (the exponent floored with ``staircase``), ``init_value`` before
     ``transition_begin``, bounded by ``end_value`` (optax's ``exponential_decay``).
@@ -618,24 +782,27 @@ def exponential_decay(init_value, transition_steps: int, decay_rate, transition_
                             f"{staircase!r}.")
     if end_value is not None:
         _number("exponential_decay", "end_value", end_value)
+    init_value, decay_rate = float(init_value), float(decay_rate)
 
-    def schedule(step):
-        t = _step(step) - float(transition_begin)
-        p = t / float(transition_steps)
+    def schedule(step, dtype):
+        t = ops.sub(_float_step(step, dtype), float(transition_begin))
+        p = ops.div(t, float(transition_steps))
         if staircase:
             p = ops.floor(p)
-        value = ops.where(t <= 0.0, ops.full((), float(init_value), np.float32),
-                          init_value * ops.pow(float(decay_rate), p))
+        value = ops.where(ops.less_equal(t, 0.0), _scalar(init_value, dtype),
+                          ops.mul(ops.pow(decay_rate, p), init_value))
         if end_value is not None:
             bound = ops.maximum if decay_rate < 1 else ops.minimum
             value = bound(value, float(end_value))
         return value
 
-    return schedule
+    return Schedule(schedule, f"exponential_decay({init_value!r}, {transition_steps!r}, "
+                              f"{decay_rate!r}, {transition_begin!r}, {staircase!r}, "
+                              f"{end_value!r})")
 
 
 def piecewise_constant_schedule(init_value, boundaries_and_scales: dict | None = None
-                                ) -> Callable:
+                                ) -> Schedule:
     """``init_value``, multiplied by ``scale`` from each ``boundary`` on (optax's
     ``piecewise_constant_schedule``: ``{boundary: scale}``).
 
@@ -649,12 +816,14 @@ def piecewise_constant_schedule(init_value, boundaries_and_scales: dict | None =
     for b, sc in items:
         _steps("piecewise_constant_schedule", "boundaries_and_scales", b, low=0)
         _number("piecewise_constant_schedule", "boundaries_and_scales", sc)
+    init_value = float(init_value)
 
-    def schedule(step):
-        t = _step(step)
-        value = ops.full((), float(init_value), np.float32)
+    def schedule(step, dtype):
+        t = _float_step(step, dtype)
+        value = _scalar(init_value, dtype)
         for b, sc in items:
-            value = ops.where(t < float(b), value, value * float(sc))
+            value = ops.where(ops.less(t, float(b)), value, ops.mul(value, float(sc)))
         return value
 
-    return schedule
+    return Schedule(schedule, f"piecewise_constant_schedule({init_value!r}, "
+                              f"{dict(items)!r})")

@@ -377,7 +377,198 @@ def test_schedules_compute_in_the_dtype_asked():
     s = fs.optim.cosine_decay(1.0, 3)
     assert s(1).dtype == ms.float32 and s(1, np.float64).dtype == ms.float64
     assert s(np.float64(1)).dtype == ms.float64
-    assert repr(s) == "cosine_decay(1.0, 3, alpha=0.0)"
+    # one implementation under both names
+    assert fs.optim.cosine_decay is fs.optim.cosine_decay_schedule
+    assert fs.optim.constant is fs.optim.constant_schedule
+    assert repr(s) == "cosine_decay_schedule(1.0, 3, alpha=0.0, exponent=1.0)"
+
+
+# -- float64 through optax's building blocks and schedules -------------------------------
+
+
+def _adam_ref(gs, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, nesterov=False):
+    """optax's scale_by_adam on a list of gradients: the directions, in float64."""
+    m = v = 0.0
+    out = []
+    for t, g in enumerate(gs, 1):
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        m_hat = (b1 * m / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1 ** t) if nesterov
+                 else m / (1 - b1 ** t))
+        out.append(m_hat / (np.sqrt(v / (1 - b2 ** t) + eps_root) + eps))
+    return out
+
+
+def _exp_decay(t, init, steps, rate, begin=0, staircase=False, end=None):
+    p = (t - begin) / steps
+    v = init if t - begin <= 0 else init * rate ** (math.floor(p) if staircase else p)
+    return v if end is None else (max(v, end) if rate < 1 else min(v, end))
+
+
+def _cosine(t, init, steps, alpha=0.0, exponent=1.0):
+    return init * ((1 - alpha) * (0.5 * (1 + math.cos(math.pi * min(t, steps) / steps)))
+                   ** exponent + alpha)
+
+
+def _poly(t, init, end, power, steps, begin=0):
+    return (init - end) * (1 - min(max(t - begin, 0), steps) / steps) ** power + end
+
+
+def _ref_sgd_with(lrs, p0, gs, directions=None):
+    p = p0.copy()
+    for t, g in enumerate(gs):
+        p = p - lrs(t) * (g if directions is None else directions[t])
+    return p
+
+
+# (the chain, its float64 NumPy reference p0, gs -> final params)
+BLOCK_CHAINS = {
+    "adam_scale": (
+        lambda: fs.optim.chain(fs.optim.scale_by_adam(), fs.optim.scale(-1e-3)),
+        lambda p0, gs: p0 - 1e-3 * sum(_adam_ref(gs))),
+    "adam_nesterov_eps_root": (
+        lambda: fs.optim.chain(fs.optim.scale_by_adam(0.8, 0.95, 1e-6, 1e-9, nesterov=True),
+                               fs.optim.scale(-0.05)),
+        lambda p0, gs: p0 - 0.05 * sum(_adam_ref(gs, 0.8, 0.95, 1e-6, 1e-9, True))),
+    "adamw_decay_schedule": (  # optax.adamw(warmup-cosine, weight_decay=1e-2)
+        lambda: fs.optim.chain(
+            fs.optim.scale_by_adam(), fs.optim.add_decayed_weights(1e-2),
+            fs.optim.scale_by_learning_rate(
+                fs.optim.warmup_cosine_decay_schedule(0.0, 0.1, 2, 5, end_value=0.01))),
+        None),
+    "trace_nesterov": (
+        lambda: fs.optim.chain(fs.optim.trace(0.9, nesterov=True), fs.optim.scale(-0.1)),
+        None),
+    "inject_adam": (
+        lambda: fs.optim.chain(fs.optim.inject_hyperparams(fs.optim.scale_by_adam)(b1=0.8),
+                               fs.optim.inject_hyperparams(fs.optim.scale)(step_size=-0.3)),
+        lambda p0, gs: p0 - 0.3 * sum(_adam_ref(gs, b1=0.8))),
+    "inject_sgd_schedule": (
+        lambda: fs.optim.inject_hyperparams(fs.optim.sgd)(
+            learning_rate=fs.optim.exponential_decay(0.5, 1, 0.7)),
+        lambda p0, gs: _ref_sgd_with(lambda t: 0.5 * 0.7 ** t, p0, gs)),
+    "plain_callable_schedule": (
+        lambda: fs.optim.scale_by_learning_rate(lambda step: 0.1),
+        lambda p0, gs: _ref_sgd_with(lambda t: 0.1, p0, gs)),
+}
+
+
+def _adamw_ref(p0, gs):
+    p = p0.copy()
+    for t, (g, d) in enumerate(zip(gs, _adam_ref(gs))):
+        lr = 0.1 * t / 2 if t < 2 else _cosine(t - 2, 0.1, 3, alpha=0.1)
+        p = p - lr * (d + 1e-2 * p)
+    return p
+
+
+def _trace_ref(p0, gs):
+    p, tr = p0.copy(), 0.0
+    for g in gs:
+        tr = 0.9 * tr + g
+        p = p - 0.1 * (g + 0.9 * tr)
+    return p
+
+
+BLOCK_CHAINS["adamw_decay_schedule"] = (BLOCK_CHAINS["adamw_decay_schedule"][0], _adamw_ref)
+BLOCK_CHAINS["trace_nesterov"] = (BLOCK_CHAINS["trace_nesterov"][0], _trace_ref)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("name", sorted(BLOCK_CHAINS))
+def test_float64_building_blocks_are_float64(name, jit):
+    # Each number of the update was float32 before (0.9 * a float64 Tensor rounds 0.9
+    # to float32 first): 6 steps of scale_by_adam + scale(-1e-3) were 4e-6 off.
+    make, reference = BLOCK_CHAINS[name]
+    p0, gs, got = _f64_run(make(), jit)
+    assert _rel_error_of_the_change(p0, got, reference(p0, gs)) < 1e-13
+
+
+def test_inject_hyperparams_keeps_the_numbers_passed_in_float64():
+    # They were float32: a float64 run stepped by 0.10000000149 for 0.1, even when init
+    # never saw the parameters.
+    p64, p32 = {"w": np.ones(2)}, {"w": np.ones(2, np.float32)}
+    for opt in (fs.optim.inject_hyperparams(fs.optim.sgd)(
+                    learning_rate=fs.optim.exponential_decay(0.5, 1, 0.7)),
+                fs.optim.inject_hyperparams(fs.optim.trace)(decay=0.7)):
+        s64 = opt.init(p64)
+        assert {v.dtype for v in s64.hyperparams.values()} == {ms.float64}
+        for _ in range(2):
+            _, s64 = opt.update(p64, s64, p64)
+        (value,) = s64.hyperparams.values()
+        assert value.dtype == ms.float64 and float(value.asnumpy()) in (0.5 * 0.7, 0.7)
+        u32, _ = opt.update(p32, opt.init(p32), p32)  # float32 leaves: float32 updates
+        assert u32["w"].dtype == ms.float32
+    scale = fs.optim.inject_hyperparams(fs.optim.scale)(step_size=-0.1)
+    u, _ = scale.update({"w": np.ones(2)}, scale.init(None))
+    assert u["w"].asnumpy().tolist() == [-0.1, -0.1]
+
+
+def test_building_blocks_update_float16_as_the_optimizers_do():
+    # float16 and integer updates are worked with in float32 (state too) and come out
+    # float32: in float16, eps = 1e-8 is 0; an integer update scaled by 0.5 was
+    # truncated to an integer.
+    g16 = {"w": np.array([0.0, 1e-3, 0.5], np.float16)}
+    g32 = {"w": g16["w"].astype(np.float32)}
+    for t in (fs.optim.scale_by_adam(), fs.optim.trace(0.9), fs.optim.scale(0.5),
+              fs.optim.add_decayed_weights(0.1)):
+        s16, s32 = t.init(g16), t.init(g32)
+        assert all(x.dtype in (ms.int32, ms.float32) for x in tree.leaves(s16))
+        u16, _ = t.update(g16, s16, g16)
+        u32, _ = t.update(g32, s32, g32)
+        assert u16["w"].dtype == ms.float32
+        np.testing.assert_array_equal(u16["w"].asnumpy(), u32["w"].asnumpy())
+    u, _ = fs.optim.scale(0.5).update({"w": np.array([3, -5], np.int32)}, fs.optim.EmptyState())
+    assert u["w"].asnumpy().tolist() == [1.5, -2.5]
+
+
+# each optax-named schedule, and its float64 formula (optax's)
+F64_SCHEDULES = {
+    "constant_schedule": (fs.optim.constant_schedule(0.3), lambda t: 0.3),
+    "linear_schedule": (fs.optim.linear_schedule(1.0, 0.1, 8, transition_begin=2),
+                        lambda t: _poly(t, 1.0, 0.1, 1, 8, 2)),
+    "polynomial_schedule": (fs.optim.polynomial_schedule(1.0, 0.1, 2.0, 8, 1),
+                            lambda t: _poly(t, 1.0, 0.1, 2.0, 8, 1)),
+    "cosine_decay_schedule": (fs.optim.cosine_decay_schedule(2.0, 10, 0.1, 2.0),
+                              lambda t: _cosine(t, 2.0, 10, 0.1, 2.0)),
+    "warmup_cosine_decay_schedule": (
+        fs.optim.warmup_cosine_decay_schedule(0.0, 1.0, 3, 11, end_value=0.05),
+        lambda t: t / 3 if t < 3 else _cosine(t - 3, 1.0, 8, alpha=0.05)),
+    "exponential_decay": (fs.optim.exponential_decay(1.0, 3, 0.7, 2, end_value=0.2),
+                          lambda t: _exp_decay(t, 1.0, 3, 0.7, 2, end=0.2)),
+    "exponential_decay_staircase": (fs.optim.exponential_decay(1.0, 3, 0.3, staircase=True),
+                                    lambda t: _exp_decay(t, 1.0, 3, 0.3, staircase=True)),
+    "piecewise_constant_schedule": (
+        fs.optim.piecewise_constant_schedule(1.0, {3: 0.3, 7: 0.1}),
+        lambda t: 1.0 * (0.3 if t >= 3 else 1) * (0.1 if t >= 7 else 1)),
+    "join_schedules": (
+        fs.optim.join_schedules([fs.optim.constant_schedule(0.7),
+                                 fs.optim.linear_schedule(0.7, 0.1, 3)], [5]),
+        lambda t: 0.7 if t < 5 else _poly(t - 5, 0.7, 0.1, 1, 3)),
+    "linear_warmup": (fs.optim.linear_warmup(0.1, 0.7, 3, after=lambda s: 0.3),
+                      lambda t: 0.1 + 0.6 * t / 3 if t < 3 else 0.3),
+}
+SCHEDULE_STEPS = range(13)
+
+
+@pytest.fixture(scope="module")
+def jitted_schedules():
+    """Every schedule in float64 in one compiled program (the step traced)."""
+    names = sorted(F64_SCHEDULES)
+    f = fs.jit(lambda t: [F64_SCHEDULES[k][0](t, np.float64) for k in names])
+    return {t: dict(zip(names, f(np.int32(t)))) for t in SCHEDULE_STEPS}
+
+
+@pytest.mark.parametrize("name", sorted(F64_SCHEDULES))
+def test_float64_schedules_equal_float64_maths(name, jitted_schedules):
+    # float32 before: 1e-8 relative off (0.3 was 0.30000001192...).
+    schedule, formula = F64_SCHEDULES[name]
+    want = np.array([formula(t) for t in SCHEDULE_STEPS])
+    for got in ([schedule(t, np.float64) for t in SCHEDULE_STEPS],
+                [jitted_schedules[t][name] for t in SCHEDULE_STEPS]):
+        assert {x.dtype for x in got} == {ms.float64}
+        got = np.array([float(x.asnumpy()) for x in got])
+        np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-15 * np.abs(want).max())
+    # float32 when asked (and by default for an integer step)
+    assert schedule(3).dtype == ms.float32 and schedule(3, np.float32).dtype == ms.float32
 
 
 # -- integer parameters: updated in float, as optax does -------------------------------
@@ -498,8 +689,13 @@ def test_a_wrong_mask_is_an_fshard_error(mask, match):
     (lambda: fs.optim.clip_by_global_norm(math.inf), r"max_norm=\.\.\.\) must be a finite"),
     (lambda: fs.optim.cosine_decay(math.inf, 10), r"init_value=\.\.\.\) must be a finite"),
     (lambda: fs.optim.linear_warmup(0.0, math.nan, 3), r"peak_value=\.\.\.\) must be a finite"),
-    (lambda: fs.optim.constant(-math.inf), r"constant\(value=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.constant(-math.inf), r"constant_schedule\(value=\.\.\.\) must be a finite"),
     (lambda: fs.optim.sgd(0.1, mask=()), r"sgd\(mask=\.\.\.\) must be None"),
+    # optax's blocks and schedules: an inf made every value inf without an error
+    (lambda: fs.optim.scale(math.inf), r"scale\(step_size=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.linear_schedule(0.0, math.inf, 3), r"end_value=\.\.\.\) must be a fin"),
+    (lambda: fs.optim.scale_by_adam(eps=math.inf), r"adam\(eps=\.\.\.\) must be a finite"),
+    (lambda: fs.optim.exponential_decay(1.0, 2, 0.5, end_value=-math.inf), "end_value"),
 ])
 def test_non_finite_hyperparameters_are_fshard_errors(make, match):
     with pytest.raises(fs.ArgumentError, match=match) as e:

@@ -61,6 +61,7 @@ from fshard.primitives.nn import (  # noqa: F401
 from fshard.primitives.reductions import (  # noqa: F401
     argmax as argmax,
     argmin as argmin,
+    count as count,
     dim_size as dim_size,
     mean as mean,
     reduce_max as reduce_max,

@@ -30,7 +30,7 @@ import numpy as np
 
 from fshard import dtypes, ops
 from fshard.array_types import Array, Bool, Float, Int, Key, Shaped, UInt, UInt32
-from fshard.core import Tracer, typeof
+from fshard.core import Tracer, is_symbolic, typeof
 from fshard.errors import ArgumentError, KeyReuseWarning
 from fshard.primitives.elementwise import broadcast_shapes
 
@@ -182,8 +182,10 @@ def _is_int_value(x) -> bool:
 def key(seed) -> Key:
     """A key from an integer seed (Python int, or an integer scalar, traced or not).
 
-    Equal to ``jax.random.key(seed)``'s data (``jax.random.PRNGKey(seed)``): ``[0, seed]``
-    for seeds in the int32 range, the seed's high and low 32 bits beyond it.
+    Equal to ``jax.random.key(seed)``'s data (``jax.random.PRNGKey(seed)``) in JAX's
+    default mode (64-bit values disabled): ``[0, seed mod 2**32]`` for every integer seed,
+    negative and wider than 32 bits included (``key(-1)`` is ``[0, 4294967295]``,
+    ``key(2**40 + 5)`` is ``[0, 5]``).
 
     >>> import fshard as fs
     >>> fs.random.key(42).asnumpy().tolist()
@@ -199,8 +201,8 @@ def key(seed) -> Key:
         if not -(1 << 63) <= seed < (1 << 63):
             raise ArgumentError(
                 f"fs.random.key(seed): seed must fit in int64, got {seed}.")
-        high = 0 if -(1 << 31) <= seed < (1 << 31) else (seed >> 32) & _MASK
-        return mindspore.Tensor(np.array([high, seed & _MASK], np.uint64).astype(np.uint32))
+        # JAX without x64 keeps the seed's low 32 bits (it converts the seed to int32).
+        return mindspore.Tensor(np.array([0, seed & _MASK], np.uint32))
     return ops.stack([ops.cast(0, _U32), ops.cast(seed, _U32)])
 
 
@@ -232,12 +234,26 @@ def _check_shape(shape, fn: str) -> tuple[int, ...]:
         shape = tuple(shape)
     except TypeError:
         shape = None
+    if shape is not None:
+        refuse_symbolic(shape, f"fs.random.{fn}(..., shape): shape")
     if shape is None or not all(isinstance(d, (int, np.integer)) and not isinstance(
             d, (bool, np.bool_)) and d >= 0 for d in shape):
         raise ArgumentError(
             f"fs.random.{fn}(..., shape): shape must be a tuple of non-negative ints, "
             f"got {shape!r}.")
     return tuple(int(d) for d in shape)
+
+
+def refuse_symbolic(shape, what: str) -> None:
+    """An error naming ``what`` if ``shape`` holds a symbolic dimension."""
+    if any(is_symbolic(d) for d in shape):
+        raise ArgumentError(
+            f"{what} ({', '.join(str(d) for d in shape)}) has a "
+            "symbolic dimension (an fs.Symbol of in_shapes / set_inputs); random bits are "
+            "drawn for static shapes only (each element's counter is its flat index).\n"
+            "Fix: draw the numbers outside the function and pass them in as an argument "
+            "declared with the same Symbol, or call this function with static shapes "
+            "(no Symbol for this input).")
 
 
 @_consumes
@@ -276,18 +292,35 @@ def bits(key: Key, shape=(), dtype=_U32) -> UInt[Array, "*shape"]:
     """Uniform random ``uint32`` bits of ``shape``; equal to ``jax.random.bits``."""
     _check_key(key, "bits")
     shape = _check_shape(shape, "bits")
-    if dtype != _U32:
+    if _dtype(dtype, "bits", _U32) != _U32:
         raise ArgumentError(
-            f"fs.random.bits(..., dtype): only uint32 is supported, got {dtype}.")
+            f"fs.random.bits(..., dtype): only uint32 is supported, got {dtype!r}.\nFix: "
+            "draw uint32 bits and cast them.")
     x0, x1 = _hash(key, shape)
     return ops.bitwise_xor(x0, x1)
 
 
+def _dtype(dtype, fn: str, default):
+    """Any spelling of a dtype fshard accepts (a MindSpore dtype, a NumPy dtype or type,
+    a string such as ``"float32"``; None: ``default``) as a MindSpore dtype."""
+    if dtype is None:
+        return default
+    try:
+        return dtypes.canonical(dtype)
+    except (ArgumentError, TypeError):
+        raise ArgumentError(
+            f"fs.random.{fn}(..., dtype): {dtype!r} is not a dtype fshard knows.\nFix: "
+            "pass e.g. mindspore.float32, numpy.float32 or 'float32'.") from None
+
+
 def _check_float(dtype, fn: str):
+    dtype = _dtype(dtype, fn, dtypes.float32)
     if dtype not in _FLOATS:
         raise ArgumentError(
             f"fs.random.{fn}(..., dtype): dtype must be float16, float32 or float64, "
-            f"got {dtype}.")
+            f"got {dtype}.\nFix: pass one of them (as "
+            "mindspore.float32, numpy.float32 or 'float32'); draw integers with "
+            "fs.random.randint or fs.random.bits.")
     return dtype
 
 
@@ -315,17 +348,79 @@ def _as(value, dtype):
     return np.asarray(value, dtypes.to_numpy(dtype))
 
 
+# jax.random.uniform computes ``u * (maxval - minval) + minval`` with XLA, which fuses
+# it into one multiply-add on CPU for float32 and float64 (one rounding of the exact
+# value) and rounds twice for float16. fshard reproduces the fused result exactly with
+# error-free transformations in float64 (Knuth's TwoSum, Dekker's TwoProduct), then
+# settles the one case a second rounding can get wrong: a tie whose exact value lies
+# off the midpoint.
+
+
+def _two_sum(a, b):
+    """``(s, e)`` with ``s = fl(a + b)`` and ``a + b = s + e`` exactly."""
+    s = ops.add(a, b)
+    bb = ops.sub(s, a)
+    return s, ops.add(ops.sub(a, ops.sub(s, bb)), ops.sub(b, bb))
+
+
+def _split(a):
+    c = ops.mul(a, 134217729.0)  # 2**27 + 1 (Veltkamp): a = high + low, 26 bits each
+    high = ops.sub(c, ops.sub(c, a))
+    return high, ops.sub(a, high)
+
+
+def _two_product(a, b):
+    """``(p, e)`` with ``p = fl(a * b)`` and ``a * b = p + e`` exactly (float64)."""
+    p = ops.mul(a, b)
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    e = ops.add(ops.add(ops.add(ops.sub(ops.mul(ah, bh), p), ops.mul(ah, bl)),
+                        ops.mul(al, bh)), ops.mul(al, bl))
+    return p, e
+
+
+def _fused_affine(u, span, lo, dtype):
+    """``u * span + lo`` rounded once to ``dtype`` (float32 or float64), as XLA's fused
+    multiply-add computes it."""
+    f64 = dtypes.float64
+    if dtype == dtypes.float32:
+        p = ops.mul(ops.cast(u, f64), ops.cast(span, f64))  # exact: 24 + 24 bits
+        s, rest = _two_sum(p, ops.cast(lo, f64))
+        r = ops.cast(s, dtype)
+        r64 = ops.cast(r, f64)
+        e = ops.sub(s, r64)  # exact
+        t64 = ops.add(r64, ops.mul(e, 2.0))  # exact
+        t = ops.cast(t64, dtype)
+        tie = ops.bitwise_and(ops.not_equal(e, 0.0), ops.bitwise_and(
+            ops.equal(ops.cast(t, f64), t64), ops.not_equal(t64, r64)))
+    else:
+        uh, ul = _two_product(u, span)
+        th, tl = _two_sum(lo, uh)
+        v, rest = _two_sum(tl, ul)
+        r, e = _two_sum(th, v)
+        t = ops.add(r, ops.mul(e, 2.0))
+        tie = ops.bitwise_and(ops.not_equal(e, 0.0), ops.bitwise_and(
+            ops.equal(ops.sub(t, r), ops.mul(e, 2.0)), ops.not_equal(t, r)))
+    same_side = ops.greater(ops.mul(ops.sign(rest), ops.sign(e)), 0.0)
+    return ops.where(ops.bitwise_and(tie, same_side), t, r)
+
+
 @_consumes
 def uniform(key: Key, shape=(), dtype=dtypes.float32, minval=0.0,
             maxval=1.0) -> Float[Array, "*shape"]:
-    """Uniform floats in ``[minval, maxval)``; equal to ``jax.random.uniform``."""
+    """Uniform floats in ``[minval, maxval)``; equal to ``jax.random.uniform`` bit for
+    bit (``minval``/``maxval`` are converted to ``dtype`` first, as JAX does)."""
     _check_key(key, "uniform")
     shape = _check_shape(shape, "uniform")
     dtype = _check_float(dtype, "uniform")
     lo, hi = _as(minval, dtype), _as(maxval, dtype)
     span = hi - lo if isinstance(lo, np.ndarray) and isinstance(hi, np.ndarray) else \
         ops.sub(hi, lo)
-    out = ops.add(ops.mul(_unit(key, shape, dtype), span), lo)
+    u = _unit(key, shape, dtype)
+    if dtype == dtypes.float16:
+        out = ops.add(ops.mul(u, span), lo)  # XLA rounds float16 after each operation
+    else:
+        out = _fused_affine(u, span, lo, dtype)
     return ops.broadcast_to(ops.maximum(lo, out), shape)
 
 
@@ -432,10 +527,11 @@ def randint(key: Key, shape, minval, maxval, dtype=dtypes.int32) -> Int[Array, "
     """
     _check_key(key, "randint")
     shape = _check_shape(shape, "randint")
-    if not dtypes.is_int(dtype) or dtype == _U32:
+    dtype = _dtype(dtype, "randint", dtypes.int32)
+    if not dtypes.is_int(dtype) or dtype in (_U32, dtypes.canonical(np.uint8)):
         raise ArgumentError(
             f"fs.random.randint(..., dtype): dtype must be a signed integer dtype, got "
-            f"{dtype}.")
+            f"{dtype}.\nFix: pass e.g. mindspore.int32 or 'int32'.")
     for name, v in (("minval", minval), ("maxval", maxval)):
         a = typeof(v)
         if not (dtypes.is_int(a.dtype) or isinstance(v, (int, np.integer))):

@@ -21,6 +21,7 @@ from fshard.primitives.elementwise import (  # noqa: F401
     div as div,
     equal as equal,
     erf as erf,
+    erfc as erfc,
     exp as exp,
     gelu as gelu,
     greater as greater,

@@ -40,6 +40,9 @@ shard_map_depth: ContextVar[int] = ContextVar("fshard_shard_map_depth", default=
 replica_axes: ContextVar[tuple] = ContextVar("fshard_replica_axes", default=())
 #: The ``with fs.Mesh(...)`` meshes in effect (innermost last).
 meshes: ContextVar[tuple] = ContextVar("fshard_meshes", default=())
+#: The loop bodies (``scan``, ``fori_loop``, ``while_loop``) being staged, innermost
+#: last: ``fs.random`` warns when a draw there uses a key that no iteration changes.
+loop_bodies: ContextVar[tuple] = ContextVar("fshard_loop_bodies", default=())
 
 
 #: Held while MindSpore runs an eager op or a compiled graph. Its PyNative runtime and

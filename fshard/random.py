@@ -20,15 +20,17 @@ Draw a new subkey for every use: the same key always gives the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
+from contextvars import ContextVar
 from typing import Any
 
 import mindspore
 import numpy as np
 
-from fshard import dtypes, ops
+from fshard import context, dtypes, ops
 from fshard.array_types import Array, Bool, Float, Int, Key, Shaped, UInt, UInt32
 from fshard.core import Tracer, is_symbolic, typeof
 from fshard.errors import ArgumentError, KeyReuseWarning
@@ -100,7 +102,10 @@ class _KeyUses:
 
     def __init__(self):
         self.seen: dict[int, tuple[Any, str]] = {}  # id -> (key tracer, what used it)
-        self.depth = 0  # > 0 inside a draw: its inner draws are part of it
+
+
+#: True while a draw runs: the draws it makes itself (normal's uniform) are part of it.
+_drawing: ContextVar[bool] = ContextVar("fshard_random_drawing", default=False)
 
 
 def _uses(trace) -> _KeyUses:
@@ -123,6 +128,86 @@ def _record(key, name: str, stacklevel: int) -> None:
             "docs/errors.md#keyreusewarning"), stacklevel=stacklevel + 1)
     else:
         uses.seen[id(key)] = (key, name)
+
+
+class _LoopBody:
+    """A loop body being staged: its trace and the values that change between
+    iterations (its inputs, and everything computed from them so far)."""
+
+    def __init__(self, api: str, inputs, outer):
+        self.api = api
+        self.outer = outer  # the trace the loop itself is called in
+        self.trace = inputs[0].trace if inputs else None
+        self.varying = {id(x.ir_var) for x in inputs if hasattr(x, "ir_var")}
+        self.seen = 0  # equations of the trace already propagated
+
+    def varies(self, x) -> bool | None:
+        """Whether ``x`` changes between iterations: False for a constant or a value of
+        the trace around the loop (closed over), None when it cannot be told (a value
+        of a trace staged inside the body, e.g. a branch's operand)."""
+        if not isinstance(x, Tracer) or x.trace is self.outer:
+            return False
+        if x.trace is not self.trace:
+            return None
+        equations = self.trace.equations
+        for eq in equations[self.seen:]:
+            if any(id(a) in self.varying for a in eq.inputs):
+                self.varying.update(id(o) for o in eq.outputs)
+        self.seen = len(equations)
+        return id(x.ir_var) in self.varying
+
+
+@contextlib.contextmanager
+def loop_body(api: str, inputs, outer):
+    """Inside the block, the body of the loop ``api`` (called in the trace ``outer``) is
+    staged with ``inputs`` (its tracers, which change between iterations); a draw there
+    from a key that does not depend on them is a KeyReuseWarning: every iteration
+    would see the same numbers."""
+    with context.pushed(context.loop_bodies, _LoopBody(api, list(inputs), outer)):
+        yield
+
+
+class _UnrolledLoop:
+    """A loop unrolled in Python (``fori_loop`` with static bounds): each iteration runs
+    in the enclosing trace, so a concrete key drawn from in two iterations is seen by
+    its value (a traced one by the usual check of a key consumed twice)."""
+
+    def __init__(self, api: str):
+        self.api = api
+        self.iteration = None
+        self.seen: dict[bytes, object] = {}  # key data -> the iteration that drew
+
+
+@contextlib.contextmanager
+def unrolled_loop(api: str):
+    """Inside the block, the iterations of ``api`` run one after another; set
+    ``.iteration`` on the object it yields before each."""
+    loop = _UnrolledLoop(api)
+    with context.pushed(context.loop_bodies, loop):
+        yield loop
+
+
+def _check_loop_key(key, name: str, stacklevel: int) -> None:
+    body = context.innermost(context.loop_bodies)
+    if isinstance(body, _UnrolledLoop):
+        if isinstance(key, Tracer):
+            return
+        try:
+            data = np.asarray(key.asnumpy() if hasattr(key, "asnumpy") else key).tobytes()
+        except Exception:  # noqa: BLE001  (not a key: the draw reports it)
+            return
+        first = body.seen.setdefault(data, body.iteration)
+        if first == body.iteration:
+            return
+    elif body is None or body.trace is None or body.varies(key) is not False:
+        return
+    warnings.warn(KeyReuseWarning(
+        f"{name} inside the body of {body.api}: its key is the same in every iteration "
+        "(a key from outside the loop, or computed from one), so every iteration draws "
+        "the same numbers.\nFix: carry the key through the loop and split it in each "
+        "iteration (key, sub = fs.random.split(key)), or fold in the loop index: "
+        "fs.random.fold_in(key, i).\nSee docs/errors.md#keyreusewarning"),
+        stacklevel=stacklevel + 1)
 
 
 def consumed_by(x) -> str | None:
@@ -148,16 +233,14 @@ def _consumes(fn):
 
     @functools.wraps(fn)
     def draw(key, *args, **kwargs):
-        if not isinstance(key, Tracer):
+        if _drawing.get():  # a draw made by another draw is part of it
             return fn(key, *args, **kwargs)
-        uses = _uses(key.trace)
-        if uses.depth == 0:
-            _record(key, name, stacklevel=2)
-        uses.depth += 1
-        try:
+        with context.setting(_drawing, True):
+            if context.loop_bodies.get():
+                _check_loop_key(key, name, stacklevel=2)
+            if isinstance(key, Tracer):
+                _record(key, name, stacklevel=2)
             return fn(key, *args, **kwargs)
-        finally:
-            uses.depth -= 1
 
     return draw
 

@@ -186,7 +186,7 @@ def reduce_min(x: ArrayLike, axis=None, keepdims: bool = False) -> Shaped[Array,
     return _reduce(reduce_min_p, x, axis, keepdims)
 
 
-def count(x: ArrayLike, axis=None, dtype=dtypes.int64):
+def count(x: ArrayLike, axis=None, dtype=dtypes.int64) -> Shaped[Array, ""]:
     """The number of elements of ``x`` along ``axis`` (an int, a tuple, or None for all
     axes): a Python int when those dimensions are static, else a 0-d array of ``dtype``
     read at run time (``dim_size``). What every mean, variance and element count divides

@@ -43,6 +43,10 @@ meshes: ContextVar[tuple] = ContextVar("fshard_meshes", default=())
 #: Inside ``with fs.disable_jit():``: ``fs.jit`` functions run op by op, uncompiled.
 jit_disabled: ContextVar[bool] = ContextVar("fshard_jit_disabled", default=False)
 
+#: The loop bodies (``scan``, ``fori_loop``, ``while_loop``) being staged, innermost
+#: last: ``fs.random`` warns when a draw there uses a key that no iteration changes.
+loop_bodies: ContextVar[tuple] = ContextVar("fshard_loop_bodies", default=())
+
 
 #: Held while MindSpore runs an eager op or a compiled graph. Its PyNative runtime and
 #: graph executor keep process-global state (measured: concurrent eager ops from two

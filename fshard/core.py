@@ -152,8 +152,18 @@ class Tracer:
 
     def __len__(self) -> int:
         if not self.aval.shape:
-            raise TypeError("len() of a 0-d traced value")
-        return self.aval.shape[0]
+            raise TracerConversionError(
+                f"len() of a 0-d traced value {self.aval}: it has no first dimension."
+                "\nFix: use it as a scalar, or give it a dimension (x.reshape((1,))).")
+        n = self.aval.shape[0]
+        if is_symbolic(n):
+            raise TracerConversionError(
+                f"len() of a traced value {self.aval}: its first dimension {n} ({n!r}) is "
+                "symbolic, a size known only when the program runs, and len() must return "
+                "a Python int.\nFix: pass x.shape[0] where a dimension is expected "
+                "(ops.reshape, ops.zeros((x.shape[0], k))); for the size as a value use "
+                "fs.ops.count(x, 0) (or x.size), and ops.mean for an average.")
+        return n
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))

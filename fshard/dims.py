@@ -231,6 +231,23 @@ def dim_eval(d, sizes: dict) -> int:
     return int(value)
 
 
+def dim_min(d) -> int:
+    """The smallest size dimension ``d`` can have: an int is itself; a Symbol is the
+    smallest size >= its ``min`` that it accepts (so ``x[0]`` of a ``Symbol(min=1)``
+    dimension is provably in bounds).
+
+    >>> dim_min(5), dim_min(Symbol()), dim_min(Symbol(min=3, divisor=4, remainder=1))
+    (5, 1, 5)
+    """
+    if isinstance(d, int):
+        return d
+    coeff, factors = _monomial(d)
+    value = coeff
+    for s, p in factors.items():
+        value *= (s.min + (s.remainder - s.min) % s.divisor) ** p
+    return int(value)
+
+
 def dims_equal(a: Dim, b: Dim) -> bool:
     """Two dimensions are statically equal: equal ints, the same Symbol object, or
     equal products of Symbols."""

@@ -505,6 +505,13 @@ def _typeof(prim, x):
     return mstype.TensorType(typeof(x).dtype)
 
 
+@converts("sequence_len")
+def _sequence_len(prim, seq):
+    # len() of a shape holding a symbolic dimension (MindSpore's losses take the rank
+    # with ops.tuple_len(ops.shape(x))): the rank is static.
+    return len(seq)
+
+
 # -- overloaded functions (mint.*, some ops.*): the raw Python call ----------------
 
 

@@ -38,6 +38,7 @@ def dropout(key: Key, x: Float[Array, "*shape"], rate: float) -> Float[Array, "*
     a = typeof(x)
     if not dtypes.is_float(a.dtype):
         raise ArgumentError(f"fs.nn.dropout(key, x, rate): x must be a float array, got {a}.")
+    random.refuse_symbolic(a.shape, "fs.nn.dropout(key, x, rate): x's shape")
     rate = float(rate)
     if rate == 0.0:
         return x

@@ -21,6 +21,7 @@ from fshard.primitives.elementwise import (  # noqa: F401
     div as div,
     equal as equal,
     erf as erf,
+    erfc as erfc,
     exp as exp,
     gelu as gelu,
     greater as greater,
@@ -125,6 +126,7 @@ from fshard.primitives.nn import (  # noqa: F401
 from fshard.primitives.reductions import (  # noqa: F401
     argmax as argmax,
     argmin as argmin,
+    count as count,
     dim_size as dim_size,
     mean as mean,
     reduce_max as reduce_max,

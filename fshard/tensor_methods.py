@@ -100,8 +100,9 @@ def ms_mean(x, axis=None, keepdims=False, dtype=None, where=""):
             return ops.mean(x, axis, keepdims)
         return ops.cast(ops.mean(ops.cast(x, dtypes.float32), axis, keepdims), dt)
     total = ops.reduce_sum(x, axis, keepdims)  # in x's dtype, wrapping as MindSpore
-    n = typeof(x).size // max(typeof(total).size, 1)
-    return ops.cast(ops.div(ops.cast(total, dtypes.float64), float(n)), dt)  # truncates
+    n = ops.count(x, axis, dtypes.float64)  # read at run time for a symbolic dimension
+    return ops.cast(ops.div(ops.cast(total, dtypes.float64),
+                            float(n) if isinstance(n, int) else n), dt)  # truncates
 
 
 def _sum(self, axis=None, *rest, **kw):
@@ -195,7 +196,7 @@ METHODS = {
     "long": lambda self: ops.cast(self, dtypes.int64),
     "bool": lambda self: ops.cast(self, dtypes.bool_),
     "masked_fill": lambda self, mask, value: ops.where(mask, ops.cast(value, self.dtype), self),
-    "numel": lambda self: self.size,
+    "numel": lambda self: ops.count(self),
     "neg": ops.neg,
     "exp": ops.exp, "log": ops.log, "tanh": ops.tanh, "sigmoid": ops.sigmoid,
     "relu": ops.relu, "sqrt": ops.sqrt, "rsqrt": ops.rsqrt, "abs": ops.abs,
@@ -232,9 +233,13 @@ def _var(self, axis=None, ddof=0, keepdims=False, *, dtype=None, out=None):
         self = ops.cast(self, dtype)
     x = self if dtypes.is_float(typeof(self).dtype) else ops.cast(self, dtypes.float32)
     dev = x - ops.mean(x, axis, True)
-    n = typeof(x).size // max(typeof(ops.reduce_sum(dev, axis, False)).size, 1)
-    return ops.reduce_sum(dev * dev, axis, keepdims) * (1.0 / (n - ddof) if n > ddof
-                                                         else float("nan"))
+    squares = ops.reduce_sum(dev * dev, axis, keepdims)
+    n = ops.count(x, axis, typeof(x).dtype)
+    if isinstance(n, int):
+        return squares * (1.0 / (n - ddof) if n > ddof else float("nan"))
+    # A symbolic dimension: the count is read at run time; n <= ddof gives nan, as above.
+    dof = ops.sub(n, float(ddof))
+    return ops.where(ops.greater(dof, 0.0), ops.div(squares, dof), float("nan"))
 
 
 def truthy_reduce(x, is_any: bool, axis=None, keepdims=False):
@@ -506,4 +511,7 @@ def _T(self):
 
 
 Tracer.T = property(_marks_view(_T))
+# An int for static shapes; with a symbolic dimension, a 0-d int64 value read at run time
+# (a placeholder number would silently enter every average computed from it).
+Tracer.size = property(lambda self: ops.count(self))
 Tracer.mT = property(_marks_view(lambda self: ops.swapaxes(self, -1, -2)))

@@ -1324,6 +1324,7 @@ def _specs() -> list[PrimitiveSpec]:
         float_unary(E.sin_p),
         float_unary(E.cos_p),
         float_unary(E.erf_p),
+        float_unary(E.erfc_p),
         PrimitiveSpec(E.sign_p, unary(), NUMERIC, zero_derivative=True),
         float_unary(E.floor_p, zero_derivative=True),
         float_unary(E.round_p, zero_derivative=True),

@@ -26,6 +26,13 @@ def erf(x):
     return _erf(x).astype(x.dtype)
 
 
+_erfc = np.vectorize(math.erfc, otypes=[np.float64])
+
+
+def erfc(x):
+    return _erfc(x).astype(x.dtype)
+
+
 def gelu(x, *, approximate):
     if approximate == "tanh":
         c = math.sqrt(2.0 / math.pi)
@@ -316,6 +323,7 @@ REFERENCES = {
     "sin": np.sin,
     "cos": np.cos,
     "erf": erf,
+    "erfc": erfc,
     "sign": np.sign,
     "floor": np.floor,
     "round": np.round,

@@ -93,6 +93,112 @@ def test_normal_truncated_gumbel_equal_jax_to_a_few_ulp():
         np.testing.assert_allclose(n(got), np.float32(JAX[key]), rtol=4e-6, atol=1e-6)
 
 
+# Outputs of jax 0.10.2 (bits of the floats; keys in the default mode, 64-bit values
+# disabled; "x64": with jax_enable_x64 and the key data [0, 7]).
+JAX_BITS = {
+    "uniform(key(0), (6,), minval=-3, maxval=2)": [
+        1071546819, 1072843399, 3215676765, 3207076536, 3189386104, 3221948926],
+    "uniform(key(7), (6,), minval=-3, maxval=2)": [
+        1052617616, 1072677179, 3216911900, 3209149356, 1059555562, 1042177032],
+    "uniform(key(5), (6,), float16, minval=-3, maxval=2)": [
+        13800, 15668, 49509, 48841, 16344, 13744],
+    "x64 uniform(key(7), (5,), float64, minval=-1e-3, maxval=123.456)": [
+        4637033537513182157, 4617997252068793206, 4628511164594062502,
+        4620634506114885117, 4609312379779651238],
+}
+JAX_KEYS = {-1: [0, 4294967295], 2**40 + 5: [0, 5], 2**63 - 1: [0, 4294967295],
+            -2**63: [0, 0], -2**31 - 1: [0, 2147483647]}
+JAX_TRUNCATED = {
+    "truncated_normal(key(3), 1, 5, (6,))": [
+        1.0497937202453613, 2.3333842754364014, 1.591976523399353, 2.6633682250976562,
+        1.2029945850372314, 1.504944086074829],
+    "x64 truncated_normal(key(7), -6, 1, (5,), float64)": [
+        0.5539250905300644, -1.7718751656622596, -0.8805170606585496, -1.6056948061165166,
+        -2.324671368077566],
+}
+
+
+def test_uniform_with_bounds_and_every_key_equal_recorded_jax_bits():
+    # XLA computes u * (maxval - minval) + minval with one rounding (float32, float64)
+    # or two (float16): the bounds must not cost a last bit.
+    for s in (0, 7):
+        got = n(R.uniform(R.key(s), (6,), minval=-3, maxval=2)).view(np.uint32)
+        assert got.tolist() == JAX_BITS[f"uniform(key({s}), (6,), minval=-3, maxval=2)"]
+    got = n(R.uniform(R.key(5), (6,), fs.dtypes.float16, minval=-3, maxval=2))
+    assert got.view(np.uint16).tolist() == JAX_BITS[
+        "uniform(key(5), (6,), float16, minval=-3, maxval=2)"]
+    for draw in (R.uniform, fs.jit(R.uniform, static_argnums=(1, 2, 3, 4))):
+        got = n(draw(u32(0, 7), (5,), fs.dtypes.float64, -1e-3, 123.456)).view(np.uint64)
+        assert got.tolist() == JAX_BITS[
+            "x64 uniform(key(7), (5,), float64, minval=-1e-3, maxval=123.456)"]
+    # keys follow JAX's default mode for every seed: the seed's low 32 bits
+    for seed, want in JAX_KEYS.items():
+        assert n(R.key(seed)).tolist() == want, seed
+        assert n(R.key(np.int64(seed) if seed < 2**63 else seed)).tolist() == want
+    assert n(fs.jit(R.key)(ms.Tensor(np.int64(2**40 + 5)))).tolist() == [0, 5]
+    assert n(fs.jit(R.key)(ms.Tensor(np.int8(-1)))).tolist() == [0, 4294967295]
+
+
+def _exact_truncated(u, lower, upper, npd):
+    from scipy.special import erfinv
+
+    z = (np.sqrt(2) * erfinv(u.astype(np.float64))).astype(npd)
+    return np.clip(z, np.nextafter(npd(lower), npd(np.inf)),
+                   np.nextafter(npd(upper), npd(-np.inf)))
+
+
+def _ulps(a, b):
+    def ordered(x):
+        i = x.astype(np.float32).view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+    return np.abs(ordered(a) - ordered(b))
+
+
+@pytest.mark.parametrize("lower,upper", [(-1.0, 2.0), (1.0, 5.0), (3.0, 4.0), (-6.0, 1.0),
+                                         (-10.0, 10.0)])
+def test_truncated_normal_is_the_exact_inverse_cdf_of_its_uniform_draw(lower, upper):
+    # u is JAX's uniform draw on [erf(lower/sqrt2), erf(upper/sqrt2)); the draw is
+    # sqrt(2) * erfinv(u) rounded once: 0 ulp in float32, a few 1e-16 in float64.
+    from scipy.special import erf
+
+    key = R.key(3)
+    s2 = np.float32(np.sqrt(2))
+    a, b = (fs.ops.erf(np.float32(v) / s2) for v in (lower, upper))
+    u = n(R.uniform(key, (2000,), fs.dtypes.float32, a, b))
+    got = n(R.truncated_normal(key, lower, upper, (2000,)))
+    assert _ulps(got, _exact_truncated(u, lower, upper, np.float32)).max() == 0
+    u64 = n(R.uniform(key, (2000,), fs.dtypes.float64, erf(lower / np.sqrt(2)),
+                      erf(upper / np.sqrt(2))))
+    got64 = n(R.truncated_normal(key, lower, upper, (2000,), fs.dtypes.float64))
+    want64 = _exact_truncated(u64, lower, upper, np.float64)
+    assert np.abs(got64 - want64).max() <= 4e-16 * np.abs(want64).max()
+
+
+def test_truncated_normal_is_near_recorded_jax_values():
+    # XLA's float32 erf(5/sqrt2) is one ulp off; near that bound, close to 1, the inverse
+    # CDF magnifies it (10 ulp here), so the comparison is in ulp (float64: in 1e-11).
+    got = n(R.truncated_normal(R.key(3), 1.0, 5.0, (6,)))
+    want = np.float32(JAX_TRUNCATED["truncated_normal(key(3), 1, 5, (6,))"])
+    assert _ulps(got, want).max() <= 32
+    got = n(R.truncated_normal(u32(0, 7), -6.0, 1.0, (5,), fs.dtypes.float64))
+    np.testing.assert_allclose(
+        got, JAX_TRUNCATED["x64 truncated_normal(key(7), -6, 1, (5,), float64)"],
+        rtol=0, atol=1e-11)
+
+
+def test_float64_erfinv_is_accurate_to_the_tails():
+    from scipy.special import erfinv
+
+    x = np.concatenate([np.linspace(-1, 1, 4001)[1:-1], 1 - 10.0 ** -np.arange(1, 16.5, 0.5),
+                        -(1 - 2.0 ** -np.arange(1, 54)), [0.0, 1e-300, 0.5]])
+    got = n(R._erfinv64(ms.Tensor(x)))
+    want = erfinv(x)
+    finite = np.isfinite(want)
+    assert np.array_equal(got[~finite], want[~finite])
+    rel = np.abs(got[finite] - want[finite]) / np.maximum(np.abs(want[finite]), 1e-300)
+    assert rel.max() < 1e-15
+
+
 def _jax_python():
     exe = os.environ.get("FSHARD_JAX_PYTHON") or str(ROOT / ".jaxenv" / "bin" / "python")
     return exe if os.path.exists(exe) else None
@@ -122,6 +228,58 @@ def test_equal_jax_live_for_many_seeds_and_shapes():
         assert n(R.bits(a, shape)).tolist() == bits
         np.testing.assert_array_equal(n(R.uniform(b, shape)), np.float32(uni))
         assert n(R.fold_in(k, s & 0xFF)).tolist() == fold
+
+
+_BOUNDS = [(-3, 2), (0.1, 0.7), (-1e-3, 123.456), (1000.5, 1001.25), (-2.5, -1e-5),
+           (1e-30, 1.0000001), (-1e-30, 3.0000002), (-3e4, 3e4), (5.0, 5.0)]
+
+
+@pytest.mark.skipif(_jax_python() is None, reason="no JAX environment (.jaxenv, or "
+                    "FSHARD_JAX_PYTHON); the recorded JAX outputs above are checked instead")
+def test_uniform_keys_and_truncated_normal_equal_jax_live():
+    seeds = [0, 1, -1, -5, 2**31 - 1, 2**31, 2**32 + 3, 2**40 + 5, -2**31 - 1, 2**63 - 1, -2**63]
+    script = (
+        "import json, sys, jax, numpy as np, jax.numpy as jnp\n"
+        "seeds, bounds = json.loads(sys.argv[1])\n"
+        "keys = [np.asarray(jax.random.key_data(jax.random.key(s))).tolist() for s in seeds]\n"
+        "def draws():\n"
+        "    out = []\n"
+        "    for i, (lo, hi) in enumerate(bounds):\n"
+        "        k = jax.random.wrap_key_data(jnp.array([0, i + 7], jnp.uint32))\n"
+        "        row = {}\n"
+        "        for name, dt, view in (('f16', jnp.float16, np.uint16), ('f32', jnp.float32,"
+        " np.uint32), ('f64', jnp.float64, np.uint64)):\n"
+        "            if dt == jnp.float64 and not jax.config.jax_enable_x64:\n"
+        "                continue\n"
+        "            v = np.asarray(jax.random.uniform(k, (2000,), dt, lo, hi)).view(view)\n"
+        "            row[name] = [str(x) for x in v.tolist()]\n"
+        "        out.append(row)\n"
+        "    return out\n"
+        "r32 = draws()\n"
+        "tn32 = np.asarray(jax.random.truncated_normal(jax.random.key(3), -1.0, 2.0, (2000,)))\n"
+        "jax.config.update('jax_enable_x64', True)\n"
+        "r64 = draws()\n"
+        "tn64 = np.asarray(jax.random.truncated_normal(jax.random.key(3), -6.0, 1.0, (2000,),"
+        " jnp.float64))\n"
+        "print(json.dumps([keys, r32, r64, tn32.tolist(), tn64.tolist()]))\n")
+    res = subprocess.run([_jax_python(), "-c", script, json.dumps([seeds, _BOUNDS])],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    keys, r32, r64, tn32, tn64 = json.loads(res.stdout)
+    for seed, want in zip(seeds, keys):
+        assert n(R.key(seed)).tolist() == want, seed
+    views = {"f16": (fs.dtypes.float16, np.uint16), "f32": (fs.dtypes.float32, np.uint32),
+             "f64": (fs.dtypes.float64, np.uint64)}
+    for i, (lo, hi) in enumerate(_BOUNDS):
+        for name, want in {**r32[i], **r64[i]}.items():
+            dtype, view = views[name]
+            got = n(R.uniform(u32(0, i + 7), (2000,), dtype, lo, hi)).view(view)
+            assert got.tolist() == [int(v) for v in want], (lo, hi, name)
+    got = n(R.truncated_normal(R.key(3), -1.0, 2.0, (2000,)))
+    assert _ulps(got, np.float32(tn32)).max() <= 4
+    got = n(R.truncated_normal(R.key(3), -6.0, 1.0, (2000,), fs.dtypes.float64))
+    # JAX's float64 erfinv is the less accurate one here (~5e-12 near -1)
+    assert np.abs(got - np.float64(tn64)).max() < 1e-11
 
 
 # --- the same numbers under every transform ------------------------------------------

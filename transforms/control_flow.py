@@ -35,11 +35,13 @@ This module sits in the transforms layer because the JVP rules of ``while`` and
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from fshard import context, dtypes, random, tree
 from fshard.backend.mindspore import as_tensor
-from fshard.core import ArrayType, Tracer, typeof
+from fshard.core import ArrayType, Tracer, current_trace, typeof
 from fshard.errors import ArgumentError, ProgramTypeError
 from fshard.interpret import eval_program
 from fshard.ir import Literal, Program, Var
@@ -82,15 +84,18 @@ def _leaves_of(x, api: str, what: str):
 
 
 def _stage_tree_fn(fn, treedef, avals, api: str, name: str, star: bool = False,
-                   key_uses: list | None = None):
+                   key_uses: list | None = None, loop=None):
     """Stage ``fn(unflatten(treedef, xs))`` (``fn(*...)`` with ``star``) into a closed
     Program; also return its constants and its output tree. ``key_uses`` gets, per
-    input, what consumed it as a random key inside ``fn`` (or None)."""
+    input, what consumed it as a random key inside ``fn`` (or None). ``loop``: the
+    trace a loop whose body ``fn`` is was called in (its random draws are checked for
+    keys no iteration changes)."""
     box = []
 
     def flat(*xs):
         args = tree.unflatten(treedef, list(xs))
-        out = fn(*args) if star else fn(args)
+        with random.loop_body(api, xs, loop) if loop else contextlib.nullcontext():
+            out = fn(*args) if star else fn(args)
         if key_uses is not None:
             key_uses.append([random.consumed_by(x) for x in xs])
         leaves, out_tree = tree.flatten(out)
@@ -751,7 +756,8 @@ def while_loop(cond_fun, body_fun, init_val):
     _check_fn(api, body_fun, "body_fun")
     leaves, treedef = _leaves_of(init_val, api, "init_val")
     avals = [typeof(x) for x in leaves]
-    body, b_consts, out_tree = _stage_tree_fn(body_fun, treedef, avals, api, "body_fun")
+    body, b_consts, out_tree = _stage_tree_fn(body_fun, treedef, avals, api, "body_fun",
+                                              loop=current_trace())
     if out_tree != treedef or list(body.out_avals) != avals:
         raise ProgramTypeError(
             f"{api}: body_fun({fun_name(body_fun)}) must return the carry's structure and "
@@ -825,13 +831,21 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll: bool | None = None):
             return val
 
         if unroll:
-            for i in range(lo, hi):
-                val = checked(i, val)
+            with random.unrolled_loop(api) as loop:
+                for i in range(lo, hi):
+                    loop.iteration = i
+                    val = checked(i, val)
             return val
         # A scan primitive over (i, val): one graph loop under jit, and reverse mode
         # works (its JVP rule unrolls), which a while loop's does not.
-        (_, val), _ = scan(lambda c, _: ((c[0] + 1, checked(c[0], c[1])), None),
-                           (np.int32(lo), val), None, length=max(hi - lo, 0), unroll=1)
+        outer = current_trace()
+
+        def step(c, _):
+            with random.loop_body(api, tree.flatten(c)[0], outer):
+                return (c[0] + 1, checked(c[0], c[1])), None
+
+        (_, val), _ = scan(step, (np.int32(lo), val), None, length=max(hi - lo, 0),
+                           unroll=1)
         return val
     elif unroll:
         raise ArgumentError(
@@ -839,9 +853,13 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll: bool | None = None):
             f"{type(lower).__name__} and {type(upper).__name__}.")
     lo_t = E.cast(lower, dtypes.int32)
     hi_t = E.cast(upper, dtypes.int32)
-    _, val = while_loop(lambda c: E.less(c[0], hi_t),
-                        lambda c: (E.add(c[0], 1), body_fun(c[0], c[1])),
-                        (lo_t, init_val))
+    outer = current_trace()
+
+    def body(c):
+        with random.loop_body(api, tree.flatten(c)[0], outer):
+            return E.add(c[0], 1), body_fun(c[0], c[1])
+
+    _, val = while_loop(lambda c: E.less(c[0], hi_t), body, (lo_t, init_val))
     return val
 
 
@@ -897,9 +915,12 @@ def scan(f, init, xs=None, length=None, reverse: bool = False, unroll=None):
     slice_avals = [ArrayType(tuple(typeof(x).shape[1:]), typeof(x).dtype) for x in x_leaves]
     box = []
 
+    outer = current_trace()
+
     def body_fn(*flat):
         carry = tree.unflatten(c_tree, list(flat[:n_carry]))  # arrays: MindSpore's rules
-        out = f(carry, tree.unflatten(x_tree, list(flat[n_carry:])))
+        with random.loop_body(api, flat, outer):
+            out = f(carry, tree.unflatten(x_tree, list(flat[n_carry:])))
         if not isinstance(out, tuple) or len(out) != 2:
             raise ArgumentError(
                 f"{api}: f({fun_name(f)}) must return a pair (carry, y), got "

@@ -173,6 +173,10 @@ def _ms_erf(x):
     return ops.erf(x)
 
 
+def _ms_erfc(x):
+    return ops.erfc(x)
+
+
 neg_p = def_primitive("neg", FAMILY, _unary_type, _ms_neg)
 batching.set(neg_p, vectorized(neg_p))
 sharding.set(neg_p, _elementwise_sharding)
@@ -194,6 +198,9 @@ sin_p = def_unary("sin", _ms_sin, lambda t, ans, x: mul(t, cos(x)))
 cos_p = def_unary("cos", _ms_cos, lambda t, ans, x: mul(t, neg(sin(x))))
 erf_p = def_unary("erf", _ms_erf,
                   lambda t, ans, x: mul(t, mul(2.0 / math.sqrt(math.pi), exp(neg(mul(x, x))))))
+# erfc = 1 - erf, accurate where erf is near 1 (the tails of an inverse normal CDF)
+erfc_p = def_unary("erfc", _ms_erfc,
+                   lambda t, ans, x: mul(t, mul(-2.0 / math.sqrt(math.pi), exp(neg(mul(x, x))))))
 
 sign_p = def_primitive("sign", FAMILY, _unary_type, _ms_sign)
 batching.set(sign_p, vectorized(sign_p))
@@ -661,6 +668,7 @@ round = _int_identity_un(round_p)  # noqa: A001  (MindSpore's name)
 sin = _float_un(sin_p)
 cos = _float_un(cos_p)
 erf = _float_un(erf_p)
+erfc = _float_un(erfc_p)
 
 
 def gelu(x: ArrayLike, approximate: str = "tanh") -> Float[Array, "*shape"]:

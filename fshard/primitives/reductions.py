@@ -186,16 +186,26 @@ def reduce_min(x: ArrayLike, axis=None, keepdims: bool = False) -> Shaped[Array,
     return _reduce(reduce_min_p, x, axis, keepdims)
 
 
+def count(x: ArrayLike, axis=None, dtype=dtypes.int64) -> Shaped[Array, ""]:
+    """The number of elements of ``x`` along ``axis`` (an int, a tuple, or None for all
+    axes): a Python int when those dimensions are static, else a 0-d array of ``dtype``
+    read at run time (``dim_size``). What every mean, variance and element count divides
+    by, so that a symbolic dimension never counts as a placeholder number."""
+    axes = _axes(x, axis)
+    shape = typeof(x).shape
+    n = dim_prod([shape[a] for a in axes])
+    return dim_size(x, axes, dtype) if is_symbolic(n) else n
+
+
 def mean(x: ArrayLike, axis=None, keepdims: bool = False) -> Float[Array, "..."]:
     """Mean over ``axis`` (integer inputs average in float32)."""
     from fshard.primitives.elementwise import cast, div, mul
 
     if not dtypes.is_float(typeof(x).dtype):
         x = cast(x, dtypes.float32)
-    shape, axes = typeof(x).shape, _axes(x, axis)
-    n = dim_prod([shape[a] for a in axes])
-    if is_symbolic(n):  # a size known only at run time
-        return div(reduce_sum(x, axis, keepdims), dim_size(x, axes, typeof(x).dtype))
+    n = count(x, axis, typeof(x).dtype)
+    if not isinstance(n, int):  # a size known only at run time
+        return div(reduce_sum(x, axis, keepdims), n)
     # The mean of nothing is nan, as in MindSpore and NumPy.
     return mul(reduce_sum(x, axis, keepdims), 1.0 / n if n else float("nan"))
 

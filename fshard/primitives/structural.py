@@ -16,7 +16,8 @@ from mindspore import ops
 
 from fshard import dtypes
 from fshard.array_types import Array, ArrayLike, Int, Shaped
-from fshard.core import ArrayType, Tracer, dims_equal, is_symbolic, typeof
+from fshard.core import ArrayType, Symbol, Tracer, dims_equal, is_symbolic, typeof
+from fshard.dims import dim_min
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
 from fshard.factors import FactorSpec, elementwise_spec
 from fshard.primitives.base import (  # noqa: F401  (re-exported: the shape primitives)
@@ -987,6 +988,14 @@ def getitem(x: Shaped[Array, "..."], idx) -> Shaped[Array, "..."]:
     else:
         idx = idx + fill
 
+    dim = 0
+    for pos, e in enumerate(idx):  # an int index into a symbolic dimension: a gather
+        if e is None:
+            continue
+        if isinstance(e, (int, np.integer)) and is_symbolic(a.shape[dim]):
+            return _symbolic_int_index(x, idx, pos, dim, int(e), n_arrays)
+        dim += 1
+
     starts, limits, strides = [], [], []
     result_shape = []   # after the slice and reshape; the array index keeps a full dim
     reversed_axes = []  # result axes to flip (negative steps)
@@ -1051,6 +1060,38 @@ def getitem(x: Shaped[Array, "..."], idx) -> Shaped[Array, "..."]:
         moved = list(range(array_axis, array_axis + k))
         y = transpose(y, tuple(moved + [i for i in range(nd) if i not in moved]))
     return y
+
+
+def _symbolic_int_index(x, idx: tuple, pos: int, dim: int, i: int, n_arrays: int):
+    """``x[..., i, ...]`` where ``i`` (at ``idx[pos]``) indexes the symbolic dimension
+    ``dim``: in bounds for every size when ``-smallest <= i < smallest`` (the smallest
+    size the Symbols accept); a negative ``i`` counts from the size read at run time."""
+    from fshard.primitives.elementwise import add
+    from fshard.primitives.reductions import dim_size
+
+    a = typeof(x)
+    n = a.shape[dim]
+    low = dim_min(n)
+    if not -low <= i < low:
+        raise ArgumentError(
+            f"x[...]: index {i} may be out of bounds for dimension {dim} of {a}: its size "
+            f"{n} can be as small as {low} ({_describe_symbols(n)}).\nFix: declare the "
+            f"Symbol with min > {i if i >= 0 else -i - 1}, e.g. fs.Symbol(min="
+            f"{i + 1 if i >= 0 else -i}), or index within the smallest size.")
+    if n_arrays:
+        raise ArgumentError(
+            f"x[...]: an int index into the symbolic dimension {dim} of {a} together with "
+            "an integer-array index is not supported.\nFix: index in steps, e.g. "
+            "x[0][:, j].")
+    index = np.int32(i) if i >= 0 else add(dim_size(x, (dim,), dtypes.int32), np.int32(i))
+    y = gather_p.bind(x, index, axis=dim)
+    rest = idx[:pos] + idx[pos + 1:]
+    return getitem(y, rest) if rest else y
+
+
+def _describe_symbols(d) -> str:
+    syms = [d] if isinstance(d, Symbol) else d.symbols()
+    return ", ".join(f"{s} = {s!r}" for s in syms)
 
 
 def _normalized_index(e, n, dim: int, a: ArrayType):

@@ -65,9 +65,11 @@ def code_blocks(text: str) -> list[tuple[int, str, str | None]]:
 
 
 # Runs in the fresh interpreter: the suite's warning filters (pyproject's
-# filterwarnings), then each block in one namespace; on an error it names the block.
+# filterwarnings), then each block in one namespace, as pasted at the prompt (a bare
+# expression such as `mesh.shape  # (2, 4)` prints its value); on an error it names
+# the block.
 _RUNNER = r"""
-import json, sys, traceback, warnings
+import ast, json, sys, traceback, warnings
 warnings.simplefilter("error")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", category=UserWarning, module="mindspore")
@@ -76,7 +78,9 @@ page, blocks = json.loads(sys.stdin.read())
 namespace = {"__name__": "__main__"}
 for line, code in blocks:
     try:
-        exec(compile(code, f"{page}:{line}", "exec"), namespace)
+        # compiled as the interactive interpreter does: a bare expression prints its value
+        tree = ast.Interactive(body=ast.parse(code).body)
+        exec(compile(tree, f"{page}:{line}", "single"), namespace)
     except BaseException:
         sys.stdout.flush()
         first = next((s for s in code.splitlines() if s.strip()), "")

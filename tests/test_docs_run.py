@@ -66,8 +66,8 @@ def code_blocks(text: str) -> list[tuple[int, str, str | None]]:
 
 # Runs in the fresh interpreter: the suite's warning filters (pyproject's
 # filterwarnings), then each block in one namespace, as pasted at the prompt (a bare
-# expression such as `mesh.shape  # (2, 4)` prints its value); on an error it names
-# the block.
+# top-level expression such as `mesh.shape  # (2, 4)` prints its value); on an error
+# it names the block.
 _RUNNER = r"""
 import ast, json, sys, traceback, warnings
 warnings.simplefilter("error")
@@ -78,9 +78,13 @@ page, blocks = json.loads(sys.stdin.read())
 namespace = {"__name__": "__main__"}
 for line, code in blocks:
     try:
-        # compiled as the interactive interpreter does: a bare expression prints its value
-        tree = ast.Interactive(body=ast.parse(code).body)
-        exec(compile(tree, f"{page}:{line}", "single"), namespace)
+        # as the interactive interpreter shows it, a top-level bare expression prints
+        # its value (only top-level ones: a loop's calls are not echoed)
+        for stmt in ast.parse(code).body:
+            tree, mode = ((ast.Interactive(body=[stmt]), "single")
+                          if isinstance(stmt, ast.Expr) else
+                          (ast.Module(body=[stmt], type_ignores=[]), "exec"))
+            exec(compile(tree, f"{page}:{line}", mode), namespace)
     except BaseException:
         sys.stdout.flush()
         first = next((s for s in code.splitlines() if s.strip()), "")

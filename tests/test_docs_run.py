@@ -66,10 +66,10 @@ def code_blocks(text: str) -> list[tuple[int, str, str | None]]:
 
 # Runs in the fresh interpreter: the suite's warning filters (pyproject's
 # filterwarnings), then each block in one namespace, as pasted at the prompt (a bare
-# top-level expression such as `mesh.shape  # (2, 4)` prints its value); on an error
-# it names the block.
+# top-level expression such as `mesh.shape  # (2, 4)` prints its value; a `>>>`
+# session is run as a doctest, its output compared); on an error it names the block.
 _RUNNER = r"""
-import ast, json, sys, traceback, warnings
+import ast, doctest, json, sys, traceback, warnings
 warnings.simplefilter("error")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", category=UserWarning, module="mindspore")
@@ -78,6 +78,13 @@ page, blocks = json.loads(sys.stdin.read())
 namespace = {"__name__": "__main__"}
 for line, code in blocks:
     try:
+        if code.lstrip().startswith(">>>"):   # a console session: its output is checked
+            test = doctest.DocTestParser().get_doctest(code, namespace, page, page, line)
+            runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+            runner.run(test, clear_globs=False)
+            if runner.failures:
+                raise AssertionError(f"{runner.failures} example(s) printed otherwise")
+            continue
         # as the interactive interpreter shows it, a top-level bare expression prints
         # its value (only top-level ones: a loop's calls are not echoed)
         for stmt in ast.parse(code).body:

@@ -79,8 +79,10 @@ namespace = {"__name__": "__main__"}
 for line, code in blocks:
     try:
         if code.lstrip().startswith(">>>"):   # a console session: its output is checked
-            test = doctest.DocTestParser().get_doctest(code, namespace, page, page, line)
-            runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+            test = doctest.DocTestParser().get_doctest(code, {}, page, page, line)
+            test.globs = namespace            # (get_doctest copies the namespace)
+            runner = doctest.DocTestRunner(
+                optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
             runner.run(test, clear_globs=False)
             if runner.failures:
                 raise AssertionError(f"{runner.failures} example(s) printed otherwise")

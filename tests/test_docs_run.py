@@ -3,8 +3,10 @@ page by page, each page in a fresh interpreter (its blocks in order, in one name
 as if pasted one after the other), at the repository root with FSHARD_DEVICES=8.
 
 Warnings are errors, as in the suite (a page whose example warns shows the reader a
-warning the text does not explain). A block that is not meant to run as pasted (a
-multi-process job's script, a deliberate error, a sketch with ``...``) carries the
+warning the text does not explain). A bare top-level expression prints its value, as
+at the interpreter's prompt; a ``>>>`` session (how a page shows an error) runs as a
+doctest and its output is compared. A block that is not meant to run as pasted (a
+multi-process job, an excerpt of a source file, a warning shown as printed) carries the
 comment ``<!-- no-run: reason -->`` on the line before its fence; see
 docs/adding_a_primitive.md, "Code blocks in the docs".
 """
@@ -29,16 +31,17 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*$")
 _NO_RUN = re.compile(r"^[ \t]*<!--\s*no-run:\s*(?P<reason>.*?)\s*-->[ \t]*$")
 
-# Pages that import MindSpore and compile run in the quick run when they take a few
-# seconds; the rest (measured at 10 s and more on two busy cores) only with --full.
-FULL_ONLY: set[str] = set()
+# Each page costs an interpreter start and MindSpore's import (about 4 s on two busy
+# cores) plus its examples. The quick run keeps the pages a newcomer reads first, about
+# 4-6 s each (~50 s together); the pages measured at 5-25 s (whole training loops,
+# pipelines, checkpoints, the seed's dynamic-shape example) run with --full.
+FULL_ONLY = {"README.md", "adding_a_primitive.md", "auto_parallel.md", "checkpoint.md",
+             "control_flow.md", "dynamic_shapes.md", "from_jax.md", "optim.md",
+             "pipeline.md", "random.md"}
 
-# Pages whose examples do not run as pasted yet. Each is xfailed strictly: as soon as a
-# page runs, its test fails until it is removed from this set.
-NOT_YET = {"adding_a_primitive.md", "auto_parallel.md", "autodiff.md", "checkpoint.md",
-           "collectives.md", "control_flow.md", "dynamic_shapes.md", "errors.md",
-           "launch.md", "meshes_and_layouts.md", "optim.md", "pipeline.md", "random.md",
-           "shard.md", "shard_map.md", "tracing.md"}
+# Pages whose examples do not run as pasted yet, each xfailed strictly (it fails as
+# soon as the page runs, until it is removed from here). Every page runs now.
+NOT_YET: set[str] = set()
 
 
 def code_blocks(text: str) -> list[tuple[int, str, str | None]]:
@@ -132,15 +135,36 @@ def test_code_blocks_reads_marks_and_indented_fences():
                                  (11, "c = 3", None)]
 
 
+def _run(name: str, text: str) -> subprocess.CompletedProcess:
+    """Run the page ``text``'s blocks (those not marked no-run) in a fresh interpreter."""
+    blocks = [(line, code) for line, code, why in code_blocks(text) if why is None]
+    env = {**os.environ, "FSHARD_DEVICES": "8"}
+    env.pop("PYTHONWARNINGS", None)
+    return subprocess.run([sys.executable, "-c", _RUNNER], cwd=ROOT, env=env,
+                          input=json.dumps([name, blocks]), capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_a_failing_block_is_named_with_its_page_and_first_line():
+    """The runner itself (no MindSpore import: fast): a NameError, a warning, and a
+    console session whose output differs each fail, naming the block; a no-run block
+    and a matching session pass."""
+    ok = ("```python\nx = 2\n```\n<!-- no-run: a sketch -->\n```python\nundefined\n```\n"
+          "```python\n>>> x + 1\n3\n```\n")
+    assert _run("ok.md", ok).returncode == 0
+    for body, message in [("y = 1\nprint(missing)", "NameError"),
+                          ("import warnings\nwarnings.warn('w')", "UserWarning"),
+                          (">>> 1 + 1\n3", "printed otherwise")]:
+        out = _run("bad.md", f"text\n\n```python\n{body}\n```\n")
+        assert out.returncode == 1
+        first = body.splitlines()[0]
+        assert f"bad.md: the block at line 3 ({first!r}) failed" in out.stderr, out.stderr
+        assert message in out.stderr
+
+
 @pytest.mark.parametrize("page", [_param(p) for p in PAGES
                                   if any(why is None for _, _, why in
                                          code_blocks(p.read_text()))])
 def test_page_runs_as_pasted(page):
-    blocks = [(line, code) for line, code, why in code_blocks(page.read_text())
-              if why is None]
-    env = {**os.environ, "FSHARD_DEVICES": "8"}
-    env.pop("PYTHONWARNINGS", None)
-    out = subprocess.run([sys.executable, "-c", _RUNNER], cwd=ROOT, env=env,
-                         input=json.dumps([page.name, blocks]), capture_output=True,
-                         text=True, timeout=600)
+    out = _run(page.name, page.read_text())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]

@@ -641,15 +641,17 @@ def _custom_vjp_call(rng, dt):
 
 
 def _ms_op(rng, dt):
-    """Generic equations: MindSpore's CumSum (linear) and Atan2 (two operands)."""
+    """Generic equations: MindSpore's MatrixBandPart (linear) and Xdivy (two operands;
+    its divisor kept away from 0), two ops fshard has no native rule for."""
     from mindspore import ops
 
     out = []
-    for shape in ((3,), (2, 3), (2, 1, 3)):
+    for shape in ((3, 3), (2, 3), (2, 1, 3)):
         x, y = values(rng, shape, dt), values(rng, shape, dt)
-        eq, vals = _staged_equation(lambda a: ops.cumsum(a, 0), (x,), G.ms_op_p)
+        eq, vals = _staged_equation(lambda a: ops.matrix_band_part(a, 0, 1), (x,), G.ms_op_p)
         out.append(Sample(vals, eq.params, linear_groups=((0,),)))
-        eq, vals = _staged_equation(lambda a, b: ops.atan2(a, b), (x, y), G.ms_op_p)
+        y = (np.abs(y) + 1).astype(y.dtype)
+        eq, vals = _staged_equation(lambda a, b: ops.xdivy(a, b), (x, y), G.ms_op_p)
         out.append(Sample(vals, eq.params, diff_argnums=(0, 1), linear_groups=()))
     return out
 

@@ -263,14 +263,13 @@ def test_bitwise_operators_trace(op):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: fs.jit(lambda a: a * 2)(ms.Tensor(X).astype(ms.bfloat16)),
-    lambda: fs.jit(lambda a: a.astype(ms.bfloat16))(X),
     lambda: fs.jit(lambda a: a.astype(ms.complex64))(X),
-    lambda: fs.grad(lambda a: a.astype(ms.float32).sum())(ms.Tensor(X).astype(ms.bfloat16)),
+    lambda: fs.grad(lambda a: a.astype(ms.float32).sum())(ms.Tensor(X).astype(ms.complex64)),
 ])
 def test_unsupported_dtypes_are_argument_errors_listing_the_supported_ones(make):
-    with pytest.raises(fs.ArgumentError, match=r"not supported by fshard; use one of Bool, "
-                                                r"Float16, Float32"):
+    # bfloat16 is supported (docs/amp.md lists the kernels the CPU backend runs for it)
+    with pytest.raises(fs.ArgumentError, match=r"not supported by fshard; use one of BFloat16, "
+                                                r"Bool, Float16, Float32"):
         make()
 
 

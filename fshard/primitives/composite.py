@@ -775,7 +775,8 @@ def binary_cross_entropy_with_logits(logits, labels, weight=None, pos_weight=Non
     return _reduce_loss(loss, reduction, "binary_cross_entropy_with_logits")
 
 
-def kl_div(logits, labels, reduction: str = "mean", log_target: bool = False):
+def kl_div(logits, labels, reduction: str = "mean",
+           log_target: bool = False) -> Float[Array, "..."]:
     """``labels * (log(labels) - logits)`` (``log_target``: ``exp(labels) * (labels -
     logits)``), reduced; 'batchmean' divides the sum by the first dimension."""
     x, y = promote(logits, labels)
@@ -791,7 +792,8 @@ def kl_div(logits, labels, reduction: str = "mean", log_target: bool = False):
     return _reduce_loss(loss, reduction, "kl_div")
 
 
-def smooth_l1_loss(x, target, beta: float = 1.0, reduction: str = "none"):
+def smooth_l1_loss(x, target, beta: float = 1.0,
+                   reduction: str = "none") -> Float[Array, "..."]:
     """``0.5 * d**2 / beta`` where ``d = |x - target| < beta``, else ``d - 0.5 * beta``."""
     x, target = promote(x, target)
     d = abs(sub(x, target))
@@ -800,7 +802,8 @@ def smooth_l1_loss(x, target, beta: float = 1.0, reduction: str = "none"):
     return _reduce_loss(loss, reduction, "smooth_l1_loss")
 
 
-def norm(x, p: float = 2.0, axis=None, keepdims: bool = False, epsilon: float = 0.0):
+def norm(x, p: float = 2.0, axis=None, keepdims: bool = False,
+         epsilon: float = 0.0) -> Float[Array, "..."]:
     """The ``p``-norm over ``axis`` (p = 1, 2 or any positive float; 'inf' for the
     largest magnitude)."""
     from fshard.primitives.reductions import reduce_max
@@ -822,7 +825,7 @@ def norm(x, p: float = 2.0, axis=None, keepdims: bool = False, epsilon: float = 
     return maximum(out, float(epsilon)) if epsilon else out
 
 
-def cosine_similarity(x1, x2, dim: int = 1, eps: float = 1e-8):
+def cosine_similarity(x1, x2, dim: int = 1, eps: float = 1e-8) -> Float[Array, "..."]:
     """``sum(x1 * x2) / max(|x1| * |x2|, eps)`` along ``dim``."""
     x1, x2 = promote(_float(x1), _float(x2))
     num = reduce_sum(mul(x1, x2), dim)

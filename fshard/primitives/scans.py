@@ -155,7 +155,7 @@ def _sort_type(x, *, axis, descending):
     return [x, ArrayType(x.shape, dtypes.int32)]
 
 
-def take_along_axis(x, indices, axis: int):
+def take_along_axis(x, indices, axis: int) -> Shaped[Array, "..."]:
     """``out[..., i, ...] = x[..., indices[..., i, ...], ...]`` along ``axis`` (indices
     of x's shape but for ``axis``), as one ``gather`` from the flattened value: linear
     in ``x``, its transpose a ``scatter_add``."""

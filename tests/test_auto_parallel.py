@@ -217,7 +217,8 @@ def _zero_local_bytes(params, n, shard_size):
     return out
 
 
-@pytest.mark.parametrize("shard_size,level", [(-1, "level1"), (4, "level3")])
+@pytest.mark.parametrize("shard_size,level", [(-1, "level1"),
+                                              pytest.param(4, "level3", marks=pytest.mark.full)])
 def test_hsdp_shards_each_parameter_over_its_data_parallel_group(shard_size, level):
     params, x, y = _data(batch=32, d_in=64, hidden=32, d_out=16)
     n = 8
@@ -409,6 +410,7 @@ print(json.dumps({"strategies": part.strategies(), "collectives": part.collectiv
 """
 
 
+@pytest.mark.full  # slow: the full matrix (the quick run covers the feature elsewhere)
 def test_strategy_files_reproduce_the_plan_in_a_new_process(tmp_path):
     import os
     import subprocess

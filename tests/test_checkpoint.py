@@ -259,6 +259,7 @@ def test_resume_exactly_on_the_same_mesh(tmp_path):
     assert first + second == whole  # bit-identical losses
 
 
+@pytest.mark.full  # slow: the full matrix (the quick run covers the feature elsewhere)
 def test_resume_on_another_mesh_with_zero(tmp_path):
     opt = fs.optim.adam(1e-2)
     batches = _batches(20)

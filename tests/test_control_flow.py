@@ -697,6 +697,7 @@ def test_a_loop_reducing_its_split_carry_keeps_it_split(monkeypatch):
                     np.abs(n(b)).max())))
 
 
+@pytest.mark.full  # slow: the full matrix (the quick run covers the feature elsewhere)
 def test_a_long_sharded_scan_compiles_as_a_loop_and_its_gradient_matches():
     """A 300-step scan under fs.shard stays one scan primitive in the per-device
     program (so its compile time does not grow with the length), and the gradient of
@@ -815,6 +816,7 @@ def _rnn_inputs(steps=300):
     return w, h, xs
 
 
+@pytest.mark.full  # slow: the full matrix (the quick run covers the feature elsewhere)
 def test_a_long_scan_inside_shard_map_is_one_loop_with_its_psum_inside():
     """A 300-step scan with a psum in its body, inside shard_map on a virtual mesh of
     8: one scan primitive (a graph loop under jit, not 300 copies of the body), equal
@@ -904,7 +906,8 @@ def _reverse_scan(program):
     return scans[0]
 
 
-@pytest.mark.parametrize("linear", [True, False], ids=["accumulated", "nonlinear carry"])
+@pytest.mark.parametrize("linear", [True, pytest.param(False, marks=pytest.mark.full)],
+                         ids=["accumulated", "nonlinear carry"])
 def test_a_reverse_loop_accumulates_weight_gradients_as_a_pending_sum(linear):
     """grad of a sharded 200-step RNN scan: the reverse loop keeps the batch split, each
     device sums its share of the weight gradient in the carry, and one psum per weight

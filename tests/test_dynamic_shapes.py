@@ -423,6 +423,7 @@ def _dynamic_checks():
     return module
 
 
+@pytest.mark.full  # slow: the full matrix (the quick run covers the feature elsewhere)
 def test_the_seeds_network_sharded_on_8_devices_trains_on_varying_batches_compiled_once():
     """The seed's split counts (MatMul ((2, 4), (4, 1)), MatMul ((1, 8), (8, 1))) on a
     virtual mesh of 8, a Symbol(divisor=8) batch of a new size every step: every loss

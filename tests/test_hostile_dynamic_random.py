@@ -193,6 +193,7 @@ def test_a_loop_body_drawing_from_a_key_no_iteration_changes_is_a_warning():
                 call()
 
 
+@pytest.mark.full  # slow: the full matrix (the quick run covers the feature elsewhere)
 def test_loop_keys_that_change_every_iteration_are_not_warned_about():
     k = R.key(0)
 

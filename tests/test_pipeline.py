@@ -35,9 +35,9 @@ def _configs():
 
 
 CONFIGS = _configs()
-#: What the quick run trains: one configuration per scheduler, one of them interleaved;
+#: What the quick run trains (1F1B; the schedule tests above cover GPipe and interleaving);
 #: ``--full`` trains every configuration.
-QUICK_CONFIGS = {(2, 4, "1f1b", False), (4, 8, "gpipe", True)}
+QUICK_CONFIGS = {(2, 4, "1f1b", False)}
 
 
 def _quick(configs, quick):
@@ -195,7 +195,7 @@ def test_mlp_trains_like_the_unpipelined_run(S, M, sched, inter):
     _check_equal("mlp", S, M, sched, inter)
 
 
-@pytest.mark.parametrize("S, M, sched, inter", _quick(CONFIGS, {(2, 4, "1f1b", False)}))
+@pytest.mark.parametrize("S, M, sched, inter", _quick(CONFIGS, set()))
 def test_transformer_stack_trains_like_the_unpipelined_run(S, M, sched, inter):
     _check_equal("transformer", S, M, sched, inter)
 
@@ -507,6 +507,7 @@ def test_operator_parallelism_inside_each_stage(S, M, sched, inter, k):
     assert part.collectives()
 
 
+@pytest.mark.full  # slow: the full matrix (the quick run covers the feature elsewhere)
 def test_transformer_stack_with_operator_parallelism_inside_stages():
     plan = example.model_parallel_plan("transformer", 2, 2)
     ref_losses, ref_params = _reference("transformer", 2)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 
-from fshard.backend.mindspore import cell_first_call_checks, cell_params
+from fshard.backend.mindspore import (cell_first_call_checks, cell_param_tuple,
+                                     cell_param_tuples, cell_params, set_cell_param_tuple)
 from fshard.primitives.structural import stop_gradient
 
 
@@ -47,17 +48,35 @@ def parameters(cell) -> dict:
 
 
 def _locations(cell) -> dict:
-    """``{name: [(owner, leaf), ...]}``: every place each parameter is stored.
+    """``{name: [(owner, slot), ...]}``: every place each parameter is stored; a slot
+    is a leaf name, or ``(tuple name, index)`` inside a ``ParameterTuple``.
 
     ``parameters_and_names`` lists a Parameter shared by several sub-cells (tied
     weights) once, under its first name; swapping it there alone would leave the
-    other uses reading the old Parameter, so every slot holding it is found."""
+    other uses reading the old Parameter, so every slot holding it is found. A
+    ``ParameterTuple`` attribute (``nn.LSTM``'s ``w_ih_list``) holds its Parameters a
+    second time, and ``construct`` reads them there."""
     slots: dict[int, list] = {}
     for _, c in [("", cell)] + list(cell.cells_and_names()):
-        for leaf, p in cell_params(c).items():
-            if p is not None and (c, leaf) not in slots.setdefault(id(p), []):
-                slots[id(p)].append((c, leaf))
+        held = list(cell_params(c).items()) + [
+            ((group, k), p) for group, members in cell_param_tuples(c).items()
+            for k, p in enumerate(members)]
+        for slot, p in held:
+            if p is not None and (c, slot) not in slots.setdefault(id(p), []):
+                slots[id(p)].append((c, slot))
     return {name: slots[id(p)] for name, p in parameters(cell).items()}
+
+
+def _swap(owner, slot, value):
+    """Put ``value`` in ``slot`` of ``owner``; returns what was there."""
+    if isinstance(slot, str):
+        old, cell_params(owner)[slot] = cell_params(owner)[slot], value
+        return old
+    group, k = slot  # a ParameterTuple: swapped whole, as a plain tuple
+    members = list(cell_param_tuple(owner, group))
+    old, members[k] = members[k], value
+    set_cell_param_tuple(owner, group, tuple(members))
+    return old
 
 
 @contextlib.contextmanager
@@ -66,15 +85,20 @@ def swapped(cell, values: dict):
     _first_call_checks(cell)
     where = _locations(cell)
     saved = []
+    originals = {(id(owner), group): (owner, group, members)
+                 for owner in {id(o): o for slots in where.values() for o, _ in slots}.values()
+                 for group, members in cell_param_tuples(owner).items()}
     try:
         for name, v in values.items():
-            for owner, leaf in where[name]:
-                saved.append((owner, leaf, cell_params(owner)[leaf]))
-                cell_params(owner)[leaf] = v
+            for owner, slot in where[name]:
+                saved.append((owner, slot, _swap(owner, slot, v)))
         yield
     finally:
-        for owner, leaf, old in reversed(saved):
-            cell_params(owner)[leaf] = old
+        for owner, slot, old in reversed(saved):
+            if isinstance(slot, str):
+                _swap(owner, slot, old)
+        for owner, group, members in originals.values():  # the ParameterTuples themselves
+            set_cell_param_tuple(owner, group, members)
 
 
 def _first_call_checks(cell) -> None:

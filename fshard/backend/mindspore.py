@@ -777,6 +777,40 @@ def cell_params(cell) -> dict:
     return cell._params
 
 
+def cell_param_tuples(cell) -> dict:
+    """The Cell's ``ParameterTuple`` attributes (``{name: tuple of Parameters}``):
+    ``nn.LSTM``'s ``w_ih_list``, which its ``construct`` reads instead of the same
+    Parameters' own slots. MindSpore 2.10 keeps them in the instance's ``__dict__``
+    (older versions in ``_params_list``)."""
+    found = dict(cell.__dict__.get("_params_list", {}))
+    found.update({k: v for k, v in cell.__dict__.items()
+                  if isinstance(v, (ms.ParameterTuple, SwappedParameterTuple))})
+    return found
+
+
+class SwappedParameterTuple(tuple):
+    """A ``ParameterTuple`` whose members ``fs.functional`` replaced (by tracers or
+    Tensors): still found by ``cell_param_tuples`` when a nested transform swaps again."""
+
+
+def cell_param_tuple(cell, name: str) -> tuple:
+    """What ``name`` (one of ``cell_param_tuples``) holds now (swapped: a plain tuple)."""
+    held = cell.__dict__.get("_params_list", {})
+    return held[name] if name in held else cell.__dict__[name]
+
+
+def set_cell_param_tuple(cell, name: str, members: tuple) -> None:
+    """Store ``members`` where ``cell_param_tuples`` found ``name`` (a
+    ``SwappedParameterTuple`` unless it is a ``ParameterTuple``)."""
+    if not isinstance(members, ms.ParameterTuple):
+        members = SwappedParameterTuple(members)
+    held = cell.__dict__.get("_params_list", {})
+    if name in held:
+        held[name] = members
+    else:
+        cell.__dict__[name] = members
+
+
 def cell_children(cell) -> dict:
     """The Cell's direct sub-Cells (``{name: Cell}``)."""
     return cell._cells

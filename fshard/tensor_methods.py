@@ -441,6 +441,21 @@ METHODS.update({
     "masked_fill": ops.masked_fill,
 })
 
+def _mindspore_function(name):
+    """The Tensor method ``name`` as MindSpore's ``ops.<name>`` function, which traces
+    (its pieces are slices and ``split``s): the same signature and the same pieces."""
+    def method(self, *args, **kwargs):
+        import mindspore.ops
+
+        return getattr(mindspore.ops, name)(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+# nn.MultiheadAttention splits its packed projection with ``tensor_split``.
+METHODS.update({name: _mindspore_function(name) for name in ("split", "tensor_split", "chunk")})
+
 METHODS.update({
     "floor": ops.floor, "round": _round, "tile": _tile,
     "clip": _clip, "clamp": _clip, "var": _var,

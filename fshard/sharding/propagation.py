@@ -192,9 +192,13 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
         eq = program.equations[i]
         for v in eq.outputs:
             queue.extend(j for j in consumers.get(v, []) if choice[j] is None)
+        # Producers first: a layout an operator needs reaches back up the chain that
+        # computes its operand before the breadth-first front arrives there from the
+        # other side and splits that chain for free (a slice of a whole value), which
+        # would then cost a gather (the RMSNorm between a Megatron attention and MLP).
         for a in eq.inputs:
             if isinstance(a, Var) and a in producer and choice[producer[a]] is None:
-                queue.append(producer[a])
+                queue.appendleft(producer[a])
     for i in range(len(program.equations)):  # unreachable from any annotation
         if choice[i] is None:
             decide(i)

@@ -1,7 +1,8 @@
 """Sharding propagation: give every value of a Program a layout (MindSpore's
-algorithm). Breadth-first from the annotated values, each equation takes the candidate
-that needs no communication on its edges, else the cheapest under the cost model of
-``level``; pending sums pass through linear primitives.
+algorithm). Breadth-first from the annotated values (an equation's undecided producers
+before its consumers), each equation takes the candidate that needs no communication
+on its edges, else the cheapest under the cost model of ``level``; pending sums pass
+through linear primitives.
 """
 
 from __future__ import annotations

@@ -115,6 +115,40 @@ def _desired(program: Program, specs: list, out_demand: dict, mesh: ShardMesh) -
     return desired
 
 
+def _sink_pending_sums(program: Program, choice: list, known: dict, consumers: dict,
+                       mesh: ShardMesh) -> None:
+    """Pass pending sums through the linear equations that were decided to reduce them
+    first, where that never costs more: an equation decided before its operands were
+    (backwards, from a consumer that needs the whole value) cannot see that they will
+    be pending sums, so a sum of two pending sums (the gradients meeting where a value
+    feeds two matmuls with split weights) reduced each. Program order, so a chain
+    (``reshape`` then ``add``) passes the sum along. Only where each pending operand
+    has this equation as its one consumer (nothing else wants it reduced), the
+    candidate moves nothing else, and the output is no larger than the operands: the
+    operands' AllReduces become at most one, of the same size, on the output."""
+    for i, eq in enumerate(program.equations):
+        spec, cand = choice[i]
+        if cand.carry:
+            continue
+        partials = [known[a].partial if isinstance(a, Var) and a in known else frozenset()
+                    for a in eq.inputs]
+        pending = [a for a, p in zip(eq.inputs, partials) if p]
+        if not pending or any(set(consumers.get(a, ())) != {i} or a in program.outputs
+                              for a in pending):
+            continue
+        for c in carry_variants(spec, cand, eq.prim.name, partials):
+            ins, outs = candidate_shardings(spec, c)
+            if any(isinstance(a, Var) and known.get(a) != req
+                   for a, req in zip(eq.inputs, ins)):
+                continue
+            if _deferral_bytes(eq, spec, c, mesh) > 0:
+                continue
+            choice[i] = (spec, c)
+            for v, out in zip(eq.outputs, outs):
+                known[v] = out
+            break
+
+
 def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: ShardMesh,
               level: int = 0) -> Propagated:
     """Give every value a sharding (MindSpore's BFS; see the module docstring)."""
@@ -203,5 +237,6 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
     for i in range(len(program.equations)):  # unreachable from any annotation
         if choice[i] is None:
             decide(i)
+    _sink_pending_sums(program, choice, known, consumers, mesh)
     ins = [known.get(v, Sharding.replicated(v.aval.ndim)) for v in program.inputs]
     return Propagated(program, mesh, known, choice, ins, out_shardings, list(in_shardings), level)

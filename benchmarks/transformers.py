@@ -190,6 +190,6 @@ def llama_step(ctx):
                   target="step at most 1.05x MindSpore's GRAPH-mode TrainOneStepCell; first "
                          "call at most 1.5x mindspore.jit's",
                   notes=[f"batch {B}, sequence {S}, width {DIM}, {HEADS} heads, MLP {FF}",
-                         f"steps timed interleaved ({runs} calls each, 6 rounds); first "
-                         f"calls on fresh objects ({first_runs} each)",
+                         (f"steps timed interleaved ({runs} calls each, 6 rounds); first "
+                          f"calls on fresh objects ({first_runs} each)"),
                          f"first three losses equal: {np.round(got, 6).tolist()}"])

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import contextlib
 
-from fshard.backend.mindspore import (cell_first_call_checks, cell_param_tuple,
-                                     cell_param_tuples, cell_params, set_cell_param_tuple)
+from fshard.backend.mindspore import (
+    cell_first_call_checks,
+    cell_param_tuple,
+    cell_param_tuples,
+    cell_params,
+    set_cell_param_tuple,
+)
 from fshard.primitives.structural import stop_gradient
 
 

@@ -6,6 +6,7 @@ MindSpore Tensors (``x @ w + b``, ``x.sum(axis=1)``, ``x.reshape(...)``) traces.
 
 from __future__ import annotations
 
+import mindspore.ops
 import numpy as np
 
 from fshard import dtypes, ops
@@ -441,12 +442,11 @@ METHODS.update({
     "masked_fill": ops.masked_fill,
 })
 
+
 def _mindspore_function(name):
     """The Tensor method ``name`` as MindSpore's ``ops.<name>`` function, which traces
     (its pieces are slices and ``split``s): the same signature and the same pieces."""
     def method(self, *args, **kwargs):
-        import mindspore.ops
-
         return getattr(mindspore.ops, name)(self, *args, **kwargs)
 
     method.__name__ = name

@@ -319,7 +319,7 @@ def test_tensor_split_methods_trace():
     x = Tensor(np.arange(20, dtype=np.float32).reshape(2, 10))
     for method, args in (("tensor_split", (3,)), ("tensor_split", ((2, 5),)),
                          ("split", (3,)), ("chunk", (3,))):
-        got = fs.vmap(lambda x: getattr(x, method)(*args, axis=0))(x)
+        got = fs.vmap(lambda x, m=method, a=args: getattr(x, m)(*a, axis=0))(x)
         want = getattr(x, method)(*args, axis=1)
         assert len(got) == len(want)
         for g, w in zip(got, want):

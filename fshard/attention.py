@@ -125,7 +125,9 @@ def ring_attention(q: Float[Array, "*b sq d"], k: Float[Array, "*b sk d"],
     block's scores, so the backend may overlap it with them.
 
     Args:
-        q, k, v: this device's blocks, ``[..., seq_block, head_dim]``.
+        q: this device's queries, ``[..., seq_block, head_dim]``.
+        k: this device's keys, the same shape but for the sequence length.
+        v: this device's values, ``[..., seq_block, value_dim]``.
         axis_name: the mesh axis the sequence is split over.
         causal: mask by the original sequence positions.
         scale: the score scale; ``1/sqrt(head_dim)`` by default.

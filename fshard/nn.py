@@ -20,6 +20,7 @@ from fshard.attention import (  # noqa: F401
     zigzag as zigzag,
 )
 from fshard.core import typeof
+from fshard.moe import moe as moe  # noqa: F401
 from fshard.errors import ArgumentError
 
 

@@ -477,18 +477,46 @@ def run(
     return result
 
 
-def _run(script_or_module, n, args, timeout, module, log_dir, port, env, out,
-         show_mindspore_logs) -> LaunchResult:
-    keep_logs = log_dir is not None
-    log_dir = log_dir or tempfile.mkdtemp(prefix="fshard-launch-")
-    os.makedirs(log_dir, exist_ok=True)
-    port = port or free_port()
-    here = os.path.abspath(__file__)
-    base_env = dict(os.environ)
-    base_env.update(env or {})
+class _Job:
+    """One job on its way: what ``run`` was asked, the processes it started and what
+    it observed. ``_run`` passes it through the steps below, in order."""
+
+    def __init__(self, n, timeout, module, log_dir, port, env, out, show_mindspore_logs):
+        self.n, self.timeout, self.module = n, timeout, module
+        self.out, self.show_mindspore_logs = out, show_mindspore_logs
+        self.keep_logs = log_dir is not None
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="fshard-launch-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.port = port or free_port()
+        self.env = _job_env(n, timeout, self.port, env)
+        self.start = time.monotonic()
+        self.sched: subprocess.Popen | None = None
+        self.sched_log_path = os.path.join(self.log_dir, "scheduler.log")
+        self.workers: list[_Worker] = []
+        self.logs: list[TextIO] = []
+        self.failed: list[int] = []
+        self.waited_out: list[int] = []  # ranks where MindSpore gave up in a collective
+        self.running: list[int] = []     # ranks still running when the job was stopped
+        self.timed_out = self.interrupted = False
+        self.sched_failed: int | None = None
+        self.wall = 0.0
+
+    @property
+    def unjoined(self) -> list[int]:   # finished without joining the job
+        return [w.rank for w in self.workers if w.left_unjoined]
+
+    @property
+    def waiting(self) -> list[int]:    # in fs.distributed.init() and not done
+        return [w.rank for w in self.workers if w.entered_init and not w.done]
+
+
+def _job_env(n: int, timeout: float, port: int, env: dict | None) -> dict:
+    """The environment every process of the job starts from."""
+    base = dict(os.environ)
+    base.update(env or {})
     # MindSpore's wait in a collective, scaled to the load (unless the caller set it)
-    base_env.setdefault("MS_NODE_TIMEOUT", str(collective_timeout(n)))
-    base_env.update(
+    base.setdefault("MS_NODE_TIMEOUT", str(collective_timeout(n)))
+    base.update(
         MS_SCHED_HOST="127.0.0.1",
         MS_SCHED_PORT=str(port),
         MS_WORKER_NUM=str(n),
@@ -497,246 +525,283 @@ def _run(script_or_module, n, args, timeout, module, log_dir, port, env, out,
         PYTHONUNBUFFERED="1",
         FSHARD_LAUNCH_PARENT=str(os.getpid()),
     )
-    start = time.monotonic()
-    sched_log_path = os.path.join(log_dir, "scheduler.log")
-    sched_log = open(sched_log_path, "w")
-    sched = subprocess.Popen(
-        [sys.executable, "-c", _BOOT.format(path=here, entry="_scheduler_main")],
-        env=dict(base_env, MS_ROLE="MS_SCHED", MS_NODE_ID="sched", RANK_ID="0"),
-        stdin=subprocess.DEVNULL, stdout=sched_log, stderr=subprocess.STDOUT,
+    return base
+
+
+def _start_scheduler(job: _Job) -> None:
+    job.sched_log = open(job.sched_log_path, "w")
+    job.sched = subprocess.Popen(
+        [sys.executable, "-c", _BOOT.format(path=os.path.abspath(__file__),
+                                            entry="_scheduler_main")],
+        env=dict(job.env, MS_ROLE="MS_SCHED", MS_NODE_ID="sched", RANK_ID="0"),
+        stdin=subprocess.DEVNULL, stdout=job.sched_log, stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+
+def _start_workers(job: _Job, script_or_module: str, args) -> None:
     lock = threading.Lock()
-    workers: list[_Worker] = []
-    logs: list[TextIO] = []
-    failed: list[int] = []
-    timed_out = interrupted = False
-    waited_out: list[int] = []  # ranks where MindSpore gave up waiting in a collective
-    sched_failed: int | None = None
-    try:
-        for k in range(n):
-            status_r, status_w = os.pipe()
-            release_r, release_w = os.pipe()
-            wenv = dict(
-                base_env,
-                MS_ROLE="MS_WORKER", MS_NODE_ID=str(k), RANK_ID=str(k), DEVICE_ID=str(k),
-                FSHARD_LAUNCH_STATUS_FD=str(status_w), FSHARD_LAUNCH_RELEASE_FD=str(release_r),
-                FSHARD_LAUNCH_MODULE="1" if module else "0",
-            )
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT.format(path=here, entry="_worker_main"),
-                 script_or_module, *map(str, args)],
-                env=wenv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, pass_fds=(status_w, release_r),
-                start_new_session=True,
-            )
-            os.close(status_w)
-            os.close(release_r)
-            log_path = os.path.join(log_dir, f"rank_{k}.log")
-            w = _Worker(k, proc, status_r, release_w, log_path)
-            log = open(log_path, "w")
-            logs.append(log)
-            w.reader = threading.Thread(
-                target=_pump, args=(w, log, out, lock, show_mindspore_logs), daemon=True
-            )
-            w.reader.start()
-            workers.append(w)
+    for k in range(job.n):
+        status_r, status_w = os.pipe()
+        release_r, release_w = os.pipe()
+        wenv = dict(
+            job.env,
+            MS_ROLE="MS_WORKER", MS_NODE_ID=str(k), RANK_ID=str(k), DEVICE_ID=str(k),
+            FSHARD_LAUNCH_STATUS_FD=str(status_w), FSHARD_LAUNCH_RELEASE_FD=str(release_r),
+            FSHARD_LAUNCH_MODULE="1" if job.module else "0",
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOT.format(path=os.path.abspath(__file__),
+                                                entry="_worker_main"),
+             script_or_module, *map(str, args)],
+            env=wenv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, pass_fds=(status_w, release_r),
+            start_new_session=True,
+        )
+        os.close(status_w)
+        os.close(release_r)
+        log_path = os.path.join(job.log_dir, f"rank_{k}.log")
+        w = _Worker(k, proc, status_r, release_w, log_path)
+        log = open(log_path, "w")
+        job.logs.append(log)
+        w.reader = threading.Thread(
+            target=_pump, args=(w, log, job.out, lock, job.show_mindspore_logs), daemon=True
+        )
+        w.reader.start()
+        job.workers.append(w)
 
-        import select
 
-        released = False
-        deadline = start + timeout
-        while True:
-            pending = [w.status_r for w in workers if not (w.done or w.eof)]
-            ready = select.select(pending, [], [], 0.05)[0] if pending else []
-            if not pending:
-                time.sleep(0.05)
-            for w in workers:
-                if w.status_r in ready:
-                    data = os.read(w.status_r, 4096)
-                    if not data:  # the worker exited without reporting; poll() tells how
-                        w.eof = True
-                    w.collectives += data.count(b"c")
-                    w.entered_init |= b"i" in data
-                    w.left_unjoined |= b"n" in data
-                    w.done |= b"d" in data or b"n" in data
-            codes = [w.proc.poll() for w in workers]
-            failed = [w.rank for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
-            waited_out = [w.rank for w in workers if w.wait_failed]
-            if failed or waited_out:
-                break
-            unjoined = [w.rank for w in workers if w.left_unjoined]
-            waiting = [w.rank for w in workers if w.entered_init and not w.done]
-            if unjoined and waiting:  # they wait in init() for ranks that will never come
-                break
-            if all(c == 0 for c in codes):
-                break
-            if not released and all(w.done or c == 0 for w, c in zip(workers, codes,
-                                                                       strict=True)):
-                for w in workers:
-                    try:
-                        os.write(w.release_w, b"g")
-                    except OSError:  # that worker already exited
-                        pass
-                released = True
-            sc = sched.poll()
-            if sc not in (None, 0) and not released:
-                sched_failed = sc
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        running = [w.rank for w in workers if w.proc.poll() is None]
-        for w in workers:
-            _kill(w.proc)
-        _kill(sched, grace=0.2)
-        for w in workers:
-            if w.reader is not None:
-                w.reader.join(5.0)
-            for fd in (w.status_r, w.release_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        for log in logs:
-            log.close()
-        sched_log.close()
-    wall = time.monotonic() - start
+def _read_status(workers: list[_Worker]) -> None:
+    """Read what the workers reported (one letter per event) without blocking long."""
+    import select
 
-    results = []
+    pending = [w.status_r for w in workers if not (w.done or w.eof)]
+    ready = select.select(pending, [], [], 0.05)[0] if pending else []
+    if not pending:
+        time.sleep(0.05)
     for w in workers:
+        if w.status_r in ready:
+            data = os.read(w.status_r, 4096)
+            if not data:  # the worker exited without reporting; poll() tells how
+                w.eof = True
+            w.collectives += data.count(b"c")
+            w.entered_init |= b"i" in data
+            w.left_unjoined |= b"n" in data
+            w.done |= b"d" in data or b"n" in data
+
+
+def _watch(job: _Job) -> None:
+    """Wait until the job succeeds, a rank fails or gives up in a collective, ranks
+    wait in init() for a rank that left, the scheduler dies, or time runs out. Once
+    every rank's script has succeeded, release them (they exit without MindSpore's
+    slow teardown)."""
+    workers = job.workers
+    released = False
+    deadline = job.start + job.timeout
+    while True:
+        _read_status(workers)
+        codes = [w.proc.poll() for w in workers]
+        job.failed = [w.rank for w, c in zip(workers, codes, strict=True)
+                      if c not in (None, 0)]
+        job.waited_out = [w.rank for w in workers if w.wait_failed]
+        if job.failed or job.waited_out:
+            return
+        if job.unjoined and job.waiting:  # they wait in init() for ranks that never come
+            return
+        if all(c == 0 for c in codes):
+            return
+        if not released and all(w.done or c == 0 for w, c in zip(workers, codes,
+                                                                   strict=True)):
+            for w in workers:
+                try:
+                    os.write(w.release_w, b"g")
+                except OSError:  # that worker already exited
+                    pass
+            released = True
+        sc = job.sched.poll()
+        if sc not in (None, 0) and not released:
+            job.sched_failed = sc
+            return
+        if time.monotonic() > deadline:
+            job.timed_out = True
+            return
+
+
+def _stop(job: _Job) -> None:
+    """Kill what is left of the job and close its pipes and logs."""
+    job.running = [w.rank for w in job.workers if w.proc.poll() is None]
+    for w in job.workers:
+        _kill(w.proc)
+    if job.sched is not None:
+        _kill(job.sched, grace=0.2)
+    for w in job.workers:
+        if w.reader is not None:
+            w.reader.join(5.0)
+        for fd in (w.status_r, w.release_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    for log in job.logs:
+        log.close()
+    if job.sched is not None:
+        job.sched_log.close()
+    job.wall = time.monotonic() - job.start
+
+
+def _run(script_or_module, n, args, timeout, module, log_dir, port, env, out,
+         show_mindspore_logs) -> LaunchResult:
+    job = _Job(n, timeout, module, log_dir, port, env, out, show_mindspore_logs)
+    try:
+        _start_scheduler(job)
+        _start_workers(job, script_or_module, args)
+        _watch(job)
+    except KeyboardInterrupt:
+        job.interrupted = True
+    finally:
+        _stop(job)
+    return _report(job)
+
+
+def _report(job: _Job) -> LaunchResult:
+    """The job's outcome: each rank's result, the exit code, and a message that names
+    the rank to look at and the fix."""
+    results = []
+    for w in job.workers:
         rc = w.proc.returncode
-        if w.rank in failed:
-            status = "failed"
-        elif rc == 0:
-            status = "ok"
-        else:
-            status = "stopped"
+        status = "failed" if w.rank in job.failed else "ok" if rc == 0 else "stopped"
         results.append(RankResult(w.rank, rc, status, "".join(w.lines), w.log_path,
                                   w.collectives))
-    with open(sched_log_path, errors="replace") as f:
+    with open(job.sched_log_path, errors="replace") as f:
         sched_text = f.read()
-
-    where = f"Logs: {log_dir}"
-    if not keep_logs and not (interrupted or timed_out or failed or waited_out
-                              or sched_failed is not None):
+    problem = (job.interrupted or job.timed_out or job.failed or job.waited_out
+               or job.sched_failed is not None)
+    where = f"Logs: {job.log_dir}"
+    if not job.keep_logs and not problem:
         # A successful job leaves nothing behind unless logs were asked for (--log-dir).
         import shutil
 
-        shutil.rmtree(log_dir, ignore_errors=True)
+        shutil.rmtree(job.log_dir, ignore_errors=True)
         where = "(logs removed; keep them with --log-dir)"
-    unjoined = [w.rank for w in workers if w.left_unjoined]
-    waiting = [w.rank for w in workers if w.entered_init and not w.done]
-    if unjoined and waiting and not (interrupted or timed_out or failed or waited_out):
-        failed = unjoined
+    unjoined, waiting = job.unjoined, job.waiting
+    if unjoined and waiting and not (job.interrupted or job.timed_out or job.failed
+                                     or job.waited_out):
+        job.failed = unjoined
         for r in results:
             if r.rank in unjoined:
                 r.status = "failed"
-    if interrupted:
+    if job.interrupted:
         code = EXIT_INTERRUPTED
-        msg = f"fshard.launch: interrupted after {wall:.1f} s; stopped {_ranks(running)}. {where}"
-    elif timed_out:
-        code = EXIT_TIMEOUT
-        hung = [w.rank for w in workers if w.rank in running and not w.done]
-        finished = [w.rank for w in workers if w.rank not in hung]
-        counts = [w.collectives for w in workers]
-        if hung and any(counts) and min(counts[r] for r in hung) < max(counts):
-            # the ranks that are behind are the hung ones; the rest wait for them
-            top = max(counts)
-            behind = [r for r in hung if counts[r] < top]
-            finished += [r for r in hung if r not in behind]
-            hung = behind
-        for r in results:
-            if r.rank in hung:
-                r.status = "hung"
-        failed = hung
-        running = hung
-        msg = (
-            f"fshard.launch: timed out after {timeout:g} s: {_ranks(running)} still running "
-            f"(hung?) and stopped"
-            + (f"; {_ranks(sorted(finished))} had finished or waited for "
-               f"{'it' if len(hung) == 1 else 'them'}" if finished and any(counts)
-               else f"; {_ranks(finished)} had finished" if finished else "")
-            + (f" ({_progress(workers)})" if any(counts) else "")
-            + ". Fix: raise --timeout, or look for a rank stuck in a collective or in "
-            "init (every rank must run the same collectives in the same order, and call "
-            f"fs.distributed.init()). {where}"
-        )
-    elif failed and failed == unjoined:
+        msg = (f"fshard.launch: interrupted after {job.wall:.1f} s; stopped "
+               f"{_ranks(job.running)}. {where}")
+    elif job.timed_out:
+        code, msg = EXIT_TIMEOUT, _timed_out(job, results, where)
+    elif job.failed and job.failed == unjoined:
         code = 1
         msg = (
-            f"fshard.launch: {_ranks(unjoined)} finished (exit code 0) after {wall:.1f} s "
-            f"without joining the job, while {_ranks(waiting)} waited for "
+            f"fshard.launch: {_ranks(unjoined)} finished (exit code 0) after {job.wall:.1f} "
+            f"s without joining the job, while {_ranks(waiting)} waited for "
             f"{'it' if len(unjoined) == 1 else 'them'} in fs.distributed.init(); stopped "
             f"{_ranks(waiting)}. Fix: call fs.distributed.init() on every rank (before "
             f"any rank-dependent early exit). {where}"
         )
-    elif waited_out or failed and any(w.wait_failed for w in workers):
-        # A rank gave up waiting in a collective: the ranks it waited for are the story.
-        code = EXIT_TIMEOUT
-        waiting = [w.rank for w in workers if w.wait_failed]
-        for r in results:
-            if r.rank in waiting:
-                r.status = "failed"
-        counts = [w.collectives for w in workers]
-        top = max(counts[r] for r in waiting)
-        behind = [w.rank for w in workers if w.rank not in waiting and counts[w.rank] < top]
-        wait = base_env["MS_NODE_TIMEOUT"]
-        failed = waiting
-        if behind:
-            failed = behind
-            for r in results:
-                if r.rank in behind:
-                    r.status = "hung"
-            late = results[behind[0]]
-            stopped = [r.rank for r in results if r.status != "ok" and r.rank not in waiting]
-            msg = (
-                f"fshard.launch: {_ranks(behind)} stopped making progress (hung?): "
-                f"{_ranks(waiting)} timed out in a collective after {wall:.1f} s, waiting "
-                f"{wait} s (MS_NODE_TIMEOUT) for {'it' if len(behind) == 1 else 'them'} in "
-                f"collective #{top} ({_progress(workers)}); stopped {_ranks(stopped)}. "
-                f"Fix: look at what {_ranks(behind)} does before its collective "
-                f"#{counts[behind[0]] + 1} (a rank-dependent branch, a long computation, "
-                "waiting for input): every rank must run the same collectives in the same "
-                "order. A slow but healthy rank needs a longer wait: set MS_NODE_TIMEOUT "
-                f"(seconds).\n--- last lines of rank {late.rank} ---\n"
-                f"{_tail(late.output) or '(no output)'}\n--- {where}")
-        else:
-            stopped = [r.rank for r in results if r.status == "stopped"]
-            msg = (
-                f"fshard.launch: {_ranks(waiting)} timed out in a collective after "
-                f"{wall:.1f} s, waiting {wait} s (MS_NODE_TIMEOUT); no rank was behind "
-                f"({_progress(workers)}), so a rank was slow inside the same collective's "
-                "graph (compiling it, or computing on a loaded machine) or the ranks' "
-                "graphs communicate differently; stopped "
-                f"{_ranks(stopped)}. Fix: set MS_NODE_TIMEOUT higher for slow steps, and "
-                "check that every rank runs the same program (the same shapes, the same "
-                f"collectives in the same order). {where}")
-    elif failed:
-        first = results[failed[0]]
+    elif job.waited_out or job.failed and any(w.wait_failed for w in job.workers):
+        code, msg = EXIT_TIMEOUT, _waited_in_collective(job, results, where)
+    elif job.failed:
+        first = results[job.failed[0]]
         rc = first.returncode
         code = rc if rc and rc > 0 else 1
         how = (f"exit code {rc}" if rc and rc > 0
                else f"signal {signal.Signals(-rc).name}" if rc else "an error")
         stopped = [r.rank for r in results if r.status == "stopped"]
-        msg = f"fshard.launch: {_ranks(failed)} failed ({how}) after {wall:.1f} s"
+        msg = f"fshard.launch: {_ranks(job.failed)} failed ({how}) after {job.wall:.1f} s"
         msg += f"; stopped {_ranks(stopped)}." if stopped else "."
         tail = _tail(first.output) or "(no output)"
         msg += f"\n--- last lines of rank {first.rank} ---\n{tail}\n--- {where}"
-    elif sched_failed is not None:
+    elif job.sched_failed is not None:
         code = 1
         msg = (
-            f"fshard.launch: the MindSpore scheduler exited with code {sched_failed} before "
-            f"the ranks finished (port {port} busy?); stopped {_ranks(running)}.\n"
-            f"--- last lines of scheduler.log ---\n{_tail(sched_text)}\n--- {where}"
+            f"fshard.launch: the MindSpore scheduler exited with code {job.sched_failed} "
+            f"before the ranks finished (port {job.port} busy?); stopped "
+            f"{_ranks(job.running)}.\n--- last lines of scheduler.log ---\n"
+            f"{_tail(sched_text)}\n--- {where}"
         )
     else:
         code = 0
-        msg = f"fshard.launch: {n} ranks finished in {wall:.1f} s. {where}"
-    return LaunchResult(code, results, failed, timed_out, wall, log_dir, msg, sched_text)
+        msg = f"fshard.launch: {job.n} ranks finished in {job.wall:.1f} s. {where}"
+    return LaunchResult(code, results, job.failed, job.timed_out, job.wall, job.log_dir, msg,
+                        sched_text)
+
+
+def _timed_out(job: _Job, results: list[RankResult], where: str) -> str:
+    """The whole job ran out of time: name the ranks that were behind as hung."""
+    workers = job.workers
+    hung = [w.rank for w in workers if w.rank in job.running and not w.done]
+    finished = [w.rank for w in workers if w.rank not in hung]
+    counts = [w.collectives for w in workers]
+    if hung and any(counts) and min(counts[r] for r in hung) < max(counts):
+        # the ranks that are behind are the hung ones; the rest wait for them
+        top = max(counts)
+        behind = [r for r in hung if counts[r] < top]
+        finished += [r for r in hung if r not in behind]
+        hung = behind
+    for r in results:
+        if r.rank in hung:
+            r.status = "hung"
+    job.failed = job.running = hung
+    return (
+        f"fshard.launch: timed out after {job.timeout:g} s: {_ranks(hung)} still running "
+        f"(hung?) and stopped"
+        + (f"; {_ranks(sorted(finished))} had finished or waited for "
+           f"{'it' if len(hung) == 1 else 'them'}" if finished and any(counts)
+           else f"; {_ranks(finished)} had finished" if finished else "")
+        + (f" ({_progress(workers)})" if any(counts) else "")
+        + ". Fix: raise --timeout, or look for a rank stuck in a collective or in "
+        "init (every rank must run the same collectives in the same order, and call "
+        f"fs.distributed.init()). {where}"
+    )
+
+
+def _waited_in_collective(job: _Job, results: list[RankResult], where: str) -> str:
+    """A rank gave up waiting in a collective: the ranks it waited for are the story."""
+    workers = job.workers
+    waiting = [w.rank for w in workers if w.wait_failed]
+    for r in results:
+        if r.rank in waiting:
+            r.status = "failed"
+    counts = [w.collectives for w in workers]
+    top = max(counts[r] for r in waiting)
+    behind = [w.rank for w in workers if w.rank not in waiting and counts[w.rank] < top]
+    wait = job.env["MS_NODE_TIMEOUT"]
+    job.failed = waiting
+    if not behind:
+        stopped = [r.rank for r in results if r.status == "stopped"]
+        return (
+            f"fshard.launch: {_ranks(waiting)} timed out in a collective after "
+            f"{job.wall:.1f} s, waiting {wait} s (MS_NODE_TIMEOUT); no rank was behind "
+            f"({_progress(workers)}), so a rank was slow inside the same collective's "
+            "graph (compiling it, or computing on a loaded machine) or the ranks' "
+            "graphs communicate differently; stopped "
+            f"{_ranks(stopped)}. Fix: set MS_NODE_TIMEOUT higher for slow steps, and "
+            "check that every rank runs the same program (the same shapes, the same "
+            f"collectives in the same order). {where}")
+    job.failed = behind
+    for r in results:
+        if r.rank in behind:
+            r.status = "hung"
+    late = results[behind[0]]
+    stopped = [r.rank for r in results if r.status != "ok" and r.rank not in waiting]
+    return (
+        f"fshard.launch: {_ranks(behind)} stopped making progress (hung?): "
+        f"{_ranks(waiting)} timed out in a collective after {job.wall:.1f} s, waiting "
+        f"{wait} s (MS_NODE_TIMEOUT) for {'it' if len(behind) == 1 else 'them'} in "
+        f"collective #{top} ({_progress(workers)}); stopped {_ranks(stopped)}. "
+        f"Fix: look at what {_ranks(behind)} does before its collective "
+        f"#{counts[behind[0]] + 1} (a rank-dependent branch, a long computation, "
+        "waiting for input): every rank must run the same collectives in the same "
+        "order. A slow but healthy rank needs a longer wait: set MS_NODE_TIMEOUT "
+        f"(seconds).\n--- last lines of rank {late.rank} ---\n"
+        f"{_tail(late.output) or '(no output)'}\n--- {where}")
 
 
 def _progress(workers) -> str:

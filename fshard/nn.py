@@ -13,7 +13,14 @@ import numpy as np
 
 from fshard import dtypes, ops, random
 from fshard.array_types import Array, Float, Key
+from fshard.attention import (  # noqa: F401
+    dot_product_attention as dot_product_attention,
+    ring_attention as ring_attention,
+    unzigzag as unzigzag,
+    zigzag as zigzag,
+)
 from fshard.core import typeof
+from fshard.moe import moe as moe  # noqa: F401
 from fshard.errors import ArgumentError
 
 

@@ -116,6 +116,7 @@ def test_every_configuration_trains_like_one_device(reference, name):
     assert int(state.step.asnumpy()) == 4
 
 
+@pytest.mark.full  # slow; the quick run covers it elsewhere
 def test_adam_state_trains_like_one_device_at_zero_level1():
     params, x, y = _data()
     ref = _train(fs.AutoParallel(mse, fs.optim.adam(1e-2), mesh=1), params, x, y)

@@ -342,6 +342,7 @@ def test_scan_graph_loop_equals_the_unrolled_scan_and_a_python_loop(unroll, reve
     assert_close(float(n(jv)), float((n(g_ref[0]) * tangent).sum()), rtol=1e-10)
 
 
+@pytest.mark.full  # slow; the quick run covers it elsewhere
 def test_the_gradient_of_a_graph_loop_scan_is_a_reverse_loop():
     """grad of a 300-step scan: a primal loop stacking residuals and a reverse loop, a
     program of a few equations whatever the length, equal to central differences."""

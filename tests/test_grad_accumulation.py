@@ -187,3 +187,19 @@ def test_gradient_accumulation_with_aux_stacks_it_per_micro_batch():
     # micro-batch j: the j-th half of each device's 8 rows
     halves = [np.concatenate([r[0:4], r[8:12]]), np.concatenate([r[4:8], r[12:16]])]
     np.testing.assert_allclose(n(aux), [h.sum() for h in halves], rtol=1e-5, atol=1e-5)
+
+
+def test_accumulation_and_a_pipeline_are_refused_in_either_order():
+    """A pipeline accumulates its own micro-batches: combined with
+    gradient_accumulation(k) one of the two would be silently ignored."""
+    def staged(p, x, y):
+        h = fs.pipeline_split(fs.ops.tanh(x @ p["w1"] + p["b1"]))
+        return ((h @ p["w2"] - y) ** 2).mean()
+
+    ap = fs.AutoParallel(staged, fs.optim.sgd(0.1), "semi_auto", mesh=2)
+    with pytest.raises(fs.ArgumentError, match=r"(?s)gradient_accumulation\(4\) is set.*"
+                                               r"micro_batches=8\) alone"):
+        ap.gradient_accumulation(4).pipeline(2, micro_batches=2)
+    ap = fs.AutoParallel(staged, fs.optim.sgd(0.1), "semi_auto", mesh=2)
+    with pytest.raises(fs.ArgumentError, match="a pipeline already accumulates"):
+        ap.pipeline(2, micro_batches=2).gradient_accumulation(4)

@@ -163,6 +163,7 @@ def _rows_differ(rows) -> bool:
     return not all(np.array_equal(rows[0], r) for r in rows[1:])
 
 
+@pytest.mark.full  # slow; the quick run covers it elsewhere
 def test_a_loop_body_drawing_from_a_key_no_iteration_changes_is_a_warning():
     k = R.key(0)
     xs = np.ones((3, 4), np.float32)

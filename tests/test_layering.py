@@ -61,7 +61,7 @@ LAYERS = [
     ("fshard.sharding",),
     ("fshard.ops", "fshard.tensor_methods", "fshard.user_layouts", "fshard.interop",
      "fshard.cells", "fshard.abstract"),
-    ("fshard.random", "fshard.nn", "fshard.visualize"),
+    ("fshard.random", "fshard.nn", "fshard.attention", "fshard.moe", "fshard.visualize"),
     ("fshard.transforms",),
     ("fshard.optim", "fshard.optim_blocks", "fshard.optim_accumulate", "fshard.parallel",
      "fshard.checkpoint", "fshard.checkpoint_manager", "fshard.amp"),

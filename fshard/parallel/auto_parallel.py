@@ -405,6 +405,14 @@ class AutoParallel:
                 f"AutoParallel.pipeline(stages=1) turns the pipeline off, so "
                 f"micro_batches={micro_batches} would be ignored.\nFix: stages >= 2 for a "
                 "pipeline, or drop micro_batches.")
+        k = self.__dict__.get("_accumulate", 1)
+        if stages != 1 and k > 1:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).pipeline(stages={stages}): "
+                f"gradient_accumulation({k}) is set, and a pipeline accumulates the "
+                "gradients of its own micro-batches.\nFix: drop gradient_accumulation "
+                f"(ap.gradient_accumulation(1)) and use ap.pipeline(stages, "
+                f"micro_batches={k * (micro_batches or 1)}) alone.")
         self._pipeline = None if stages == 1 else PipelineRunner(self, cfg, TrainState)
         return self
 

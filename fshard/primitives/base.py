@@ -531,12 +531,16 @@ def _ms_broadcast_scalar(t, shape):
 
 
 def _lower_full(ctx, *, shape, value, dtype):
-    if isinstance(value, float) and math.isnan(value):
-        # A NaN fill value is folded away by MindSpore's graph compiler; a constant
-        # Tensor goes through the backend's NaN-safe constants (a Parameter).
+    if isinstance(value, float) and (math.isnan(value) or dtype == dtypes.float64
+                                     and float(np.float32(value)) != value) \
+            or isinstance(value, int) and not -2**31 <= value < 2**31:
+        # A NaN fill value is folded away by MindSpore's graph compiler, and a Python
+        # scalar in a graph is a float32 or int32 one (a float64 fill would be rounded
+        # to float32, an int64 one beyond int32 wrapped): a constant Tensor of the dtype
+        # keeps the value exactly (through the backend's NaN-safe constants).
         from mindspore import Tensor
 
-        return ctx.call(_ms_broadcast_scalar, ctx.ref(Tensor(value, dtype), "nan"),
+        return ctx.call(_ms_broadcast_scalar, ctx.ref(Tensor(value, dtype), "fill"),
                         ctx.param(tuple(shape)))
     return ctx.call(_ms_full, ctx.param(shape), ctx.param(value), ctx.param(dtype))
 

@@ -109,10 +109,15 @@ def main(out_dir: str) -> None:
         "ppermute_partial": (lambda v: fs.ppermute(v, "d", [(0, n - 1)]), split, (n, 1)),
         "broadcast": (lambda v: fs.broadcast(v, "d", root=n - 1), split, None),
         "axis_index": (lambda v: v * fs.axis_index("d").astype(v.dtype), split, (n, 1)),
+        # context parallelism: the sequence (n * 4 rows) split over d, k/v round the ring
+        "ring_attention": (lambda v: fs.nn.ring_attention(v, v, v, "d"), split, (n, 1)),
+        "ring_attention_causal_zigzag": (
+            lambda v: fs.nn.ring_attention(v, v, v, "d", causal=True, layout="zigzag"),
+            split, (n, 1)),
     }
     compare(cases, x, (n,), ("d",), grads=("psum", "all_gather_tiled", "psum_scatter",
                                              "all_to_all", "ppermute_partial", "broadcast",
-                                             "pmax"))
+                                             "pmax", "ring_attention_causal_zigzag"))
 
     # Integer and bool values: MindSpore's CPU collectives take float32 and float16
     # only, so fshard carries them exactly (ints as 16-bit chunks: values beyond 2**24).

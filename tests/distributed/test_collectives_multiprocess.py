@@ -63,7 +63,7 @@ def test_every_collective_matches_the_virtual_mesh(job):
     checks = ranks[0]["checks"]
     expected = {"psum", "pmean", "pmax", "pmin", "all_gather", "all_gather_tiled",
                 "psum_scatter", "all_to_all", "ppermute_ring", "ppermute_partial", "broadcast",
-                "axis_index", "eager_shard_map", "eager_grad_shard_map", "grad_inside_value",
+                "axis_index", "ring_attention", "ring_attention_causal_zigzag", "eager_shard_map", "eager_grad_shard_map", "grad_inside_value",
                 "grad_inside_grads", "scan_psum_in_shard_map", "scan_psum_is_a_loop"}
     expected |= {"int_psum", "int_pmax", "int_pmin", "int_all_gather", "int_ppermute_ring",
                  "int_broadcast", "int_all_to_all", "bool_all_gather", "bool_pmax",
@@ -80,7 +80,7 @@ def test_every_collective_matches_the_virtual_mesh(job):
 def test_gradients_through_real_collectives(job):
     n, ranks = job
     grads = ranks[0]["grads"]
-    assert len(grads) == (7 if n == 2 else 11)
+    assert len(grads) == (8 if n == 2 else 12)
     bad = {k: v for k, v in grads.items() if v > 1e-5}
     assert not bad, f"gradients differ from the virtual mesh: {bad}"
 

@@ -107,6 +107,7 @@ def test_objective_counts_the_bytes_of_the_partitioned_program(case, use_search)
             np.testing.assert_allclose(_np(g), _np(w), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.full  # slow; the quick run covers it elsewhere
 def test_objective_of_a_sharded_gradient_counts_both_programs():
     # grad(shard(f)) stages a forward and a backward shard_call: each is its own program.
     args = _args([(16, 32), (32, 64), (64, 32)])

@@ -772,6 +772,12 @@ def pyboost_prim_classes() -> list:
             if isinstance(cls, type) and name.startswith("_Pyboost") and "__call__" in vars(cls)]
 
 
+def graph_only_comm_classes() -> list:
+    """MindSpore's collective op classes whose ``__call__`` refuses PyNative itself."""
+    return [cls for cls in (ms.ops.NeighborExchange, ms.ops.NeighborExchangeV2)
+            if "__call__" in vars(cls)]
+
+
 def cell_params(cell) -> dict:
     """The Cell's own parameter slots (``{leaf name: Parameter}``; mutable)."""
     return cell._params

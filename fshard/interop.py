@@ -43,6 +43,7 @@ from fshard.backend import mindspore as backend
 from fshard.core import Tracer, current_trace, is_symbolic, typeof
 from fshard.errors import (ArgumentError, AxisNameError, FshardError, ProgramTypeError,
                            ShapeError, ShardingError, UnsupportedOpError)
+from fshard.debug import debug_callback_p
 from fshard.interpret import walk
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.primitives.generic import ms_call
@@ -1083,6 +1084,21 @@ def _ms_all_to_all(prim, x):
     return _communicate(prim, run, x)
 
 
+@converts("Print")
+def _ms_print(prim, *args):
+    """MindSpore's ``ops.Print``: at every run, each string argument and each tensor (as
+    MindSpore shows a Tensor) on a line of its own."""
+    arrays = [a for a in args if not isinstance(a, str)]
+    kinds = [isinstance(a, str) for a in args]
+
+    def ms_print(*values):
+        it = iter(values)
+        lines = [a if s else backend.tensor_text(next(it)) for a, s in zip(args, kinds)]
+        print("\n".join(lines), flush=True)
+
+    debug_callback_p.bind(*arrays, callback=ms_print)
+
+
 @converts("NeighborExchange", "NeighborExchangeV2")
 def _ms_neighbor_exchange(prim, *args):
     raise UnsupportedOpError(
@@ -1352,7 +1368,8 @@ def _isinstance(obj, cls):
 def _wrap_prim_call(orig):
     def __call__(self, *args, **kwargs):
         _refuse_random(self.name)
-        if _has_tracer(args) or (kwargs and _has_tracer(kwargs.values())):
+        if (_has_tracer(args) or (kwargs and _has_tracer(kwargs.values()))
+                or self.name in _TRACE_ONLY):
             return _convert(self.name, self, args, kwargs)
         return orig(self, *args, **kwargs)
 
@@ -1555,10 +1572,10 @@ def _setup_classes() -> None:
     patches = [_AttrPatch(cls, "__call__", _wrap_prim_call)
                for cls in backend.pyboost_prim_classes()]
     patches.append(_AttrPatch(nn.Cell, "__call__", _wrap_cell_call))
-    # Their own __call__ raises NotImplementedError (MindSpore runs them in graphs only):
-    # traced, they reach their converter, which says what to write instead.
+    # Their own __call__ prints (Print) or raises NotImplementedError (graph-only
+    # collectives): traced, they reach their converter.
     patches += [_AttrPatch(cls, "__call__", _wrap_prim_call)
-                for cls in backend.graph_only_comm_classes()]
+                for cls in backend.own_call_prim_classes()]
     patches.append(_AttrPatch(Tensor, "__new__", _wrap_tensor_new))
     for name, fn in _TENSOR_OPERATORS.items():
         patches.append(_AttrPatch(

@@ -47,6 +47,11 @@ def main(out_dir: str) -> None:
     sm = fs.jit(fs.shard_map(lambda v: ops.AllReduce()(v), in_strategy=((device_num, 1),),
                              out_strategy=(device_num, 1), mesh=fs.Mesh((device_num,), ("d",))))
     out["shard_map_all_reduce"] = sm(x).asnumpy().tolist()
+
+    def printed(v):  # ops.Print in a job: each rank prints its own values
+        ops.Print()(f"rank {cur_rank} sees", v)
+        return v + 1
+    fs.block_until_ready(fs.jit(printed)(mine))
     with open(os.path.join(out_dir, f"rank{cur_rank}.json"), "w") as fh:
         json.dump(out, fh)
 

@@ -1,4 +1,4 @@
-"""MindSpore's collective op classes in a real 2-process job (seed 002's per-rank code
+"""MindSpore's collective op classes and ops.Print in a real 2-process job (seed 002's per-rank code
 under fs.jit, and inside fs.jit(fs.shard_map)), against NumPy; the virtual-mesh
 checks are in tests/test_ms_collectives.py."""
 
@@ -39,3 +39,8 @@ def test_collective_op_classes_in_a_two_process_job(tmp_path):
         np.testing.assert_allclose(out["all_to_all"], want)
         np.testing.assert_allclose(out["shard_map_all_reduce"],
                                    np.tile(blocks[0] + blocks[1], (2, 1)))
+        # ops.Print at run time, per rank, with the rank's own block
+        text = result.output(r)
+        assert f"rank {r} sees" in text
+        assert f"value=\n[[{blocks[r][0][0]:.8e}".replace("e", "e") in text or \
+            f"{blocks[r][0][0]:.8e}" in text, text[-2000:]

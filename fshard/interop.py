@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from fshard import distributed, dtypes, tree
+from fshard import context, distributed, dtypes, tree
 from fshard import ops as fo
 from fshard.primitives import collectives as C
 from fshard.backend import mindspore as backend
@@ -1385,12 +1385,53 @@ def _holds_tracer(cell) -> bool:
                    for c in backend.cell_children(cell).values()))
 
 
+# MindSpore's in-place ``cell.shard(in_strategy, out_strategy, parameter_plan)``: made
+# into ``fs.shard(cell, ...)`` on the spot (MindSpore itself drops it in a single
+# process) and kept on the Cell, which then runs through it whenever a transform traces
+# the Cell. transforms/shard.py provides the maker (``register_cell_shard``: the
+# transforms sit above this module).
+CELL_SHARD_ATTR = "_fshard_cell_shard"
+_cell_shard_maker: list = []
+
+
+def register_cell_shard(make: Callable) -> None:
+    """``make(cell, in_strategy, out_strategy, parameter_plan)`` -> the callable that
+    runs a Cell annotated by ``cell.shard(...)``, as ``run(args, kwargs)``."""
+    _cell_shard_maker[:] = [make]
+
+
+def _record_cell_shard(orig):
+    def shard(self, in_strategy, out_strategy=None, parameter_plan=None):
+        if _cell_shard_maker:
+            self.__dict__[CELL_SHARD_ATTR] = _cell_shard_maker[0](
+                self, in_strategy, out_strategy, parameter_plan)
+        return orig(self, in_strategy, out_strategy, parameter_plan)
+
+    shard.__wrapped__ = orig
+    shard.__doc__ = orig.__doc__
+    return shard
+
+
+def install_cell_shard_recorder() -> None:
+    """Make ``nn.Cell.shard`` remember its arguments on the Cell (then do what MindSpore
+    does). Installed once, when fshard is imported: a Cell is annotated in its
+    ``__init__``, before any transform traces it."""
+    from mindspore import nn
+
+    if not hasattr(nn.Cell.shard, "__wrapped__"):
+        nn.Cell.shard = _record_cell_shard(nn.Cell.shard)
+
+
 def _wrap_cell_call(orig):
     # A Cell called on a Tracer runs its construct directly: GRAPH_MODE compilation,
     # requires_grad bookkeeping and hooks would all hand the Tracer to C++.
     def __call__(self, *args, **kwargs):
         if (_has_tracer(args) or (kwargs and _has_tracer(kwargs.values()))
                 or _holds_tracer(self)):
+            run = self.__dict__.get(CELL_SHARD_ATTR)
+            if run is not None and id(self) not in _sharded_cells():
+                with context.pushed(context.sharded_cells, id(self)):
+                    return run(args, kwargs)
             stage = self.__dict__.get("_pipeline_stage")
             if stage is not None:  # MindSpore's cell.pipeline_stage = k: the inputs enter k
                 args, kwargs = _enter_stage((args, kwargs), stage)
@@ -1402,6 +1443,10 @@ def _wrap_cell_call(orig):
 
     __call__.__wrapped__ = orig
     return __call__
+
+
+def _sharded_cells() -> tuple:
+    return context.sharded_cells.get()
 
 
 def _enter_stage(values, stage: int):
@@ -1895,3 +1940,4 @@ def check_context_mode(parallel_mode: str, where: str) -> None:
 
 
 register_user_code_hook(tracing)
+install_cell_shard_recorder()

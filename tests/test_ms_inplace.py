@@ -73,3 +73,48 @@ def test_a_wrong_parameter_name_is_an_error_at_once():
     block = BasicBlock()
     with pytest.raises(fs.errors.ShardingError, match="dense9"):
         block.shard(in_strategy=((8, 1),), parameter_plan={"self.dense9.weight": (8, 1)})
+
+
+# -- set_inputs: MindSpore's declarations -------------------------------------------
+
+F32 = ms.float32
+
+
+def _t(*shape):
+    return Tensor(np.random.default_rng(1).normal(size=shape).astype(np.float32))
+
+
+def test_net_set_inputs_makes_fs_jit_of_the_net_compile_once():
+    net = nn.SequentialCell(nn.Dense(6, 4), nn.ReLU(), nn.Dense(4, 2))
+    net.set_inputs(Tensor(shape=[ms.Symbol(divisor=2), 6], dtype=F32))  # MindSpore's call
+    f = fs.jit(net)
+    for b in (2, 6, 10):
+        x = _t(b, 6)
+        np.testing.assert_allclose(f(x).asnumpy(), net(x).asnumpy(), rtol=1e-5, atol=1e-6)
+    assert (f.inner.trace_count, f.inner.compile_count) == (1, 1)
+
+
+def test_a_static_tensor_declares_its_shape_and_dtype():
+    f = fs.jit(lambda x: x * 2.0).set_inputs(Tensor(shape=[4, 3], dtype=F32))
+    np.testing.assert_allclose(f(_t(4, 3)).asnumpy(), _t(4, 3).asnumpy() * 2, rtol=1e-6)
+    with pytest.raises(fs.ShapeError, match=r"shape \(5, 3\)"):
+        f(_t(5, 3))
+
+
+def test_seed_003_symbol_without_unique_in_input_and_label():
+    def loss(w, x, y):
+        return fs.ops.softmax_cross_entropy(x @ w, y)
+
+    s0 = ms.Symbol(divisor=8)  # unique=False, MindSpore's default, as seed 003 writes it
+    step = fs.jit(fs.value_and_grad(loss)).set_inputs(
+        None, Tensor(shape=[s0, 4], dtype=F32), Tensor(shape=[s0], dtype=ms.int32))
+    w = _t(4, 3)
+    for b in (8, 24):
+        x, y = _t(b, 4), Tensor(np.arange(b, dtype=np.int32) % 3)
+        got, want = step(w, x, y), fs.value_and_grad(loss)(w, x, y)
+        np.testing.assert_allclose(got[0].asnumpy(), want[0].asnumpy(), rtol=1e-5)
+        np.testing.assert_allclose(got[1].asnumpy(), want[1].asnumpy(), rtol=1e-5, atol=1e-6)
+    assert (step.trace_count, step.compile_count) == (1, 1)
+    with pytest.raises(fs.ShapeError, match=r"(?s)parameter 'y'\) has size 16 in dimension "
+                                            r"0, but the same .* has size 8.*Fix"):
+        step(w, _t(8, 4), Tensor(np.zeros(16, np.int32)))

@@ -823,6 +823,11 @@ def own_call_prim_classes() -> list:
             if "__call__" in vars(cls)]
 
 
+def cell_declared_inputs(cell) -> tuple | None:
+    """The input declarations ``cell.set_inputs(...)`` stored on the Cell, or None."""
+    return getattr(cell, "_dynamic_shape_inputs", None)
+
+
 def cell_params(cell) -> dict:
     """The Cell's own parameter slots (``{leaf name: Parameter}``; mutable)."""
     return cell._params

@@ -118,3 +118,14 @@ def test_seed_003_symbol_without_unique_in_input_and_label():
     with pytest.raises(fs.ShapeError, match=r"(?s)parameter 'y'\) has size 16 in dimension "
                                             r"0, but the same .* has size 8.*Fix"):
         step(w, _t(8, 4), Tensor(np.zeros(16, np.int32)))
+
+
+def test_checkpoint_load_takes_the_mesh(tmp_path):
+    state = {"w": _t(8, 4), "b": _t(4)}
+    fs.checkpoint.save(str(tmp_path), state, step=1, layouts={"w": (8, 1), "b": None},
+                       mesh=fs.Mesh((8,), ("d",)))
+    back = fs.checkpoint.load(str(tmp_path), state, layouts={"w": (8, 1), "b": None},
+                              mesh=fs.Mesh((8,), ("d",)))
+    np.testing.assert_array_equal(back["w"].asnumpy(), state["w"].asnumpy())
+    with pytest.raises(fs.errors.CheckpointError, match=r"(?s)mesh='eight'.*Fix"):
+        fs.checkpoint.load(str(tmp_path), state, mesh="eight")

@@ -1,5 +1,7 @@
-"""MindSpore's in-place methods on Cells traced by fshard: ``cell.shard(...)`` (seed
-000's Net1) shards that Cell when a transform later traces it."""
+"""The seeds' own API: MindSpore's in-place ``cell.shard(...)`` (seed 000's Net1) shards
+that Cell when a transform later traces it; ``net.set_inputs(...)`` and MindSpore's
+declarations (a static Tensor, a unique=False Symbol in two inputs: seed 003);
+``fs.checkpoint.load(..., mesh=)``; ``fs.make_ir`` of an ``fs.AutoParallel`` step."""
 
 from __future__ import annotations
 
@@ -129,3 +131,20 @@ def test_checkpoint_load_takes_the_mesh(tmp_path):
     np.testing.assert_array_equal(back["w"].asnumpy(), state["w"].asnumpy())
     with pytest.raises(fs.errors.CheckpointError, match=r"(?s)mesh='eight'.*Fix"):
         fs.checkpoint.load(str(tmp_path), state, mesh="eight")
+
+
+def test_make_ir_of_an_auto_parallel_step_is_its_per_device_program():
+    def loss(p, x, y):
+        return fs.ops.softmax_cross_entropy(x @ p["w"], y)
+
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(16, 10)).astype(np.float32)}
+    x = rng.normal(size=(32, 16)).astype(np.float32)
+    y = rng.integers(0, 10, 32).astype(np.int32)
+    ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=4).dataset_strategy("data_parallel")
+    state = ap.init(params)
+    text = str(fs.make_ir(ap)(state, x, y))
+    assert text == str(ap.partitioned(state, x, y))
+    assert "shard_call" not in text
+    assert "f32[8,16]{(4, 1)}" in text  # this device's rows of the batch, with its layout
+    assert text.count("= psum[") == 2   # the loss's and the gradient's AllReduce

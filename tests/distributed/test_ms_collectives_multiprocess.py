@@ -42,5 +42,4 @@ def test_collective_op_classes_in_a_two_process_job(tmp_path):
         # ops.Print at run time, per rank, with the rank's own block
         text = result.output(r)
         assert f"rank {r} sees" in text
-        assert f"value=\n[[{blocks[r][0][0]:.8e}".replace("e", "e") in text or \
-            f"{blocks[r][0][0]:.8e}" in text, text[-2000:]
+        assert f"{blocks[r][0][0]:.8e}" in text, text[-2000:]

@@ -38,7 +38,6 @@ import numpy as np
 
 from fshard import context, distributed, dtypes, tree
 from fshard import ops as fo
-from fshard.primitives import collectives as C
 from fshard.backend import mindspore as backend
 from fshard.core import Tracer, current_trace, is_symbolic, typeof
 from fshard.errors import (ArgumentError, AxisNameError, FshardError, ProgramTypeError,
@@ -46,6 +45,7 @@ from fshard.errors import (ArgumentError, AxisNameError, FshardError, ProgramTyp
 from fshard.debug import debug_callback_p
 from fshard.interpret import walk
 from fshard.mesh import Mesh, resolve_mesh
+from fshard.primitives import collectives as C
 from fshard.primitives.generic import ms_call
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.primitives.remat import nothing_saveable, remat_call
@@ -876,7 +876,6 @@ def _smooth_l1(prim, x, target, beta=1.0, reduction="none"):
     return fo.smooth_l1_loss(x, target, float(_scalar(beta)), _reduction(reduction))
 
 
-
 # -- MindSpore's collective op classes ----------------------------------------------
 #
 # ops.AllReduce() and the others, called inside a function fshard traces, become
@@ -912,7 +911,7 @@ def _comm_axes(prim) -> tuple:
                 "with.\nFix: call it inside fs.shard_map(f, in_strategy, out_strategy, "
                 "mesh=fs.Mesh((n,), ('dp',))) (a virtual mesh of n devices), or run the "
                 "script as a job (python -m fshard.launch -n N script.py, after "
-                "fs.distributed.init()), where a fs.jit function communicates over the "
+                "fs.distributed.init()), where an fs.jit function communicates over the "
                 "job's world.")
         names, sizes = job_mesh.axis_names, job_mesh.shape
     if group in _WORLD_GROUPS or group == _world_group_name():

@@ -92,8 +92,8 @@ def test_mindspore_print_prints_at_run_time_as_mindspore_shows_tensors(capfd):
         ops.Print()("y:", x * 2)
         return x + 1
     fs.block_until_ready(fs.jit(f)(Tensor(X)))
-    want = ["y:", "Tensor(shape=[3], dtype=Float32, value= [ 0.00000000e+00,  "
-                  "2.00000000e+00,  4.00000000e+00])"]
+    want = ["y:", ("Tensor(shape=[3], dtype=Float32, value= [ 0.00000000e+00,  "
+                   "2.00000000e+00,  4.00000000e+00])")]
     assert _lines(capfd) == want
     ops.Print()("y:", Tensor(X * 2))  # MindSpore's own (PyNative) print: the same text
     assert _lines(capfd) == want

@@ -19,8 +19,8 @@ from fshard import context, distributed, tree, user_layouts
 from fshard.core import EvalTrace, Tracer, current_trace, typeof
 from fshard.errors import CompositionError, OperatorStrategyWarning, ShardingError
 from fshard.cells import parameters
-from fshard.interop import (CELL_SHARD_ATTR, context_dataset_strategy, context_mesh,
-                            context_search, register_cell_shard)
+from fshard.interop import (context_dataset_strategy, context_mesh, context_search,
+                            register_cell_shard)
 from fshard.ir import Program
 from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.partition import Partitioned

@@ -8,6 +8,7 @@ MindSpore GRAPH-mode program.
 >>> import fshard as fs
 """
 
+from fshard import debug as debug
 from fshard import distributed as distributed
 from fshard import dtypes as dtypes
 from fshard import errors as errors

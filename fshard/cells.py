@@ -18,6 +18,7 @@ from fshard.backend.mindspore import (
     cell_params,
     set_cell_param_tuple,
 )
+from fshard.core import Tracer
 from fshard.primitives.structural import stop_gradient
 
 
@@ -48,8 +49,18 @@ def segmented(cell) -> list:
 
 
 def parameters(cell) -> dict:
-    """The Cell's parameters as ``{name: Parameter}`` in definition order."""
-    return dict(cell.parameters_and_names())
+    """The Cell's parameters as ``{name: Parameter}`` in definition order (MindSpore's
+    ``parameters_and_names``, which also holds while a transform has swapped traced
+    values in for them: a Cell annotated by ``cell.shard`` inside a traced network)."""
+    out, seen = {}, set()
+    for prefix, c in cell.cells_and_names():
+        for leaf, p in cell_params(c).items():
+            inited = getattr(p, "inited_param", None) if not isinstance(p, Tracer) else None
+            p = p if inited is None else inited
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out[f"{prefix}.{leaf}" if prefix else leaf] = p
+    return out
 
 
 def _locations(cell) -> dict:
@@ -116,7 +127,8 @@ def _first_call_checks(cell) -> None:
 def frozen(cell) -> set:
     """Names of the Cell's Parameters with ``requires_grad=False`` (MindSpore trains
     only ``trainable_params()``)."""
-    return {n for n, p in parameters(cell).items() if not p.requires_grad}
+    # (a traced value swapped in by an enclosing transform was frozen there, if at all)
+    return {n for n, p in parameters(cell).items() if getattr(p, "requires_grad", True) is False}
 
 
 def functional(cell):

@@ -608,7 +608,7 @@ def _read_index(path: str) -> dict:
     return index
 
 
-def load(path, like, *, layouts=None, verify: bool = True):
+def load(path, like, *, layouts=None, mesh=None, verify: bool = True):
     """Read a checkpoint into ``like``'s structure; return the restored pytree.
 
     ``path`` is a checkpoint directory, or a root of step directories (its ``latest``
@@ -624,6 +624,11 @@ def load(path, like, *, layouts=None, verify: bool = True):
     None, e.g. ``ap.state_strategies(like, *batch)``) asks the same for the leaves it
     splits. Every other leaf comes back whole, as a MindSpore Tensor.
 
+    ``mesh`` (an ``fs.Mesh`` or a device count) is the mesh ``layouts`` refer to, as
+    the script that trains on it writes it: in a job it must be the job's world (one
+    device per process); in one process (a virtual mesh, which holds every device's
+    block) the leaves come back whole, so the same script runs in both.
+
     Raises ``CheckpointError`` naming the file and the leaf when a file is missing,
     truncated or altered (sizes and SHA-256 of every block read checked when
     ``verify``), when the checkpoint holds other leaves than ``like``, or a leaf's
@@ -631,6 +636,7 @@ def load(path, like, *, layouts=None, verify: bool = True):
     """
     import mindspore
 
+    _check_load_mesh(mesh)
     index = _read_index(os.fspath(path))
     root = index["_dir"]
     paths, likes, spec = tree.flatten_with_path(like)
@@ -682,6 +688,25 @@ def load(path, like, *, layouts=None, verify: bool = True):
     finally:
         reader.close()
     return tree.unflatten(spec, out)
+
+
+def _check_load_mesh(mesh) -> None:
+    """``load``'s ``mesh``: None, a device count or an ``fs.Mesh``; in a job, the world."""
+    if mesh is None:
+        return
+    size = getattr(mesh, "size", mesh)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise CheckpointError(
+            f"fs.checkpoint.load(..., mesh={mesh!r}): mesh must be an fs.Mesh or a number "
+            f"of devices.\nFix: pass the mesh the training step runs on, e.g. "
+            "mesh=fs.Mesh((4,), ('dp',)).")
+    _, nproc = _world()
+    virtual = getattr(mesh, "is_virtual", nproc == 1)
+    if nproc > 1 and not virtual and size != nproc:
+        raise CheckpointError(
+            f"fs.checkpoint.load(..., mesh={mesh!r}): the mesh has {size} devices but this "
+            f"job has {nproc} processes (one device each).\nFix: pass the job's mesh "
+            f"(a mesh of {nproc} devices), or leave mesh out.")
 
 
 class _Target:

@@ -38,6 +38,9 @@ shard_annotations: ContextVar[int] = ContextVar("fshard_shard_annotations", defa
 shard_map_depth: ContextVar[int] = ContextVar("fshard_shard_map_depth", default=0)
 #: Mesh axis names of the ``shard_map`` bodies being staged (innermost last).
 replica_axes: ContextVar[tuple] = ContextVar("fshard_replica_axes", default=())
+#: ids of the Cells whose ``cell.shard(...)`` is running them now (their own calls
+#: inside then trace plainly).
+sharded_cells: ContextVar[tuple] = ContextVar("fshard_sharded_cells", default=())
 #: The ``with fs.Mesh(...)`` meshes in effect (innermost last).
 meshes: ContextVar[tuple] = ContextVar("fshard_meshes", default=())
 #: Inside ``with fs.disable_jit():``: ``fs.jit`` functions run op by op, uncompiled.

@@ -93,13 +93,17 @@ class ArrayType:
 class Primitive:
     """A named operation. Its rules live in the tables of ``fshard.rules``."""
 
-    __slots__ = ("name", "multiple_results", "show")
+    __slots__ = ("name", "multiple_results", "show", "effect")
 
-    def __init__(self, name: str, multiple_results: bool = False, show=None):
+    def __init__(self, name: str, multiple_results: bool = False, show=None,
+                 effect: bool = False):
         self.name = name
         self.multiple_results = multiple_results
         # show(params) -> the equation's head in printed IR (default: name[params])
         self.show = show
+        # An effect (a debug callback): its equations are never dropped or merged by the
+        # IR passes, and the lowering keeps them in program order.
+        self.effect = effect
 
     def __repr__(self) -> str:
         return self.name

@@ -19,12 +19,15 @@ from typing import Sequence
 from fshard.errors import DistributedError
 
 __all__ = ["init", "is_initialized", "rank", "world_size", "group_for", "world_group",
-           "in_launcher"]
+           "in_launcher", "create_group", "group_ranks"]
 
 # Variables a launcher sets; any one of them means "started by a launcher".
 _LAUNCHER_VARS = ("MS_ROLE", "RANK_TABLE_FILE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 _groups: dict[tuple[int, ...], str] = {}
+# Groups named by the user (``create_group``): name -> rank ids, as given. Like
+# MindSpore's own group table, it belongs to the process, not to one trace.
+_named_groups: dict[str, tuple[int, ...]] = {}
 
 
 def in_launcher() -> bool:
@@ -202,3 +205,65 @@ def group_for(ranks: Sequence[int]) -> str:
             ) from e
         _groups[key] = name
     return name
+
+
+def create_group(group: str, rank_ids: Sequence[int]) -> None:
+    """Name a communication group of ``rank_ids`` for MindSpore's collective op classes
+    (``ops.AllReduce(group=group)`` and the others) traced by fshard (NB:
+    ``mindspore.communication.create_group``, which needs a joined job).
+
+    On a virtual mesh the name is only recorded: the function is traced once for every
+    device, so a group means "the devices that differ from each other only along some
+    mesh axes", and ``rank_ids`` must be one such group (in increasing order), e.g.
+    ``[0, 1]`` on a ``(2, 2)`` mesh is the second axis; every device then talks to the
+    group of that axis it belongs to. Inside a job (after ``init()``) MindSpore's
+    ``create_group`` is called too, as every member rank must do.
+
+    >>> create_group("pair", [0, 1])
+    >>> group_ranks("pair")
+    (0, 1)
+
+    Raises:
+        DistributedError: for an empty or repeated rank list, or a name already used
+            for other ranks.
+    """
+    try:
+        key = tuple(int(r) for r in rank_ids)
+    except (TypeError, ValueError):
+        key = ()
+    if not isinstance(group, str) or not group or not key or len(set(key)) != len(key) \
+            or min(key) < 0:
+        raise DistributedError(
+            f"create_group(group, rank_ids) needs a group name (a non-empty str) and a "
+            f"non-empty list of distinct rank ids >= 0; got group={group!r}, "
+            f"rank_ids={rank_ids!r}.\nFix: e.g. create_group('dp_group', [0, 1]).")
+    old = _named_groups.get(group)
+    if old is not None and old != key:
+        raise DistributedError(
+            f"create_group: the group name {group!r} already names ranks {list(old)}; got "
+            f"{list(key)}.\nFix: give each group its own name.")
+    if is_initialized() and old is None and rank() in key and key != tuple(range(world_size())):
+        from mindspore.communication import create_group as ms_create_group
+
+        try:
+            ms_create_group(group, list(key))
+        except (RuntimeError, ValueError) as e:
+            raise DistributedError(
+                f"MindSpore could not create the communication group {group!r} of ranks "
+                f"{list(key)!r}: {e}") from e
+    _named_groups[group] = key
+
+
+def group_ranks(group: str) -> tuple[int, ...] | None:
+    """The rank ids of a group named by ``create_group`` (or, inside a job, by
+    MindSpore's own ``create_group``); None for a name fshard does not know."""
+    if group in _named_groups:
+        return _named_groups[group]
+    if is_initialized():
+        from mindspore.communication import get_process_group_ranks
+
+        try:
+            return tuple(int(r) for r in get_process_group_ranks(group))
+        except (RuntimeError, ValueError, TypeError):
+            return None
+    return None

@@ -26,6 +26,7 @@ This module imports MindSpore; nothing else in fshard's tracing depends on it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 import os
 import sys
@@ -35,16 +36,21 @@ from typing import Callable
 
 import numpy as np
 
-from fshard import dtypes, tree
+from fshard import context, distributed, dtypes, tree
 from fshard import ops as fo
 from fshard.backend import mindspore as backend
 from fshard.core import Tracer, current_trace, is_symbolic, typeof
-from fshard.errors import (ArgumentError, FshardError, ProgramTypeError, ShardingError,
-                           UnsupportedOpError)
+from fshard.errors import (ArgumentError, AxisNameError, FshardError, ProgramTypeError,
+                           ShapeError, ShardingError, UnsupportedOpError)
+from fshard.debug import debug_callback_p
+from fshard.interpret import walk
+from fshard.mesh import Mesh, resolve_mesh
+from fshard.primitives import collectives as C
 from fshard.primitives.generic import ms_call
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.primitives.remat import nothing_saveable, remat_call
-from fshard.staging import register_user_code_hook
+from fshard.sharding.runtime import bind_on_rank
+from fshard.staging import register_user_code_hook, stage
 from fshard.tensor_methods import ms_mean, ms_sum, truthy_reduce
 from fshard.user_layouts import operator_call, operator_strategy
 
@@ -870,6 +876,239 @@ def _smooth_l1(prim, x, target, beta=1.0, reduction="none"):
     return fo.smooth_l1_loss(x, target, float(_scalar(beta)), _reduction(reduction))
 
 
+# -- MindSpore's collective op classes ----------------------------------------------
+#
+# ops.AllReduce() and the others, called inside a function fshard traces, become
+# fshard's collectives over the mesh axes their ``group`` names: the world group is
+# every axis of the enclosing fs.shard_map (or, in a job's fs.jit outside any
+# shard_map, every axis of the job's mesh); a group name equal to a mesh axis name is
+# that axis; a group made by fs.distributed.create_group (or, in a job, by MindSpore's
+# create_group) is the mesh axes its ranks differ along.
+
+#: The primitives converted whenever a transform traces, even on constant operands:
+#: run eagerly, MindSpore's collectives need a joined job (and crash without one), and
+#: Print would print once, at trace time, instead of at every run.
+_TRACE_ONLY = frozenset({"AllReduce", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll",
+                         "NeighborExchange", "NeighborExchangeV2", "Print"})
+
+_WORLD_GROUPS = frozenset({"hccl_world_group", "nccl_world_group", "mccl_world_group"})
+
+
+def _comm_axes(prim) -> tuple:
+    """``(axis names, job mesh or None)`` that MindSpore's collective ``prim``
+    communicates over. The job mesh is set only in a job's fs.jit outside any
+    shard_map (the collectives then carry it themselves)."""
+    group = prim.attrs.get("group", "hccl_world_group")
+    body = C.replica_axes()
+    if body:
+        names, sizes, job_mesh = tuple(body), tuple(C.axis_size(n) for n in body), None
+    else:
+        job_mesh = resolve_mesh()
+        if job_mesh.is_virtual:
+            raise AxisNameError(
+                f"ops.{prim.name}(group={group!r}){_call_site(_stack())} was traced outside "
+                "any fs.shard_map, in one process: there are no devices to communicate "
+                "with.\nFix: call it inside fs.shard_map(f, in_strategy, out_strategy, "
+                "mesh=fs.Mesh((n,), ('dp',))) (a virtual mesh of n devices), or run the "
+                "script as a job (python -m fshard.launch -n N script.py, after "
+                "fs.distributed.init()), where an fs.jit function communicates over the "
+                "job's world.")
+        names, sizes = job_mesh.axis_names, job_mesh.shape
+    if group in _WORLD_GROUPS or group == _world_group_name():
+        return names, job_mesh
+    if group in names:
+        return (group,), job_mesh
+    ranks = distributed.group_ranks(group)
+    mesh = Mesh(sizes, names, virtual=True)
+    if ranks is None:
+        raise AxisNameError(
+            f"ops.{prim.name}(group={group!r}){_call_site(_stack())}: fshard knows no group "
+            f"of that name (the mesh axes here are {names}).\nFix: create it with "
+            f"fs.distributed.create_group({group!r}, rank_ids) before tracing, or pass a "
+            f"mesh axis name as the group (group={names[0]!r}).")
+    for k in range(1, len(names) + 1):
+        for combo in itertools.combinations(names, k):
+            if max(ranks) < mesh.size and tuple(ranks) == mesh.axis_group(combo, ranks[0]):
+                return combo, job_mesh
+    groups = {c: mesh.axis_groups(c)[0] for c in names}
+    raise AxisNameError(
+        f"ops.{prim.name}(group={group!r}){_call_site(_stack())}: its ranks {list(ranks)} "
+        f"are not the devices of some axes of the mesh {dict(zip(names, sizes))} (in "
+        f"increasing order), which is what fshard can trace once for every device.\nFix: "
+        f"use a group of the mesh's axes, e.g. "
+        + ", ".join(f"{list(g)} (axis {c!r})" for c, g in groups.items())
+        + ", or pass the axis name as the group.")
+
+
+def _world_group_name() -> str:
+    from mindspore.communication import GlobalComm
+
+    return GlobalComm.WORLD_COMM_GROUP
+
+
+def _communicate(prim, fn, *xs):
+    """``fn(names, *xs)`` with fshard's collectives over ``prim``'s group. In a job's
+    fs.jit outside any shard_map, ``fn`` is staged with the job's mesh axes bound and
+    each of its equations bound on this rank with the mesh (as shard_map's body is)."""
+    names, job_mesh = _comm_axes(prim)
+    if job_mesh is None:
+        return fn(names, *xs)
+    out_tree = []
+
+    def flat(*args):
+        leaves, treedef = tree.flatten(fn(names, *args))
+        out_tree.append(treedef)
+        return leaves
+
+    with contextlib.ExitStack() as stack:
+        for n, size in zip(job_mesh.axis_names, job_mesh.shape):
+            stack.enter_context(C.named_axis(n, size))
+        program, consts = stage(flat, [typeof(x) for x in xs])
+    outs = walk(program, list(consts) + list(xs),
+                lambda eq, vals: bind_on_rank(eq, vals, job_mesh),
+                f"running ops.{prim.name} on this rank:")
+    return tree.unflatten(out_tree[0], outs)
+
+
+_REDUCE_OPS = ("sum", "max", "min", "prod")
+
+
+def _reduce_op(prim) -> str:
+    op = str(prim.attrs.get("op", "sum"))
+    if op not in _REDUCE_OPS:
+        raise UnsupportedOpError(
+            f"ops.{prim.name}(op={op!r}){_call_site(_stack())}: fshard traces the reduce ops "
+            f"{_REDUCE_OPS} (ReduceOp.SUM, MAX, MIN, PROD).\nFix: use one of them.")
+    return op
+
+
+def _all_reduce(x, names, op: str):
+    if op == "sum":
+        return C.psum(x, names)
+    if op == "max":
+        return C.pmax(x, names)
+    if op == "min":
+        return C.pmin(x, names)
+    return fo.prod(C.all_gather(x, names, axis=0), 0)  # prod: gathered, multiplied here
+
+
+def _dim0(prim, x, n: int) -> int:
+    a = typeof(x)
+    if a.ndim == 0:
+        raise ShapeError(f"ops.{prim.name}{_call_site(_stack())} needs a tensor of rank >= 1 "
+                         f"(it works along dimension 0); got {a}.\nFix: reshape it to (1,).")
+    return a.shape[0]
+
+
+@converts("AllReduce")
+def _ms_all_reduce(prim, x):
+    op = _reduce_op(prim)
+    return _communicate(prim, lambda names, v: _all_reduce(v, names, op), x)
+
+
+@converts("AllGather")
+def _ms_all_gather(prim, x):
+    _dim0(prim, x, 1)
+    return _communicate(prim, lambda names, v: C.all_gather(v, names, axis=0, tiled=True), x)
+
+
+@converts("ReduceScatter")
+def _ms_reduce_scatter(prim, x):
+    op = _reduce_op(prim)
+
+    def run(names, v):
+        n = 1
+        for name in names:
+            n *= C.axis_size(name)
+        size = _dim0(prim, v, n)
+        if isinstance(size, int) and size % n:
+            raise ShapeError(
+                f"ops.ReduceScatter{_call_site(_stack())} over {n} devices needs dimension 0 "
+                f"of its input {typeof(v)} to be divisible by {n}.\nFix: pad it to a "
+                f"multiple of {n}.")
+        if op == "sum":
+            return C.psum_scatter(v, names, scatter_dimension=0, tiled=True)
+        y = _all_reduce(v, names, op)
+        shape = typeof(y).shape
+        blocks = fo.reshape(y, (n, shape[0] // n) + tuple(shape[1:]))
+        return fo.gather(blocks, C.axis_index(names), 0)
+
+    return _communicate(prim, run, x)
+
+
+@converts("Broadcast")
+def _ms_broadcast(prim, xs):
+    root = prim.attrs["root_rank"]
+
+    def run(names, *vs):
+        mesh = _body_mesh()
+        if not (isinstance(root, int) and 0 <= root < mesh.size):
+            raise ArgumentError(
+                f"ops.Broadcast(root_rank={root!r}){_call_site(_stack())}: the root must be "
+                f"a rank of the {mesh.size} devices.\nFix: use a root_rank in "
+                f"[0, {mesh.size}).")
+        # root_rank is a world rank; on a sub-group, every group broadcasts from the
+        # device at the root's place in its own group (the code runs on every device).
+        index = mesh.axis_group(names, root).index(root)
+        return tuple(C.broadcast(v, names, root=index) for v in vs)
+
+    single = not isinstance(xs, (tuple, list))
+    out = _communicate(prim, run, *((xs,) if single else xs))
+    return out[0] if single else out
+
+
+def _body_mesh() -> Mesh:
+    """The mesh whose axes are bound here (a shard_map body's, or the job's), as a
+    virtual mesh: only its shape and names are read."""
+    names = C.replica_axes() or tuple(a.name for a in C.bound_axes())
+    return Mesh(tuple(C.axis_size(n) for n in names), names, virtual=True)
+
+
+@converts("AlltoAll")
+def _ms_all_to_all(prim, x):
+    split_count = int(prim.attrs["split_count"])
+    split_dim, concat_dim = int(prim.attrs["split_dim"]), int(prim.attrs["concat_dim"])
+
+    def run(names, v):
+        n = 1
+        for name in names:
+            n *= C.axis_size(name)
+        if split_count != n:
+            raise ArgumentError(
+                f"ops.AlltoAll(split_count={split_count}){_call_site(_stack())}: its group has "
+                f"{n} devices, and MindSpore sends one chunk to each.\nFix: "
+                f"split_count={n}.")
+        return C.all_to_all(v, names, split_dim, concat_dim, tiled=True)
+
+    return _communicate(prim, run, x)
+
+
+@converts("Print")
+def _ms_print(prim, *args):
+    """MindSpore's ``ops.Print``: at every run, each string argument and each tensor (as
+    MindSpore shows a Tensor) on a line of its own."""
+    arrays = [a for a in args if not isinstance(a, str)]
+    kinds = [isinstance(a, str) for a in args]
+
+    def ms_print(*values):
+        it = iter(values)
+        lines = [a if s else backend.tensor_text(next(it)) for a, s in zip(args, kinds)]
+        print("\n".join(lines), flush=True)
+
+    debug_callback_p.bind(*arrays, callback=ms_print)
+
+
+@converts("NeighborExchange", "NeighborExchangeV2")
+def _ms_neighbor_exchange(prim, *args):
+    raise UnsupportedOpError(
+        f"ops.{prim.name}{_call_site(_stack())} names its peers by rank ids that each "
+        "process computes for itself, which a function traced once for every device "
+        "cannot express; fshard does not trace it.\nFix: write the exchange with "
+        "fs.ppermute(x, axis_name, perm) (a list of (source, destination) device pairs "
+        "along a mesh axis), e.g. a halo: fs.ppermute(x[:, -1:], 'w', [(i, i + 1) for i "
+        "in range(n - 1)]); docs/collectives.md.")
+
+
 # ---------------------------------------------------------------------------
 # Tensor operators with a Tracer on the right (``tensor + tracer``)
 # ---------------------------------------------------------------------------
@@ -1090,7 +1329,7 @@ def _wrap_pyboost(orig):
 def _wrap_run_op(orig):
     def _run_op(obj, op_name, args):
         _refuse_random(op_name)
-        if _has_tracer(args):
+        if _has_tracer(args) or op_name in _TRACE_ONLY:
             return _convert_native(op_name, obj, args)
         return orig(obj, op_name, args)
 
@@ -1128,7 +1367,8 @@ def _isinstance(obj, cls):
 def _wrap_prim_call(orig):
     def __call__(self, *args, **kwargs):
         _refuse_random(self.name)
-        if _has_tracer(args) or (kwargs and _has_tracer(kwargs.values())):
+        if (_has_tracer(args) or (kwargs and _has_tracer(kwargs.values()))
+                or self.name in _TRACE_ONLY):
             return _convert(self.name, self, args, kwargs)
         return orig(self, *args, **kwargs)
 
@@ -1144,12 +1384,53 @@ def _holds_tracer(cell) -> bool:
                    for c in backend.cell_children(cell).values()))
 
 
+# MindSpore's in-place ``cell.shard(in_strategy, out_strategy, parameter_plan)``: made
+# into ``fs.shard(cell, ...)`` on the spot (MindSpore itself drops it in a single
+# process) and kept on the Cell, which then runs through it whenever a transform traces
+# the Cell. transforms/shard.py provides the maker (``register_cell_shard``: the
+# transforms sit above this module).
+CELL_SHARD_ATTR = "_fshard_cell_shard"
+_cell_shard_maker: list = []
+
+
+def register_cell_shard(make: Callable) -> None:
+    """``make(cell, in_strategy, out_strategy, parameter_plan)`` -> the callable that
+    runs a Cell annotated by ``cell.shard(...)``, as ``run(args, kwargs)``."""
+    _cell_shard_maker[:] = [make]
+
+
+def _record_cell_shard(orig):
+    def shard(self, in_strategy, out_strategy=None, parameter_plan=None):
+        if _cell_shard_maker:
+            self.__dict__[CELL_SHARD_ATTR] = _cell_shard_maker[0](
+                self, in_strategy, out_strategy, parameter_plan)
+        return orig(self, in_strategy, out_strategy, parameter_plan)
+
+    shard.__wrapped__ = orig
+    shard.__doc__ = orig.__doc__
+    return shard
+
+
+def install_cell_shard_recorder() -> None:
+    """Make ``nn.Cell.shard`` remember its arguments on the Cell (then do what MindSpore
+    does). Installed once, when fshard is imported: a Cell is annotated in its
+    ``__init__``, before any transform traces it."""
+    from mindspore import nn
+
+    if not hasattr(nn.Cell.shard, "__wrapped__"):
+        nn.Cell.shard = _record_cell_shard(nn.Cell.shard)
+
+
 def _wrap_cell_call(orig):
     # A Cell called on a Tracer runs its construct directly: GRAPH_MODE compilation,
     # requires_grad bookkeeping and hooks would all hand the Tracer to C++.
     def __call__(self, *args, **kwargs):
         if (_has_tracer(args) or (kwargs and _has_tracer(kwargs.values()))
                 or _holds_tracer(self)):
+            run = self.__dict__.get(CELL_SHARD_ATTR)
+            if run is not None and id(self) not in _sharded_cells():
+                with context.pushed(context.sharded_cells, id(self)):
+                    return run(args, kwargs)
             stage = self.__dict__.get("_pipeline_stage")
             if stage is not None:  # MindSpore's cell.pipeline_stage = k: the inputs enter k
                 args, kwargs = _enter_stage((args, kwargs), stage)
@@ -1161,6 +1442,10 @@ def _wrap_cell_call(orig):
 
     __call__.__wrapped__ = orig
     return __call__
+
+
+def _sharded_cells() -> tuple:
+    return context.sharded_cells.get()
 
 
 def _enter_stage(values, stage: int):
@@ -1331,6 +1616,10 @@ def _setup_classes() -> None:
     patches = [_AttrPatch(cls, "__call__", _wrap_prim_call)
                for cls in backend.pyboost_prim_classes()]
     patches.append(_AttrPatch(nn.Cell, "__call__", _wrap_cell_call))
+    # Their own __call__ prints (Print) or raises NotImplementedError (graph-only
+    # collectives): traced, they reach their converter.
+    patches += [_AttrPatch(cls, "__call__", _wrap_prim_call)
+                for cls in backend.own_call_prim_classes()]
     patches.append(_AttrPatch(Tensor, "__new__", _wrap_tensor_new))
     for name, fn in _TENSOR_OPERATORS.items():
         patches.append(_AttrPatch(
@@ -1650,3 +1939,4 @@ def check_context_mode(parallel_mode: str, where: str) -> None:
 
 
 register_user_code_hook(tracing)
+install_cell_shard_recorder()

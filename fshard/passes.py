@@ -142,7 +142,7 @@ def cse(program: Program) -> Program:
         ins = [alias.get(a, a) if isinstance(a, Var) else a for a in eq.inputs]
         eq = Equation(eq.prim, ins, eq.params, eq.outputs, eq.source)
         key = (eq.prim, tuple(_atom_key(a) for a in ins), _key(eq.params))
-        prev = seen.get(key)
+        prev = None if eq.prim.effect else seen.get(key)  # two prints print twice
         if prev is not None:
             alias.update(zip(eq.outputs, prev.outputs))
             continue
@@ -157,11 +157,12 @@ def cse(program: Program) -> Program:
 
 
 def dce(program: Program) -> Program:
-    """Drop equations none of whose outputs is read (fshard primitives have no effects)."""
+    """Drop equations none of whose outputs is read, except those with an effect
+    (``Primitive.effect``: a debug callback, which has no outputs)."""
     live = {a for a in program.outputs if isinstance(a, Var)}
     kept = []
     for eq in reversed(program.equations):
-        if any(v in live for v in eq.outputs):
+        if eq.prim.effect or any(v in live for v in eq.outputs):
             kept.append(eq)
             live.update(a for a in eq.inputs if isinstance(a, Var))
     kept.reverse()

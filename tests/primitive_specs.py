@@ -24,11 +24,12 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from fshard import dtypes
+from fshard import dtypes, rules
 from fshard.core import ArrayType, Primitive, typeof
 from fshard.ir import Program
 import fshard as fs
 from fshard.errors import AxisNameError, DifferentiationError
+from fshard.debug import debug_callback_p
 from fshard.primitives import collectives as K
 from fshard.primitives import control as C
 from fshard.transforms import control_flow as CF
@@ -1309,6 +1310,42 @@ def _as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+# debug_callback: no outputs; it calls its callback with the operands (NumPy arrays),
+# in fs.jit too, and once per example under batching.
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *arrays):
+        self.calls.append([np.array(a) for a in arrays])
+
+
+def _debug_callback(rng, dt):
+    return [Sample((values(rng, (2, 3), dt), values(rng, (), dt)), {"callback": _Recorder()})]
+
+
+def _debug_jit(spec, sample):
+    rec = _Recorder()
+    f = fs.jit(lambda *xs: (debug_callback_p.bind(*xs, callback=rec), xs[0] + xs[0])[1])
+    fs.block_until_ready(f(*sample.args))
+    assert len(rec.calls) == 1
+    for got, want in zip(rec.calls[0], sample.args, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def _debug_batching(spec, sample):
+    rec = _Recorder()
+    x, y = sample.args
+    rules.batching.lookup(debug_callback_p, transform="test")(
+        [x, y], [1, None], callback=rec)  # binds the per-example callback eagerly
+    assert len(rec.calls) == x.shape[1]
+    for i, (xi, yi) in enumerate(rec.calls):
+        np.testing.assert_array_equal(xi, x[:, i])
+        np.testing.assert_array_equal(yi, y)
+
+
 def _specs() -> list[PrimitiveSpec]:
     def float_unary(prim, kind="any", **kw):
         return PrimitiveSpec(prim, unary(kind), **kw)
@@ -1365,6 +1402,8 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(S.full_p, _full, (F32,), diff_argnums=()),
         PrimitiveSpec(S.stop_gradient_p, unary(), DATA, zero_derivative=True),
         PrimitiveSpec(PL.pipeline_split_p, unary(), DATA, linear_groups=((0,),)),
+        PrimitiveSpec(debug_callback_p, _debug_callback, DATA, diff_argnums=(),
+                      custom_checks={"jit": _debug_jit, "batching": _debug_batching}),
         PrimitiveSpec(S.concat_p, _concat, DATA, (0, 1, 2), (ALL,), **THOROUGH),
         PrimitiveSpec(S.split_p, _split, DATA, linear_groups=((0,),), **THOROUGH),
         PrimitiveSpec(S.slice_p, _slice, DATA, linear_groups=((0,),), **THOROUGH),

@@ -59,6 +59,7 @@ LAYERS = [
     ("fshard.primitives",),
     ("fshard.passes",),
     ("fshard.sharding",),
+    ("fshard.debug",),
     ("fshard.ops", "fshard.tensor_methods", "fshard.user_layouts", "fshard.interop",
      "fshard.cells", "fshard.abstract"),
     ("fshard.random", "fshard.nn", "fshard.attention", "fshard.moe", "fshard.visualize"),

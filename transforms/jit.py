@@ -269,18 +269,22 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
             if isinstance(d, int) and d >= 0:
                 dims.append(d)
             elif isinstance(d, dict):  # a mindspore.Symbol: its non-default fields (and
-                # its id when unique=True: then one object is one size, as in MindSpore)
-                sym = ms_symbols.get(d["id"]) if "id" in d else None
+                # its id when unique=True: then one object is one size, as in MindSpore).
+                # A unique=False Symbol carries no id: the same fields in one declaration
+                # are taken as one Symbol (seed 003's input and label batch), so the trace
+                # may use their equality, and every call checks it (_bind).
+                key = d["id"] if "id" in d else tuple(sorted(d.items()))
+                sym = ms_symbols.get(key)
                 if sym is None:
-                    sym = Symbol(max=d.get("max", 0), min=d.get("min", 1),
-                                 divisor=d.get("divisor", 1), remainder=d.get("remainder", 0),
-                                 unique="id" in d)
-                    if "id" in d:
-                        ms_symbols[d["id"]] = sym
+                    sym = ms_symbols[key] = Symbol(
+                        max=d.get("max", 0), min=d.get("min", 1), divisor=d.get("divisor", 1),
+                        remainder=d.get("remainder", 0), unique="id" in d)
                 dims.append(sym)
             else:  # None (-1): any size
                 dims.append(Symbol())
         return ArrayType(tuple(dims), spec.dtype)
+    if isinstance(spec, _Tensor):  # any other Tensor declares its (static) shape and dtype
+        return ArrayType(tuple(int(d) for d in spec.shape), spec.dtype)
     raise ArgumentError(
         f"{where}: expected an fs.ArrayType, a MindSpore placeholder Tensor(shape=[...], "
         f"dtype=...) or None, got {type(spec).__name__} {spec!r}.\nFix: declare the "
@@ -342,8 +346,9 @@ def _bind(name: str, what: str, avals, values, sizes: dict, names=None) -> dict:
                         f"{name}: {where(k)} has size {got} in dimension {d}, but the same "
                         f"{want.name} = {want!r} has size {bound[0]} in {where(bound[1])} "
                         f"dimension {bound[2]}; one Symbol object is one size in every place "
-                        "it appears.\nFix: make those dimensions equal, or declare them with "
-                        "different Symbol objects.")
+                        "it appears (a mindspore.Symbol with unique=False: the same fields in "
+                        "one declaration).\nFix: make those dimensions equal, or declare them "
+                        "with different Symbols (None for a dimension of its own size).")
             elif (dim_eval(want, {s: v[0] for s, v in sizes.items()}) if is_symbolic(want)
                   else want) != got:
                 raise ShapeError(
@@ -747,8 +752,12 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None
                     "784], dtype=...)).")
             out._annotated = AnnotatedShapes(fun, fun_name(fun))
             return out
-        # a Cell's parameters (argument 0) take their shapes from the Cell
-        return out if in_shapes is None else out.set_inputs(
-            *(((None,) if is_cell(fun) else ()) + tuple(in_shapes)))
+        # a Cell's parameters (argument 0) take their shapes from the Cell; a Cell's
+        # own cell.set_inputs(...) (MindSpore's) declares its inputs when in_shapes does not
+        declared = in_shapes
+        if declared is None and is_cell(fun):
+            declared = backend.cell_declared_inputs(fun)
+        return out if declared is None else out.set_inputs(
+            *(((None,) if is_cell(fun) else ()) + tuple(declared)))
 
     return maybe_cell(fun, make)

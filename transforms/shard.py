@@ -18,7 +18,9 @@ import warnings
 from fshard import context, distributed, tree, user_layouts
 from fshard.core import EvalTrace, Tracer, current_trace, typeof
 from fshard.errors import CompositionError, OperatorStrategyWarning, ShardingError
-from fshard.interop import context_dataset_strategy, context_mesh, context_search
+from fshard.cells import parameters
+from fshard.interop import (context_dataset_strategy, context_mesh, context_search,
+                            register_cell_shard)
 from fshard.ir import Program
 from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.partition import Partitioned
@@ -233,7 +235,7 @@ class Sharded:
                                 self._what(i, p, x), True))
         fn = self.fn
         if self._cell is not None:
-            params = dict(self._cell.parameters_and_names())
+            params = parameters(self._cell)
             order = tree.leaves({n: n for n in params})
             p_entries = []
             for n in order:
@@ -612,3 +614,28 @@ def _in_shapes_tuple(in_shapes) -> tuple:
             f"argument, got {type(in_shapes).__name__} {in_shapes!r}.\nFix: in_shapes=("
             "fs.ArrayType((fs.Symbol(divisor=8), 784), mindspore.float32), None, ...).")
     return tuple(in_shapes)
+
+
+
+def _cell_shard(cell, in_strategy, out_strategy, parameter_plan):
+    """MindSpore's in-place ``cell.shard(in_strategy, out_strategy, parameter_plan)``:
+    the Cell, whenever a transform traces it, runs as ``fs.shard(cell, ...)`` (checked
+    now, as ``fs.shard`` checks its arguments). Inside an ``fs.shard`` (or an
+    ``fs.AutoParallel`` step), which plans the whole network, its strategies fix the
+    layouts of the Cell's inputs and outputs there instead (MindSpore's Cell.shard
+    under semi-auto parallel); a parameter_plan is then the outer plan's."""
+    sharded = shard(cell, in_strategy, out_strategy, parameter_plan)
+    fname = fun_name(cell)
+
+    def run(args, kwargs):
+        if context.shard_depth.get() and context.shard_annotations.get():
+            return sharded(*args, **kwargs)  # AutoParallel: Sharded._annotate
+        if context.shard_depth.get():
+            return user_layouts.annotated_call(cell, fname, args, sharded.in_strategy,
+                                               sharded.out_strategy)
+        return sharded(*args, **kwargs)
+
+    return run
+
+
+register_cell_shard(_cell_shard)

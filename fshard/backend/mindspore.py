@@ -98,6 +98,11 @@ class LoweringContext:
         # `sequenced`, and the next one's input waits for this equation's output.
         self.sequenced = False
         self.token: str | None = None
+        # Effects (debug callbacks) run in program order and are never pruned: a rule
+        # that emits one sets `effectful`; the next one's operands wait for its result
+        # (`effect`), and so do the function's outputs.
+        self.effectful = False
+        self.effect: str | None = None
         self.helpers: list[str] = []  # sources of helper functions (call primitives' bodies)
         self.dims: dict = {}  # Symbol -> source of its size (an input's ``.shape[d]``)
 
@@ -353,9 +358,13 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
         ctx.in_avals = [a.aval for a in eq.inputs]
         ctx.out_avals = [v.aval for v in eq.outputs]
         lower = lowering.lookup(eq.prim, transform="jit")
-        ctx.sequenced = False
+        ctx.sequenced = ctx.effectful = False
         expr = lower(ctx, *args, **eq.params)
         outs = [fresh() for _ in eq.outputs]
+        if ctx.effectful:
+            ctx.effect = f"e{next(counter)}"
+            body.append(f"    {ctx.effect} = {expr}")
+            return outs
         if ctx.sequenced and outs:
             ctx.token = outs[0]
         lhs = outs[0] if not eq.prim.multiple_results else (
@@ -364,8 +373,11 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
         return outs
 
     saved_token, ctx.token = ctx.token, None
+    saved_effect, ctx.effect = ctx.effect, None
     outs = walk(program, [names[v] for v in program.inputs], rule, "lowering", literal)
-    ctx.token, ctx.dims = saved_token, saved_dims
+    if ctx.effect is not None:  # the outputs wait for the last effect: none is pruned
+        outs = [ctx.call(depend, o, ctx.effect) for o in outs]
+    ctx.token, ctx.dims, ctx.effect = saved_token, saved_dims, saved_effect
     if len(outs) == 1 and not always_tuple:
         body.append(f"    return {outs[0]}")
     else:
@@ -770,6 +782,50 @@ def pyboost_prim_classes() -> list:
 
     return [cls for name, cls in sorted(vars(pyboost_inner_prim).items())
             if isinstance(cls, type) and name.startswith("_Pyboost") and "__call__" in vars(cls)]
+
+
+def tensor_text(array: np.ndarray) -> str:
+    """How MindSpore's ``ops.Print`` shows a tensor (its ``Tensor`` repr)."""
+    return repr(Tensor(np.asarray(array)))
+
+
+def as_rank1(x):
+    """A 0-d tensor as shape ``(1,)``."""
+    return ms.ops.reshape(x, (1,))
+
+
+def depend(x, after):
+    """``x``, once ``after`` is computed (MindSpore's ``ops.depend``)."""
+    return ms.ops.depend(x, after)
+
+
+def python_callback_op(fn, n_inputs: int):
+    """A MindSpore op (``Custom``, ``func_type="pyfunc"``) that calls ``fn`` with its
+    ``n_inputs`` operands as NumPy arrays when the graph runs; it returns a dummy
+    float32 ``(1,)`` tensor, the token that orders it."""
+    def run(*arrays):
+        fn(*arrays)
+        return np.zeros((1,), np.float32)
+
+    # MindSpore reads the pyfunc's source and counts its parameters (a *args function
+    # is refused as a tuple input): a fixed-arity function, written to a real file.
+    names = ", ".join(f"a{i}" for i in range(n_inputs))
+    src = f"def callback({names}):\n    return run({names})\n"
+    fixed = load_module(src, {"run": run}, "callback").callback
+    return ms.ops.Custom(fixed, out_shape=lambda *shapes: (1,),
+                         out_dtype=lambda *types: ms.float32, func_type="pyfunc")
+
+
+def own_call_prim_classes() -> list:
+    """Primitive classes with a ``__call__`` of their own that never reaches
+    ``_run_op``: ``Print`` (prints in Python) and the collectives that refuse PyNative."""
+    return [cls for cls in (ms.ops.Print, ms.ops.NeighborExchange, ms.ops.NeighborExchangeV2)
+            if "__call__" in vars(cls)]
+
+
+def cell_declared_inputs(cell) -> tuple | None:
+    """The input declarations ``cell.set_inputs(...)`` stored on the Cell, or None."""
+    return getattr(cell, "_dynamic_shape_inputs", None)
 
 
 def cell_params(cell) -> dict:

@@ -939,6 +939,12 @@ class AutoParallel:
         """The per-device program of the step (print it; ``.collectives()``)."""
         return self._partitioned(state, self._plan_batch(batch))
 
+    @property
+    def __fshard_make_ir__(self):
+        """What ``fs.make_ir(ap)(state, *batch)`` shows: the step's per-device program,
+        with its layouts and collectives (as for ``fs.make_ir(fs.shard(f))``)."""
+        return self.partitioned
+
     def _partitioned(self, state: TrainState, batch):
         s, _ = self._sharded(state, batch)
         return s.partitioned(state.params, state.opt_state, state.step, *batch)

@@ -50,7 +50,8 @@ from fshard.rules import unsupported
 
 def def_primitive(name: str, family: str, type_rule: Callable, ms_fn: Callable | None = None,
                   *, multiple_results: bool = False, lower: Callable | None = None,
-                  eager: Callable | None = None, show: Callable | None = None) -> Primitive:
+                  eager: Callable | None = None, show: Callable | None = None,
+                  effect: bool = False) -> Primitive:
     """Declare ``name`` with its type rule, eager implementation and lowering: the one
     way to declare a primitive. Its other rules follow with ``rules.<kind>.set``.
 
@@ -60,11 +61,12 @@ def def_primitive(name: str, family: str, type_rule: Callable, ms_fn: Callable |
     **params)`` otherwise). A primitive that is not one MindSpore function (a
     collective, a sharded call) gives ``eager(*values, **params) -> list`` and ``lower``
     instead of ``ms_fn``. ``show(params)`` gives the equation's head in printed IR
-    (default ``name[params]``).
+    (default ``name[params]``). ``effect``: the primitive does something besides
+    computing its outputs (``Primitive.effect``).
     """
     assert (ms_fn is None) == (eager is not None), "give ms_fn, or eager and lower"
     assert ms_fn is not None or lower is not None, "give ms_fn, or eager and lower"
-    prim = Primitive(name, multiple_results, show)
+    prim = Primitive(name, multiple_results, show, effect)
     # the declaring module: the caller's (named in the errors of a missing rule)
     register_primitive(prim, family, sys._getframe(1).f_globals.get("__name__"))
     if multiple_results:

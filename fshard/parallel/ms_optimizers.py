@@ -171,11 +171,13 @@ def _rule(opt, lr, wd: float, mask: dict):
     raise AssertionError(kind)
 
 
-def from_mindspore(opt, params: dict):
+def from_mindspore(opt, params: dict, loss_scale: float = 1.0):
     """The ``fs.optim`` optimizer equal to the MindSpore optimizer ``opt`` over
     ``params``, a dict ``{name: Parameter}`` holding (by identity) every Parameter the
     optimizer updates (``fs.functional(cell)[1]`` of the network); its ``init`` and
-    ``update`` take dicts with those names (the trainable ones).
+    ``update`` take dicts with those names (the trainable ones). ``loss_scale``: the
+    factor the gradients were scaled by (MindSpore's ``FixedLossScaleManager`` in
+    ``Model``), which the optimizer's own ``loss_scale`` divides out.
 
     >>> import numpy as np, fshard as fs
     >>> from mindspore import nn
@@ -219,9 +221,9 @@ def from_mindspore(opt, params: dict):
         g["mask"][by_id[id(p)]] = flag
     rules = [(g["names"], _rule(opt, _lr_schedule(opt, g["lr"]), g["wd"], g["mask"]))
              for g in groups.values()]
-    scale = float(opt.loss_scale)
-    if scale != 1.0:
-        rules = [(names, optim.chain(optim.scale(1.0 / scale), r)) for names, r in rules]
+    scale = float(loss_scale) / float(opt.loss_scale)
+    if scale != 1.0:  # MindSpore's scale_grad (the weight decay is not scaled)
+        rules = [(names, optim.chain(optim.scale(scale), r)) for names, r in rules]
     held = {n for names, _ in rules for n in names}
 
     def pick(d, names):

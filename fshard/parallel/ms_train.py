@@ -22,8 +22,8 @@ changes its import line only:
   MindSpore's ``Model`` merges them.
 
 A loss that is not a scalar (``reduction="none"``) is trained as MindSpore's
-``TrainOneStepCell`` trains it, on the gradient of its sum (``sens`` of ones), and
-returned as the per-example values (``LossMonitor`` prints their mean).
+``TrainOneStepCell`` trains it, on the gradient of its sum (``sens`` of ones); the step
+returns its mean, the number ``LossMonitor`` prints of MindSpore's per-example values.
 
 The trained values are written back into the Cell's Parameters when ``train``
 returns (and before ``eval`` / ``predict``), so ``save_checkpoint(net)`` and
@@ -41,6 +41,7 @@ from fshard.cells import is_cell
 from fshard.core import typeof
 from fshard.errors import ArgumentError
 from fshard.parallel.auto_parallel import AutoParallel
+from fshard.primitives.structural import stop_gradient
 
 __all__ = ["Model"]
 
@@ -60,7 +61,7 @@ class _StepCell(nn.Cell):
         ap = self._fs_ap
         if self._fs_state is None:
             self._fs_state = ap.init()
-        self._fs_state, (_, loss) = ap(self._fs_state, *batch)
+        self._fs_state, loss = ap(self._fs_state, *batch)
         return loss
 
     def construct(self, *batch):  # never compiled: __call__ runs the fshard step
@@ -78,16 +79,19 @@ class _StepCell(nn.Cell):
 
 
 def _summed(loss):
-    """The step's output for a loss: ``(its sum, the loss)``, so a loss with
-    ``reduction="none"`` is differentiated as MindSpore's ``TrainOneStepCell`` does
-    (``sens`` of ones: the gradient of the sum) and returned whole (``LossMonitor``
-    prints its mean)."""
+    """The step's loss for a network's output: a scalar as it is; a loss with
+    ``reduction="none"`` differentiated as MindSpore's ``TrainOneStepCell`` does
+    (``sens`` of ones: the gradient of the sum) while its value is the mean, the number
+    ``LossMonitor`` prints of MindSpore's per-example losses."""
     if isinstance(loss, (tuple, list)):
         raise ArgumentError(
             f"fs.Model: the network returns a {type(loss).__name__} of {len(loss)} values; "
             "the train step needs the loss alone (a Tensor), as MindSpore's "
             "TrainOneStepCell does.\nFix: return the loss only, or pass loss_fn to Model.")
-    return (loss if typeof(loss).ndim == 0 else loss.sum()), loss
+    if typeof(loss).ndim == 0:
+        return loss
+    total = loss.sum()
+    return stop_gradient(loss.mean()) + (total - stop_gradient(total))
 
 
 def _declared_inputs(net, loss_fn) -> tuple | None:
@@ -157,7 +161,7 @@ class Model(_MindSporeModel):
                     "in an fshard step (docs/amp.md).")
             scale = float(manager.get_loss_scale())
         loss_net = nn.WithLossCell(backbone, loss_fn) if loss_fn is not None else backbone
-        ap._set_network(loss_net, has_aux=True, output=_summed)
+        ap._set_network(loss_net, has_aux=False, output=_summed)
         if optimizer is not None or scale != 1.0:
             if optimizer is None:
                 raise ArgumentError(

@@ -563,6 +563,7 @@ class AutoParallel:
                 raise ArgumentError(
                     f"AutoParallel({self.name}).init(params): params is required for a "
                     "loss function (only a Cell has its own).")
+            _initialise(self.cell)
             params = {k: v for k, v in functional(self.cell)[1].items()}
         import mindspore as ms
 
@@ -1068,6 +1069,21 @@ class AutoParallel:
 
     def __repr__(self) -> str:
         return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode!r})"
+
+
+def _initialise(cell) -> None:
+    """Initialise, in place, the Parameters made under MindSpore's
+    ``no_init_parameters()`` (as MindSpore's AutoParallel does when it compiles). An
+    optimizer built over them (``nn.SGD(net.trainable_params())``) has cleared their
+    pending initial value but kept the initializer (``Parameter.init``), which is used
+    then."""
+    from mindspore.common.initializer import initializer
+
+    for _, p in cell.parameters_and_names():
+        if p.has_init:
+            if getattr(p.init_mode, "init", None) is None and p.init is not None:
+                p.init_mode = initializer(p.init, p.shape, p.dtype)
+            p.init_data()
 
 
 def _without(params, names: set):

@@ -106,8 +106,22 @@ def _declared_inputs(net, loss_fn) -> tuple | None:
 
 
 class Model(_MindSporeModel):
-    """MindSpore's ``mindspore.train.Model`` training with an ``fs.AutoParallel`` step
-    (module docstring: ``fshard.parallel.ms_train``).
+    """MindSpore's ``mindspore.train.Model`` training with an ``fs.AutoParallel`` step:
+    MindSpore's dataset loop, epochs and callbacks (``LossMonitor`` prints its own
+    lines), fshard's step (docs/migrating_from_mindspore.md#mindspores-model).
+
+    >>> import numpy as np, mindspore.dataset as ds, fshard as fs
+    >>> from mindspore import nn
+    >>> from mindspore.train import LossMonitor
+    >>> net = nn.Dense(4, 2)
+    >>> ap = fs.AutoParallel(net, parallel_mode="semi_auto", mesh=2)
+    >>> model = fs.Model(network=ap, loss_fn=nn.MSELoss(),
+    ...                  optimizer=nn.Momentum(net.trainable_params(), 0.1, 0.9))
+    >>> x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
+    >>> data = ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=False).batch(4)
+    >>> model.train(1, data, callbacks=[LossMonitor()])  # doctest: +ELLIPSIS
+    epoch: 1 step: 1, loss is ...
+    epoch: 1 step: 2, loss is ...
 
     Args (MindSpore's):
         network: an ``fs.AutoParallel`` (made with or without an optimizer), or an

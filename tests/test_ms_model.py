@@ -56,12 +56,13 @@ def graph_mode():
     ms.set_context(mode=mode)
 
 
-def _train_both(capsys, make_loss, make_opt, make_network, epochs=2):
+def _train_both(capsys, make_loss, make_opt, make_network, epochs=2, **kwargs):
     a, b = _nets()
-    MsModel(a, make_loss(), make_opt(a)).train(epochs, _dataset(),
-                                               callbacks=[LossMonitor(1)])
+    MsModel(a, make_loss(), make_opt(a), **kwargs).train(epochs, _dataset(),
+                                                         callbacks=[LossMonitor(1)])
     want = _losses(capsys.readouterr().out)
-    model = fs.Model(network=make_network(b), loss_fn=make_loss(), optimizer=make_opt(b))
+    model = fs.Model(network=make_network(b), loss_fn=make_loss(), optimizer=make_opt(b),
+                     **kwargs)
     model.train(epochs, _dataset(), callbacks=[LossMonitor(1)], dataset_sink_mode=False)
     got = _losses(capsys.readouterr().out)
     assert [g[:2] for g in got] == [w[:2] for w in want] and len(want) == 4 * epochs
@@ -167,3 +168,29 @@ def test_an_optimizer_that_has_taken_steps_or_holds_other_parameters_is_refused(
         fs.AutoParallel(net, opt, mesh=2)
     with pytest.raises(ArgumentError, match="not the network's"):
         fs.AutoParallel(net, nn.SGD(Net().trainable_params(), 0.1), mesh=2)
+
+
+def test_the_autoparallels_own_mindspore_optimizer_follows_the_loss_model_adds(capsys):
+    """An AutoParallel made with a MindSpore optimizer, given a loss by Model: the
+    parameters are renamed (WithLossCell's '_backbone.'), the optimizer still applies."""
+    net = Net()
+    before = net.layer1.weight.asnumpy().copy()
+    ap = fs.AutoParallel(net, nn.SGD(net.trainable_params(), 0.1), mesh=2)
+    fs.Model(ap, nn.SoftmaxCrossEntropyWithLogits(True, "mean")).train(1, _dataset())
+    assert not np.array_equal(net.layer1.weight.asnumpy(), before)
+
+
+def test_a_loss_scale_manager_needs_a_mindspore_optimizer():
+    net = Net()
+    manager = ms.amp.FixedLossScaleManager(8.0, drop_overflow_update=False)
+    with pytest.raises(ArgumentError, match="needs a MindSpore optimizer"):
+        fs.Model(fs.AutoParallel(net, fs.optim.sgd(0.1), mesh=2), nn.MSELoss(),
+                 loss_scale_manager=manager)
+
+
+@pytest.mark.full  # the same path as the quick tests, with a loss scale
+def test_a_fixed_loss_scale_manager_trains_as_mindspores(capsys, graph_mode):
+    _train_both(capsys, lambda: nn.SoftmaxCrossEntropyWithLogits(True, "mean"),
+                lambda n: nn.Momentum(n.trainable_params(), 0.1, 0.9, loss_scale=8.0),
+                lambda n: fs.AutoParallel(n, mesh=2),
+                loss_scale_manager=ms.amp.FixedLossScaleManager(8.0, False))

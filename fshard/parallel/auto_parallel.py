@@ -205,6 +205,8 @@ class AutoParallel:
         Parameters (translated: ``fshard.parallel.ms_optimizers``; ``loss_scale``: the
         gradients' scale, MindSpore's ``Model(loss_scale_manager=...)``), or None (given
         later by ``Model(network=ap, optimizer=...)``)."""
+        # kept to translate again if fs.Model gives the network another loss (names)
+        self._ms_optimizer = optimizer if is_mindspore_optimizer(optimizer) else None
         if is_mindspore_optimizer(optimizer):
             if self.cell is None:
                 raise ArgumentError(

@@ -61,6 +61,11 @@ class _StepCell(nn.Cell):
         ap = self._fs_ap
         if self._fs_state is None:
             self._fs_state = ap.init()
+            runner = ap._pipeline
+            if runner is not None and not runner.cfg.output_broadcast:
+                # In a job only the last stage has the loss (the others' is NaN, which
+                # LossMonitor stops on): every process gets it (one scalar AllReduce).
+                runner.cfg = runner.cfg._replace(output_broadcast=True)
         self._fs_state, loss = ap(self._fs_state, *batch)
         return loss
 
@@ -174,14 +179,19 @@ class Model(_MindSporeModel):
                     "(as MindSpore on CPU).\nFix: use it, or fs.amp's dynamic loss scaling "
                     "in an fshard step (docs/amp.md).")
             scale = float(manager.get_loss_scale())
+        if scale != 1.0 and not isinstance(optimizer, nn.Optimizer):
+            raise ArgumentError(
+                "fs.Model(loss_scale_manager=...) needs a MindSpore optimizer given to "
+                f"Model (whose loss_scale divides the scale out); got {optimizer!r}.\nFix: "
+                "pass optimizer=nn.SGD(...) (or another MindSpore optimizer), or use "
+                "fs.amp's loss scaling with an fs.optim optimizer.")
         loss_net = nn.WithLossCell(backbone, loss_fn) if loss_fn is not None else backbone
+        # ap's own MindSpore optimizer is translated again: the loss renames the
+        # parameters (WithLossCell's '_backbone.' prefix)
+        given = optimizer if optimizer is not None else ap._ms_optimizer
         ap._set_network(loss_net, has_aux=False, output=_summed)
-        if optimizer is not None or scale != 1.0:
-            if optimizer is None:
-                raise ArgumentError(
-                    "fs.Model(loss_scale_manager=...) needs the optimizer given to Model "
-                    "(MindSpore's rule).\nFix: pass optimizer=.")
-            ap._set_optimizer(optimizer, loss_scale=scale)
+        if given is not None:
+            ap._set_optimizer(given, loss_scale=scale)
         ap._need_optimizer()
         declared = _declared_inputs(backbone, loss_fn)
         if declared is not None and ap._batch_specs is None:

@@ -194,3 +194,20 @@ def test_a_fixed_loss_scale_manager_trains_as_mindspores(capsys, graph_mode):
                 lambda n: nn.Momentum(n.trainable_params(), 0.1, 0.9, loss_scale=8.0),
                 lambda n: fs.AutoParallel(n, mesh=2),
                 loss_scale_manager=ms.amp.FixedLossScaleManager(8.0, False))
+
+
+def test_parameters_made_under_no_init_parameters_are_initialised():
+    """Seed 001 builds its network under no_init_parameters() and the optimizer over
+    it: MindSpore's optimizer clears the pending values (a raw MindSpore TypeError
+    before); the step initialises them from their initializers."""
+    from mindspore.nn.utils import no_init_parameters
+
+    with no_init_parameters():
+        net = Net()
+    opt = nn.SGD(net.trainable_params(), 0.1)
+    ap = fs.AutoParallel(net, opt, mesh=2)
+    state = ap.init()
+    w = state.params["layer1.weight"].asnumpy()
+    assert w.shape == (32, 16) and np.isfinite(w).all() and np.abs(w).max() > 0
+    assert not net.layer1.weight.has_init
+    np.testing.assert_array_equal(net.layer1.weight.asnumpy(), w)

@@ -187,8 +187,9 @@ class AutoParallel:
     def _set_network(self, network, has_aux: bool, output=None) -> None:
         """Train ``network`` (MindSpore's ``Model`` adds its ``loss_fn`` to the Cell
         given: fshard's ``Model`` sets the network with the loss here); ``output``, if
-        given, maps the network's output to the step's (``fs.Model``: a loss with
-        ``reduction="none"`` becomes its sum and the per-example values)."""
+        given, maps the network's output to the step's loss (``fs.Model``: a loss with
+        ``reduction="none"`` is differentiated by its sum, as MindSpore's
+        ``TrainOneStepCell`` does)."""
         self.cell = network if is_cell(network) else None
         self.loss_fn = functional(network)[0] if self.cell is not None else network
         self.name = fun_name(self.loss_fn)

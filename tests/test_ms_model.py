@@ -211,3 +211,12 @@ def test_parameters_made_under_no_init_parameters_are_initialised():
     assert w.shape == (32, 16) and np.isfinite(w).all() and np.abs(w).max() > 0
     assert not net.layer1.weight.has_init
     np.testing.assert_array_equal(net.layer1.weight.asnumpy(), w)
+
+
+def test_model_stops_at_the_end_of_a_learning_rate_list_as_mindspore_does():
+    net = Net()
+    model = fs.Model(fs.AutoParallel(net, mesh=2), nn.SoftmaxCrossEntropyWithLogits(True),
+                     nn.SGD(net.trainable_params(), [0.1, 0.1, 0.05]))
+    with pytest.raises(ArgumentError, match=r"(?s)step 4 is past the end of the "
+                       r"learning-rate list of nn.SGD, which covers 3 steps.*Fix"):
+        model.train(1, _dataset())

@@ -123,3 +123,26 @@ def test_equals_mindspores_training_step_for_step(name):
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6 * scale, err_msg=k)
     # the training moved every parameter (a step that updated nothing would not count)
     assert all(not np.array_equal(want[k], before[k]) for k in want)
+
+
+def test_a_learning_rate_list_ends_visibly():
+    """MindSpore's step raises past the end of a learning-rate list; a compiled fshard
+    step cannot, so the rate there is NaN (it was the last value, silently)."""
+    net = Net()
+    loss_cell = nn.WithLossCell(net, nn.MSELoss())
+    apply, params = fs.functional(loss_cell)
+    tx = from_mindspore(nn.SGD(net.trainable_params(), [0.1, 0.2]), params)
+    values = {k: ms.Tensor(v.asnumpy()) for k, v in params.items()}
+    state = tx.init(values)
+
+    @fs.jit
+    def step(values, state, x, y):
+        updates, state = tx.update(fs.grad(apply)(values, x, y), state, values)
+        return fs.optim.apply_updates(values, updates), state
+
+    (x, y), = _batches()[:1]
+    for _ in range(2):
+        values, state = step(values, state, x, y)
+    assert all(np.isfinite(v.asnumpy()).all() for v in values.values())
+    values, state = step(values, state, x, y)
+    assert all(np.isnan(v.asnumpy()).all() for v in values.values())

@@ -38,7 +38,7 @@ import numpy as np
 from fshard import optim
 from fshard.errors import ArgumentError
 
-__all__ = ["from_mindspore", "is_mindspore_optimizer"]
+__all__ = ["from_mindspore", "is_mindspore_optimizer", "lr_steps"]
 
 # The MindSpore optimizer classes translated (mindspore.nn.optim's), by name.
 SUPPORTED = ("SGD", "Momentum", "Adam", "AdamWeightDecay")
@@ -81,17 +81,19 @@ def _lr_schedule(opt, lr):
 
 
 def _table(values: np.ndarray):
-    """The per-step learning rates of a list: ``values[step]``; past the end of the
-    list, the last value (MindSpore's Gather would read out of range; its documentation
-    asks for a list as long as the training)."""
+    """The per-step learning rates of a list: ``values[step]``. Past the end of the
+    list MindSpore's step raises (its Gather's index is out of range); a compiled
+    fshard step cannot raise, so the rate is NaN there: the update makes the parameters
+    NaN, visible, rather than training on with a rate nobody gave (``fs.Model`` raises
+    before that step, as MindSpore does: ``lr_steps``)."""
     import mindspore as ms
     from mindspore import ops
 
-    table = ms.Tensor(values)
-    last = len(values) - 1
+    table = ms.Tensor(np.append(values, np.float32(np.nan)))
+    end = len(values)
 
     def schedule(step, dtype):
-        i = ops.minimum(ops.cast(step, ms.int32), last)
+        i = ops.minimum(ops.cast(step, ms.int32), end)
         return ops.cast(ops.gather(table, i, 0), dtype)
 
     return optim.Schedule(schedule, f"MindSpore learning-rate list of {len(values)} steps")
@@ -107,6 +109,17 @@ def _cell_schedule(cell):
         return ops.cast(cell(ops.cast(step, ms.int32)), dtype).reshape(())
 
     return optim.Schedule(schedule, f"MindSpore {type(cell).__name__}")
+
+
+def lr_steps(opt) -> int | None:
+    """How many steps the MindSpore optimizer's learning-rate lists cover (the
+    shortest), or None when its learning rates are numbers or schedules."""
+    from mindspore.nn.optim.optimizer import _IteratorLearningRate
+
+    lrs = list(opt.learning_rate) if opt.is_group_lr else [opt.learning_rate]
+    sizes = [int(lr.learning_rate.shape[0]) for lr in lrs
+             if isinstance(lr, _IteratorLearningRate)]
+    return min(sizes) if sizes else None
 
 
 def _per_parameter(opt) -> list:

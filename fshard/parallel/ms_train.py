@@ -41,6 +41,7 @@ from fshard.cells import is_cell
 from fshard.core import typeof
 from fshard.errors import ArgumentError
 from fshard.parallel.auto_parallel import AutoParallel
+from fshard.parallel.ms_optimizers import lr_steps
 from fshard.primitives.structural import stop_gradient
 
 __all__ = ["Model"]
@@ -51,14 +52,25 @@ class _StepCell(nn.Cell):
     ``AutoParallel`` step on a state kept here (MindSpore's ``Model`` reads it as a
     Cell: ``set_train``, ``phase``, its parameters for checkpoint callbacks)."""
 
-    def __init__(self, ap: AutoParallel, network):
+    def __init__(self, ap: AutoParallel, network, optimizer=None):
         super().__init__(auto_prefix=False)
         self.network = network
         self._fs_ap = ap
         self._fs_state = None
+        self._fs_steps = 0
+        self._fs_optimizer = optimizer  # MindSpore's, if given: its lr lists' length
+        self._fs_lr_steps = lr_steps(optimizer) if optimizer is not None else None
 
     def __call__(self, *batch):
         ap = self._fs_ap
+        if self._fs_lr_steps is not None and self._fs_steps >= self._fs_lr_steps:
+            raise ArgumentError(
+                f"fs.Model: step {self._fs_steps + 1} is past the end of the learning-rate "
+                f"list of nn.{type(self._fs_optimizer).__name__}, which covers "
+                f"{self._fs_lr_steps} steps (MindSpore's step raises there too).\nFix: give "
+                "a learning-rate list as long as the training (epochs x steps per epoch), "
+                "or a LearningRateSchedule.")
+        self._fs_steps += 1
         if self._fs_state is None:
             self._fs_state = ap.init()
             runner = ap._pipeline
@@ -205,7 +217,7 @@ class Model(_MindSporeModel):
                                                        if k != "loss_scale_manager"})
 
     def _build_train_network(self):
-        return _StepCell(self._fs_ap, self._fs_backbone)
+        return _StepCell(self._fs_ap, self._fs_backbone, self._fs_ap._ms_optimizer)
 
     def _write_back(self) -> None:
         self._train_network.write_back()

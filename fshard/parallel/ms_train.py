@@ -26,9 +26,8 @@ A loss that is not a scalar (``reduction="none"``) is trained as MindSpore's
 returns its mean, the number ``LossMonitor`` prints of MindSpore's per-example values.
 
 The trained values are written back into the Cell's Parameters when ``train``
-returns (and before ``eval`` / ``predict``), so ``save_checkpoint(net)`` and
-MindSpore's own evaluation see them; the optimizer state lives on in the Model
-between ``train`` calls.
+returns, so ``save_checkpoint(net)`` and MindSpore's own ``eval`` / ``predict`` after
+it see them; the optimizer state lives on in the Model between ``train`` calls.
 """
 
 from __future__ import annotations

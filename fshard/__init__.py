@@ -102,6 +102,7 @@ from fshard import checkpoint as checkpoint  # noqa: E402
 from fshard import amp as amp  # noqa: E402
 from fshard import parallel as parallel  # noqa: E402
 from fshard.parallel import AutoParallel as AutoParallel  # noqa: E402
+from fshard.parallel import Model as Model  # noqa: E402
 from fshard.parallel import TrainState as TrainState  # noqa: E402
 
 __version__ = "0.1.0"

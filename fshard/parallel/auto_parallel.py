@@ -54,6 +54,7 @@ from fshard.errors import ArgumentError, ShardingError
 from fshard.interop import check_context_mode, context_dataset_strategy, context_mesh
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import Optimizer, apply_updates
+from fshard.parallel.ms_optimizers import from_mindspore, is_mindspore_optimizer
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
@@ -106,7 +107,12 @@ class AutoParallel:
             updated), or MindSpore's ``Pipeline(cell, micro_size, stage_config)``
             wrapper (the stages and micro-batch count of ``pipeline(stages=S)``).
         optimizer: an ``fs.optim`` optimizer (``init(params)``, ``update(grads, state,
-            params)``).
+            params)``), a MindSpore ``nn.Optimizer`` over the Cell's Parameters
+            (``nn.SGD``, ``nn.Momentum``, ``nn.Adam``, ``nn.AdamWeightDecay``: translated
+            into the equal ``fs.optim`` rule), or None (MindSpore's
+            ``AutoParallel(network, parallel_mode=...)``: the optimizer comes with
+            ``fs.Model(network=ap, optimizer=...)``). A string here is the
+            ``parallel_mode``, as in MindSpore's signature.
         parallel_mode: ``"semi_auto"`` (the strategies given; an operator without one
             follows its inputs' layouts: data parallel over the batch split),
             ``"sharding_propagation"`` (propagation derives the rest, the parameters
@@ -118,17 +124,15 @@ class AutoParallel:
             of varying size run by one compiled step.
     """
 
-    def __init__(self, network, optimizer, parallel_mode: str = "semi_auto", *, mesh=None,
-                 has_aux: bool = False, in_shapes=None):
+    def __init__(self, network, optimizer=None, parallel_mode: str = "semi_auto", *,
+                 mesh=None, has_aux: bool = False, in_shapes=None):
         if not callable(network):
             raise ArgumentError(
                 f"AutoParallel(network=...) must be a loss function or an nn.Cell; got "
                 f"{type(network).__name__} {network!r}.")
-        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-            raise ArgumentError(
-                f"AutoParallel(optimizer=...) must have init(params) and update(grads, "
-                f"state, params), as fs.optim optimizers do; got {type(optimizer).__name__}."
-                "\nFix: pass e.g. fs.optim.adam(1e-3).")
+        if isinstance(optimizer, str) and parallel_mode == "semi_auto":
+            # MindSpore's signature: AutoParallel(network, parallel_mode="semi_auto")
+            optimizer, parallel_mode = None, optimizer
         if parallel_mode not in MODES:
             raise ArgumentError(
                 f"AutoParallel(parallel_mode=...) must be one of {MODES}; got "
@@ -156,28 +160,22 @@ class AutoParallel:
                     "which fshard derives itself.\nFix: drop segment_config and use "
                     "ap.pipeline(stages=S, interleave=True) with stage_config giving "
                     "each cell its chunk.")
-        self.cell = network if is_cell(network) else None
-        if self.cell is not None:
-            self.loss_fn, _ = functional(network)
-        else:
-            self.loss_fn = network
-        self.name = fun_name(self.loss_fn)
-        self.optimizer = optimizer
+        self._steps: dict = {}
+        self._frozen_opt = None  # (frozen names, optimizer, step_optimizer()) cache
+        self._set_network(network, has_aux)
+        self._set_optimizer(optimizer)
         self.parallel_mode = parallel_mode
         self._mesh = mesh
-        self.has_aux = has_aux
         self._dataset_given = None  # dataset_strategy(config); None: not called
         self._param_plan: dict = {}
         self._hsdp = None  # (shard_size, threshold_bytes, level)
         self._fusion = None  # bucket bytes
         self._fixed_params = None  # loaded parameter strategies
-        self._steps: dict = {}
         self._pipeline = None  # a PipelineRunner once pipeline(stages > 1) is set
         self._fp32_comm = False  # enable_fp32_communication
         self._gradient_fp32_sync = True  # MindSpore's default; disable_gradient_fp32_sync
         self._local_norm = (False, None)  # (print, dump directory)
         self._batch_specs = None  # declared batch input shapes (set_inputs)
-        self._frozen_opt = None  # (frozen names, optimizer, step_optimizer()) cache
         if in_shapes is not None:
             if not isinstance(in_shapes, (tuple, list)):
                 raise ArgumentError(
@@ -185,6 +183,57 @@ class AutoParallel:
                     f"input, got {type(in_shapes).__name__} {in_shapes!r}.\nFix: in_shapes="
                     "(fs.ArrayType((fs.Symbol(divisor=8), 784), mindspore.float32), ...).")
             self.set_inputs(*in_shapes)
+
+    def _set_network(self, network, has_aux: bool, output=None) -> None:
+        """Train ``network`` (MindSpore's ``Model`` adds its ``loss_fn`` to the Cell
+        given: fshard's ``Model`` sets the network with the loss here); ``output``, if
+        given, maps the network's output to the step's loss (``fs.Model``: a loss with
+        ``reduction="none"`` is differentiated by its sum, as MindSpore's
+        ``TrainOneStepCell`` does)."""
+        self.cell = network if is_cell(network) else None
+        self.loss_fn = functional(network)[0] if self.cell is not None else network
+        self.name = fun_name(self.loss_fn)
+        if output is not None:
+            apply = self.loss_fn
+            self.loss_fn = lambda params, *batch: output(apply(params, *batch))
+            self.loss_fn.__name__ = self.name
+        self.has_aux = has_aux
+        self._frozen_opt = None
+        self._steps.clear()
+
+    def _set_optimizer(self, optimizer, loss_scale: float = 1.0) -> None:
+        """An ``fs.optim`` optimizer, a MindSpore ``nn.Optimizer`` over the Cell's
+        Parameters (translated: ``fshard.parallel.ms_optimizers``; ``loss_scale``: the
+        gradients' scale, MindSpore's ``Model(loss_scale_manager=...)``), or None (given
+        later by ``Model(network=ap, optimizer=...)``)."""
+        # kept to translate again if fs.Model gives the network another loss (names)
+        self._ms_optimizer = optimizer if is_mindspore_optimizer(optimizer) else None
+        if is_mindspore_optimizer(optimizer):
+            if self.cell is None:
+                raise ArgumentError(
+                    f"AutoParallel(optimizer=nn.{type(optimizer).__name__}(...)): a "
+                    "MindSpore optimizer updates a Cell's Parameters, but the network is "
+                    f"a function ({self.name}).\nFix: pass the nn.Cell, or an fs.optim "
+                    "optimizer (e.g. fs.optim.sgd(1e-2)).")
+            optimizer = from_mindspore(optimizer, functional(self.cell)[1], loss_scale)
+        elif optimizer is not None and not (hasattr(optimizer, "init") and
+                                            hasattr(optimizer, "update")):
+            raise ArgumentError(
+                f"AutoParallel(optimizer=...) must have init(params) and update(grads, "
+                f"state, params), as fs.optim optimizers do, or be a MindSpore "
+                f"nn.Optimizer; got {type(optimizer).__name__}."
+                "\nFix: pass e.g. fs.optim.adam(1e-3) or nn.Adam(net.trainable_params()).")
+        self.optimizer = optimizer
+        self._frozen_opt = None
+        self._steps.clear()
+
+    def _need_optimizer(self) -> None:
+        if self.optimizer is None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}) has no optimizer: it was made without one "
+                "(MindSpore's form, where the optimizer comes with Model).\nFix: "
+                "fs.AutoParallel(network, optimizer, ...), or train with fshard's "
+                "Model(network=ap, optimizer=...) (fs.Model).")
 
     # -- the mesh and MindSpore's context ------------------------------------------
     @property
@@ -525,6 +574,7 @@ class AutoParallel:
                 raise ArgumentError(
                     f"AutoParallel({self.name}).init(params): params is required for a "
                     "loss function (only a Cell has its own).")
+            _initialise(self.cell)
             params = {k: v for k, v in functional(self.cell)[1].items()}
         import mindspore as ms
 
@@ -534,6 +584,7 @@ class AutoParallel:
         # Parameters become plain Tensors: the state is values, not the Cell's objects.
         params = tree.map(lambda x: ms.Tensor(x.asnumpy()) if isinstance(x, ms.Parameter)
                           else x, params)
+        self._need_optimizer()
         opt_state = self.optimizer.init(_without(params, self._frozen()))
         return TrainState(params, opt_state, ms.Tensor(np.int32(0)))
 
@@ -873,6 +924,7 @@ class AutoParallel:
             raise ArgumentError(
                 f"AutoParallel({self.name})(state, *batch): state must be the TrainState "
                 f"from ap.init(...); got {type(state).__name__}.")
+        self._need_optimizer()
         if self._pipeline is not None:
             return self._pipeline(state, *batch)
         if self._feeds_slices():
@@ -1034,6 +1086,21 @@ class AutoParallel:
 
     def __repr__(self) -> str:
         return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode!r})"
+
+
+def _initialise(cell) -> None:
+    """Initialise, in place, the Parameters made under MindSpore's
+    ``no_init_parameters()`` (as MindSpore's AutoParallel does when it compiles). An
+    optimizer built over them (``nn.SGD(net.trainable_params())``) has cleared their
+    pending initial value but kept the initializer (``Parameter.init``), which is used
+    then."""
+    from mindspore.common.initializer import initializer
+
+    for _, p in cell.parameters_and_names():
+        if p.has_init:
+            if getattr(p.init_mode, "init", None) is None and p.init is not None:
+                p.init_mode = initializer(p.init, p.shape, p.dtype)
+            p.init_data()
 
 
 def _without(params, names: set):

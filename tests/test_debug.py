@@ -48,8 +48,10 @@ def test_a_callback_whose_result_nothing_reads_is_kept_and_in_order(capfd):
 def test_vmap_calls_once_per_example_in_order():
     seen = []
     xs = np.arange(6, dtype=np.float32).reshape(2, 3)
-    fs.jit(fs.vmap(lambda x, w: (fs.debug.callback(lambda a, b: seen.append((a, b)), x, w),
-                                 x * w)[1], in_axes=(0, None)))(Tensor(xs), Tensor(X))
+    out = fs.jit(fs.vmap(lambda x, w: (fs.debug.callback(lambda a, b: seen.append((a, b)),
+                                                         x, w), x * w)[1],
+                         in_axes=(0, None)))(Tensor(xs), Tensor(X))
+    fs.block_until_ready(out)   # programs run asynchronously: wait for this run
     assert len(seen) == 2
     for (a, b), row in zip(seen, xs):
         np.testing.assert_array_equal(a, row)

@@ -840,6 +840,11 @@ class AutoParallel:
             # MindSpore's semi-auto parallel: an operator without a strategy follows
             # its inputs (data parallel over the batch split), planned by no search.
             s.search = "follow_inputs"
+        elif self.parallel_mode == "sharding_propagation":
+            # Greedy propagation, or the plan that follows the inputs where the
+            # objective prices it lower (it can gather activations data parallelism
+            # never needs).
+            s.search = "cheaper_path"
         # In a job the split leaves of the new state stay each process's blocks
         # (fs.ShardedArray): the next step takes them as they are, so ZeRO's and model
         # parallelism's memory saving is real and no step gathers the state.

@@ -36,6 +36,17 @@ def _spec(eq):
     return rule(*[a.aval for a in eq.inputs], **eq.params)
 
 
+def undecided(program: Program, in_shardings: list, out_shardings: list, mesh: ShardMesh,
+              level: int = 0) -> Propagated:
+    """The problem ``propagate`` solves, nothing decided yet (every equation's
+    candidate None): for planners that decide every equation themselves
+    (``fshard.sharding.search.follow_inputs``)."""
+    known = {v: s for v, s in zip(program.inputs, in_shardings) if s is not None}
+    ins = [known.get(v, Sharding.replicated(v.aval.ndim)) for v in program.inputs]
+    return Propagated(program, mesh, known, [(_spec(eq), None) for eq in program.equations],
+                      ins, list(out_shardings), list(in_shardings), level)
+
+
 def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
              extra_comm: float = 0.0, out_demand: dict | None = None,
              desired: dict | None = None):

@@ -119,6 +119,14 @@ class Sharding:
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other) -> bool:  # (the hashes differ for almost every unequal pair)
+        if self is other:
+            return True
+        if not isinstance(other, Sharding):
+            return NotImplemented
+        return (self._hash == other._hash and self.dims == other.dims
+                and self.partial == other.partial)
+
     def __reduce__(self):  # rebuilt, so a copy in another process hashes there
         return Sharding, (self.dims, self.partial)
 
@@ -182,6 +190,14 @@ class Candidate:
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other) -> bool:  # (see Sharding.__eq__)
+        if self is other:
+            return True
+        if not isinstance(other, Candidate):
+            return NotImplemented
+        return (self._hash == other._hash and self.assign == other.assign
+                and self.carry == other.carry and self.carry_ops == other.carry_ops)
+
     def __reduce__(self):  # rebuilt (a str factor's hash differs between processes)
         return Candidate, (self.assign, self.carry, self.carry_ops)
 
@@ -229,6 +245,42 @@ def _enumerate_candidates(labels: list, sizes: dict, mesh: ShardMesh) -> list[Ca
                                               for lab in labs]):
                 out.append(Candidate(tuple(zip(labs, orders))))
     return out
+
+
+def spec_key(spec: FactorSpec) -> tuple | None:
+    """What the layouts, candidates and compute of a factor spec depend on, hashable
+    (None if a size does not hash): the equations of a program repeat few of them, so
+    planning computes each once (``SpecCache``)."""
+    partial = None if spec.partial_outputs is None else tuple(sorted(
+        (j, tuple(labs)) for j, labs in spec.partial_outputs.items()))
+    key = (tuple(map(tuple, spec.inputs)), tuple(map(tuple, spec.outputs)),
+           tuple(sorted(spec.sizes.items(), key=lambda kv: str(kv[0]))), spec.reduce,
+           spec.nosplit, spec.flops_per_point, partial)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class SpecCache:
+    """``candidate_shardings`` and ``compute_cost`` per (spec, candidate), shared by the
+    equations of one planning run whose specs are equal (``spec_key``)."""
+
+    def __init__(self, mesh: ShardMesh, compute):
+        self.mesh, self._compute = mesh, compute
+        self._memo: dict = {}
+
+    def get(self, spec: FactorSpec, key, cand: Candidate) -> tuple:
+        """``(operand layouts, output layouts, compute)`` of ``spec`` run as ``cand``."""
+        k = (key, cand)
+        hit = self._memo.get(k) if key is not None else None
+        if hit is None:
+            ins, outs = candidate_shardings(spec, cand)
+            hit = (ins, outs, self._compute(spec, cand, self.mesh))
+            if key is not None:
+                self._memo[k] = hit
+        return hit
 
 
 def candidate_shardings(spec: FactorSpec, cand: Candidate):

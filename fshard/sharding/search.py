@@ -41,6 +41,8 @@ from fshard.sharding.cost import (CostModel, compute_cost, redistribution,
 from fshard.sharding.layouts import (
     Candidate,
     Sharding,
+    SpecCache,
+    spec_key,
     after,
     as_produced,
     candidate_shardings,
@@ -206,6 +208,8 @@ class Problem:
                 self.free_unused.append(v)
             if v not in last and self.n:
                 self.dying[0].append(v)
+        self._skeys = [spec_key(sp) for sp in self.specs]
+        self._cands = SpecCache(mesh, compute_cost)
         self.base = base_candidates(program, self.specs, mesh)  # fixed layouts: one
         # Mesh axes the fixed layouts mention (for the symmetry of the others).
         self.fixed_axes = frozenset(a for sh in list(self.given.values()) + [
@@ -222,22 +226,20 @@ class Problem:
                     _permuted(seeds[v], m) for m in _axis_permutations(mesh)))
         # A lower bound of the compute still to come (a carry computes as its base).
         self.min_compute = [0.0] * (self.n + 1)
+        least: dict = {}  # (spec key, base candidates) -> least compute
         for i in reversed(range(self.n)):
-            self.min_compute[i] = self.min_compute[i + 1] + min(
-                compute_cost(self.specs[i], c, mesh) for c in self.base[i])
+            k = (self._skeys[i], tuple(self.base[i]))
+            m = least.get(k) if self._skeys[i] is not None else None
+            if m is None:
+                m = least[k] = min(self.shardings(i, c)[2] for c in self.base[i])
+            self.min_compute[i] = self.min_compute[i + 1] + m
         self._plans: dict = {}
         self._bytes: dict = {}
-        self._cands: dict = {}
         self._akeys: dict = {}
 
     def shardings(self, i: int, cand: Candidate) -> tuple:
         """``(operand layouts, output layouts, compute)`` of equation ``i`` as ``cand``."""
-        key = (i, cand)
-        out = self._cands.get(key)
-        if out is None:
-            ins, outs = candidate_shardings(self.specs[i], cand)
-            out = self._cands[key] = (ins, outs, compute_cost(self.specs[i], cand, self.mesh))
-        return out
+        return self._cands.get(self.specs[i], self._skeys[i], cand)
 
     @staticmethod
     def from_propagated(prop) -> "Problem":
@@ -492,7 +494,25 @@ class Problem:
         Linear in the program: each decision is priced without building its state."""
         st = self.initial()
         out = []
+        # The choice depends on the spec, the sizes and the layouts the operands hold
+        # only: a program repeats few such situations, each is decided once.
+        memo: dict = {}
         for i in range(self.n):
+            key = None
+            eq, fresh = self.eqs[i], self.free_at[i]
+            if self._skeys[i] is not None:
+                key = (self._skeys[i], tuple(self.base[i]), tuple(
+                    ("literal", a.aval.shape) if isinstance(a, Literal) else
+                    (fresh.index(a), a in self.multi_use, tuple(self.seed_options.get(a, ())),
+                     self._aval_key(a)) if a in fresh else
+                    (st.held[a], self._aval_key(a)) for a in eq.inputs))
+                hit = memo.get(key)
+                if hit is not None:  # (the free inputs by their place among ``fresh``)
+                    d = (hit[0], tuple((fresh[k], sh) for k, sh in hit[1]))
+                    out.append(d)
+                    if self.step(st, i, *d, copy=False) is None:
+                        return []
+                    continue
             best = None
             for d in self.decisions(st, i):
                 if d[0].carry:
@@ -505,6 +525,8 @@ class Problem:
             if best is None:
                 return []
             out.append(best[1])
+            if key is not None:
+                memo[key] = (best[1][0], tuple((fresh.index(x), sh) for x, sh in best[1][1]))
             if self.step(st, i, *best[1], copy=False) is None:
                 return []
         return out

@@ -57,6 +57,7 @@ from fshard.optim import Optimizer, apply_updates
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
+from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import Sharding
 from fshard.sharding.local import ShardedArray, gather_sharded
 from fshard.sharding.plan import write_json_atomic
@@ -941,6 +942,12 @@ class AutoParallel:
         return s.partitioned(state.params, state.opt_state, state.step, *batch)
 
     # -- reports and files -----------------------------------------------------------
+    def explain(self, state: TrainState, *batch):
+        """The step's plan, per equation: the layouts chosen, the predicted compute and
+        communication time, and the runner-up (print it; ``fshard.sharding.explain``)."""
+        part = self.partitioned(state, *batch)
+        return explain_plan(part.prop, f"{self.name} ({self.parallel_mode})")
+
     def memory_report(self, state: TrainState, *batch) -> dict:
         """Bytes per device of ``params``, ``grads`` and ``optimizer_state`` as the plan
         lays them out: parameters and optimizer state as the step receives them, each

@@ -945,6 +945,11 @@ class AutoParallel:
     def explain(self, state: TrainState, *batch):
         """The step's plan, per equation: the layouts chosen, the predicted compute and
         communication time, and the runner-up (print it; ``fshard.sharding.explain``)."""
+        if not isinstance(state, TrainState):
+            raise ArgumentError(
+                f"AutoParallel({self.name}).explain(state, *batch): state must be the "
+                f"TrainState from ap.init(...); got {type(state).__name__}.\nFix: "
+                "state = ap.init(params); ap.explain(state, *batch).")
         part = self.partitioned(state, *batch)
         return explain_plan(part.prop, f"{self.name} ({self.parallel_mode})")
 

@@ -103,6 +103,13 @@ def test_explain_prices_the_plan_that_runs(mlp_step):
     assert "runner-up" in str(plans["semi_auto"])
 
 
+def test_explain_names_a_wrong_state(mlp_step):
+    params, x, y, aps = mlp_step
+    with pytest.raises(fs.ArgumentError, match=r"explain\(state, \*batch\): state must be "
+                       r"the TrainState from ap.init\(...\); got dict"):
+        aps["semi_auto"].explain(params, x, y)
+
+
 def test_shard_explain():
     f = fs.shard(lambda x, w: ops.matmul(x, w), in_strategy=((8, 1), None), mesh=8)
     x, w = np.ones((16, 4), np.float32), np.ones((4, 6), np.float32)

@@ -22,6 +22,7 @@ from fshard.cells import parameters
 from fshard.interop import (context_dataset_strategy, context_mesh, context_search,
                             register_cell_shard)
 from fshard.ir import Program
+from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.partition import Partitioned
 from fshard.sharding.placement import placed_strategy
@@ -265,6 +266,13 @@ class Sharded:
         Its ``collectives()`` lists the communication, ``strategies()`` the layouts.
         """
         return self._prepare(args)[0].partitioned()
+
+    def explain(self, *args):
+        """The plan for these arguments, per equation: the layouts chosen, the predicted
+        compute and communication time, and the runner-up (print it; see
+        ``fshard.sharding.explain``)."""
+        part = self.partitioned(*args)
+        return explain_plan(part.prop, fun_name(self.fn))
 
     def _plan(self, fn, leaves, entries, in_tree):
         fname = fun_name(self.fn)

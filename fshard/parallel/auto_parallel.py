@@ -58,6 +58,7 @@ from fshard.parallel.ms_optimizers import from_mindspore, is_mindspore_optimizer
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
+from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import Sharding
 from fshard.sharding.local import ShardedArray, gather_sharded
 from fshard.sharding.plan import write_json_atomic
@@ -899,6 +900,11 @@ class AutoParallel:
             # MindSpore's semi-auto parallel: an operator without a strategy follows
             # its inputs (data parallel over the batch split), planned by no search.
             s.search = "follow_inputs"
+        elif self.parallel_mode == "sharding_propagation":
+            # Greedy propagation, or the plan that follows the inputs where the
+            # objective prices it lower (it can gather activations data parallelism
+            # never needs).
+            s.search = "cheaper_path"
         # In a job the split leaves of the new state stay each process's blocks
         # (fs.ShardedArray): the next step takes them as they are, so ZeRO's and model
         # parallelism's memory saving is real and no step gathers the state.
@@ -1002,6 +1008,17 @@ class AutoParallel:
         return s.partitioned(state.params, state.opt_state, state.step, *batch)
 
     # -- reports and files -----------------------------------------------------------
+    def explain(self, state: TrainState, *batch):
+        """The step's plan, per equation: the layouts chosen, the predicted compute and
+        communication time, and the runner-up (print it; ``fshard.sharding.explain``)."""
+        if not isinstance(state, TrainState):
+            raise ArgumentError(
+                f"AutoParallel({self.name}).explain(state, *batch): state must be the "
+                f"TrainState from ap.init(...); got {type(state).__name__}.\nFix: "
+                "state = ap.init(params); ap.explain(state, *batch).")
+        part = self.partitioned(state, *batch)
+        return explain_plan(part.prop, f"{self.name} ({self.parallel_mode})")
+
     def memory_report(self, state: TrainState, *batch) -> dict:
         """Bytes per device of ``params``, ``grads`` and ``optimizer_state`` as the plan
         lays them out: parameters and optimizer state as the step receives them, each

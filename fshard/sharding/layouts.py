@@ -42,6 +42,11 @@ def prime_factors(n: int) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=1 << 12)
+def _axes_count(sizes: tuple, axes) -> int:
+    return math.prod(sizes[a] for a in axes)
+
+
 @dataclass(frozen=True)
 class ShardMesh:
     """The mesh of prime-sized axes a sharded function is partitioned over."""
@@ -64,7 +69,11 @@ class ShardMesh:
         return tuple(f"m{a}" for a in axes)
 
     def count(self, axes) -> int:
-        return math.prod(self.sizes[a] for a in axes)
+        # Planning asks this hundreds of thousands of times for a few axis sets.
+        try:
+            return _axes_count(self.sizes, axes)
+        except TypeError:  # an unhashable collection of axes
+            return math.prod(self.sizes[a] for a in axes)
 
     def coords(self, rank: int) -> tuple[int, ...]:
         out = []
@@ -109,6 +118,14 @@ class Sharding:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __eq__(self, other) -> bool:  # (the hashes differ for almost every unequal pair)
+        if self is other:
+            return True
+        if not isinstance(other, Sharding):
+            return NotImplemented
+        return (self._hash == other._hash and self.dims == other.dims
+                and self.partial == other.partial)
 
     def __reduce__(self):  # rebuilt, so a copy in another process hashes there
         return Sharding, (self.dims, self.partial)
@@ -168,22 +185,28 @@ class Candidate:
 
     def __post_init__(self):  # hashed once (see Sharding)
         object.__setattr__(self, "_hash", hash((self.assign, self.carry, self.carry_ops)))
+        object.__setattr__(self, "_axes", dict(self.assign))
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __eq__(self, other) -> bool:  # (see Sharding.__eq__)
+        if self is other:
+            return True
+        if not isinstance(other, Candidate):
+            return NotImplemented
+        return (self._hash == other._hash and self.assign == other.assign
+                and self.carry == other.carry and self.carry_ops == other.carry_ops)
 
     def __reduce__(self):  # rebuilt (a str factor's hash differs between processes)
         return Candidate, (self.assign, self.carry, self.carry_ops)
 
     def axes(self, label) -> tuple:
-        for lab, ax in self.assign:
-            if lab == label:
-                return ax
-        return ()
+        return self._axes.get(label, ())
 
     def sharding(self, labels, partial=frozenset()) -> Sharding:
-        return Sharding(tuple(self.axes(lab) if lab is not None else () for lab in labels),
-                        frozenset(partial))
+        axes = self._axes
+        return Sharding(tuple(axes.get(lab, ()) for lab in labels), frozenset(partial))
 
 
 def candidates(spec: FactorSpec, mesh: ShardMesh) -> list[Candidate]:
@@ -193,19 +216,71 @@ def candidates(spec: FactorSpec, mesh: ShardMesh) -> list[Candidate]:
     a ``Layout`` view such as ``(("mp", "dp"),)`` asks for a non-row-major one, and
     without its candidate every equation would redistribute it."""
     labels = spec.splittable()
+    # The candidates depend on the splittable factors' sizes and the mesh only: a
+    # training step has many equations of few shapes, so each set is built once.
+    try:
+        key = (tuple(labels), tuple(spec.sizes[lab] for lab in labels), mesh)
+        return list(_candidates(key))
+    except TypeError:  # a size that does not hash
+        return _enumerate_candidates(labels, spec.sizes, mesh)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _candidates(key) -> tuple:
+    labels, sizes, mesh = key
+    return tuple(_enumerate_candidates(list(labels), dict(zip(labels, sizes)), mesh))
+
+
+def _enumerate_candidates(labels: list, sizes: dict, mesh: ShardMesh) -> list[Candidate]:
     out = []
     for choice in itertools.product([None] + labels, repeat=len(mesh.sizes)):
         assign: dict = {}
         for axis, lab in enumerate(choice):
             if lab is not None:
                 assign.setdefault(lab, []).append(axis)
-        ok = all(dim_multiple_of(spec.sizes[lab], mesh.count(ax)) for lab, ax in assign.items())
+        ok = all(dim_multiple_of(sizes[lab], mesh.count(ax)) for lab, ax in assign.items())
         if ok:
             labs = list(assign)
             for orders in itertools.product(*[itertools.permutations(assign[lab])
                                               for lab in labs]):
                 out.append(Candidate(tuple(zip(labs, orders))))
     return out
+
+
+def spec_key(spec: FactorSpec) -> tuple | None:
+    """What the layouts, candidates and compute of a factor spec depend on, hashable
+    (None if a size does not hash): the equations of a program repeat few of them, so
+    planning computes each once (``SpecCache``)."""
+    partial = None if spec.partial_outputs is None else tuple(sorted(
+        (j, tuple(labs)) for j, labs in spec.partial_outputs.items()))
+    key = (tuple(map(tuple, spec.inputs)), tuple(map(tuple, spec.outputs)),
+           tuple(sorted(spec.sizes.items(), key=lambda kv: str(kv[0]))), spec.reduce,
+           spec.nosplit, spec.flops_per_point, partial)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class SpecCache:
+    """``candidate_shardings`` and ``compute_cost`` per (spec, candidate), shared by the
+    equations of one planning run whose specs are equal (``spec_key``)."""
+
+    def __init__(self, mesh: ShardMesh, compute):
+        self.mesh, self._compute = mesh, compute
+        self._memo: dict = {}
+
+    def get(self, spec: FactorSpec, key, cand: Candidate) -> tuple:
+        """``(operand layouts, output layouts, compute)`` of ``spec`` run as ``cand``."""
+        k = (key, cand)
+        hit = self._memo.get(k) if key is not None else None
+        if hit is None:
+            ins, outs = candidate_shardings(spec, cand)
+            hit = (ins, outs, self._compute(spec, cand, self.mesh))
+            if key is not None:
+                self._memo[k] = hit
+        return hit
 
 
 def candidate_shardings(spec: FactorSpec, cand: Candidate):

@@ -14,9 +14,9 @@ from fshard.errors import ShardingError
 from fshard.ir import Program
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.partition import Partitioned, apply_fixed, partition
-from fshard.sharding.propagation import propagate
+from fshard.sharding.propagation import propagate, undecided
 from fshard.sharding.runtime import run_on_rank, run_virtual
-from fshard.sharding.search import choose_split_axes, follow_inputs, refine
+from fshard.sharding.search import cheaper_path, choose_split_axes, follow_inputs, refine
 from fshard.staging import stage
 
 
@@ -67,14 +67,21 @@ class ShardPlan:
                     self.body, self.in_shardings, self.out_shardings, self.mesh, self.level,
                     self.flexible)
                 self.flexible = ()
-            prop = propagate(self.body, self.in_shardings, self.out_shardings, self.mesh,
-                             self.level)
-            if self.fixed is not None:
-                prop = apply_fixed(prop, self.fixed)
-            elif self.search == "follow_inputs":  # fs.AutoParallel's semi_auto
-                prop = follow_inputs(prop)
-            elif self.search:
-                prop = refine(prop)
+            prop = None
+            if self.fixed is None and self.search == "follow_inputs":
+                # fs.AutoParallel's semi_auto: every equation decided in one pass, no
+                # propagation (its choices would all be replaced).
+                prop = follow_inputs(undecided(self.body, self.in_shardings,
+                                               self.out_shardings, self.mesh, self.level))
+            if prop is None:
+                prop = propagate(self.body, self.in_shardings, self.out_shardings,
+                                 self.mesh, self.level)
+                if self.fixed is not None:
+                    prop = apply_fixed(prop, self.fixed)
+                elif self.search == "cheaper_path":  # fs.AutoParallel's propagation mode
+                    prop = cheaper_path(prop)
+                elif self.search and self.search != "follow_inputs":
+                    prop = refine(prop)
             self._part = partition(prop)
             self._part.name = self.name
             if self.fusion is not None:

@@ -10,14 +10,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from fshard import dtypes
 from fshard.dims import dim_multiple_of
 from fshard.ir import Program, Var
 from fshard.rules import sharding as sharding_rules
 from fshard.sharding.constraints import base_candidates, is_constraint
 from fshard.sharding.cost import (CostModel, compute_cost, local_bytes, native_reduce_scatter,
                                   plan_bytes)
-from fshard.sharding.layouts import (ShardMesh, Sharding, candidate_shardings, carry_variants,
-                                     plan)
+from fshard.sharding.layouts import (ShardMesh, Sharding, SpecCache, candidate_shardings,
+                                     carry_variants, plan, spec_key)
 
 
 @dataclass
@@ -37,10 +38,22 @@ def _spec(eq):
     return rule(*[a.aval for a in eq.inputs], **eq.params)
 
 
+def undecided(program: Program, in_shardings: list, out_shardings: list, mesh: ShardMesh,
+              level: int = 0) -> Propagated:
+    """The problem ``propagate`` solves, nothing decided yet (every equation's
+    candidate None): for planners that decide every equation themselves
+    (``fshard.sharding.search.follow_inputs``)."""
+    known = {v: s for v, s in zip(program.inputs, in_shardings) if s is not None}
+    ins = [known.get(v, Sharding.replicated(v.aval.ndim)) for v in program.inputs]
+    return Propagated(program, mesh, known, [(_spec(eq), None) for eq in program.equations],
+                      ins, list(out_shardings), list(in_shardings), level)
+
+
 def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
              extra_comm: float = 0.0, out_demand: dict | None = None,
-             desired: dict | None = None):
-    ins, outs = candidate_shardings(spec, cand)
+             desired: dict | None = None, layouts: tuple | None = None):
+    ins, outs, compute = layouts or (*candidate_shardings(spec, cand),
+                                     compute_cost(spec, cand, mesh))
     comm, n_coll = extra_comm, 0
     for a, req in zip(eq.inputs, ins):
         if isinstance(a, Var) and a in known:
@@ -74,7 +87,7 @@ def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
             comm += b
             n_coll += bool(b)
     memory = sum(local_bytes(o, v.aval, mesh) for o, v in zip(outs, eq.outputs))
-    return model.score(compute_cost(spec, cand, mesh), comm, n_coll, memory)
+    return model.score(compute, comm, n_coll, memory)
 
 
 def _deferral_bytes(eq, spec, cand, mesh) -> float:
@@ -172,10 +185,38 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
     bases = base_candidates(program, specs, mesh)
     choice: list = [None] * len(program.equations)
     desired = _desired(program, specs, out_demand, mesh)
+    skeys = [spec_key(sp) for sp in specs]
+    cache = SpecCache(mesh, compute_cost)
+    # An equation's choice depends only on its spec, its values' sizes and the layouts
+    # known or asked for around it: a program repeats few such situations (the layers
+    # of a network, their gradients), so each is decided once (linear-time planning).
+    decided: dict = {}
+    akeys: dict = {}
+
+    def aval_key(v):
+        k = akeys.get(v)
+        if k is None:
+            k = akeys[v] = (tuple(v.aval.shape), dtypes.to_numpy(v.aval.dtype).itemsize)
+        return k
+
+    def situation(i):
+        eq = program.equations[i]
+        if skeys[i] is None:
+            return None
+        ins = tuple((known.get(a), a in producer, aval_key(a)) if isinstance(a, Var)
+                    else ("literal", a.aval.shape) for a in eq.inputs)
+        outs = tuple((tuple(demand.get(v, ())), tuple(out_demand.get(v, ())),
+                      desired.get(v), aval_key(v)) for v in eq.outputs)
+        return (skeys[i], eq.prim.name, specs[i].linear, tuple(bases[i]), ins, outs)
 
     def decide(i):
         eq, spec = program.equations[i], specs[i]
-        best, best_score = None, None
+        key = situation(i)
+        best = decided.get(key) if key is not None else None
+        if best is not None:
+            record(i, eq, spec, best)
+            return
+        best_score = None
         partials = [known[a].partial if isinstance(a, Var) and a in known else frozenset()
                     for a in eq.inputs]
         carry = any(partials)  # the spec's linear groups say where it may pass
@@ -193,11 +234,16 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
                             if c.carry == q]
             for cand, extra in options:
                 score = _eq_cost(eq, spec, cand, known, demand, mesh, model, extra,
-                                 out_demand, desired)
+                                 out_demand, desired, cache.get(spec, skeys[i], cand))
                 if best_score is None or score < best_score:
                     best, best_score = cand, score
+        if key is not None:
+            decided[key] = best
+        record(i, eq, spec, best)
+
+    def record(i, eq, spec, best):
         choice[i] = (spec, best)
-        ins, outs = candidate_shardings(spec, best)
+        ins, outs, _ = cache.get(spec, skeys[i], best)
         for a, req in zip(eq.inputs, ins):
             if isinstance(a, Var) and a not in known:
                 if a in producer:

@@ -41,6 +41,8 @@ from fshard.sharding.cost import (CostModel, compute_cost, redistribution,
 from fshard.sharding.layouts import (
     Candidate,
     Sharding,
+    SpecCache,
+    spec_key,
     after,
     as_produced,
     candidate_shardings,
@@ -206,6 +208,8 @@ class Problem:
                 self.free_unused.append(v)
             if v not in last and self.n:
                 self.dying[0].append(v)
+        self._skeys = [spec_key(sp) for sp in self.specs]
+        self._cands = SpecCache(mesh, compute_cost)
         self.base = base_candidates(program, self.specs, mesh)  # fixed layouts: one
         # Mesh axes the fixed layouts mention (for the symmetry of the others).
         self.fixed_axes = frozenset(a for sh in list(self.given.values()) + [
@@ -222,22 +226,20 @@ class Problem:
                     _permuted(seeds[v], m) for m in _axis_permutations(mesh)))
         # A lower bound of the compute still to come (a carry computes as its base).
         self.min_compute = [0.0] * (self.n + 1)
+        least: dict = {}  # (spec key, base candidates) -> least compute
         for i in reversed(range(self.n)):
-            self.min_compute[i] = self.min_compute[i + 1] + min(
-                compute_cost(self.specs[i], c, mesh) for c in self.base[i])
+            k = (self._skeys[i], tuple(self.base[i]))
+            m = least.get(k) if self._skeys[i] is not None else None
+            if m is None:
+                m = least[k] = min(self.shardings(i, c)[2] for c in self.base[i])
+            self.min_compute[i] = self.min_compute[i + 1] + m
         self._plans: dict = {}
         self._bytes: dict = {}
-        self._cands: dict = {}
         self._akeys: dict = {}
 
     def shardings(self, i: int, cand: Candidate) -> tuple:
         """``(operand layouts, output layouts, compute)`` of equation ``i`` as ``cand``."""
-        key = (i, cand)
-        out = self._cands.get(key)
-        if out is None:
-            ins, outs = candidate_shardings(self.specs[i], cand)
-            out = self._cands[key] = (ins, outs, compute_cost(self.specs[i], cand, self.mesh))
-        return out
+        return self._cands.get(self.specs[i], self._skeys[i], cand)
 
     @staticmethod
     def from_propagated(prop) -> "Problem":
@@ -336,10 +338,14 @@ class Problem:
         st.peak = st.live
         return st
 
-    def step(self, st: _State, i: int, cand: Candidate, inputs=()) -> _State | None:
+    def step(self, st: _State, i: int, cand: Candidate, inputs=(), copy: bool = True
+             ) -> _State | None:
         """The state after equation ``i`` runs as ``cand``; ``inputs`` gives the layouts
-        of the free inputs first consumed here. None if the candidate is infeasible."""
-        st = st.copy()
+        of the free inputs first consumed here. None if the candidate is infeasible.
+        ``copy=False`` updates ``st`` itself (one path: a copy per equation would make
+        its simulation quadratic in the program's length)."""
+        if copy:
+            st = st.copy()
         for x, sh in inputs:
             b = self.nbytes(x, sh)
             st.held[x] = (sh,)
@@ -395,7 +401,8 @@ class Problem:
         st = self.initial(layouts)
         for i, c in enumerate(choice):
             c = c[1] if isinstance(c, tuple) else c
-            st = self.step(st, i, c, tuple((x, layouts[x]) for x in self.free_at[i]))
+            st = self.step(st, i, c, tuple((x, layouts[x]) for x in self.free_at[i]),
+                           copy=False)
             if st is None:
                 return None
         st = self.finish(st)
@@ -449,29 +456,79 @@ class Problem:
                  tuple((x, layouts[x]) for x in self.free_at[i]))
                 for i, c in enumerate(choice)]
 
+    def added(self, st: _State, i: int, cand: Candidate, inputs=()) -> tuple | None:
+        """``(bytes sent, compute)`` that equation ``i`` as ``cand`` adds in state
+        ``st`` (what ``step`` would add, without building the new state); None if
+        infeasible."""
+        eq = self.eqs[i]
+        ins, _, flops = self.shardings(i, cand)
+        fresh = dict(inputs)
+        sent, done = 0.0, set()
+        for a, req in zip(eq.inputs, ins):
+            if isinstance(a, Literal):
+                if req.partial:
+                    return None
+                continue
+            versions = (fresh[a],) if a in fresh else st.held[a]
+            if req in versions or (a, req) in done:
+                continue
+            best = None
+            for s in versions:
+                if req.partial <= s.partial:
+                    info = self._plan(a, s, req)
+                    if best is None or info[:2] < best[:2]:
+                        best = info
+            if best is None:
+                return None
+            sent += best[0]
+            done.add((a, req))
+        return sent, flops
+
     def lazy_decisions(self) -> list:
         """The decisions that communicate as late as possible: at each equation, the one
         adding the fewest bytes now, then the most compute (whole rather than sliced:
         what is replicated stays so), no pending sum carried on. From split batches and
         whole weights this is data parallelism: each gradient reduced where it is first
         used. A second path the search keeps through its cuts, next to greedy
-        propagation's (which can miss it: it decides each value by its neighbours)."""
+        propagation's (which can miss it: it decides each value by its neighbours).
+        Linear in the program: each decision is priced without building its state."""
         st = self.initial()
         out = []
+        # The choice depends on the spec, the sizes and the layouts the operands hold
+        # only: a program repeats few such situations, each is decided once.
+        memo: dict = {}
         for i in range(self.n):
+            key = None
+            eq, fresh = self.eqs[i], self.free_at[i]
+            if self._skeys[i] is not None:
+                key = (self._skeys[i], tuple(self.base[i]), tuple(
+                    ("literal", a.aval.shape) if isinstance(a, Literal) else
+                    (fresh.index(a), a in self.multi_use, tuple(self.seed_options.get(a, ())),
+                     self._aval_key(a)) if a in fresh else
+                    (st.held[a], self._aval_key(a)) for a in eq.inputs))
+                hit = memo.get(key)
+                if hit is not None:  # (the free inputs by their place among ``fresh``)
+                    d = (hit[0], tuple((fresh[k], sh) for k, sh in hit[1]))
+                    out.append(d)
+                    if self.step(st, i, *d, copy=False) is None:
+                        return []
+                    continue
             best = None
             for d in self.decisions(st, i):
                 if d[0].carry:
                     continue
-                s2 = self.step(st, i, *d)
-                if s2 is not None:
-                    k = (s2.comm - st.comm, st.compute - s2.compute)
+                add = self.added(st, i, *d)
+                if add is not None:
+                    k = (add[0], -add[1])
                     if best is None or k < best[0]:
-                        best = (k, d, s2)
+                        best = (k, d)
             if best is None:
                 return []
             out.append(best[1])
-            st = best[2]
+            if key is not None:
+                memo[key] = (best[1][0], tuple((fresh.index(x), sh) for x, sh in best[1][1]))
+            if self.step(st, i, *best[1], copy=False) is None:
+                return []
         return out
 
     def run(self, decisions) -> list:
@@ -947,9 +1004,44 @@ def _coordinate_descent(P: Problem, decisions: list, budget: int) -> tuple[list,
     return decisions, count
 
 
-def refine(prop, budget: int = 60_000):
+def _static(prop) -> bool:
+    return all(v.aval.is_static for v in prop.program.inputs) and all(
+        v.aval.is_static for eq in prop.program.equations for v in eq.outputs)
+
+
+def cheaper_path(prop, problem: "Problem | None" = None):
+    """``prop`` or the plan that follows the inputs (``lazy_decisions``: data parallel
+    from a split batch and whole weights), whichever the objective prices lower
+    (``prop`` on a tie). Two simulations of the program: linear in its length.
+    ``fs.AutoParallel``'s ``"sharding_propagation"``: greedy propagation decides each
+    value by its neighbours and can gather activations where data parallelism needs no
+    collective but the gradients' AllReduces."""
+    if not _static(prop):
+        return prop
+    problem = problem or Problem.from_propagated(prop)
+    greedy = problem.evaluate(prop.in_shardings, prop.choice)
+    decisions = problem.lazy_decisions()
+    if not decisions:
+        return prop
+    ins, choice = problem.assignment(decisions)
+    lazy = problem.evaluate(ins, choice)
+    if lazy is None or lazy.score(prop.level, problem.model) >= greedy.score(
+            prop.level, problem.model):
+        return prop
+    return with_assignment(prop, ins, choice)
+
+
+#: Simulated equations ``refine`` may spend on the dynamic program (about 20-50 µs
+#: each): a program whose narrowest beam (4 states per equation) needs more is planned
+#: by ``cheaper_path`` alone, so planning stays linear in the program's length.
+REFINE_BUDGET = 6_000
+
+
+def refine(prop, budget: int = REFINE_BUDGET):
     """``prop`` with the choices of ``search`` (``fs.shard(..., search=True)``); ``prop``
-    itself when the shapes are symbolic or the search finds nothing better.
+    itself when the shapes are symbolic or the search finds nothing better. A program
+    too large for the dynamic program within ``budget`` simulated equations takes the
+    cheaper of greedy propagation and following the inputs (``cheaper_path``).
 
     >>> import numpy as np, fshard as fs
     >>> from fshard.sharding.propagation import propagate
@@ -959,9 +1051,11 @@ def refine(prop, budget: int = 60_000):
     >>> cost(refine(prop)).score(0) <= cost(prop).score(0)
     True
     """
-    if not all(v.aval.is_static for v in prop.program.inputs) or not all(
-            v.aval.is_static for eq in prop.program.equations for v in eq.outputs):
+    if not _static(prop):
         return prop
+    problem = Problem.from_propagated(prop)
+    if 4 * sum(len(b) for b in problem.base) > budget:
+        return cheaper_path(prop, problem)
     found = search(prop, budget=budget)
     if found.score >= cost(prop).score(prop.level):
         return prop
@@ -973,15 +1067,15 @@ def follow_inputs(prop):
     strategy: each equation takes the decision that communicates as late as possible
     (``Problem.lazy_decisions``), so from split batches and whole weights every
     unconstrained operator runs data parallel and each gradient is reduced where it is
-    first used; the given layouts and operator strategies stay. ``prop`` itself when
-    the shapes are symbolic or no such plan exists."""
-    if not all(v.aval.is_static for v in prop.program.inputs) or not all(
-            v.aval.is_static for eq in prop.program.equations for v in eq.outputs):
-        return prop
+    first used; the given layouts and operator strategies stay. None when the shapes
+    are symbolic or no such plan exists. ``prop`` needs no decisions of its own
+    (``propagation.undecided``): only its equations' specs and boundary layouts."""
+    if not _static(prop):
+        return None
     problem = Problem.from_propagated(prop)
     decisions = problem.lazy_decisions()
     if not decisions:
-        return prop
+        return None
     return with_assignment(prop, *problem.assignment(decisions))
 
 

@@ -1,0 +1,175 @@
+"""Planning: how long ``fs.AutoParallel`` takes to plan a step, and what the plan runs.
+
+For each program and parallel mode (``semi_auto``, ``sharding_propagation``,
+``recursive_programming``), on 8 virtual devices with ``dataset_strategy
+("data_parallel")`` and Adam:
+
+- **planning**: the CPU time of ``ap.partitioned(state, *batch)`` on a fresh
+  ``AutoParallel`` (tracing the step, planning every equation, partitioning; not
+  MindSpore's compile), and its wall time (which the machine's load inflates);
+- **predicted**: the plan's step time by the cost model (``ap.explain``);
+- **measured**: the compiled step's median time, every variant timed interleaved with
+  the hand-written data-parallel step (``fs.jit`` of ``fs.shard_map`` of the local
+  ``value_and_grad`` with ``fs.pmean``, plus the same update), the ratio's baseline;
+- the collectives of the per-device program.
+
+Programs: the MLP 64-512-512-10 on a batch of 256; the digits MLP 64-128-10 of
+examples/train_autoparallel.py on a batch of 64 (scikit-learn's digits); and, planning
+only, ``fs.shard(fs.value_and_grad(loss), search=True)`` of MLPs of 10, 100 and 1,000
+64x64 layers (the growth with the program's length).
+
+``python -m benchmarks --only planning [--quick]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+
+from benchmarks.harness import Result, Row, benchmark
+
+MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
+DEVICES = 8
+
+
+def _params(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {}
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        params[f"w{i}"] = (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
+        params[f"b{i}"] = np.zeros(b, np.float32)
+    return params
+
+
+def _loss(p, x, y):
+    import fshard as fs
+
+    n = len(p) // 2
+    h = x
+    for i in range(n):
+        h = h @ p[f"w{i}"] + p[f"b{i}"]
+        if i < n - 1:
+            h = fs.ops.relu(h)
+    return fs.ops.softmax_cross_entropy(h, y)
+
+
+def programs():
+    """``{name: (params, x, labels)}``."""
+    rng = np.random.default_rng(1)
+    mlp = (_params((64, 512, 512, 10)), rng.standard_normal((256, 64)).astype(np.float32),
+           rng.integers(0, 10, 256).astype(np.int32))
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    digits = (_params((64, 128, 10)), (d.data[:64] / 16.0).astype(np.float32),
+              d.target[:64].astype(np.int32))
+    return {"mlp 64-512-512-10": mlp, "digits 64-128-10": digits}
+
+
+def hand_data_parallel(params, x, labels, opt):
+    """The hand-written data-parallel step: ``(step, state)``."""
+    import mindspore as ms
+
+    import fshard as fs
+
+    mesh = fs.Mesh((DEVICES,), ("dp",))
+    dp = fs.Layout(mesh.shape, mesh.axis_names)
+
+    def local_loss(p, x, labels):
+        return fs.pmean(_loss(p, x, labels), "dp")
+
+    vg = fs.shard_map(fs.value_and_grad(local_loss),
+                      in_strategy=(None, dp("dp", "None"), dp("dp")),
+                      out_strategy=((), None), mesh=mesh)
+
+    def step(p, o, x, labels):
+        value, grads = vg(p, x, labels)
+        updates, o = opt.update(grads, o, p)
+        return fs.optim.apply_updates(p, updates), o, value
+
+    jitted = fs.jit(step)
+    p0 = {k: ms.Tensor(v) for k, v in params.items()}
+    return jitted, (p0, opt.init(p0))
+
+
+def _collectives(names) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(Counter(names).items())) or "none"
+
+
+def plan_mode(mode, params, x, labels):
+    """``(ap, state, cpu s, wall s, explanation, collectives)`` of a fresh plan."""
+    import fshard as fs
+
+    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-3), mode, mesh=DEVICES)
+    ap.dataset_strategy("data_parallel")
+    state = ap.init(params)
+    c0, t0 = time.process_time(), time.perf_counter()
+    part = ap.partitioned(state, x, labels)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    return ap, state, cpu, wall, ap.explain(state, x, labels), part.collectives()
+
+
+def deep_planning(layers: int, width: int = 64, rows: int = 256) -> tuple:
+    """``(equations, cpu s, collectives)`` of planning a ``layers``-layer MLP's
+    ``value_and_grad`` with ``fs.shard(..., search=True)`` on 8 devices."""
+    from mindspore import Tensor, ops
+
+    import fshard as fs
+
+    rng = np.random.default_rng(0)
+    ws = [Tensor((rng.standard_normal((width, width)) / 8).astype(np.float32))
+          for _ in range(layers)]
+    x = Tensor(rng.standard_normal((rows, width)).astype(np.float32))
+
+    def loss(ws, x):
+        h = x
+        for w in ws:
+            h = ops.relu(ops.matmul(h, w))
+        return h.mean()
+
+    f = fs.shard(fs.value_and_grad(loss), in_strategy=(None, (DEVICES, 1)), mesh=DEVICES,
+                 level=2, search=True)
+    c0 = time.process_time()
+    part = f.partitioned(ws, x)
+    return len(part.prop.program.equations), time.process_time() - c0, part.collectives()
+
+
+@benchmark("planning", title="AutoParallel's planning time and plans, per mode (8 virtual "
+                              "devices, data_parallel batch, Adam)")
+def planning(ctx):
+    import fshard as fs
+
+    rows, notes = [], []
+    baseline = None
+    for name, (params, x, labels) in programs().items():
+        fns, info = {}, {}
+        step, hstate = hand_data_parallel(params, x, labels, fs.optim.adam(1e-3))
+        fns["hand"] = lambda step=step, s=hstate: step(*s, x, labels)[2].asnumpy()
+        for mode in MODES:
+            ap, state, cpu, wall, e, colls = plan_mode(mode, params, x, labels)
+            info[mode] = (cpu, wall, e, colls)
+            fns[mode] = lambda ap=ap, state=state: ap(state, x, labels)[1].asnumpy()
+        t = ctx.compare(fns, runs=ctx.runs(40, 6), rounds=ctx.runs(4, 2))
+        label = f"{name}: hand-written data parallel"
+        baseline = baseline or label
+        rows.append(Row("fshard", label, t["hand"]["median_s"], t["hand"]["min_s"],
+                        t["hand"]["runs"], "fs.jit(fs.shard_map(value_and_grad)), 7 psum"
+                        if "512" in name else "fs.jit(fs.shard_map(value_and_grad))"))
+        for mode in MODES:
+            cpu, wall, e, colls = info[mode]
+            ratio = t[mode]["median_s"] / t["hand"]["median_s"]
+            note = (f"planning {cpu:.3f} s CPU ({wall:.3f} s wall), predicted "
+                    f"{e.total_s * 1e3:.2f} ms, {_collectives(colls)}, "
+                    f"{ratio:.2f}x the hand-written step")
+            rows.append(Row("fshard", f"{name}: {mode}", t[mode]["median_s"],
+                            t[mode]["min_s"], t[mode]["runs"], note))
+            notes.append(f"{name}: {mode}: {note}")
+    for layers in (10, 100) if ctx.quick else (10, 100, 1000):
+        n, cpu, colls = deep_planning(layers)
+        notes.append(f"{layers}-layer MLP value_and_grad ({n} equations), fs.shard "
+                     f"search=True: planning {cpu:.3f} s CPU, {_collectives(colls)}")
+    return Result(rows=rows, baseline=baseline, notes=notes,
+                  target="planning <= 0.3 s for the MLPs, <= 1 s for 100 layers, linear "
+                         "in the layers; each mode's step <= 1.05x the hand-written one")

@@ -50,11 +50,6 @@ PENDING = {
         'parallel_net.enable_gradients_mean()': "refused (fshard's gradients are global)",
         'parallel_net.disable_loss_repeated_mean()': "refused",
     },
-    "seed_003_dynamic_shape.py": {
-        "net.set_inputs(input_dyn)": "the Symbol s0 shared by the input and the label "
-        "becomes two symbols, which the loss cannot prove equal",
-        "loss_fn.set_inputs(input_dyn, label_dyn)": "(the same)",
-    },
 }
 
 
@@ -115,17 +110,13 @@ def test_seed_001_model_train_on_the_virtual_mesh(tmp_path, data_path):
     assert losses[-1][2] < losses[0][2]
 
 
-@pytest.mark.xfail(strict=True, reason="seed 003's shared Symbol in set_inputs (PENDING)")
-def test_seed_003_as_written_on_the_virtual_mesh(tmp_path, data_path):
-    _run_virtual(_script("seed_003_dynamic_shape.py", tmp_path, virtual=True,
-                         without_pending=False), 8, data_path)
-
-
 def test_seed_003_model_train_on_the_virtual_mesh(tmp_path, data_path):
-    """The seed's Primitive strategies on 8 devices, SoftmaxCrossEntropyWithLogits(True)
-    (reduction "none") and nn.SGD, trained by Model for 5 epochs."""
+    """Seed 003 as written: its set_inputs with the Symbol s0 shared by the input and
+    the label (unique=False), the Primitive strategies on 8 devices,
+    SoftmaxCrossEntropyWithLogits(True) (reduction "none") and nn.SGD, trained by
+    Model for 5 epochs."""
     out = _run_virtual(_script("seed_003_dynamic_shape.py", tmp_path, virtual=True,
-                               without_pending=True), 8, data_path)
+                               without_pending=False), 8, data_path)
     losses = _losses(out)
     assert [e for e, _, _ in losses] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert losses[-1][2] < losses[0][2]

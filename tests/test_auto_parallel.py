@@ -295,8 +295,6 @@ def test_param_strategy_file_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda ap: ap.enable_gradients_mean(), "already those of the whole batch"),
-    (lambda ap: ap.disable_loss_repeated_mean(), "no repeated mean"),
     (lambda ap: ap.dump_local_norm(3), "directory path"),
     (lambda ap: ap.hsdp(optimizer_level="level4"), "optimizer_level"),
     (lambda ap: ap.hsdp(threshold=-1), "threshold"),

@@ -47,8 +47,6 @@ PENDING = {
         'parallel_net.enable_fp32_communication()':
             "fp32 communication is refused with a pipeline",
         'parallel_net.enable_device_local_norm()': "no such knob",
-        'parallel_net.enable_gradients_mean()': "refused (fshard's gradients are global)",
-        'parallel_net.disable_loss_repeated_mean()': "refused",
     },
 }
 

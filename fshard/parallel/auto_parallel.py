@@ -31,8 +31,9 @@ it to ``fs.jit(fs.shard(step, ...))``:
   (``fshard.passes.fuse_allreduces``).
 
 fshard differentiates the global loss, so gradients are exact whatever the layouts:
-there is no per-device loss to average (``enable_gradients_mean`` is refused, with
-the reason). The seed's knobs that only configure Ascend's graph compiler raise an
+there is no per-device loss to average (``enable_gradients_mean`` and
+``disable_loss_repeated_mean`` are accepted: MindSpore's results with them are fshard's
+gradients). The seed's knobs that only configure Ascend's graph compiler raise an
 error that says so; none is accepted and ignored.
 """
 
@@ -378,17 +379,18 @@ class AutoParallel:
         self._steps.clear()
         return self
 
-    def enable_gradients_mean(self):
-        _refuse("enable_gradients_mean",
-                "fshard differentiates the global loss, so the gradients are already those "
-                "of the whole batch (a mean if the loss is a mean); averaging per-device "
-                "gradients again would divide them by the device count.\nFix: remove the "
-                "call; write the loss as a mean over the batch.")
+    def enable_gradients_mean(self) -> "AutoParallel":
+        """Accepted: MindSpore then averages the per-device gradients, which gives the
+        gradients of the whole batch's mean loss; fshard differentiates the global loss,
+        so its gradients are those already (a mean if the loss is a mean)."""
+        return self
 
-    def disable_loss_repeated_mean(self):
-        _refuse("disable_loss_repeated_mean",
-                "fshard returns the global loss, computed once; there is no repeated mean "
-                "to disable.\nFix: remove the call.")
+    def disable_loss_repeated_mean(self) -> "AutoParallel":
+        """Accepted: MindSpore then stops dividing the gradients of a loss computed
+        repeatedly (on several devices of a model-parallel group) by the repeat count;
+        fshard computes the global loss once, so its gradients are the whole batch's
+        either way."""
+        return self
 
     def enable_fp32_communication(self) -> "AutoParallel":
         """Reduce collectives (AllReduce, ReduceScatter) of float16 values run in

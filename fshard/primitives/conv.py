@@ -377,53 +377,74 @@ batching.set(conv2d_filter_grad_p, _filter_grad_batching)
 # when groups > 1: a block of channels holds whole groups); spatial dims stay whole.
 
 
-def _local_groups(w_cg: int):
-    """Per-device params: groups from the local channel count (blocks of whole groups),
-    shapes from the local output."""
-    def rule(params, local_in, local_out):
-        out = dict(params)
-        if "input_shape" in params:  # conv2d_input_grad: the output holds the inputs
-            out["input_shape"] = tuple(local_out[0].shape)
-            out["groups"] = local_out[0].shape[1] // w_cg
-        else:  # conv2d, conv2d_filter_grad: operand 0 holds the inputs
-            out["groups"] = local_in[0].shape[1] // w_cg
-            if "kernel_shape" in params:
-                out["kernel_shape"] = tuple(local_out[0].shape)
-        return out
-
-    return rule
+def _local_params(params, local_in, local_out):
+    """The per-device equation's groups (a block of channels holds whole groups: its
+    channel count over the weight's channels per group) and shape parameters."""
+    out = dict(params)
+    if "input_shape" in params:  # conv2d_input_grad (ct, w) -> dx
+        out["input_shape"] = tuple(local_out[0].shape)
+        out["groups"] = local_out[0].shape[1] // local_in[1].shape[1]
+    elif "kernel_shape" in params:  # conv2d_filter_grad (x, ct) -> dw
+        out["kernel_shape"] = tuple(local_out[0].shape)
+        out["groups"] = local_in[0].shape[1] // local_out[0].shape[1]
+    else:  # conv2d (x, w) -> y
+        out["groups"] = local_in[0].shape[1] // local_in[1].shape[1]
+    return out
 
 
 def _labels(groups):
     return ("g", "g", None) if groups > 1 else ("c", "o", "c")
 
 
-def _conv_sharding(x, w, *, groups, **p):
+def _tiles(n, k, stride, lo, hi, dilation=1):
+    """Whether the windows along a dim tile it (kernel == stride, whole windows, no
+    padding the windows reach): a block of whole windows then pools or convolves on
+    its own."""
+    return k == stride and lo == 0 and hi < k and n % k == 0 and (dilation == 1 or k == 1)
+
+
+def _spatial(x_shape, kernel, stride, padding, dilation=(1, 1)):
+    """Labels and sizes (in windows) of the spatial dims that tile, else None."""
+    labels, sizes = [], {}
+    for d in range(2):
+        n = x_shape[2 + d]
+        if _tiles(n, kernel[d], stride[d], *padding[d], dilation[d]):
+            labels.append(f"s{d}")
+            sizes[f"s{d}"] = n // kernel[d]
+        else:
+            labels.append(None)
+    return tuple(labels), sizes
+
+
+def _conv_sharding(x, w, *, groups, stride, padding, dilation):
     xc, oc, wc = _labels(groups)
-    y = _conv_out_shape(x.shape, w.shape, p["stride"], p["padding"], p["dilation"])
-    sizes = {"n": x.shape[0], "o": w.shape[0], "c": x.shape[1], "g": groups}
-    return FactorSpec([("n", xc, None, None), (oc, wc, None, None)], [("n", oc, None, None)],
+    y = _conv_out_shape(x.shape, w.shape, stride, padding, dilation)
+    sp, sizes = _spatial(x.shape, w.shape[2:], stride, padding, dilation)
+    sizes.update({"n": x.shape[0], "o": w.shape[0], "c": x.shape[1], "g": groups})
+    return FactorSpec([("n", xc) + sp, (oc, wc, None, None)], [("n", oc) + sp],
                       sizes, reduce=frozenset({"c"} if groups == 1 else ()),
                       flops_per_point=2.0 * y[2] * y[3] * w.shape[2] * w.shape[3],
-                      local_params=_local_groups(w.shape[1]), linear=((0,), (1,)))
+                      local_params=_local_params, linear=((0,), (1,)))
 
 
-def _input_grad_sharding(ct, w, *, groups, input_shape, **p):
+def _input_grad_sharding(ct, w, *, groups, input_shape, stride, padding, dilation):
     xc, oc, wc = _labels(groups)
-    sizes = {"n": ct.shape[0], "o": w.shape[0], "c": input_shape[1], "g": groups}
-    return FactorSpec([("n", oc, None, None), (oc, wc, None, None)], [("n", xc, None, None)],
+    sp, sizes = _spatial(input_shape, w.shape[2:], stride, padding, dilation)
+    sizes.update({"n": ct.shape[0], "o": w.shape[0], "c": input_shape[1], "g": groups})
+    return FactorSpec([("n", oc) + sp, (oc, wc, None, None)], [("n", xc) + sp],
                       sizes, reduce=frozenset({"o"} if groups == 1 else ()),
                       flops_per_point=2.0 * ct.shape[2] * ct.shape[3] * w.shape[2] * w.shape[3],
-                      local_params=_local_groups(w.shape[1]), linear=((0,), (1,)))
+                      local_params=_local_params, linear=((0,), (1,)))
 
 
-def _filter_grad_sharding(x, ct, *, groups, kernel_shape, **p):
+def _filter_grad_sharding(x, ct, *, groups, kernel_shape, stride, padding, dilation):
     xc, oc, wc = _labels(groups)
-    sizes = {"n": x.shape[0], "o": kernel_shape[0], "c": x.shape[1], "g": groups}
-    return FactorSpec([("n", xc, None, None), ("n", oc, None, None)], [(oc, wc, None, None)],
-                      sizes, reduce=frozenset({"n"}),
+    sp, sizes = _spatial(x.shape, kernel_shape[2:], stride, padding, dilation)
+    sizes.update({"n": x.shape[0], "o": kernel_shape[0], "c": x.shape[1], "g": groups})
+    return FactorSpec([("n", xc) + sp, ("n", oc) + sp], [(oc, wc, None, None)],
+                      sizes, reduce=frozenset({"n"} | {lab for lab in sp if lab}),
                       flops_per_point=2.0 * ct.shape[2] * ct.shape[3] * kernel_shape[2]
-                      * kernel_shape[3], local_params=_local_groups(kernel_shape[1]),
+                      * kernel_shape[3], local_params=_local_params,
                       linear=((0,), (1,)))
 
 
@@ -529,10 +550,17 @@ def _pool_batching(prim):
 
 
 def _pool_sharding(n_out=1, linear=None):
+    """N and C split; a spatial dim whose windows tile it splits too. (The argmax's
+    flat indices are per plane: a spatial split would make them block-local, so
+    max_pool2d_argmax keeps its spatial dims whole.)"""
     def rule(x, **p):
-        lab = ("n", "c", None, None)
         k = p["kernel"]
-        return FactorSpec([lab], [lab] * n_out, {"n": x.shape[0], "c": x.shape[1]},
+        sp, sizes = _spatial(x.shape, k, p["stride"], p["padding"])
+        if n_out > 1:
+            sp, sizes = (None, None), {}
+        lab = ("n", "c") + sp
+        sizes.update({"n": x.shape[0], "c": x.shape[1]})
+        return FactorSpec([lab], [lab] * n_out, sizes,
                           flops_per_point=float(k[0] * k[1] * x.shape[2] * x.shape[3]),
                           linear=linear)
 

@@ -767,6 +767,35 @@ def conv1d(x: Float[Array, "n c l"], weight: Float[Array, "o c_g k"], bias=None,
     return reshape(y, (s[0], s[1], s[3]))
 
 
+def conv2d_input_grad(dout: Float[Array, "n o ho wo"], weight: Float[Array, "o c_g kh kw"],
+                      input_shape, stride=1, padding=0, dilation=1,
+                      groups: int = 1) -> Float[Array, "n c h w"]:
+    """The gradient of ``conv2d(x, weight, ...)`` with respect to an ``x`` of shape
+    ``input_shape``, given the output's cotangent ``dout`` (MindSpore's
+    ``Conv2DBackpropInput`` and ``Conv2DTranspose``; ``padding`` as in ``conv2d``, 'same'
+    relative to ``input_shape``)."""
+    _check_image(dout, weight, "conv2d_input_grad")
+    _same_dtype(dout, weight, "conv2d_input_grad")
+    shape = tuple(int(d) for d in input_shape)
+    ws = typeof(weight).shape
+    if len(shape) != 4:
+        raise ArgumentError(f"conv2d_input_grad: input_shape must be (N, C, H, W), got "
+                            f"{input_shape!r}.")
+    _check_groups("conv2d_input_grad", shape[1], ws, groups, 1)
+    stride = _positive_pair(stride, "conv2d_input_grad(stride=...)")
+    dilation = _positive_pair(dilation, "conv2d_input_grad(dilation=...)")
+    pads = _padding(padding, shape[2:], ws[2:], stride, dilation,
+                    "conv2d_input_grad(padding=...)")
+    want = _conv_out_shape(shape, ws, stride, pads, dilation)
+    if tuple(typeof(dout).shape) != want:
+        raise ShapeError(
+            f"conv2d_input_grad: dout has shape {tuple(typeof(dout).shape)}, but the "
+            f"convolution of an input of shape {shape} with weight {tuple(ws)} (stride "
+            f"{stride}, padding {pads}, dilation {dilation}) has shape {want}.")
+    return _input_grad(dout, weight, shape, stride=stride, padding=pads, dilation=dilation,
+                       groups=int(groups))
+
+
 def conv_transpose2d(x: Float[Array, "n c h w"], weight: Float[Array, "c o_g kh kw"],
                      bias=None, stride=1, padding=0, output_padding=0, groups: int = 1,
                      dilation=1) -> Float[Array, "n o ho wo"]:

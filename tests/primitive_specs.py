@@ -326,6 +326,20 @@ POOL_CASES = [
 ]
 
 
+# (values shape, index shape): the index reads any position of its plane, repeats included
+PLANE_CASES = [((2, 3, 4, 5), (2, 3, 2, 3)), ((1, 1, 3, 3), (1, 1, 2, 2)), ((4, 2, 3, 3), (4, 2, 4, 1))]
+
+
+def _pool_gather(rng, dt):
+    return [Sample((values(rng, vs, dt), rng.integers(0, vs[2] * vs[3], ish).astype(I32)))
+            for vs, ish in PLANE_CASES]
+
+
+def _pool_scatter(rng, dt):
+    return [Sample((values(rng, ish, dt), rng.integers(0, vs[2] * vs[3], ish).astype(I32)),
+                   {"plane": vs[2:]}) for vs, ish in PLANE_CASES]
+
+
 def _pool(rng, dt):
     return [Sample((values(rng, xs, dt),), {"kernel": k, "stride": s, "padding": p})
             for xs, k, s, p in POOL_CASES]
@@ -1397,6 +1411,10 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(CV.max_pool2d_p, _pool, (F32,), **THOROUGH),
         PrimitiveSpec(CV.max_pool2d_argmax_p, _pool, (F32,), **THOROUGH),
         PrimitiveSpec(CV.avg_pool2d_p, _pool, (F32,), linear_groups=((0,),), **THOROUGH),
+        PrimitiveSpec(CV.pool_gather_p, _pool_gather, (F32,), linear_groups=((0,),),
+                      **THOROUGH),
+        PrimitiveSpec(CV.pool_scatter_p, _pool_scatter, (F32,), linear_groups=((0,),),
+                      **THOROUGH),
         PrimitiveSpec(E.add_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.sub_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.mul_p, binary(), NUMERIC, (0, 1), ((0,), (1,))),

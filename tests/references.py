@@ -395,6 +395,20 @@ def max_pool2d_argmax(x, *, kernel, stride, padding):
     return [win.max((-2, -1)).astype(x.dtype), (rows * xp.shape[3] + cols).astype(np.int32)]
 
 
+def pool_gather(t, idx):
+    n, c = t.shape[:2]
+    return np.take_along_axis(t.reshape(n, c, -1), idx.reshape(n, c, -1), 2).reshape(idx.shape)
+
+
+def pool_scatter(ct, idx, *, plane):
+    n, c = ct.shape[:2]
+    out = np.zeros((n, c, plane[0] * plane[1]), ct.dtype)
+    for i in range(n):
+        for j in range(c):
+            np.add.at(out[i, j], idx[i, j].ravel(), ct[i, j].ravel())
+    return out.reshape((n, c) + tuple(plane))
+
+
 def avg_pool2d(x, *, kernel, stride, padding):
     return _pool_windows(x, kernel, stride, padding, 0.0)[1].mean((-2, -1)).astype(x.dtype)
 
@@ -406,6 +420,8 @@ REFERENCES = {
     "max_pool2d": max_pool2d,
     "max_pool2d_argmax": max_pool2d_argmax,
     "avg_pool2d": avg_pool2d,
+    "pool_gather": pool_gather,
+    "pool_scatter": pool_scatter,
     # elementwise
     "neg": np.negative,
     "exp": np.exp,

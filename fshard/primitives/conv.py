@@ -45,7 +45,7 @@ from fshard.primitives.base import (Zero, add_tangents, batch_to_front, def_prim
 from fshard.primitives.elementwise import add, floor_divide, mul, remainder, sub
 from fshard.primitives.nn import bias_add
 from fshard.primitives.reductions import mean
-from fshard.primitives.structural import concat, gather_p, pad, slice_array
+from fshard.primitives.structural import concat, pad, slice_array
 from fshard.rules import batching, jvp, sharding, transpose, unsupported
 
 FAMILY = "conv"
@@ -567,16 +567,98 @@ def _pool_sharding(n_out=1, linear=None):
     return rule
 
 
+# pool_gather (t, idx) -> t at idx in each (n, c) plane, and its transpose pool_scatter
+# (ct, idx) -> ct added at idx into zero planes: the max pool's derivative, per plane,
+# so a batch or channel split stays split (a gather from the flattened array would
+# gather every block first).
+
+
+def _ms_pool_gather(t, idx):
+    n, c, hp, wp = t.shape
+    ho, wo = idx.shape[2], idx.shape[3]
+    out = ops.gather_elements(ops.reshape(t, (n, c, hp * wp)), 2,
+                              ops.reshape(idx, (n, c, ho * wo)))
+    return ops.reshape(out, (n, c, ho, wo))
+
+
+def _ms_pool_scatter(ct, idx, plane):
+    n, c, ho, wo = ct.shape
+    zeros = ops.zeros((n, c, plane[0] * plane[1]), ct.dtype)
+    out = ops.tensor_scatter_elements(zeros, ops.reshape(idx, (n, c, ho * wo)),
+                                      ops.reshape(ct, (n, c, ho * wo)), 2, "add")
+    return ops.reshape(out, (n, c, plane[0], plane[1]))
+
+
+def _check_pool_index(name, v, idx):
+    if v.ndim != 4 or idx.ndim != 4 or tuple(v.shape[:2]) != tuple(idx.shape[:2]) or \
+            idx.dtype != dtypes.int32 or not dtypes.is_float(v.dtype):
+        raise ProgramTypeError(f"{name} needs float (N, C, H, W) values and int32 (N, C, h, "
+                               f"w) indices, got {v} and {idx}")
+
+
+def _pool_gather_type(t, idx):
+    _check_pool_index("pool_gather", t, idx)
+    return ArrayType(tuple(idx.shape), t.dtype)
+
+
+def _pool_scatter_type(ct, idx, *, plane):
+    _check_pool_index("pool_scatter", ct, idx)
+    if tuple(ct.shape) != tuple(idx.shape):
+        raise ProgramTypeError(f"pool_scatter needs values and indices of one shape, got "
+                               f"{ct} and {idx}")
+    return ArrayType(tuple(ct.shape[:2]) + tuple(plane), ct.dtype)
+
+
+pool_gather_p = def_primitive("pool_gather", FAMILY, _pool_gather_type, _ms_pool_gather)
+pool_scatter_p = def_primitive("pool_scatter", FAMILY, _pool_scatter_type, _ms_pool_scatter)
+
+
+def _planes_batching(prim):
+    """Fold the mapped axis into N (an unmapped operand is broadcast first)."""
+    def rule(args, dims, **p):
+        size = _size(args, dims)
+        folded = [_fold_n(batch_to_front(a, d, size), 0)[0] for a, d in zip(args, dims)]
+        return [_unfold_n(prim.bind(*folded, **p), size)], [0]
+
+    return rule
+
+
+def _planes_sharding(scatter: bool):
+    """N and C split; so do the index's positions (each reads, or adds into, the whole
+    plane: a scatter's split leaves the planes a pending sum)."""
+    def rule(v, idx, **p):
+        sizes = {"n": idx.shape[0], "c": idx.shape[1], "h": idx.shape[2], "w": idx.shape[3]}
+        plane, at = ("n", "c", None, None), ("n", "c", "h", "w")
+        return FactorSpec([at if scatter else plane, at], [plane if scatter else at], sizes,
+                          reduce=frozenset({"h", "w"} if scatter else ()),
+                          flops_per_point=0.0, linear=((0,),))
+
+    return rule
+
+
+batching.set(pool_gather_p, _planes_batching(pool_gather_p))
+batching.set(pool_scatter_p, _planes_batching(pool_scatter_p))
+sharding.set(pool_gather_p, _planes_sharding(False))
+sharding.set(pool_scatter_p, _planes_sharding(True))
+jvp.set(pool_gather_p, lambda primals, tangents: (
+    [pool_gather_p.bind(*primals)],
+    [Zero(ArrayType(typeof(primals[1]).shape, typeof(primals[0]).dtype))
+     if isinstance(tangents[0], Zero) else pool_gather_p.bind(tangents[0], primals[1])]))
+jvp.set(pool_scatter_p, lambda primals, tangents, *, plane: (
+    [pool_scatter_p.bind(*primals, plane=plane)],
+    [Zero(typeof(pool_scatter_p.bind(*primals, plane=plane))) if isinstance(tangents[0], Zero)
+     else pool_scatter_p.bind(tangents[0], primals[1], plane=plane)]))
+transpose.set(pool_gather_p, lambda ct, t, idx: [
+    pool_scatter_p.bind(instantiate(ct), idx, plane=tuple(t.aval.shape[2:])), None])
+transpose.set(pool_scatter_p, lambda ct, c, idx, *, plane: [
+    pool_gather_p.bind(instantiate(ct), idx), None])
+
+
 def _gather_at_argmax(t, idx, padding):
-    """``t`` (N, C, H, W) zero-padded and read at each (N, C) plane's flat ``idx``: the
-    tangent of the max at the position it came from (linear in t: a gather)."""
+    """``t`` zero-padded, read where each window's max came from: the max's tangent."""
     t = pad(instantiate(t), (0, 0, padding[0][0], padding[1][0]),
             (0, 0, padding[0][1], padding[1][1]))
-    n, c, hp, wp = typeof(t).shape
-    planes = (np.arange(n * c, dtype=np.int32) * (hp * wp)).reshape(n, c, 1, 1)
-    shape = typeof(idx).shape
-    flat = add(idx, np.broadcast_to(planes, shape).astype(np.int32))
-    return gather_p.bind(reshape(t, (n * c * hp * wp,)), flat, axis=0)
+    return pool_gather_p.bind(t, idx)
 
 
 def _max_pool_argmax_jvp(primals, tangents, *, padding, **p):

@@ -24,8 +24,8 @@ import numpy as np
 from mindspore import ops
 
 import fshard as fs
-from fshard import interop
 from benchmarks.harness import Result, benchmark, row
+from fshard import interop
 
 #: the MindSpore primitives the native conv family converts
 NATIVE = ("Conv2D", "Conv2DTranspose", "Conv2DBackpropInput", "MaxPool", "MaxPoolWithArgmaxV2",
@@ -87,9 +87,9 @@ def _three_ways(ctx, make_fs, make_ms, args, runs):
 
 
 def _notes(firsts) -> list:
-    return [f"first call (trace + compile + run), measured once: native "
-            f"{firsts['native']:.2f} s, generic path {firsts['generic']:.2f} s, "
-            f"mindspore.jit {firsts['ms']:.2f} s"]
+    return [(f"first call (trace + compile + run), measured once: native "
+             f"{firsts['native']:.2f} s, generic path {firsts['generic']:.2f} s, "
+             f"mindspore.jit {firsts['ms']:.2f} s")]
 
 
 @benchmark("cnn_step", title="a CNN's weight gradients: native conv/pool vs the generic path")
@@ -98,7 +98,7 @@ def cnn_step(ctx):
     args = (*params, x, y)
     t, firsts = _three_ways(
         ctx, lambda: fs.jit(fs.grad(cnn_loss, argnums=(0, 1, 2))),
-        lambda: ms.jit(ms.grad(cnn_loss, grad_position=(0, 1, 2))), args, ctx.runs(100, 10))
+        lambda: ms.jit(ms.grad(cnn_loss, grad_position=(0, 1, 2))), args, ctx.runs(30, 6))
     rows = [row("fshard", "fs.jit(fs.grad(loss)), native conv and pools", t["native"]),
             row("fshard", "fs.jit(fs.grad(loss)), generic path", t["generic"]),
             row("mindspore", "mindspore.jit(mindspore.grad(loss))", t["ms"])]
@@ -126,7 +126,7 @@ def resnet18_step(ctx):
         return (net(x) ** 2).sum()
 
     t, firsts = _three_ways(ctx, lambda: fs.jit(fs.value_and_grad(loss)),
-                            lambda: ms.jit(ms.value_and_grad(loss)), (x,), ctx.runs(50, 5))
+                            lambda: ms.jit(ms.value_and_grad(loss)), (x,), ctx.runs(12, 3))
     rows = [row("fshard", "fs.jit(fs.value_and_grad(loss)), native conv and pools",
                 t["native"]),
             row("fshard", "fs.jit(fs.value_and_grad(loss)), generic path", t["generic"]),

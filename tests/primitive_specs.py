@@ -327,7 +327,8 @@ POOL_CASES = [
 
 
 # (values shape, index shape): the index reads any position of its plane, repeats included
-PLANE_CASES = [((2, 3, 4, 5), (2, 3, 2, 3)), ((1, 1, 3, 3), (1, 1, 2, 2)), ((4, 2, 3, 3), (4, 2, 4, 1))]
+PLANE_CASES = [((2, 3, 4, 5), (2, 3, 2, 3)), ((1, 1, 3, 3), (1, 1, 2, 2)),
+               ((4, 2, 3, 3), (4, 2, 4, 1))]
 
 
 def _pool_gather(rng, dt):

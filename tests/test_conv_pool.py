@@ -120,7 +120,9 @@ def test_weight_gradients_equal_mindspore():
 
 
 def test_forward_mode_equals_reverse_mode():
-    f = lambda x: ops.max_pool2d(ops.relu(ops.conv2d(x, W, pad_mode="pad", padding=1)), 2)  # noqa: E731
+    def f(x):
+        return ops.max_pool2d(ops.relu(ops.conv2d(x, W, pad_mode="pad", padding=1)), 2)
+
     t = _t(*X.shape)
     _, tan = fs.jvp(f, (X,), (t,))
     ct = _t(*tan.shape)
@@ -140,7 +142,9 @@ def _vmapped_equations(f, *xs, in_axes=0):
 
 def test_vmap_over_images_folds_into_the_batch():
     xs = _t(3, 2, 4, 9, 8)
-    f = lambda x: ops.avg_pool2d(ops.max_pool2d(ops.conv2d(x, W, pad_mode="same"), 2), 2)  # noqa: E731
+    def f(x):
+        return ops.avg_pool2d(ops.max_pool2d(ops.conv2d(x, W, pad_mode="same"), 2), 2)
+
     names = _vmapped_equations(f, xs)
     assert names.count("conv2d") == 1 and "while" not in names
     want = np.stack([f(xs[i]).asnumpy() for i in range(3)])
@@ -158,7 +162,9 @@ def test_vmap_over_weights_folds_into_groups():
 
 def test_vmap_over_images_and_weights_at_other_axes():
     xs, ws = _t(2, 4, 9, 8, 3), _t(4, 3, 6, 3, 3)
-    f = lambda x, w: fs.ops.conv_transpose2d(x, w, stride=2, padding=1, output_padding=1)  # noqa: E731
+    def f(x, w):
+        return fs.ops.conv_transpose2d(x, w, stride=2, padding=1, output_padding=1)
+
     got = fs.jit(fs.vmap(f, in_axes=(4, 1)))(xs, ws).asnumpy()
     want = np.stack([f(xs[..., i], ws[:, i]).asnumpy() for i in range(3)])
     _close(got, want)

@@ -19,13 +19,14 @@ groups): never a loop.
 
 Sharding: the batch (N) and the output channels split with no communication; the
 input channels are a summed factor (a split leaves a pending sum, then a psum). With
-groups > 1 the groups split instead. Spatial dims stay whole.
+groups > 1 the groups split instead. A spatial dim splits only where the windows tile
+it (kernel == stride, no padding); otherwise it stays whole.
 
 Pools: ``max_pool2d`` (MaxPool on a -inf padded input), ``max_pool2d_argmax`` (the
 values and where they came from, MaxPoolWithArgmaxV2: the JVP gathers the tangent
-there, so reverse mode is a scatter-add) and ``avg_pool2d`` (the window sums of a
-zero-padded input over the window size, AvgPool; linear, transposed by a depthwise
-``conv2d_input_grad`` of ones). N and C split; spatial dims stay whole.
+there with ``pool_gather``, whose transpose ``pool_scatter`` adds back, per plane) and
+``avg_pool2d`` (the window sums of a zero-padded input over the window size, AvgPool;
+linear, transposed by a depthwise ``conv2d_input_grad`` of ones). N and C split.
 """
 
 from __future__ import annotations
@@ -36,12 +37,22 @@ from mindspore import ops
 from mindspore.ops.operations import _grad_ops
 
 from fshard import dtypes
-from fshard.core import ArrayType, typeof
 from fshard.array_types import Array, Float
+from fshard.core import ArrayType, typeof
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
 from fshard.factors import FactorSpec
-from fshard.primitives.base import (Zero, add_tangents, batch_to_front, def_primitive, deflinear, full,
-                                    instantiate, is_undefined, move_axis, reshape)
+from fshard.primitives.base import (
+    Zero,
+    add_tangents,
+    batch_to_front,
+    def_primitive,
+    deflinear,
+    full,
+    instantiate,
+    is_undefined,
+    move_axis,
+    reshape,
+)
 from fshard.primitives.elementwise import add, floor_divide, mul, remainder, sub
 from fshard.primitives.nn import bias_add
 from fshard.primitives.reductions import mean
@@ -100,10 +111,6 @@ def _check_conv(name, x_shape, w_shape, stride, padding, dilation, groups):
 # ---------------------------------------------------------------------------
 
 
-def _ms_pads(padding):
-    return (padding[0][0], padding[0][1], padding[1][0], padding[1][1])
-
-
 def _ms_conv(x, w, stride, padding, dilation, groups):
     p = (padding[0][0], padding[0][1], padding[1][0], padding[1][1])
     return ops.Conv2D(w.shape[0], (w.shape[2], w.shape[3]), pad_mode="pad", pad=p,
@@ -132,7 +139,7 @@ def _patch(xp, i, j, ho, wo, stride, dilation):
 
 
 def _ms_conv_f64(x, w, stride, padding, dilation, groups):
-    n, c = x.shape[0], x.shape[1]
+    n = x.shape[0]
     o, cg, kh, kw = w.shape
     xp = ops.pad(x, (padding[1][0], padding[1][1], padding[0][0], padding[0][1]))
     ho = (xp.shape[2] - dilation[0] * (kh - 1) - 1) // stride[0] + 1

@@ -647,14 +647,19 @@ batching.set(pool_gather_p, _planes_batching(pool_gather_p))
 batching.set(pool_scatter_p, _planes_batching(pool_scatter_p))
 sharding.set(pool_gather_p, _planes_sharding(False))
 sharding.set(pool_scatter_p, _planes_sharding(True))
-jvp.set(pool_gather_p, lambda primals, tangents: (
-    [pool_gather_p.bind(*primals)],
-    [Zero(ArrayType(typeof(primals[1]).shape, typeof(primals[0]).dtype))
-     if isinstance(tangents[0], Zero) else pool_gather_p.bind(tangents[0], primals[1])]))
-jvp.set(pool_scatter_p, lambda primals, tangents, *, plane: (
-    [pool_scatter_p.bind(*primals, plane=plane)],
-    [Zero(typeof(pool_scatter_p.bind(*primals, plane=plane))) if isinstance(tangents[0], Zero)
-     else pool_scatter_p.bind(tangents[0], primals[1], plane=plane)]))
+def _linear_in_values(prim):
+    """JVP of a primitive linear in its values (operand 0), its indices fixed."""
+    def rule(primals, tangents, **p):
+        ans = prim.bind(*primals, **p)
+        t = tangents[0]
+        return [ans], [Zero(typeof(ans)) if isinstance(t, Zero)
+                       else prim.bind(t, primals[1], **p)]
+
+    return rule
+
+
+jvp.set(pool_gather_p, _linear_in_values(pool_gather_p))
+jvp.set(pool_scatter_p, _linear_in_values(pool_scatter_p))
 transpose.set(pool_gather_p, lambda ct, t, idx: [
     pool_scatter_p.bind(instantiate(ct), idx, plane=tuple(t.aval.shape[2:])), None])
 transpose.set(pool_scatter_p, lambda ct, c, idx, *, plane: [

@@ -46,6 +46,7 @@ from fshard.debug import debug_callback_p
 from fshard.interpret import walk
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.primitives import collectives as C
+from fshard.primitives.conv import same_padding
 from fshard.primitives.generic import ms_call
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.primitives.remat import nothing_saveable, remat_call
@@ -820,6 +821,145 @@ def _narrow(prim, x, dim, start, length):
 @converts("Dense")
 def _dense(prim, x, w, b=None):
     return fo.dense(x, w, b)
+
+
+# -- convolutions and pools (fshard.primitives.conv); a configuration the native ops
+# do not cover (NHWC, a dilated max pool, a pooled depth) takes the generic path ------
+
+_PAD_MODES = {0: "pad", 1: "same", 2: "valid"}  # MindSpore's PadMode enum
+
+
+def _pad_mode(prim) -> str:
+    m = _attr(prim, "pad_mode", "valid")
+    return _PAD_MODES.get(m, m) if not isinstance(m, str) else m.lower()
+
+
+def _hw(v) -> tuple:
+    """A MindSpore (h, w) attribute given as an int, (h, w) or (1, 1, h, w)."""
+    if isinstance(v, (int, np.integer)):
+        return (int(v), int(v))
+    return tuple(int(e) for e in tuple(v)[-2:])
+
+
+def _nchw(prim) -> bool:
+    return _attr(prim, "data_format", "NCHW") in ("NCHW", "NCDHW", 0)
+
+
+def _conv_padding(prim, spatial, kernel, stride, dilation):
+    mode = _pad_mode(prim)
+    if mode == "pad":
+        p = _attr(prim, "pad", 0)
+        return tuple(int(e) for e in p) if isinstance(p, (tuple, list)) else int(p)
+    if mode == "same":
+        return sum((same_padding(n, k, s, d) for n, k, s, d in zip(spatial, kernel, stride,
+                                                                      dilation)), ())
+    return "valid"
+
+
+@converts("Conv2D")
+def _conv2d(prim, x, w):
+    if not _nchw(prim):
+        return ms_call("Conv2D", prim, (x, w), {})
+    stride, dilation = _hw(_attr(prim, "stride", 1)), _hw(_attr(prim, "dilation", 1))
+    pads = _conv_padding(prim, typeof(x).shape[2:], typeof(w).shape[2:], stride, dilation)
+    return fo.conv2d(x, w, None, stride, pads, dilation, int(_attr(prim, "group", 1)))
+
+
+@converts("Conv2DTranspose", "Conv2DBackpropInput")
+def _conv2d_transpose(prim, dout, w, input_size):
+    if not _nchw(prim) or any(isinstance(d, Tracer) for d in tuple(input_size)):
+        return ms_call(prim.name, prim, (dout, w, input_size), {})
+    shape = tuple(int(_scalar(d)) for d in tuple(input_size))
+    stride, dilation = _hw(_attr(prim, "stride", 1)), _hw(_attr(prim, "dilation", 1))
+    pads = _conv_padding(prim, shape[2:], typeof(w).shape[2:], stride, dilation)
+    return fo.conv2d_input_grad(dout, w, shape, stride, pads, dilation,
+                                int(_attr(prim, "group", 1)))
+
+
+@converts("MaxPool")
+def _max_pool(prim, x):
+    if not _nchw(prim) or typeof(x).ndim != 4:
+        return ms_call("MaxPool", prim, (x,), {})
+    return fo.max_pool2d(x, _hw(_attr(prim, "kernel_size")), _hw(_attr(prim, "strides")),
+                         _pad_mode(prim))
+
+
+# argmax_type: a type id (MaxPoolWithArgmaxV2) or a name (MaxPool3DWithArgmax)
+_ARGMAX_TYPES = {3: dtypes.int32, 4: dtypes.int64, "int32": dtypes.int32,
+                 "int64": dtypes.int64}
+
+
+@converts("MaxPoolWithArgmaxV2")
+def _max_pool_argmax(prim, x):
+    if (_hw(_attr(prim, "dilation", 1)) != (1, 1) or typeof(x).ndim != 4
+            or _attr(prim, "argmax_type", 4) not in _ARGMAX_TYPES):
+        return ms_call("MaxPoolWithArgmaxV2", prim, (x,), {})
+    v, i = fo.max_pool2d_with_indices(x, _hw(_attr(prim, "kernel_size")),
+                                      _hw(_attr(prim, "strides")), _hw(_attr(prim, "pads")),
+                                      bool(_attr(prim, "ceil_mode", False)))
+    return v, fo.cast(i, _ARGMAX_TYPES[_attr(prim, "argmax_type", 4)])
+
+
+def _depth_one(prim, x, pads_name: str, ksize_name: str) -> bool:
+    """A 3-D pool over a depth of 1 with a window of depth 1: a 2-D pool (how
+    MindSpore runs nn.MaxPool2d and ops.avg_pool2d with explicit padding)."""
+    k, s = tuple(_attr(prim, ksize_name))[-3:], tuple(_attr(prim, "strides"))[-3:]
+    pads = tuple(_attr(prim, pads_name, (0,) * 6))
+    dil = tuple(_attr(prim, "dilation", (1, 1, 1)))
+    return (typeof(x).ndim == 5 and typeof(x).shape[2] == 1 and k[0] == 1 and s[0] == 1
+            and pads[0] == 0 and (len(pads) == 3 or pads[1] == 0) and all(d == 1 for d in dil)
+            and _nchw(prim))
+
+
+@converts("MaxPool3DWithArgmax")
+def _max_pool3d_argmax(prim, x):
+    if not _depth_one(prim, x, "pads", "ksize") or \
+            _attr(prim, "argmax_type", "int64") not in _ARGMAX_TYPES:
+        return ms_call("MaxPool3DWithArgmax", prim, (x,), {})
+    n, c, _, h, w = typeof(x).shape
+    pads = tuple(_attr(prim, "pads"))
+    pads = pads[1:] if len(pads) == 3 else pads[3::2]
+    v, i = fo.max_pool2d_with_indices(fo.reshape(x, (n, c, h, w)),
+                                      tuple(_attr(prim, "ksize"))[-2:],
+                                      tuple(_attr(prim, "strides"))[-2:], pads,
+                                      bool(_attr(prim, "ceil_mode", False)))
+    s = typeof(v).shape
+    i = fo.cast(i, _ARGMAX_TYPES[_attr(prim, "argmax_type", "int64")])
+    return fo.reshape(v, (n, c, 1) + s[2:]), fo.reshape(i, (n, c, 1) + s[2:])
+
+
+@converts("AvgPool")
+def _avg_pool(prim, x, *attrs):
+    # called with its attributes as arguments: (kernel_size, strides, pad_mode, data_format)
+    k, s, mode, fmt = attrs or (_attr(prim, "kernel_size"), _attr(prim, "strides"),
+                                _attr(prim, "pad_mode"), _attr(prim, "data_format", 0))
+    if fmt not in (0, "NCHW") or typeof(x).ndim != 4:
+        return ms_call("AvgPool", prim, (x, *attrs), {})
+    mode = _PAD_MODES.get(mode, mode) if not isinstance(mode, str) else mode.lower()
+    # 'same' counts only the input's positions (TensorFlow's convention)
+    return fo.avg_pool2d(x, _hw(k), _hw(s), mode, count_include_pad=mode != "same")
+
+
+@converts("AvgPool3D")
+def _avg_pool3d(prim, x):
+    if not _depth_one(prim, x, "pad_list", "kernel_size") or _pad_mode(prim) != "pad":
+        return ms_call("AvgPool3D", prim, (x,), {})
+    n, c, _, h, w = typeof(x).shape
+    d = int(_attr(prim, "divisor_override", 0))
+    y = fo.avg_pool2d(fo.reshape(x, (n, c, h, w)), tuple(_attr(prim, "kernel_size"))[-2:],
+                      tuple(_attr(prim, "strides"))[-2:], tuple(_attr(prim, "pad_list"))[2:],
+                      bool(_attr(prim, "ceil_mode", False)),
+                      bool(_attr(prim, "count_include_pad", True)), d or None)
+    return fo.reshape(y, (n, c, 1) + typeof(y).shape[2:])
+
+
+@converts("AdaptiveAvgPool2D")
+def _adaptive_avg_pool(prim, x):
+    # MindSpore marks a kept size (None) as -1
+    size = tuple(None if s is None or s == -1 else s for s in _attr(prim, "output_size"))
+    if typeof(x).ndim == 3:
+        return fo.adaptive_avg_pool2d(x[None], size)[0]
+    return fo.adaptive_avg_pool2d(x, size)
 
 
 @converts("ScatterNd")

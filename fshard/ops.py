@@ -58,6 +58,18 @@ from fshard.primitives.elementwise import (  # noqa: F401
     remainder as remainder,
 )
 from fshard.primitives.linalg import matmul as matmul  # noqa: F401
+from fshard.primitives.conv import (  # noqa: F401
+    adaptive_avg_pool2d as adaptive_avg_pool2d,
+    avg_pool1d as avg_pool1d,
+    avg_pool2d as avg_pool2d,
+    conv1d as conv1d,
+    conv2d as conv2d,
+    conv2d_input_grad as conv2d_input_grad,
+    conv_transpose2d as conv_transpose2d,
+    max_pool1d as max_pool1d,
+    max_pool2d as max_pool2d,
+    max_pool2d_with_indices as max_pool2d_with_indices,
+)
 from fshard.primitives.scans import (  # noqa: F401
     argsort as argsort,
     cumprod as cumprod,

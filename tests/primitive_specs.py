@@ -31,6 +31,7 @@ import fshard as fs
 from fshard.errors import AxisNameError, DifferentiationError
 from fshard.debug import debug_callback_p
 from fshard.primitives import collectives as K
+from fshard.primitives import conv as CV
 from fshard.primitives import control as C
 from fshard.transforms import control_flow as CF
 from fshard.primitives import elementwise as E
@@ -282,6 +283,68 @@ def _sort(rng, dt):
     cases = [((4,), 0, False), ((2, 3), 1, True), ((3, 2), 0, False), ((1, 4, 1), 1, True),
              ((2, 1, 3), 2, False)]
     return [Sample((values(rng, a, dt),), {"axis": ax, "descending": d}) for a, ax, d in cases]
+
+
+# (x shape, w shape, stride, padding, dilation, groups): every parameter path, the
+# first (the quick run's) with uneven padding, a stride and a dilation
+CONV_CASES = [
+    ((2, 3, 5, 6), (4, 3, 3, 3), (2, 1), ((1, 0), (2, 1)), (1, 2), 1),
+    ((1, 4, 5, 5), (6, 2, 3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 2),
+    ((2, 3, 6, 6), (6, 1, 3, 3), (2, 2), ((1, 1), (1, 1)), (1, 1), 3),
+    ((1, 2, 4, 3), (3, 2, 2, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 1),
+]
+
+
+def _conv_params(xs, ws, st, pad, dil, g):
+    return {"stride": st, "padding": pad, "dilation": dil, "groups": g}
+
+
+def _conv_out(xs, ws, st, pad, dil, g):
+    return tuple(REFERENCES["conv2d"](np.zeros(xs), np.zeros(ws), **_conv_params(
+        xs, ws, st, pad, dil, g)).shape)
+
+
+def _conv(rng, dt):
+    return [Sample((values(rng, c[0], dt), values(rng, c[1], dt)), _conv_params(*c))
+            for c in CONV_CASES]
+
+
+def _conv_input_grad(rng, dt):
+    return [Sample((values(rng, _conv_out(*c), dt), values(rng, c[1], dt)),
+                   {**_conv_params(*c), "input_shape": c[0]}) for c in CONV_CASES]
+
+
+def _conv_filter_grad(rng, dt):
+    return [Sample((values(rng, c[0], dt), values(rng, _conv_out(*c), dt)),
+                   {**_conv_params(*c), "kernel_shape": c[1]}) for c in CONV_CASES]
+
+
+# (x shape, kernel, stride, padding): leftover rows, uneven padding, ceil_mode's extra
+POOL_CASES = [
+    ((1, 2, 6, 5), (3, 3), (2, 1), ((1, 1), (1, 0))),
+    ((2, 3, 5, 5), (2, 2), (2, 2), ((0, 0), (0, 0))),
+    ((2, 1, 4, 4), (3, 2), (1, 2), ((1, 2), (0, 1))),
+]
+
+
+# (values shape, index shape): the index reads any position of its plane, repeats included
+PLANE_CASES = [((2, 3, 4, 5), (2, 3, 2, 3)), ((1, 1, 3, 3), (1, 1, 2, 2)),
+               ((4, 2, 3, 3), (4, 2, 4, 1))]
+
+
+def _pool_gather(rng, dt):
+    return [Sample((values(rng, vs, dt), rng.integers(0, vs[2] * vs[3], ish).astype(I32)))
+            for vs, ish in PLANE_CASES]
+
+
+def _pool_scatter(rng, dt):
+    return [Sample((values(rng, ish, dt), rng.integers(0, vs[2] * vs[3], ish).astype(I32)),
+                   {"plane": vs[2:]}) for vs, ish in PLANE_CASES]
+
+
+def _pool(rng, dt):
+    return [Sample((values(rng, xs, dt),), {"kernel": k, "stride": s, "padding": p})
+            for xs, k, s, p in POOL_CASES]
 
 
 def _select(rng, dt):
@@ -1377,6 +1440,19 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(SC.cumsum_p, _running, NUMERIC, linear_groups=((0,),), **THOROUGH),
         PrimitiveSpec(SC.cumprod_p, _cumprod, (F32,), **THOROUGH),
         PrimitiveSpec(SC.sort_p, _sort, (F32,), **THOROUGH),
+        PrimitiveSpec(CV.conv2d_p, _conv, (F32,), (0, 1), ((0,), (1,)), tol=(1e-5, 1e-5),
+                      **THOROUGH),
+        PrimitiveSpec(CV.conv2d_input_grad_p, _conv_input_grad, (F32,), (0, 1), ((0,), (1,)),
+                      tol=(1e-5, 1e-5), **THOROUGH),
+        PrimitiveSpec(CV.conv2d_filter_grad_p, _conv_filter_grad, (F32,), (0, 1),
+                      ((0,), (1,)), tol=(1e-5, 1e-5), **THOROUGH),
+        PrimitiveSpec(CV.max_pool2d_p, _pool, (F32,), **THOROUGH),
+        PrimitiveSpec(CV.max_pool2d_argmax_p, _pool, (F32,), **THOROUGH),
+        PrimitiveSpec(CV.avg_pool2d_p, _pool, (F32,), linear_groups=((0,),), **THOROUGH),
+        PrimitiveSpec(CV.pool_gather_p, _pool_gather, (F32,), linear_groups=((0,),),
+                      **THOROUGH),
+        PrimitiveSpec(CV.pool_scatter_p, _pool_scatter, (F32,), linear_groups=((0,),),
+                      **THOROUGH),
         PrimitiveSpec(E.add_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.sub_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.mul_p, binary(), NUMERIC, (0, 1), ((0,), (1,))),

@@ -313,7 +313,115 @@ def shard_in_transpose(cts, *, dims, mesh):
     return out
 
 
+# convolutions and pools (NCHW; padding ((top, bottom), (left, right)))
+
+
+def _windows(xp, kh, kw, stride, dilation, ho, wo):
+    """(N, C, ho, wo, kh, kw): the inputs each output position meets."""
+    out = np.empty(xp.shape[:2] + (ho, wo, kh, kw), xp.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            h0, w0 = i * dilation[0], j * dilation[1]
+            out[..., i, j] = xp[:, :, h0:h0 + (ho - 1) * stride[0] + 1:stride[0],
+                                w0:w0 + (wo - 1) * stride[1] + 1:stride[1]]
+    return out
+
+
+def _out_size(n, k, s, pad, d):
+    return (n + pad[0] + pad[1] - d * (k - 1) - 1) // s + 1
+
+
+def conv2d(x, w, *, stride, padding, dilation, groups):
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w.shape
+    ho = _out_size(h, kh, stride[0], padding[0], dilation[0])
+    wo = _out_size(wd, kw, stride[1], padding[1], dilation[1])
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0)) + tuple(padding))
+    win = _windows(xp, kh, kw, stride, dilation, ho, wo).reshape(n, groups, cg, ho, wo, kh, kw)
+    wg = w.astype(np.float64).reshape(groups, o // groups, cg, kh, kw)
+    out = np.einsum("ngchwij,gocij->ngohw", win, wg).reshape(n, o, ho, wo)
+    return out.astype(x.dtype)
+
+
+def conv2d_input_grad(ct, w, *, stride, padding, dilation, groups, input_shape):
+    """The transpose of conv2d in x: each output's cotangent spread over its window."""
+    n, c, h, wd = input_shape
+    o, cg, kh, kw = w.shape
+    ho, wo = ct.shape[2:]
+    hp, wp = h + sum(padding[0]), wd + sum(padding[1])
+    g = ct.astype(np.float64).reshape(n, groups, o // groups, ho, wo)
+    wg = w.astype(np.float64).reshape(groups, o // groups, cg, kh, kw)
+    dxp = np.zeros((n, groups, cg, hp, wp))
+    for i in range(kh):
+        for j in range(kw):
+            h0, w0 = i * dilation[0], j * dilation[1]
+            dxp[:, :, :, h0:h0 + (ho - 1) * stride[0] + 1:stride[0],
+                w0:w0 + (wo - 1) * stride[1] + 1:stride[1]] += np.einsum(
+                    "ngohw,goc->ngchw", g, wg[..., i, j])
+    dxp = dxp.reshape(n, c, hp, wp)
+    return dxp[:, :, padding[0][0]:padding[0][0] + h, padding[1][0]:padding[1][0] + wd] \
+        .astype(ct.dtype)
+
+
+def conv2d_filter_grad(x, ct, *, stride, padding, dilation, groups, kernel_shape):
+    """The transpose of conv2d in w."""
+    n = x.shape[0]
+    o, cg, kh, kw = kernel_shape
+    ho, wo = ct.shape[2:]
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0)) + tuple(padding))
+    win = _windows(xp, kh, kw, stride, dilation, ho, wo).reshape(n, groups, cg, ho, wo, kh, kw)
+    g = ct.astype(np.float64).reshape(n, groups, o // groups, ho, wo)
+    return np.einsum("ngchwij,ngohw->gocij", win, g).reshape(kernel_shape).astype(x.dtype)
+
+
+def _pool_windows(x, kernel, stride, padding, fill):
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0)) + tuple(padding), constant_values=fill)
+    ho = _out_size(x.shape[2], kernel[0], stride[0], padding[0], 1)
+    wo = _out_size(x.shape[3], kernel[1], stride[1], padding[1], 1)
+    return xp, _windows(xp, kernel[0], kernel[1], stride, (1, 1), ho, wo)
+
+
+def max_pool2d(x, *, kernel, stride, padding):
+    return _pool_windows(x, kernel, stride, padding, -np.inf)[1].max((-2, -1)).astype(x.dtype)
+
+
+def max_pool2d_argmax(x, *, kernel, stride, padding):
+    xp, win = _pool_windows(x, kernel, stride, padding, -np.inf)
+    n, c, ho, wo = win.shape[:4]
+    k = win.reshape(n, c, ho, wo, -1).argmax(-1)
+    i, j = k // kernel[1], k % kernel[1]
+    rows = np.arange(ho)[:, None] * stride[0] + i
+    cols = np.arange(wo)[None, :] * stride[1] + j
+    return [win.max((-2, -1)).astype(x.dtype), (rows * xp.shape[3] + cols).astype(np.int32)]
+
+
+def pool_gather(t, idx):
+    n, c = t.shape[:2]
+    return np.take_along_axis(t.reshape(n, c, -1), idx.reshape(n, c, -1), 2).reshape(idx.shape)
+
+
+def pool_scatter(ct, idx, *, plane):
+    n, c = ct.shape[:2]
+    out = np.zeros((n, c, plane[0] * plane[1]), ct.dtype)
+    for i in range(n):
+        for j in range(c):
+            np.add.at(out[i, j], idx[i, j].ravel(), ct[i, j].ravel())
+    return out.reshape((n, c) + tuple(plane))
+
+
+def avg_pool2d(x, *, kernel, stride, padding):
+    return _pool_windows(x, kernel, stride, padding, 0.0)[1].mean((-2, -1)).astype(x.dtype)
+
+
 REFERENCES = {
+    "conv2d": conv2d,
+    "conv2d_input_grad": conv2d_input_grad,
+    "conv2d_filter_grad": conv2d_filter_grad,
+    "max_pool2d": max_pool2d,
+    "max_pool2d_argmax": max_pool2d_argmax,
+    "avg_pool2d": avg_pool2d,
+    "pool_gather": pool_gather,
+    "pool_scatter": pool_scatter,
     # elementwise
     "neg": np.negative,
     "exp": np.exp,

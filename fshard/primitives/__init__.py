@@ -2,6 +2,7 @@
 
 from fshard.primitives import elementwise, linalg, nn, reductions, structural  # noqa: F401
 from fshard.primitives import scans  # noqa: F401
+from fshard.primitives import conv  # noqa: F401
 from fshard.primitives import spmd  # noqa: F401
 from fshard.primitives import collectives  # noqa: F401
 from fshard.primitives import pipeline  # noqa: F401

@@ -424,6 +424,12 @@ def _broadcast_to(prim, x, shape):
     return fo.broadcast_to(x, shape)
 
 
+@converts("ExpandAs")
+def _expand_as(prim, x, other):
+    # MindSpore has no CPU kernel for ExpandAs in a compiled graph (eagerly it runs).
+    return _broadcast_to(prim, x, tuple(typeof(other).shape))
+
+
 @converts("Flatten")
 def _flatten(prim, x):
     return fo.reshape(x, (typeof(x).shape[0], -1)) if typeof(x).ndim > 1 else x
@@ -1022,7 +1028,8 @@ _STATEFUL_RANDOM = frozenset({
     "NormalFloatFloat", "NormalTensorTensor", "NormalTensorFloat", "NormalFloatTensor",
     "Gamma", "RandomGamma", "Poisson", "RandomPoisson", "RandomCategorical", "Multinomial",
     "MultinomialExt", "RandomShuffle", "Bernoulli", "BernoulliExt", "Dropout", "DropoutExt",
-    "DropoutGenMask", "DropoutDoMask", "TruncatedNormal", "LogNormalReverse",
+    "DropoutGenMask", "DropoutDoMask", "Dropout2D", "Dropout3D", "TruncatedNormal",
+    "LogNormalReverse",
     "StandardLaplace", "RandomChoiceWithMask", "UniformCandidateSampler",
     "LogUniformCandidateSampler", "InplaceUniform", "InplaceNormal", "InplaceRandom"})
 

@@ -6,6 +6,9 @@ MindSpore Tensors (``x @ w + b``, ``x.sum(axis=1)``, ``x.reshape(...)``) traces.
 
 from __future__ import annotations
 
+import inspect
+import types
+
 import numpy as np
 
 from fshard import dtypes, ops
@@ -489,6 +492,13 @@ def _missing_method(self, name):
 
     from mindspore import Tensor
 
+    if not name.startswith("_"):
+        # A Tensor method MindSpore writes in Python (``ravel``, ``diff``, ...) is a
+        # composition of ops: run MindSpore's own code on the traced value, so the ops
+        # it calls trace (``ops.diff`` calls ``x.ravel()``, for one).
+        fn = inspect.getattr_static(Tensor, name, None)
+        if isinstance(fn, types.FunctionType) and fn.__module__ == "mindspore.common.tensor":
+            return types.MethodType(fn, self)
     caller = sys._getframe(1).f_globals.get("__name__", "")
     # Libraries probe attributes with hasattr (which only catches AttributeError): only
     # a method called from the user's code gets the fshard error.

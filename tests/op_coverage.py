@@ -107,7 +107,14 @@ _COLLECTIVE = ("all_gather", "all_reduce", "all_to_all", "barrier", "batch_isend
 # Helpers of MindSpore's graph compiler over Python lists, tuples and scalars (some crash
 # the process when given a tensor).
 _INTERNAL = ("list_", "tuple_", "scalar_", "string_", "dict_", "sequence_", "make_",
-             "bool_", "int_", "is_sequence")
+             "bool_", "int_", "is_sequence", "environ_", "env_", "is_dynamic_sequence",
+             "ms_", "prim_")
+_INTERNAL_NAMES = ("in_dict", "not_in_dict", "switch", "switch_layer", "geswitch", "op_info",
+                   "iter_converter", "zip_operation", "hastype", "is_", "is_not",
+                   "isconstant", "mixed_precision_cast", "reduced_shape", "shape_mul",
+                   "array_to_scalar", "get_vm_impl_fn", "kernel", "partial", "merge",
+                   "embed", "ref_to_embed", "distribute", "typeof", "tail",
+                   "op_info_register", "custom_info_register")
 
 
 def excluded(name: str) -> str | None:
@@ -125,7 +132,9 @@ def excluded(name: str) -> str | None:
                "insert_gradient_of", "item", "tolist", "move_to", "sync_stream",
                "deprecated", "print", "tensordump", "dump"):
         return "not a tensor op (a transform, decorator or side effect)"
-    if low.startswith(_INTERNAL):
+    if low.startswith(("coo_", "csr_", "row_tensor", "dense_to_sparse", "sparse_")):
+        return "a sparse-tensor op (COOTensor, CSRTensor, RowTensor): fshard traces dense tensors"
+    if low.startswith(_INTERNAL) or low in _INTERNAL_NAMES:
         return "an internal helper of MindSpore's graph compiler, not a tensor op"
     if "dump" in low or "summary" in low:
         return "not a tensor op (a side effect)"
@@ -296,6 +305,88 @@ EXPLICIT = {
     "ops.cumprod": _s(lambda op, x: op(x, 1), X),
     "mint.cumsum": _s(lambda op, x: op(x, 1), X),
     "mint.cumprod": _s(lambda op, x: op(x, 1), X),
+    "ops.addmm": _s(lambda op, c, a, b: op(c, a, b), X, _u(4, 3), _u(3, 6)),
+    "mint.addmm": _s(lambda op, c, a, b: op(c, a, b), X, _u(4, 3), _u(3, 6)),
+    "ops.addbmm": _s(lambda op, c, a, b: op(c, a, b), X, _u(2, 4, 3), _u(2, 3, 6)),
+    "mint.addbmm": _s(lambda op, c, a, b: op(c, a, b), X, _u(2, 4, 3), _u(2, 3, 6)),
+    "ops.baddbmm": _s(lambda op, c, a, b: op(c, a, b), B3, _u(2, 4, 3), _u(2, 3, 6)),
+    "mint.baddbmm": _s(lambda op, c, a, b: op(c, a, b), B3, _u(2, 4, 3), _u(2, 3, 6)),
+    "ops.addmv": _s(lambda op, c, a, v: op(c, a, v), V4, X, V),
+    "mint.addmv": _s(lambda op, c, a, v: op(c, a, v), V4, X, V),
+    "ops.addr": _s(lambda op, c, a, b: op(c, a, b), X, V4, V),
+    "ops.addcdiv": _s(lambda op, a, b, c: op(a, b, c, Tensor(0.5)), X, Y, Z),
+    "ops.addcmul": _s(lambda op, a, b, c: op(a, b, c, Tensor(0.5)), X, Y, Z),
+    "mint.addcdiv": _s(lambda op, a, b, c: op(a, b, c, value=0.5), X, Y, Z),
+    "mint.addcmul": _s(lambda op, a, b, c: op(a, b, c, value=0.5), X, Y, Z),
+    "ops.cross": _s(lambda op, a, b: op(a, b, 1), _u(4, 3), _u(4, 3)),
+    "mint.cross": _s(lambda op, a, b: op(a, b, 1), _u(4, 3), _u(4, 3)),
+    "ops.conv_transpose2d": _s(lambda op, x, w: op(x, w), IMG, _u(4, 3, 3, 3)),
+    "ops.embedding": _s(lambda op, w: op(LABELS, w), _u(8, 3)),
+    "mint.nn.functional.embedding": _s(lambda op, w: op(LABELS.astype(ms.int64), w), _u(8, 3)),
+    "ops.expand": _s(lambda op, x: op(x[:1], Tensor(np.array([3, 6], np.int32))), X),
+    "ops.fmin": _s(lambda op, x, y: op(x, y), X, Y),
+    "ops.index_add": _s(lambda op, x, y: op(x, IDX, y, 0), X, _u(3, 6)),
+    "ops.index_fill": _s(lambda op, x: op(x, 0, IDX, 1.5), X),
+    "ops.matrix_band_part": _s(lambda op, x: op(x, 1, 2), X),
+    "ops.moveaxis": _s(lambda op, x: op(x, 0, 2), B3),
+    "ops.movedim": _s(lambda op, x: op(x, 0, 2), B3),
+    "ops.rms_norm": _s(lambda op, x, g: op(x, g), X, V),
+    "ops.rot90": _s(lambda op, x: op(x, 1, (0, 1)), X),
+    "ops.scatter": _s(lambda op, x, u: op(x, 0, Tensor(np.array([[1, 3, 0]], np.int64)), u),
+                      X, _u(1, 3)),
+    "ops.scatter_add": _s(lambda op, x, u: op(x, Tensor(np.array([1, 3], np.int32)), u),
+                          X, _u(2, 6)),
+    "ops.select_scatter": _s(lambda op, x, u: op(x, u, 0, 1), X, V),
+    "ops.slice": _s(lambda op, x: op(x, (1, 0), (2, 3)), X),
+    "ops.strided_slice": _s(lambda op, x: op(x, (0, 1), (4, 6), (2, 2)), X),
+    "ops.swapaxes": _s(lambda op, x: op(x, 0, 1), X),
+    "ops.swapdims": _s(lambda op, x: op(x, 0, 1), X),
+    "ops.take": _s(lambda op, x: op(x, Tensor(np.array([0, 7, 23], np.int64))), X),
+    "ops.tensor_dot": _s(lambda op, x, y: op(x, y, ((1,), (1,))), X, Y),
+    "ops.threshold": _s(lambda op, x: op(x, 0.5, -1.0), X),
+    "ops.unsorted_segment_sum": _s(lambda op, x: op(x, Tensor(np.array([0, 2, 0, 1], np.int32)),
+                                                     3), X),
+    "ops.unsorted_segment_max": _s(lambda op, x: op(x, Tensor(np.array([0, 2, 0, 1], np.int32)),
+                                                     3), X),
+    "ops.reverse": _s(lambda op, x: op(x, (0,)), X),
+    "ops.renorm": _s(lambda op, x: op(x, 2, 0, 1.0), X),
+    "ops.tensor_scatter_mul": _s(
+        lambda op, x, u: op(x, Tensor(np.array([[1], [3]], np.int32)), u), X, _u(2, 6)),
+    "ops.tensor_scatter_sub": _s(
+        lambda op, x, u: op(x, Tensor(np.array([[1], [3]], np.int32)), u), X, _u(2, 6)),
+    "ops.tensor_scatter_div": _s(
+        lambda op, x, u: op(x, Tensor(np.array([[1], [3]], np.int32)), u), X, _u(2, 6)),
+    "ops.tensor_scatter_max": _s(
+        lambda op, x, u: op(x, Tensor(np.array([[1], [3]], np.int32)), u), X, _u(2, 6)),
+    "ops.tensor_scatter_min": _s(
+        lambda op, x, u: op(x, Tensor(np.array([[1], [3]], np.int32)), u), X, _u(2, 6)),
+    "ops.tensor_scatter_update": _s(
+        lambda op, x, u: op(x, Tensor(np.array([[1], [3]], np.int32)), u), X, _u(2, 6)),
+    "ops.tensor_scatter_elements": _s(
+        lambda op, x, u: op(x, Tensor(np.array([[1, 3, 0]], np.int32)), u, 0), X, _u(1, 3)),
+    "ops.multi_margin_loss": _s(lambda op, x: op(x, LABELS.astype(ms.int64)), X),
+    "ops.soft_margin_loss": _s(lambda op, x, y: op(x, y), X, Y),
+    "ops.triplet_margin_loss": _s(lambda op, a, p, n: op(a, p, n), X, Y, Z),
+    "ops.cosine_embedding_loss": _s(
+        lambda op, a, b: op(a, b, Tensor(np.array([1, -1, 1, -1], np.int32))), X, Y),
+    "ops.mse_loss_ext": _s(lambda op, x, y: op(x, y), X, Y),
+    "ops.lp_pool2d": _s(lambda op, x: op(x, 2, 2), IMG),
+    "ops.lp_pool1d": _s(lambda op, x: op(x, 2, 2), SEQ),
+    "ops.quantile": _s(lambda op, x: op(x, 0.3, 1), X),
+    "ops.nanquantile": _s(lambda op, x: op(x, 0.3, 1), X),
+    "ops.diagonal_scatter": _s(lambda op, x, u: op(x, u), X, V4),
+    "ops.matrix_exp": _s(lambda op, m: op(m), M),
+    "ops.grid_sample": _s(lambda op, x, g: op(x, g, align_corners=False), IMG,
+                          _u(2, 3, 3, 2, lo=-0.9, hi=0.9)),
+    "ops.fold": _s(lambda op, x: op(x, Tensor(np.array([4, 4], np.int32)), 2, stride=2),
+                   _u(2, 8, 4)),
+    "ops.unfold": _s(lambda op, x: op(x, 2, stride=2), IMG),
+    "ops.mirror_pad": _s(lambda op, x: op(x, Tensor(np.array([[1, 1], [2, 2]], np.int32)),
+                                          "REFLECT"), X),
+    "ops.matrix_set_diag": _s(lambda op, x, d: op(x, d), X, V4),
+    "ops.crop_and_resize": _s(lambda op, x: op(
+        x, Tensor(np.array([[0.1, 0.1, 0.8, 0.9]], np.float32)), Tensor(np.array([1], np.int32)),
+        (3, 3)), _u(2, 8, 8, 4)),
     "ops.clamp": _s(lambda op, x: op(x, 0.3, 0.6), X),
     "ops.clip": _s(lambda op, x: op(x, 0.3, 0.6), X),
     "mint.clamp": _s(lambda op, x: op(x, 0.3, 0.6), X),
@@ -420,14 +511,27 @@ def sample(name: str) -> Sample:
     if name.startswith("nn."):
         return _layer(name[3:], op)
     cands = [EXPLICIT[name]] if name in EXPLICIT else list(DEFAULTS)
-    first = None
+    errors = []
     for build in cands:
         s = build(op)
         err = _runs(s)
         if err is None:
             return s
-        first = first or err
-    raise _NoSample(first)
+        errors.append(err)
+    raise _NoSample(_telling(errors))
+
+
+_ARITY = ("missing", "positional argument", "number of input", "takes ", "inputs number",
+          "input number", "Expects ")
+
+
+def _telling(errors: list) -> str:
+    """The error that says most about why an op does not run: a missing kernel rather
+    than a wrong number of arguments."""
+    for e in errors:
+        if "unregistered" in e or "not supported" in e or "kernel" in e.lower():
+            return e
+    return next((e for e in errors if not any(a in e for a in _ARITY)), errors[0])
 
 
 # ---------------------------------------------------------------------------

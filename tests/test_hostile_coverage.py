@@ -52,3 +52,15 @@ def test_missing_graph_kernel_names_the_op():
                        r"a compiled graph \(in a compiled program\).*\nFix: call it outside"):
         with kernel_dtype_errors("a compiled program"):
             raise RuntimeError(msg)
+
+
+@pytest.mark.filterwarnings("ignore::fshard.errors.GenericOpWarning")  # Diag: a vmap loop
+@pytest.mark.parametrize("fn", [lambda a: ops.diagflat(a[0]), lambda a: a.ravel() * 2.0,
+                                lambda a: ops.diagonal_scatter(a, a[:, 0] * 3.0)],
+                         ids=["diagflat", "ravel", "diagonal_scatter"])
+def test_tensor_methods_written_in_python_trace(fn):
+    # MindSpore writes these Tensor methods (and ops that call them) in Python: a raw
+    # "AttributeError: a traced value has no attribute 'ravel'" before.
+    np.testing.assert_array_equal(fs.jit(fn)(X).asnumpy(), fn(X).asnumpy())
+    got = fs.vmap(fn)(ops.stack([X, X * 2.0]))
+    np.testing.assert_allclose(got[1].asnumpy(), fn(X * 2.0).asnumpy(), rtol=1e-6)

@@ -249,20 +249,21 @@ _NO_KERNEL = re.compile(r"Unsupported op \[(\w+)\] on (\w+)")
 
 
 @contextlib.contextmanager
-def kernel_dtype_errors(where):
+def kernel_dtype_errors(where, compiled: bool = False):
     """Turn MindSpore's "Select CPU operator[Op] fail! Unsupported data type" (a kernel
     that lacks the operands' dtype, e.g. bfloat16 MatMul on CPU) into an
     UnsupportedDtypeError that names the op; other errors pass unchanged. ``where`` is a
     string or a function giving it (built only on failure: eager ops are hot).
 
-    Likewise "Unsupported op [Op] on CPU" (an op that runs eagerly but has no kernel in
-    a compiled graph) becomes an UnsupportedOpError that names the op."""
+    With ``compiled`` (a graph fshard lowered and compiled), "Unsupported op [Op] on
+    CPU" (an op that runs eagerly but has no kernel in a compiled graph) becomes an
+    UnsupportedOpError that names the op. (Eagerly, the generic path words it itself.)"""
     try:
         yield
     except (TypeError, RuntimeError) as e:
         m = _KERNEL_REFUSED.search(str(e))
         if m is None:
-            none = _NO_KERNEL.search(str(e))
+            none = _NO_KERNEL.search(str(e)) if compiled else None
             if none is None:
                 raise
             raise UnsupportedOpError(

@@ -50,7 +50,7 @@ def test_missing_graph_kernel_names_the_op():
            "confirm whether the device target setting is correct")
     with pytest.raises(UnsupportedOpError, match=r"no CPU kernel for the op 'Frobnicate' in "
                        r"a compiled graph \(in a compiled program\).*\nFix: call it outside"):
-        with kernel_dtype_errors("a compiled program"):
+        with kernel_dtype_errors("a compiled program", compiled=True):
             raise RuntimeError(msg)
 
 
@@ -64,3 +64,24 @@ def test_tensor_methods_written_in_python_trace(fn):
     np.testing.assert_array_equal(fs.jit(fn)(X).asnumpy(), fn(X).asnumpy())
     got = fs.vmap(fn)(ops.stack([X, X * 2.0]))
     np.testing.assert_allclose(got[1].asnumpy(), fn(X * 2.0).asnumpy(), rtol=1e-6)
+
+
+def test_shard_of_a_global_norm_is_not_taken_for_elementwise():
+    # ClipByNorm commutes with any permutation of the elements, which is how the generic
+    # path recognised elementwise ops; split along rows, each device clipped its own
+    # rows by their own norm (a wrong value, no error).
+    from mindspore import nn
+
+    cell, c = nn.ClipByNorm(), Tensor(np.float32(1.0))
+    f = lambda a: cell(a, c)  # noqa: E731
+    with pytest.warns(GenericOpWarning, match="ClipByNorm .* runs replicated"):
+        got = fs.shard(f, in_strategy=((2, 1),), mesh=fs.Mesh((2,), ("d",)))(X)
+    np.testing.assert_allclose(got.asnumpy(), f(X).asnumpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_shard_keeps_an_elementwise_generic_op_split():
+    f = lambda a: ops.erfc(a) * 2.0  # noqa: E731
+    text = str(fs.make_ir(fs.shard(f, in_strategy=((2, 1),), mesh=fs.Mesh((2,), ("d",))))(X))
+    assert "f32[2,6]{(2, 1)} = Erfc" in text, text  # each device computes its rows
+    got = fs.shard(f, in_strategy=((2, 1),), mesh=fs.Mesh((2,), ("d",)))(X)
+    np.testing.assert_allclose(got.asnumpy(), f(X).asnumpy(), rtol=1e-6)

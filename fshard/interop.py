@@ -413,7 +413,14 @@ def _expand_dims(prim, x, axis):
 
 @converts("Squeeze")
 def _squeeze(prim, x, axis=()):
-    return fo.squeeze(x, _axis(axis))
+    axes = _axis(axis)
+    if axes is None or axes == ():
+        return fo.squeeze(x, axes)
+    # MindSpore (as PyTorch) leaves a named dimension whose size is not 1 in place.
+    shape, nd = typeof(x).shape, typeof(x).ndim
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    keep = tuple(a for a in axes if shape[a % nd] == 1)
+    return fo.squeeze(x, keep) if keep else x
 
 
 @converts("BroadcastTo", "BroadcastToView")

@@ -167,7 +167,12 @@ def _flatten(self, start_dim=0, end_dim=-1):
 def _squeeze(self, *axis):
     if len(axis) == 1:
         axis = axis[0]
-    return ops.squeeze(self, axis if axis != () else None)
+    if axis is None or axis == ():
+        return ops.squeeze(self, None)
+    # MindSpore (as PyTorch) leaves a named dimension whose size is not 1 in place.
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    keep = tuple(a for a in axes if self.shape[a % max(self.ndim, 1)] == 1)
+    return ops.squeeze(self, keep) if keep else self
 
 
 METHODS = {

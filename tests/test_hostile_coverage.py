@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mindspore import Tensor, ops
+from mindspore import Tensor, mint, ops
 
 import fshard as fs
 from fshard.core import kernel_dtype_errors
@@ -85,3 +85,12 @@ def test_shard_keeps_an_elementwise_generic_op_split():
     assert "f32[2,6]{(2, 1)} = Erfc" in text, text  # each device computes its rows
     got = fs.shard(f, in_strategy=((2, 1),), mesh=fs.Mesh((2,), ("d",)))(X)
     np.testing.assert_allclose(got.asnumpy(), f(X).asnumpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [lambda a: mint.squeeze(a, 2), lambda a: mint.squeeze(a, (0, 1)),
+                                lambda a: ops.squeeze(a, (1, 2)), lambda a: a.squeeze(-1),
+                                lambda a: a.squeeze((1, 2))])
+def test_squeeze_of_a_dimension_not_of_size_one_keeps_it(fn):
+    # MindSpore (as PyTorch) leaves it in place; fshard raised a ShapeError.
+    x = Tensor(RNG.uniform(size=(4, 1, 6)).astype(np.float32))
+    np.testing.assert_array_equal(fs.jit(fn)(x).asnumpy(), fn(x).asnumpy())

@@ -296,8 +296,6 @@ EXPLICIT = {
     "mint.concat": _s(lambda op, x, y: op([x, y], 1), X, Y),
     "ops.einsum": _s(lambda op, x, y: op("ij,kj->ik", x, y), X, Y),
     "mint.einsum": _s(lambda op, x, y: op("ij,kj->ik", x, y), X, Y),
-    "ops.scaled_dot_product_attention": _s(lambda op, q, k, v: op(q, k, v), B3, B3 * 1,
-                                           B3 * 1),
     "ops.softmax": _s(lambda op, x: op(x, 1), X),
     "ops.log_softmax": _s(lambda op, x: op(x, 1), X),
     "mint.softmax": _s(lambda op, x: op(x, 1), X),

@@ -498,9 +498,9 @@ def _missing_method(self, name):
     from mindspore import Tensor
 
     if not name.startswith("_"):
-        # A Tensor method MindSpore writes in Python (``ravel``, ``diff``, ...) is a
+        # A Tensor method MindSpore writes in Python (``ravel``, ``diagonal``, ...) is a
         # composition of ops: run MindSpore's own code on the traced value, so the ops
-        # it calls trace (``ops.diff`` calls ``x.ravel()``, for one).
+        # it calls trace (``ops.diagflat`` calls ``x.ravel()``, for one).
         fn = inspect.getattr_static(Tensor, name, None)
         if isinstance(fn, types.FunctionType) and fn.__module__ == "mindspore.common.tensor":
             return types.MethodType(fn, self)

@@ -22,7 +22,7 @@ import numpy as np
 
 from fshard import context, dtypes
 from fshard.errors import (ArgumentError, TracerConversionError, TracerLeakError,
-                           UnsupportedDtypeError)
+                           UnsupportedDtypeError, UnsupportedOpError)
 from fshard.rules import abstract_eval, impl, takes_process_local
 
 from fshard.dims import (  # noqa: F401  (the dimension types live beside the core)
@@ -249,20 +249,32 @@ class EvalTrace(Trace):
 
 _KERNEL_REFUSED = re.compile(r"Select (\w+) operator\[(\w+)\] fail! Unsupported data type")
 _KERNEL_GOT = re.compile(r"but get input\[(.*?)\]", re.S)
+_NO_KERNEL = re.compile(r"Unsupported op \[(\w+)\] on (\w+)")
 
 
 @contextlib.contextmanager
-def kernel_dtype_errors(where):
+def kernel_dtype_errors(where, compiled: bool = False):
     """Turn MindSpore's "Select CPU operator[Op] fail! Unsupported data type" (a kernel
     that lacks the operands' dtype, e.g. bfloat16 MatMul on CPU) into an
     UnsupportedDtypeError that names the op; other errors pass unchanged. ``where`` is a
-    string or a function giving it (built only on failure: eager ops are hot)."""
+    string or a function giving it (built only on failure: eager ops are hot).
+
+    With ``compiled`` (a graph fshard lowered and compiled), "Unsupported op [Op] on
+    CPU" (an op that runs eagerly but has no kernel in a compiled graph) becomes an
+    UnsupportedOpError that names the op. (Eagerly, the generic path words it itself.)"""
     try:
         yield
     except (TypeError, RuntimeError) as e:
         m = _KERNEL_REFUSED.search(str(e))
         if m is None:
-            raise
+            none = _NO_KERNEL.search(str(e)) if compiled else None
+            if none is None:
+                raise
+            raise UnsupportedOpError(
+                f"MindSpore has no {none.group(2)} kernel for the op '{none.group(1)}' in a "
+                f"compiled graph (in {where() if callable(where) else where}); eager "
+                "MindSpore runs it another way.\nFix: call it outside fs.jit, or write it "
+                "with fshard.ops (docs/ops.md lists the native ops).") from None
         got = _KERNEL_GOT.search(str(e))
         kinds = sorted(set(re.findall(r"\b[A-Z][A-Za-z]*\d*\b", got.group(1)))) if got else []
         raise UnsupportedDtypeError(

@@ -49,9 +49,14 @@ uint32 = mstype.uint32
 bool_ = mstype.bool_
 
 
+# Values fshard carries but does not compute with: a MindSpore op on the generic path may
+# return them (``ops.fft``); fshard's own ops refuse them (``from_numpy``).
+_CARRIED = {mstype.complex64: np.complex64, mstype.complex128: np.complex128}
+
+
 def to_numpy(dtype) -> np.dtype:
     """The NumPy dtype of a MindSpore dtype."""
-    return np.dtype(_MS_TO_NP[dtype])
+    return np.dtype(_MS_TO_NP.get(dtype) or _CARRIED[dtype])
 
 
 def from_numpy(dtype) -> mstype.Type:

@@ -420,7 +420,14 @@ def _expand_dims(prim, x, axis):
 
 @converts("Squeeze")
 def _squeeze(prim, x, axis=()):
-    return fo.squeeze(x, _axis(axis))
+    axes = _axis(axis)
+    if axes is None or axes == ():
+        return fo.squeeze(x, axes)
+    # MindSpore (as PyTorch) leaves a named dimension whose size is not 1 in place.
+    shape, nd = typeof(x).shape, typeof(x).ndim
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    keep = tuple(a for a in axes if shape[a % nd] == 1)
+    return fo.squeeze(x, keep) if keep else x
 
 
 @converts("BroadcastTo", "BroadcastToView")
@@ -429,6 +436,12 @@ def _broadcast_to(prim, x, shape):
     lead = len(shape) - len(xs)
     shape = tuple(xs[i - lead] if d == -1 else d for i, d in enumerate(shape))
     return fo.broadcast_to(x, shape)
+
+
+@converts("ExpandAs")
+def _expand_as(prim, x, other):
+    # MindSpore has no CPU kernel for ExpandAs in a compiled graph (eagerly it runs).
+    return _broadcast_to(prim, x, tuple(typeof(other).shape))
 
 
 @converts("Flatten")
@@ -1401,7 +1414,8 @@ _STATEFUL_RANDOM = frozenset({
     "NormalFloatFloat", "NormalTensorTensor", "NormalTensorFloat", "NormalFloatTensor",
     "Gamma", "RandomGamma", "Poisson", "RandomPoisson", "RandomCategorical", "Multinomial",
     "MultinomialExt", "RandomShuffle", "Bernoulli", "BernoulliExt", "Dropout", "DropoutExt",
-    "DropoutGenMask", "DropoutDoMask", "TruncatedNormal", "LogNormalReverse",
+    "DropoutGenMask", "DropoutDoMask", "Dropout2D", "Dropout3D", "TruncatedNormal",
+    "LogNormalReverse",
     "StandardLaplace", "RandomChoiceWithMask", "UniformCandidateSampler",
     "LogUniformCandidateSampler", "InplaceUniform", "InplaceNormal", "InplaceRandom"})
 

@@ -6,6 +6,9 @@ MindSpore Tensors (``x @ w + b``, ``x.sum(axis=1)``, ``x.reshape(...)``) traces.
 
 from __future__ import annotations
 
+import inspect
+import types
+
 import mindspore.ops
 import numpy as np
 
@@ -165,7 +168,12 @@ def _flatten(self, start_dim=0, end_dim=-1):
 def _squeeze(self, *axis):
     if len(axis) == 1:
         axis = axis[0]
-    return ops.squeeze(self, axis if axis != () else None)
+    if axis is None or axis == ():
+        return ops.squeeze(self, None)
+    # MindSpore (as PyTorch) leaves a named dimension whose size is not 1 in place.
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    keep = tuple(a for a in axes if self.shape[a % max(self.ndim, 1)] == 1)
+    return ops.squeeze(self, keep) if keep else self
 
 
 METHODS = {
@@ -504,6 +512,13 @@ def _missing_method(self, name):
 
     from mindspore import Tensor
 
+    if not name.startswith("_"):
+        # A Tensor method MindSpore writes in Python (``ravel``, ``diagonal``, ...) is a
+        # composition of ops: run MindSpore's own code on the traced value, so the ops
+        # it calls trace (``ops.diagflat`` calls ``x.ravel()``, for one).
+        fn = inspect.getattr_static(Tensor, name, None)
+        if isinstance(fn, types.FunctionType) and fn.__module__ == "mindspore.common.tensor":
+            return types.MethodType(fn, self)
     caller = sys._getframe(1).f_globals.get("__name__", "")
     # Libraries probe attributes with hasattr (which only catches AttributeError): only
     # a method called from the user's code gets the fshard error.

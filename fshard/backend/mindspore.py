@@ -600,7 +600,7 @@ class GraphFunction:
         # depth, compile cache): threads run graphs one at a time.
         if self.collective:
             tell_launcher(b"c")
-        with context.runtime_lock, kernel_dtype_errors("a compiled program"):
+        with context.runtime_lock, kernel_dtype_errors("a compiled program", compiled=True):
             mode = _ms_parallel.get_parallel_mode()
             if mode == "stand_alone":
                 return self._call(*args)

@@ -548,12 +548,25 @@ def _measure_elementwise(f: MsFunction) -> bool:
     def permute(x):
         return x if x.ndim == 0 else x.reshape(-1)[perm].reshape(shape)
 
+    def bump(x):
+        if x.ndim == 0 or not np.issubdtype(x.dtype, np.floating):
+            return x
+        x = x.copy()
+        x.reshape(-1)[0] = x.reshape(-1)[0] * 4 + 3
+        return x
+
     try:
         y = [o.asnumpy() for o in f(*xs)]
         yp = [o.asnumpy() for o in f(*[permute(x) for x in xs])]
+        yb = [o.asnumpy() for o in f(*[bump(x) for x in xs])]
     except Exception:  # noqa: BLE001  outside its domain: not claimed elementwise
         return False
-    return all(np.array_equal(permute(a), b, equal_nan=True) for a, b in zip(y, yp))
+    # Commuting with a permutation is not enough: an op that mixes all the elements
+    # symmetrically (ClipByNorm's global norm, x / sum(x)) commutes too. Changing one
+    # element must also leave every other output element as it was.
+    return (all(np.array_equal(permute(a), b, equal_nan=True) for a, b in zip(y, yp))
+            and all(np.array_equal(a.reshape(-1)[1:], b.reshape(-1)[1:], equal_nan=True)
+                    for a, b in zip(y, yb)))
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""Wrong answers and raw MindSpore errors the op coverage sweep (tests/op_coverage.py)
+found, each checked against eager MindSpore."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mindspore import Tensor, mint, ops
+
+import fshard as fs
+from fshard.core import kernel_dtype_errors
+from fshard.errors import ArgumentError, GenericOpWarning, UnsupportedOpError
+
+RNG = np.random.default_rng(0)
+X = Tensor(RNG.uniform(0.2, 0.8, (4, 6)).astype(np.float32))
+IMG = Tensor(RNG.uniform(0.2, 0.8, (2, 4, 8, 8)).astype(np.float32))
+
+
+@pytest.mark.parametrize("fn", [lambda x: ops.dropout2d(x), lambda x: ops.dropout1d(x[0]),
+                                lambda x: ops.dropout3d(x[None])], ids=["2d", "1d", "3d"])
+def test_channel_dropout_is_refused_not_frozen(fn):
+    # Dropout2D/Dropout3D draw a random mask: traced once, the same mask would be used
+    # at every call of the jitted function and in every vmap lane.
+    with pytest.raises(UnsupportedOpError, match="stateful MindSpore random op 'Dropout[23]D'"):
+        fs.jit(fn)(IMG)
+
+
+def test_expand_as_compiles():
+    # No CPU kernel for ExpandAs in a graph: a raw "Kernel select failed" before.
+    y = Tensor(np.zeros((3, 4, 6), np.float32))
+    f = lambda a, b: ops.expand_as(a, b)  # noqa: E731
+    got = fs.jit(f)(X, y)
+    np.testing.assert_array_equal(got.asnumpy(), f(X, y).asnumpy())
+    g = fs.grad(lambda a: (f(a, y) * ops.arange(6.0)).sum())(X)
+    np.testing.assert_allclose(g.asnumpy(), np.broadcast_to(3 * np.arange(6.0), (4, 6)))
+
+
+def test_shard_of_a_complex_valued_generic_op_is_an_fshard_error():
+    # fshard computes with real dtypes only; the cost model had no size for complex64 and
+    # raised a raw KeyError.
+    f = lambda a: ops.abs(ops.fft(a))  # noqa: E731
+    with pytest.warns(GenericOpWarning, match="FFT .* runs replicated"), \
+            pytest.raises(ArgumentError, match="complex dtypes are not supported"):
+        fs.shard(f, in_strategy=((2, 1),), mesh=fs.Mesh((2,), ("d",)))(X)
+    np.testing.assert_allclose(fs.jit(f)(X).asnumpy(), f(X).asnumpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_missing_graph_kernel_names_the_op():
+    msg = ("----\n- Kernel select failed:\n----\nUnsupported op [Frobnicate] on CPU, Please "
+           "confirm whether the device target setting is correct")
+    with pytest.raises(UnsupportedOpError, match=r"no CPU kernel for the op 'Frobnicate' in "
+                       r"a compiled graph \(in a compiled program\).*\nFix: call it outside"):
+        with kernel_dtype_errors("a compiled program", compiled=True):
+            raise RuntimeError(msg)
+
+
+@pytest.mark.filterwarnings("ignore::fshard.errors.GenericOpWarning")  # Diag: a vmap loop
+@pytest.mark.parametrize("fn", [lambda a: ops.diagflat(a[0]), lambda a: a.ravel() * 2.0,
+                                lambda a: ops.diagonal_scatter(a, a[:, 0] * 3.0)],
+                         ids=["diagflat", "ravel", "diagonal_scatter"])
+def test_tensor_methods_written_in_python_trace(fn):
+    # MindSpore writes these Tensor methods (and ops that call them) in Python: a raw
+    # "AttributeError: a traced value has no attribute 'ravel'" before.
+    np.testing.assert_array_equal(fs.jit(fn)(X).asnumpy(), fn(X).asnumpy())
+    got = fs.vmap(fn)(ops.stack([X, X * 2.0]))
+    np.testing.assert_allclose(got[1].asnumpy(), fn(X * 2.0).asnumpy(), rtol=1e-6)
+
+
+def test_shard_of_a_global_norm_is_not_taken_for_elementwise():
+    # ClipByNorm commutes with any permutation of the elements, which is how the generic
+    # path recognised elementwise ops; split along rows, each device clipped its own
+    # rows by their own norm (a wrong value, no error).
+    from mindspore import nn
+
+    cell, c = nn.ClipByNorm(), Tensor(np.float32(1.0))
+    f = lambda a: cell(a, c)  # noqa: E731
+    with pytest.warns(GenericOpWarning, match="ClipByNorm .* runs replicated"):
+        got = fs.shard(f, in_strategy=((2, 1),), mesh=fs.Mesh((2,), ("d",)))(X)
+    np.testing.assert_allclose(got.asnumpy(), f(X).asnumpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_shard_keeps_an_elementwise_generic_op_split():
+    f = lambda a: ops.erfc(a) * 2.0  # noqa: E731
+    text = str(fs.make_ir(fs.shard(f, in_strategy=((2, 1),), mesh=fs.Mesh((2,), ("d",))))(X))
+    assert "f32[2,6]{(2, 1)} = Erfc" in text, text  # each device computes its rows
+    got = fs.shard(f, in_strategy=((2, 1),), mesh=fs.Mesh((2,), ("d",)))(X)
+    np.testing.assert_allclose(got.asnumpy(), f(X).asnumpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [lambda a: mint.squeeze(a, 2), lambda a: mint.squeeze(a, (0, 1)),
+                                lambda a: ops.squeeze(a, (1, 2)), lambda a: a.squeeze(-1),
+                                lambda a: a.squeeze((1, 2))])
+def test_squeeze_of_a_dimension_not_of_size_one_keeps_it(fn):
+    # MindSpore (as PyTorch) leaves it in place; fshard raised a ShapeError.
+    x = Tensor(RNG.uniform(size=(4, 1, 6)).astype(np.float32))
+    np.testing.assert_array_equal(fs.jit(fn)(x).asnumpy(), fn(x).asnumpy())

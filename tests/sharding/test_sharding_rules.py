@@ -69,6 +69,10 @@ _GROUPS = ("with groups > 1 a channel dim is (groups, channels per group): a spl
 _WINDOWS = ("a split inside the windows of a dim the windows tile leaves partial window "
             "sums: the dim is (windows, positions in a window), a compound factor")
 KNOWN_UNCLAIMED = {
+    "debug_callback": "the callback is called with the global values (as fs.shard's "
+                      "contract says), so its rule gathers split operands; a split "
+                      "operand is valid for an effect with no outputs, but not what the "
+                      "callback is promised",
     "avg_pool2d": _WINDOWS,
     "conv2d": _GROUPS,
     "conv2d_input_grad": _GROUPS,

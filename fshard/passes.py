@@ -157,11 +157,14 @@ def cse(program: Program) -> Program:
 
 
 def dce(program: Program) -> Program:
-    """Drop equations none of whose outputs is read (fshard primitives have no effects)."""
+    """Drop equations none of whose outputs is read. fshard's primitives have no effects;
+    a generic MindSpore op that writes into an operand (``fs``'s BatchNorm statistics
+    use ``Assign``) says so with ``params["fn"].has_effect`` and is kept."""
     live = {a for a in program.outputs if isinstance(a, Var)}
     kept = []
     for eq in reversed(program.equations):
-        if any(v in live for v in eq.outputs):
+        if any(v in live for v in eq.outputs) or getattr(eq.params.get("fn"), "has_effect",
+                                                         False):
             kept.append(eq)
             live.update(a for a in eq.inputs if isinstance(a, Var))
     kept.reverse()

@@ -184,6 +184,14 @@ class MsFunction:
         return out
 
     @property
+    def has_effect(self) -> bool:
+        """The op writes into an operand (MindSpore's ``side_effect_mem``: ``Assign``,
+        ``BatchNorm`` in training mode): dead-code elimination keeps it."""
+        attrs = getattr(self.call.fn, "attrs", None)
+        return not self.derivs and isinstance(attrs, dict) and bool(
+            attrs.get("side_effect_mem"))
+
+    @property
     def float_outs(self) -> tuple:
         return tuple(i for i, a in enumerate(self.out_avals) if dtypes.is_float(a.dtype))
 
@@ -730,3 +738,15 @@ def ms_call(name: str, fn, args: tuple, kwargs: dict):
     f = _make(call, (), None, in_avals)
     outs = ms_op_p.bind(*operands, fn=f)
     return tuple(outs) if f.is_seq else outs[0]
+
+
+_ASSIGN = ops.Assign()
+
+
+def assign(variable, value):
+    """Write ``value`` into ``variable`` (a Parameter or a tensor passed in) as MindSpore's
+    ``Assign`` does, once per call of the traced function; returns the new value.
+
+    The one effect in fshard's IR: the equation is kept although nothing reads it, and
+    the write happens where the program runs (eagerly, or inside the compiled graph)."""
+    return ms_call("Assign", _ASSIGN, (variable, value), {})

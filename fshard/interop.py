@@ -316,8 +316,8 @@ def _group_norm(prim, x, num_groups, weight=None, bias=None, eps=1e-5):
 
 
 @converts("RmsNorm")
-def _rms_norm(prim, x, gamma):
-    eps = float(_attr(prim, "epsilon", 1e-6))
+def _rms_norm(prim, x, gamma, epsilon=None):
+    eps = float(_scalar(_attr(prim, "epsilon", 1e-6) if epsilon is None else epsilon))
     nd, gd = typeof(x).ndim, typeof(gamma).ndim
     axes = tuple(range(nd - gd, nd))
     rstd = fo.rsqrt(fo.add(fo.mean(fo.mul(x, x), axes, keepdims=True), eps))
@@ -698,7 +698,8 @@ for _names, _fn in (
     (("IsFinite",), fo.isfinite), (("LogicalAnd",), fo.logical_and),
     (("LogicalOr",), fo.logical_or), (("LogicalXor",), fo.logical_xor),
     (("LogicalNot",), fo.logical_not), (("GatherNd",), fo.gather_nd),
-    (("TensorScatterAdd",), fo.tensor_scatter_add),
+    (("TensorScatterAdd",), fo.tensor_scatter_add), (("ReLU6",), fo.relu6),
+    (("Softsign",), fo.softsign), (("FastGeLU",), fo.fast_gelu),
 ):
     converts(*_names)(lambda prim, *args, _fn=_fn: _fn(*args))
 
@@ -706,6 +707,27 @@ for _names, _fn in (
 @converts("Elu", "EluExt")
 def _elu(prim, x, alpha=1.0):
     return fo.elu(x, float(_scalar(alpha)))
+
+
+@converts("CeLU")
+def _celu(prim, x, alpha=None):
+    return fo.celu(x, float(_scalar(_attr(prim, "alpha", 1.0) if alpha is None else alpha)))
+
+
+@converts("SoftShrink", "HShrink")
+def _shrink(prim, x, lambd=None):
+    fn = fo.softshrink if prim.name == "SoftShrink" else fo.hardshrink
+    return fn(x, float(_scalar(_attr(prim, "lambd", 0.5) if lambd is None else lambd)))
+
+
+@converts("Hardtanh")
+def _hardtanh(prim, x, min_val=-1, max_val=1):
+    return fo.hardtanh(x, float(_scalar(min_val)), float(_scalar(max_val)))
+
+
+@converts("LeakyReLUExt")
+def _leaky_relu_ext(prim, x, negative_slope=0.01):
+    return fo.leaky_relu(x, float(_scalar(negative_slope)))
 
 
 @converts("Softplus")

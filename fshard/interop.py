@@ -42,6 +42,7 @@ from fshard.core import Tracer, current_trace, is_symbolic, typeof
 from fshard.errors import (ArgumentError, FshardError, ProgramTypeError, ShardingError,
                            UnsupportedOpError)
 from fshard.primitives.generic import assign, ms_call
+from fshard.primitives.nn import batch_norm_parts
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.primitives.remat import nothing_saveable, remat_call
 from fshard.staging import register_user_code_hook
@@ -270,17 +271,13 @@ def _batch_norm(prim, x, scale, bias, mean, variance, is_training=False, epsilon
     if data_format not in ("NCHW", 0):
         raise UnsupportedOpError("MindSpore BatchNorm with data_format='NHWC' has no fshard "
                                  "converter (MindSpore runs it on GPU only); use NCHW.")
-    y, new_mean, new_var = fo.batch_norm(x, mean, variance, scale, bias, training,
-                                         float(_scalar(momentum)), float(_scalar(epsilon)))
-    c = typeof(x).shape[1]
-    zeros = fo.zeros((c,), typeof(x).dtype)
+    y, new_mean, new_var, batch_mean, batch_var = batch_norm_parts(
+        x, mean, variance, scale, bias, training, float(_scalar(momentum)),
+        float(_scalar(epsilon)))
+    zeros = fo.zeros((typeof(x).shape[1],), typeof(x).dtype)
     if not training:  # MindSpore's CPU kernel returns zeros for the auxiliary outputs
         return y, zeros, zeros, zeros, zeros
     _write_statistics((mean, variance), (new_mean, new_var))
-    nd = typeof(x).ndim
-    axes = (0,) + tuple(range(2, nd))
-    batch_mean = fo.stop_gradient(fo.mean(x, axes))
-    batch_var = fo.stop_gradient(fo.var(x, axes))
     return y, zeros, zeros, batch_mean, batch_var
 
 
@@ -288,21 +285,22 @@ def _batch_norm(prim, x, scale, bias, mean, variance, is_training=False, epsilon
 def _batch_norm_ext(prim, x, weight=None, bias=None, running_mean=None, running_var=None,
                     training=False, momentum=0.1, epsilon=1e-5):
     training = bool(_scalar(training))
+    stats = (running_mean, running_var)
     if running_mean is None or running_var is None:
         if not training:
-            raise UnsupportedOpError("batch_norm in inference mode needs running_mean and "
-                                     "running_var.")
+            raise ArgumentError("batch_norm(training=False) normalises with running_mean "
+                                "and running_var, and got None.\nFix: pass both, or "
+                                "training=True.")
         c = typeof(x).shape[1]
         running_mean = fo.zeros((c,), typeof(x).dtype)
         running_var = fo.ones((c,), typeof(x).dtype)
         stats = ()
-    else:
-        stats = (running_mean, running_var)
-    y, new_mean, new_var = fo.batch_norm(x, running_mean, running_var, weight, bias, training,
-                                         float(_scalar(momentum)), float(_scalar(epsilon)))
+    y, new_mean, new_var, batch_mean, batch_var = batch_norm_parts(
+        x, running_mean, running_var, weight, bias, training, float(_scalar(momentum)),
+        float(_scalar(epsilon)))
     if training and stats:
         _write_statistics(stats, (new_mean, new_var))
-    return y, new_mean, new_var, new_mean, new_var
+    return y, batch_mean, batch_var
 
 
 @converts("GroupNorm")

@@ -132,6 +132,7 @@ from fshard.primitives.nn import (  # noqa: F401
     log_softmax as log_softmax,
     logsumexp as logsumexp,
     rms_norm as rms_norm,
+    scaled_dot_product_attention as scaled_dot_product_attention,
     softmax as softmax,
     softmax_cross_entropy as softmax_cross_entropy,
 )

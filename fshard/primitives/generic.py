@@ -650,6 +650,15 @@ _warned: set = set()  # (op, what) already warned about, once per process
 
 def _batching_rule(args, dims, *, fn: MsFunction):
     size = batch_size(args, dims)
+    if fn.has_effect and any(d is None for d in dims):
+        # One tensor, one write per call: vmap's examples would each write their own
+        # value into it (MindSpore's Assign rule refuses too).
+        raise UnsupportedOpError(
+            f"the MindSpore op {fn.call.name} writes into an operand that is the same for "
+            "every example of vmap (BatchNorm's moving statistics in training mode), and "
+            "each example would write its own value into it.\nFix: under vmap, call the "
+            "layer in inference mode (cell.set_train(False)), or call it outside vmap; "
+            "fs.ops.batch_norm returns the new statistics instead of writing them.")
     try:
         vfn = fn.derive("vmap", (tuple(dims), size))
     except _NoBatchingRule:

@@ -290,6 +290,15 @@ def batch_norm(x: Float[Array, "n c *spatial"], running_mean: Float[Array, "c"],
     >>> print(m.asnumpy(), v.asnumpy())
     [0.3 0.4] [1.5666666 1.5666666]
     """
+    return batch_norm_parts(x, running_mean, running_var, weight, bias, training, momentum,
+                            eps)[:3]
+
+
+def batch_norm_parts(x, running_mean, running_var, weight=None, bias=None,
+                     training: bool = False, momentum: float = 0.1, eps: float = 1e-5) -> tuple:
+    """``batch_norm``'s ``(y, new_mean, new_var, batch_mean, batch_var)``: the batch's own
+    mean and biased variance too (MindSpore's BatchNorm returns them), from the same
+    equations as ``y`` (in inference mode: the running statistics)."""
     from fshard.primitives.elementwise import add
     from fshard.primitives.structural import stop_gradient
 
@@ -301,7 +310,8 @@ def batch_norm(x: Float[Array, "n c *spatial"], running_mean: Float[Array, "c"],
     if not training:
         scale = rsqrt(add(running_var, float(eps)))
         y = mul(sub(x, _channel_shaped(running_mean, nd)), _channel_shaped(scale, nd))
-        return _affine(y, weight, bias, nd), running_mean, running_var
+        return (_affine(y, weight, bias, nd), running_mean, running_var, running_mean,
+                running_var)
     axes = (0,) + tuple(range(2, nd))
     n = 1
     for i in axes:
@@ -313,11 +323,10 @@ def batch_norm(x: Float[Array, "n c *spatial"], running_mean: Float[Array, "c"],
     m = float(momentum)
     batch_mean = stop_gradient(reshape(mu, (c,)))
     batch_var = stop_gradient(reshape(var, (c,)))
-    if n > 1:
-        batch_var = mul(batch_var, n / (n - 1))
+    unbiased = mul(batch_var, n / (n - 1)) if n > 1 else batch_var
     new_mean = add(mul(stop_gradient(running_mean), 1.0 - m), mul(batch_mean, m))
-    new_var = add(mul(stop_gradient(running_var), 1.0 - m), mul(batch_var, m))
-    return y, new_mean, new_var
+    new_var = add(mul(stop_gradient(running_var), 1.0 - m), mul(unbiased, m))
+    return y, new_mean, new_var, batch_mean, batch_var
 
 
 def group_norm(x: Float[Array, "n c *spatial"], num_groups: int, weight=None, bias=None,
@@ -450,3 +459,45 @@ def interpolate(x: Float[Array, "n c *spatial"], size, mode: str = "nearest",
     for i, (n, r) in enumerate(zip(size, ratios)):
         x = _resize_axis(x, i + 2, n, "linear" if linear else "nearest", coords, r)
     return x
+
+
+def scaled_dot_product_attention(query: Float[Array, "*b l d"], key: Float[Array, "*b s d"],
+                                 value: Float[Array, "*b s e"], attn_mask=None,
+                                 is_causal: bool = False,
+                                 scale: float | None = None) -> Float[Array, "*b l e"]:
+    """``softmax(query @ key^T * scale + mask) @ value`` over the leading (batch, head)
+    axes; ``scale`` defaults to ``1/sqrt(d)``. ``attn_mask`` is boolean (True: attend) or
+    added to the scores; ``is_causal`` masks the keys after each query.
+
+    Every equation keeps the leading axes, so under ``fs.shard`` a split of the head axis
+    (Megatron's attention) needs no communication inside attention.
+
+    >>> import numpy as np, fshard as fs
+    >>> q = np.ones((1, 2, 4), np.float32)
+    >>> v = np.arange(8, dtype=np.float32).reshape(1, 2, 4)
+    >>> print(fs.ops.scaled_dot_product_attention(q, q, v, is_causal=True).asnumpy()[0])
+    [[0. 1. 2. 3.]
+     [2. 3. 4. 5.]]
+    """
+    from fshard.primitives.elementwise import add, where
+    from fshard.primitives.linalg import matmul
+
+    qa, ka = typeof(query), typeof(key)
+    if qa.ndim < 2 or ka.ndim != qa.ndim or typeof(value).ndim != qa.ndim or \
+            qa.shape[-1] != ka.shape[-1] or ka.shape[-2] != typeof(value).shape[-2]:
+        raise ShapeError(
+            f"scaled_dot_product_attention(query={qa}, key={ka}, value={typeof(value)}): "
+            "needs (..., L, D) queries, (..., S, D) keys and (..., S, E) values of one rank.")
+    d = qa.shape[-1]
+    s = matmul(query, key, transpose_b=True)
+    s = mul(s, float(1.0 / np.sqrt(d) if scale is None else scale))
+    if is_causal:
+        L, S = qa.shape[-2], ka.shape[-2]
+        keep = np.tril(np.ones((L, S), bool))
+        s = where(keep, s, float("-inf"))
+    if attn_mask is not None:
+        if typeof(attn_mask).dtype == dtypes.bool_:
+            s = where(attn_mask, s, float("-inf"))
+        else:
+            s = add(s, attn_mask)
+    return matmul(softmax(s, -1), value)

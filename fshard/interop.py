@@ -1629,6 +1629,12 @@ SUPPORTED_OPS: tuple[str, ...] = (
     "ops.smooth_l1_loss", "ops.cosine_similarity", "mint.clamp", "mint.stack",
     "mint.remainder", "mint.floor_divide", "mint.narrow", "mint.index_add",
     "mint.nn.functional.silu", "mint.nn.functional.pad",
+    # normalisation, interpolation and activations (docs/ops.md)
+    "ops.batch_norm", "ops.group_norm", "ops.rms_norm", "ops.interpolate", "ops.relu6",
+    "ops.hardtanh", "ops.softsign", "ops.celu", "ops.softshrink", "ops.hardshrink",
+    "ops.fast_gelu", "mint.nn.functional.batch_norm", "mint.nn.functional.group_norm",
+    "mint.nn.functional.interpolate", "mint.nn.functional.leaky_relu",
+    "mint.nn.functional.relu6",
 )
 
 #: Operators and methods of mindspore.Tensor that work on traced values (and, for the
@@ -1648,7 +1654,7 @@ SUPPORTED_TENSOR_METHODS: tuple[str, ...] = (
     "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__setitem__", "cumsum",
     "cumprod", "sort", "argsort", "topk", "prod", "flip", "roll", "tril", "triu", "narrow",
     "repeat_interleave", "isnan", "isclose", "logical_and", "log1p", "remainder",
-    "floor_divide",
+    "floor_divide", "tensor_split",
 )
 
 #: nn Cells whose construct traces (user Cells built from these trace too).
@@ -1659,6 +1665,8 @@ SUPPORTED_CELLS: tuple[str, ...] = (
     # native ops (docs/ops.md)
     "nn.SiLU", "nn.PReLU", "nn.ELU", "nn.HSwish", "nn.Mish", "nn.SeLU",
     "nn.BCEWithLogitsLoss", "nn.SmoothL1Loss",
+    "nn.BatchNorm2d", "nn.BatchNorm1d", "nn.GroupNorm", "nn.Upsample", "nn.ReLU6",
+    "nn.MultiheadAttention", "nn.TransformerEncoderLayer",
 )
 
 

@@ -330,6 +330,18 @@ def _resize_v2(prim, x, size, align_corners=False, half_pixel_centers=False):
     return fo.interpolate(x, tuple(int(s) for s in _static_size(size)), mode, coords)
 
 
+@converts("ResizeLinear1D")
+def _resize_linear_1d(prim, x, size, coordinate_transformation_mode=None):
+    mode = _scalar(_attr(prim, "coordinate_transformation_mode", "align_corners")
+                   if coordinate_transformation_mode is None else coordinate_transformation_mode)
+    # MindSpore's enum: 0 asymmetric, 1 align_corners, 2 half_pixel
+    coords = {0: "asymmetric", 1: "align_corners", 2: "half_pixel"}.get(mode, mode)
+    size = tuple(int(s) for s in _static_size(size))
+    if size == (1,):  # MindSpore's kernel samples the first element then (measured)
+        coords = "align_corners"
+    return fo.interpolate(x, size, "linear", coords)
+
+
 def _static_size(size):
     return size.asnumpy().tolist() if hasattr(size, "asnumpy") else size
 

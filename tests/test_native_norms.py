@@ -69,6 +69,10 @@ CASES = {
         x, scale_factor=1.5, mode="nearest"),
     "mint.interpolate(bilinear)": lambda x: mint.nn.functional.interpolate(
         x, size=(11, 4), mode="bilinear"),
+    "interpolate(linear)": lambda x: ops.interpolate(x[:, :, 0], size=11, mode="linear"),
+    "interpolate(linear, 1)": lambda x: ops.interpolate(x[:, :, 0], size=1, mode="linear"),
+    "interpolate(trilinear)": lambda x: ops.interpolate(x[:, None], size=(3, 7, 9),
+                                                        mode="trilinear"),
     "nn.Upsample": lambda x: nn.Upsample(scale_factor=2.0, mode="nearest",
                                          recompute_scale_factor=True)(x),
     "relu6": lambda x: ops.relu6(x * 3),

@@ -5,7 +5,7 @@ the generic path (one MindSpore ``BatchNorm`` equation, MindSpore's bprop) and a
 ``mindspore.jit(mindspore.value_and_grad(...))``.
 
 - ``batchnorm_cnn_step``: three blocks of ``Conv2d(3x3) -> BatchNorm2d -> ReLU`` (16,
-  32, 32 channels) on a (32, 3, 32, 32) batch, training mode, loss ``mean(out**2)``,
+  32, 32 channels) on a (16, 3, 16, 16) batch, training mode, loss ``mean(out**2)``,
   gradients for every weight.
 - ``resnet18_bn_step``: mindcv's resnet18 (20 BatchNorm2d layers), training mode, a
   (8, 3, 32, 32) batch, the same loss (skipped without mindcv).
@@ -116,7 +116,7 @@ def _step_benchmark(ctx, make, x_shape, runs):
 
 @benchmark("batchnorm_cnn_step", title="A training step of a small CNN with BatchNorm2d")
 def batchnorm_cnn_step(ctx):
-    return _step_benchmark(ctx, small_cnn, (32, 3, 32, 32), ctx.runs(60, 10))
+    return _step_benchmark(ctx, small_cnn, (16, 3, 16, 16), ctx.runs(30, 6))
 
 
 @benchmark("resnet18_bn_step", title="A training step of mindcv's resnet18 (BatchNorm2d)")

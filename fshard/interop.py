@@ -42,7 +42,7 @@ from fshard.core import Tracer, current_trace, is_symbolic, typeof
 from fshard.errors import (ArgumentError, FshardError, ProgramTypeError, ShardingError,
                            UnsupportedOpError)
 from fshard.primitives.generic import assign, ms_call
-from fshard.primitives.nn import batch_norm_parts
+from fshard.primitives.nn import batch_norm_parts, group_norm_parts
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.primitives.remat import nothing_saveable, remat_call
 from fshard.staging import register_user_code_hook
@@ -305,12 +305,7 @@ def _batch_norm_ext(prim, x, weight=None, bias=None, running_mean=None, running_
 
 @converts("GroupNorm")
 def _group_norm(prim, x, num_groups, weight=None, bias=None, eps=1e-5):
-    num_groups, eps = int(_scalar(num_groups)), float(_scalar(eps))
-    y = fo.group_norm(x, num_groups, weight, bias, eps)
-    a = typeof(x)
-    g = fo.reshape(x, (a.shape[0], num_groups, -1))
-    v, mu = fo.var_mean(g, 2)
-    return y, fo.stop_gradient(mu), fo.stop_gradient(fo.rsqrt(fo.add(v, eps)))
+    return group_norm_parts(x, int(_scalar(num_groups)), weight, bias, float(_scalar(eps)))
 
 
 @converts("RmsNorm")
@@ -350,13 +345,11 @@ def _static_size(size):
           "UpsampleBilinear2D", "UpsampleTrilinear3D")
 def _upsample(prim, x, output_size=None, scales=None, align_corners=False):
     # mint's (PyTorch's) convention: a given scale factor s samples at dst / s
-    nd = typeof(x).ndim - 2
     ratios = None if scales is None else tuple(1.0 / float(s) for s in scales)
     if output_size is None:
         output_size = tuple(int(d * s) for d, s in zip(typeof(x).shape[2:], scales))
     linear = "Nearest" not in prim.name
     coords = ("align_corners" if align_corners else "half_pixel") if linear else "asymmetric"
-    assert len(tuple(output_size)) == nd
     return fo.interpolate(x, tuple(int(s) for s in output_size),
                           "linear" if linear else "nearest", coords,
                           None if coords == "align_corners" else ratios)

@@ -340,7 +340,14 @@ def group_norm(x: Float[Array, "n c *spatial"], num_groups: int, weight=None, bi
     >>> print(fs.ops.group_norm(x, 2).asnumpy().round(3)[0, 0])
     [-1.342 -0.447]
     """
+    return group_norm_parts(x, num_groups, weight, bias, eps)[0]
+
+
+def group_norm_parts(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5) -> tuple:
+    """``group_norm``'s ``(y, mean, rstd)``, the statistics of shape (N, num_groups) from
+    the same equations as ``y`` (MindSpore's GroupNorm returns them)."""
     from fshard.primitives.elementwise import add
+    from fshard.primitives.structural import stop_gradient
 
     c = _check_channels("group_norm", x, {"weight": weight, "bias": bias})
     if not isinstance(num_groups, int) or num_groups < 1 or c % num_groups:
@@ -354,8 +361,11 @@ def group_norm(x: Float[Array, "n c *spatial"], num_groups: int, weight=None, bi
     mu = mean(g, axes, keepdims=True)
     gc = sub(g, mu)
     var = mean(mul(gc, gc), axes, keepdims=True)
-    y = reshape(mul(gc, rsqrt(add(var, float(eps)))), s)
-    return _affine(y, weight, bias, a.ndim)
+    rstd = rsqrt(add(var, float(eps)))
+    y = reshape(mul(gc, rstd), s)
+    stat = (s[0], num_groups)
+    return (_affine(y, weight, bias, a.ndim), stop_gradient(reshape(mu, stat)),
+            stop_gradient(reshape(rstd, stat)))
 
 
 def rms_norm(x: Float[Array, "..."], weight=None, axis: int = -1,

@@ -67,13 +67,17 @@ def _step_benchmark(ctx, make, x_shape, runs):
         nets[k].set_train(True)
 
     def fs_step(net):
-        weights = [p for p in net.trainable_params()]
+        # the functional form: gradients for the trainable Parameters; the moving
+        # statistics (the Cell's own Parameters) are written in place
+        apply, params = fs.functional(net)
+        weights = {k: v for k, v in params.items() if v.requires_grad}
+        stats = {k: v for k, v in params.items() if not v.requires_grad}
 
-        def loss(ws, x):
-            return (net(x) ** 2).mean()
+        def loss(ws, stats, x):
+            return (apply({**ws, **stats}, x) ** 2).mean()
 
         f = fs.jit(fs.value_and_grad(loss))
-        return lambda: _sync(f(weights, x))
+        return lambda: _sync(f(weights, stats, x))
 
     def ms_step(net):
         weights = net.trainable_params()

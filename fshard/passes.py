@@ -158,8 +158,8 @@ def cse(program: Program) -> Program:
 
 def dce(program: Program) -> Program:
     """Drop equations none of whose outputs is read. fshard's primitives have no effects;
-    a generic MindSpore op that writes into an operand (``fs``'s BatchNorm statistics
-    use ``Assign``) says so with ``params["fn"].has_effect`` and is kept."""
+    a generic MindSpore op that writes into an operand (``Assign``, which writes
+    BatchNorm's moving statistics) says so with ``params["fn"].has_effect`` and is kept."""
     live = {a for a in program.outputs if isinstance(a, Var)}
     kept = []
     for eq in reversed(program.equations):

@@ -441,21 +441,25 @@ METHODS.update({
     "masked_fill": ops.masked_fill,
 })
 
+
 def _tensor_split(self, indices_or_sections, axis=0, **kw):
     """``Tensor.tensor_split``: ``n`` near-equal parts (the first ``size % n`` one
     longer, as NumPy's ``array_split``) or cuts at the given indices."""
     axis = kw.pop("dim", axis)
     if kw:
         raise TypeError(f"tensor_split got unexpected keyword arguments {sorted(kw)}")
+    nd = typeof(self).ndim
+    axis = axis % nd if nd else axis
     n = typeof(self).shape[axis]
     if isinstance(indices_or_sections, int):
         q, r = divmod(n, indices_or_sections)
         sizes = [q + 1] * r + [q] * (indices_or_sections - r)
-    else:
-        cuts = [min(max(int(c), 0), n) for c in indices_or_sections]
-        bounds = [0] + cuts + [n]
-        sizes = [max(b - a, 0) for a, b in zip(bounds, bounds[1:])]
-    return tuple(ops.split(self, sizes, axis))
+        return tuple(ops.split(self, sizes, axis))
+    cuts = [min(max(int(c) + (n if int(c) < 0 else 0), 0), n) for c in indices_or_sections]
+    bounds = [0] + cuts + [n]
+    # NumPy's pieces x[a:b] between consecutive cuts (empty where a cut goes back)
+    lead = (slice(None),) * axis
+    return tuple(self[lead + (slice(a, max(a, b)),)] for a, b in zip(bounds, bounds[1:]))
 
 
 METHODS.update({

@@ -388,6 +388,7 @@ def _index_add_np(x, y):
 METHOD_CASES.update({
     "tensor_split": (lambda x: x.tensor_split(3, 1), [X]),
     "tensor_split:indices": (lambda x: x.tensor_split((1, 3), axis=0), [X]),
+    "tensor_split:backwards": (lambda x: x.tensor_split((5, -6), axis=-1), [X]),
     "__floordiv__": (lambda x: x // 0.7, [X]),
     "__floordiv__:tensor_left": (lambda x: XT // x, [POS]),
     "__rfloordiv__": (lambda x: 3.0 // x, [POS]),

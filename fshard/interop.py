@@ -47,7 +47,8 @@ from fshard.interpret import walk
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.primitives import collectives as C
 from fshard.primitives.conv import same_padding
-from fshard.primitives.generic import ms_call
+from fshard.primitives.generic import assign, ms_call
+from fshard.primitives.nn import batch_norm_parts, group_norm_parts
 from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.primitives.remat import nothing_saveable, remat_call
 from fshard.sharding.runtime import bind_on_rank
@@ -260,6 +261,105 @@ def _layer_norm_ext(prim, x, normalized_shape, weight=None, bias=None, eps=1e-5)
     begin = -len(tuple(normalized_shape))
     y, mu, _, rstd = _layer_norm_parts(x, weight, bias, begin, begin, eps)
     return y, mu, rstd
+
+
+def _write_statistics(stats: tuple, values: tuple) -> None:
+    """Write BatchNorm's new moving statistics into the tensors MindSpore would update in
+    place (a Cell's Parameters, or the tensors passed for them): one ``Assign`` each, an
+    equation with an effect that dead-code elimination keeps."""
+    for s, v in zip(stats, values):
+        assign(s, v)
+
+
+@converts("BatchNorm")
+def _batch_norm(prim, x, scale, bias, mean, variance, is_training=False, epsilon=1e-5,
+                momentum=0.1, data_format="NCHW"):
+    training = bool(_scalar(is_training))
+    if data_format not in ("NCHW", 0):
+        raise UnsupportedOpError("MindSpore BatchNorm with data_format='NHWC' has no fshard "
+                                 "converter (MindSpore runs it on GPU only); use NCHW.")
+    y, new_mean, new_var, batch_mean, batch_var = batch_norm_parts(
+        x, mean, variance, scale, bias, training, float(_scalar(momentum)),
+        float(_scalar(epsilon)))
+    zeros = fo.zeros((typeof(x).shape[1],), typeof(x).dtype)
+    if not training:  # MindSpore's CPU kernel returns zeros for the auxiliary outputs
+        return y, zeros, zeros, zeros, zeros
+    _write_statistics((mean, variance), (new_mean, new_var))
+    return y, zeros, zeros, batch_mean, batch_var
+
+
+@converts("BatchNormExt")
+def _batch_norm_ext(prim, x, weight=None, bias=None, running_mean=None, running_var=None,
+                    training=False, momentum=0.1, epsilon=1e-5):
+    training = bool(_scalar(training))
+    stats = (running_mean, running_var)
+    if running_mean is None or running_var is None:
+        if not training:
+            raise ArgumentError("batch_norm(training=False) normalises with running_mean "
+                                "and running_var, and got None.\nFix: pass both, or "
+                                "training=True.")
+        c = typeof(x).shape[1]
+        running_mean = fo.zeros((c,), typeof(x).dtype)
+        running_var = fo.ones((c,), typeof(x).dtype)
+        stats = ()
+    y, new_mean, new_var, batch_mean, batch_var = batch_norm_parts(
+        x, running_mean, running_var, weight, bias, training, float(_scalar(momentum)),
+        float(_scalar(epsilon)))
+    if training and stats:
+        _write_statistics(stats, (new_mean, new_var))
+    return y, batch_mean, batch_var
+
+
+@converts("GroupNorm")
+def _group_norm(prim, x, num_groups, weight=None, bias=None, eps=1e-5):
+    return group_norm_parts(x, int(_scalar(num_groups)), weight, bias, float(_scalar(eps)))
+
+
+@converts("RmsNorm")
+def _rms_norm(prim, x, gamma, epsilon=None):
+    eps = float(_scalar(_attr(prim, "epsilon", 1e-6) if epsilon is None else epsilon))
+    nd, gd = typeof(x).ndim, typeof(gamma).ndim
+    axes = tuple(range(nd - gd, nd))
+    rstd = fo.rsqrt(fo.add(fo.mean(fo.mul(x, x), axes, keepdims=True), eps))
+    return fo.mul(fo.mul(x, rstd), gamma), rstd
+
+
+@converts("ResizeNearestNeighborV2", "ResizeBilinearV2")
+def _resize_v2(prim, x, size, align_corners=False, half_pixel_centers=False):
+    mode = "nearest" if "Nearest" in prim.name else "linear"
+    coords = ("align_corners" if _scalar(align_corners) else
+              "half_pixel" if _scalar(half_pixel_centers) else "asymmetric")
+    return fo.interpolate(x, tuple(int(s) for s in _static_size(size)), mode, coords)
+
+
+@converts("ResizeLinear1D")
+def _resize_linear_1d(prim, x, size, coordinate_transformation_mode=None):
+    mode = _scalar(_attr(prim, "coordinate_transformation_mode", "align_corners")
+                   if coordinate_transformation_mode is None else coordinate_transformation_mode)
+    # MindSpore's enum: 0 asymmetric, 1 align_corners, 2 half_pixel
+    coords = {0: "asymmetric", 1: "align_corners", 2: "half_pixel"}.get(mode, mode)
+    size = tuple(int(s) for s in _static_size(size))
+    if size == (1,):  # MindSpore's kernel samples the first element then (measured)
+        coords = "align_corners"
+    return fo.interpolate(x, size, "linear", coords)
+
+
+def _static_size(size):
+    return size.asnumpy().tolist() if hasattr(size, "asnumpy") else size
+
+
+@converts("UpsampleNearest1D", "UpsampleNearest2D", "UpsampleNearest3D", "UpsampleLinear1D",
+          "UpsampleBilinear2D", "UpsampleTrilinear3D")
+def _upsample(prim, x, output_size=None, scales=None, align_corners=False):
+    # mint's (PyTorch's) convention: a given scale factor s samples at dst / s
+    ratios = None if scales is None else tuple(1.0 / float(s) for s in scales)
+    if output_size is None:
+        output_size = tuple(int(d * s) for d, s in zip(typeof(x).shape[2:], scales))
+    linear = "Nearest" not in prim.name
+    coords = ("align_corners" if align_corners else "half_pixel") if linear else "asymmetric"
+    return fo.interpolate(x, tuple(int(s) for s in output_size),
+                          "linear" if linear else "nearest", coords,
+                          None if coords == "align_corners" else ratios)
 
 
 def _one_hot(labels, depth: int, dtype, on=1, off=0):
@@ -621,7 +721,8 @@ for _names, _fn in (
     (("IsFinite",), fo.isfinite), (("LogicalAnd",), fo.logical_and),
     (("LogicalOr",), fo.logical_or), (("LogicalXor",), fo.logical_xor),
     (("LogicalNot",), fo.logical_not), (("GatherNd",), fo.gather_nd),
-    (("TensorScatterAdd",), fo.tensor_scatter_add),
+    (("TensorScatterAdd",), fo.tensor_scatter_add), (("ReLU6",), fo.relu6),
+    (("Softsign",), fo.softsign), (("FastGeLU",), fo.fast_gelu),
 ):
     converts(*_names)(lambda prim, *args, _fn=_fn: _fn(*args))
 
@@ -629,6 +730,27 @@ for _names, _fn in (
 @converts("Elu", "EluExt")
 def _elu(prim, x, alpha=1.0):
     return fo.elu(x, float(_scalar(alpha)))
+
+
+@converts("CeLU")
+def _celu(prim, x, alpha=None):
+    return fo.celu(x, float(_scalar(_attr(prim, "alpha", 1.0) if alpha is None else alpha)))
+
+
+@converts("SoftShrink", "HShrink")
+def _shrink(prim, x, lambd=None):
+    fn = fo.softshrink if prim.name == "SoftShrink" else fo.hardshrink
+    return fn(x, float(_scalar(_attr(prim, "lambd", 0.5) if lambd is None else lambd)))
+
+
+@converts("Hardtanh")
+def _hardtanh(prim, x, min_val=-1, max_val=1):
+    return fo.hardtanh(x, float(_scalar(min_val)), float(_scalar(max_val)))
+
+
+@converts("LeakyReLUExt")
+def _leaky_relu_ext(prim, x, negative_slope=0.01):
+    return fo.leaky_relu(x, float(_scalar(negative_slope)))
 
 
 @converts("Softplus")
@@ -1955,6 +2077,12 @@ SUPPORTED_OPS: tuple[str, ...] = (
     "ops.smooth_l1_loss", "ops.cosine_similarity", "mint.clamp", "mint.stack",
     "mint.remainder", "mint.floor_divide", "mint.narrow", "mint.index_add",
     "mint.nn.functional.silu", "mint.nn.functional.pad",
+    # normalisation, interpolation and activations (docs/ops.md)
+    "ops.batch_norm", "ops.group_norm", "ops.rms_norm", "ops.interpolate", "ops.relu6",
+    "ops.hardtanh", "ops.softsign", "ops.celu", "ops.softshrink", "ops.hardshrink",
+    "ops.fast_gelu", "mint.nn.functional.batch_norm", "mint.nn.functional.group_norm",
+    "mint.nn.functional.interpolate", "mint.nn.functional.leaky_relu",
+    "mint.nn.functional.relu6",
 )
 
 #: Operators and methods of mindspore.Tensor that work on traced values (and, for the
@@ -1974,7 +2102,7 @@ SUPPORTED_TENSOR_METHODS: tuple[str, ...] = (
     "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__setitem__", "cumsum",
     "cumprod", "sort", "argsort", "topk", "prod", "flip", "roll", "tril", "triu", "narrow",
     "repeat_interleave", "isnan", "isclose", "logical_and", "log1p", "remainder",
-    "floor_divide",
+    "floor_divide", "tensor_split",
 )
 
 #: nn Cells whose construct traces (user Cells built from these trace too).
@@ -1985,6 +2113,8 @@ SUPPORTED_CELLS: tuple[str, ...] = (
     # native ops (docs/ops.md)
     "nn.SiLU", "nn.PReLU", "nn.ELU", "nn.HSwish", "nn.Mish", "nn.SeLU",
     "nn.BCEWithLogitsLoss", "nn.SmoothL1Loss",
+    "nn.BatchNorm2d", "nn.BatchNorm1d", "nn.GroupNorm", "nn.Upsample", "nn.ReLU6",
+    "nn.MultiheadAttention", "nn.TransformerEncoderLayer",
 )
 
 

@@ -157,12 +157,15 @@ def cse(program: Program) -> Program:
 
 
 def dce(program: Program) -> Program:
-    """Drop equations none of whose outputs is read, except those with an effect
-    (``Primitive.effect``: a debug callback, which has no outputs)."""
+    """Drop equations none of whose outputs is read, except those with an effect: a
+    primitive's (``Primitive.effect``: a debug callback, which has no outputs), or a
+    generic MindSpore op that writes into an operand (``Assign``, which writes
+    BatchNorm's moving statistics: ``params["fn"].has_effect``)."""
     live = {a for a in program.outputs if isinstance(a, Var)}
     kept = []
     for eq in reversed(program.equations):
-        if eq.prim.effect or any(v in live for v in eq.outputs):
+        if eq.prim.effect or any(v in live for v in eq.outputs) \
+                or getattr(eq.params.get("fn"), "has_effect", False):
             kept.append(eq)
             live.update(a for a in eq.inputs if isinstance(a, Var))
     kept.reverse()

@@ -335,6 +335,50 @@ OP_CASES.update({
 })
 
 
+IMG = _normal(2, 4, 5, 5)
+C4 = _normal(4)
+
+
+def _rms_norm_np(x, g):
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-6) * g).astype(x.dtype)
+
+
+def _batch_norm_np(x, m, v, w, b):
+    x64, sh = x.astype(np.float64), (1, -1, 1, 1)
+    mu, var = x64.mean((0, 2, 3)), x64.var((0, 2, 3))
+    return ((x64 - mu.reshape(sh)) / np.sqrt(var.reshape(sh) + 1e-5) * w.reshape(sh)
+            + b.reshape(sh)).astype(x.dtype)
+
+
+# normalisation, interpolation and activations (docs/ops.md)
+OP_CASES.update({
+    "ops.batch_norm": (lambda x, m, v, w, b: ops.batch_norm(x, m * 1, v * 1, w, b, True),
+                       [IMG, C4, np.abs(C4) + 0.5, C4, C4]),
+    "ops.group_norm": (lambda x, w, b: ops.group_norm(x, 2, w, b), [IMG, C4, C4]),
+    "ops.rms_norm": (lambda x, g: ops.rms_norm(x, g)[0], [X3, G], _rms_norm_np),
+    "ops.interpolate": (lambda x: ops.interpolate(x, size=(7, 3), mode="bilinear"), [IMG]),
+    "ops.relu6": (lambda x: ops.relu6(x * 4), [X]),
+    "ops.hardtanh": (lambda x: ops.hardtanh(x, -0.5, 0.5), [X]),
+    "ops.softsign": (ops.softsign, [X]),
+    "ops.celu": (lambda x: ops.celu(x, 2.0), [X]),
+    "ops.softshrink": (lambda x: ops.softshrink(x, 0.3), [X]),
+    "ops.hardshrink": (lambda x: ops.hardshrink(x, 0.3), [X]),
+    "ops.fast_gelu": (ops.fast_gelu, [X]),
+    "mint.nn.functional.batch_norm": (
+        lambda x, m, v, w, b: mint.nn.functional.batch_norm(x, m * 1, v * 1, w, b, True),
+        [IMG, C4, np.abs(C4) + 0.5, C4, C4], _batch_norm_np),
+    "mint.nn.functional.group_norm": (lambda x: mint.nn.functional.group_norm(x, 4), [IMG]),
+    "mint.nn.functional.interpolate": (
+        lambda x: mint.nn.functional.interpolate(x, size=(7, 3), mode="bilinear"), [IMG],
+        lambda x: ops.interpolate(Tensor(x), size=(7, 3), mode="bilinear").asnumpy()),
+    "mint.nn.functional.leaky_relu": (lambda x: mint.nn.functional.leaky_relu(x, 0.2), [X],
+                                      lambda x: np.where(x > 0, x, 0.2 * x)),
+    "mint.nn.functional.relu6": (lambda x: mint.nn.functional.relu6(x * 4), [X],
+                                 lambda x: np.clip(x * 4, 0, 6)),
+})
+
+
 def _index_add_np(x, y):
     out = x.copy()
     np.add.at(out, ROWS, y[:3])
@@ -342,6 +386,9 @@ def _index_add_np(x, y):
 
 
 METHOD_CASES.update({
+    "tensor_split": (lambda x: x.tensor_split(3, 1), [X]),
+    "tensor_split:indices": (lambda x: x.tensor_split((1, 3), axis=0), [X]),
+    "tensor_split:backwards": (lambda x: x.tensor_split((5, -6), axis=-1), [X]),
     "__floordiv__": (lambda x: x // 0.7, [X]),
     "__floordiv__:tensor_left": (lambda x: XT // x, [POS]),
     "__rfloordiv__": (lambda x: 3.0 // x, [POS]),
@@ -421,6 +468,20 @@ CELL_CASES.update({
     "nn.SeLU": (lambda: nn.SeLU(), [X]),
     "nn.BCEWithLogitsLoss": (lambda: nn.BCEWithLogitsLoss(), [X, (Y > 0).astype(np.float32)]),
     "nn.SmoothL1Loss": (lambda: nn.SmoothL1Loss(), [X, Y]),
+})
+
+
+CELL_CASES.update({
+    "nn.BatchNorm2d": (lambda: nn.BatchNorm2d(4), [IMG]),
+    "nn.BatchNorm1d": (lambda: nn.BatchNorm1d(8), [X]),
+    "nn.GroupNorm": (lambda: nn.GroupNorm(2, 4), [IMG]),
+    "nn.Upsample": (lambda: nn.Upsample(size=(9, 9), mode="nearest"), [IMG]),
+    "nn.ReLU6": (lambda: nn.ReLU6(), [X]),
+    "nn.MultiheadAttention": (lambda: nn.MultiheadAttention(8, 2, batch_first=True),
+                              [X3, X3, X3]),
+    "nn.TransformerEncoderLayer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0,
+                                                                      batch_first=True),
+                                   [X3]),
 })
 
 

@@ -130,6 +130,56 @@ def selu(x: ArrayLike) -> Float[Array, "*shape"]:
     return mul(elu(x, _SELU_ALPHA), _SELU_SCALE)
 
 
+def relu6(x: ArrayLike) -> Float[Array, "*shape"]:
+    """``min(max(x, 0), 6)``."""
+    return clamp(_float(x), 0.0, 6.0)
+
+
+def hardtanh(x: ArrayLike, min_val: float = -1.0, max_val: float = 1.0) -> Float[Array, "*shape"]:
+    """``x`` clamped to ``[min_val, max_val]``."""
+    return clamp(_float(x), float(min_val), float(max_val))
+
+
+def leaky_relu(x: ArrayLike, negative_slope: float = 0.01) -> Float[Array, "*shape"]:
+    """``x`` where ``x > 0``, else ``negative_slope * x``."""
+    x = _float(x)
+    return where(greater(x, 0.0), x, mul(x, float(negative_slope)))
+
+
+def softsign(x: ArrayLike) -> Float[Array, "*shape"]:
+    """``x / (1 + |x|)``."""
+    x = _float(x)
+    return div(x, add(abs(x), 1.0))
+
+
+def celu(x: ArrayLike, alpha: float = 1.0) -> Float[Array, "*shape"]:
+    """``max(0, x) + min(0, alpha * (exp(x / alpha) - 1))``."""
+    x = _float(x)
+    alpha = float(alpha)
+    return where(greater(x, 0.0), x, mul(expm1(div(x, alpha)), alpha))
+
+
+def softshrink(x: ArrayLike, lambd: float = 0.5) -> Float[Array, "*shape"]:
+    """``x - lambd`` above ``lambd``, ``x + lambd`` below ``-lambd``, else 0."""
+    x = _float(x)
+    lambd = float(lambd)
+    return where(greater(x, lambd), sub(x, lambd),
+                 where(less(x, -lambd), add(x, lambd), mul(x, 0.0)))
+
+
+def hardshrink(x: ArrayLike, lambd: float = 0.5) -> Float[Array, "*shape"]:
+    """``x`` where ``|x| > lambd``, else 0."""
+    x = _float(x)
+    return where(greater(abs(x), float(lambd)), x, mul(x, 0.0))
+
+
+def fast_gelu(x: ArrayLike) -> Float[Array, "*shape"]:
+    """MindSpore's FastGeLU: ``x / (1 + exp(-1.702 |x|)) * exp(0.851 (x - |x|))``."""
+    x = _float(x)
+    ax = abs(x)
+    return mul(div(x, add(exp(mul(ax, -1.702)), 1.0)), exp(mul(sub(x, ax), 0.851)))
+
+
 def prelu(x: ArrayLike, weight: ArrayLike) -> Float[Array, "*shape"]:
     """``x`` where ``x > 0``, else ``weight * x``; ``weight`` has one entry per channel
     (dimension 1; the last dimension of a 1-D ``x``) or a single entry."""

@@ -184,6 +184,14 @@ class MsFunction:
         return out
 
     @property
+    def has_effect(self) -> bool:
+        """The op writes into an operand (MindSpore's ``side_effect_mem``: ``Assign``,
+        ``BatchNorm`` in training mode): dead-code elimination keeps it."""
+        attrs = getattr(self.call.fn, "attrs", None)
+        return not self.derivs and isinstance(attrs, dict) and bool(
+            attrs.get("side_effect_mem"))
+
+    @property
     def float_outs(self) -> tuple:
         return tuple(i for i, a in enumerate(self.out_avals) if dtypes.is_float(a.dtype))
 
@@ -655,6 +663,15 @@ _warned: set = set()  # (op, what) already warned about, once per process
 
 def _batching_rule(args, dims, *, fn: MsFunction):
     size = batch_size(args, dims)
+    if fn.has_effect and any(d is None for d in dims):
+        # One tensor, one write per call: vmap's examples would each write their own
+        # value into it (MindSpore's Assign rule refuses too).
+        raise UnsupportedOpError(
+            f"the MindSpore op {fn.call.name} writes into an operand that is the same for "
+            "every example of vmap (BatchNorm's moving statistics in training mode), and "
+            "each example would write its own value into it.\nFix: under vmap, call the "
+            "layer in inference mode (cell.set_train(False)), or call it outside vmap; "
+            "fs.ops.batch_norm returns the new statistics instead of writing them.")
     try:
         vfn = fn.derive("vmap", (tuple(dims), size))
     except _NoBatchingRule:
@@ -743,3 +760,15 @@ def ms_call(name: str, fn, args: tuple, kwargs: dict):
     f = _make(call, (), None, in_avals)
     outs = ms_op_p.bind(*operands, fn=f)
     return tuple(outs) if f.is_seq else outs[0]
+
+
+_ASSIGN = ops.Assign()
+
+
+def assign(variable, value):
+    """Write ``value`` into ``variable`` (a Parameter or a tensor passed in) as MindSpore's
+    ``Assign`` does, once per call of the traced function; returns the new value.
+
+    The one effect in fshard's IR: the equation is kept although nothing reads it, and
+    the write happens where the program runs (eagerly, or inside the compiled graph)."""
+    return ms_call("Assign", _ASSIGN, (variable, value), {})

@@ -6,6 +6,7 @@ Composites need no rules of their own: their IR is made of primitives.
 
 from __future__ import annotations
 
+import numpy as np
 from mindspore import ops
 
 from fshard import dtypes
@@ -231,3 +232,282 @@ def softmax_cross_entropy(logits: Float[Array, "n c"], labels: Shaped[Array, "n 
     raise ProgramTypeError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
+
+
+# ---------------------------------------------------------------------------
+# Normalisation layers over the channel axis 1 (MindSpore's NCHW layout): batch,
+# group and RMS norm. Composites: their statistics are reductions, so under fs.shard
+# a split batch (or spatial) dimension leaves the sums pending and the partitioner
+# all-reduces them (SyncBatchNorm's statistics), and a split channel needs nothing.
+# ---------------------------------------------------------------------------
+
+
+def _channel_shaped(v, nd: int):
+    """A (C,) per-channel vector as (1, C, 1, ...) to broadcast against (N, C, ...)."""
+    c = typeof(v).shape[0]
+    return reshape(v, (1, c) + (1,) * (nd - 2))
+
+
+def _check_channels(what: str, x, params: dict) -> int:
+    a = typeof(x)
+    if a.ndim < 2:
+        raise ShapeError(f"{what}(x=...) needs an input of shape (N, C, ...), got {a}.\n"
+                         "Fix: add the batch dimension, e.g. x[None].")
+    c = a.shape[1]
+    for name, v in params.items():
+        if v is not None and tuple(typeof(v).shape) != (c,):
+            raise ShapeError(f"{what}({name}=...) must have shape ({c},) (one entry per "
+                             f"channel of x: {a}), got {typeof(v)}.")
+    return c
+
+
+def _affine(y, weight, bias, nd: int):
+    from fshard.primitives.elementwise import add
+
+    if weight is not None:
+        y = mul(y, _channel_shaped(weight, nd))
+    if bias is not None:
+        y = add(y, _channel_shaped(bias, nd))
+    return y
+
+
+def batch_norm(x: Float[Array, "n c *spatial"], running_mean: Float[Array, "c"],
+               running_var: Float[Array, "c"], weight=None, bias=None, training: bool = False,
+               momentum: float = 0.1, eps: float = 1e-5) -> tuple:
+    """Batch normalisation over axis 1 of ``x`` (N, C, ...), as ``mindspore.ops.batch_norm``.
+
+    Returns ``(y, new_running_mean, new_running_var)``. In training mode ``y`` uses the
+    batch's statistics (mean and biased variance over every axis but 1) and the
+    running statistics move towards them: ``new = (1 - momentum) * running + momentum *
+    batch``, with the unbiased batch variance (MindSpore's convention; ``nn.BatchNorm2d``'s
+    ``momentum=0.9`` is ``1 - momentum`` here). In inference mode ``y`` uses the running
+    statistics, which are returned unchanged. The new statistics carry no gradient.
+
+    >>> import numpy as np, fshard as fs
+    >>> x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    >>> y, m, v = fs.ops.batch_norm(x, np.zeros(2, np.float32), np.ones(2, np.float32),
+    ...                             training=True)
+    >>> print(m.asnumpy(), v.asnumpy())
+    [0.3 0.4] [1.5666666 1.5666666]
+    """
+    return batch_norm_parts(x, running_mean, running_var, weight, bias, training, momentum,
+                            eps)[:3]
+
+
+def batch_norm_parts(x, running_mean, running_var, weight=None, bias=None,
+                     training: bool = False, momentum: float = 0.1, eps: float = 1e-5) -> tuple:
+    """``batch_norm``'s ``(y, new_mean, new_var, batch_mean, batch_var)``: the batch's own
+    mean and biased variance too (MindSpore's BatchNorm returns them), from the same
+    equations as ``y`` (in inference mode: the running statistics)."""
+    from fshard.primitives.elementwise import add
+    from fshard.primitives.structural import stop_gradient
+
+    c = _check_channels("batch_norm", x, {"running_mean": running_mean,
+                                          "running_var": running_var, "weight": weight,
+                                          "bias": bias})
+    a = typeof(x)
+    nd = a.ndim
+    if not training:
+        scale = rsqrt(add(running_var, float(eps)))
+        y = mul(sub(x, _channel_shaped(running_mean, nd)), _channel_shaped(scale, nd))
+        return (_affine(y, weight, bias, nd), running_mean, running_var, running_mean,
+                running_var)
+    axes = (0,) + tuple(range(2, nd))
+    n = 1
+    for i in axes:
+        n *= a.shape[i]
+    mu = mean(x, axes, keepdims=True)
+    xc = sub(x, mu)
+    var = mean(mul(xc, xc), axes, keepdims=True)
+    y = _affine(mul(xc, rsqrt(add(var, float(eps)))), weight, bias, nd)
+    m = float(momentum)
+    batch_mean = stop_gradient(reshape(mu, (c,)))
+    batch_var = stop_gradient(reshape(var, (c,)))
+    unbiased = mul(batch_var, n / (n - 1)) if n > 1 else batch_var
+    new_mean = add(mul(stop_gradient(running_mean), 1.0 - m), mul(batch_mean, m))
+    new_var = add(mul(stop_gradient(running_var), 1.0 - m), mul(unbiased, m))
+    return y, new_mean, new_var, batch_mean, batch_var
+
+
+def group_norm(x: Float[Array, "n c *spatial"], num_groups: int, weight=None, bias=None,
+               eps: float = 1e-5) -> Float[Array, "n c *spatial"]:
+    """Group normalisation (``mindspore.ops.group_norm``): the C channels of each example
+    fall into ``num_groups`` groups, each normalised by its own mean and biased variance;
+    ``weight``/``bias`` are per channel.
+
+    >>> import numpy as np, fshard as fs
+    >>> x = np.arange(8, dtype=np.float32).reshape(1, 4, 2)
+    >>> print(fs.ops.group_norm(x, 2).asnumpy().round(3)[0, 0])
+    [-1.342 -0.447]
+    """
+    return group_norm_parts(x, num_groups, weight, bias, eps)[0]
+
+
+def group_norm_parts(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5) -> tuple:
+    """``group_norm``'s ``(y, mean, rstd)``, the statistics of shape (N, num_groups) from
+    the same equations as ``y`` (MindSpore's GroupNorm returns them)."""
+    from fshard.primitives.elementwise import add
+    from fshard.primitives.structural import stop_gradient
+
+    c = _check_channels("group_norm", x, {"weight": weight, "bias": bias})
+    if not isinstance(num_groups, int) or num_groups < 1 or c % num_groups:
+        raise ShapeError(f"group_norm(num_groups={num_groups!r}): the {c} channels of x "
+                         f"({typeof(x)}) must split into num_groups equal groups.\nFix: "
+                         "pass a positive divisor of the channel count.")
+    a = typeof(x)
+    s = tuple(a.shape)
+    g = reshape(x, (s[0], num_groups, c // num_groups) + s[2:])
+    axes = tuple(range(2, len(s) + 1))
+    mu = mean(g, axes, keepdims=True)
+    gc = sub(g, mu)
+    var = mean(mul(gc, gc), axes, keepdims=True)
+    rstd = rsqrt(add(var, float(eps)))
+    y = reshape(mul(gc, rstd), s)
+    stat = (s[0], num_groups)
+    return (_affine(y, weight, bias, a.ndim), stop_gradient(reshape(mu, stat)),
+            stop_gradient(reshape(rstd, stat)))
+
+
+def rms_norm(x: Float[Array, "..."], weight=None, axis: int = -1,
+             eps: float = 1e-6) -> Float[Array, "..."]:
+    """Root-mean-square normalisation over the trailing axes from ``axis`` on:
+    ``x * rsqrt(mean(x**2) + eps) * weight`` (``mindspore.ops.rms_norm``'s first output;
+    ``weight`` has the normalised shape).
+
+    >>> import numpy as np, fshard as fs
+    >>> print(fs.ops.rms_norm(np.array([3.0, 4.0], np.float32), eps=0.0).asnumpy())
+    [0.84852815 1.1313709 ]
+    """
+    from fshard.primitives.elementwise import add
+
+    nd = typeof(x).ndim
+    axes = tuple(range(_norm_axis(axis, nd), nd))
+    y = mul(x, rsqrt(add(mean(mul(x, x), axes, keepdims=True), float(eps))))
+    return y if weight is None else mul(y, weight)
+
+
+# ---------------------------------------------------------------------------
+# interpolate: resizing the spatial axes (2 on) of (N, C, ...). Separable: each axis is
+# a gather of static indices (nearest) or of two neighbours blended with static weights
+# (linear), so batching, derivatives (gather's transpose is scatter_add) and sharding
+# (over N and C) are those of gather, mul and add.
+# ---------------------------------------------------------------------------
+
+#: How a destination index maps to a source coordinate: MindSpore's ResizeNearestNeighborV2
+#: and ResizeBilinearV2 attributes (align_corners, half_pixel_centers) and the mint
+#: (PyTorch) convention, which is half_pixel for linear and asymmetric for nearest.
+_COORDS = ("asymmetric", "half_pixel", "align_corners")
+
+
+def _source_coords(n_in: int, n_out: int, coords: str, ratio) -> np.ndarray:
+    d = np.arange(n_out, dtype=np.float64)
+    if coords == "align_corners":
+        return d * ((n_in - 1) / (n_out - 1) if n_out > 1 else 0.0)
+    r = n_in / n_out if ratio is None else ratio
+    return (d + 0.5) * r - 0.5 if coords == "half_pixel" else d * r
+
+
+def _resize_axis(x, axis: int, n_out: int, mode: str, coords: str, ratio=None):
+    from fshard.primitives.elementwise import add
+    from fshard.primitives.structural import gather
+
+    n_in = typeof(x).shape[axis]
+    if n_in == n_out and ratio in (None, 1.0):
+        return x
+    src = _source_coords(n_in, n_out, coords, ratio)
+    if mode == "nearest":
+        if coords == "align_corners":
+            idx = np.round(src)
+        elif coords == "half_pixel":  # ResizeNearestNeighborV2(half_pixel_centers=True)
+            idx = np.floor(src + 0.5)
+        else:
+            idx = np.floor(src)
+        idx = np.clip(idx, 0, n_in - 1).astype(np.int32)
+        return gather(x, idx, axis)
+    src = np.clip(src, 0.0, n_in - 1)
+    i0 = np.floor(src).astype(np.int32)
+    i1 = np.minimum(i0 + 1, n_in - 1).astype(np.int32)
+    w1 = (src - i0).astype(dtypes.to_numpy(typeof(x).dtype))
+    shape = [1] * typeof(x).ndim
+    shape[axis] = n_out
+    w1 = w1.reshape(shape)
+    return add(mul(gather(x, i0, axis), 1 - w1), mul(gather(x, i1, axis), w1))
+
+
+def interpolate(x: Float[Array, "n c *spatial"], size, mode: str = "nearest",
+                coords: str | None = None, ratios=None) -> Float[Array, "n c *out"]:
+    """Resize the spatial axes (2 on) of ``x`` to ``size`` (one entry per spatial axis).
+
+    ``mode`` is ``"nearest"`` or ``"linear"`` (``"bilinear"``, ``"trilinear"``: linear
+    along each axis). ``coords`` maps a destination index to a source coordinate:
+    ``"asymmetric"`` (``dst * in / out``; the default for nearest, as
+    ``mindspore.ops.interpolate``), ``"half_pixel"`` (``(dst + 0.5) * in / out - 0.5``;
+    the default for linear) or ``"align_corners"``. ``ratios`` overrides ``in / out`` per
+    axis (a given ``scale_factor`` is ``1 / scale_factor``).
+
+    >>> import numpy as np, fshard as fs
+    >>> x = np.arange(4, dtype=np.float32).reshape(1, 1, 2, 2)
+    >>> print(fs.ops.interpolate(x, (3, 3), "linear", "align_corners").asnumpy()[0, 0])
+    [[0.  0.5 1. ]
+     [1.  1.5 2. ]
+     [2.  2.5 3. ]]
+    """
+    a = typeof(x)
+    size = (size,) * (a.ndim - 2) if isinstance(size, int) else tuple(int(s) for s in size)
+    linear = {"nearest": False, "linear": True, "bilinear": True, "trilinear": True}.get(mode)
+    if linear is None:
+        raise ProgramTypeError(f"interpolate(mode={mode!r}): fshard computes 'nearest' and "
+                               "'linear'/'bilinear'/'trilinear'.\nFix: use one of them (other "
+                               "modes of mindspore.ops.interpolate take the generic path).")
+    coords = coords or ("half_pixel" if linear else "asymmetric")
+    if coords not in _COORDS:
+        raise ProgramTypeError(f"interpolate(coords={coords!r}) must be one of {_COORDS}.")
+    if a.ndim < 3 or len(size) != a.ndim - 2 or any(s < 1 for s in size):
+        raise ShapeError(f"interpolate(size={size}): x ({a}) needs one positive output size "
+                         "per spatial axis (its axes 2 on).")
+    ratios = (None,) * len(size) if ratios is None else tuple(ratios)
+    for i, (n, r) in enumerate(zip(size, ratios)):
+        x = _resize_axis(x, i + 2, n, "linear" if linear else "nearest", coords, r)
+    return x
+
+
+def scaled_dot_product_attention(query: Float[Array, "*b l d"], key: Float[Array, "*b s d"],
+                                 value: Float[Array, "*b s e"], attn_mask=None,
+                                 is_causal: bool = False,
+                                 scale: float | None = None) -> Float[Array, "*b l e"]:
+    """``softmax(query @ key^T * scale + mask) @ value`` over the leading (batch, head)
+    axes; ``scale`` defaults to ``1/sqrt(d)``. ``attn_mask`` is boolean (True: attend) or
+    added to the scores; ``is_causal`` masks the keys after each query.
+
+    Every equation keeps the leading axes, so under ``fs.shard`` a split of the head axis
+    (Megatron's attention) needs no communication inside attention.
+
+    >>> import numpy as np, fshard as fs
+    >>> q = np.ones((1, 2, 4), np.float32)
+    >>> v = np.arange(8, dtype=np.float32).reshape(1, 2, 4)
+    >>> print(fs.ops.scaled_dot_product_attention(q, q, v, is_causal=True).asnumpy()[0])
+    [[0. 1. 2. 3.]
+     [2. 3. 4. 5.]]
+    """
+    from fshard.primitives.elementwise import add, where
+    from fshard.primitives.linalg import matmul
+
+    qa, ka = typeof(query), typeof(key)
+    if qa.ndim < 2 or ka.ndim != qa.ndim or typeof(value).ndim != qa.ndim or \
+            qa.shape[-1] != ka.shape[-1] or ka.shape[-2] != typeof(value).shape[-2]:
+        raise ShapeError(
+            f"scaled_dot_product_attention(query={qa}, key={ka}, value={typeof(value)}): "
+            "needs (..., L, D) queries, (..., S, D) keys and (..., S, E) values of one rank.")
+    d = qa.shape[-1]
+    s = matmul(query, key, transpose_b=True)
+    s = mul(s, float(1.0 / np.sqrt(d) if scale is None else scale))
+    if is_causal:
+        L, S = qa.shape[-2], ka.shape[-2]
+        keep = np.tril(np.ones((L, S), bool))
+        s = where(keep, s, float("-inf"))
+    if attn_mask is not None:
+        if typeof(attn_mask).dtype == dtypes.bool_:
+            s = where(attn_mask, s, float("-inf"))
+        else:
+            s = add(s, attn_mask)
+    return matmul(softmax(s, -1), value)

@@ -904,3 +904,19 @@ def cell_first_call_checks(cell) -> None:
             c._self_check()
     if not getattr(cell, "_init_flag", True):
         cell._init_check()
+
+
+def conv2d_backprop_filter_class():
+    """MindSpore's ``Conv2DBackpropFilter`` primitive class (its module, ``_grad_ops``,
+    is private): the weight gradient of a 2-D convolution."""
+    from mindspore.ops.operations import _grad_ops
+
+    return _grad_ops.Conv2DBackpropFilter
+
+
+def optimizer_lr_classes() -> tuple:
+    """The private classes ``nn.Optimizer`` wraps a learning rate in:
+    ``(a number in a group of dynamic learning rates, a list of per-step values)``."""
+    from mindspore.nn.optim.optimizer import _ConvertToCell, _IteratorLearningRate
+
+    return _ConvertToCell, _IteratorLearningRate

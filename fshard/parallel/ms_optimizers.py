@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from fshard import optim
+from fshard.backend import mindspore as backend
 from fshard.errors import ArgumentError
 
 __all__ = ["from_mindspore", "is_mindspore_optimizer", "lr_steps"]
@@ -66,7 +67,7 @@ def _lr_schedule(opt, lr):
     ``global_step``, 0 for the first update)."""
     from mindspore import Parameter, Tensor
     from mindspore.nn.learning_rate_schedule import LearningRateSchedule
-    from mindspore.nn.optim.optimizer import _ConvertToCell, _IteratorLearningRate
+    _ConvertToCell, _IteratorLearningRate = backend.optimizer_lr_classes()
 
     if isinstance(lr, _ConvertToCell):  # a number in a group of dynamic learning rates
         lr = lr.learning_rate
@@ -114,7 +115,7 @@ def _cell_schedule(cell):
 def lr_steps(opt) -> int | None:
     """How many steps the MindSpore optimizer's learning-rate lists cover (the
     shortest), or None when its learning rates are numbers or schedules."""
-    from mindspore.nn.optim.optimizer import _IteratorLearningRate
+    _, _IteratorLearningRate = backend.optimizer_lr_classes()
 
     lrs = list(opt.learning_rate) if opt.is_group_lr else [opt.learning_rate]
     sizes = [int(lr.learning_rate.shape[0]) for lr in lrs

@@ -34,10 +34,10 @@ from __future__ import annotations
 import numpy as np
 from mindspore import dtype as mstype
 from mindspore import ops
-from mindspore.ops.operations import _grad_ops
 
 from fshard import dtypes
-from fshard.array_types import Array, Float
+from fshard.backend.mindspore import conv2d_backprop_filter_class
+from fshard.array_types import Array, Float, Int
 from fshard.core import ArrayType, typeof
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
 from fshard.factors import FactorSpec
@@ -60,6 +60,9 @@ from fshard.primitives.structural import concat, pad, slice_array
 from fshard.rules import batching, jvp, sharding, transpose, unsupported
 
 FAMILY = "conv"
+
+# MindSpore's weight-gradient kernel (a private class, named once here)
+Conv2DBackpropFilter = conv2d_backprop_filter_class()
 
 # ---------------------------------------------------------------------------
 # Shapes
@@ -126,7 +129,7 @@ def _ms_conv_input_grad(ct, w, stride, padding, dilation, groups, input_shape):
 
 def _ms_conv_filter_grad(x, ct, stride, padding, dilation, groups, kernel_shape):
     p = (padding[0][0], padding[0][1], padding[1][0], padding[1][1])
-    return _grad_ops.Conv2DBackpropFilter(
+    return Conv2DBackpropFilter(
         kernel_shape[0], (kernel_shape[2], kernel_shape[3]), pad_mode="pad", pad=p,
         pad_list=p, stride=stride, dilation=dilation, group=groups)(ct, x, kernel_shape)
 
@@ -968,7 +971,9 @@ def max_pool2d(x: Float[Array, "n c h w"], kernel_size, stride=None, padding=0,
     return max_pool2d_p.bind(x, kernel=kernel, stride=stride, padding=pads)
 
 
-def max_pool2d_with_indices(x, kernel_size, stride=None, padding=0, ceil_mode=False):
+def max_pool2d_with_indices(x: Float[Array, "n c h w"], kernel_size, stride=None, padding=0,
+                            ceil_mode: bool = False
+                            ) -> tuple[Float[Array, "n c ho wo"], Int[Array, "n c ho wo"]]:
     """``max_pool2d`` and, for each output, the flat index (h * W + w) in its (H, W)
     input plane of the value it took."""
     kernel, stride, pads, _ = _pool_args("max_pool2d", x, kernel_size, stride, padding,

@@ -102,12 +102,7 @@ def _local_seconds(problem: Problem, held: dict, i: int, cand, model: CostModel
         versions = held.get(a, (req,))
         if req in versions or (a, req) in done:
             continue
-        best = None
-        for s in versions:
-            if req.partial <= s.partial:
-                info = problem._plan(a, s, req)
-                if best is None or info[:2] < best[:2]:
-                    best = info
+        best = problem.cheapest_move(a, versions, req)
         if best is None:
             return None
         total += best[6]

@@ -266,6 +266,18 @@ class Problem:
                                          * itemsize)
         return b
 
+    def cheapest_move(self, v, versions, dst: Sharding) -> tuple | None:
+        """The cheapest ``_plan`` of bringing ``v``, held in each of the layouts
+        ``versions``, to ``dst`` (fewest bytes, then fewest steps); None if no version
+        can get there (a move cannot add a pending sum)."""
+        best = None
+        for src in versions:
+            if dst.partial <= src.partial:
+                info = self._plan(v, src, dst)
+                if best is None or info[:2] < best[:2]:
+                    best = info
+        return best
+
     def _plan(self, v, src: Sharding, dst: Sharding) -> tuple:
         """``(bytes sent, steps, collectives, transient bytes, only psums, layouts passed
         through, seconds)`` of moving ``v``: ``sharding.redistribution``, the one cost of
@@ -300,12 +312,7 @@ class Problem:
         versions = st.held[v]
         if req in versions:
             return True
-        best = None
-        for s in versions:
-            if req.partial <= s.partial:
-                info = self._plan(v, s, req)
-                if best is None or info[:2] < best[:2]:
-                    best = info
+        best = self.cheapest_move(v, versions, req)
         if best is None:
             return False
         sent, _, ncoll, transient, only_psum, passed, seconds = best
@@ -472,12 +479,7 @@ class Problem:
             versions = (fresh[a],) if a in fresh else st.held[a]
             if req in versions or (a, req) in done:
                 continue
-            best = None
-            for s in versions:
-                if req.partial <= s.partial:
-                    info = self._plan(a, s, req)
-                    if best is None or info[:2] < best[:2]:
-                        best = info
+            best = self.cheapest_move(a, versions, req)
             if best is None:
                 return None
             sent += best[0]

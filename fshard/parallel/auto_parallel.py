@@ -53,12 +53,14 @@ from fshard.core import Tracer, typeof
 from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
 from fshard.interop import check_context_mode, context_dataset_strategy, context_mesh
+from fshard.ir import Program
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import Optimizer, apply_updates
 from fshard.parallel.ms_optimizers import from_mindspore, is_mindspore_optimizer
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
+from fshard.primitives import collectives as C
 from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import Sharding
 from fshard.sharding.local import ShardedArray, gather_sharded
@@ -173,11 +175,16 @@ class AutoParallel:
         self._hsdp = None  # (shard_size, threshold_bytes, level)
         self._fusion = None  # bucket bytes
         self._fixed_params = None  # loaded parameter strategies
+        self._fixed_only_trainable = False  # the loaded file lists trainable ones only
         self._pipeline = None  # a PipelineRunner once pipeline(stages > 1) is set
         self._fp32_comm = False  # enable_fp32_communication
         self._gradient_fp32_sync = True  # MindSpore's default; disable_gradient_fp32_sync
         self._local_norm = (False, None)  # (print, dump directory)
         self._batch_specs = None  # declared batch input shapes (set_inputs)
+        # Files MindSpore writes when the step is first compiled: kind ("param",
+        # "operator", "groups") -> path, each written once after it is set.
+        self._files: dict = {}
+        self._only_trainable = True  # MindSpore's default for the parameter strategy file
         if in_shapes is not None:
             if not isinstance(in_shapes, (tuple, list)):
                 raise ArgumentError(
@@ -667,6 +674,8 @@ class AutoParallel:
         paths, leaves, spec = tree.flatten_with_path(params)
         if self._fixed_params is not None:
             names = {_name(p) for p in paths}
+            if self._fixed_only_trainable:  # the file lists the trainable ones
+                names -= self._frozen()
             if set(self._fixed_params) != names:
                 raise ShardingError(
                     f"AutoParallel({self.name}): the parameter strategy file "
@@ -935,6 +944,8 @@ class AutoParallel:
         self._need_optimizer()
         if self._pipeline is not None:
             return self._pipeline(state, *batch)
+        if self._files:
+            self._write_files(state, batch)
         if self._feeds_slices():
             check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
                               f"AutoParallel({self.name})")
@@ -1064,17 +1075,80 @@ class AutoParallel:
         shs = _arg_shardings(part, (state, batch))[:len(leaves)]
         return tree.unflatten(spec, [tuple(sh.strategy(mesh)) for sh in shs])
 
-    def save_param_strategy_file(self, path, state: TrainState, *batch) -> dict:
+    def save_param_strategy_file(self, path, state: TrainState | None = None,
+                                 *batch) -> dict | "AutoParallel":
         """Write each parameter's strategy (split counts), keyed by parameter name, to
-        ``path`` as JSON, atomically."""
+        ``path`` as JSON, atomically. Only the trainable parameters are listed (as in
+        MindSpore) unless ``disable_strategy_file_only_for_trainable_params()`` was
+        called. With ``path`` alone (MindSpore's form) the file is written when the
+        step is first compiled (its first call) and the AutoParallel is returned."""
+        if state is None:
+            return self._defer("param", "save_param_strategy_file", path, batch)
         part = self.partitioned(state, *batch)
         mesh = part.prop.mesh
         paths, _, _ = tree.flatten_with_path(state.params)
         shs = _arg_shardings(part, (state, batch))[:len(paths)]
+        fixed = self._frozen() if self._only_trainable else set()
         data = {"format": "fshard-param-strategy", "devices": mesh.size,
-                "params": {_name(p): list(sh.strategy(mesh)) for p, sh in zip(paths, shs)}}
+                "only_trainable": self._only_trainable,
+                "params": {_name(p): list(sh.strategy(mesh)) for p, sh in zip(paths, shs)
+                           if _name(p) not in fixed}}
         _write_json(path, data)
         return data
+
+    def disable_strategy_file_only_for_trainable_params(self) -> "AutoParallel":
+        """The parameter strategy file (``save_param_strategy_file``) also lists the
+        non-trainable parameters (``requires_grad=False``), and a loaded file must
+        list them too; by default, as in MindSpore, only the trainable ones."""
+        self._only_trainable = False
+        return self
+
+    def set_group_ckpt_save_file(self, path) -> "AutoParallel":
+        """When the step is first compiled, write the communication groups its
+        per-device program uses to ``path`` as JSON, atomically: for this process's
+        rank (0 on a virtual mesh), each group's name (its mesh axes, joined by
+        ``-``) -> the ranks of the group that contains it, ``{"format":
+        "fshard-comm-groups", "devices": N, "rank": r, "groups": {"m0-m1": [0, 1, 2,
+        3]}}`` (MindSpore's ``set_group_ckpt_save_file``)."""
+        return self._defer("groups", "set_group_ckpt_save_file", path, ())
+
+    def save_group_file(self, path, state: TrainState, *batch) -> dict:
+        """Write the file of ``set_group_ckpt_save_file`` now, for this step."""
+        part = self.partitioned(state, *batch)
+        mesh, rank = part.prop.mesh, distributed.rank()
+        groups = {}
+        for axes in _collective_axes(part.program):
+            idx = [mesh.names.index(a) for a in axes]
+            group = next(g for g in mesh.groups(idx) if rank in g)
+            groups["-".join(axes)] = [int(r) for r in group]
+        data = {"format": "fshard-comm-groups", "devices": mesh.size, "rank": rank,
+                "groups": groups}
+        write_json_atomic(path, data, "communication group file")
+        return data
+
+    def _defer(self, kind: str, method: str, path, batch) -> "AutoParallel":
+        """Remember a file to write when the step is first compiled."""
+        if batch:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).{method}(path, state, *batch) needs the "
+                f"state first; got {len(batch)} more arguments with state None.\nFix: "
+                f"{method}(path) alone (written at the first step) or "
+                f"{method}(path, state, *batch) (written now).")
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArgumentError(
+                f"AutoParallel({self.name}).{method}(path): path must be a file path (str "
+                f"or os.PathLike); got {type(path).__name__} {path!r}.")
+        self._files[kind] = os.fspath(path)
+        return self
+
+    def _write_files(self, state: TrainState, batch) -> None:
+        """Write the files set by path alone, at the first step that compiles."""
+        write = {"param": self.save_param_strategy_file,
+                 "operator": self.save_operator_strategy_file,
+                 "groups": self.save_group_file}
+        files, self._files = self._files, {}
+        for kind, path in files.items():
+            write[kind](path, state, *batch)
 
     def load_param_strategy_file(self, path) -> "AutoParallel":
         """Use the parameter strategies of a file written by
@@ -1085,13 +1159,19 @@ class AutoParallel:
                 f"load_param_strategy_file({path!r}): the file was written for "
                 f"{data.get('devices')} devices, this AutoParallel has {self.n_devices}.")
         self._fixed_params = data["params"]
+        # (files written before the flag existed list every parameter)
+        self._fixed_only_trainable = bool(data.get("only_trainable", False))
         self._param_file = str(path)
         self._steps.clear()
         return self
 
-    def save_operator_strategy_file(self, path, state: TrainState, *batch) -> dict:
+    def save_operator_strategy_file(self, path, state: TrainState | None = None,
+                                    *batch) -> dict | "AutoParallel":
         """Write the strategy of every equation of the step (``fs.shard``'s strategy
-        file) to ``path``."""
+        file) to ``path``; with ``path`` alone (MindSpore's form), when the step is
+        first compiled."""
+        if state is None:
+            return self._defer("operator", "save_operator_strategy_file", path, batch)
         batch = self._plan_batch(batch)
         s, _ = self._sharded(state, batch)
         return s.save_strategies(path, state.params, state.opt_state, state.step, *batch)
@@ -1153,6 +1233,23 @@ def _name(path) -> str:
     """A parameter's name from its key path: ``'dense1.weight'`` for a Cell's dict
     key, ``'w1'`` for ``{'w1': ...}``, ``'0.w'`` for ``[{'w': ...}]``."""
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _collective_axes(program) -> list:
+    """The mesh axes (a tuple of names) of each distinct collective of a per-device
+    program, in order of first use, inside loops' bodies and conds' branches too."""
+    out: list = []
+    for eq in program.equations:
+        if eq.prim in C.COLLECTIVES:
+            axes = eq.params.get("axis_name")
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            if axes and axes not in out:
+                out.append(axes)
+        for v in eq.params.values():
+            for sub in (v if isinstance(v, tuple) else (v,)):
+                if isinstance(sub, Program):
+                    out += [a for a in _collective_axes(sub) if a not in out]
+    return out
 
 
 def _write_json(path, data) -> None:

@@ -1015,7 +1015,11 @@ class PipelineRunner:
                          ("enable_fp32_communication()", ap._fp32_comm),
                          ("print_local_norm() / dump_local_norm()",
                           any(ap._local_norm)),
-                         ("set_inputs(...)", ap._batch_specs is not None)):
+                         ("set_inputs(...)", ap._batch_specs is not None),
+                         ("a strategy or group file to write at the first step "
+                          "(save_param_strategy_file(path), save_operator_strategy_file"
+                          "(path), set_group_ckpt_save_file(path): a pipelined step is "
+                          "not one sharded program)", bool(ap._files))):
             if on:
                 raise ArgumentError(
                     f"AutoParallel({ap.name}): pipeline(...) cannot be combined with {what} "

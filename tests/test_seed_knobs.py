@@ -1,0 +1,123 @@
+"""MindSpore's AutoParallel file knobs as seed 001 writes them: the strategy and group
+files set by path alone before training (written when the step is first compiled),
+the non-trainable parameters in the strategy file, and their refusal with a pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import nn
+
+import fshard as fs
+
+
+def mse(p, x, y):
+    return ((x @ p["w"] - y) ** 2).mean()
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    y = rng.standard_normal((8, 2)).astype(np.float32)
+    return {"w": np.zeros((4, 2), np.float32)}, x, y
+
+
+class Net(nn.Cell):
+    """A Dense layer and a frozen scale (requires_grad=False)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Dense(4, 2)
+        self.scale = ms.Parameter(ms.Tensor(np.ones((2,), np.float32)), name="scale",
+                                  requires_grad=False)
+
+    def construct(self, x, y):
+        return (((self.dense(x) * self.scale) - y) ** 2).mean()
+
+
+def test_files_set_by_path_alone_are_written_at_the_first_step(tmp_path):
+    params, x, y = _data()
+    ap = fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=4).parameter_plan({"w": (1, 2)})
+    got = (ap.save_param_strategy_file(str(tmp_path / "p.json"))
+           .save_operator_strategy_file(tmp_path / "op.json")
+           .set_group_ckpt_save_file(str(tmp_path / "g.ckpt")))
+    assert got is ap and not list(tmp_path.iterdir())  # nothing before the step
+    state = ap.init(params)
+    state, _ = ap(state, x, y)
+    # the same contents as the explicit form, written now
+    deferred = json.loads((tmp_path / "p.json").read_text())
+    assert deferred == ap.save_param_strategy_file(tmp_path / "now.json", state, x, y)
+    assert deferred["params"] == {"w": [1, 2]}
+    ops = json.loads((tmp_path / "op.json").read_text())
+    assert ops == json.loads(json.dumps(
+        ap.save_operator_strategy_file(tmp_path / "op2.json", state, x, y)))
+    groups = json.loads((tmp_path / "g.ckpt").read_text())
+    assert groups["format"] == "fshard-comm-groups" and groups["devices"] == 4
+    assert groups["rank"] == 0
+    # rank 0's groups, each a list of ranks holding 0, over the program's mesh axes
+    assert groups["groups"] and all(0 in r and len(r) > 1 for r in groups["groups"].values())
+    assert max(len(r) for r in groups["groups"].values()) == 4  # the loss's AllReduce
+    # written once: a later step does not rewrite them
+    (tmp_path / "p.json").unlink()
+    ap(state, x, y)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_group_file_lists_each_collectives_group_of_this_rank(tmp_path):
+    params, x, y = _data()
+    ap = fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=fs.Mesh((2, 2), ("dp", "mp")))
+    ap.dataset_strategy(((2, 1), (2, 1))).parameter_plan({"w": (1, 2)})
+    state = ap.init(params)
+    data = ap.save_group_file(tmp_path / "g.json", state, x, y)
+    assert data == json.loads((tmp_path / "g.json").read_text())
+    # the plan's mesh axes m0 (dp: ranks 0 and 2 differ) and m1 (mp: 0 and 1 differ);
+    # the loss's sum over both, the column-split output gathered over mp
+    assert data["groups"] == {"m0-m1": [0, 1, 2, 3], "m1": [0, 1]}
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda ap: ap.save_param_strategy_file(3), "file path"),
+    (lambda ap: ap.set_group_ckpt_save_file(None), "file path"),
+    (lambda ap: ap.save_param_strategy_file("p.json", None, np.ones(2)), "needs the state"),
+])
+def test_file_knob_misuse_is_refused(call, match):
+    with pytest.raises(fs.ArgumentError, match=match):
+        call(fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=2))
+
+
+def test_strategy_file_lists_trainable_parameters_unless_disabled(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    y = rng.standard_normal((8, 2)).astype(np.float32)
+    ap = fs.AutoParallel(Net(), fs.optim.sgd(0.1), mesh=2)
+    state = ap.init()
+    only = ap.save_param_strategy_file(tmp_path / "t.json", state, x, y)
+    assert sorted(only["params"]) == ["dense.bias", "dense.weight"]  # MindSpore's default
+    ap.disable_strategy_file_only_for_trainable_params()
+    every = ap.save_param_strategy_file(tmp_path / "a.json", state, x, y)
+    assert sorted(every["params"]) == ["dense.bias", "dense.weight", "scale"]
+    assert every["params"]["scale"] == [1]
+    # both files load back into the same model and train
+    for name in ("t.json", "a.json"):
+        again = fs.AutoParallel(Net(), fs.optim.sgd(0.1), mesh=2)
+        again.load_param_strategy_file(tmp_path / name)
+        again(again.init(), x, y)
+
+
+def test_files_set_by_path_alone_are_refused_with_a_pipeline(tmp_path):
+    def loss(p, x, y):
+        h = fs.pipeline_split(x @ p["w1"])
+        return ((h @ p["w2"] - y) ** 2).mean()
+
+    rng = np.random.default_rng(2)
+    params = {"w1": rng.standard_normal((4, 4)).astype(np.float32),
+              "w2": rng.standard_normal((4, 2)).astype(np.float32)}
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    y = rng.standard_normal((8, 2)).astype(np.float32)
+    ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=2).pipeline(stages=2)
+    ap.set_group_ckpt_save_file(str(tmp_path / "g.ckpt"))
+    with pytest.raises(fs.ArgumentError, match="set_group_ckpt_save_file.*not one sharded"):
+        ap(ap.init(params), x, y)

@@ -121,3 +121,35 @@ def test_files_set_by_path_alone_are_refused_with_a_pipeline(tmp_path):
     ap.set_group_ckpt_save_file(str(tmp_path / "g.ckpt"))
     with pytest.raises(fs.ArgumentError, match="set_group_ckpt_save_file.*not one sharded"):
         ap(ap.init(params), x, y)
+
+
+def biased(p, x, y):
+    return ((x @ p["w"] + p["b"] - y) ** 2).mean()
+
+
+def test_device_local_norm_is_the_norm_of_the_blocks_each_device_holds(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    params = {"w": rng.standard_normal((4, 2)).astype(np.float32),
+              "b": rng.standard_normal((2,)).astype(np.float32)}
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    y = rng.standard_normal((8, 2)).astype(np.float32)
+    _, grads = fs.value_and_grad(biased)(params, x, y)
+    grads = {k: g.asnumpy().astype(np.float64) for k, g in grads.items()}
+    ap = fs.AutoParallel(biased, fs.optim.sgd(0.1), mesh=4).parameter_plan({"w": (2, 1)})
+    ap.print_local_norm().dump_local_norm(tmp_path / "n").enable_device_local_norm()
+    ap(ap.init(params), x, y)
+    line = json.loads((tmp_path / "n" / "local_norm_rank0.jsonl").read_text())
+    want = {}
+    for r in range(4):  # each device's block of w (its rows) and the whole b
+        rows = slice(*fs.layout.shard_slices((4, 2), (2, 1), r, 4)[0])
+        want[str(r)] = np.sqrt((grads["w"][rows] ** 2).sum() + (grads["b"] ** 2).sum())
+    assert sorted(line["device_norms"]) == ["0", "1", "2", "3"]
+    for r, v in want.items():
+        np.testing.assert_allclose(line["device_norms"][r], v, rtol=1e-5)
+    assert len({round(v, 6) for v in want.values()}) == 2  # two different row blocks
+    assert f"device_local_norm: step 1 device 3: {line['device_norms']['3']:.6g}" in \
+        capsys.readouterr().out
+    # alone it has nothing to add to: refused at the step
+    alone = fs.AutoParallel(biased, fs.optim.sgd(0.1), mesh=4).enable_device_local_norm()
+    with pytest.raises(fs.ArgumentError, match="neither print_local_norm"):
+        alone(alone.init(params), x, y)

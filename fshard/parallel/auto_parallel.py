@@ -54,6 +54,7 @@ from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
 from fshard.interop import check_context_mode, context_dataset_strategy, context_mesh
 from fshard.ir import Program
+from fshard.layout import block_index as strategy_block
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import Optimizer, apply_updates
 from fshard.parallel.ms_optimizers import from_mindspore, is_mindspore_optimizer
@@ -180,6 +181,7 @@ class AutoParallel:
         self._fp32_comm = False  # enable_fp32_communication
         self._gradient_fp32_sync = True  # MindSpore's default; disable_gradient_fp32_sync
         self._local_norm = (False, None)  # (print, dump directory)
+        self._device_norm = False  # enable_device_local_norm
         self._batch_specs = None  # declared batch input shapes (set_inputs)
         # Files MindSpore writes when the step is first compiled: kind ("param",
         # "operator", "groups") -> path, each written once after it is set.
@@ -435,6 +437,15 @@ class AutoParallel:
                 f"{type(path).__name__} {path!r}.")
         self._local_norm = (self._local_norm[0], os.fspath(path))
         self._steps.clear()
+        return self
+
+    def enable_device_local_norm(self) -> "AutoParallel":
+        """With ``print_local_norm()`` or ``dump_local_norm(path)``, also report each
+        device's local norm: the L2 norm of all the gradient blocks that device holds
+        (the blocks of the local norms), as ``device_local_norm: step 3 device 1:
+        0.0456`` and as ``"device_norms": {"0": ..., "1": ...}`` in the dumped line
+        (every device of a virtual mesh; a job's process its own)."""
+        self._device_norm = True
         return self
 
     def pipeline(self, stages: int = 1, output_broadcast: bool = False, interleave: bool = False,
@@ -820,16 +831,21 @@ class AutoParallel:
         train_step.__name__ = f"train_step_{self.name}"
         return train_step
 
+    def _norm_counts(self, path, x) -> tuple:
+        """The split counts cutting a parameter's gradient into the blocks whose norms
+        are reported: the parameter's strategy (at ZeRO level2 and above, the
+        optimizer state's), or whole."""
+        base = self._base(path, x)
+        return (base is not None and self._zero(x, "level2", base)) or (
+            base or self._whole(x))
+
     def _local_norms(self, params, grads) -> dict:
         """Per parameter name, the L2 norms of its gradient's blocks: the gradient cut
-        by the parameter's strategy (at ZeRO level2 and above, the optimizer state's),
-        an array shaped like the split counts."""
+        by ``_norm_counts``, an array shaped like the split counts."""
         paths, leaves, _ = tree.flatten_with_path(params)
         out = {}
         for p, x, g in zip(paths, leaves, tree.leaves(grads), strict=True):
-            base = self._base(p, x)
-            counts = (base is not None and self._zero(x, "level2", base)) or (
-                base or self._whole(x))
+            counts = self._norm_counts(p, x)
             shape = typeof(g).shape
             split = [v for d, c in zip(shape, counts) for v in (c, d // c)]
             squares = (g * g).reshape(tuple(split)) if shape else g * g
@@ -837,20 +853,45 @@ class AutoParallel:
                 if shape else squares ** 0.5
         return out
 
-    def _report_norms(self, step, norms: dict) -> None:
+    def _device_norms(self, params, values: dict) -> list:
+        """Per device (every device of a virtual mesh; this process's in a job), the
+        L2 norm of all the gradient blocks it holds: each parameter's block of that
+        device under its split counts (MindSpore's device matrix for a strategy)."""
+        n = self.n_devices
+        counts = {_name(p): self._norm_counts(p, x)
+                  for p, x in zip(*tree.flatten_with_path(params)[:2])}
+        ranks = [distributed.rank()] if self._in_job() else range(n)
+        out = []
+        for r in ranks:
+            total = 0.0
+            for k, v in values.items():
+                a = np.asarray(v, np.float64)
+                block = strategy_block(counts[k], r, n) if a.ndim else ()
+                total += float(a[block]) ** 2
+            out.append(math.sqrt(total))
+        return out
+
+    def _report_norms(self, state, norms: dict) -> None:
         shown, path = self._local_norm
-        step = int(step.asnumpy())
+        step = int(state.step.asnumpy())
         values = {k: np.asarray(v.asnumpy()).tolist() for k, v in norms.items()}
+        record = {"step": step, "norms": values}
+        if self._device_norm:
+            devices = self._device_norms(_without(state.params, self._frozen()), values)
+            first = distributed.rank() if self._in_job() else 0
+            record["device_norms"] = {str(first + i): v for i, v in enumerate(devices)}
         if path is not None:
             os.makedirs(path, exist_ok=True)
             with open(os.path.join(path, f"local_norm_rank{distributed.rank()}.jsonl"),
                       "a") as fh:
-                fh.write(json.dumps({"step": step, "norms": values}) + "\n")
+                fh.write(json.dumps(record) + "\n")
         if shown and distributed.rank() == 0:
             for k, v in values.items():
                 a = np.asarray(v)
                 for idx in np.ndindex(a.shape):
                     print(f"local_norm: step {step} {k} block {idx}: {a[idx]:.6g}", flush=True)
+            for d, v in record.get("device_norms", {}).items():
+                print(f"device_local_norm: step {step} device {d}: {v:.6g}", flush=True)
 
     def _feeds_slices(self) -> bool:
         """Each process passes its own slice of the batch: ``data_parallel`` in a
@@ -942,6 +983,11 @@ class AutoParallel:
                 f"AutoParallel({self.name})(state, *batch): state must be the TrainState "
                 f"from ap.init(...); got {type(state).__name__}.")
         self._need_optimizer()
+        if self._device_norm and not any(self._local_norm):
+            raise ArgumentError(
+                f"AutoParallel({self.name}): enable_device_local_norm() adds each "
+                "device's gradient norm to the local norms, but neither print_local_norm() "
+                "nor dump_local_norm(path) is set.\nFix: call one of them too.")
         if self._pipeline is not None:
             return self._pipeline(state, *batch)
         if self._files:
@@ -954,7 +1000,7 @@ class AutoParallel:
                                 else self._declared_batch(batch))
         result = step(state.params, state.opt_state, state.step, *batch)
         if len(result) == 3:  # print_local_norm / dump_local_norm
-            self._report_norms(result[0].step, result[2])
+            self._report_norms(result[0], result[2])
         return result[0], result[1]
 
     def gather(self, state):

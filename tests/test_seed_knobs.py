@@ -153,3 +153,15 @@ def test_device_local_norm_is_the_norm_of_the_blocks_each_device_holds(tmp_path,
     alone = fs.AutoParallel(biased, fs.optim.sgd(0.1), mesh=4).enable_device_local_norm()
     with pytest.raises(fs.ArgumentError, match="neither print_local_norm"):
         alone(alone.init(params), x, y)
+
+
+def test_a_file_set_by_path_survives_a_step_that_fails(tmp_path):
+    params, x, y = _data()
+    ap = fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=2)
+    ap.save_param_strategy_file(tmp_path / "p.json")
+    state = ap.init(params)
+    with pytest.raises(fs.errors.ShapeError, match="contraction sizes differ"):
+        ap(state, x[:, :3], y)  # the wrong width: the step does not compile
+    assert not (tmp_path / "p.json").exists()
+    ap(state, x, y)
+    assert json.loads((tmp_path / "p.json").read_text())["params"] == {"w": [1, 1]}

@@ -1192,9 +1192,9 @@ class AutoParallel:
         write = {"param": self.save_param_strategy_file,
                  "operator": self.save_operator_strategy_file,
                  "groups": self.save_group_file}
-        files, self._files = self._files, {}
-        for kind, path in files.items():
+        for kind, path in list(self._files.items()):
             write[kind](path, state, *batch)
+            del self._files[kind]  # (kept if the step fails to compile: written later)
 
     def load_param_strategy_file(self, path) -> "AutoParallel":
         """Use the parameter strategies of a file written by

@@ -165,3 +165,29 @@ def test_a_file_set_by_path_survives_a_step_that_fails(tmp_path):
     assert not (tmp_path / "p.json").exists()
     ap(state, x, y)
     assert json.loads((tmp_path / "p.json").read_text())["params"] == {"w": [1, 1]}
+
+
+def _scaled(p, x):
+    h = fs.pipeline_split(x * p["a"])
+    return (h * p["b"]).mean()
+
+
+def _pipeline_b_gradient(setup) -> float:
+    """b's gradient summed over the 4 data-parallel replicas of the last stage (mesh 8,
+    2 stages, 2 micro-batches: replica j runs rows 2j and 2j + 1, each contributing
+    x / 8): replica sums 2047, 1, 1, 1 exactly in float16. Summed in float16 they round
+    to 2048 at every partial sum; in float32 to 2050, the exact sum. SGD with lr 1 from
+    b = 2 makes the new b 2 minus the gradient (exact in float16)."""
+    params = {"a": np.ones((1,), np.float16), "b": np.full((1,), 2, np.float16)}
+    x = (8 * np.array([2046, 1, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5])).astype(np.float16)
+    ap = setup(fs.AutoParallel(_scaled, fs.optim.sgd(1.0), mesh=8).pipeline(stages=2))
+    state, _ = ap(ap.init(params), x.reshape(8, 1))
+    return 2 - float(state.params["b"].asnumpy()[0])
+
+
+def test_pipeline_float16_gradient_sums_run_in_float32():
+    # MindSpore's default (gradient fp32 sync), as in a step without a pipeline
+    assert _pipeline_b_gradient(lambda ap: ap) == 2050.0
+    assert _pipeline_b_gradient(lambda ap: ap.disable_gradient_fp32_sync()) == 2048.0
+    assert _pipeline_b_gradient(
+        lambda ap: ap.disable_gradient_fp32_sync().enable_fp32_communication()) == 2050.0

@@ -43,8 +43,6 @@ PENDING = {
             "files written at the first step are refused with a pipeline",
         'parallel_net.dump_local_norm(f"/tmp/local_norm_{get_rank()}")':
             "local norms are refused with a pipeline",
-        'parallel_net.enable_fp32_communication()':
-            "fp32 communication is refused with a pipeline",
         'parallel_net.enable_device_local_norm()':
             "adds to the local norms, which are refused with a pipeline",
     },

@@ -37,16 +37,14 @@ PENDING = {
     "seed_001_model_train.py": {
         'parallel_net.hsdp()': "hsdp combined with pipeline is refused",
         'parallel_net.save_param_strategy_file(f"/tmp/param_{get_rank()}.ckpt")':
-            "save_param_strategy_file needs the state (the seed's form writes the file "
-            "when the step is first compiled)",
+            "files written at the first step are refused with a pipeline (a pipelined "
+            "step is not one sharded program)",
         'parallel_net.set_group_ckpt_save_file(f"/tmp/comm_group_{get_rank()}.ckpt")':
-            "no such knob",
+            "files written at the first step are refused with a pipeline",
         'parallel_net.dump_local_norm(f"/tmp/local_norm_{get_rank()}")':
             "local norms are refused with a pipeline",
-        'parallel_net.disable_strategy_file_only_for_trainable_params()': "no such knob",
-        'parallel_net.enable_fp32_communication()':
-            "fp32 communication is refused with a pipeline",
-        'parallel_net.enable_device_local_norm()': "no such knob",
+        'parallel_net.enable_device_local_norm()':
+            "adds to the local norms, which are refused with a pipeline",
     },
 }
 

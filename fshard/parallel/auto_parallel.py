@@ -53,12 +53,15 @@ from fshard.core import Tracer, typeof
 from fshard.dims import dim_multiple_of
 from fshard.errors import ArgumentError, ShardingError
 from fshard.interop import check_context_mode, context_dataset_strategy, context_mesh
+from fshard.ir import Program
+from fshard.layout import block_index as strategy_block
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import Optimizer, apply_updates
 from fshard.parallel.ms_optimizers import from_mindspore, is_mindspore_optimizer
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
+from fshard.primitives import collectives as C
 from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import Sharding
 from fshard.sharding.local import ShardedArray, gather_sharded
@@ -173,11 +176,17 @@ class AutoParallel:
         self._hsdp = None  # (shard_size, threshold_bytes, level)
         self._fusion = None  # bucket bytes
         self._fixed_params = None  # loaded parameter strategies
+        self._fixed_only_trainable = False  # the loaded file lists trainable ones only
         self._pipeline = None  # a PipelineRunner once pipeline(stages > 1) is set
         self._fp32_comm = False  # enable_fp32_communication
         self._gradient_fp32_sync = True  # MindSpore's default; disable_gradient_fp32_sync
         self._local_norm = (False, None)  # (print, dump directory)
+        self._device_norm = False  # enable_device_local_norm
         self._batch_specs = None  # declared batch input shapes (set_inputs)
+        # Files MindSpore writes when the step is first compiled: kind ("param",
+        # "operator", "groups") -> path, each written once after it is set.
+        self._files: dict = {}
+        self._only_trainable = True  # MindSpore's default for the parameter strategy file
         if in_shapes is not None:
             if not isinstance(in_shapes, (tuple, list)):
                 raise ArgumentError(
@@ -430,6 +439,15 @@ class AutoParallel:
         self._steps.clear()
         return self
 
+    def enable_device_local_norm(self) -> "AutoParallel":
+        """With ``print_local_norm()`` or ``dump_local_norm(path)``, also report each
+        device's local norm: the L2 norm of all the gradient blocks that device holds
+        (the blocks of the local norms), as ``device_local_norm: step 3 device 1:
+        0.0456`` and as ``"device_norms": {"0": ..., "1": ...}`` in the dumped line
+        (every device of a virtual mesh; a job's process its own)."""
+        self._device_norm = True
+        return self
+
     def pipeline(self, stages: int = 1, output_broadcast: bool = False, interleave: bool = False,
                  scheduler: str = "1f1b", *, micro_batches: int | None = None,
                  max_imbalance: float | None = 8.0) -> "AutoParallel":
@@ -667,6 +685,8 @@ class AutoParallel:
         paths, leaves, spec = tree.flatten_with_path(params)
         if self._fixed_params is not None:
             names = {_name(p) for p in paths}
+            if self._fixed_only_trainable:  # the file lists the trainable ones
+                names -= self._frozen()
             if set(self._fixed_params) != names:
                 raise ShardingError(
                     f"AutoParallel({self.name}): the parameter strategy file "
@@ -811,16 +831,21 @@ class AutoParallel:
         train_step.__name__ = f"train_step_{self.name}"
         return train_step
 
+    def _norm_counts(self, path, x) -> tuple:
+        """The split counts cutting a parameter's gradient into the blocks whose norms
+        are reported: the parameter's strategy (at ZeRO level2 and above, the
+        optimizer state's), or whole."""
+        base = self._base(path, x)
+        return (base is not None and self._zero(x, "level2", base)) or (
+            base or self._whole(x))
+
     def _local_norms(self, params, grads) -> dict:
         """Per parameter name, the L2 norms of its gradient's blocks: the gradient cut
-        by the parameter's strategy (at ZeRO level2 and above, the optimizer state's),
-        an array shaped like the split counts."""
+        by ``_norm_counts``, an array shaped like the split counts."""
         paths, leaves, _ = tree.flatten_with_path(params)
         out = {}
         for p, x, g in zip(paths, leaves, tree.leaves(grads), strict=True):
-            base = self._base(p, x)
-            counts = (base is not None and self._zero(x, "level2", base)) or (
-                base or self._whole(x))
+            counts = self._norm_counts(p, x)
             shape = typeof(g).shape
             split = [v for d, c in zip(shape, counts) for v in (c, d // c)]
             squares = (g * g).reshape(tuple(split)) if shape else g * g
@@ -828,20 +853,45 @@ class AutoParallel:
                 if shape else squares ** 0.5
         return out
 
-    def _report_norms(self, step, norms: dict) -> None:
+    def _device_norms(self, params, values: dict) -> list:
+        """Per device (every device of a virtual mesh; this process's in a job), the
+        L2 norm of all the gradient blocks it holds: each parameter's block of that
+        device under its split counts (MindSpore's device matrix for a strategy)."""
+        n = self.n_devices
+        counts = {_name(p): self._norm_counts(p, x)
+                  for p, x in zip(*tree.flatten_with_path(params)[:2])}
+        ranks = [distributed.rank()] if self._in_job() else range(n)
+        out = []
+        for r in ranks:
+            total = 0.0
+            for k, v in values.items():
+                a = np.asarray(v, np.float64)
+                block = strategy_block(counts[k], r, n) if a.ndim else ()
+                total += float(a[block]) ** 2
+            out.append(math.sqrt(total))
+        return out
+
+    def _report_norms(self, state, norms: dict) -> None:
         shown, path = self._local_norm
-        step = int(step.asnumpy())
+        step = int(state.step.asnumpy())
         values = {k: np.asarray(v.asnumpy()).tolist() for k, v in norms.items()}
+        record = {"step": step, "norms": values}
+        if self._device_norm:
+            devices = self._device_norms(_without(state.params, self._frozen()), values)
+            first = distributed.rank() if self._in_job() else 0
+            record["device_norms"] = {str(first + i): v for i, v in enumerate(devices)}
         if path is not None:
             os.makedirs(path, exist_ok=True)
             with open(os.path.join(path, f"local_norm_rank{distributed.rank()}.jsonl"),
                       "a") as fh:
-                fh.write(json.dumps({"step": step, "norms": values}) + "\n")
+                fh.write(json.dumps(record) + "\n")
         if shown and distributed.rank() == 0:
             for k, v in values.items():
                 a = np.asarray(v)
                 for idx in np.ndindex(a.shape):
                     print(f"local_norm: step {step} {k} block {idx}: {a[idx]:.6g}", flush=True)
+            for d, v in record.get("device_norms", {}).items():
+                print(f"device_local_norm: step {step} device {d}: {v:.6g}", flush=True)
 
     def _feeds_slices(self) -> bool:
         """Each process passes its own slice of the batch: ``data_parallel`` in a
@@ -933,8 +983,15 @@ class AutoParallel:
                 f"AutoParallel({self.name})(state, *batch): state must be the TrainState "
                 f"from ap.init(...); got {type(state).__name__}.")
         self._need_optimizer()
+        if self._device_norm and not any(self._local_norm):
+            raise ArgumentError(
+                f"AutoParallel({self.name}): enable_device_local_norm() adds each "
+                "device's gradient norm to the local norms, but neither print_local_norm() "
+                "nor dump_local_norm(path) is set.\nFix: call one of them too.")
         if self._pipeline is not None:
             return self._pipeline(state, *batch)
+        if self._files:
+            self._write_files(state, batch)
         if self._feeds_slices():
             check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
                               f"AutoParallel({self.name})")
@@ -943,7 +1000,7 @@ class AutoParallel:
                                 else self._declared_batch(batch))
         result = step(state.params, state.opt_state, state.step, *batch)
         if len(result) == 3:  # print_local_norm / dump_local_norm
-            self._report_norms(result[0].step, result[2])
+            self._report_norms(result[0], result[2])
         return result[0], result[1]
 
     def gather(self, state):
@@ -1064,17 +1121,80 @@ class AutoParallel:
         shs = _arg_shardings(part, (state, batch))[:len(leaves)]
         return tree.unflatten(spec, [tuple(sh.strategy(mesh)) for sh in shs])
 
-    def save_param_strategy_file(self, path, state: TrainState, *batch) -> dict:
+    def save_param_strategy_file(self, path, state: TrainState | None = None,
+                                 *batch) -> dict | "AutoParallel":
         """Write each parameter's strategy (split counts), keyed by parameter name, to
-        ``path`` as JSON, atomically."""
+        ``path`` as JSON, atomically. Only the trainable parameters are listed (as in
+        MindSpore) unless ``disable_strategy_file_only_for_trainable_params()`` was
+        called. With ``path`` alone (MindSpore's form) the file is written when the
+        step is first compiled (its first call) and the AutoParallel is returned."""
+        if state is None:
+            return self._defer("param", "save_param_strategy_file", path, batch)
         part = self.partitioned(state, *batch)
         mesh = part.prop.mesh
         paths, _, _ = tree.flatten_with_path(state.params)
         shs = _arg_shardings(part, (state, batch))[:len(paths)]
+        fixed = self._frozen() if self._only_trainable else set()
         data = {"format": "fshard-param-strategy", "devices": mesh.size,
-                "params": {_name(p): list(sh.strategy(mesh)) for p, sh in zip(paths, shs)}}
+                "only_trainable": self._only_trainable,
+                "params": {_name(p): list(sh.strategy(mesh)) for p, sh in zip(paths, shs)
+                           if _name(p) not in fixed}}
         _write_json(path, data)
         return data
+
+    def disable_strategy_file_only_for_trainable_params(self) -> "AutoParallel":
+        """The parameter strategy file (``save_param_strategy_file``) also lists the
+        non-trainable parameters (``requires_grad=False``), and a loaded file must
+        list them too; by default, as in MindSpore, only the trainable ones."""
+        self._only_trainable = False
+        return self
+
+    def set_group_ckpt_save_file(self, path) -> "AutoParallel":
+        """When the step is first compiled, write the communication groups its
+        per-device program uses to ``path`` as JSON, atomically: for this process's
+        rank (0 on a virtual mesh), each group's name (its mesh axes, joined by
+        ``-``) -> the ranks of the group that contains it, ``{"format":
+        "fshard-comm-groups", "devices": N, "rank": r, "groups": {"m0-m1": [0, 1, 2,
+        3]}}`` (MindSpore's ``set_group_ckpt_save_file``)."""
+        return self._defer("groups", "set_group_ckpt_save_file", path, ())
+
+    def save_group_file(self, path, state: TrainState, *batch) -> dict:
+        """Write the file of ``set_group_ckpt_save_file`` now, for this step."""
+        part = self.partitioned(state, *batch)
+        mesh, rank = part.prop.mesh, distributed.rank()
+        groups = {}
+        for axes in _collective_axes(part.program):
+            idx = [mesh.names.index(a) for a in axes]
+            group = next(g for g in mesh.groups(idx) if rank in g)
+            groups["-".join(axes)] = [int(r) for r in group]
+        data = {"format": "fshard-comm-groups", "devices": mesh.size, "rank": rank,
+                "groups": groups}
+        write_json_atomic(path, data, "communication group file")
+        return data
+
+    def _defer(self, kind: str, method: str, path, batch) -> "AutoParallel":
+        """Remember a file to write when the step is first compiled."""
+        if batch:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).{method}(path, state, *batch) needs the "
+                f"state first; got {len(batch)} more arguments with state None.\nFix: "
+                f"{method}(path) alone (written at the first step) or "
+                f"{method}(path, state, *batch) (written now).")
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArgumentError(
+                f"AutoParallel({self.name}).{method}(path): path must be a file path (str "
+                f"or os.PathLike); got {type(path).__name__} {path!r}.")
+        self._files[kind] = os.fspath(path)
+        return self
+
+    def _write_files(self, state: TrainState, batch) -> None:
+        """Write the files set by path alone, at the first step that compiles."""
+        write = {"param": self.save_param_strategy_file,
+                 "operator": self.save_operator_strategy_file,
+                 "groups": self.save_group_file}
+        for kind, path in list(self._files.items()):
+            write[kind](path, state, *batch)
+            del self._files[kind]  # (kept if the step fails to compile: written later)
 
     def load_param_strategy_file(self, path) -> "AutoParallel":
         """Use the parameter strategies of a file written by
@@ -1085,13 +1205,19 @@ class AutoParallel:
                 f"load_param_strategy_file({path!r}): the file was written for "
                 f"{data.get('devices')} devices, this AutoParallel has {self.n_devices}.")
         self._fixed_params = data["params"]
+        # (files written before the flag existed list every parameter)
+        self._fixed_only_trainable = bool(data.get("only_trainable", False))
         self._param_file = str(path)
         self._steps.clear()
         return self
 
-    def save_operator_strategy_file(self, path, state: TrainState, *batch) -> dict:
+    def save_operator_strategy_file(self, path, state: TrainState | None = None,
+                                    *batch) -> dict | "AutoParallel":
         """Write the strategy of every equation of the step (``fs.shard``'s strategy
-        file) to ``path``."""
+        file) to ``path``; with ``path`` alone (MindSpore's form), when the step is
+        first compiled."""
+        if state is None:
+            return self._defer("operator", "save_operator_strategy_file", path, batch)
         batch = self._plan_batch(batch)
         s, _ = self._sharded(state, batch)
         return s.save_strategies(path, state.params, state.opt_state, state.step, *batch)
@@ -1153,6 +1279,23 @@ def _name(path) -> str:
     """A parameter's name from its key path: ``'dense1.weight'`` for a Cell's dict
     key, ``'w1'`` for ``{'w1': ...}``, ``'0.w'`` for ``[{'w': ...}]``."""
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _collective_axes(program) -> list:
+    """The mesh axes (a tuple of names) of each distinct collective of a per-device
+    program, in order of first use, inside loops' bodies and conds' branches too."""
+    out: list = []
+    for eq in program.equations:
+        if eq.prim in C.COLLECTIVES:
+            axes = eq.params.get("axis_name")
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            if axes and axes not in out:
+                out.append(axes)
+        for v in eq.params.values():
+            for sub in (v if isinstance(v, tuple) else (v,)):
+                if isinstance(sub, Program):
+                    out += [a for a in _collective_axes(sub) if a not in out]
+    return out
 
 
 def _write_json(path, data) -> None:

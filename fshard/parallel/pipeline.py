@@ -63,6 +63,7 @@ from fshard.ir import Program, Var
 from fshard.layout import Layout
 from fshard.mesh import Mesh, resolve_mesh
 from fshard.optim import apply_updates
+from fshard.passes import reduce_in_float32
 from fshard.parallel.schedule import Event, Schedule, check_config
 from fshard.primitives import collectives as C
 from fshard.primitives.elementwise import cast
@@ -442,6 +443,7 @@ class StageSharding(NamedTuple):
     batch: tuple           # per batch leaf: its strategy
     groups: tuple | None   # ("pp", S) in a job: the stage is one of S groups of ranks
     search: bool | str     # True: fshard's search; False: propagation; "follow_inputs"
+    fp32: bool = False     # float16 reductions run in float32 (reduce_in_float32)
 
     def key(self, chunk_params) -> tuple | None:
         """A key of what chunk programs compiled with this sharding depend on (None
@@ -450,7 +452,7 @@ class StageSharding(NamedTuple):
             _exact(b) for b in self.batch]
         if any(p is None for p in parts):
             return None
-        return (self.devices, self.groups, self.search, tuple(parts))
+        return (self.devices, self.groups, self.search, self.fp32, tuple(parts))
 
     def compile(self, fn, param_strategies: list, extra: tuple):
         """``fn(params, carry, batch, *extra)`` compiled as ``fs.shard`` on the stage's
@@ -462,6 +464,8 @@ class StageSharding(NamedTuple):
                   dataset_strategy="full_batch")
         s.search = self.search  # (semi_auto: "follow_inputs")
         s.process_groups = self.groups
+        if self.fp32:
+            s.passes = (reduce_in_float32,)
         return jit(s)
 
 
@@ -677,6 +681,10 @@ class PipelinedStep:
         #: mean (a loss that is a mean over the examples) or their sum (a sum over the
         #: examples divided by a constant); the last chunk's seed and the loss scale.
         self.combine = combine
+        #: Float16 reductions (the replicas' gradient and loss sums) run in float32:
+        #: ``enable_fp32_communication()`` or MindSpore's default gradient fp32 sync,
+        #: as in a step without a pipeline.
+        self.fp32 = runner.fp32
         self.loss_scale = 1.0 / (self.M * self.groups) if combine == "mean" else 1.0
         self.order = schedule.timeline().program_order()
         self.pad = max([sum(a.size for a in plan.carry_avals(b))
@@ -871,12 +879,17 @@ class PipelinedStep:
         n_p = len(p_leaves)
         grads: list = [None] * n_p
         loss = None
+        wide = _widen if self.fp32 else (lambda x: x)
         for d in devices:  # (a virtual mesh: the data-parallel replicas summed here)
             for c, sums in d.sums.items():
                 for i, g in zip(plan.chunk_params[c], sums):
-                    grads[i] = g if grads[i] is None else grads[i] + g
+                    grads[i] = wide(g) if grads[i] is None else grads[i] + wide(g)
             if d.loss is not None:
-                loss = d.loss if loss is None else loss + d.loss
+                loss = wide(d.loss) if loss is None else loss + wide(d.loss)
+        if self.fp32:  # (summed in float32, rounded once)
+            grads = [g if g is None else cast(g, typeof(x).dtype)
+                     for g, x in zip(grads, p_leaves)]
+            loss = None if loss is None else cast(loss, loss_dtype)
         # (in a job, the parameters of other stages get their gradients from them)
         grads = [g if g is not None else np.zeros(typeof(x).shape,
                                                    dtypes.to_numpy(typeof(x).dtype))
@@ -898,7 +911,9 @@ class PipelinedStep:
         # 1 / (M * replicas) is an input. Sharded stages sum over their devices inside
         # their programs already.
         reduce_dp = mesh is not None and self.groups > 1
-        key = None if mesh is None else (S, dp, last, stage, cfg.output_broadcast, reduce_dp)
+        fp32 = self.fp32
+        key = None if mesh is None else (S, dp, last, stage, cfg.output_broadcast, reduce_dp,
+                                         fp32)
         opt_update = ap.step_optimizer().update
         try:
             per_opt = _FINISHES.setdefault(opt_update, {})
@@ -923,9 +938,9 @@ class PipelinedStep:
                     # gradient, and every process's state is the trained state (what a
                     # checkpoint of any process holds).
                     axes = ("pp", "dp") if reduce_dp else ("pp",)
-                    g_leaves = [C.psum_p.bind(g, axis_name=axes, mesh=mesh) for g in g_leaves]
+                    g_leaves = [_reduce(g, axes, mesh, fp32) for g in g_leaves]
                     if reduce_dp and stage == last:
-                        loss_sum = C.psum_p.bind(loss_sum, axis_name=("dp",), mesh=mesh)
+                        loss_sum = _reduce(loss_sum, ("dp",), mesh, fp32)
                 loss = loss_sum * scale
                 if mesh is not None and stage != last:
                     loss = loss * np.float32(np.nan)  # there is no loss on this stage
@@ -942,6 +957,19 @@ class PipelinedStep:
 
 #: The finishing programs, by optimizer (its ``update``) and configuration.
 _FINISHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _widen(x):
+    """A float16 value as float32 (a sum of several then rounds once)."""
+    return cast(x, dtypes.float32) if typeof(x).dtype == dtypes.float16 else x
+
+
+def _reduce(x, axes, mesh, fp32: bool):
+    """The psum of ``x`` over ``axes``; a float16 one in float32 with ``fp32``."""
+    if not (fp32 and typeof(x).dtype == dtypes.float16):
+        return C.psum_p.bind(x, axis_name=axes, mesh=mesh)
+    return cast(C.psum_p.bind(cast(x, dtypes.float32), axis_name=axes, mesh=mesh),
+                dtypes.float16)
 
 
 def _saved_bytes(saved: dict, micro, j) -> int:
@@ -1005,6 +1033,11 @@ class PipelineRunner:
             return not distributed.is_initialized()
         return resolve_mesh(self.ap.mesh).is_virtual
 
+    @property
+    def fp32(self) -> bool:
+        """Float16 reductions run in float32 (as ``AutoParallel``'s step decides)."""
+        return self.ap._fp32_comm or self.ap._gradient_fp32_sync
+
     def check_combination(self):
         ap = self.ap
         for what, on in (("hsdp(...)", ap._hsdp is not None),
@@ -1012,10 +1045,13 @@ class PipelineRunner:
                          ("a dataset_strategy(...) tuple",
                           ap._dataset not in ("data_parallel", "full_batch")),
                          ("has_aux=True", ap.has_aux),
-                         ("enable_fp32_communication()", ap._fp32_comm),
                          ("print_local_norm() / dump_local_norm()",
                           any(ap._local_norm)),
-                         ("set_inputs(...)", ap._batch_specs is not None)):
+                         ("set_inputs(...)", ap._batch_specs is not None),
+                         ("a strategy or group file to write at the first step "
+                          "(save_param_strategy_file(path), save_operator_strategy_file"
+                          "(path), set_group_ckpt_save_file(path): a pipelined step is "
+                          "not one sharded program)", bool(ap._files))):
             if on:
                 raise ArgumentError(
                     f"AutoParallel({ap.name}): pipeline(...) cannot be combined with {what} "
@@ -1029,7 +1065,8 @@ class PipelineRunner:
         cfg = self.cfg
         dp = self.ap.n_devices // cfg.stages
         key = (tree.structure(state), tuple(
-            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))))
+            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))),
+            self.fp32)
         hit = self._steps.get(key)
         if hit is not None:
             return hit
@@ -1095,7 +1132,7 @@ class PipelineRunner:
         return StageSharding(dp, tuple(strategies), batch_strategies,
                              None if self.virtual else ("pp", S),
                              {"semi_auto": "follow_inputs", "sharding_propagation": False,
-                              "recursive_programming": True}[ap.parallel_mode])
+                              "recursive_programming": True}[ap.parallel_mode], self.fp32)
 
     def stage_costs(self) -> list:
         if self.plan is None:

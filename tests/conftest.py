@@ -9,6 +9,7 @@ times faster synchronously). Results are identical.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import mindspore as ms
 import numpy as np
@@ -59,12 +60,54 @@ def pytest_configure(config):
         "markers", "full: part of the full matrix only (run with --full); see README")
 
 
+#: Slow checks the quick run leaves to the full matrix, by test id, each because a
+#: quicker test of the same feature stays in the quick run (named after the id).
+FULL_ONLY = {
+    "sharding/test_sharding_rules.py::test_known_unclaimed_layouts_still_exist":
+        "a check of the rule table itself; every rule's own cases run quick",
+    "test_random.py::test_keys_used_once_are_not_warned_about":
+        "test_a_key_consumed_twice_in_a_traced_function_is_a_warning",
+    "test_random.py::test_jit_and_vmap_give_the_eager_numbers[truncated_normal]":
+        "the other draws' cases; test_truncated_normal_is_the_exact_inverse_cdf...",
+    "test_random.py::test_jit_and_vmap_give_the_eager_numbers[split]":
+        "the other draws' cases",
+    "test_random.py::test_jit_and_vmap_give_the_eager_numbers[randint]":
+        "the other draws' cases",
+    "test_random.py::test_jit_and_vmap_give_the_eager_numbers[uniform64]":
+        "the [uniform] case",
+    "test_auto_parallel.py::test_hsdp_shards_each_parameter_over_its_data_parallel_group"
+    "[-1-level1]": "test_every_configuration_trains_like_one_device[zero1/zero2]",
+    "test_pipeline.py::test_unbalanced_stages_warn_with_their_estimated_costs":
+        "test_mlp_trains_like_the_unpipelined_run",
+    "test_pipeline.py::test_a_cells_parameter_plan_shards_its_stages":
+        "test_operator_strategies_in_the_loss_apply_inside_each_stage",
+    "test_pipeline.py::test_operator_parallelism_inside_each_stage[2-4-1f1b-False-4]":
+        "test_operator_strategies_in_the_loss_apply_inside_each_stage",
+    "test_pipeline.py::test_data_parallel_inside_each_stage":
+        "test_mlp_trains_like_the_unpipelined_run",
+    "test_control_flow.py::test_fori_loop_and_while_loop_inside_shard_map_stay_loops":
+        "test_a_sharded_loop_is_one_loop_of_the_per_device_program[fori_loop-8]",
+    "test_control_flow.py::test_a_reverse_loop_accumulates_weight_gradients_as_a_pending_"
+    "sum[accumulated]": "test_scan_graph_loop_equals_the_unrolled_scan_and_a_python_loop",
+    "test_control_flow.py::test_scan_graph_loop_equals_the_unrolled_scan_and_a_python_loop"
+    "[True-False]": "its [True-True] case",
+    "test_control_flow.py::test_a_sharded_loop_is_one_loop_of_the_per_device_program"
+    "[scan-8]": "its [fori_loop-8] case",
+    "test_control_flow.py::test_a_sharded_loop_is_one_loop_of_the_per_device_program"
+    "[fori_loop-2x4]": "its [fori_loop-8] case",
+    "test_dynamic_shapes.py::test_the_seeds_network_trains_on_varying_batches_compiled_once":
+        "test_twenty_batch_sizes_compile_once_with_set_inputs_and_mindspore_placeholders",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--full"):
         return
     kept, left = [], []
+    here = Path(__file__).parent
     for item in items:
-        (left if item.get_closest_marker("full") else kept).append(item)
+        rel = Path(str(item.path)).relative_to(here).as_posix() + "::" + item.name
+        (left if item.get_closest_marker("full") or rel in FULL_ONLY else kept).append(item)
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = kept

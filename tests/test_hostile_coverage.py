@@ -3,6 +3,7 @@ found, each checked against eager MindSpore."""
 
 from __future__ import annotations
 
+import mindspore
 import numpy as np
 import pytest
 from mindspore import Tensor, mint, ops
@@ -94,3 +95,34 @@ def test_squeeze_of_a_dimension_not_of_size_one_keeps_it(fn):
     # MindSpore (as PyTorch) leaves it in place; fshard raised a ShapeError.
     x = Tensor(RNG.uniform(size=(4, 1, 6)).astype(np.float32))
     np.testing.assert_array_equal(fs.jit(fn)(x).asnumpy(), fn(x).asnumpy())
+
+
+# Each case: (tensor dtype, NumPy scalar), the dtype eager MindSpore's Tensor operators give.
+_NP_SCALARS = [(np.float32, np.float64(2.0)), (np.float16, np.float64(2.0)),
+               (np.float16, np.float32(2.0)), (np.int32, np.float64(2.0)),
+               (np.int32, np.int64(2)), (np.int8, np.int64(2)), (np.bool_, np.float64(2.0)),
+               (np.bool_, np.int64(2)), (np.int32, np.bool_(True))]
+
+
+@pytest.mark.parametrize("dt,s", _NP_SCALARS, ids=[f"{np.dtype(d).name}-{type(s).__name__}"
+                                                    for d, s in _NP_SCALARS])
+def test_numpy_scalars_are_weakly_typed_as_in_mindspore(dt, s):
+    # MindSpore treats a NumPy scalar as the Python scalar of its kind: f32 + np.float64(2)
+    # is float32. fshard kept the NumPy dtype (float64), silently changing nn.LGamma's.
+    t = Tensor(np.ones((2, 3), dt))
+    for f in (lambda a: a + s, lambda a: ops.mul(s, a), lambda a: ops.sub(a, s)):
+        want = f(t)
+        got = fs.jit(f)(t)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+
+
+def test_numpy_scalars_alone_keep_their_dtype():
+    # Between NumPy scalars (no array operand) their own dtypes still decide.
+    assert fs.ops.add(np.float64(1.0), np.float64(2.0)).dtype == mindspore.float64
+
+
+def test_lgamma_keeps_float32():
+    f = lambda a: ops.lgamma(a + np.float64(1.0))  # noqa: E731
+    assert fs.jit(f)(X).dtype == f(X).dtype
+

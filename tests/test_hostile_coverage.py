@@ -126,3 +126,18 @@ def test_lgamma_keeps_float32():
     f = lambda a: ops.lgamma(a + np.float64(1.0))  # noqa: E731
     assert fs.jit(f)(X).dtype == f(X).dtype
 
+
+@pytest.mark.filterwarnings("ignore::fshard.errors.GenericOpWarning")
+def test_generic_op_shape_set_by_a_concrete_integer_tensor():
+    # The generic path learned MirrorPad's output shape by running it on zeros in place
+    # of every tensor, the paddings too: f32[4,6] in the program for a (6, 10) result.
+    pads = Tensor(np.array([[1, 1], [2, 2]], np.int32))
+    f = lambda a: ops.mirror_pad(a, pads, "REFLECT")  # noqa: E731
+    want = f(X)
+    np.testing.assert_array_equal(fs.jit(f)(X).asnumpy(), want.asnumpy())
+    w = Tensor(RNG.uniform(size=(6, 10)).astype(np.float32))
+    g = fs.grad(lambda a: (f(a) * w).sum())(X)
+    gw = ops.grad(lambda a: (f(a) * w).sum())(X)
+    np.testing.assert_allclose(g.asnumpy(), gw.asnumpy(), rtol=1e-5, atol=1e-5)
+    v = fs.vmap(f)(ops.stack([X, 2 * X]))
+    np.testing.assert_array_equal(v.asnumpy()[1], f(2 * X).asnumpy())

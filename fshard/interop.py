@@ -554,6 +554,26 @@ def _concat(prim, tensors, axis=0):
     return fo.concat(list(tensors), int(axis))
 
 
+@converts("Meshgrid")
+def _meshgrid(prim, inputs, *args):
+    # Native, so that one input (which MindSpore's graph kernel refuses; eager returns it
+    # as is) traces too. The indexing is an argument, or an attribute holding MindSpore's
+    # Indexing enum (0 "ij", 1 "xy").
+    indexing = args[0] if args else _attr(prim, "indexing", "xy")
+    indexing = {0: "ij", 1: "xy"}.get(indexing, indexing)
+    if indexing not in ("xy", "ij") or any(len(typeof(x).shape) != 1 for x in inputs):
+        return ms_call("Meshgrid", prim, (inputs, *args), {})  # MindSpore's own error
+    axes = list(range(len(inputs)))
+    if indexing == "xy" and len(inputs) > 1:
+        axes[0], axes[1] = 1, 0
+    shape = [0] * len(inputs)
+    for x, a in zip(inputs, axes):
+        shape[a] = typeof(x).shape[0]
+    return tuple(fo.broadcast_to(fo.reshape(x, tuple(n if i == a else 1
+                                                     for i, n in enumerate(shape))),
+                                 tuple(shape)) for x, a in zip(inputs, axes))
+
+
 @converts("Split")
 def _split(prim, x, axis=0, output_num=1):
     return fo.split(x, typeof(x).shape[int(axis)] // int(output_num), int(axis))

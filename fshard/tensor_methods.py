@@ -463,6 +463,8 @@ def _mindspore_function(name):
 
 # nn.MultiheadAttention splits its packed projection with ``tensor_split``.
 METHODS.update({name: _mindspore_function(name) for name in ("split", "tensor_split", "chunk")})
+# ops.diff gathers with the method; ops.nansum asks is_complex (fshard has no complex dtypes).
+METHODS.update({"gather": _mindspore_function("gather"), "is_complex": lambda self: False})
 
 METHODS.update({
     "floor": ops.floor, "round": _round, "tile": _tile,

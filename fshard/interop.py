@@ -574,6 +574,22 @@ def _meshgrid(prim, inputs, *args):
                                  tuple(shape)) for x, a in zip(inputs, axes))
 
 
+@converts("AssignAdd", "AssignSub")
+def _assign_add(prim, variable, value):
+    # As an Assign of the sum: MindSpore's in-place kernels refuse the views vmap's loop
+    # and shard's local blocks hand them ("Check view and inplace failed").
+    # The sum is returned (not Assign's output) so that it differentiates as MindSpore's
+    # AssignAdd does: into the value too, where Assign's derivative is zero.
+    if not isinstance(value, (Tracer, backend.Tensor)) or (
+            typeof(value).dtype != typeof(variable).dtype
+            or len(typeof(value).shape) != len(typeof(variable).shape)):
+        return ms_call(prim.name, prim, (variable, value), {})  # MindSpore's own error
+    op = fo.add if prim.name == "AssignAdd" else fo.sub
+    new = op(variable, value)
+    assign(variable, new)
+    return new
+
+
 @converts("Split")
 def _split(prim, x, axis=0, output_num=1):
     return fo.split(x, typeof(x).shape[int(axis)] // int(output_num), int(axis))

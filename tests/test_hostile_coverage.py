@@ -174,3 +174,42 @@ def test_tensor_methods_mindspore_functions_use_trace(fn):
     # ops.diff calls x.gather and ops.nansum x.is_complex(): a raw AttributeError before.
     x = ops.where(X > 0.7, Tensor(np.float32("nan")), X)
     np.testing.assert_allclose(fs.jit(fn)(x).asnumpy(), fn(x).asnumpy(), rtol=1e-6)
+
+
+def _ones_twos():
+    return Tensor(np.ones((2, 3), np.float32)), Tensor(np.full((2, 3), 2.0, np.float32))
+
+
+@pytest.mark.parametrize("transform", [fs.jit, fs.vmap, lambda f: fs.jit(fs.vmap(f))],
+                         ids=["jit", "vmap", "jit-vmap"])
+@pytest.mark.parametrize("op,want", [(ops.assign_add, 3.0), (ops.assign_sub, -1.0),
+                                     (ops.assign, 2.0)], ids=["add", "sub", "assign"])
+def test_assign_ops_write_under_vmap(transform, op, want):
+    # AssignAdd/AssignSub refused the views vmap's loop hands them (a raw "Check view and
+    # inplace failed"); under jit(vmap(f)) the write of an unused result was dropped.
+    x, y = _ones_twos()
+    out = transform(lambda a, b: (op(a, b), b * 1)[1])(x, y)
+    np.testing.assert_array_equal(out.asnumpy(), y.asnumpy())
+    np.testing.assert_array_equal(x.asnumpy(), np.full((2, 3), want, np.float32))
+
+
+def test_assign_add_under_shard_and_its_gradient():
+    x, y = _ones_twos()
+    f = lambda a, b: ops.assign_add(a, b) * 1  # noqa: E731
+    out = fs.shard(f, in_strategy=((2, 1), (2, 1)), mesh=fs.Mesh((2,), ("d",)))(x, y)
+    np.testing.assert_array_equal(out.asnumpy(), np.full((2, 3), 3.0, np.float32))
+    np.testing.assert_array_equal(x.asnumpy(), np.full((2, 3), 3.0, np.float32))
+    # MindSpore's AssignAdd differentiates into the value too (Assign's does not).
+    w = Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    loss = lambda a, b: (ops.assign_sub(a * 1, b) * w).sum()  # noqa: E731
+    want = ops.grad(loss, grad_position=(0, 1))(*_ones_twos())
+    got = fs.grad(loss, argnums=(0, 1))(*_ones_twos())
+    for g, w_ in zip(got, want):
+        np.testing.assert_array_equal(g.asnumpy(), w_.asnumpy())
+
+
+def test_assign_add_of_another_dtype_is_refused_as_mindspore_does():
+    x = Tensor(np.ones(3, np.int32))
+    with pytest.raises(UnsupportedOpError, match="AssignAdd.*Data type conversion"):
+        fs.jit(lambda a, b: ops.assign_add(a, b))(x, Tensor(np.full(3, 2.5, np.float32)))
+    np.testing.assert_array_equal(x.asnumpy(), np.ones(3, np.int32))

@@ -203,7 +203,9 @@ class MsFunction:
         """The op writes into an operand (MindSpore's ``side_effect_mem``: ``Assign``,
         ``BatchNorm`` in training mode): dead-code elimination keeps it."""
         attrs = getattr(self.call.fn, "attrs", None)
-        return not self.derivs and isinstance(attrs, dict) and bool(
+        # Its batched form writes too (dropped, jit(vmap(f)) lost the write); a
+        # derivative does not.
+        return all(k == "vmap" for k, _ in self.derivs) and isinstance(attrs, dict) and bool(
             attrs.get("side_effect_mem"))
 
     @property

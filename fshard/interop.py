@@ -676,6 +676,17 @@ def _f_add(prim, input, other, *, alpha=1):
     return _add(prim, input, other, alpha)
 
 
+@converts("functional.nansum")
+def _f_nansum(prim, input, dim=None, keepdim=False, *, dtype=None):
+    # MindSpore has no CPU graph kernel for Nansum: a sum with the NaNs made zeros.
+    # An integer input keeps its dtype (a bool one sums in int64), unlike sum's int64.
+    dt = typeof(input).dtype
+    if dtypes.is_float(dt):
+        input = fo.where(fo.isnan(input), 0.0, input)
+    out = ms_sum(input, _axis(dim), bool(keepdim), None if dtype is None else _dtype(dtype))
+    return fo.cast(out, dt) if dtype is None and dtypes.is_int(dt) else out
+
+
 @converts("functional.sub")
 def _f_sub(prim, input, other, *, alpha=1):
     return _sub(prim, input, other, alpha)

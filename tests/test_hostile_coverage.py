@@ -213,3 +213,15 @@ def test_assign_add_of_another_dtype_is_refused_as_mindspore_does():
     with pytest.raises(UnsupportedOpError, match="AssignAdd.*Data type conversion"):
         fs.jit(lambda a, b: ops.assign_add(a, b))(x, Tensor(np.full(3, 2.5, np.float32)))
     np.testing.assert_array_equal(x.asnumpy(), np.ones(3, np.int32))
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.int32, np.bool_])
+def test_mint_nansum_compiles(dt):
+    # No CPU graph kernel for Nansum: an UnsupportedOpError under fs.jit before.
+    x = X.asnumpy() * 10
+    x = Tensor(np.where(x > 7, np.nan, x).astype(dt) if dt == np.float32 else x.astype(dt))
+    for f in (lambda a: mint.nansum(a), lambda a: mint.nansum(a, 1),
+              lambda a: mint.nansum(a, (0, 1), True)):
+        want, got = f(x), fs.jit(f)(x)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-6)

@@ -687,6 +687,17 @@ def _f_nansum(prim, input, dim=None, keepdim=False, *, dtype=None):
     return fo.cast(out, dt) if dtype is None and dtypes.is_int(dt) else out
 
 
+@converts("functional.imag")
+def _f_imag(prim, input):
+    # MindSpore's graph mode has no type inference for this view ("RealViewFuncImpl::
+    # InferType is not implemented"): a real input's imaginary part is zeros; a complex
+    # one goes to the generic path. (mint.real stays generic: MindSpore differentiates
+    # it into a complex64 gradient, which fshard's identity would not match.)
+    if str(typeof(input).dtype).startswith("Complex"):
+        return ms_call("imag", prim, (input,), {})
+    return fo.zeros_like(input)
+
+
 @converts("functional.sub")
 def _f_sub(prim, input, other, *, alpha=1):
     return _sub(prim, input, other, alpha)

@@ -554,6 +554,42 @@ def _concat(prim, tensors, axis=0):
     return fo.concat(list(tensors), int(axis))
 
 
+@converts("Meshgrid")
+def _meshgrid(prim, inputs, *args):
+    # Native, so that one input (which MindSpore's graph kernel refuses; eager returns it
+    # as is) traces too. The indexing is an argument, or an attribute holding MindSpore's
+    # Indexing enum (0 "ij", 1 "xy").
+    indexing = args[0] if args else _attr(prim, "indexing", "xy")
+    indexing = {0: "ij", 1: "xy"}.get(indexing, indexing)
+    if indexing not in ("xy", "ij") or any(len(typeof(x).shape) != 1 for x in inputs):
+        return ms_call("Meshgrid", prim, (inputs, *args), {})  # MindSpore's own error
+    axes = list(range(len(inputs)))
+    if indexing == "xy" and len(inputs) > 1:
+        axes[0], axes[1] = 1, 0
+    shape = [0] * len(inputs)
+    for x, a in zip(inputs, axes):
+        shape[a] = typeof(x).shape[0]
+    return tuple(fo.broadcast_to(fo.reshape(x, tuple(n if i == a else 1
+                                                     for i, n in enumerate(shape))),
+                                 tuple(shape)) for x, a in zip(inputs, axes))
+
+
+@converts("AssignAdd", "AssignSub")
+def _assign_add(prim, variable, value):
+    # As an Assign of the sum: MindSpore's in-place kernels refuse the views vmap's loop
+    # and shard's local blocks hand them ("Check view and inplace failed").
+    # The sum is returned (not Assign's output) so that it differentiates as MindSpore's
+    # AssignAdd does: into the value too, where Assign's derivative is zero.
+    if not isinstance(value, (Tracer, backend.Tensor)) or (
+            typeof(value).dtype != typeof(variable).dtype
+            or len(typeof(value).shape) != len(typeof(variable).shape)):
+        return ms_call(prim.name, prim, (variable, value), {})  # MindSpore's own error
+    op = fo.add if prim.name == "AssignAdd" else fo.sub
+    new = op(variable, value)
+    assign(variable, new)
+    return new
+
+
 @converts("Split")
 def _split(prim, x, axis=0, output_num=1):
     return fo.split(x, typeof(x).shape[int(axis)] // int(output_num), int(axis))
@@ -638,6 +674,28 @@ def _sequence_len(prim, seq):
 @converts("functional.add")
 def _f_add(prim, input, other, *, alpha=1):
     return _add(prim, input, other, alpha)
+
+
+@converts("functional.nansum")
+def _f_nansum(prim, input, dim=None, keepdim=False, *, dtype=None):
+    # MindSpore has no CPU graph kernel for Nansum: a sum with the NaNs made zeros.
+    # An integer input keeps its dtype (a bool one sums in int64), unlike sum's int64.
+    dt = typeof(input).dtype
+    if dtypes.is_float(dt):
+        input = fo.where(fo.isnan(input), 0.0, input)
+    out = ms_sum(input, _axis(dim), bool(keepdim), None if dtype is None else _dtype(dtype))
+    return fo.cast(out, dt) if dtype is None and dtypes.is_int(dt) else out
+
+
+@converts("functional.imag")
+def _f_imag(prim, input):
+    # MindSpore's graph mode has no type inference for this view ("RealViewFuncImpl::
+    # InferType is not implemented"): a real input's imaginary part is zeros; a complex
+    # one goes to the generic path. (mint.real stays generic: MindSpore differentiates
+    # it into a complex64 gradient, which fshard's identity would not match.)
+    if str(typeof(input).dtype).startswith("Complex"):
+        return ms_call("imag", prim, (input,), {})
+    return fo.zeros_like(input)
 
 
 @converts("functional.sub")

@@ -463,6 +463,10 @@ def _mindspore_function(name):
 
 # nn.MultiheadAttention splits its packed projection with ``tensor_split``.
 METHODS.update({name: _mindspore_function(name) for name in ("split", "tensor_split", "chunk")})
+# ops.diff gathers with the method; ops.nansum asks is_complex.
+METHODS.update({"gather": _mindspore_function("gather"),
+                "is_complex": lambda self: self.dtype in (mindspore.complex64,
+                                                          mindspore.complex128)})
 
 METHODS.update({
     "floor": ops.floor, "round": _round, "tile": _tile,

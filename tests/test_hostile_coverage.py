@@ -3,6 +3,7 @@ found, each checked against eager MindSpore."""
 
 from __future__ import annotations
 
+import mindspore
 import numpy as np
 import pytest
 from mindspore import Tensor, mint, ops
@@ -94,3 +95,141 @@ def test_squeeze_of_a_dimension_not_of_size_one_keeps_it(fn):
     # MindSpore (as PyTorch) leaves it in place; fshard raised a ShapeError.
     x = Tensor(RNG.uniform(size=(4, 1, 6)).astype(np.float32))
     np.testing.assert_array_equal(fs.jit(fn)(x).asnumpy(), fn(x).asnumpy())
+
+
+# Each case: (tensor dtype, NumPy scalar), the dtype eager MindSpore's Tensor operators give.
+_NP_SCALARS = [(np.float32, np.float64(2.0)), (np.float16, np.float64(2.0)),
+               (np.float16, np.float32(2.0)), (np.int32, np.float64(2.0)),
+               (np.int32, np.int64(2)), (np.int8, np.int64(2)), (np.bool_, np.float64(2.0)),
+               (np.bool_, np.int64(2)), (np.int32, np.bool_(True))]
+
+
+@pytest.mark.parametrize("dt,s", _NP_SCALARS, ids=[f"{np.dtype(d).name}-{type(s).__name__}"
+                                                    for d, s in _NP_SCALARS])
+def test_numpy_scalars_are_weakly_typed_as_in_mindspore(dt, s):
+    # MindSpore treats a NumPy scalar as the Python scalar of its kind: f32 + np.float64(2)
+    # is float32. fshard kept the NumPy dtype (float64), silently changing nn.LGamma's.
+    t = Tensor(np.ones((2, 3), dt))
+    for f in (lambda a: a + s, lambda a: ops.mul(s, a), lambda a: ops.sub(a, s)):
+        want = f(t)
+        got = fs.jit(f)(t)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+
+
+def test_numpy_scalars_alone_keep_their_dtype():
+    # Between NumPy scalars (no array operand) their own dtypes still decide.
+    assert fs.ops.add(np.float64(1.0), np.float64(2.0)).dtype == mindspore.float64
+
+
+def test_lgamma_keeps_float32():
+    f = lambda a: ops.lgamma(a + np.float64(1.0))  # noqa: E731
+    assert fs.jit(f)(X).dtype == f(X).dtype
+
+
+@pytest.mark.filterwarnings("ignore::fshard.errors.GenericOpWarning")
+def test_generic_op_shape_set_by_a_concrete_integer_tensor():
+    # The generic path learned MirrorPad's output shape by running it on zeros in place
+    # of every tensor, the paddings too: f32[4,6] in the program for a (6, 10) result.
+    pads = Tensor(np.array([[1, 1], [2, 2]], np.int32))
+    f = lambda a: ops.mirror_pad(a, pads, "REFLECT")  # noqa: E731
+    want = f(X)
+    np.testing.assert_array_equal(fs.jit(f)(X).asnumpy(), want.asnumpy())
+    w = Tensor(RNG.uniform(size=(6, 10)).astype(np.float32))
+    g = fs.grad(lambda a: (f(a) * w).sum())(X)
+    gw = ops.grad(lambda a: (f(a) * w).sum())(X)
+    np.testing.assert_allclose(g.asnumpy(), gw.asnumpy(), rtol=1e-5, atol=1e-5)
+    v = fs.vmap(f)(ops.stack([X, 2 * X]))
+    np.testing.assert_array_equal(v.asnumpy()[1], f(2 * X).asnumpy())
+
+
+V3 = Tensor(np.arange(3, dtype=np.float32))
+V4 = Tensor(np.arange(4, dtype=np.float32) + 1)
+
+
+@pytest.mark.parametrize("fn", [lambda a: ops.meshgrid(a), lambda a: mint.meshgrid(a),
+                                lambda a: ops.cartesian_prod(a),
+                                lambda a: ops.meshgrid(a, V4, V3 * 2),
+                                lambda a: ops.meshgrid(a, V4, indexing="ij"),
+                                lambda a: mint.meshgrid(a, V4, indexing="xy"),
+                                lambda a: ops.cartesian_prod(a, V4)],
+                         ids=["one", "mint-one", "cartesian-one", "xy-3", "ij-2", "mint-xy",
+                              "cartesian-2"])
+def test_meshgrid_traces(fn):
+    # MindSpore's graph kernel refuses one input (eager returns it): a raw ValueError.
+    want = fn(V3)
+    got = fs.jit(fn)(V3)
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g.asnumpy(), w.asnumpy())
+
+
+@pytest.mark.parametrize("fn", [lambda a: ops.diff(a), lambda a: ops.diff(a, 1, 0),
+                                lambda a: ops.nansum(a), lambda a: ops.nansum(a, 1),
+                                lambda a: ops.nanmean(a, 0)],
+                         ids=["diff", "diff-axis0", "nansum", "nansum-1", "nanmean"])
+def test_tensor_methods_mindspore_functions_use_trace(fn):
+    # ops.diff calls x.gather and ops.nansum x.is_complex(): a raw AttributeError before.
+    x = ops.where(X > 0.7, Tensor(np.float32("nan")), X)
+    np.testing.assert_allclose(fs.jit(fn)(x).asnumpy(), fn(x).asnumpy(), rtol=1e-6)
+
+
+def _ones_twos():
+    return Tensor(np.ones((2, 3), np.float32)), Tensor(np.full((2, 3), 2.0, np.float32))
+
+
+@pytest.mark.parametrize("transform", [fs.jit, fs.vmap, lambda f: fs.jit(fs.vmap(f))],
+                         ids=["jit", "vmap", "jit-vmap"])
+@pytest.mark.parametrize("op,want", [(ops.assign_add, 3.0), (ops.assign_sub, -1.0),
+                                     (ops.assign, 2.0)], ids=["add", "sub", "assign"])
+def test_assign_ops_write_under_vmap(transform, op, want):
+    # AssignAdd/AssignSub refused the views vmap's loop hands them (a raw "Check view and
+    # inplace failed"); under jit(vmap(f)) the write of an unused result was dropped.
+    x, y = _ones_twos()
+    out = transform(lambda a, b: (op(a, b), b * 1)[1])(x, y)
+    np.testing.assert_array_equal(out.asnumpy(), y.asnumpy())
+    np.testing.assert_array_equal(x.asnumpy(), np.full((2, 3), want, np.float32))
+
+
+def test_assign_add_under_shard_and_its_gradient():
+    x, y = _ones_twos()
+    f = lambda a, b: ops.assign_add(a, b) * 1  # noqa: E731
+    out = fs.shard(f, in_strategy=((2, 1), (2, 1)), mesh=fs.Mesh((2,), ("d",)))(x, y)
+    np.testing.assert_array_equal(out.asnumpy(), np.full((2, 3), 3.0, np.float32))
+    np.testing.assert_array_equal(x.asnumpy(), np.full((2, 3), 3.0, np.float32))
+    # MindSpore's AssignAdd differentiates into the value too (Assign's does not).
+    w = Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    loss = lambda a, b: (ops.assign_sub(a * 1, b) * w).sum()  # noqa: E731
+    want = ops.grad(loss, grad_position=(0, 1))(*_ones_twos())
+    got = fs.grad(loss, argnums=(0, 1))(*_ones_twos())
+    for g, w_ in zip(got, want):
+        np.testing.assert_array_equal(g.asnumpy(), w_.asnumpy())
+
+
+def test_assign_add_of_another_dtype_is_refused_as_mindspore_does():
+    x = Tensor(np.ones(3, np.int32))
+    with pytest.raises(UnsupportedOpError, match="AssignAdd.*Data type conversion"):
+        fs.jit(lambda a, b: ops.assign_add(a, b))(x, Tensor(np.full(3, 2.5, np.float32)))
+    np.testing.assert_array_equal(x.asnumpy(), np.ones(3, np.int32))
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.int32, np.bool_])
+def test_mint_nansum_compiles(dt):
+    # No CPU graph kernel for Nansum: an UnsupportedOpError under fs.jit before.
+    x = X.asnumpy() * 10
+    x = Tensor(np.where(x > 7, np.nan, x).astype(dt) if dt == np.float32 else x.astype(dt))
+    for f in (lambda a: mint.nansum(a), lambda a: mint.nansum(a, 1),
+              lambda a: mint.nansum(a, (0, 1), True)):
+        want, got = f(x), fs.jit(f)(x)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-6)
+
+
+def test_mint_imag_of_a_real_input_compiles():
+    # MindSpore's graph mode cannot infer the view's type: a raw RuntimeError before.
+    f = lambda a: mint.imag(a) + a  # noqa: E731
+    got = fs.jit(f)(X)
+    assert got.dtype == f(X).dtype
+    np.testing.assert_array_equal(got.asnumpy(), f(X).asnumpy())

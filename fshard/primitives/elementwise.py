@@ -47,13 +47,33 @@ def _is_weak(x) -> bool:
     return isinstance(x, (bool, int, float)) and not isinstance(x, np.generic)
 
 
+def _scalar_kind(x, numpy_weak: bool):
+    """``bool``, ``int`` or ``float`` for a weakly typed scalar operand, else None."""
+    if isinstance(x, np.generic):
+        # MindSpore's Tensor operators treat a NumPy bool, integer or float scalar as the
+        # Python scalar of that kind (Tensor(f32) + np.float64(2) is float32), but only
+        # next to an array: between NumPy scalars alone their own dtypes decide.
+        if not numpy_weak:
+            return None
+        x = x.item() if isinstance(x, (np.bool_, np.integer, np.floating)) else None
+    if isinstance(x, bool):
+        return bool
+    if isinstance(x, int):
+        return int
+    if isinstance(x, float):
+        return float
+    return None
+
+
 def promote(*xs):
-    """Promote operands to one dtype (Python scalars are weakly typed) and broadcast
-    them to one shape. Returns fshard values (Tracers, Tensors or NumPy scalars)."""
-    strong = [typeof(x).dtype for x in xs if not _is_weak(x)]
-    weak = [x for x in xs if _is_weak(x)]
-    weak_float = any(isinstance(x, float) for x in weak)
-    weak_int = any(isinstance(x, int) and not isinstance(x, bool) for x in weak)
+    """Promote operands to one dtype (Python scalars, and NumPy scalars next to an array,
+    are weakly typed) and broadcast them to one shape. Returns fshard values (Tracers,
+    Tensors or NumPy scalars)."""
+    numpy_weak = any(not isinstance(x, (bool, int, float, complex, np.generic)) for x in xs)
+    kinds = [_scalar_kind(x, numpy_weak) for x in xs]
+    strong = [typeof(x).dtype for x, k in zip(xs, kinds) if k is None]
+    weak_float = float in kinds
+    weak_int = int in kinds
     # As MindSpore: a Python float makes an integer or bool result float32, and a Python
     # int makes a bool result int64; otherwise the tensors' dtype wins.
     dt = dtypes.result_type(*strong) if strong else dtypes.bool_
@@ -61,10 +81,11 @@ def promote(*xs):
         dt = dtypes.float32
     elif weak_int and dt == dtypes.bool_:
         dt = dtypes.int64
-    shape = broadcast_shapes(*[() if _is_weak(x) else tuple(typeof(x).shape) for x in xs])
+    shape = broadcast_shapes(*[() if k is not None else tuple(typeof(x).shape)
+                               for x, k in zip(xs, kinds)])
     out = []
-    for x in xs:
-        if _is_weak(x):
+    for x, k in zip(xs, kinds):
+        if k is not None:
             x = dtypes.to_numpy(dt).type(x)
         elif typeof(x).dtype != dt:
             x = cast(x, dt)

@@ -79,9 +79,21 @@ def _is_tensor_like(v) -> bool:
     return isinstance(v, Tracer) or backend.is_tensor(v)
 
 
+# A concrete integer Tensor this small is kept as a fixed argument: it may set the output
+# shape (MirrorPad's paddings, a size), which the generic path learns by running the op
+# on zeros in place of its operands. It has no gradient and no batch axis to lose.
+_FIXED_INT_SIZE = 1024
+
+
+def _is_fixed_int(v) -> bool:
+    return (backend.is_tensor(v) and not isinstance(v, (Tracer, ms.Parameter))
+            and dtypes.is_int(dtypes.canonical(v.dtype)) and v.size <= _FIXED_INT_SIZE)
+
+
 def _template(v, operands: list):
-    """``v`` with every tensor (traced or concrete) replaced by a ``_Slot``."""
-    if _is_tensor_like(v):
+    """``v`` with every tensor (traced or concrete, but for a small concrete integer one)
+    replaced by a ``_Slot``."""
+    if _is_tensor_like(v) and not _is_fixed_int(v):
         operands.append(v)
         return _Slot(len(operands) - 1)
     if type(v) in (list, tuple):
@@ -108,6 +120,9 @@ def _static_key(v):
         return (type(v).__name__,) + tuple(_static_key(e) for e in v)
     if isinstance(v, _SIMPLE):
         return (type(v).__name__, repr(v))
+    if _is_fixed_int(v):
+        a = v.asnumpy()
+        return ("Tensor", str(a.dtype), a.shape, a.tobytes())
     return (type(v).__name__, repr(v), id(v) if not isinstance(v, ms.dtype.Type) else 0)
 
 
@@ -188,7 +203,9 @@ class MsFunction:
         """The op writes into an operand (MindSpore's ``side_effect_mem``: ``Assign``,
         ``BatchNorm`` in training mode): dead-code elimination keeps it."""
         attrs = getattr(self.call.fn, "attrs", None)
-        return not self.derivs and isinstance(attrs, dict) and bool(
+        # Its batched form writes too (dropped, jit(vmap(f)) lost the write); a
+        # derivative does not.
+        return all(k == "vmap" for k, _ in self.derivs) and isinstance(attrs, dict) and bool(
             attrs.get("side_effect_mem"))
 
     @property

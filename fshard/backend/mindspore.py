@@ -899,8 +899,10 @@ def auto_parallel_settings() -> dict:
 def cell_first_call_checks(cell) -> None:
     """Run MindSpore's once-per-Cell checks (parameter names, lazy initialisation) on
     ``cell`` and its sub-Cells, as its first call would."""
+    # every sub-Cell too: each one's first call checks its own Parameters, and a traced
+    # sub-Cell (one with cell.shard) is entered later with tracers in its slots
     for c in [cell] + [c for _, c in cell.cells_and_names()]:
         if not getattr(c, "_is_check_and_refresh", True):
             c._self_check()
-    if not getattr(cell, "_init_flag", True):
-        cell._init_check()
+        if not getattr(c, "_init_flag", True):
+            c._init_check()

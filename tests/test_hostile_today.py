@@ -31,3 +31,19 @@ def test_cell_shard_on_a_sub_cell_never_called_eagerly():
         got = fs.jit(net)(x).asnumpy()
     want = net(x).asnumpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(1.0, abs(float(want))))
+
+
+def test_set_inputs_with_a_dynamic_rank_takes_each_calls_shape():
+    # Tensor(shape=None) is MindSpore's dynamic rank (shape [-2]); it was read as a
+    # rank-1 declaration and every call was refused
+    class Net(nn.Cell):
+        def construct(self, x, y):
+            return x.sum() + y.sum()
+
+    net = Net()
+    net.set_inputs(Tensor(shape=None, dtype=ms.float32), Tensor(shape=[None], dtype=ms.float32))
+    f = fs.jit(net)
+    y = Tensor(np.ones(2, np.float32))
+    for shape in ((3, 4), (5,), (2, 1, 3)):
+        x = Tensor(np.ones(shape, np.float32))
+        assert float(f(x, y).asnumpy()) == float(net(x, y).asnumpy())

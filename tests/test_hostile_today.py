@@ -47,3 +47,47 @@ def test_set_inputs_with_a_dynamic_rank_takes_each_calls_shape():
     for shape in ((3, 4), (5,), (2, 1, 3)):
         x = Tensor(np.ones(shape, np.float32))
         assert float(f(x, y).asnumpy()) == float(net(x, y).asnumpy())
+
+
+def _cond_with_callbacks(seen, with_operands):
+    def pos(y):
+        if with_operands:
+            fs.debug.callback(lambda v: seen.append("pos"), y)
+        else:
+            fs.debug.callback(lambda: seen.append("pos"))
+        return y
+
+    def neg(y):
+        if with_operands:
+            fs.debug.callback(lambda v: seen.append("neg"), y)
+        else:
+            fs.debug.callback(lambda: seen.append("neg"))
+        return -y
+
+    return fs.jit(lambda x: fs.cond(x.sum() > 0, pos, neg, x))
+
+
+def test_a_callback_in_a_cond_branch_runs_only_when_that_branch_is_taken():
+    # cheap branches were all evaluated and selected (both callbacks ran), and a branch
+    # ending in a callback made the cond itself an effect (its output undefined)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for with_operands in (False, True):
+        seen = []
+        f = _cond_with_callbacks(seen, with_operands)
+        for sign, want in ((1, "pos"), (-1, "neg"), (1, "pos")):
+            out = f(sign * x).asnumpy()
+            np.testing.assert_array_equal(out, x)
+            assert seen == [want], (with_operands, sign, seen)
+            seen.clear()
+
+
+def test_a_loop_body_ending_in_a_callback():
+    seen = []
+
+    def body(c):
+        c = c + 1
+        fs.debug.callback(lambda v: seen.append(int(v)), c)
+        return c
+
+    out = fs.jit(lambda c: fs.while_loop(lambda c: c < 3, body, c))(np.int32(0))
+    assert int(out.asnumpy()) == 3 and seen == [1, 2, 3]

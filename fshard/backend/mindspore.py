@@ -374,10 +374,14 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
 
     saved_token, ctx.token = ctx.token, None
     saved_effect, ctx.effect = ctx.effect, None
+    # a nested function (a cond branch, a loop body) is lowered inside its equation's
+    # rule: its last equation's flags must not become that equation's
+    saved_flags = ctx.sequenced, ctx.effectful
     outs = walk(program, [names[v] for v in program.inputs], rule, "lowering", literal)
     if ctx.effect is not None:  # the outputs wait for the last effect: none is pruned
         outs = [ctx.call(depend, o, ctx.effect) for o in outs]
     ctx.token, ctx.dims, ctx.effect = saved_token, saved_dims, saved_effect
+    ctx.sequenced, ctx.effectful = saved_flags
     if len(outs) == 1 and not always_tuple:
         body.append(f"    return {outs[0]}")
     else:

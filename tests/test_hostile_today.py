@@ -91,3 +91,53 @@ def test_a_loop_body_ending_in_a_callback():
 
     out = fs.jit(lambda c: fs.while_loop(lambda c: c < 3, body, c))(np.int32(0))
     assert int(out.asnumpy()) == 3 and seen == [1, 2, 3]
+
+
+def test_momentum_with_nesterov_takes_nesterov_steps():
+    # MindSpore 2.10's CPU ApplyMomentum ignores use_nesterov; fshard's nn.Momentum
+    # translation takes the Nesterov steps MindSpore's nn.SGD(nesterov=True) takes
+    from fshard.parallel.ms_optimizers import from_mindspore
+
+    def nets():
+        ms.set_seed(0)
+        a, b = nn.Dense(4, 3), nn.Dense(4, 3)
+        for pa, pb in zip(a.trainable_params(), b.trainable_params()):
+            pb.set_data(Tensor(pa.asnumpy()))
+        return a, b
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(6, 4)).astype(np.float32),
+                rng.normal(size=(6, 3)).astype(np.float32)) for _ in range(3)]
+    a, b = nets()
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        step = nn.TrainOneStepCell(nn.WithLossCell(a, nn.MSELoss()), nn.SGD(
+            a.trainable_params(), 0.1, momentum=0.9, nesterov=True))
+        step.set_train()
+        want_losses = [float(step(Tensor(x), Tensor(y)).asnumpy()) for x, y in batches]
+    finally:
+        ms.set_context(mode=mode)
+    want = {p.name: p.asnumpy() for p in a.trainable_params()}
+
+    apply, params = fs.functional(nn.WithLossCell(b, nn.MSELoss()))
+    tx = from_mindspore(nn.Momentum(b.trainable_params(), 0.1, 0.9, use_nesterov=True),
+                        params)
+    values = {k: Tensor(v.asnumpy()) for k, v in params.items()}
+    state = tx.init(values)
+
+    @fs.jit
+    def train(values, state, x, y):
+        loss, grads = fs.value_and_grad(apply)(values, x, y)
+        updates, state = tx.update(grads, state, values)
+        return fs.optim.apply_updates(values, updates), state, loss
+
+    got_losses = []
+    for x, y in batches:
+        values, state, loss = train(values, state, x, y)
+        got_losses.append(float(loss.asnumpy()))
+    got = {k.removeprefix("_backbone."): v.asnumpy() for k, v in values.items()}
+    np.testing.assert_allclose(got_losses, want_losses, rtol=2e-5, atol=1e-6)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=2e-5,
+                                   atol=2e-6 * max(1.0, float(np.abs(want[k]).max())))

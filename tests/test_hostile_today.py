@@ -141,3 +141,18 @@ def test_momentum_with_nesterov_takes_nesterov_steps():
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5,
                                    atol=2e-6 * max(1.0, float(np.abs(want[k]).max())))
+
+
+def test_ops_print_of_numbers_tuples_and_lists_prints_as_mindspore(capfd):
+    # a tuple was refused (ArgumentError) and a number printed as a 0-d Tensor
+    x = Tensor(np.arange(2, dtype=np.float32))
+
+    def f(x):
+        ops.Print()("n", 3, (x, "a"), [2.5, x * 2])
+        return x + 1
+
+    f(x)  # MindSpore's own Print
+    want = [ln for ln in capfd.readouterr().out.splitlines() if ln.strip()]
+    fs.block_until_ready(fs.jit(f)(x))
+    got = [ln for ln in capfd.readouterr().out.splitlines() if ln.strip()]
+    assert got == want and want[1] == "3" and want[2].endswith("'a')")

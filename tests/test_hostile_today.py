@@ -156,3 +156,18 @@ def test_ops_print_of_numbers_tuples_and_lists_prints_as_mindspore(capfd):
     fs.block_until_ready(fs.jit(f)(x))
     got = [ln for ln in capfd.readouterr().out.splitlines() if ln.strip()]
     assert got == want and want[1] == "3" and want[2].endswith("'a')")
+
+
+def test_debug_print_checks_its_format_fields_when_tracing():
+    # a field without its argument was a raw IndexError/KeyError raised in the running
+    # program
+    import pytest
+
+    x = np.arange(3, dtype=np.float32)
+    for fmt, kwargs, what in (("{} {}", {}, "field 2"), ("{s}", {}, "keyword 's'"),
+                              ("{1}", {}, "positional argument 1"), ("{", {}, "malformed"),
+                              ("{} {0}", {}, "mixes")):
+        with pytest.raises(fs.ArgumentError, match=what):
+            fs.jit(lambda x: (fs.debug.print(fmt, x, **kwargs), x)[1])(x)
+    out = fs.jit(lambda x: (fs.debug.print("{} {s[0]} {{}}", x, s=x), x)[1])(x)
+    np.testing.assert_array_equal(out.asnumpy(), x)

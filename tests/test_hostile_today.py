@@ -171,3 +171,21 @@ def test_debug_print_checks_its_format_fields_when_tracing():
             fs.jit(lambda x: (fs.debug.print(fmt, x, **kwargs), x)[1])(x)
     out = fs.jit(lambda x: (fs.debug.print("{} {s[0]} {{}}", x, s=x), x)[1])(x)
     np.testing.assert_array_equal(out.asnumpy(), x)
+
+
+def test_bicubic_interpolate_has_its_output_type_and_gradient():
+    # ops.interpolate(mode="bicubic") passes its size as a Tensor; shape inference ran
+    # the op on a sampled size of ones, so the output was typed 1x1 and the gradient
+    # (whose cotangent had that type) was wrong, silently
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.normal(size=(1, 1, 5, 6)).astype(np.float32))
+    c = Tensor(rng.normal(size=(1, 1, 8, 11)).astype(np.float32))
+
+    def loss(x):
+        return (ops.interpolate(x, size=(8, 11), mode="bicubic") * c).sum()
+
+    assert fs.eval_shape(lambda x: ops.interpolate(x, size=(8, 11), mode="bicubic"),
+                         x).shape == (1, 1, 8, 11)
+    want = ms.grad(loss)(x).asnumpy()
+    got = fs.jit(fs.grad(loss))(x).asnumpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

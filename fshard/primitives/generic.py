@@ -79,8 +79,33 @@ def _is_tensor_like(v) -> bool:
     return isinstance(v, Tracer) or backend.is_tensor(v)
 
 
+class _Const:
+    """A small concrete 1-D integer Tensor argument (a size or a shape: MindSpore's
+    functions turn tuples into such Tensors), kept as a static argument: an output shape
+    may depend on its values, which shape inference on sample operands would not see
+    (``ResizeBicubic``'s ``size`` sampled as ones gave a 1x1 output type)."""
+
+    __slots__ = ("value", "key")
+
+    def __init__(self, t):
+        self.value = t
+        self.key = ("tensor", str(t.dtype), tuple(t.shape), tuple(t.asnumpy().ravel().tolist()))
+
+    def __repr__(self) -> str:
+        return f"Tensor({list(self.key[3])})"
+
+
+def _is_small_int_constant(v) -> bool:
+    return (backend.is_tensor(v) and not isinstance(v, (Tracer, ms.Parameter))
+            and len(v.shape) == 1 and int(v.shape[0]) <= 8
+            and dtypes.is_int(v.dtype))
+
+
 def _template(v, operands: list):
-    """``v`` with every tensor (traced or concrete) replaced by a ``_Slot``."""
+    """``v`` with every tensor (traced or concrete) replaced by a ``_Slot``; a small
+    concrete 1-D integer Tensor becomes a static ``_Const``."""
+    if _is_small_int_constant(v):
+        return _Const(v)
     if _is_tensor_like(v):
         operands.append(v)
         return _Slot(len(operands) - 1)
@@ -92,6 +117,8 @@ def _template(v, operands: list):
 def _fill(t, xs):
     if isinstance(t, _Slot):
         return xs[t.i]
+    if isinstance(t, _Const):
+        return t.value
     if type(t) in (list, tuple):
         return type(t)(_fill(e, xs) for e in t)
     return t
@@ -104,6 +131,8 @@ def _static_key(v):
     """A hashable stand-in for a static argument (dtypes and objects by repr)."""
     if isinstance(v, _Slot):
         return ("slot", v.i)
+    if isinstance(v, _Const):
+        return v.key
     if type(v) in (list, tuple):
         return (type(v).__name__,) + tuple(_static_key(e) for e in v)
     if isinstance(v, _SIMPLE):
@@ -384,6 +413,8 @@ class _Src:
     def literal(self, v) -> str:
         if isinstance(v, _Slot):
             return f"a{v.i}"
+        if isinstance(v, _Const):
+            return self.ref(v.value, "c")
         if type(v) in (list, tuple):
             inner = ", ".join(self.literal(e) for e in v)
             if type(v) is list:

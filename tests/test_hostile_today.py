@@ -189,3 +189,13 @@ def test_bicubic_interpolate_has_its_output_type_and_gradient():
     want = ms.grad(loss)(x).asnumpy()
     got = fs.jit(fs.grad(loss))(x).asnumpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_reshape_to_a_concrete_tensor_shape_as_mindspore():
+    # MindSpore's ops.reshape takes a Tensor shape; fshard refused it
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    for shape in (Tensor(np.array([6, 4]), ms.int64), Tensor(np.array([4, -1]), ms.int32),
+                  (Tensor(2, ms.int32), 12)):
+        want = ops.reshape(Tensor(x), shape).asnumpy()
+        got = fs.jit(lambda x, shape=shape: ops.reshape(x, shape))(x).asnumpy()
+        np.testing.assert_array_equal(got, want)

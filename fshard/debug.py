@@ -29,6 +29,8 @@ Under the transforms:
 
 from __future__ import annotations
 
+import re
+import string
 import sys
 from typing import Callable
 
@@ -170,6 +172,37 @@ def callback(fn: Callable, *args, **kwargs) -> None:
     debug_callback_p.bind(*arrays, callback=call)
 
 
+def _check_fields(fmt: str, n_args: int, kwargs: dict) -> None:
+    """Check ``fmt``'s replacement fields against the arguments when tracing, so a
+    mistake is an fshard error here, not a Python error raised in the running program."""
+    def refuse(why):
+        raise ArgumentError(
+            f"fs.debug.print(fmt, *args, **kwargs): {why} (fmt = {fmt!r}, {n_args} "
+            f"positional argument(s), keywords {sorted(kwargs)}).\nFix: give one argument "
+            "per '{}' field, and a keyword for each named field.")
+
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(fmt) if f is not None]
+    except ValueError as e:
+        refuse(f"the format string is malformed: {e}")
+    heads = [re.split(r"[.\[]", f, maxsplit=1)[0] for f in fields]
+    if "" in heads and any(h.isdigit() for h in heads):
+        refuse("it mixes automatic '{}' and numbered '{0}' fields")
+    auto = 0
+    for field in fields:
+        head = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if head == "":
+            auto += 1
+            if auto > n_args:
+                refuse(f"field {auto} '{{{field}}}' has no positional argument")
+        elif head.isdigit():
+            if int(head) >= n_args:
+                refuse(f"field '{{{field}}}' names positional argument {head}, which is "
+                       "not given")
+        elif head not in kwargs:
+            refuse(f"field '{{{field}}}' names keyword {head!r}, which is not given")
+
+
 def print(fmt: str, *args, **kwargs) -> None:  # noqa: A001 (the name JAX users know)
     """Print ``fmt.format(*args, **kwargs)`` with the values each time the program
     runs, also inside ``fs.jit`` (NB: ``jax.debug.print``). Under ``vmap`` (and on a
@@ -183,7 +216,7 @@ def print(fmt: str, *args, **kwargs) -> None:  # noqa: A001 (the name JAX users 
     [0.0, 2.0, 4.0]
 
     Raises:
-        ArgumentError: ``fmt`` is not a str.
+        ArgumentError: ``fmt`` is not a str, or names an argument that is not given.
 
     See also: ``fs.debug.callback``; docs/debugging.md.
     """
@@ -191,6 +224,8 @@ def print(fmt: str, *args, **kwargs) -> None:  # noqa: A001 (the name JAX users 
         raise ArgumentError(
             f"fs.debug.print(fmt, *args): fmt must be a format string, got {fmt!r} "
             f"({type(fmt).__name__}).\nFix: e.g. fs.debug.print('loss = {{}}', loss).")
+
+    _check_fields(fmt, len(args), kwargs)
 
     def show(*a, **k):
         _builtin_print(fmt.format(*a, **k), flush=True)

@@ -1420,13 +1420,37 @@ def _ms_all_to_all(prim, x):
 def _ms_print(prim, *args):
     """MindSpore's ``ops.Print``: at every run, each string argument and each tensor (as
     MindSpore shows a Tensor) on a line of its own."""
-    arrays = [a for a in args if not isinstance(a, str)]
-    kinds = [isinstance(a, str) for a in args]
+    # MindSpore prints a Python number, and a tuple or list (its tensors as tensors),
+    # as Python shows it: only the arrays are operands, the rest is text
+    arrays = []
+
+    def is_array(a):
+        return isinstance(a, (Tracer, np.ndarray)) or backend.is_tensor(a)
+
+    def collect(a):
+        if is_array(a):
+            arrays.append(a)
+        elif isinstance(a, (tuple, list)):
+            for b in a:
+                collect(b)
+
+    for a in args:
+        collect(a)
 
     def ms_print(*values):
         it = iter(values)
-        lines = [a if s else backend.tensor_text(next(it)) for a, s in zip(args, kinds)]
-        print("\n".join(lines), flush=True)
+
+        def text(a, top):
+            if is_array(a):
+                return backend.tensor_text(next(it))
+            if isinstance(a, (tuple, list)):
+                inner = ", ".join(text(b, False) for b in a)
+                if isinstance(a, list):
+                    return f"[{inner}]"
+                return f"({inner}{',' if len(a) == 1 else ''})"
+            return a if top and isinstance(a, str) else repr(a)
+
+        print("\n".join(text(a, True) for a in args), flush=True)
 
     debug_callback_p.bind(*arrays, callback=ms_print)
 

@@ -498,7 +498,7 @@ def _cond_impl(index, *args, branches, n_consts):
 def _cond_lowering(ctx, index, *exprs, branches, n_consts):
     """A graph ``if`` when the branches not taken cost more than it (measured,
     ``GRAPH_IF_FLOPS``); below, every branch runs and ``where`` selects the result."""
-    if _graph_if_is_faster(branches):
+    if any(_has_effect(b) for b in branches) or _graph_if_is_faster(branches):
         helper = ctx.cond_function(list(branches))
     else:
         selected, extra = _stage_closed(
@@ -731,8 +731,16 @@ def _flops(program) -> float:
 
 def _graph_if_is_faster(programs) -> bool:
     """A graph ``if`` when the branches not taken would cost more than it (measured)."""
-    costs = [_flops(p) for p in programs]
-    return sum(costs) - max(costs) >= GRAPH_IF_FLOPS
+    costs = sorted(_flops(p) for p in programs)
+    return sum(costs[:-1]) >= GRAPH_IF_FLOPS  # (not sum - max: inf - inf is nan)
+
+
+def _has_effect(program) -> bool:
+    """Whether a Program (or one nested in it) has an effect: a debug callback, which
+    must run in the taken branch only, so its cond is a graph ``if``, never a select."""
+    return any(eq.prim.effect or any(isinstance(v, Program) and _has_effect(v)
+                                     for v in eq.params.values())
+               for eq in program.equations)
 
 
 # ===========================================================================

@@ -247,7 +247,7 @@ def _symbolic(avals) -> bool:
     return any(not a.is_static for a in avals)
 
 
-def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
+def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType | None:
     """An input declaration as an ArrayType: an ``fs.ArrayType``, or a MindSpore
     placeholder ``Tensor(shape=[s0, 784], dtype=...)`` whose dims are ints,
     ``mindspore.Symbol`` (one object: one fshard Symbol) or None (a new Symbol)."""
@@ -262,6 +262,10 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType:
             return ArrayType(tuple(Symbol() if d is None else d for d in spec.shape),
                              spec.dtype)
         return spec
+    if isinstance(spec, _Tensor) and tuple(spec.shape) == (-2,):
+        # MindSpore's dynamic rank (Tensor(shape=None) or [-2]): any shape, so no
+        # declaration; the type is taken from each call (not a rank-1 array of size -2)
+        return None
     if isinstance(spec, _Tensor) and (getattr(spec, "symbolic_shape", None) is not None
                                       or -1 in tuple(spec.shape)):
         dims = []

@@ -374,10 +374,14 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
 
     saved_token, ctx.token = ctx.token, None
     saved_effect, ctx.effect = ctx.effect, None
+    # a nested function (a cond branch, a loop body) is lowered inside its equation's
+    # rule: its last equation's flags must not become that equation's
+    saved_flags = ctx.sequenced, ctx.effectful
     outs = walk(program, [names[v] for v in program.inputs], rule, "lowering", literal)
     if ctx.effect is not None:  # the outputs wait for the last effect: none is pruned
         outs = [ctx.call(depend, o, ctx.effect) for o in outs]
     ctx.token, ctx.dims, ctx.effect = saved_token, saved_dims, saved_effect
+    ctx.sequenced, ctx.effectful = saved_flags
     if len(outs) == 1 and not always_tuple:
         body.append(f"    return {outs[0]}")
     else:
@@ -899,11 +903,13 @@ def auto_parallel_settings() -> dict:
 def cell_first_call_checks(cell) -> None:
     """Run MindSpore's once-per-Cell checks (parameter names, lazy initialisation) on
     ``cell`` and its sub-Cells, as its first call would."""
+    # every sub-Cell too: each one's first call checks its own Parameters, and a traced
+    # sub-Cell (one with cell.shard) is entered later with tracers in its slots
     for c in [cell] + [c for _, c in cell.cells_and_names()]:
         if not getattr(c, "_is_check_and_refresh", True):
             c._self_check()
-    if not getattr(cell, "_init_flag", True):
-        cell._init_check()
+        if not getattr(c, "_init_flag", True):
+            c._init_check()
 
 
 def conv2d_backprop_filter_class():

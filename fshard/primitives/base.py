@@ -250,14 +250,20 @@ def _static_shape(shape, what="shape") -> tuple:
     see a string, a float or a negative size (-1 is ``reshape``'s, checked there)."""
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)
+    # a concrete integer Tensor (MindSpore's ops.reshape takes one) is its values
+    if backend.is_tensor(shape) and dtypes.is_int(shape.dtype) and len(shape.shape) <= 1:
+        shape = tuple(int(d) for d in shape.asnumpy().reshape(-1))
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise ArgumentError(f"{what} must be a tuple of ints, got {shape!r}.")
     out = []
     for d in shape:
+        if backend.is_tensor(d) and dtypes.is_int(d.dtype) and d.shape == ():
+            d = int(d.asnumpy())
         if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer, Symbol, DimExpr)):
             raise ArgumentError(
                 f"{what} must be a tuple of ints, got {shape!r} (the entry {d!r} is a "
-                f"{type(d).__name__}).")
+                f"{type(d).__name__}).\nFix: pass the sizes as Python ints; a shape must "
+                "be known when the function is traced (x.shape gives the static sizes).")
         out.append(int(d) if isinstance(d, (int, np.integer)) else d)
     return tuple(out)
 

@@ -24,7 +24,9 @@ sys.path.insert(0, os.path.dirname(EXAMPLE))
 
 import train_resnet as example  # noqa: E402
 
-STEPS, BATCH, SIZE = 4, 8, 32
+# 2 steps: ResNet-18 at 32 x 32 amplifies rounding differences from step 3 on
+# (tests/test_train_cnn.py says why)
+STEPS, BATCH, SIZE = 2, 8, 32
 
 
 def test_resnet18_in_a_2_process_job_equals_one_process(tmp_path):

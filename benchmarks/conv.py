@@ -25,7 +25,7 @@ from mindspore import ops
 
 import fshard as fs
 from benchmarks.harness import Result, benchmark, row
-from fshard import interop
+from fshard.adapter import interop
 
 #: the MindSpore primitives the native conv family converts
 NATIVE = ("Conv2D", "Conv2DTranspose", "Conv2DBackpropInput", "MaxPool", "MaxPoolWithArgmaxV2",

@@ -11,7 +11,7 @@ the generic path (one MindSpore ``BatchNorm`` equation, MindSpore's bprop) and a
   (8, 3, 32, 32) batch, the same loss (skipped without mindcv).
 
 The generic variant is traced with the ``BatchNorm`` converter taken out of
-``fshard.interop.CONVERTERS`` (and put back before anything else is traced). Every
+``fshard.adapter.interop.CONVERTERS`` (and put back before anything else is traced). Every
 timed call waits for its outputs.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 from mindspore import nn
 
 import fshard as fs
-from fshard import interop
+from fshard.adapter import interop
 from benchmarks.harness import Result, Row, benchmark, row
 
 

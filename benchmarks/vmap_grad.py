@@ -21,7 +21,7 @@ import numpy as np
 from mindspore import ops
 
 import fshard as fs
-from fshard import passes
+from fshard.primitives import passes
 from benchmarks.foundation import MLP_SIZES, mlp_params
 from benchmarks.harness import Result, benchmark, row
 

@@ -9,18 +9,18 @@ MindSpore GRAPH-mode program.
 """
 
 from fshard import debug as debug
-from fshard import distributed as distributed
-from fshard import dtypes as dtypes
+from fshard.meshes import distributed as distributed
+from fshard.core import dtypes as dtypes
 from fshard import errors as errors
-from fshard import interop as _interop  # noqa: F401  (MindSpore code traces: see staging)
+from fshard.adapter import interop as _interop  # noqa: F401  (MindSpore code traces: see staging)
 from fshard import ops as ops
-from fshard import rules as rules
-from fshard import tensor_methods as _tensor_methods  # noqa: F401  (Tracer operators)
-from fshard import tree as tree
-from fshard.cells import functional as functional
-from fshard.core import ArrayType as ArrayType
-from fshard.core import Symbol as Symbol
-from fshard.core import typeof as typeof
+from fshard.core import rules as rules
+from fshard.adapter import tensor_methods as _tensor_methods  # noqa: F401  (Tracer operators)
+from fshard.core import tree as tree
+from fshard.adapter.cells import functional as functional
+from fshard.core.tracing import ArrayType as ArrayType
+from fshard.core.tracing import Symbol as Symbol
+from fshard.core.tracing import typeof as typeof
 from fshard.errors import (  # noqa: F401
     ArgumentError as ArgumentError,
     CheckpointError as CheckpointError,
@@ -44,15 +44,15 @@ from fshard.errors import (  # noqa: F401
     UnsupportedDtypeError as UnsupportedDtypeError,
     UnsupportedOpError as UnsupportedOpError,
 )
-from fshard.ir import verify as verify
-from fshard.layout import Layout as Layout
-from fshard.mesh import Mesh as Mesh
+from fshard.core.ir import verify as verify
+from fshard.meshes.layout import Layout as Layout
+from fshard.meshes.mesh import Mesh as Mesh
 from fshard.sharding.local import ShardedArray as ShardedArray
 from fshard.sharding.local import gather_sharded as gather_sharded
 from fshard.sharding.placement import block_until_ready as block_until_ready
 from fshard.sharding.placement import device_put as device_put
-from fshard.user_layouts import with_sharding_constraint as with_sharding_constraint
-from fshard.abstract import eval_shape as eval_shape
+from fshard.sharding.user_layouts import with_sharding_constraint as with_sharding_constraint
+from fshard.transforms.eval_shape import eval_shape as eval_shape
 from fshard.primitives.collectives import (  # noqa: F401
     all_gather as all_gather,
     all_to_all as all_to_all,
@@ -69,7 +69,7 @@ from fshard.primitives.control import custom_jvp as custom_jvp
 from fshard.primitives.control import custom_vjp as custom_vjp
 from fshard.primitives.pipeline import pipeline_split as pipeline_split
 from fshard.primitives.structural import stop_gradient as stop_gradient
-from fshard.staging import make_ir as make_ir
+from fshard.core.staging import make_ir as make_ir
 from fshard.transforms.sharded_jit import jit as jit
 from fshard.transforms.jit import disable_jit as disable_jit
 from fshard.transforms.ad import grad as grad
@@ -93,16 +93,16 @@ from fshard.transforms.control_flow import (  # noqa: F401
     switch as switch,
     while_loop as while_loop,
 )
-from fshard.visualize import visualize_sharding as visualize_sharding
+from fshard.meshes.visualize import visualize_sharding as visualize_sharding
 from fshard.profiling import profile as profile  # noqa: E402  (tools layer)
 from fshard import nn as nn  # noqa: E402
 from fshard import random as random  # noqa: E402
-from fshard import optim as optim  # noqa: E402  (training layer: above the transforms)
-from fshard import checkpoint as checkpoint  # noqa: E402
-from fshard import amp as amp  # noqa: E402
-from fshard import parallel as parallel  # noqa: E402
-from fshard.parallel import AutoParallel as AutoParallel  # noqa: E402
-from fshard.parallel import Model as Model  # noqa: E402
-from fshard.parallel import TrainState as TrainState  # noqa: E402
+from fshard.training import optim as optim  # noqa: E402  (training layer: above the transforms)
+from fshard.training import checkpoint as checkpoint  # noqa: E402
+from fshard.training import amp as amp  # noqa: E402
+from fshard.training import parallel as parallel  # noqa: E402
+from fshard.training.parallel import AutoParallel as AutoParallel  # noqa: E402
+from fshard.training.parallel import Model as Model  # noqa: E402
+from fshard.training.parallel import TrainState as TrainState  # noqa: E402
 
 __version__ = "0.1.0"

@@ -36,14 +36,14 @@ from typing import Callable
 
 import numpy as np
 
-from fshard import tree
+from fshard.core import tree
 from fshard.backend import mindspore as backend
-from fshard.core import Tracer, typeof
+from fshard.core.tracing import Tracer, typeof
 from fshard.errors import ArgumentError
-from fshard.factors import FactorSpec
-from fshard.interpret import current_axis
+from fshard.core.factors import FactorSpec
+from fshard.core.interpret import current_axis
 from fshard.primitives.base import def_primitive
-from fshard.rules import batching, jvp, sharding, unsupported
+from fshard.core.rules import batching, jvp, sharding, unsupported
 
 __all__ = ["print", "callback", "debug_callback_p"]
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 import io
 import time
 
-from fshard import tree
+from fshard.core import tree
 from fshard.backend import mindspore as backend
-from fshard.core import typeof
+from fshard.core.tracing import typeof
 from fshard.errors import ArgumentError
-from fshard.interpret import bind_equation, walk
-from fshard.staging import check_function, fun_name, trace_fun
+from fshard.core.interpret import bind_equation, walk
+from fshard.core.staging import check_function, fun_name, trace_fun
 from fshard.transforms.jit import jit
 
 

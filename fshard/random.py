@@ -30,9 +30,10 @@ from typing import Any
 import mindspore
 import numpy as np
 
-from fshard import context, dtypes, ops
-from fshard.array_types import Array, Bool, Float, Int, Key, Shaped, UInt, UInt32
-from fshard.core import Tracer, is_symbolic, typeof
+from fshard.core import context, dtypes
+from fshard import ops
+from fshard.core.array_types import Array, Bool, Float, Int, Key, Shaped, UInt, UInt32
+from fshard.core.tracing import Tracer, is_symbolic, typeof
 from fshard.errors import ArgumentError, KeyReuseWarning
 from fshard.primitives.elementwise import broadcast_shapes
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fshard import dtypes, rules
-from fshard.core import ArrayType, Primitive, typeof
+from fshard.core import dtypes, rules
+from fshard.core.tracing import ArrayType, Primitive, typeof
 from fshard.sharding.layouts import ShardMesh, Sharding, candidate_shardings, candidates
 
 __all__ = [
@@ -230,7 +230,7 @@ class _Arranged:
 
 def _local_params(spec, params, in_avals, in_sh, out_avals, out_sh, mesh):
     if spec.partition_call is not None:  # a loop or cond: its bodies partitioned
-        from fshard.ir import Program
+        from fshard.core.ir import Program
         from fshard.sharding.partition import partition
         from fshard.sharding.propagation import propagate
 
@@ -431,7 +431,7 @@ def _carried(prim, spec, cand, mesh: ShardMesh) -> list:
     """``cand`` with every pending sum the rule lets pass through its linear operand
     groups: each group, over each set of mesh axes the candidate leaves free."""
     from fshard.sharding.layouts import carry_variants
-    from fshard.factors import linear_groups
+    from fshard.core.factors import linear_groups
 
     n = len(spec.inputs)
     free = [a for a in range(len(mesh.sizes)) if all(a not in ax for _, ax in cand.assign)]
@@ -529,7 +529,7 @@ def check_sharding(fn, args, in_strategy, mesh=2, out_strategy=None, *, level: i
     ['all_gather']
     """
     import fshard as fs
-    from fshard import tree
+    from fshard.core import tree
 
     from fshard.backend.mindspore import as_tensor
 

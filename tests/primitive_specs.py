@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from fshard import dtypes, rules
-from fshard.core import ArrayType, Primitive, typeof
-from fshard.ir import Program
+from fshard.core.tracing import ArrayType, Primitive, typeof
+from fshard.core.ir import Program
 import fshard as fs
 from fshard.errors import AxisNameError, DifferentiationError
 from fshard.debug import debug_callback_p
@@ -533,7 +533,7 @@ scaled_vjp.defvjp(lambda x: (x * _w(x), None), lambda res, ct: (ct * _w(ct),))
 def _staged_equation(fn, args, prim):
     """The first ``prim`` equation of ``fn`` staged on ``args``, with the concrete
     values of its operands (the equations before it are evaluated eagerly)."""
-    from fshard.ir import Literal
+    from fshard.core.ir import Literal
     from fshard.rules import impl
 
     traced = fs.make_ir(fn)(*args)
@@ -1172,7 +1172,7 @@ def _boundary(kind):
 
 def _staged(fn, args):
     """``fn(*tracers) -> list`` staged once on the types of ``args``."""
-    from fshard import staging
+    from fshard.core import staging
 
     return staging.stage(fn, [typeof(a) for a in args])
 
@@ -1234,8 +1234,8 @@ def _boundary_batching(spec, sample):
     batch dim (and none), the staged output's type, and for shard_in each rank's
     values (lowered and run) against the per-example NumPy blocks."""
     from fshard import rules
-    from fshard.interpret import AxisData
-    from fshard.interpret import batching_axis as _axis
+    from fshard.core.interpret import AxisData
+    from fshard.core.interpret import batching_axis as _axis
 
     (x,), p = sample.args, sample.params
     mesh, dims = p["mesh"], p["dims"]

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from fshard import dtypes
-from fshard.ir import Literal
+from fshard.core.ir import Literal
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 

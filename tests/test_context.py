@@ -1,4 +1,4 @@
-"""fshard.context: tracing state is per thread.
+"""fshard.core.context: tracing state is per thread.
 
 Transforms keep their state (current trace, bound axes, mesh, nesting depths) in
 ``contextvars``; MindSpore's patched entry points are shared by every thread under a
@@ -15,7 +15,7 @@ import numpy as np
 from mindspore import ops
 
 import fshard as fs
-from fshard import context
+from fshard.core import context
 
 
 def _run_threads(work, n=4):
@@ -74,7 +74,7 @@ def test_a_mesh_entered_in_one_thread_is_not_seen_in_another():
     t = threading.Thread(target=holder)
     t.start()
     entered.wait(timeout=60)
-    from fshard.mesh import current_mesh
+    from fshard.meshes.mesh import current_mesh
 
     seen["other"] = current_mesh()
     release.set()

@@ -32,7 +32,7 @@ def test_the_site_builds_strictly(tmp_path):
                    "fshard.optim.adam", "fshard.checkpoint.save", "fshard.ops.matmul",
                    "fshard.device_put", "fshard.with_sharding_constraint", "fshard.linearize",
                    "fshard.eval_shape", "fshard.profile", "fshard.optim.scale_by_adam",
-                   "fshard.checkpoint_manager.CheckpointManager"):
+                   "fshard.training.checkpoint_manager.CheckpointManager"):
         assert f'id="{anchor}"' in api, f"{anchor} is missing from the API reference"
     assert "<blockquote>" not in api  # doctest examples render as code, not quotes
     # public names only: no _private member of any entry (AutoParallel's helpers, ...)

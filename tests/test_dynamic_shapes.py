@@ -10,7 +10,7 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 import fshard as fs
-from fshard.core import dim_div, dim_multiple_of, dim_prod
+from fshard.core.tracing import dim_div, dim_multiple_of, dim_prod
 from fshard.transforms.jit import HOT_CALLS, MAX_SPECIALIZED
 
 F32 = ms.float32
@@ -335,7 +335,7 @@ def _op_functions() -> list:
 def test_fshards_public_array_functions_carry_jaxtyping_annotations():
     import typing
 
-    from fshard.array_types import Array
+    from fshard.core.array_types import Array
 
     for fn in (fs.psum, fs.pmean, fs.pmax, fs.pmin, fs.all_gather, fs.psum_scatter,
                fs.all_to_all, fs.ppermute, fs.broadcast, fs.axis_index, fs.random.key,

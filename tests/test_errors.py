@@ -12,7 +12,7 @@ import pytest
 import fshard as fs
 from fshard import errors
 from fshard import ops as F
-from fshard.core import Primitive
+from fshard.core.tracing import Primitive
 from fshard.rules import abstract_eval, impl
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -175,9 +175,9 @@ class _Boom(Exception):
 
 
 def _eval_staged(f, v):
-    from fshard.core import typeof
-    from fshard.interpret import eval_program
-    from fshard.staging import stage
+    from fshard.core.tracing import typeof
+    from fshard.core.interpret import eval_program
+    from fshard.core.staging import stage
 
     program, consts = stage(lambda x: [f(x)], [typeof(v)])
     return eval_program(program, *consts, v)
@@ -195,10 +195,10 @@ def _boom(*args, **kwargs):
     ("sharding", lambda f, v: fs.shard(f, in_strategy=((2,),), mesh=2)(v), "partitioning"),
 ])
 def test_every_program_walker_notes_the_equation(monkeypatch, kind, run, what):
-    """The one forward interpreter (fshard.interpret.walk) under evaluation, batching,
+    """The one forward interpreter (fshard.core.interpret.walk) under evaluation, batching,
     differentiation, lowering and partitioning adds the failing equation to the error."""
     from fshard import rules
-    from fshard.factors import elementwise_spec
+    from fshard.core.factors import elementwise_spec
     from fshard.primitives.elementwise import sin_p
 
     rule = _boom

@@ -9,7 +9,7 @@ import pytest
 from mindspore import Tensor, mint, ops
 
 import fshard as fs
-from fshard.core import kernel_dtype_errors
+from fshard.core.tracing import kernel_dtype_errors
 from fshard.errors import ArgumentError, GenericOpWarning, UnsupportedOpError
 
 RNG = np.random.default_rng(0)

@@ -96,7 +96,7 @@ def test_a_loop_body_ending_in_a_callback():
 def test_momentum_with_nesterov_takes_nesterov_steps():
     # MindSpore 2.10's CPU ApplyMomentum ignores use_nesterov; fshard's nn.Momentum
     # translation takes the Nesterov steps MindSpore's nn.SGD(nesterov=True) takes
-    from fshard.parallel.ms_optimizers import from_mindspore
+    from fshard.training.parallel.ms_optimizers import from_mindspore
 
     def nets():
         ms.set_seed(0)

@@ -18,8 +18,8 @@ import pytest
 from mindspore import Tensor, mint, nn, ops
 
 import fshard as fs
-from fshard import interop
-from fshard.interpret import eval_program
+from fshard.adapter import interop
+from fshard.core.interpret import eval_program
 
 RNG = np.random.default_rng(0)
 

@@ -11,7 +11,7 @@ from mindspore import nn
 
 import fshard as fs
 from fshard.errors import ArgumentError
-from fshard.parallel.ms_optimizers import from_mindspore
+from fshard.training.parallel.ms_optimizers import from_mindspore
 
 STEPS = 5
 

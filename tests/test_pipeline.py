@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import fshard as fs
-from fshard.parallel.schedule import Round, Schedule
+from fshard.training.parallel.schedule import Round, Schedule
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import train_pipeline as example  # noqa: E402
@@ -201,7 +201,7 @@ def test_transformer_stack_trains_like_the_unpipelined_run(S, M, sched, inter):
 
 
 def test_chunks_computing_the_same_function_share_compiled_programs():
-    from fshard.parallel import pipeline as P
+    from fshard.training.parallel import pipeline as P
 
     x, y = next(example.batches(1, 16))
     a = P.Stages(example.transformer_loss, "t", _params("transformer", 8), (x, y), 2)
@@ -459,7 +459,7 @@ def test_max_imbalance_must_be_a_number_at_least_one(bad):
 
 
 def test_a_process_slice_must_split_into_micro_batches():
-    from fshard.parallel.pipeline import batch_rows
+    from fshard.training.parallel.pipeline import batch_rows
 
     x = np.zeros((6, 3), np.float32)
     # a job's per-process slice is split into micro-batches only (dp is across processes)

@@ -32,11 +32,11 @@ import pytest
 
 import fshard as fs
 from fshard import rules
-from fshard.core import typeof
+from fshard.core.tracing import typeof
 from fshard.errors import DifferentiationError
 from fshard.primitives.base import UndefinedPrimal, Zero
-from fshard.interpret import AxisData
-from fshard.interpret import batching_axis as vmap_axis
+from fshard.core.interpret import AxisData
+from fshard.core.interpret import batching_axis as vmap_axis
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tests/ is not a package
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -141,7 +141,7 @@ def test_device_local_norm_is_the_norm_of_the_blocks_each_device_holds(tmp_path,
     line = json.loads((tmp_path / "n" / "local_norm_rank0.jsonl").read_text())
     want = {}
     for r in range(4):  # each device's block of w (its rows) and the whole b
-        rows = slice(*fs.layout.shard_slices((4, 2), (2, 1), r, 4)[0])
+        rows = slice(*fs.meshes.layout.shard_slices((4, 2), (2, 1), r, 4)[0])
         want[str(r)] = np.sqrt((grads["w"][rows] ** 2).sum() + (grads["b"] ** 2).sum())
     assert sorted(line["device_norms"]) == ["0", "1", "2", "3"]
     for r, v in want.items():

@@ -16,7 +16,7 @@ from mindspore import nn
 import fshard as fs
 from fshard.testing import assert_close
 from fshard import ops
-from fshard.passes import simplify
+from fshard.primitives.passes import simplify
 
 
 def rng():

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import functools
 
-from fshard import dtypes, tree
-from fshard.core import typeof
+from fshard.core import dtypes, tree
+from fshard.core.tracing import typeof
 from fshard.errors import DifferentiationError
-from fshard.interpret import bind_equation, equation_note, eval_program, walk
-from fshard.ir import Literal, Program, Var
+from fshard.core.interpret import bind_equation, equation_note, eval_program, walk
+from fshard.core.ir import Literal, Program, Var
 from fshard.primitives.base import UndefinedPrimal, Zero, add_tangents, instantiate
 from fshard.primitives.collectives import input_cotangents, replica_axes, seed_cotangents
-from fshard.rules import jvp as jvp_rules
-from fshard.rules import partial_eval as partial_eval_rules
-from fshard.rules import transpose as transpose_rules
-from fshard.staging import check_function, fun_name, stage, trace_fun
+from fshard.core.rules import jvp as jvp_rules
+from fshard.core.rules import partial_eval as partial_eval_rules
+from fshard.core.rules import transpose as transpose_rules
+from fshard.core.staging import check_function, fun_name, stage, trace_fun
 from fshard.transforms.vmap import arg_path, type_tree
 
 # ---------------------------------------------------------------------------
@@ -521,7 +521,7 @@ def value_and_grad(fun, argnums=0, has_aux: bool = False):
         ``(value, grads)`` or ``((value, aux), grads)``; grads mirror the structure of
         the chosen arguments (a tuple of them if ``argnums`` is a tuple).
     """
-    from fshard.cells import maybe_cell
+    from fshard.adapter.cells import maybe_cell
 
     check_function("fs.value_and_grad", fun)
     return maybe_cell(fun, lambda f: _value_and_grad(f, argnums, has_aux, "value_and_grad"))
@@ -568,7 +568,7 @@ def grad(fun, argnums=0, has_aux: bool = False):
     >>> fs.grad(lambda x: (x * x).sum())(np.array([1., 2.], np.float32)).asnumpy()
     array([2., 4.], dtype=float32)
     """
-    from fshard.cells import maybe_cell
+    from fshard.adapter.cells import maybe_cell
 
     check_function("fs.grad", fun)
 

@@ -39,12 +39,13 @@ import contextlib
 
 import numpy as np
 
-from fshard import context, dtypes, random, tree
+from fshard.core import context, dtypes, tree
+from fshard import random
 from fshard.backend.mindspore import as_tensor
-from fshard.core import ArrayType, Tracer, current_trace, typeof
+from fshard.core.tracing import ArrayType, Tracer, current_trace, typeof
 from fshard.errors import ArgumentError, ProgramTypeError
-from fshard.interpret import eval_program
-from fshard.ir import Literal, Program, Var
+from fshard.core.interpret import eval_program
+from fshard.core.ir import Literal, Program, Var
 from fshard.primitives import elementwise as E
 from fshard.primitives import reductions as R
 from fshard.primitives import structural as S
@@ -53,8 +54,8 @@ from fshard.primitives.control import (BodyLinks, _all_front, _batch_carry_fixed
                                        _batch_closed, _front_args,
                                        _split, _stage_closed, body_flops, dims_keys,
                                        scalar_layout, scan_p)
-from fshard.rules import batching, jvp as jvp_rules, sharding, transpose, unsupported
-from fshard.staging import fun_name
+from fshard.core.rules import batching, jvp as jvp_rules, sharding, transpose, unsupported
+from fshard.core.staging import fun_name
 from fshard.transforms.ad import backward_pass, jvp_program, partial_eval
 
 __all__ = ["cond", "switch", "while_loop", "fori_loop", "scan", "MAX_UNROLL",

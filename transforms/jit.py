@@ -13,18 +13,18 @@ import functools
 
 import numpy as np
 
-from fshard import context, dtypes, tree
-from fshard import passes
+from fshard.core import context, dtypes, tree
+from fshard.primitives import passes
 from fshard.backend import mindspore as backend
-from fshard.core import (ArrayType, EvalTrace, Symbol, current_trace, dim_eval, is_symbolic,
+from fshard.core.tracing import (ArrayType, EvalTrace, Symbol, current_trace, dim_eval, is_symbolic,
                          typeof)
 from fshard.errors import ArgumentError, ShapeError
-from fshard.ir import Program
-from fshard.mesh import context_key as _mesh_key
+from fshard.core.ir import Program
+from fshard.meshes.mesh import context_key as _mesh_key
 from fshard.sharding.local import ShardedArray
-from fshard.transforms.annotations import AnnotatedShapes
+from fshard.core.annotations import AnnotatedShapes
 from fshard.transforms.shard_call import block_of, local_signature, localize, wrap_outputs
-from fshard.staging import (Traced, check_function, check_static_args, fun_name, split_static,
+from fshard.core.staging import (Traced, check_function, check_static_args, fun_name, split_static,
                             trace_fun)
 
 
@@ -727,7 +727,7 @@ def jit(fun=_DECORATOR, *, static_argnums=(), static_argnames=(), in_shapes=None
                        donate_argnames=donate_argnames)
 
         return decorate
-    from fshard.cells import is_cell, maybe_cell
+    from fshard.adapter.cells import is_cell, maybe_cell
 
     check_function("fs.jit", fun)
     static_argnums, static_argnames = check_static_args(

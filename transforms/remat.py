@@ -26,9 +26,9 @@ from __future__ import annotations
 import functools
 import types
 
-from fshard.cells import maybe_cell
-from fshard.core import Tracer, typeof
-from fshard.ir import Equation, Program, Var
+from fshard.adapter.cells import maybe_cell
+from fshard.core.tracing import Tracer, typeof
+from fshard.core.ir import Equation, Program, Var
 from fshard.primitives.base import UndefinedPrimal, Zero, instantiate
 from fshard.primitives.control import _stage_closed
 from fshard.primitives.remat import (barrier, checkpoint_name_p, dots_saveable,
@@ -36,13 +36,13 @@ from fshard.primitives.remat import (barrier, checkpoint_name_p, dots_saveable,
                                      nothing_saveable, remat_call, remat_call_p,
                                      resolve_policy, save_any_names_but_these,
                                      save_only_these_names, saveable)
-from fshard.rules import jvp as jvp_rules
-from fshard.rules import partial_eval as partial_eval_rules
-from fshard.rules import transpose as transpose_rules
-from fshard import tree
-from fshard.staging import check_function, fun_name, stage, trace_fun
+from fshard.core.rules import jvp as jvp_rules
+from fshard.core.rules import partial_eval as partial_eval_rules
+from fshard.core.rules import transpose as transpose_rules
+from fshard.core import tree
+from fshard.core.staging import check_function, fun_name, stage, trace_fun
 from fshard.transforms.ad import backward_pass, jvp_program, partial_eval
-from fshard.interpret import eval_program
+from fshard.core.interpret import eval_program
 
 # The policies, as ``fs.remat_policies.<name>`` (NB: ``jax.checkpoint_policies``).
 remat_policies = types.SimpleNamespace(

@@ -15,13 +15,15 @@ from __future__ import annotations
 import functools
 import warnings
 
-from fshard import context, distributed, tree, user_layouts
-from fshard.core import EvalTrace, Tracer, current_trace, typeof
+from fshard.core import context, tree
+from fshard.meshes import distributed
+from fshard.sharding import user_layouts
+from fshard.core.tracing import EvalTrace, Tracer, current_trace, typeof
 from fshard.errors import CompositionError, OperatorStrategyWarning, ShardingError
-from fshard.cells import parameters
-from fshard.interop import (context_dataset_strategy, context_mesh, context_search,
+from fshard.adapter.cells import parameters
+from fshard.adapter.interop import (context_dataset_strategy, context_mesh, context_search,
                             register_cell_shard)
-from fshard.ir import Program
+from fshard.core.ir import Program
 from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.partition import Partitioned
@@ -30,8 +32,8 @@ from fshard.sharding.plan import ShardPlan, read_strategy_file, write_json_atomi
 from fshard.sharding.runtime import world_mesh
 from fshard.sharding.strategy import (argument_strategies, is_count, is_strategy_leaf,
                                       parse_strategy, plural)
-from fshard.staging import fun_name, trace_fun
-from fshard.transforms import local_batch
+from fshard.core.staging import fun_name, trace_fun
+from fshard.sharding import local_batch
 from fshard.transforms.shard_call import shard_call_p
 
 
@@ -66,7 +68,7 @@ def _check_device(device, fname: str):
 
 def _device_count(mesh, fname: str) -> int:
     """The number of devices: ``mesh`` (an int or fs.Mesh), else the mesh in effect."""
-    from fshard.mesh import Mesh, resolve_mesh
+    from fshard.meshes.mesh import Mesh, resolve_mesh
 
     if mesh is None:
         return resolve_mesh(None).size
@@ -92,8 +94,8 @@ def _devices_and_place(mesh, fname: str, groups: int = 1) -> tuple[int, bool]:
     """``(device count, whether the devices are this multi-process job's ranks)``;
     ``groups``: the job's processes form that many equal groups of devices (see
     ``Sharded.process_groups``)."""
-    from fshard import distributed
-    from fshard.mesh import Mesh, resolve_mesh
+    from fshard.meshes import distributed
+    from fshard.meshes.mesh import Mesh, resolve_mesh
 
     n = _device_count(mesh, fname)
     if isinstance(mesh, Mesh):
@@ -135,7 +137,7 @@ class Sharded:
     def __init__(self, fn, in_strategy, out_strategy, parameter_plan, device, level, mesh,
                  dataset_strategy, search, gather_outputs=True):
         fname = fun_name(fn)
-        from fshard.cells import functional, is_cell
+        from fshard.adapter.cells import functional, is_cell
 
         if not callable(fn):
             raise ShardingError(
@@ -173,7 +175,7 @@ class Sharded:
         self.device = _check_device(device, fname)
         mesh = context_mesh(mesh, f"shard({fname})")
         if mesh is None:  # made inside `with fs.Mesh(...)`: keep that mesh
-            from fshard.mesh import current_mesh
+            from fshard.meshes.mesh import current_mesh
 
             mesh = current_mesh()
         else:

@@ -18,18 +18,18 @@ as well as the function itself (NB: JAX's pjit_p keeps its jaxpr the same way):
 
 from __future__ import annotations
 
-from fshard import dtypes
-from fshard.core import ArrayType, typeof
-from fshard.interpret import batch_program, current_axis, eval_program
-from fshard.ir import Equation, Literal, Program, Var
+from fshard.core import dtypes
+from fshard.core.tracing import ArrayType, typeof
+from fshard.core.interpret import batch_program, current_axis, eval_program
+from fshard.core.ir import Equation, Literal, Program, Var
 from fshard.primitives import collectives as C
 from fshard.primitives.base import (Zero, batch_to_front, def_primitive, instantiate, is_undefined,
                                     move_axis)
-from fshard.rules import batching, jvp, takes_process_local, transpose, unsupported
+from fshard.core.rules import batching, jvp, takes_process_local, transpose, unsupported
 from fshard.sharding.layouts import Sharding
 from fshard.sharding.local import ShardedArray
 from fshard.sharding.runtime import run_virtual, world_mesh
-from fshard.staging import stage
+from fshard.core.staging import stage
 from fshard.transforms.ad import backward_pass, jvp_program, partial_eval, vjp
 
 
@@ -303,7 +303,7 @@ def localize(program: Program, local_inputs: dict) -> tuple[Program, list]:
 
 def wrap_outputs(outs, out_info, out_avals) -> list:
     """Compiled outputs as values: a block output becomes an ``fs.ShardedArray``."""
-    from fshard import distributed
+    from fshard.meshes import distributed
 
     rank = distributed.rank()
     return [y if i is None else ShardedArray(y, a.shape, a.dtype, i[0], i[1], rank)

@@ -30,17 +30,17 @@ import contextlib
 import functools
 import math
 
-from fshard import context, tree
-from fshard.core import ArrayType, EvalTrace, Tracer, current_trace, typeof
+from fshard.core import context, tree
+from fshard.core.tracing import ArrayType, EvalTrace, Tracer, current_trace, typeof
 from fshard.errors import AxisNameError, CompositionError, ShardingError
-from fshard.interpret import eval_program, walk
-from fshard.layout import Layout
-from fshard.mesh import Mesh, current_mesh, resolve_mesh
+from fshard.core.interpret import eval_program, walk
+from fshard.meshes.layout import Layout
+from fshard.meshes.mesh import Mesh, current_mesh, resolve_mesh
 from fshard.primitives import collectives as C
 from fshard.primitives.control import _stage_closed, scan_p
 from fshard.sharding.runtime import bind_on_rank, from_blocks, run_batched, to_blocks
 from fshard.sharding.strategy import broadcast_strategies, is_strategy_leaf, mesh_dims
-from fshard.staging import fun_name, trace_fun
+from fshard.core.staging import fun_name, trace_fun
 from fshard.transforms.control_flow import cond_p, while_p
 
 # ---------------------------------------------------------------------------
@@ -362,7 +362,7 @@ class ShardMapped:
     def _call(self, args):
         mesh = self._resolve_mesh()
         if not mesh.is_virtual:
-            from fshard import distributed
+            from fshard.meshes import distributed
 
             if mesh.size != distributed.world_size():
                 raise ShardingError(

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import inspect
 
-from fshard.cells import is_cell, maybe_cell
+from fshard.adapter.cells import is_cell, maybe_cell
 from fshard.errors import ArgumentError
-from fshard.staging import check_function, fun_name
+from fshard.core.staging import check_function, fun_name
 from fshard.transforms.jit import _DECORATOR, check_donation
 from fshard.transforms.jit import jit as _jit
 from fshard.transforms.shard import shard

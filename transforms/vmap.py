@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import functools
 
-from fshard import context, tree
+from fshard.core import context, tree
 from fshard.backend.mindspore import as_tensor
-from fshard.core import ArrayType, Tracer, typeof
+from fshard.core.tracing import ArrayType, Tracer, typeof
 from fshard.errors import BatchingError
-from fshard.interpret import AxisData, batch_program, current_axis  # noqa: F401
+from fshard.core.interpret import AxisData, batch_program, current_axis  # noqa: F401
 from fshard.primitives.base import move_axis
 from fshard.primitives.collectives import named_axis
-from fshard.staging import fun_name, trace_fun
+from fshard.core.staging import fun_name, trace_fun
 
 
 def inside_vmap() -> bool:
@@ -136,7 +136,7 @@ def vmap(fun, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
 
     See also: docs/vmap.md.
     """
-    from fshard.cells import maybe_cell
+    from fshard.adapter.cells import maybe_cell
 
     if not callable(fun):
         raise BatchingError(f"vmap expects a function, got {type(fun).__name__}.")

@@ -19,18 +19,18 @@ import numpy as np
 from mindspore import dtype as mstype
 from mindspore import ops
 
-from fshard import dtypes
+from fshard.core import dtypes
 from fshard.backend.mindspore import (COLLECTIVE_DTYPES, NATIVE_COLLECTIVES, Tensor,
                                       device_target)
-from fshard.core import ArrayType
-from fshard.dims import dims_equal
+from fshard.core.tracing import ArrayType
+from fshard.core.dims import dims_equal
 from fshard.errors import ArgumentError, AxisNameError
 
 def this_rank(ctx) -> int:
     """The rank whose graph ``ctx`` lowers (the process's own, unless set)."""
     if getattr(ctx, "rank", None) is not None:
         return ctx.rank
-    from fshard import distributed
+    from fshard.meshes import distributed
 
     return distributed.rank()
 
@@ -88,7 +88,7 @@ class Comm:
         """None for the world group; else the sub-group (created on first use)."""
         if self.world:
             return None
-        from fshard import distributed
+        from fshard.meshes import distributed
 
         if distributed.is_initialized():
             return distributed.group_for(sorted(self.group))

@@ -23,12 +23,12 @@ import time
 import mindspore as ms
 import numpy as np
 
-from fshard import context, dtypes
-from fshard.core import ArrayType, DimExpr, Symbol, is_symbolic, kernel_dtype_errors
+from fshard.core import context, dtypes
+from fshard.core.tracing import ArrayType, DimExpr, Symbol, is_symbolic, kernel_dtype_errors
 from fshard.errors import ShapeError
-from fshard.interpret import walk
-from fshard.ir import Program
-from fshard.rules import lowering
+from fshard.core.interpret import walk
+from fshard.core.ir import Program
+from fshard.core.rules import lowering
 
 Tensor = ms.Tensor
 Parameter = ms.Parameter  # mutable by identity: a compiled program reads it at each call
@@ -43,7 +43,7 @@ def as_tensor(x):
     if isinstance(x, Tensor):
         return x
     if isinstance(x, (bool, int, float)):
-        from fshard.core import typeof
+        from fshard.core.tracing import typeof
 
         return Tensor(x, typeof(x).dtype)
     a = np.asarray(x)

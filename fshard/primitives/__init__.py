@@ -9,4 +9,4 @@ from fshard.primitives import pipeline  # noqa: F401
 from fshard.primitives import generic  # noqa: F401
 from fshard.primitives import control  # noqa: F401  (after the families its rules use)
 from fshard.primitives import remat  # noqa: F401  (on control's call helpers)
-from fshard.rules import all_primitives as all_primitives
+from fshard.core.rules import all_primitives as all_primitives

@@ -30,18 +30,18 @@ from typing import Callable
 import numpy as np
 from mindspore import ops
 
-from fshard import dtypes
-from fshard.array_types import Array, ArrayLike, Shaped
+from fshard.core import dtypes
+from fshard.core.array_types import Array, ArrayLike, Shaped
 from fshard.backend import mindspore as backend
 from fshard.backend.mindspore import as_tensor
-from fshard.core import (ArrayType, DimExpr, Primitive, Symbol, dim_div, dim_prod, dims_equal,
+from fshard.core.tracing import (ArrayType, DimExpr, Primitive, Symbol, dim_div, dim_prod, dims_equal,
                          is_symbolic, typeof)
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
-from fshard.factors import FactorSpec, elementwise_spec
-from fshard.interpret import current_axis
-from fshard.rules import abstract_eval, batching, impl, jvp, lowering, register_primitive, sharding
-from fshard.rules import transpose as transpose_rules
-from fshard.rules import unsupported
+from fshard.core.factors import FactorSpec, elementwise_spec
+from fshard.core.interpret import current_axis
+from fshard.core.rules import abstract_eval, batching, impl, jvp, lowering, register_primitive, sharding
+from fshard.core.rules import transpose as transpose_rules
+from fshard.core.rules import unsupported
 
 # ---------------------------------------------------------------------------
 # Declaring a primitive, and its differentiation rules

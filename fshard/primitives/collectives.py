@@ -40,16 +40,16 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from fshard import context, dtypes
-from fshard.array_types import Array, ArrayTree, Int32, Shaped
-from fshard.core import ArrayType, Primitive, typeof
-from fshard.dims import dim_multiple_of
+from fshard.core import context, dtypes
+from fshard.core.array_types import Array, ArrayTree, Int32, Shaped
+from fshard.core.tracing import ArrayType, Primitive, typeof
+from fshard.core.dims import dim_multiple_of
 from fshard.errors import ArgumentError, AxisNameError, ProgramTypeError, ShapeError
 from fshard.backend.collectives import Comm, local_slice, this_rank
-from fshard.interpret import AxisData, batch_program, current_axis
+from fshard.core.interpret import AxisData, batch_program, current_axis
 from fshard.primitives.base import (Zero, batch_to_front, def_primitive, deflinear, instantiate,
                                     move_axis)
-from fshard.rules import abstract_eval, batching, jvp, transpose, unsupported
+from fshard.core.rules import abstract_eval, batching, jvp, transpose, unsupported
 
 FAMILY = "collectives"
 
@@ -181,7 +181,7 @@ def _run_compiled(prim: Primitive, args, params) -> list:
     """Run one equation as its own compiled graph (a collective executed eagerly
     inside a multi-process job; MindSpore's PyNative collectives are not used)."""
     from fshard.backend import mindspore as backend
-    from fshard.ir import Equation, Program, Var
+    from fshard.core.ir import Equation, Program, Var
 
     avals = tuple(typeof(a) for a in args)
     key = (prim.name, avals, tuple(sorted(params.items(), key=lambda kv: kv[0])))
@@ -563,7 +563,7 @@ def _all_to_all_expanded(x, *, axis_name, axis_sizes, split_axis, concat_axis, *
 def _batch_expansion(expansion, args, dims, **params):
     """Batch ``expansion(*args, **params)`` (written with other collectives) over the
     current axis: stage it on unbatched types and run the batching interpreter."""
-    from fshard.staging import stage
+    from fshard.core.staging import stage
 
     avals = []
     for x, d in zip(args, dims):
@@ -991,7 +991,7 @@ deflinear(shard_out_p, _shard_out_transpose)
 
 
 def _map(fn, x):
-    from fshard import tree
+    from fshard.core import tree
 
     return tree.map(fn, x)
 

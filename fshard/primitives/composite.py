@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fshard import dtypes
-from fshard.array_types import Array, ArrayLike, Bool, Float, Shaped
-from fshard.core import Tracer, typeof
+from fshard.core import dtypes
+from fshard.core.array_types import Array, ArrayLike, Bool, Float, Shaped
+from fshard.core.tracing import Tracer, typeof
 from fshard.errors import ArgumentError, ShapeError, UnsupportedOpError
 from fshard.primitives.base import _norm_axis, broadcast_shapes, broadcast_to, reshape, transpose
 from fshard.primitives.elementwise import (

@@ -12,7 +12,7 @@ a helper function of the generated module.
 
 Primitives: ``custom_jvp_call``, ``custom_vjp_call`` and ``custom_lin`` (the
 linear stand-in for a custom_vjp's derivative: transposing it runs ``bwd``).
-The batching rules re-enter the batching interpreter (``fshard.interpret``) on the
+The batching rules re-enter the batching interpreter (``fshard.core.interpret``) on the
 bodies.
 """
 
@@ -23,18 +23,18 @@ import functools
 import inspect
 import math
 
-from fshard import dtypes, tree
-from fshard.core import ArrayType, EvalTrace, current_trace, typeof
+from fshard.core import dtypes, tree
+from fshard.core.tracing import ArrayType, EvalTrace, current_trace, typeof
 from fshard.errors import DifferentiationError, ProgramTypeError
-from fshard.interpret import batch_program, current_axis, eval_program
-from fshard.ir import Literal, Program
+from fshard.core.interpret import batch_program, current_axis, eval_program
+from fshard.core.ir import Literal, Program
 from fshard.primitives.base import (Zero, batch_size, batch_to_front, def_primitive, instantiate,
                                     move_axis)
 from fshard.primitives.structural import broadcast_to, expand_dims, getitem, stack, zeros
-from fshard.rules import batching, sharding, transpose, unsupported
-from fshard.rules import jvp as jvp_rules
-from fshard.factors import FactorSpec
-from fshard.staging import fun_name, stage
+from fshard.core.rules import batching, sharding, transpose, unsupported
+from fshard.core.rules import jvp as jvp_rules
+from fshard.core.factors import FactorSpec
+from fshard.core.staging import fun_name, stage
 
 FAMILY = "control"
 
@@ -254,7 +254,7 @@ class BodyLinks:
 
     def values(self, a, b) -> None:
         """Tie every dimension of body values ``a`` and ``b`` (a Literal blocks)."""
-        from fshard.ir import Var
+        from fshard.core.ir import Var
 
         nd = a.aval.ndim
         for d in range(nd):
@@ -267,7 +267,7 @@ class BodyLinks:
 
     def program(self, program: Program) -> None:
         """Link the dimensions every equation of ``program`` ties together."""
-        from fshard.ir import Var
+        from fshard.core.ir import Var
 
         for eq in program.equations:
             spec = sharding.lookup(eq.prim, transform="shard")(
@@ -344,8 +344,8 @@ def accumulators(body: Program, carry_in: list, n_carry: int) -> dict:
 
     Returns ``{id(eq): carry index}`` for the reductions (the equation ending each
     chain) whose sum may stay pending."""
-    from fshard.factors import linear_groups
-    from fshard.ir import Var
+    from fshard.core.factors import linear_groups
+    from fshard.core.ir import Var
 
     uses: dict = {}
     producer: dict = {}
@@ -761,7 +761,7 @@ def _unused_like_used(links: BodyLinks, body: Program, which: list) -> None:
     same type: its layout is then free to follow that one's (a reverse loop receives
     residuals it does not use; a factor of its own would have to stay whole, since the
     used ones take every mesh axis, and gathering it would be wasted communication)."""
-    from fshard.ir import Var
+    from fshard.core.ir import Var
 
     read = {a for eq in body.equations for a in eq.inputs if isinstance(a, Var)}
     read |= {v for v in body.outputs if isinstance(v, Var)}

@@ -35,12 +35,12 @@ import numpy as np
 from mindspore import dtype as mstype
 from mindspore import ops
 
-from fshard import dtypes
+from fshard.core import dtypes
 from fshard.backend.mindspore import conv2d_backprop_filter_class
-from fshard.array_types import Array, Float, Int
-from fshard.core import ArrayType, typeof
+from fshard.core.array_types import Array, Float, Int
+from fshard.core.tracing import ArrayType, typeof
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
-from fshard.factors import FactorSpec
+from fshard.core.factors import FactorSpec
 from fshard.primitives.base import (
     Zero,
     add_tangents,
@@ -57,7 +57,7 @@ from fshard.primitives.elementwise import add, floor_divide, mul, remainder, sub
 from fshard.primitives.nn import bias_add
 from fshard.primitives.reductions import mean
 from fshard.primitives.structural import concat, pad, slice_array
-from fshard.rules import batching, jvp, sharding, transpose, unsupported
+from fshard.core.rules import batching, jvp, sharding, transpose, unsupported
 
 FAMILY = "conv"
 

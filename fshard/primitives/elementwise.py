@@ -12,9 +12,9 @@ import math
 import numpy as np
 from mindspore import ops
 
-from fshard import dtypes
-from fshard.array_types import Array, ArrayLike, Bool, Float, Shaped
-from fshard.core import ArrayType, typeof
+from fshard.core import dtypes
+from fshard.core.array_types import Array, ArrayLike, Bool, Float, Shaped
+from fshard.core.tracing import ArrayType, typeof
 from fshard.errors import ProgramTypeError
 from fshard.primitives.base import (  # noqa: F401  (add, broadcast_shapes: re-exported)
     Zero,
@@ -32,8 +32,8 @@ from fshard.primitives.base import (  # noqa: F401  (add, broadcast_shapes: re-e
     vectorized,
     zeros,
 )
-from fshard.rules import batching, sharding, transpose, unsupported
-from fshard.factors import elementwise_spec
+from fshard.core.rules import batching, sharding, transpose, unsupported
+from fshard.core.factors import elementwise_spec
 
 FAMILY = "elementwise"
 
@@ -612,7 +612,7 @@ def _cast_jvp(primals, tangents, *, dtype):
     return [out], [cast(t, dtype)]
 
 
-from fshard.rules import jvp as _jvp_table  # noqa: E402
+from fshard.core.rules import jvp as _jvp_table  # noqa: E402
 
 _jvp_table.set(cast_p, _cast_jvp)
 transpose.set(cast_p, lambda ct, x, *, dtype: [cast(ct, x.aval.dtype)])

@@ -40,15 +40,15 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from fshard import dtypes
+from fshard.core import dtypes
 from fshard.backend import mindspore as backend
-from fshard.core import ArrayType, Tracer, is_symbolic, typeof
+from fshard.core.tracing import ArrayType, Tracer, is_symbolic, typeof
 from fshard.errors import GenericOpWarning, ProgramTypeError, UnsupportedOpError
-from fshard.factors import FactorSpec
+from fshard.core.factors import FactorSpec
 from fshard.primitives.base import (UndefinedPrimal, Zero, batch_size, def_primitive,
                                     instantiate, move_axis, reshape)
 from fshard.primitives.structural import concat, slice_array
-from fshard.rules import batching, jvp, sharding, transpose
+from fshard.core.rules import batching, jvp, sharding, transpose
 
 FAMILY = "generic"
 

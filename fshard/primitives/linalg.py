@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from mindspore import ops
 
-from fshard import dtypes
-from fshard.array_types import Array, Shaped
-from fshard.core import ArrayType, typeof
+from fshard.core import dtypes
+from fshard.core.array_types import Array, Shaped
+from fshard.core.tracing import ArrayType, typeof
 from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives.base import (batch_size, batch_to_front, def_primitive, defjvp,
                                     is_undefined, move_axis)
-from fshard.rules import batching, sharding, transpose
-from fshard.factors import FactorSpec
+from fshard.core.rules import batching, sharding, transpose
+from fshard.core.factors import FactorSpec
 
 FAMILY = "linalg"
 
@@ -135,7 +135,7 @@ def matmul(x: Shaped[Array, "..."], y: Shaped[Array, "..."], transpose_a: bool =
 
     ax, ay = typeof(x), typeof(y)
     if ax.dtype != ay.dtype:
-        from fshard import dtypes
+        from fshard.core import dtypes
         from fshard.primitives.elementwise import cast
 
         dt = dtypes.result_type(ax.dtype, ay.dtype)

@@ -9,17 +9,17 @@ from __future__ import annotations
 import numpy as np
 from mindspore import ops
 
-from fshard import dtypes
-from fshard.array_types import Array, Float, Shaped
-from fshard.core import typeof
+from fshard.core import dtypes
+from fshard.core.array_types import Array, Float, Shaped
+from fshard.core.tracing import typeof
 from fshard.errors import ProgramTypeError, ShapeError
 from fshard.primitives.base import (batch_size, batch_to_front, def_primitive, defjvp, deflinear,
                                     is_undefined, move_axis)
 from fshard.primitives.elementwise import exp, log, mul, rsqrt, sub
 from fshard.primitives.reductions import mean, reduce_max, reduce_sum
 from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
-from fshard.rules import batching, sharding, unsupported
-from fshard.factors import FactorSpec
+from fshard.core.rules import batching, sharding, unsupported
+from fshard.core.factors import FactorSpec
 
 FAMILY = "nn"
 

@@ -14,11 +14,11 @@ from"; ``stage=k`` (a Cell with ``pipeline_stage = k``) names the stage.
 
 from __future__ import annotations
 
-from fshard import context, tree
+from fshard.core import context, tree
 from fshard.errors import ArgumentError, CompositionError
 from fshard.primitives.base import def_primitive, deflinear, vectorized
-from fshard.rules import batching, sharding
-from fshard.factors import elementwise_spec
+from fshard.core.rules import batching, sharding
+from fshard.core.factors import elementwise_spec
 
 FAMILY = "pipeline"
 

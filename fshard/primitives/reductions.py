@@ -8,9 +8,9 @@ from __future__ import annotations
 from mindspore import dtype as mstype
 from mindspore import ops
 
-from fshard import dtypes
-from fshard.array_types import Array, ArrayLike, Float, Int, Shaped
-from fshard.core import ArrayType, dim_prod, is_symbolic, typeof
+from fshard.core import dtypes
+from fshard.core.array_types import Array, ArrayLike, Float, Int, Shaped
+from fshard.core.tracing import ArrayType, dim_prod, is_symbolic, typeof
 from fshard.primitives.base import (  # noqa: F401  (reduce_sum_p: re-exported)
     Zero,
     _kept_shape,
@@ -24,8 +24,8 @@ from fshard.primitives.base import (  # noqa: F401  (reduce_sum_p: re-exported)
     reduce_sum_p,
     reshape,
 )
-from fshard.rules import batching, jvp, sharding, unsupported
-from fshard.factors import FactorSpec
+from fshard.core.rules import batching, jvp, sharding, unsupported
+from fshard.core.factors import FactorSpec
 
 FAMILY = "reductions"
 

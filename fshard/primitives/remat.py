@@ -30,18 +30,18 @@ from typing import Callable
 import numpy as np
 from mindspore import Tensor, ops
 
-from fshard import tree
+from fshard.core import tree
 from fshard.backend.mindspore import as_tensor
-from fshard.core import EvalTrace, Tracer, current_trace, typeof
+from fshard.core.tracing import EvalTrace, Tracer, current_trace, typeof
 from fshard.errors import ArgumentError
-from fshard.factors import FactorSpec, elementwise_spec
-from fshard.interpret import eval_program
+from fshard.core.factors import FactorSpec, elementwise_spec
+from fshard.core.interpret import eval_program
 from fshard.primitives.base import (batch_size, deflinear, def_primitive, instantiate,
                                     vectorized)
-from fshard.ir import Var
+from fshard.core.ir import Var
 from fshard.primitives.control import (BodyLinks, _all_front, _batch_closed, _front_args,
                                       _stage_closed, body_flops, dims_keys)
-from fshard.rules import batching, jvp, sharding, transpose, unsupported
+from fshard.core.rules import batching, jvp, sharding, transpose, unsupported
 
 FAMILY = "control"
 

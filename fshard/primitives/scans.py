@@ -12,11 +12,11 @@ import numpy as np
 from mindspore import dtype as mstype
 from mindspore import ops
 
-from fshard import dtypes
-from fshard.array_types import Array, ArrayLike, Int, Shaped
-from fshard.core import ArrayType, Tracer, typeof
+from fshard.core import dtypes
+from fshard.core.array_types import Array, ArrayLike, Int, Shaped
+from fshard.core.tracing import ArrayType, Tracer, typeof
 from fshard.errors import ArgumentError, ProgramTypeError
-from fshard.factors import FactorSpec
+from fshard.core.factors import FactorSpec
 from fshard.primitives.base import (
     Zero,
     _norm_axis,
@@ -30,7 +30,7 @@ from fshard.primitives.base import (
 )
 from fshard.primitives.elementwise import cast, mul
 from fshard.primitives.structural import _slice_axis, gather_p
-from fshard.rules import batching, jvp, sharding, unsupported
+from fshard.core.rules import batching, jvp, sharding, unsupported
 
 FAMILY = "scans"
 

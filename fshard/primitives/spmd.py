@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 from mindspore import ops
 
-from fshard.core import ArrayType, typeof
-from fshard.dims import dim_multiple_of
+from fshard.core.tracing import ArrayType, typeof
+from fshard.core.dims import dim_multiple_of
 from fshard.errors import AxisNameError
-from fshard.interpret import current_axis
+from fshard.core.interpret import current_axis
 from fshard.primitives.base import batch_to_front, def_primitive, deflinear, move_axis
-from fshard.factors import FactorSpec
-from fshard.rules import batching, sharding, unsupported
+from fshard.core.factors import FactorSpec
+from fshard.core.rules import batching, sharding, unsupported
 
 FAMILY = "spmd"
 

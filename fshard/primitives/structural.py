@@ -14,12 +14,12 @@ from collections.abc import Sequence
 import numpy as np
 from mindspore import ops
 
-from fshard import dtypes
-from fshard.array_types import Array, ArrayLike, Int, Shaped
-from fshard.core import ArrayType, Symbol, Tracer, dims_equal, is_symbolic, typeof
-from fshard.dims import dim_min
+from fshard.core import dtypes
+from fshard.core.array_types import Array, ArrayLike, Int, Shaped
+from fshard.core.tracing import ArrayType, Symbol, Tracer, dims_equal, is_symbolic, typeof
+from fshard.core.dims import dim_min
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
-from fshard.factors import FactorSpec, elementwise_spec
+from fshard.core.factors import FactorSpec, elementwise_spec
 from fshard.primitives.base import (  # noqa: F401  (re-exported: the shape primitives)
     Zero,
     _norm_axis,
@@ -45,8 +45,8 @@ from fshard.primitives.base import (  # noqa: F401  (re-exported: the shape prim
     vectorized,
     zeros,
 )
-from fshard.rules import batching, jvp, sharding, unsupported
-from fshard.rules import transpose as transpose_rules  # `transpose` is also an op here
+from fshard.core.rules import batching, jvp, sharding, unsupported
+from fshard.core.rules import transpose as transpose_rules  # `transpose` is also an op here
 
 FAMILY = "structural"
 
@@ -105,7 +105,7 @@ def stop_gradient(x: ArrayLike) -> Shaped[Array, "*shape"]:
     >>> fs.grad(lambda x: (x * fs.stop_gradient(x)).sum())(np.full(2, 3.0, np.float32))
     Tensor(shape=[2], dtype=Float32, value= [ 3.00000000e+00,  3.00000000e+00])
     """
-    from fshard import tree
+    from fshard.core import tree
 
     return tree.map(lambda v: stop_gradient_p.bind(v), x)
 

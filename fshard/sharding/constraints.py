@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import math
 
-from fshard.dims import dim_multiple_of
+from fshard.core.dims import dim_multiple_of
 from fshard.errors import ShardingError
-from fshard.ir import Program, Var
+from fshard.core.ir import Program, Var
 from fshard.primitives.spmd import layout_constraint_p
 from fshard.sharding.layouts import Candidate, ShardMesh, Sharding, candidates
 from fshard.sharding.strategy import _axes_for

@@ -9,11 +9,11 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from fshard import dtypes
+from fshard.core import dtypes
 from fshard.backend.mindspore import device_target, native_collectives
-from fshard.core import ArrayType
-from fshard.dims import planning_prod, planning_size
-from fshard.factors import FactorSpec
+from fshard.core.tracing import ArrayType
+from fshard.core.dims import planning_prod, planning_size
+from fshard.core.factors import FactorSpec
 from fshard.sharding.layouts import Candidate, ShardMesh, Sharding, plan
 
 def compute_cost(spec: FactorSpec, cand: Candidate, mesh: ShardMesh) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fshard.ir import Literal
+from fshard.core.ir import Literal
 from fshard.sharding.cost import CostModel
 from fshard.sharding.search import Problem
 

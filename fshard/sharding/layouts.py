@@ -24,8 +24,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from fshard.dims import dim_multiple_of
-from fshard.factors import FactorSpec, linear_groups
+from fshard.core.dims import dim_multiple_of
+from fshard.core.factors import FactorSpec, linear_groups
 
 # ---------------------------------------------------------------------------
 # Meshes and shardings
@@ -155,7 +155,7 @@ class Sharding:
     def to_layout(self, mesh: ShardMesh):
         """The ``fs.Layout`` view of this sharding over the prime mesh axes (pending
         sums are not shown), e.g. for ``fs.visualize_sharding``."""
-        from fshard.layout import Layout
+        from fshard.meshes.layout import Layout
 
         names = mesh.names
         base = Layout(mesh.sizes, names) if names else Layout((1,), ("m0",))

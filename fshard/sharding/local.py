@@ -22,13 +22,13 @@ import functools
 
 import numpy as np
 
-from fshard.core import ArrayType, ProcessLocalValue, typeof
+from fshard.core.tracing import ArrayType, ProcessLocalValue, typeof
 from fshard.errors import ProcessLocalError
 from fshard.primitives import collectives as C
 from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.runtime import world_mesh
 from fshard.sharding.strategy import parse_strategy
-from fshard.staging import stage
+from fshard.core.staging import stage
 
 
 def block_bounds(sharding: Sharding, mesh: ShardMesh, rank: int, shape) -> tuple:
@@ -244,6 +244,6 @@ def gather_sharded(tree_):
         if fs.distributed.rank() == 0:
             print({k: v.asnumpy().sum() for k, v in params.items()})
     """
-    from fshard import tree
+    from fshard.core import tree
 
     return tree.map(lambda x: x.gather() if isinstance(x, ShardedArray) else x, tree_)

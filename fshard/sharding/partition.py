@@ -9,17 +9,17 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from fshard.core import ArrayType, bind
+from fshard.core.tracing import ArrayType, bind
 from fshard.errors import ShardingError
-from fshard.interpret import walk
-from fshard.ir import Literal, Program, pretty
+from fshard.core.interpret import walk
+from fshard.core.ir import Literal, Program, pretty
 from fshard.primitives import collectives as C
 from fshard.primitives.spmd import block_slice, layout_constraint_p
 from fshard.sharding.cost import native_collectives, native_reduce_scatter, plan_bytes
 from fshard.sharding.layouts import (Candidate, ShardMesh, Sharding, after, as_produced,
                                      candidate_shardings, plan)
 from fshard.sharding.propagation import Propagated, propagate
-from fshard.staging import StagedTracer, stage
+from fshard.core.staging import StagedTracer, stage
 
 
 def redistribute(x, src: Sharding, dst: Sharding, mesh: ShardMesh, native: dict) -> list:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from fshard import distributed, tree
+from fshard.meshes import distributed
+from fshard.core import tree
 from fshard.backend import mindspore as backend
-from fshard.core import Tracer, typeof
+from fshard.core.tracing import Tracer, typeof
 from fshard.errors import ArgumentError, ShardingError
-from fshard.layout import Layout
-from fshard.mesh import Mesh, resolve_mesh
+from fshard.meshes.layout import Layout
+from fshard.meshes.mesh import Mesh, resolve_mesh
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.local import ShardedArray
 from fshard.sharding.strategy import is_count, is_strategy_leaf, parse_strategy

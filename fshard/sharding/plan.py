@@ -9,15 +9,15 @@ from __future__ import annotations
 import functools
 import json
 
-from fshard.core import ArrayType
+from fshard.core.tracing import ArrayType
 from fshard.errors import ShardingError
-from fshard.ir import Program
+from fshard.core.ir import Program
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.partition import Partitioned, apply_fixed, partition
 from fshard.sharding.propagation import propagate, undecided
 from fshard.sharding.runtime import run_on_rank, run_virtual
 from fshard.sharding.search import cheaper_path, choose_split_axes, follow_inputs, refine
-from fshard.staging import stage
+from fshard.core.staging import stage
 
 
 class ShardPlan:
@@ -85,7 +85,7 @@ class ShardPlan:
             self._part = partition(prop)
             self._part.name = self.name
             if self.fusion is not None:
-                from fshard.passes import fuse_allreduces
+                from fshard.primitives.passes import fuse_allreduces
 
                 self._part.program = fuse_allreduces(self._part.program, self.fusion)
             for rewrite in self.passes:  # rewrites of the per-device program
@@ -103,7 +103,7 @@ class ShardPlan:
         key = (frozenset(local_in), frozenset(local_out))
         hit = self._virtual.get(key)
         if hit is None:
-            from fshard import passes
+            from fshard.primitives import passes
 
             part = self.partitioned()
             run = run_virtual if self.world is None else functools.partial(

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from fshard import dtypes
-from fshard.dims import dim_multiple_of
-from fshard.ir import Program, Var
-from fshard.rules import sharding as sharding_rules
+from fshard.core import dtypes
+from fshard.core.dims import dim_multiple_of
+from fshard.core.ir import Program, Var
+from fshard.core.rules import sharding as sharding_rules
 from fshard.sharding.constraints import base_candidates, is_constraint
 from fshard.sharding.cost import (CostModel, compute_cost, local_bytes, native_reduce_scatter,
                                   plan_bytes)

@@ -14,16 +14,16 @@ import math
 
 import numpy as np
 
-from fshard.core import ArrayType, bind, typeof
-from fshard.interpret import AxisData, batch_program, eval_program, walk
-from fshard.ir import Equation, Program
+from fshard.core.tracing import ArrayType, bind, typeof
+from fshard.core.interpret import AxisData, batch_program, eval_program, walk
+from fshard.core.ir import Equation, Program
 from fshard.primitives import collectives as C
 from fshard.primitives.base import batch_to_front
 from fshard.primitives.spmd import block_slice_p
 from fshard.primitives.structural import gather_p, reshape, transpose
 from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.partition import Partitioned
-from fshard.staging import stage
+from fshard.core.staging import stage
 
 
 def _count(axes, sizes: dict) -> int:
@@ -127,7 +127,7 @@ def world_mesh(mesh: ShardMesh, groups: tuple | None = None):
     ranks are ``count`` consecutive copies of ``mesh``, told apart by a leading axis
     ``name`` that no collective of the plan names, so each copy communicates inside
     itself."""
-    from fshard.mesh import Mesh
+    from fshard.meshes.mesh import Mesh
 
     sizes, names = (mesh.sizes, mesh.names) if mesh.sizes else ((1,), ("m0",))
     if groups is not None:

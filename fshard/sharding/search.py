@@ -32,10 +32,10 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from fshard import dtypes
-from fshard.dims import planning_prod
-from fshard.factors import linear_groups
-from fshard.ir import Literal, Program, Var
+from fshard.core import dtypes
+from fshard.core.dims import planning_prod
+from fshard.core.factors import linear_groups
+from fshard.core.ir import Literal, Program, Var
 from fshard.sharding.cost import (CostModel, compute_cost, redistribution,
                                   redistribution_seconds)
 from fshard.sharding.layouts import (

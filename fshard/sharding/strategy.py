@@ -18,11 +18,11 @@ import itertools
 
 import numpy as np
 
-from fshard import tree
-from fshard.core import ArrayType
-from fshard.dims import dim_multiple_of
+from fshard.core import tree
+from fshard.core.tracing import ArrayType
+from fshard.core.dims import dim_multiple_of
 from fshard.errors import ShardingError
-from fshard.layout import Layout, _divisors, _or_list, check_strategy
+from fshard.meshes.layout import Layout, _divisors, _or_list, check_strategy
 from fshard.sharding.layouts import ShardMesh, Sharding
 
 
@@ -41,7 +41,7 @@ def parse_strategy(entry, aval: ArrayType, mesh: ShardMesh, where: str,
     ``where`` names the strategy in messages (``"shard(f): in_strategy[0]"``) and
     ``what`` the value it describes (``"argument 'x' (f32[32,128])"``).
 
-    >>> from fshard.core import ArrayType
+    >>> from fshard.core.tracing import ArrayType
     >>> from fshard import dtypes
     >>> parse_strategy((4, 2), ArrayType((32, 128), dtypes.float32), ShardMesh.for_devices(8),
     ...                "in_strategy[0]").dims

@@ -40,7 +40,7 @@ def run_ok() -> None:
     from mindspore import ops
 
     import fshard as fs
-    from fshard.mesh import resolve_mesh
+    from fshard.meshes.mesh import resolve_mesh
 
     dist = fs.distributed
     check("not initialized before init", not dist.is_initialized())

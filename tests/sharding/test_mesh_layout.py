@@ -11,7 +11,7 @@ import pytest
 from mindspore.parallel import Layout as MsLayout
 
 import fshard as fs
-from fshard.layout import (
+from fshard.meshes.layout import (
     Layout,
     as_layout,
     block_index,
@@ -23,8 +23,8 @@ from fshard.layout import (
     shard_slices,
     strategy_to_layout,
 )
-from fshard.mesh import Mesh, current_mesh, resolve_mesh
-from fshard.visualize import visualize_sharding
+from fshard.meshes.mesh import Mesh, current_mesh, resolve_mesh
+from fshard.meshes.visualize import visualize_sharding
 
 
 def _golden(fn, cls, message):

@@ -560,7 +560,7 @@ def test_narrowing_cast_of_a_pending_sum_reduces_first():
 
 
 def test_widening_cast_lets_a_pending_sum_pass():
-    from fshard.core import ArrayType
+    from fshard.core.tracing import ArrayType
     from fshard.primitives.elementwise import cast_p
     from fshard.rules import sharding
 

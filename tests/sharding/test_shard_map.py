@@ -391,7 +391,7 @@ def test_single_output_accepts_a_tuple_of_one_strategy():
 
 @pytest.mark.parametrize("bad", [((2, 0),), ((2, 2.0),), ((3, 1),), ((16, 1),), ((2,),)])
 def test_shard_and_shard_map_check_split_counts_alike(bad):
-    """One check of split counts (fs.layout.check_strategy) behind both transforms: the
+    """One check of split counts (fs.meshes.layout.check_strategy) behind both transforms: the
     same rule and fix for the same mistake."""
     x = np.ones((8, 4), np.float32)
     got = []

@@ -1,0 +1,552 @@
+"""Operators and methods of traced values, mirroring ``mindspore.Tensor``.
+
+Attached to ``fshard.core.tracing.Tracer`` at import time, so code written against
+MindSpore Tensors (``x @ w + b``, ``x.sum(axis=1)``, ``x.reshape(...)``) traces.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import mindspore.ops
+import numpy as np
+
+from fshard.core import dtypes
+from fshard import ops
+from fshard.core.tracing import Tracer, typeof
+
+
+def _r(fn):
+    return lambda self, other: fn(other, self)
+
+
+def _getitem(self, idx):
+    from fshard.primitives.structural import getitem
+
+    return getitem(self, idx)
+
+
+def _reshape(self, *shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return ops.reshape(self, shape)
+
+
+def _transpose(self, *perm):
+    if len(perm) == 1 and isinstance(perm[0], (tuple, list)):
+        perm = tuple(perm[0])
+    if perm == (None,):  # numpy.transpose(traced)
+        perm = ()
+    return ops.transpose(self, perm or None)
+
+
+def _view(self, *shape):
+    return _reshape(self, *shape)
+
+
+# MindSpore 2.10 resolves several Tensor methods between a PyTorch-style and a
+# NumPy-style overload; the helpers below follow its choices (checked against MindSpore
+# in tests/test_interop.py): a positional int `dim` to max/min returns (values, indices),
+# `transpose(a, b)` swaps two axes, and a dtype may come second in `sum`.
+
+
+def _reduce_args(axis, rest, kw):
+    """(axis, keepdims, dtype) from MindSpore's ``sum``/``mean`` overloads."""
+    axis = kw.pop("dim", axis)
+    keepdims = kw.pop("keepdim", kw.pop("keepdims", kw.pop("keep_dims", False)))
+    dtype = kw.pop("dtype", None)
+    if kw.pop("out", None) is not None:  # numpy.sum(traced) passes out=None
+        from fshard.errors import TracerConversionError
+
+        raise TracerConversionError(
+            "a traced value cannot write its result into out=... (fshard programs are "
+            "pure).\nFix: drop out= and use the returned value, e.g. m = numpy.max(x).")
+    for r in rest:
+        if isinstance(r, bool):
+            keepdims = r
+        else:
+            dtype = r
+    if kw:
+        raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
+    if isinstance(axis, (tuple, list)) and not axis:
+        axis = None
+    return axis, keepdims, dtype
+
+
+# MindSpore's dtype rules for sums and means (checked against eager MindSpore for every
+# dtype in tests/test_ms_oracle.py): ``sum`` adds bool and integers as int64; ``mean``
+# keeps the dtype: integers are summed in their own dtype (wrapping, as MindSpore does)
+# and divided with truncation, float16 is accumulated in float32, bool is refused.
+
+
+def ms_sum(x, axis=None, keepdims=False, dtype=None):
+    """``Tensor.sum`` / ``ops.sum`` / ``mint.sum`` with MindSpore's result dtype."""
+    if dtype is not None:
+        x = ops.cast(x, dtype)
+    if not dtypes.is_float(typeof(x).dtype):
+        x = ops.cast(x, dtypes.int64)
+    return ops.reduce_sum(x, axis, keepdims)
+
+
+def ms_mean(x, axis=None, keepdims=False, dtype=None, where=""):
+    """``Tensor.mean`` / ``ops.mean`` / ``mint.mean`` with MindSpore's result dtype."""
+    from fshard.errors import UnsupportedOpError
+
+    if dtype is not None:
+        x = ops.cast(x, dtype)
+    dt = typeof(x).dtype
+    if dt == dtypes.bool_:
+        raise UnsupportedOpError(
+            f"MindSpore's mean does not accept bool inputs{where}.\nFix: cast to a number "
+            "first, e.g. x.astype(mindspore.float32).mean().")
+    if dtypes.is_float(dt):
+        if dt != dtypes.float16:
+            return ops.mean(x, axis, keepdims)
+        return ops.cast(ops.mean(ops.cast(x, dtypes.float32), axis, keepdims), dt)
+    total = ops.reduce_sum(x, axis, keepdims)  # in x's dtype, wrapping as MindSpore
+    n = ops.count(x, axis, dtypes.float64)  # read at run time for a symbolic dimension
+    return ops.cast(ops.div(ops.cast(total, dtypes.float64),
+                            float(n) if isinstance(n, int) else n), dt)  # truncates
+
+
+def _sum(self, axis=None, *rest, **kw):
+    axis, keepdims, dtype = _reduce_args(axis, rest, kw)
+    return ms_sum(self, axis, keepdims, dtype)
+
+
+def _mean(self, axis=None, *rest, **kw):
+    axis, keepdims, dtype = _reduce_args(axis, rest, kw)
+    return ms_mean(self, axis, keepdims, dtype)
+
+
+def _index64(x):
+    return ops.cast(x, dtypes.int64)  # MindSpore's index dtype
+
+
+def _no_out(out):
+    if out is not None:  # numpy.max(traced) passes out=None
+        from fshard.errors import TracerConversionError
+
+        raise TracerConversionError(
+            "a traced value cannot write its result into out=... (fshard programs are "
+            "pure).\nFix: drop out= and use the returned value, e.g. m = numpy.max(x).")
+
+
+def _extremum(reduce, arg):
+    def method(self, dim=None, keepdim=False, *, axis=None, keepdims=None, out=None):
+        _no_out(out)
+        if dim is not None:  # max(dim[, keepdim]) -> (values, indices)
+            return reduce(self, dim, keepdim), _index64(arg(self, dim, keepdim))
+        return reduce(self, axis, keepdim if keepdims is None else keepdims)
+
+    return method
+
+
+def _argmax(self, axis=None, keepdims=False, *, dim=None, keepdim=None, out=None):
+    _no_out(out)
+    axis = dim if dim is not None else axis
+    keepdims = keepdim if keepdim is not None else keepdims
+    if axis is None:
+        out = ops.argmax(ops.reshape(self, (-1,)), 0)
+        return _index64(ops.reshape(out, (1,) * self.ndim) if keepdims else out)
+    return _index64(ops.argmax(self, axis, keepdims))
+
+
+def _torch_transpose(self, *axes):
+    if len(axes) == 2 and all(isinstance(a, int) for a in axes):
+        return ops.swapaxes(self, *axes)
+    return _transpose(self, *axes)
+
+
+def _flatten(self, start_dim=0, end_dim=-1):
+    nd = max(self.ndim, 1)
+    start, end = start_dim % nd, end_dim % nd
+    shape = tuple(self.shape)
+    return ops.reshape(self, shape[:start] + (-1,) + shape[end + 1:])
+
+
+def _squeeze(self, *axis):
+    if len(axis) == 1:
+        axis = axis[0]
+    if axis is None or axis == ():
+        return ops.squeeze(self, None)
+    # MindSpore (as PyTorch) leaves a named dimension whose size is not 1 in place.
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    keep = tuple(a for a in axes if self.shape[a % max(self.ndim, 1)] == 1)
+    return ops.squeeze(self, keep) if keep else self
+
+
+METHODS = {
+    "__add__": ops.add, "__radd__": _r(ops.add),
+    "__sub__": ops.sub, "__rsub__": _r(ops.sub),
+    "__mul__": ops.mul, "__rmul__": _r(ops.mul),
+    "__truediv__": ops.div, "__rtruediv__": _r(ops.div),
+    "__pow__": ops.pow, "__rpow__": _r(ops.pow),
+    "__matmul__": ops.matmul, "__rmatmul__": _r(ops.matmul),
+    "__neg__": ops.neg, "__pos__": lambda self: self, "__abs__": ops.abs,
+    "__lt__": ops.less, "__le__": ops.less_equal,
+    "__gt__": ops.greater, "__ge__": ops.greater_equal,
+    "__eq__": ops.equal, "__ne__": ops.not_equal,
+    "__getitem__": _getitem,
+    "sum": _sum, "mean": _mean,
+    "max": _extremum(ops.reduce_max, ops.argmax),
+    "min": _extremum(ops.reduce_min, ops.argmin),
+    "argmax": _argmax,
+    "reshape": _reshape, "view": _view,
+    "transpose": _torch_transpose, "permute": _transpose,
+    "swapaxes": ops.swapaxes,
+    "expand_dims": ops.expand_dims, "unsqueeze": ops.expand_dims,
+    "squeeze": _squeeze,
+    "flatten": _flatten,
+    "astype": lambda self, dtype, copy=True: ops.cast(self, dtype), "to": ops.cast,
+    "float": lambda self: ops.cast(self, dtypes.float32),
+    "half": lambda self: ops.cast(self, dtypes.canonical(np.float16)),
+    "int": lambda self: ops.cast(self, dtypes.int32),
+    "long": lambda self: ops.cast(self, dtypes.int64),
+    "bool": lambda self: ops.cast(self, dtypes.bool_),
+    "masked_fill": lambda self, mask, value: ops.where(mask, ops.cast(value, self.dtype), self),
+    "numel": lambda self: ops.count(self),
+    "neg": ops.neg,
+    "exp": ops.exp, "log": ops.log, "tanh": ops.tanh, "sigmoid": ops.sigmoid,
+    "relu": ops.relu, "sqrt": ops.sqrt, "rsqrt": ops.rsqrt, "abs": ops.abs,
+    "square": ops.square, "sign": ops.sign, "sin": ops.sin, "cos": ops.cos,
+    "matmul": ops.matmul,
+    "broadcast_to": ops.broadcast_to, "expand_as": lambda self, o: ops.broadcast_to(self, o.shape),
+    "softmax": lambda self, axis=-1, dtype=None: ops.softmax(
+        self if dtype is None else ops.cast(self, dtype), axis),
+    "log_softmax": lambda self, axis=-1: ops.log_softmax(self, axis),
+    "add": lambda self, other, *, alpha=1: ops.add(self, other if alpha == 1 else ops.mul(
+        other, alpha)),
+    "sub": lambda self, other, *, alpha=1: ops.sub(self, other if alpha == 1 else ops.mul(
+        other, alpha)),
+    "mul": ops.mul, "div": ops.div,
+    "maximum": ops.maximum, "minimum": ops.minimum, "pow": ops.pow,
+}
+
+def _clip(self, min=None, max=None):  # noqa: A002  (MindSpore's parameter names)
+    out = self
+    if min is not None:
+        out = ops.maximum(out, ops.cast(min, typeof(self).dtype) if isinstance(
+            min, (int, float)) else min)
+    if max is not None:
+        out = ops.minimum(out, ops.cast(max, typeof(self).dtype) if isinstance(
+            max, (int, float)) else max)
+    return out
+
+
+def _var(self, axis=None, ddof=0, keepdims=False, *, dtype=None, out=None):
+    """``Tensor.var``: the mean squared deviation (``ddof``: NumPy's delta degrees of
+    freedom), in the input's float dtype (``dtype``, ``out``: ``numpy.var(traced)``)."""
+    _no_out(out)
+    if dtype is not None:
+        self = ops.cast(self, dtype)
+    x = self if dtypes.is_float(typeof(self).dtype) else ops.cast(self, dtypes.float32)
+    dev = x - ops.mean(x, axis, True)
+    squares = ops.reduce_sum(dev * dev, axis, keepdims)
+    n = ops.count(x, axis, typeof(x).dtype)
+    if isinstance(n, int):
+        return squares * (1.0 / (n - ddof) if n > ddof else float("nan"))
+    # A symbolic dimension: the count is read at run time; n <= ddof gives nan, as above.
+    dof = ops.sub(n, float(ddof))
+    return ops.where(ops.greater(dof, 0.0), ops.div(squares, dof), float("nan"))
+
+
+def truthy_reduce(x, is_any: bool, axis=None, keepdims=False):
+    """``any``/``all``: a value counts as true when it is non-zero (0.5 included, so
+    the test is ``!= 0`` before any integer cast)."""
+    flags = ops.cast(ops.not_equal(x, ops.zeros_like(x)), dtypes.int32)
+    reduce = ops.reduce_max if is_any else ops.reduce_min
+    return ops.greater(reduce(flags, axis, keepdims), 0)
+
+
+def _any(self, axis=None, keep_dims=False, *, keepdims=None, out=None):
+    _no_out(out)
+    return truthy_reduce(self, True, axis, keep_dims if keepdims is None else keepdims)
+
+
+def _all(self, axis=None, keep_dims=False, *, keepdims=None, out=None):
+    _no_out(out)
+    return truthy_reduce(self, False, axis, keep_dims if keepdims is None else keepdims)
+
+
+def _norm(self, ord=None, dim=None, keepdim=False, *, axis=None, keepdims=None):  # noqa: A002
+    if ord not in (None, 2, "fro"):
+        from fshard.errors import UnsupportedOpError
+
+        raise UnsupportedOpError(
+            f"a traced value's norm(ord={ord!r}) is not supported (only the 2-norm / "
+            "Frobenius norm).\nFix: write it with fs.ops, e.g. abs(x).max() for ord=inf.")
+    axis = dim if axis is None else axis
+    keep = keepdim if keepdims is None else keepdims
+    return ops.sqrt(ops.reduce_sum(self * self, axis, keep))
+
+
+def _refuse_in_place(self, *args, **kwargs):
+    from fshard.errors import TracerConversionError
+
+    raise TracerConversionError(
+        f"a traced value {self} cannot be updated in place (item assignment, fill_, ...): "
+        "fshard programs are pure.\nFix: build a new value, e.g. fs.ops.where(mask, v, x) "
+        "instead of x[mask] = v.")
+
+
+def _setitem(self, idx, value):
+    """``x[idx] = value`` on a traced value: ``x`` is rebound to the functional update
+    (``fs.ops.index_update``). The staged program refers to values by their IR variable,
+    and equations already recorded hold the old one: uses of ``x`` before the assignment
+    see the old value, later ones the new (``x[idx] += v`` reads, adds, then assigns)."""
+    from fshard.core.tracing import current_trace
+    from fshard.errors import TracerConversionError
+    from fshard.primitives.composite import index_update
+    from fshard.core.staging import StagedTracer
+
+    trace = current_trace()
+    if not isinstance(self, StagedTracer) or self.trace is not trace or not trace.active:
+        raise TracerConversionError(
+            f"x[...] = value on a traced value {self} that belongs to an enclosing "
+            "transform (a closed-over value, or one that escaped its transform): fshard can "
+            "only rebind a value of the function being traced.\nFix: pass the value in as "
+            "an argument, or assign into a copy made here: y = x + 0; y[...] = value "
+            "(or use fs.ops.index_update(x, idx, value)).")
+    if self.ir_var in trace.__dict__.get("view_vars", ()):
+        from fshard.errors import UnsupportedOpError
+
+        raise UnsupportedOpError(
+            f"x[...] = value on {self}, which was made from another traced value by "
+            "indexing or a view method (x[...], reshape, view, transpose, squeeze, ...). In "
+            "MindSpore that value shares memory with its source and the assignment writes "
+            "into the source too; a traced program has no shared memory, so fshard "
+            "refuses rather than leave the source unchanged.\nFix: assign into the source "
+            "itself (x[0, 1] = v instead of row = x[0]; row[1] = v), or, if the source "
+            "must not change, update a copy explicitly: "
+            "row = fs.ops.index_update(row, 1, v).")
+    new = index_update(self, idx, value)
+    if new is self:
+        return
+    if not isinstance(new, StagedTracer) or new.trace is not trace:  # an untraced update
+        raise TracerConversionError(f"x[...] = value could not be traced for {self}.")
+    self.ir_var = new.ir_var
+
+
+def _refuse_tolist(self):
+    from fshard.errors import TracerConversionError
+
+    raise TracerConversionError(
+        f"a traced value {self} has no Python values yet (tolist() needs concrete data).\n"
+        "Fix: return the value from the transformed function and call tolist() on the "
+        "result.")
+
+
+def _refuse_operator(symbol: str):
+    def method(self, *args):
+        from fshard.errors import UnsupportedOpError
+
+        raise UnsupportedOpError(
+            f"the operator {symbol} on a traced value ({self}) has no fshard primitive "
+            "yet.\nFix: compute it outside the transformed function, or express it with "
+            "fs.ops (e.g. a - b * fs.ops.cast(fs.ops.cast(a / b, int32), a.dtype) for "
+            "a truncating remainder of positive numbers).")
+
+    return method
+
+
+METHODS.update({
+    "__and__": ops.bitwise_and, "__rand__": _r(ops.bitwise_and),
+    "__or__": ops.bitwise_or, "__ror__": _r(ops.bitwise_or),
+    "__xor__": ops.bitwise_xor, "__rxor__": _r(ops.bitwise_xor),
+    "__lshift__": ops.shift_left, "__rlshift__": _r(ops.shift_left),
+    "__rshift__": ops.shift_right, "__rrshift__": _r(ops.shift_right),
+})
+METHODS.update({
+    "__floordiv__": ops.floor_divide, "__rfloordiv__": _r(ops.floor_divide),
+    "__mod__": ops.remainder, "__rmod__": _r(ops.remainder),
+})
+METHODS.setdefault("__invert__", _refuse_operator("~"))
+
+def _round(self, decimals=0, *, out=None):
+    _no_out(out)
+    if decimals != 0:
+        from fshard.errors import UnsupportedOpError
+
+        raise UnsupportedOpError(
+            f"a traced value's round(decimals={decimals!r}) is not supported (only "
+            "decimals=0).\nFix: scale first, e.g. fs.ops.round(x * 100) / 100.")
+    return ops.round(self)
+
+
+def _tile(self, *multiples):
+    """``Tensor.tile(multiples)`` (NumPy's ``tile``): each dimension repeated whole, by
+    a broadcast of an interleaved reshape (no primitive of its own)."""
+    reps = tuple(multiples[0]) if len(multiples) == 1 and isinstance(
+        multiples[0], (tuple, list)) else tuple(multiples)
+    if not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) and r >= 0
+               for r in reps):
+        from fshard.errors import ArgumentError
+
+        raise ArgumentError(f"tile(multiples=...) must be non-negative ints, got {reps!r}.")
+    shape = tuple(self.shape)
+    nd = max(len(shape), len(reps))
+    shape, reps = (1,) * (nd - len(shape)) + shape, (1,) * (nd - len(reps)) + reps
+    x = ops.reshape(self, tuple(d for s in shape for d in (1, s)))
+    x = ops.broadcast_to(x, tuple(d for r, s in zip(reps, shape) for d in (r, s)))
+    return ops.reshape(x, tuple(r * s for r, s in zip(reps, shape)))
+
+
+def _axis_kw(axis, kw, default=None):
+    """MindSpore's Tensor methods name the axis ``axis`` or ``dim``."""
+    dim = kw.pop("dim", None)
+    if kw:
+        raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
+    return default if axis is None and dim is None else (axis if dim is None else dim)
+
+
+def _running(fn):
+    def method(self, axis=None, dtype=None, **kw):
+        axis = _axis_kw(axis, kw)
+        x = self if dtype is None else ops.cast(self, dtype)
+        if axis is None:  # over the flattened value (NumPy's rule)
+            x, axis = ops.reshape(x, (-1,)), 0
+        return fn(x, axis)
+
+    return method
+
+
+def _sort(self, axis=None, descending=False, **kw):
+    kw.pop("stable", None)
+    return ops.sort(self, _axis_kw(axis, kw, -1), descending)
+
+
+def _argsort(self, axis=None, descending=False, **kw):
+    kw.pop("stable", None)
+    return ops.argsort(self, _axis_kw(axis, kw, -1), descending)  # int32, as MindSpore
+
+
+def _topk(self, k, dim=None, largest=True, sorted=True):  # noqa: A002
+    return ops.topk(self, k, -1 if dim is None else dim, largest, sorted)
+
+
+def _prod(self, axis=None, keep_dims=False, dtype=None, **kw):
+    keep = kw.pop("keepdim", kw.pop("keepdims", keep_dims))
+    return ops.prod(self, _axis_kw(axis, kw), keep, dtype)
+
+
+METHODS.update({
+    "cumsum": _running(ops.cumsum), "cumprod": _running(ops.cumprod),
+    "sort": _sort, "argsort": _argsort, "topk": _topk, "prod": _prod,
+    "flip": lambda self, dims: ops.flip(self, dims),
+    "roll": lambda self, shifts, dims=None: ops.roll(self, shifts, dims),
+    "tril": lambda self, diagonal=0: ops.tril(self, diagonal),
+    "triu": lambda self, diagonal=0: ops.triu(self, diagonal),
+    "narrow": lambda self, axis, start, length: ops.narrow(self, axis, start, length),
+    "repeat_interleave": lambda self, repeats, dim=None: ops.repeat_interleave(
+        self, repeats, dim),
+    "isnan": ops.isnan, "isinf": ops.isinf, "isfinite": ops.isfinite,
+    "nan_to_num": ops.nan_to_num,
+    "logical_and": ops.logical_and, "logical_or": ops.logical_or,
+    "logical_xor": ops.logical_xor, "logical_not": ops.logical_not,
+    "isclose": ops.isclose, "log1p": ops.log1p, "expm1": ops.expm1,
+    "reciprocal": ops.reciprocal, "atan2": ops.atan2, "arctan2": ops.atan2,
+    "floor_divide": ops.floor_divide, "remainder": ops.remainder,
+    "masked_fill": ops.masked_fill,
+})
+
+
+def _mindspore_function(name):
+    """The Tensor method ``name`` as MindSpore's ``ops.<name>`` function, which traces
+    (its pieces are slices and ``split``s): the same signature and the same pieces."""
+    def method(self, *args, **kwargs):
+        return getattr(mindspore.ops, name)(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+# nn.MultiheadAttention splits its packed projection with ``tensor_split``.
+METHODS.update({name: _mindspore_function(name) for name in ("split", "tensor_split", "chunk")})
+# ops.diff gathers with the method; ops.nansum asks is_complex.
+METHODS.update({"gather": _mindspore_function("gather"),
+                "is_complex": lambda self: self.dtype in (mindspore.complex64,
+                                                          mindspore.complex128)})
+
+METHODS.update({
+    "floor": ops.floor, "round": _round, "tile": _tile,
+    "clip": _clip, "clamp": _clip, "var": _var,
+    "std": lambda self, axis=None, ddof=0, keepdims=False, **kw: ops.sqrt(
+        _var(self, axis, ddof, keepdims, **kw)),
+    "any": _any, "all": _all, "norm": _norm,
+    "copy": lambda self: self,
+    "__setitem__": _setitem, "fill_": _refuse_in_place, "fill": _refuse_in_place,
+    "tolist": _refuse_tolist,
+})
+
+# MindSpore Tensors share memory with their views: after ``v = x[0]`` (or
+# ``x.reshape``, ``x.transpose``, ...), ``v[1] = 5`` writes into ``x`` too. A traced
+# program has no aliasing, so the results of these methods are remembered (per trace,
+# by IR variable) and assignment into one is refused instead of silently not writing
+# through to ``x``.
+_VIEW_METHODS = ("__getitem__", "reshape", "view", "transpose", "permute", "swapaxes",
+                 "expand_dims", "unsqueeze", "squeeze", "flatten", "narrow", "T", "mT")
+
+
+def _marks_view(method):
+    def view_method(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        var = getattr(out, "ir_var", None)
+        if var is not None and out is not self and out.trace is self.trace:
+            views = self.trace.__dict__.setdefault("view_vars", set())
+            views.add(var)
+        return out
+
+    view_method.__name__ = getattr(method, "__name__", "view_method")
+    return view_method
+
+
+for _name in _VIEW_METHODS:
+    if _name in METHODS:
+        METHODS[_name] = _marks_view(METHODS[_name])
+
+for _name, _fn in METHODS.items():
+    setattr(Tracer, _name, _fn)
+
+
+def _missing_method(self, name):
+    """A Tensor method fshard does not trace: an ``UnsupportedOpError`` naming it (an
+    ``AttributeError`` for names no Tensor has)."""
+    import sys
+
+    from mindspore import Tensor
+
+    if not name.startswith("_"):
+        # A Tensor method MindSpore writes in Python (``ravel``, ``diagonal``, ...) is a
+        # composition of ops: run MindSpore's own code on the traced value, so the ops
+        # it calls trace (``ops.diagflat`` calls ``x.ravel()``, for one).
+        fn = inspect.getattr_static(Tensor, name, None)
+        if isinstance(fn, types.FunctionType) and fn.__module__ == "mindspore.common.tensor":
+            return types.MethodType(fn, self)
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    # Libraries probe attributes with hasattr (which only catches AttributeError): only
+    # a method called from the user's code gets the fshard error.
+    if name.startswith("_") or not hasattr(Tensor, name) or caller.split(".")[0] in (
+            "mindspore", "fshard", "numpy", "optree", "builtins"):
+        raise AttributeError(f"a traced value has no attribute {name!r}")
+    from fshard.errors import UnsupportedOpError
+
+    raise UnsupportedOpError(
+        f"fshard cannot trace the Tensor method {name!r} on a traced value {self}.\nFix: "
+        "write it with fshard.ops or supported methods (docs/tracing.md lists them), or "
+        "compute it outside the transformed function.")
+
+
+Tracer.__getattr__ = _missing_method
+
+
+def _T(self):
+    return ops.transpose(self)
+
+
+Tracer.T = property(_marks_view(_T))
+# An int for static shapes; with a symbolic dimension, a 0-d int64 value read at run time
+# (a placeholder number would silently enter every average computed from it).
+Tracer.size = property(lambda self: ops.count(self))
+Tracer.mT = property(_marks_view(lambda self: ops.swapaxes(self, -1, -2)))

@@ -1,0 +1,353 @@
+"""IR cleanup passes: named ``Program -> Program`` rewrites that ``jit`` applies before
+lowering (NB: tinygrad's named ``graph_rewrite`` passes).
+
+Transforms emit locally sensible IR that is globally redundant: ``vmap`` of a
+per-example ``matmul`` reshapes ``(B, 1, k) -> (B, k)`` right after a reshape the
+other way, batching rules broadcast operands that were already broadcast, and the
+transpose of a ``mean`` re-broadcasts the same cotangent in several places. These
+passes remove that, without changing any value:
+
+- ``fold_structural``: reshape/broadcast/transpose chains collapse into one
+  operation; reshapes, broadcasts, transposes and casts that change nothing vanish.
+- ``cse``: an equation equal to an earlier one (same primitive, operands and
+  parameters) reuses its outputs.
+- ``dce``: equations whose outputs nothing reads are dropped.
+
+``simplify`` runs them to a fixed point. Every pass is observable: with
+``FSHARD_DUMP_IR=1`` each pass that changes the Program prints it before and after.
+The passes never remove or reorder a Program's inputs, so a lowered function keeps
+its signature. This module imports primitives, never transforms.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import sys
+from typing import Callable
+
+import numpy as np
+
+from fshard.core import dtypes
+from fshard.core.tracing import ArrayType
+from fshard.core.ir import Equation, Literal, Program, Var
+from fshard.primitives.collectives import pmean_p, psum_p, psum_scatter_p
+from fshard.primitives.elementwise import cast_p
+from fshard.primitives.structural import (broadcast_to_p, concat_p, reshape_p, split_p,
+                                          transpose_p)
+
+PassFn = Callable[[Program], Program]
+
+
+def _dump(name: str, before: Program, after: Program) -> None:
+    if os.environ.get("FSHARD_DUMP_IR"):
+        print(f"--- before {name} ---\n{before}\n--- after {name} ---\n{after}",
+              file=sys.stderr)
+
+
+def _rebuild(program: Program, equations: list, alias: dict) -> Program:
+    """``program`` with new equations and outputs read through ``alias``."""
+    outputs = [alias.get(a, a) if isinstance(a, Var) else a for a in program.outputs]
+    return Program(program.inputs, equations, outputs, program.n_consts, program.meta)
+
+
+# ---------------------------------------------------------------------------
+# fold_structural: peephole rules on shape operations
+# ---------------------------------------------------------------------------
+
+
+def _identity(eq: Equation) -> bool:
+    """The equation returns its operand unchanged."""
+    (x,) = eq.inputs
+    if eq.prim in (reshape_p, broadcast_to_p):
+        return tuple(x.aval.shape) == tuple(eq.outputs[0].aval.shape)
+    if eq.prim is transpose_p:
+        return tuple(eq.params["perm"]) == tuple(range(len(eq.params["perm"])))
+    if eq.prim is cast_p:
+        return x.aval.dtype == eq.params["dtype"]
+    return False
+
+
+def _fold(eq: Equation, producer: dict) -> Equation:
+    """Collapse ``eq`` with the shape operation that produced its operand, if any."""
+    (x,) = eq.inputs
+    src = producer.get(x) if isinstance(x, Var) else None
+    if src is None or src.prim is not eq.prim:
+        return eq
+    (y,) = src.inputs
+    if eq.prim is reshape_p or eq.prim is broadcast_to_p:
+        # reshape(reshape(y)) == reshape(y); broadcasting is transitive too
+        return Equation(eq.prim, [y], eq.params, eq.outputs, eq.source)
+    if eq.prim is transpose_p:
+        inner, outer = src.params["perm"], eq.params["perm"]
+        perm = tuple(inner[p] for p in outer)
+        return Equation(eq.prim, [y], {"perm": perm}, eq.outputs, eq.source)
+    return eq
+
+
+_STRUCTURAL = (reshape_p, broadcast_to_p, transpose_p, cast_p)
+
+
+def fold_structural(program: Program) -> Program:
+    """Collapse chains of reshape / broadcast_to / transpose and drop identities."""
+    alias: dict = {}
+    producer: dict = {}
+    out = []
+    for eq in program.equations:
+        ins = [alias.get(a, a) if isinstance(a, Var) else a for a in eq.inputs]
+        eq = Equation(eq.prim, ins, eq.params, eq.outputs, eq.source)
+        if eq.prim in _STRUCTURAL and isinstance(ins[0], Var):
+            eq = _fold(eq, producer)
+            if _identity(eq):
+                alias[eq.outputs[0]] = eq.inputs[0]
+                continue
+        out.append(eq)
+        for v in eq.outputs:
+            producer[v] = eq
+    return _rebuild(program, out, alias)
+
+
+# ---------------------------------------------------------------------------
+# cse: common subexpressions
+# ---------------------------------------------------------------------------
+
+
+def _key(v):
+    """A hashable stand-in for a parameter value (identity for objects like Programs)."""
+    if isinstance(v, (list, tuple)):
+        return tuple(_key(e) for e in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _key(e)) for k, e in v.items()))
+    if isinstance(v, (Program, np.ndarray)):
+        return ("id", id(v))
+    try:
+        hash(v)
+    except TypeError:
+        return ("id", id(v))
+    return v
+
+
+def _atom_key(a):
+    if isinstance(a, Literal):
+        return ("lit", a.value.item() if hasattr(a.value, "item") else a.value, str(a.aval))
+    return ("var", id(a))
+
+
+def cse(program: Program) -> Program:
+    """Reuse the outputs of an earlier identical equation."""
+    alias: dict = {}
+    seen: dict = {}
+    out = []
+    for eq in program.equations:
+        ins = [alias.get(a, a) if isinstance(a, Var) else a for a in eq.inputs]
+        eq = Equation(eq.prim, ins, eq.params, eq.outputs, eq.source)
+        key = (eq.prim, tuple(_atom_key(a) for a in ins), _key(eq.params))
+        prev = None if eq.prim.effect else seen.get(key)  # two prints print twice
+        if prev is not None:
+            alias.update(zip(eq.outputs, prev.outputs))
+            continue
+        seen[key] = eq
+        out.append(eq)
+    return _rebuild(program, out, alias)
+
+
+# ---------------------------------------------------------------------------
+# dce: dead equations
+# ---------------------------------------------------------------------------
+
+
+def dce(program: Program) -> Program:
+    """Drop equations none of whose outputs is read, except those with an effect: a
+    primitive's (``Primitive.effect``: a debug callback, which has no outputs), or a
+    generic MindSpore op that writes into an operand (``Assign``, which writes
+    BatchNorm's moving statistics: ``params["fn"].has_effect``)."""
+    live = {a for a in program.outputs if isinstance(a, Var)}
+    kept = []
+    for eq in reversed(program.equations):
+        if eq.prim.effect or any(v in live for v in eq.outputs) \
+                or getattr(eq.params.get("fn"), "has_effect", False):
+            kept.append(eq)
+            live.update(a for a in eq.inputs if isinstance(a, Var))
+    kept.reverse()
+    return Program(program.inputs, kept, program.outputs, program.n_consts, program.meta)
+
+
+# ---------------------------------------------------------------------------
+# The pipeline
+# ---------------------------------------------------------------------------
+
+PASSES: list[tuple[str, PassFn]] = [
+    ("fold_structural", fold_structural),
+    ("cse", cse),
+    ("dce", dce),
+]
+
+
+def run_pass(name: str, fn: PassFn, program: Program) -> Program:
+    """Apply one named pass (dumping the IR around it with ``FSHARD_DUMP_IR=1``)."""
+    after = fn(program)
+    if len(after.equations) != len(program.equations) or any(
+            a is not b for a, b in zip(after.equations, program.equations)):
+        _dump(name, program, after)
+    return after
+
+
+def simplify(program: Program, max_rounds: int = 4) -> Program:
+    """Run every pass until the Program stops shrinking.
+
+    >>> import numpy as np, fshard as fs
+    >>> w = np.ones((4, 2), np.float32)
+    >>> ir = fs.make_ir(fs.vmap(lambda x: fs.ops.matmul(x, w)))(np.ones((8, 4), np.float32))
+    >>> print(simplify(ir.program))   # vmap's reshapes (8,4)->(8,1,4)->(8,4) cancel out
+    { lambda b:f32[4,2]; a:f32[8,4] .
+        c:f32[8,2] = matmul[transpose_a=False transpose_b=False] a b
+      in (c) }
+    >>> len(ir.program.equations)
+    5
+    """
+    for _ in range(max_rounds):
+        n = len(program.equations)
+        for name, fn in PASSES:
+            program = run_pass(name, fn, program)
+        if len(program.equations) == n:
+            break
+    return program
+
+
+# ---------------------------------------------------------------------------
+# fuse_allreduces: bucket independent AllReduces into few large ones
+# ---------------------------------------------------------------------------
+
+
+def fuse_allreduces(program: Program, bucket_bytes: float) -> Program:
+    """``program`` with its ``psum`` equations over the same mesh axes and of the same
+    dtype merged into buckets of at most ``bucket_bytes`` (one flattened, concatenated
+    AllReduce per bucket, split back after): a data-parallel step's gradients then
+    cost a few collectives instead of one per tensor (NB: PyTorch DDP's gradient
+    buckets, MindSpore's ``comm_fusion``/``all_reduce_fusion_config``).
+
+    Buckets fill in program order; a psum whose operand depends on a psum of the open
+    bucket starts a new one (one AllReduce cannot wait for its own result). The
+    equations are then re-ordered (stably, dependencies first) so that each bucket's
+    AllReduce runs once all its operands are ready and before any reader of its
+    results. Every element is still reduced once: the sums are the same.
+    """
+    eqs = program.equations
+    producer = {v: i for i, eq in enumerate(eqs) for v in eq.outputs}
+    # deps[i]: bit set of the equations equation i depends on, transitively
+    deps = [0] * len(eqs)
+    for i, eq in enumerate(eqs):
+        d = 0
+        for a in eq.inputs:
+            j = producer.get(a) if isinstance(a, Var) else None
+            if j is not None:
+                d |= deps[j] | (1 << j)
+        deps[i] = d
+
+    def nbytes(v) -> float:
+        return float(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(
+            dtypes.to_numpy(v.aval.dtype)).itemsize
+
+    buckets: list = []   # lists of equation indices
+    open_: dict = {}     # key -> (bucket index, bytes, member bit set)
+    for i, eq in enumerate(eqs):
+        if not (eq.prim is psum_p and len(eq.inputs) == 1 and isinstance(eq.inputs[0], Var)
+                and eq.inputs[0].aval.is_static):
+            continue
+        key = (tuple(eq.params["axis_name"]), eq.inputs[0].aval.dtype)
+        b = nbytes(eq.inputs[0])
+        cur = open_.get(key)
+        if cur is None or cur[1] + b > bucket_bytes or deps[i] & cur[2]:
+            buckets.append([i])
+            open_[key] = (len(buckets) - 1, b, 1 << i)
+        else:
+            k, size, members = cur
+            buckets[k].append(i)
+            open_[key] = (k, size + b, members | (1 << i))
+    fused = [bk for bk in buckets if len(bk) > 1]
+    if not fused:
+        return program
+    # Nodes: each equation, except that a bucket's members are one node (its first).
+    node_of = list(range(len(eqs)))
+    for bk in fused:
+        for i in bk:
+            node_of[i] = bk[0]
+    members = {bk[0]: bk for bk in fused}
+    preds: dict = {n: set() for n in set(node_of)}
+    for i, eq in enumerate(eqs):
+        for a in eq.inputs:
+            j = producer.get(a) if isinstance(a, Var) else None
+            if j is not None and node_of[j] != node_of[i]:
+                preds[node_of[i]].add(node_of[j])
+    succs: dict = {n: [] for n in preds}
+    for n, ps in preds.items():
+        for p in ps:
+            succs[p].append(n)
+    # A bucket is ready when its last member would have been: order by that index.
+    order_key = {n: max(members.get(n, [n])) for n in preds}
+    waiting = {n: len(ps) for n, ps in preds.items()}
+
+    ready = [(order_key[n], n) for n, w in waiting.items() if w == 0]
+    heapq.heapify(ready)
+    out: list = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        if n in members:
+            out.extend(_fused_psum([eqs[i] for i in members[n]]))
+        else:
+            out.append(eqs[n])
+        for m in succs[n]:
+            waiting[m] -= 1
+            if waiting[m] == 0:
+                heapq.heappush(ready, (order_key[m], m))
+    assert len(out) >= len(eqs), "fuse_allreduces lost equations (a cycle)"
+    return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)
+
+
+def _fused_psum(eqs: list) -> list:
+    """One AllReduce for several: flatten, concatenate, reduce, split, reshape back."""
+    out, flat = [], []
+    for eq in eqs:
+        (x,) = eq.inputs
+        v = Var(ArrayType((int(np.prod(x.aval.shape, dtype=np.int64)),), x.aval.dtype))
+        out.append(Equation(reshape_p, [x], {"shape": v.aval.shape}, [v], eq.source))
+        flat.append(v)
+    lengths = tuple(v.aval.shape[0] for v in flat)
+    total = Var(ArrayType((sum(lengths),), flat[0].aval.dtype))
+    out.append(Equation(concat_p, flat, {"axis": 0}, [total]))
+    reduced = Var(total.aval)
+    out.append(Equation(psum_p, [total], dict(eqs[0].params), [reduced]))
+    pieces = [Var(v.aval) for v in flat]
+    out.append(Equation(split_p, [reduced], {"sizes": lengths, "axis": 0}, pieces))
+    for eq, piece in zip(eqs, pieces):
+        (y,) = eq.outputs
+        out.append(Equation(reshape_p, [piece], {"shape": tuple(y.aval.shape)}, [y],
+                            eq.source))
+    return out
+
+
+def reduce_in_float32(program: Program) -> Program:
+    """``program`` with every reduction collective (``psum``, ``pmean``,
+    ``psum_scatter``) of float16 values done in float32: cast up, reduce, cast back
+    (MindSpore's ``enable_fp32_communication`` / gradient fp32 sync). A float16 sum over
+    many devices then rounds once, at the end, instead of at every partial sum, at
+    twice the bytes on the wire."""
+    reductions = (psum_p, pmean_p, psum_scatter_p)
+    out: list = []
+    for eq in program.equations:
+        if not (eq.prim in reductions and eq.inputs and all(
+                isinstance(a, Var) and a.aval.dtype == dtypes.float16 for a in eq.inputs)):
+            out.append(eq)
+            continue
+        wide = []
+        for a in eq.inputs:
+            w = Var(ArrayType(a.aval.shape, dtypes.float32))
+            out.append(Equation(cast_p, [a], {"dtype": dtypes.float32}, [w], eq.source))
+            wide.append(w)
+        reduced = [Var(ArrayType(y.aval.shape, dtypes.float32)) for y in eq.outputs]
+        out.append(Equation(eq.prim, wide, dict(eq.params), reduced, eq.source))
+        for r, y in zip(reduced, eq.outputs):
+            out.append(Equation(cast_p, [r], {"dtype": dtypes.float16}, [y], eq.source))
+    if len(out) == len(program.equations):
+        return program
+    return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)

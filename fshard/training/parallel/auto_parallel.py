@@ -1,0 +1,1321 @@
+"""``fs.AutoParallel``: MindSpore's interface over a training step, on fshard's ``shard``.
+
+One train step (loss, gradients, optimizer update) is one sharded, compiled program:
+
+    step(params, opt_state, step, *batch) -> (TrainState(params', opt_state', step + 1), loss)
+
+``AutoParallel`` writes the strategies of that step from its configuration and hands
+it to ``fs.jit(fs.shard(step, ...))``:
+
+- the batch: ``dataset_strategy("data_parallel")`` splits every batch input along its
+  first dimension over all devices (in a multi-process job each process passes its
+  own slice), ``"full_batch"`` keeps it whole, or one strategy per batch input;
+- the parameters: whole (data parallel) unless ``parameter_plan`` gives a strategy,
+  or, in ``"sharding_propagation"`` and ``"recursive_programming"`` modes, left to
+  the plan;
+- the rest of the step: in ``"semi_auto"`` mode, as MindSpore's semi-auto parallel,
+  an operator without a strategy follows the layouts of its inputs (from the batch
+  split, the parameters' and the operators' strategies, each equation communicating
+  as late as it can: ``fshard.sharding.search.follow_inputs``, no search), so a
+  data-parallel step is one AllReduce per gradient and one for the loss and the batch
+  is never gathered; ``"sharding_propagation"`` mode plans the parameters too, by
+  greedy propagation; ``"recursive_programming"`` mode by ``fs.shard``'s
+  whole-program search (``search=True``); both price a plan by its time
+  (``level=2``: the flops each device computes at the backend's measured rate plus
+  each collective as the backend runs it);
+- ZeRO (``hsdp``): the optimizer state (level1), also the gradients (level2: the
+  plan reduce-scatters them to the state's layout) and the parameters (level3:
+  gathered where used) are split along their first dimension over the data-parallel
+  group, except tensors smaller than ``threshold`` KB or not divisible;
+- ``comm_fusion``: the per-device program's AllReduces are bucketed
+  (``fshard.primitives.passes.fuse_allreduces``).
+
+fshard differentiates the global loss, so gradients are exact whatever the layouts:
+there is no per-device loss to average (``enable_gradients_mean`` and
+``disable_loss_repeated_mean`` are accepted: MindSpore's results with them are fshard's
+gradients). The seed's knobs that only configure Ascend's graph compiler raise an
+error that says so; none is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from fshard.core import context, tree
+from fshard.meshes import distributed
+from fshard.backend.mindspore import as_tensor
+from fshard.adapter.cells import frozen, functional, is_cell, pipeline_wrapper, segmented
+from fshard.core.tracing import Tracer, typeof
+from fshard.core.dims import dim_multiple_of
+from fshard.errors import ArgumentError, ShardingError
+from fshard.adapter.interop import check_context_mode, context_dataset_strategy, context_mesh
+from fshard.core.ir import Program
+from fshard.meshes.layout import block_index as strategy_block
+from fshard.meshes.mesh import Mesh, resolve_mesh
+from fshard.training.optim import Optimizer, apply_updates
+from fshard.training.parallel.ms_optimizers import from_mindspore, is_mindspore_optimizer
+from fshard.training.parallel.pipeline import PipelineRunner, check_pipeline_args
+from fshard.training.parallel.schedule import Schedule
+from fshard.primitives.passes import reduce_in_float32
+from fshard.primitives import collectives as C
+from fshard.sharding.explain import explain as explain_plan
+from fshard.sharding.layouts import Sharding
+from fshard.sharding.local import ShardedArray, gather_sharded
+from fshard.sharding.plan import write_json_atomic
+from fshard.core.staging import fun_name
+from fshard.transforms.ad import value_and_grad
+from fshard.transforms.control_flow import scan
+from fshard.transforms.jit import declared_types, jit
+from fshard.sharding.local_batch import (block_index, check_same_slices, global_type,
+                                          to_global)
+from fshard.transforms.shard import shard
+
+MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
+LEVELS = ("level1", "level2", "level3")
+
+
+class TrainState(NamedTuple):
+    """What a train step carries: ``params``, ``opt_state`` and ``step`` (an int32
+    scalar), each a pytree (as laid out on the devices by the plan)."""
+
+    params: Any
+    opt_state: Any
+    step: Any
+
+
+def _refuse(knob: str, why: str):
+    raise ArgumentError(f"AutoParallel.{knob}(): {why}")
+
+
+class AutoParallel:
+    """A training step, sharded and compiled (MindSpore's ``AutoParallel``).
+
+    >>> import numpy as np, fshard as fs
+    >>> def loss(p, x, y):
+    ...     return ((x @ p["w"] - y) ** 2).mean()
+    >>> ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=2)
+    >>> state = ap.init({"w": np.zeros((3, 1), np.float32)})
+    >>> x, y = np.ones((4, 3), np.float32), np.ones((4, 1), np.float32)
+    >>> state, l = ap(state, x, y)
+    >>> float(l.asnumpy()), int(state.step.asnumpy())
+    (1.0, 1)
+
+    Args:
+        network: ``loss_fn(params, *batch) -> loss`` (a float scalar; ``(loss, aux)``
+            with ``has_aux=True``), or an ``nn.Cell`` whose ``construct(*batch)``
+            returns the loss (its Parameters are the params, as ``fs.functional``;
+            those with ``requires_grad=False`` are frozen: never differentiated or
+            updated), or MindSpore's ``Pipeline(cell, micro_size, stage_config)``
+            wrapper (the stages and micro-batch count of ``pipeline(stages=S)``).
+        optimizer: an ``fs.optim`` optimizer (``init(params)``, ``update(grads, state,
+            params)``), a MindSpore ``nn.Optimizer`` over the Cell's Parameters
+            (``nn.SGD``, ``nn.Momentum``, ``nn.Adam``, ``nn.AdamWeightDecay``: translated
+            into the equal ``fs.optim`` rule), or None (MindSpore's
+            ``AutoParallel(network, parallel_mode=...)``: the optimizer comes with
+            ``fs.Model(network=ap, optimizer=...)``). A string here is the
+            ``parallel_mode``, as in MindSpore's signature.
+        parallel_mode: ``"semi_auto"`` (the strategies given; an operator without one
+            follows its inputs' layouts: data parallel over the batch split),
+            ``"sharding_propagation"`` (propagation derives the rest, the parameters
+            too), or ``"recursive_programming"`` (the whole step planned by fshard's
+            search).
+        mesh: an ``fs.Mesh``, a device count, or None (the default mesh).
+        has_aux: ``network`` returns ``(loss, aux)``.
+        in_shapes: declared shapes of the batch inputs (``set_inputs``), for batches
+            of varying size run by one compiled step.
+    """
+
+    def __init__(self, network, optimizer=None, parallel_mode: str = "semi_auto", *,
+                 mesh=None, has_aux: bool = False, in_shapes=None):
+        if not callable(network):
+            raise ArgumentError(
+                f"AutoParallel(network=...) must be a loss function or an nn.Cell; got "
+                f"{type(network).__name__} {network!r}.")
+        if isinstance(optimizer, str) and parallel_mode == "semi_auto":
+            # MindSpore's signature: AutoParallel(network, parallel_mode="semi_auto")
+            optimizer, parallel_mode = None, optimizer
+        if parallel_mode not in MODES:
+            raise ArgumentError(
+                f"AutoParallel(parallel_mode=...) must be one of {MODES}; got "
+                f"{parallel_mode!r}.")
+        if isinstance(mesh, bool) or not (mesh is None or isinstance(mesh, (int, Mesh))):
+            raise ArgumentError(
+                f"AutoParallel(mesh=...) must be an fs.Mesh, a device count or None; got "
+                f"{mesh!r}.")
+        if isinstance(mesh, int) and mesh < 1:
+            raise ArgumentError(
+                f"AutoParallel(mesh=...): a device count must be >= 1; got {mesh}.\nFix: "
+                "mesh=2 for two devices, an fs.Mesh, or None for the default mesh (the "
+                "job's processes, or FSHARD_DEVICES virtual devices).")
+        # MindSpore's Pipeline(net, micro_size, stage_config): its stage_config marked
+        # the stages on the sub-cells; the step runs the wrapped network (the wrapper's
+        # construct would add the micro-batch losses), micro_size micro-batches.
+        self._micro_size = None
+        wrapped = pipeline_wrapper(network) if is_cell(network) else None
+        if wrapped is not None:
+            network, self._micro_size = wrapped
+            if segmented(network):
+                raise ArgumentError(
+                    f"AutoParallel(network=Pipeline(...)): segment_config (pipeline_segment "
+                    f"on {segmented(network)}) names MindSpore's interleaved segments, "
+                    "which fshard derives itself.\nFix: drop segment_config and use "
+                    "ap.pipeline(stages=S, interleave=True) with stage_config giving "
+                    "each cell its chunk.")
+        self._steps: dict = {}
+        self._frozen_opt = None  # (frozen names, optimizer, step_optimizer()) cache
+        self._set_network(network, has_aux)
+        self._set_optimizer(optimizer)
+        self.parallel_mode = parallel_mode
+        self._mesh = mesh
+        self._dataset_given = None  # dataset_strategy(config); None: not called
+        self._param_plan: dict = {}
+        self._hsdp = None  # (shard_size, threshold_bytes, level)
+        self._fusion = None  # bucket bytes
+        self._fixed_params = None  # loaded parameter strategies
+        self._fixed_only_trainable = False  # the loaded file lists trainable ones only
+        self._pipeline = None  # a PipelineRunner once pipeline(stages > 1) is set
+        self._fp32_comm = False  # enable_fp32_communication
+        self._gradient_fp32_sync = True  # MindSpore's default; disable_gradient_fp32_sync
+        self._local_norm = (False, None)  # (print, dump directory)
+        self._device_norm = False  # enable_device_local_norm
+        self._batch_specs = None  # declared batch input shapes (set_inputs)
+        # Files MindSpore writes when the step is first compiled: kind ("param",
+        # "operator", "groups") -> path, each written once after it is set.
+        self._files: dict = {}
+        self._only_trainable = True  # MindSpore's default for the parameter strategy file
+        if in_shapes is not None:
+            if not isinstance(in_shapes, (tuple, list)):
+                raise ArgumentError(
+                    f"AutoParallel(in_shapes=...) must be a tuple with one entry per batch "
+                    f"input, got {type(in_shapes).__name__} {in_shapes!r}.\nFix: in_shapes="
+                    "(fs.ArrayType((fs.Symbol(divisor=8), 784), mindspore.float32), ...).")
+            self.set_inputs(*in_shapes)
+
+    def _set_network(self, network, has_aux: bool, output=None) -> None:
+        """Train ``network`` (MindSpore's ``Model`` adds its ``loss_fn`` to the Cell
+        given: fshard's ``Model`` sets the network with the loss here); ``output``, if
+        given, maps the network's output to the step's loss (``fs.Model``: a loss with
+        ``reduction="none"`` is differentiated by its sum, as MindSpore's
+        ``TrainOneStepCell`` does)."""
+        self.cell = network if is_cell(network) else None
+        self.loss_fn = functional(network)[0] if self.cell is not None else network
+        self.name = fun_name(self.loss_fn)
+        if output is not None:
+            apply = self.loss_fn
+            self.loss_fn = lambda params, *batch: output(apply(params, *batch))
+            self.loss_fn.__name__ = self.name
+        self.has_aux = has_aux
+        self._frozen_opt = None
+        self._steps.clear()
+
+    def _set_optimizer(self, optimizer, loss_scale: float = 1.0) -> None:
+        """An ``fs.optim`` optimizer, a MindSpore ``nn.Optimizer`` over the Cell's
+        Parameters (translated: ``fshard.training.parallel.ms_optimizers``; ``loss_scale``: the
+        gradients' scale, MindSpore's ``Model(loss_scale_manager=...)``), or None (given
+        later by ``Model(network=ap, optimizer=...)``)."""
+        # kept to translate again if fs.Model gives the network another loss (names)
+        self._ms_optimizer = optimizer if is_mindspore_optimizer(optimizer) else None
+        if is_mindspore_optimizer(optimizer):
+            if self.cell is None:
+                raise ArgumentError(
+                    f"AutoParallel(optimizer=nn.{type(optimizer).__name__}(...)): a "
+                    "MindSpore optimizer updates a Cell's Parameters, but the network is "
+                    f"a function ({self.name}).\nFix: pass the nn.Cell, or an fs.optim "
+                    "optimizer (e.g. fs.optim.sgd(1e-2)).")
+            optimizer = from_mindspore(optimizer, functional(self.cell)[1], loss_scale)
+        elif optimizer is not None and not (hasattr(optimizer, "init") and
+                                            hasattr(optimizer, "update")):
+            raise ArgumentError(
+                f"AutoParallel(optimizer=...) must have init(params) and update(grads, "
+                f"state, params), as fs.optim optimizers do, or be a MindSpore "
+                f"nn.Optimizer; got {type(optimizer).__name__}."
+                "\nFix: pass e.g. fs.optim.adam(1e-3) or nn.Adam(net.trainable_params()).")
+        self.optimizer = optimizer
+        self._frozen_opt = None
+        self._steps.clear()
+
+    def _need_optimizer(self) -> None:
+        if self.optimizer is None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}) has no optimizer: it was made without one "
+                "(MindSpore's form, where the optimizer comes with Model).\nFix: "
+                "fs.AutoParallel(network, optimizer, ...), or train with fshard's "
+                "Model(network=ap, optimizer=...) (fs.Model).")
+
+    # -- the mesh and MindSpore's context ------------------------------------------
+    @property
+    def mesh(self):
+        """The mesh given (None: the default mesh), or ``device_num`` devices when
+        ``ms.set_auto_parallel_context(device_num=...)`` set it (checked against a
+        given mesh)."""
+        return context_mesh(self._mesh, f"AutoParallel({self.name})")
+
+    @property
+    def _dataset(self):
+        """The dataset strategy: ``dataset_strategy(config)``'s, else the one
+        ``ms.set_auto_parallel_context(dataset_strategy=... / full_batch=...)`` set,
+        else "data_parallel" (MindSpore's default)."""
+        if self._dataset_given is not None:
+            return self._dataset_given
+        return context_dataset_strategy(f"AutoParallel({self.name})",
+                                        allow_tuple=True) or "data_parallel"
+
+    @property
+    def n_devices(self) -> int:
+        if isinstance(self.mesh, int):
+            return self.mesh
+        return resolve_mesh(self.mesh).size
+
+    # -- configuration (seed 001's names) -----------------------------------------
+    def dataset_strategy(self, config) -> "AutoParallel":
+        """``"data_parallel"`` (default: each batch input split along dim 0 over all
+        devices), ``"full_batch"`` (whole), or a tuple with one strategy per batch
+        input (tuples of split counts or ``fs.Layout`` views)."""
+        if config not in ("data_parallel", "full_batch") and not isinstance(config, tuple):
+            raise ArgumentError(
+                "AutoParallel.dataset_strategy(config): config must be 'data_parallel', "
+                f"'full_batch' or a tuple of per-input strategies; got {config!r}.")
+        self._dataset_given = config
+        self._steps.clear()
+        return self
+
+    def parameter_plan(self, plan: dict) -> "AutoParallel":
+        """Strategies for parameters, by name (``'dense1.weight'`` for a Cell, the key
+        path such as ``"['w1']"`` or ``'w1'`` for a dict of parameters)."""
+        if not isinstance(plan, dict):
+            raise ArgumentError(
+                f"AutoParallel.parameter_plan(plan): plan must be a dict of name -> "
+                f"strategy; got {type(plan).__name__}.")
+        self._param_plan = dict(plan)
+        self._steps.clear()
+        return self
+
+    def hsdp(self, shard_size: int = -1, threshold: int = 64,
+             optimizer_level: str = "level1") -> "AutoParallel":
+        """ZeRO over each parameter's data-parallel group (MindSpore's meaning: the
+        devices that hold the same copy of that parameter; for a parameter split ``P``
+        ways on ``N`` devices, ``N / P`` of them): ``level1`` splits the optimizer
+        state, ``level2`` also the gradients, ``level3`` also the parameters, along
+        their first dimension (on top of the parameter's own split), over that group
+        or, with ``shard_size=k``, over groups of ``gcd(k, N / P)`` devices; tensors
+        under ``threshold`` KB or whose first dimension does not divide stay as they
+        are. Example: dp x mp = 2 x 4 and a weight split ``(1, 4)``: its Adam moments
+        are ``(2, 4)``, an eighth per device."""
+        if optimizer_level not in LEVELS:
+            raise ArgumentError(
+                f"AutoParallel.hsdp(optimizer_level=...) must be one of {LEVELS}; got "
+                f"{optimizer_level!r}.")
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ArgumentError(
+                f"AutoParallel.hsdp(threshold=...) must be an int >= 0 (KB); got "
+                f"{threshold!r}.")
+        if isinstance(shard_size, bool) or not isinstance(shard_size, int) or (
+                shard_size != -1 and shard_size < 1):
+            raise ArgumentError(
+                f"AutoParallel.hsdp(shard_size=...) must be -1 (each parameter's whole "
+                f"data-parallel group) or a positive "
+                f"int; got {shard_size!r}.")
+        self._hsdp = (shard_size, threshold * 1024, optimizer_level)
+        self._steps.clear()
+        return self
+
+    def comm_fusion(self, config: dict) -> "AutoParallel":
+        """Bucket the gradients' AllReduces: ``{"allreduce": {"mode": "auto" | "size",
+        "config": MB}}`` ("auto": 64 MB buckets, ``config`` None; "size": ``config`` MB),
+        or ``{"openstate": False}`` to turn fusion off. The keys and values are
+        MindSpore's (``AutoParallel.comm_fusion``), checked as MindSpore checks them."""
+        where = "AutoParallel.comm_fusion(config)"
+        if not isinstance(config, dict):
+            raise ArgumentError(
+                f"{where}: config must be a dict; got {type(config).__name__}.\nFix: e.g. "
+                '{"allreduce": {"mode": "auto", "config": None}}.')
+        unknown = set(config) - {"openstate", "allreduce", "allgather", "reducescatter"}
+        if unknown:
+            raise ArgumentError(
+                f"{where}: unknown keys {sorted(unknown, key=repr)}; MindSpore's keys are "
+                "'openstate', 'allreduce', 'allgather' and 'reducescatter'.\nFix: use "
+                "'openstate' (a bool) and 'allreduce' (a dict of 'mode' and 'config').")
+        for kind in ("allgather", "reducescatter"):
+            if kind in config:
+                raise ArgumentError(
+                    f"{where}: fusing {kind} is not supported by fshard (only AllReduce "
+                    "buckets); remove that key.")
+        openstate = config.get("openstate", True)
+        if not isinstance(openstate, bool):
+            raise ArgumentError(
+                f"{where}: 'openstate' must be a bool (True: fusion on, False: off); got "
+                f"{type(openstate).__name__} {openstate!r}.\nFix: {{'openstate': False}} "
+                "turns fusion off.")
+        ar = config.get("allreduce", {"mode": "auto", "config": None})
+        if not isinstance(ar, dict):
+            raise ArgumentError(
+                f"{where}: 'allreduce' must be a dict with keys 'mode' and 'config'; got "
+                f"{type(ar).__name__} {ar!r}.\nFix: {{'allreduce': {{'mode': 'size', "
+                "'config': 32}}.")
+        if set(ar) != {"mode", "config"}:
+            missing = sorted({"mode", "config"} - set(ar))
+            extra = sorted(set(ar) - {"mode", "config"}, key=repr)
+            raise ArgumentError(
+                f"{where}: 'allreduce' must have exactly the keys 'mode' and 'config' (as "
+                f"MindSpore asks)" + (f"; missing {missing}" if missing else "")
+                + (f"; unknown {extra}" if extra else "") + ".\nFix: {'mode': 'auto', "
+                "'config': None} or {'mode': 'size', 'config': <MB>}.")
+        mode, size = ar["mode"], ar["config"]
+        if mode == "auto":
+            if size is not None:
+                raise ArgumentError(
+                    f"{where}: allreduce mode 'auto' uses 64 MB buckets, so config "
+                    f"{size!r} would be ignored.\nFix: config None, or mode 'size' for a "
+                    "bucket of config MB.")
+            fusion = 64 * 2**20
+        elif mode == "size":
+            if isinstance(size, bool) or not isinstance(size, (int, float)) or not (
+                    math.isfinite(size) and size > 0):
+                raise ArgumentError(
+                    f"{where}: allreduce mode 'size' needs config = a bucket size in MB, "
+                    f"a finite number > 0; got {size!r}.")
+            fusion = float(size) * 2**20
+        else:
+            raise ArgumentError(
+                f"{where}: allreduce mode must be 'auto' or 'size'; got {mode!r} ('index' "
+                "names MindSpore's graph-compiler fusion indices, which fshard has no use "
+                "for).")
+        self._fusion = fusion if openstate else None
+        self._steps.clear()
+        return self
+
+    def enable_gradients_mean(self) -> "AutoParallel":
+        """Accepted: MindSpore then averages the per-device gradients, which gives the
+        gradients of the whole batch's mean loss; fshard differentiates the global loss,
+        so its gradients are those already (a mean if the loss is a mean)."""
+        return self
+
+    def disable_loss_repeated_mean(self) -> "AutoParallel":
+        """Accepted: MindSpore then stops dividing the gradients of a loss computed
+        repeatedly (on several devices of a model-parallel group) by the repeat count;
+        fshard computes the global loss once, so its gradients are the whole batch's
+        either way."""
+        return self
+
+    def enable_fp32_communication(self) -> "AutoParallel":
+        """Reduce collectives (AllReduce, ReduceScatter) of float16 values run in
+        float32: cast up, reduce, cast back (``fshard.primitives.passes.reduce_in_float32``), so a
+        sum over many devices rounds once instead of at every partial sum."""
+        self._fp32_comm = True
+        self._steps.clear()
+        return self
+
+    def disable_gradient_fp32_sync(self) -> "AutoParallel":
+        """Reduce float16 values in float16. By default (MindSpore's gradient fp32
+        sync) a step's float16 reductions run in float32; fshard's step is one program
+        in which a gradient's reduction is not told apart from another, so this applies
+        to every reduction of the step, unless ``enable_fp32_communication()`` asks for
+        float32 communication everywhere."""
+        self._gradient_fp32_sync = False
+        self._steps.clear()
+        return self
+
+    def print_local_norm(self) -> "AutoParallel":
+        """At every step print the L2 norm of each block of each gradient, the blocks
+        being the parameter's layout (at ZeRO level2 and above, the optimizer state's),
+        as ``local_norm: step 3 w1 block (0, 1): 0.0123`` (process 0 of a job)."""
+        self._local_norm = (True, self._local_norm[1])
+        self._steps.clear()
+        return self
+
+    def dump_local_norm(self, path) -> "AutoParallel":
+        """As ``print_local_norm``, written to ``path/local_norm_rank<r>.jsonl`` (one
+        JSON line per step: ``{"step": 3, "norms": {"w1": [[...], ...]}}``, each value an
+        array of block norms shaped like the split counts) instead of printed."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArgumentError(
+                f"AutoParallel.dump_local_norm(path): path must be a directory path; got "
+                f"{type(path).__name__} {path!r}.")
+        self._local_norm = (self._local_norm[0], os.fspath(path))
+        self._steps.clear()
+        return self
+
+    def enable_device_local_norm(self) -> "AutoParallel":
+        """With ``print_local_norm()`` or ``dump_local_norm(path)``, also report each
+        device's local norm: the L2 norm of all the gradient blocks that device holds
+        (the blocks of the local norms), as ``device_local_norm: step 3 device 1:
+        0.0456`` and as ``"device_norms": {"0": ..., "1": ...}`` in the dumped line
+        (every device of a virtual mesh; a job's process its own)."""
+        self._device_norm = True
+        return self
+
+    def pipeline(self, stages: int = 1, output_broadcast: bool = False, interleave: bool = False,
+                 scheduler: str = "1f1b", *, micro_batches: int | None = None,
+                 max_imbalance: float | None = 8.0) -> "AutoParallel":
+        """Pipeline parallelism (docs/pipeline.md): the devices split into ``stages``
+        groups, each batch into ``micro_batches`` (default: ``stages``) whose gradients
+        are summed before one optimizer update, run in the ``scheduler``'s order
+        (``"1f1b"`` or ``"gpipe"``); ``interleave`` gives each stage several model
+        chunks; ``output_broadcast`` sends the loss to every stage. ``stages=1`` turns
+        it off. The loss marks its stages with ``fs.pipeline_split`` (or Cells'
+        ``pipeline_stage``). A ``PipelineBalanceWarning`` tells when one stage's
+        estimated cost exceeds ``max_imbalance`` times another's (None: no check)."""
+        if self._micro_size is not None and micro_batches is not None and \
+                micro_batches != self._micro_size and stages != 1:
+            raise ArgumentError(
+                f"AutoParallel.pipeline(micro_batches={micro_batches}): the network is "
+                f"MindSpore's Pipeline(..., micro_size={self._micro_size}), which sets the "
+                "micro-batch count.\nFix: drop micro_batches, or make the two agree.")
+        if micro_batches is None and isinstance(stages, int):
+            micro_batches = stages if self._micro_size is None or stages == 1 \
+                else self._micro_size
+        cfg = check_pipeline_args(stages, micro_batches, scheduler, interleave,
+                                  output_broadcast, self.n_devices, max_imbalance)
+        if stages == 1 and micro_batches != 1:
+            raise ArgumentError(
+                f"AutoParallel.pipeline(stages=1) turns the pipeline off, so "
+                f"micro_batches={micro_batches} would be ignored.\nFix: stages >= 2 for a "
+                "pipeline, or drop micro_batches.")
+        k = self.__dict__.get("_accumulate", 1)
+        if stages != 1 and k > 1:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).pipeline(stages={stages}): "
+                f"gradient_accumulation({k}) is set, and a pipeline accumulates the "
+                "gradients of its own micro-batches.\nFix: drop gradient_accumulation "
+                f"(ap.gradient_accumulation(1)) and use ap.pipeline(stages, "
+                f"micro_batches={k * (micro_batches or 1)}) alone.")
+        self._pipeline = None if stages == 1 else PipelineRunner(self, cfg, TrainState)
+        return self
+
+    def gather_params(self, state: TrainState):
+        """The trained parameters, whole, on every process (a collective: every process
+        calls it): in a multi-process job a split parameter is each process's block
+        (``fs.ShardedArray``); this collects them. With a pipeline every process holds
+        them whole already."""
+        if self._pipeline is None:
+            return gather_sharded(state.params)
+        return self._pipeline.gather_params(state)
+
+    def pipeline_schedule(self, virtual_stages: int | None = None) -> Schedule:
+        """The pipeline's schedule: ``.actions(stage)`` the ordered actions of a stage,
+        ``.timeline()`` their simulated timing (bubble, peak activations, pictures)."""
+        if self._pipeline is None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).pipeline_schedule(): no pipeline is configured."
+                "\nFix: call ap.pipeline(stages=S, micro_batches=M) first.")
+        return self._pipeline.schedule(virtual_stages)
+
+    def pipeline_stage_costs(self) -> list:
+        """Each pipeline stage's estimated forward cost (flops on one micro-batch of one
+        device, from the sharding cost model), known after the first step."""
+        if self._pipeline is None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).pipeline_stage_costs(): no pipeline is "
+                "configured.\nFix: call ap.pipeline(stages=S, micro_batches=M) first.")
+        return self._pipeline.stage_costs()
+
+    # -- gradient accumulation ------------------------------------------------------
+    def gradient_accumulation(self, k: int) -> "AutoParallel":
+        """Each step splits its batch into ``k`` micro-batches (along dimension 0),
+        sums their gradients in a loop and makes one optimizer update with their mean
+        (MindSpore's ``GradAccumulation``; optax's ``MultiSteps`` over one call). The
+        loss is the mean of the micro-batches' losses: for a mean loss, the step equals
+        the step on the whole batch, with the activations of one micro-batch alive at a
+        time. Under data parallelism each device's micro-batch is a slice of its own
+        rows, and the gradients stay per-device sums through the loop: reduced once
+        per update, not per micro-step. With ``has_aux`` the aux is stacked over the
+        micro-batches. ``k=1`` turns it off. Returns ``self``."""
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ArgumentError(
+                f"AutoParallel.gradient_accumulation(k): k must be an int >= 1 (micro-batches "
+                f"per update); got {type(k).__name__} {k!r}.\nFix: e.g. "
+                "ap.gradient_accumulation(4).")
+        if self._pipeline is not None and k > 1:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).gradient_accumulation({k}): a pipeline already "
+                "accumulates the gradients of its micro-batches.\nFix: use "
+                "ap.pipeline(stages, micro_batches=...) alone.")
+        self._accumulate = int(k)
+        self._steps.clear()
+        return self
+
+    def _value_and_grad(self, loss_fn, params, batch):
+        """``(loss, grads)`` of ``loss_fn(params, *batch)`` for one step: of the whole
+        batch, or with ``gradient_accumulation(k)`` the mean over ``k`` micro-batches
+        (a loop)."""
+        vg = value_and_grad(loss_fn, has_aux=self.has_aux)
+        k = self.__dict__.get("_accumulate", 1)
+        if k == 1:
+            return vg(params, *batch)
+        dp = self.n_devices if self._dataset == "data_parallel" else 1
+        micro = tuple(tree.map(lambda x, n=(st[0] if _is_counts(st) and st else dp):
+                               self._micro_batches(x, n, k), b)
+                      for b, st in zip(batch, self._batch_strategies(batch)))
+        box = {}
+
+        def body(carry, mb):
+            acc, loss_sum = carry
+            out, grads = vg(params, *mb)
+            loss, aux = (out[0], out[1]) if self.has_aux else (out, ())
+            box["dtype"] = typeof(loss).dtype
+            acc = tree.map(lambda a, g: a + g, acc, grads)
+            if typeof(loss).dtype != typeof(loss_sum).dtype:
+                loss = loss.astype(np.float32)
+            return (acc, loss_sum + loss), aux
+
+        zeros = tree.map(lambda p: np.zeros(typeof(p).shape, _np_dtype(typeof(p).dtype)),
+                         params)
+        (acc, loss_sum), auxs = scan(body, (zeros, np.float32(0.0)), micro)
+        grads = tree.map(lambda a: a / float(k), acc)
+        loss = (loss_sum / float(k)).astype(box["dtype"])
+        return ((loss, auxs) if self.has_aux else loss), grads
+
+    def _micro_batches(self, x, n: int, k: int):
+        """``x`` (batch first) as ``(k, batch / k, ...)``: micro-batch ``j`` takes the
+        ``j``-th slice of each of the ``n`` row blocks the batch strategy splits
+        dimension 0 into, so each device keeps its own rows (no communication)."""
+        a = typeof(x)
+        b = a.shape[0] if a.ndim else None
+        if not isinstance(b, int) or b % (n * k):
+            raise ArgumentError(
+                f"AutoParallel({self.name}).gradient_accumulation({k}): a batch input is "
+                f"{a}, but its dimension 0 must split into {k} micro-batches"
+                + (f" on each of the {n} row blocks of its strategy" if n > 1 else "")
+                + f" (a multiple of {n * k}).\nFix: use a batch size divisible by {n * k}, "
+                "or another k.")
+        rest = tuple(a.shape[1:])
+        x = x.reshape((n, k, b // (n * k)) + rest)
+        x = x.transpose((1, 0, 2) + tuple(range(3, 3 + len(rest))))
+        return x.reshape((k, b // k) + rest)
+
+    # -- the train state -----------------------------------------------------------
+    def init(self, params=None) -> TrainState:
+        """The train state for ``params`` (for a Cell: its current parameters)."""
+        if params is None:
+            if self.cell is None:
+                raise ArgumentError(
+                    f"AutoParallel({self.name}).init(params): params is required for a "
+                    "loss function (only a Cell has its own).")
+            _initialise(self.cell)
+            params = {k: v for k, v in functional(self.cell)[1].items()}
+        import mindspore as ms
+
+        from fshard.backend.mindspore import as_tensor
+
+        params = tree.map(lambda x: x if isinstance(x, ms.Tensor) else as_tensor(x), params)
+        # Parameters become plain Tensors: the state is values, not the Cell's objects.
+        params = tree.map(lambda x: ms.Tensor(x.asnumpy()) if isinstance(x, ms.Parameter)
+                          else x, params)
+        self._need_optimizer()
+        opt_state = self.optimizer.init(_without(params, self._frozen()))
+        return TrainState(params, opt_state, ms.Tensor(np.int32(0)))
+
+    def _frozen(self) -> set:
+        """Names of the Cell's parameters with ``requires_grad=False``: kept in the
+        state, never differentiated or updated, without optimizer state."""
+        return frozen(self.cell) if self.cell is not None else set()
+
+    def step_optimizer(self):
+        """The optimizer over the whole ``params`` of the state: the given one, or, if
+        the Cell has frozen parameters, one that applies it to the others and leaves
+        the frozen ones unchanged (the pipeline's update uses it)."""
+        fixed = self._frozen()
+        if not fixed:
+            return self.optimizer
+        hit = self._frozen_opt
+        if hit is not None and hit[0] == fixed and hit[1] is self.optimizer:
+            return hit[2]
+        inner = self.optimizer
+
+        def init(params):
+            return inner.init(_without(params, fixed))
+
+        def update(grads, state, params=None):
+            updates, state = inner.update(_without(grads, fixed), state,
+                                          None if params is None else _without(params, fixed))
+            zero = {k: g * 0 for k, g in grads.items() if k in fixed}
+            return {k: updates[k] if k in updates else zero[k] for k in grads}, state
+
+        opt = Optimizer(init, update)
+        self._frozen_opt = (fixed, inner, opt)
+        return opt
+
+    # -- strategies ----------------------------------------------------------------
+    def _group(self, base: tuple) -> int:
+        """The ZeRO group of a tensor split ``base`` ways: its data-parallel group, the
+        devices holding the same copy of it (``n_devices / prod(base)``), limited to
+        ``shard_size`` (the largest group dividing both)."""
+        n = self.n_devices
+        if self._hsdp is None:
+            return 1
+        size = self._hsdp[0]
+        if size != -1 and n % size:
+            raise ShardingError(
+                f"AutoParallel.hsdp(shard_size={size}) must divide the {n} devices.")
+        replicas = n // int(np.prod(base, dtype=np.int64)) if len(base) else n
+        return replicas if size == -1 else math.gcd(size, replicas)
+
+    def _zero(self, x, level_needed: str, base=None):
+        """The ZeRO strategy of a leaf at ``level_needed`` (None: not at this level):
+        ``base`` (the leaf's split counts without ZeRO; default whole) with its first
+        dimension further split over the leaf's data-parallel group."""
+        if self._hsdp is None or LEVELS.index(self._hsdp[2]) < LEVELS.index(level_needed):
+            return None
+        a = typeof(x)
+        if a.ndim == 0:
+            return None
+        base = tuple(base) if base is not None else self._whole(x)
+        g = self._group(base)
+        nbytes = a.size * np.dtype(_np_dtype(a.dtype)).itemsize
+        if g == 1 or a.shape[0] % (base[0] * g) or nbytes < self._hsdp[1]:
+            return None
+        return (base[0] * g,) + base[1:]
+
+    def _base(self, path, x):
+        """A parameter's split counts without ZeRO: its given strategy, or whole; None
+        for a strategy given as an ``fs.Layout`` view (ZeRO leaves it as given)."""
+        given = self._param_strategy(path, x)
+        if given is None:
+            return self._whole(x)
+        return tuple(given) if _is_counts(given) else None
+
+    def _whole(self, x):
+        return (1,) * typeof(x).ndim
+
+    def _param_strategies(self, params):
+        paths, leaves, spec = tree.flatten_with_path(params)
+        if self._fixed_params is not None:
+            names = {_name(p) for p in paths}
+            if self._fixed_only_trainable:  # the file lists the trainable ones
+                names -= self._frozen()
+            if set(self._fixed_params) != names:
+                raise ShardingError(
+                    f"AutoParallel({self.name}): the parameter strategy file "
+                    f"{self._param_file!r} was written for other parameters: it has "
+                    f"{sorted(set(self._fixed_params) - names)[:5]} that the params lack "
+                    f"and lacks {sorted(names - set(self._fixed_params))[:5]}.\nFix: load "
+                    "the file saved by a run of the same model.")
+        out = []
+        for p, x in zip(paths, leaves):
+            given = self._param_strategy(p, x)
+            base = self._base(p, x)
+            if base is not None:
+                given = self._zero(x, "level3", base) or given
+            if given is None:
+                given = self._whole(x) if self.parallel_mode == "semi_auto" else None
+            out.append(given)
+        return tree.unflatten(spec, out)
+
+    def _check_param_plan(self, params) -> None:
+        """Every name in ``parameter_plan`` names a parameter of ``params`` (a typo
+        would otherwise leave that parameter unsplit without a word)."""
+        paths = tree.flatten_with_path(params)[0]
+        names = {_name(p) for p in paths} | {tree.keystr(p) for p in paths}
+        unknown = [k for k in self._param_plan if k not in names]
+        if unknown:
+            known = sorted(_name(p) for p in paths)
+            raise ArgumentError(
+                f"AutoParallel({self.name}).parameter_plan names {unknown}, which "
+                f"{'is not a parameter' if len(unknown) == 1 else 'are not parameters'} of "
+                f"the model; its parameters are {known[:12]}"
+                f"{' ...' if len(known) > 12 else ''}.\nFix: use those names (a Cell's "
+                "'dense1.weight', a dict's key 'w1' or key path \"['w1']\").")
+
+    def _param_strategy(self, path, x):
+        """The strategy given for a parameter (parameter_plan, a loaded file), or None."""
+        name = _name(path)
+        given = self._param_plan.get(name, self._param_plan.get(tree.keystr(path)))
+        if self._fixed_params is not None and name in self._fixed_params:
+            given = tuple(self._fixed_params[name])
+        return given
+
+    def _state_strategies(self, opt_state, params):
+        """Each optimizer-state leaf that is a copy of a parameter (Adam's moments, a
+        momentum) is laid out like that parameter, split further by ZeRO over its
+        data-parallel group; the others (a step count) whole or by ZeRO alone. In the
+        modes that plan parameters, a copy of a parameter without a strategy is left to
+        the plan too."""
+        leaves, spec = tree.flatten(opt_state)
+        bases = self._state_bases(opt_state, params)
+        out = []
+        for x, (base, given) in zip(leaves, bases, strict=True):
+            s = None if base is False else self._zero(x, "level1", base)
+            if s is None and base is not False and (given or self.parallel_mode == "semi_auto"):
+                s = base or self._whole(x)
+            out.append(s)
+        return tree.unflatten(spec, out)
+
+    def _state_bases(self, opt_state, params) -> list:
+        """Per optimizer-state leaf, ``(base, given)``: the split counts of the
+        parameter it copies (False if that parameter's strategy is an ``fs.Layout``
+        view; None if it copies none) and whether that strategy was given. A copy is a
+        subtree with the structure and shapes of ``params``."""
+        paths, p_leaves, p_spec = tree.flatten_with_path(params)
+        shapes = [tuple(typeof(x).shape) for x in p_leaves]
+        bases = [(False if self._base(p, x) is None else self._base(p, x),
+                  self._param_strategy(p, x) is not None) for p, x in zip(paths, p_leaves)]
+
+        def is_copy(t) -> bool:
+            leaves, spec = tree.flatten(t)
+            return spec == p_spec and [tuple(typeof(x).shape) for x in leaves] == shapes
+
+        out: list = []
+        for item in tree.flatten(opt_state, is_leaf=is_copy)[0]:
+            out.extend(bases if is_copy(item) else [(None, False)])
+        return out
+
+    def _batch_strategies(self, batch):
+        if isinstance(self._dataset, tuple):
+            if len(self._dataset) != len(batch):
+                raise ArgumentError(
+                    f"AutoParallel({self.name}).dataset_strategy has "
+                    f"{len(self._dataset)} entries but the step got {len(batch)} batch "
+                    "inputs.\nFix: one strategy per batch input.")
+            return list(self._dataset)
+        if self._dataset == "full_batch":
+            return [tree.map(self._whole, b) if self.parallel_mode == "semi_auto" else None
+                    for b in batch]
+        n = self.n_devices
+
+        def split(x):
+            a = typeof(x)
+            if a.ndim == 0 or not dim_multiple_of(a.shape[0], n):
+                raise ShardingError(
+                    f"AutoParallel({self.name}): dataset_strategy('data_parallel') splits "
+                    f"every batch input along dimension 0 over the {n} devices, but a batch "
+                    f"input is {a}.\nFix: use a batch size divisible by {n}, or "
+                    "dataset_strategy('full_batch') / per-input strategies.")
+            return (n,) + (1,) * (a.ndim - 1)
+
+        return [tree.map(split, b) for b in batch]
+
+    def set_inputs(self, *batch_specs) -> "AutoParallel":
+        """Declare the batch inputs' shapes (MindSpore's ``set_inputs``): one entry per
+        batch input, an ``fs.ArrayType`` or a placeholder ``Tensor(shape=[s0, ...],
+        dtype=...)`` with ``fs.Symbol`` dimensions, or None. Every batch the Symbols
+        accept then runs one step, partitioned and compiled once; a batch dimension the
+        dataset strategy splits must be provably divisible by its split count
+        (``Symbol(divisor=8)`` on 8 devices). Returns ``self``."""
+        self._batch_specs = declared_types(batch_specs, f"AutoParallel({self.name}).set_inputs")
+        self._steps.clear()
+        return self
+
+    # -- the step ------------------------------------------------------------------
+    def _step_fn(self, grad_vars: list):
+        """The step; while ``fs.shard`` stages it, the Vars of the gradients are noted
+        in ``grad_vars`` (for ``memory_report``)."""
+        loss_fn, opt, has_aux = self.loss_fn, self.optimizer, self.has_aux
+        fixed = self._frozen()
+
+        norms = self._local_norms if any(self._local_norm) else None
+
+        def train_step(params, opt_state, step, *batch):
+            # Frozen parameters (requires_grad=False) are read, not differentiated, and
+            # the optimizer never sees them (MindSpore's trainable_params()).
+            trainable = _without(params, fixed)
+
+            def loss_of(t, *b):
+                return loss_fn({**params, **t} if fixed else t, *b)
+
+            # An fs.shard called in the loss fixes layouts there (semi-auto parallel).
+            with context.counted(context.shard_annotations):
+                out, grads = self._value_and_grad(loss_of, trainable, batch)
+            grad_vars[:] = [getattr(g, "ir_var", None) for g in tree.leaves(grads)]
+            updates, new_opt_state = opt.update(grads, opt_state, trainable)
+            new_t = apply_updates(trainable, updates)
+            new_p = {k: new_t.get(k, v) for k, v in params.items()} if fixed else new_t
+            new = TrainState(new_p, new_opt_state, step + 1)
+            if norms is None:
+                return new, out
+            return new, out, norms(trainable, grads)
+
+        train_step.__name__ = f"train_step_{self.name}"
+        return train_step
+
+    def _norm_counts(self, path, x) -> tuple:
+        """The split counts cutting a parameter's gradient into the blocks whose norms
+        are reported: the parameter's strategy (at ZeRO level2 and above, the
+        optimizer state's), or whole."""
+        base = self._base(path, x)
+        return (base is not None and self._zero(x, "level2", base)) or (
+            base or self._whole(x))
+
+    def _local_norms(self, params, grads) -> dict:
+        """Per parameter name, the L2 norms of its gradient's blocks: the gradient cut
+        by ``_norm_counts``, an array shaped like the split counts."""
+        paths, leaves, _ = tree.flatten_with_path(params)
+        out = {}
+        for p, x, g in zip(paths, leaves, tree.leaves(grads), strict=True):
+            counts = self._norm_counts(p, x)
+            shape = typeof(g).shape
+            split = [v for d, c in zip(shape, counts) for v in (c, d // c)]
+            squares = (g * g).reshape(tuple(split)) if shape else g * g
+            out[_name(p)] = squares.sum(axis=tuple(range(1, len(split), 2))) ** 0.5 \
+                if shape else squares ** 0.5
+        return out
+
+    def _device_norms(self, params, values: dict) -> list:
+        """Per device (every device of a virtual mesh; this process's in a job), the
+        L2 norm of all the gradient blocks it holds: each parameter's block of that
+        device under its split counts (MindSpore's device matrix for a strategy)."""
+        n = self.n_devices
+        counts = {_name(p): self._norm_counts(p, x)
+                  for p, x in zip(*tree.flatten_with_path(params)[:2])}
+        ranks = [distributed.rank()] if self._in_job() else range(n)
+        out = []
+        for r in ranks:
+            total = 0.0
+            for k, v in values.items():
+                a = np.asarray(v, np.float64)
+                block = strategy_block(counts[k], r, n) if a.ndim else ()
+                total += float(a[block]) ** 2
+            out.append(math.sqrt(total))
+        return out
+
+    def _report_norms(self, state, norms: dict) -> None:
+        shown, path = self._local_norm
+        step = int(state.step.asnumpy())
+        values = {k: np.asarray(v.asnumpy()).tolist() for k, v in norms.items()}
+        record = {"step": step, "norms": values}
+        if self._device_norm:
+            devices = self._device_norms(_without(state.params, self._frozen()), values)
+            first = distributed.rank() if self._in_job() else 0
+            record["device_norms"] = {str(first + i): v for i, v in enumerate(devices)}
+        if path is not None:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, f"local_norm_rank{distributed.rank()}.jsonl"),
+                      "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        if shown and distributed.rank() == 0:
+            for k, v in values.items():
+                a = np.asarray(v)
+                for idx in np.ndindex(a.shape):
+                    print(f"local_norm: step {step} {k} block {idx}: {a[idx]:.6g}", flush=True)
+            for d, v in record.get("device_norms", {}).items():
+                print(f"device_local_norm: step {step} device {d}: {v:.6g}", flush=True)
+
+    def _feeds_slices(self) -> bool:
+        """Each process passes its own slice of the batch: ``data_parallel`` in a
+        multi-process job."""
+        return self._dataset == "data_parallel" and self._in_job()
+
+    def _in_job(self) -> bool:
+        """The devices are the processes of a multi-process job."""
+        if isinstance(self.mesh, int):
+            return distributed.is_initialized()
+        return not resolve_mesh(self.mesh).is_virtual
+
+    def _plan_batch(self, batch) -> tuple:
+        """The batch as the plan sees it: global types when each process passes its
+        slice (``N`` slices of ``b`` rows make a global batch of ``N * b``)."""
+        if self._batch_specs is not None:  # declared: planned by its declaration
+            return self._declared_batch(batch)
+        if not self._feeds_slices():
+            return batch
+        n = self.n_devices
+        return tuple(tree.map(lambda x: global_type(x, n), b) for b in batch)
+
+    def sharded(self, state: TrainState, *batch):
+        """The ``fs.shard``-ed step for these arguments (``partitioned(...)`` shows the
+        per-device program)."""
+        return self._sharded(state, self._plan_batch(batch))
+
+    def _sharded(self, state: TrainState, batch):
+        if self._pipeline is not None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}): with a pipeline the step is not one sharded "
+                "program, so partitioned(), memory_report(), state_strategies() and the "
+                "strategy files are not available.\nFix: inspect the pipeline with "
+                "pipeline_schedule(); call pipeline(stages=1) to turn it off.")
+        check_context_mode(self.parallel_mode, f"AutoParallel({self.name})")
+        # (the dataset strategy and the mesh may come from MindSpore's context)
+        key = (tree.structure(state), tuple(
+            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))),
+            repr(self._dataset), self.n_devices)
+        hit = self._steps.get(key)
+        if hit is not None:
+            return hit
+        self._check_param_plan(state.params)
+        p_sh = self._param_strategies(state.params)
+        o_sh = self._state_strategies(state.opt_state, _without(state.params, self._frozen()))
+        b_sh = self._batch_strategies(batch)
+        in_strategy = (p_sh, o_sh, ()) + tuple(b_sh)
+        out_strategy = (TrainState(p_sh, o_sh, ()), None) + ((None,) if any(
+            self._local_norm) else ())
+        grad_vars: list = []
+        # level 2: the plan that takes the least time (compute at the backend's flops
+        # rate plus each collective as the backend runs it), not the fewest bytes.
+        s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
+                  mesh=self.mesh, level=2, dataset_strategy="full_batch",
+                  search=self.parallel_mode == "recursive_programming")
+        s.comm_fusion = self._fusion
+        if self.parallel_mode == "semi_auto":
+            # MindSpore's semi-auto parallel: an operator without a strategy follows
+            # its inputs (data parallel over the batch split), planned by no search.
+            s.search = "follow_inputs"
+        elif self.parallel_mode == "sharding_propagation":
+            # Greedy propagation, or the plan that follows the inputs where the
+            # objective prices it lower (it can gather activations data parallelism
+            # never needs).
+            s.search = "cheaper_path"
+        # In a job the split leaves of the new state stay each process's blocks
+        # (fs.ShardedArray): the next step takes them as they are, so ZeRO's and model
+        # parallelism's memory saving is real and no step gathers the state.
+        s.gather_outputs = not self._in_job()
+        if self._fp32_comm or self._gradient_fp32_sync:
+            s.passes = (reduce_in_float32,)
+        s.grad_vars = grad_vars
+        s.batch_places = {}  # batch signature -> this process's blocks (_place_slices)
+        operator_file = getattr(self, "_operator_file", None)
+        if operator_file is not None:
+            s.load_strategies(operator_file)
+        entry = (s, jit(s) if self._batch_specs is None else
+                 jit(s, in_shapes=(None, None, None) + tuple(self._batch_specs)))
+        self._steps[key] = entry
+        return entry
+
+    def __call__(self, state: TrainState, *batch):
+        """One train step: ``(new state, loss)`` (``(new state, (loss, aux))`` with
+        ``has_aux``). In a multi-process job with ``dataset_strategy("data_parallel")``
+        each process passes its own slice of the batch (process ``r`` of ``N``: rows
+        ``[r * b, (r + 1) * b)`` of the global batch)."""
+        if not isinstance(state, TrainState):
+            raise ArgumentError(
+                f"AutoParallel({self.name})(state, *batch): state must be the TrainState "
+                f"from ap.init(...); got {type(state).__name__}.")
+        self._need_optimizer()
+        if self._device_norm and not any(self._local_norm):
+            raise ArgumentError(
+                f"AutoParallel({self.name}): enable_device_local_norm() adds each "
+                "device's gradient norm to the local norms, but neither print_local_norm() "
+                "nor dump_local_norm(path) is set.\nFix: call one of them too.")
+        if self._pipeline is not None:
+            return self._pipeline(state, *batch)
+        if self._files:
+            self._write_files(state, batch)
+        if self._feeds_slices():
+            check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
+                              f"AutoParallel({self.name})")
+            batch = self._place_slices(state, batch)
+        _, step = self._sharded(state, batch if self._batch_specs is None
+                                else self._declared_batch(batch))
+        result = step(state.params, state.opt_state, state.step, *batch)
+        if len(result) == 3:  # print_local_norm / dump_local_norm
+            self._report_norms(result[0], result[2])
+        return result[0], result[1]
+
+    def gather(self, state):
+        """``state`` with every ``fs.ShardedArray`` leaf (in a multi-process job, a
+        process's block of a split parameter or optimizer state) replaced by its global
+        value: a collective, so every process must call it. On a virtual mesh the state
+        is global already and comes back as it is."""
+        return gather_sharded(state)
+
+    def _declared_batch(self, batch) -> tuple:
+        """The batch with each declared input replaced by its declared type."""
+        if len(self._batch_specs) > len(batch):
+            raise ArgumentError(
+                f"AutoParallel({self.name}) declares {len(self._batch_specs)} batch inputs "
+                f"with set_inputs, but the step got {len(batch)}.\nFix: pass every "
+                "declared batch input.")
+        if self._feeds_slices():
+            raise ArgumentError(
+                f"AutoParallel({self.name}).set_inputs declares the global batch, but with "
+                "dataset_strategy('data_parallel') in a multi-process job each process "
+                "passes its own slice.\nFix: pass the global batch in every process with "
+                "dataset_strategy((split, ...)) giving each input's split counts.")
+        specs = list(self._batch_specs) + [None] * (len(batch) - len(self._batch_specs))
+        return tuple(b if sp is None else sp for b, sp in zip(batch, specs))
+
+    def _place_slices(self, state: TrainState, batch) -> tuple:
+        """Each process's slice as what the plan reads: a concrete slice is this
+        process's block of the global batch (an ``fs.ShardedArray``, taken by the step
+        as it is: nothing padded or communicated); a traced one is placed at its block
+        of a global-shaped value."""
+        leaves, spec = tree.flatten(tuple(batch))
+        key = (spec, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves))
+        gbatch = self._plan_batch(batch)
+        s, _ = self._sharded(state, gbatch)
+        places = s.batch_places.get(key)
+        if places is None:  # once per plan: this process's block of each batch input
+            part = s.partitioned(state.params, state.opt_state, state.step, *gbatch)
+            shs = _arg_shardings(part, (state, gbatch))[len(tree.leaves(state)):]
+            rank = distributed.rank()
+            places = [(block_index(sh, part.prop.mesh, rank), Sharding(sh.dims),
+                       part.prop.mesh, typeof(g)) for sh, g in zip(shs, tree.leaves(gbatch))]
+            s.batch_places[key] = places
+        rank = distributed.rank()
+        out = []
+        for x, (where, sh, mesh, g) in zip(leaves, places, strict=True):
+            if isinstance(x, Tracer) or sh.local_shape(g.shape, mesh) != typeof(x).shape:
+                out.append(to_global(x, where))
+            else:
+                out.append(ShardedArray(as_tensor(x), g.shape, g.dtype, sh, mesh, rank))
+        return tree.unflatten(spec, out)
+
+    def partitioned(self, state: TrainState, *batch):
+        """The per-device program of the step (print it; ``.collectives()``)."""
+        return self._partitioned(state, self._plan_batch(batch))
+
+    @property
+    def __fshard_make_ir__(self):
+        """What ``fs.make_ir(ap)(state, *batch)`` shows: the step's per-device program,
+        with its layouts and collectives (as for ``fs.make_ir(fs.shard(f))``)."""
+        return self.partitioned
+
+    def _partitioned(self, state: TrainState, batch):
+        s, _ = self._sharded(state, batch)
+        return s.partitioned(state.params, state.opt_state, state.step, *batch)
+
+    # -- reports and files -----------------------------------------------------------
+    def explain(self, state: TrainState, *batch):
+        """The step's plan, per equation: the layouts chosen, the predicted compute and
+        communication time, and the runner-up (print it; ``fshard.sharding.explain``)."""
+        if not isinstance(state, TrainState):
+            raise ArgumentError(
+                f"AutoParallel({self.name}).explain(state, *batch): state must be the "
+                f"TrainState from ap.init(...); got {type(state).__name__}.\nFix: "
+                "state = ap.init(params); ap.explain(state, *batch).")
+        part = self.partitioned(state, *batch)
+        return explain_plan(part.prop, f"{self.name} ({self.parallel_mode})")
+
+    def memory_report(self, state: TrainState, *batch) -> dict:
+        """Bytes per device of ``params``, ``grads`` and ``optimizer_state`` as the plan
+        lays them out: parameters and optimizer state as the step receives them, each
+        gradient as the optimizer update consumes it."""
+        from fshard.sharding.layouts import candidate_shardings
+        from fshard.sharding.cost import local_bytes
+
+        part = self.partitioned(state, *batch)
+        prop, mesh = part.prop, part.prop.mesh
+        n_p = len(tree.leaves(state.params))
+        n_o = len(tree.leaves(state.opt_state))
+        program = prop.program
+        n_args = len(tree.leaves((state, batch)))
+        ins = program.inputs[len(program.inputs) - n_args:]
+        shs = _arg_shardings(part, (state, batch))
+        report = {
+            "params": sum(local_bytes(sh, v.aval, mesh) for v, sh in
+                          zip(ins[:n_p], shs[:n_p])),
+            "optimizer_state": sum(local_bytes(sh, v.aval, mesh) for v, sh in zip(
+                ins[n_p:n_p + n_o], shs[n_p:n_p + n_o])),
+        }
+        # Each gradient as its first consumer reads it (the optimizer update: reduced,
+        # and split like the optimizer state at ZeRO level 2 and above).
+        s, _ = self.sharded(state, *batch)
+        grads = 0.0
+        for g in s.grad_vars:
+            for eq, (spec, cand) in zip(program.equations, prop.choice):
+                if g is not None and g in eq.inputs:
+                    req = candidate_shardings(spec, cand)[0][eq.inputs.index(g)]
+                    grads += local_bytes(req, g.aval, mesh)
+                    break
+        report["grads"] = grads
+        return report
+
+    def state_strategies(self, state: TrainState, *batch) -> TrainState:
+        """The strategy (split counts) of every leaf of ``state`` in the step's plan,
+        as a ``TrainState`` of tuples: the ``layouts`` of ``fs.checkpoint.save``."""
+        part = self.partitioned(state, *batch)
+        mesh = part.prop.mesh
+        leaves, spec = tree.flatten(TrainState(state.params, state.opt_state, state.step))
+        shs = _arg_shardings(part, (state, batch))[:len(leaves)]
+        return tree.unflatten(spec, [tuple(sh.strategy(mesh)) for sh in shs])
+
+    def save_param_strategy_file(self, path, state: TrainState | None = None,
+                                 *batch) -> dict | "AutoParallel":
+        """Write each parameter's strategy (split counts), keyed by parameter name, to
+        ``path`` as JSON, atomically. Only the trainable parameters are listed (as in
+        MindSpore) unless ``disable_strategy_file_only_for_trainable_params()`` was
+        called. With ``path`` alone (MindSpore's form) the file is written when the
+        step is first compiled (its first call) and the AutoParallel is returned."""
+        if state is None:
+            return self._defer("param", "save_param_strategy_file", path, batch)
+        part = self.partitioned(state, *batch)
+        mesh = part.prop.mesh
+        paths, _, _ = tree.flatten_with_path(state.params)
+        shs = _arg_shardings(part, (state, batch))[:len(paths)]
+        fixed = self._frozen() if self._only_trainable else set()
+        data = {"format": "fshard-param-strategy", "devices": mesh.size,
+                "only_trainable": self._only_trainable,
+                "params": {_name(p): list(sh.strategy(mesh)) for p, sh in zip(paths, shs)
+                           if _name(p) not in fixed}}
+        _write_json(path, data)
+        return data
+
+    def disable_strategy_file_only_for_trainable_params(self) -> "AutoParallel":
+        """The parameter strategy file (``save_param_strategy_file``) also lists the
+        non-trainable parameters (``requires_grad=False``), and a loaded file must
+        list them too; by default, as in MindSpore, only the trainable ones."""
+        self._only_trainable = False
+        return self
+
+    def set_group_ckpt_save_file(self, path) -> "AutoParallel":
+        """When the step is first compiled, write the communication groups its
+        per-device program uses to ``path`` as JSON, atomically: for this process's
+        rank (0 on a virtual mesh), each group's name (its mesh axes, joined by
+        ``-``) -> the ranks of the group that contains it, ``{"format":
+        "fshard-comm-groups", "devices": N, "rank": r, "groups": {"m0-m1": [0, 1, 2,
+        3]}}`` (MindSpore's ``set_group_ckpt_save_file``)."""
+        return self._defer("groups", "set_group_ckpt_save_file", path, ())
+
+    def save_group_file(self, path, state: TrainState, *batch) -> dict:
+        """Write the file of ``set_group_ckpt_save_file`` now, for this step."""
+        part = self.partitioned(state, *batch)
+        mesh, rank = part.prop.mesh, distributed.rank()
+        groups = {}
+        for axes in _collective_axes(part.program):
+            idx = [mesh.names.index(a) for a in axes]
+            group = next(g for g in mesh.groups(idx) if rank in g)
+            groups["-".join(axes)] = [int(r) for r in group]
+        data = {"format": "fshard-comm-groups", "devices": mesh.size, "rank": rank,
+                "groups": groups}
+        write_json_atomic(path, data, "communication group file")
+        return data
+
+    def _defer(self, kind: str, method: str, path, batch) -> "AutoParallel":
+        """Remember a file to write when the step is first compiled."""
+        if batch:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).{method}(path, state, *batch) needs the "
+                f"state first; got {len(batch)} more arguments with state None.\nFix: "
+                f"{method}(path) alone (written at the first step) or "
+                f"{method}(path, state, *batch) (written now).")
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArgumentError(
+                f"AutoParallel({self.name}).{method}(path): path must be a file path (str "
+                f"or os.PathLike); got {type(path).__name__} {path!r}.")
+        self._files[kind] = os.fspath(path)
+        return self
+
+    def _write_files(self, state: TrainState, batch) -> None:
+        """Write the files set by path alone, at the first step that compiles."""
+        write = {"param": self.save_param_strategy_file,
+                 "operator": self.save_operator_strategy_file,
+                 "groups": self.save_group_file}
+        for kind, path in list(self._files.items()):
+            write[kind](path, state, *batch)
+            del self._files[kind]  # (kept if the step fails to compile: written later)
+
+    def load_param_strategy_file(self, path) -> "AutoParallel":
+        """Use the parameter strategies of a file written by
+        ``save_param_strategy_file`` (checked against the parameters when stepping)."""
+        data = _read_json(path, "fshard-param-strategy")
+        if data.get("devices") != self.n_devices:
+            raise ShardingError(
+                f"load_param_strategy_file({path!r}): the file was written for "
+                f"{data.get('devices')} devices, this AutoParallel has {self.n_devices}.")
+        self._fixed_params = data["params"]
+        # (files written before the flag existed list every parameter)
+        self._fixed_only_trainable = bool(data.get("only_trainable", False))
+        self._param_file = str(path)
+        self._steps.clear()
+        return self
+
+    def save_operator_strategy_file(self, path, state: TrainState | None = None,
+                                    *batch) -> dict | "AutoParallel":
+        """Write the strategy of every equation of the step (``fs.shard``'s strategy
+        file) to ``path``; with ``path`` alone (MindSpore's form), when the step is
+        first compiled."""
+        if state is None:
+            return self._defer("operator", "save_operator_strategy_file", path, batch)
+        batch = self._plan_batch(batch)
+        s, _ = self._sharded(state, batch)
+        return s.save_strategies(path, state.params, state.opt_state, state.step, *batch)
+
+    def load_operator_strategy_file(self, path) -> "AutoParallel":
+        """Reuse a plan saved by ``save_operator_strategy_file`` (checked on use)."""
+        self._operator_file = path
+        for s, _ in self._steps.values():
+            s.load_strategies(path)
+        return self
+
+    def __repr__(self) -> str:
+        return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode!r})"
+
+
+def _initialise(cell) -> None:
+    """Initialise, in place, the Parameters made under MindSpore's
+    ``no_init_parameters()`` (as MindSpore's AutoParallel does when it compiles). An
+    optimizer built over them (``nn.SGD(net.trainable_params())``) has cleared their
+    pending initial value but kept the initializer (``Parameter.init``), which is used
+    then."""
+    from mindspore.common.initializer import initializer
+
+    for _, p in cell.parameters_and_names():
+        if p.has_init:
+            if getattr(p.init_mode, "init", None) is None and p.init is not None:
+                p.init_mode = initializer(p.init, p.shape, p.dtype)
+            p.init_data()
+
+
+def _without(params, names: set):
+    """``params`` (a Cell's dict) without the entries ``names``."""
+    if not names:
+        return params
+    return {k: v for k, v in params.items() if k not in names}
+
+
+def _arg_shardings(part, args) -> list:
+    """The layouts of the step's arguments (``(state, batch)`` leaves, in order) in its
+    per-device program. The program's first inputs are the constants its tracing
+    captured (a MindSpore loss Cell's class weights, a table): they come before the
+    arguments, and the program's ``n_consts`` does not count them (to the plan they
+    are ordinary inputs), so the arguments are its last inputs."""
+    n = len(tree.leaves(args))
+    return list(part.in_shardings[len(part.in_shardings) - n:])
+
+
+def _is_counts(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(c, int) for c in x)
+
+
+def _np_dtype(dtype):
+    from fshard.core import dtypes
+
+    return dtypes.to_numpy(dtype)
+
+
+def _name(path) -> str:
+    """A parameter's name from its key path: ``'dense1.weight'`` for a Cell's dict
+    key, ``'w1'`` for ``{'w1': ...}``, ``'0.w'`` for ``[{'w': ...}]``."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _collective_axes(program) -> list:
+    """The mesh axes (a tuple of names) of each distinct collective of a per-device
+    program, in order of first use, inside loops' bodies and conds' branches too."""
+    out: list = []
+    for eq in program.equations:
+        if eq.prim in C.COLLECTIVES:
+            axes = eq.params.get("axis_name")
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            if axes and axes not in out:
+                out.append(axes)
+        for v in eq.params.values():
+            for sub in (v if isinstance(v, tuple) else (v,)):
+                if isinstance(sub, Program):
+                    out += [a for a in _collective_axes(sub) if a not in out]
+    return out
+
+
+def _write_json(path, data) -> None:
+    write_json_atomic(path, data, "parameter strategy file")
+
+
+def _read_json(path, fmt: str) -> dict:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise ArgumentError(f"strategy file {path!r} does not exist.") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ArgumentError(
+            f"strategy file {path!r} is not a readable JSON strategy file ({e}).") from None
+    if not isinstance(data, dict) or data.get("format") != fmt or not isinstance(
+            data.get("params"), dict):
+        raise ArgumentError(
+            f"strategy file {path!r} is not an fshard {fmt} file (written by "
+            "save_param_strategy_file).")
+    return data
+

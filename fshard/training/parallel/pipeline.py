@@ -1,0 +1,1163 @@
+"""Pipeline parallelism for ``fs.AutoParallel``: stages, micro-batches, schedules.
+
+``ap.pipeline(stages=S, micro_batches=M, scheduler=..., interleave=...)`` turns the
+train step into a pipelined one:
+
+1. **Stages.** The loss is traced once on one micro-batch's shapes. Each equation
+   belongs to a model stage ("chunk"): a ``pipeline_split`` marker (``fs.pipeline_split``
+   or a Cell's ``pipeline_stage``) starts a later chunk and every other equation runs
+   in the latest chunk of its inputs (values that depend on no marked value, such as a
+   transposed weight, run in the first chunk that uses them). Values used by later
+   chunks are carried across each boundary; a parameter belongs to the one chunk that
+   uses it.
+2. **Devices.** The devices form a ``(pp, dp) = (S, n / S)`` grid, stage-major (stage
+   ``s`` holds ranks ``s * dp ... s * dp + dp - 1``, as MindSpore's stages do); chunk
+   ``c`` runs on stage ``c % S``; inside a stage the micro-batch is split over ``dp``
+   (data parallelism), or, when ``parameter_plan`` or the loss gives operator
+   strategies, each chunk's programs are ``fs.shard``-ed over the stage's devices
+   (``StageSharding``: operator parallelism inside the stage).
+3. **One step** follows the schedule's program order (fshard/parallel/schedule.py):
+   each forward is the chunk's ``fs.vjp`` on its micro-batch (activations kept until
+   the backward), each backward pulls the cotangent through; a transfer round moves
+   activations one stage on and cotangents one stage back. Gradients are summed over
+   micro-batches and the ``dp`` replicas (MindSpore's ``PipelineGradReducer``), the
+   last chunk seeding ``1 / (M * dp)`` for a loss that is a mean over the examples and
+   ``1`` for a sum over them divided by a constant (``loss_combination`` tells them
+   apart on the first step and refuses any other loss), and the optimizer runs once:
+   exactly the gradient of the full batch's loss.
+
+Where it runs:
+
+- **Virtual mesh** (one process): the per-device programs of all ``S * dp`` devices are
+  traced into one program, in the schedule's order; a transfer hands the value over.
+  One compiled program per configuration.
+- **Multi-process job** (the mesh is the world): each process traces only its own
+  stage's actions (its rank is known when it traces). Every transfer round is an
+  ``fs.ppermute`` over the ``pp`` axis (MindSpore's CPU backend has no Send/Receive in
+  graphs: the verified emulation is a one-hot slot buffer summed over the pipeline
+  group), the carried values flattened into one float32 buffer padded to the largest
+  boundary; every rank of a pipeline group runs the same rounds. The gradients are
+  summed over the whole job with one ``fs.psum`` each (a process holds zeros for the
+  other stages' parameters), so every process runs the whole optimizer on the whole
+  gradient: an optimizer coupling the parameters (a global-norm clip) is exact, and
+  every process's state is the trained state.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+
+from fshard.core import context, dtypes, tree
+from fshard.meshes import distributed
+from fshard.core.tracing import ArrayType, Tracer, typeof
+from fshard.core.dims import planning_size
+from fshard.errors import ArgumentError, FshardError, PipelineBalanceWarning
+from fshard.adapter.interop import check_context_mode
+from fshard.core.interpret import bind_equation, eval_program, walk_equations
+from fshard.core.ir import Program, Var
+from fshard.meshes.layout import Layout
+from fshard.meshes.mesh import Mesh, resolve_mesh
+from fshard.training.optim import apply_updates
+from fshard.primitives.passes import reduce_in_float32
+from fshard.training.parallel.schedule import Event, Schedule, check_config
+from fshard.primitives import collectives as C
+from fshard.primitives.elementwise import cast
+from fshard.primitives.pipeline import pipeline_split_p
+from fshard.primitives.spmd import layout_constraint_p
+from fshard.primitives.structural import concat, reshape
+from fshard.core.rules import sharding as sharding_rules
+from fshard.core.staging import trace_fun
+from fshard.transforms.ad import vjp
+from fshard.transforms.jit import jit
+from fshard.transforms.shard import shard
+
+
+class PipelineConfig(NamedTuple):
+    stages: int
+    micro_batches: int
+    scheduler: str
+    interleave: bool
+    output_broadcast: bool
+    max_imbalance: float | None = None
+
+
+def check_pipeline_args(stages, micro_batches, scheduler, interleave, output_broadcast,
+                        n_devices: int, max_imbalance=None) -> PipelineConfig:
+    for name, v in (("interleave", interleave), ("output_broadcast", output_broadcast)):
+        if not isinstance(v, bool):
+            raise ArgumentError(
+                f"AutoParallel.pipeline({name}=...) must be True or False; got {v!r}.")
+    if max_imbalance is not None and (
+            isinstance(max_imbalance, bool) or not isinstance(max_imbalance, (int, float))
+            or not max_imbalance >= 1):
+        raise ArgumentError(
+            f"AutoParallel.pipeline(max_imbalance=...) is the largest ratio of two stages' "
+            f"estimated costs accepted without a warning: a number >= 1, or None for no "
+            f"check; got {max_imbalance!r}.\nFix: e.g. max_imbalance=2.0, or None.")
+    # (interleave's own check, M a multiple of S, needs only v > 1)
+    check_config(stages, micro_batches, scheduler, 2 if interleave else 1)
+    if n_devices % stages:
+        raise ArgumentError(
+            f"AutoParallel.pipeline(stages={stages}) must divide the {n_devices} devices "
+            f"into equal stage groups; {n_devices} is not a multiple of {stages}.\nFix: "
+            f"stages one of {[d for d in range(1, n_devices + 1) if n_devices % d == 0]}, "
+            "or a mesh whose device count is a multiple of stages.")
+    return PipelineConfig(stages, micro_batches, scheduler, interleave, output_broadcast,
+                          None if max_imbalance is None else float(max_imbalance))
+
+
+# ---------------------------------------------------------------------------
+# The loss cut into chunks
+# ---------------------------------------------------------------------------
+
+
+class Stages:
+    """The loss program cut into ``n`` chunks (see the module docstring)."""
+
+    def __init__(self, loss_fn, name: str, params, batch, local_rows: int,
+                 devices: int = 1):
+        p_leaves, _ = tree.flatten(params)
+        b_leaves, _ = tree.flatten(list(batch))
+        in_tree = tree.structure(((params, *batch), {}))
+        avals = [typeof(x) for x in p_leaves]
+        for x in b_leaves:
+            a = typeof(x)
+            avals.append(ArrayType((local_rows,) + tuple(a.shape[1:]), a.dtype))
+        # A stage of ``devices`` devices may run operator parallelism: Primitive.shard
+        # strategies and fs.shard calls in the loss become layout constraints (as in
+        # AutoParallel's step), which each stage's fs.shard honours. One device: they warn.
+        with context.counted(context.shard_annotations):
+            if devices > 1:
+                with context.counted(context.shard_depth), \
+                        context.pushed(context.shard_devices, devices):
+                    traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+            else:
+                traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+        #: The loss fixes layouts of its own (operator strategies, fs.shard calls).
+        self.constrained = _has_constraints(traced.program)
+        prog = self.program = traced.program
+        self.consts = list(traced.consts)
+        self.name = name
+        self._compiled: dict = {}  # (kind, chunk) -> programs of a chunk's own
+        self._keys: dict = {}      # chunk -> its chunk_key
+        n_c, n_p = prog.n_consts, len(p_leaves)
+        self.const_vars = prog.inputs[:n_c]
+        self.param_vars = prog.inputs[n_c:n_c + n_p]
+        self.batch_vars = prog.inputs[n_c + n_p:]
+        out = prog.outputs
+        if len(out) != 1 or not isinstance(out[0], Var) or out[0].aval.ndim != 0 or \
+                not dtypes.is_float(out[0].aval.dtype):
+            raise ArgumentError(
+                f"AutoParallel({name}).pipeline: the loss must return one float scalar (the "
+                f"mean loss of the batch); got {[str(getattr(o, 'aval', o)) for o in out]}."
+                "\nFix: return the loss alone (has_aux is not supported with a pipeline).")
+        self._assign()
+
+    def _fail(self, msg):
+        raise ArgumentError(f"AutoParallel({self.name}).pipeline: {msg}")
+
+    def _assign(self):
+        prog = self.program
+        st: dict = {}   # Var -> chunk (None: not yet known)
+        eq_st = []
+        for eq in prog.equations:
+            known = [st[v] for v in eq.inputs if isinstance(v, Var) and st.get(v) is not None]
+            base = max(known) if known else None
+            if eq.prim is pipeline_split_p:
+                k = eq.params.get("stage")
+                if k is None:
+                    k = (base if base is not None else 0) + 1
+                elif base is not None and k < base:
+                    self._fail(
+                        f"a value computed in stage {base} enters stage {k}: values may only "
+                        "flow to the same or a later stage.\nFix: give the Cell that "
+                        f"consumes it pipeline_stage >= {base}, or the Cell that computes it "
+                        f"a stage <= {k}." + (f" (at {eq.source})" if eq.source else ""))
+                s = k
+            else:
+                s = base
+            eq_st.append(s)
+            for v in eq.outputs:
+                st[v] = s
+        # equations of unmarked values (weights, batch preprocessing) run in the first
+        # chunk that uses them
+        users: dict = {}
+        for i, eq in enumerate(prog.equations):
+            for v in eq.inputs:
+                if isinstance(v, Var):
+                    users.setdefault(v, []).append(i)
+        found = max([s for s in eq_st if s is not None], default=0) + 1
+        for i in range(len(prog.equations) - 1, -1, -1):
+            if eq_st[i] is None:
+                outs = prog.equations[i].outputs
+                # a value entering a stage through an fs.pipeline_split marker is made
+                # in the stage before it
+                cands = [eq_st[j] - (prog.equations[j].prim is pipeline_split_p
+                                     and prog.equations[j].params.get("stage") is None)
+                         for v in outs for j in users.get(v, ()) if eq_st[j] is not None]
+                if any(v in prog.outputs for v in outs):
+                    cands.append(found - 1)
+                eq_st[i] = min(cands) if cands else 0
+        self.n_chunks = found
+        chunk_eqs = [[] for _ in range(found)]
+        for eq, s in zip(prog.equations, eq_st):
+            chunk_eqs[s].append(eq)
+        for c, eqs in enumerate(chunk_eqs):
+            if not any(eq.prim is not pipeline_split_p for eq in eqs):
+                self._fail(
+                    f"stage {c} of {found} is empty (it computes nothing).\nFix: move a "
+                    "pipeline_split marker (or a Cell's pipeline_stage) so that every stage "
+                    "holds part of the model.")
+        if eq_st[[i for i, eq in enumerate(prog.equations)
+                  if prog.outputs[0] in eq.outputs][0]] != found - 1:
+            self._fail(f"the loss is not computed in the last stage ({found - 1}).")
+        self.chunk_eqs = chunk_eqs
+        # parameters: one chunk each
+        owner = {}
+        for v_i, v in enumerate(self.param_vars):
+            chunks = sorted({s for eq, s in zip(prog.equations, eq_st) if v in eq.inputs})
+            if len(chunks) > 1:
+                self._fail(
+                    f"parameter #{v_i} ({v.aval}) is used in stages {chunks}; a parameter "
+                    "must live in one stage (shared weights across stages are not "
+                    "supported).\nFix: use the parameter in one stage only, e.g. pass a "
+                    "value computed from it through fs.pipeline_split.")
+            owner[v_i] = chunks[0] if chunks else 0
+        self.param_owner = owner  # leaf index -> chunk
+        self.chunk_params = [[i for i in range(len(self.param_vars)) if owner[i] == c]
+                             for c in range(found)]
+        # carries: values made in chunks <= b and used in chunks > b
+        made = {}
+        for eq, s in zip(prog.equations, eq_st):
+            for v in eq.outputs:
+                made[v] = s
+        last_use: dict = {}
+        for eq, s in zip(prog.equations, eq_st):
+            for v in eq.inputs:
+                if isinstance(v, Var) and v in made:
+                    last_use[v] = max(last_use.get(v, -1), s)
+        order = [v for eq in prog.equations for v in eq.outputs]
+        self.carries = [[v for v in order if made[v] <= b < last_use.get(v, -1)]
+                        for b in range(found - 1)]
+        for b, vs in enumerate(self.carries):
+            for v in vs:
+                if not dtypes.is_float(v.aval.dtype):
+                    self._fail(
+                        f"a {v.aval} value crosses the boundary between stages {b} and "
+                        f"{b + 1}; only float values can (their cotangents flow back).\nFix: "
+                        "compute it in the stage that uses it, or pass it as a batch input.")
+
+    def check(self, stages: int, interleave: bool) -> int:
+        """The number of chunks per stage (``v``), or an error if the markers do not cut
+        the loss into ``stages`` (times ``v`` with interleave) stages."""
+        found = self.n_chunks
+        if interleave:
+            if found % stages or found == stages:
+                self._fail(
+                    f"interleave=True gives each of the {stages} stages several chunks, so "
+                    f"the model needs a multiple of {stages} chunks, more than {stages}; the "
+                    f"loss has {found} (stage markers + 1).\nFix: {2 * stages} chunks "
+                    f"(={2 * stages - 1} fs.pipeline_split markers) for 2 chunks per stage, "
+                    "or interleave=False.")
+        elif found != stages:
+            why = "more markers than stages" if found > stages else "too few markers"
+            self._fail(
+                f"pipeline(stages={stages}) needs the loss cut into {stages} stages, but its "
+                f"markers cut it into {found} ({why})."
+                f"\nFix: {stages - 1} fs.pipeline_split calls (or Cells with pipeline_stage "
+                f"0..{stages - 1}) for {stages} stages, or pipeline(stages={found}).")
+        return found // stages
+
+    def chunk_costs(self) -> list:
+        """Each chunk's estimated forward cost on one micro-batch of one device: the
+        flops of its equations as the sharding cost model counts them (iteration
+        points times flops per point; an equation without a sharding rule counts one
+        flop per output element)."""
+        return [sum(_eq_flops(eq) for eq in eqs) for eqs in self.chunk_eqs]
+
+    def stage_costs(self, stages: int) -> list:
+        """The estimated forward cost of each stage (the sum of its chunks')."""
+        out = [0.0] * stages
+        for c, cost in enumerate(self.chunk_costs()):
+            out[c % stages] += cost
+        return out
+
+    def check_balance(self, stages: int, max_imbalance: float | None) -> None:
+        """A ``PipelineBalanceWarning`` when the costliest stage costs more than
+        ``max_imbalance`` times the cheapest."""
+        if max_imbalance is None:
+            return
+        costs = self.stage_costs(stages)
+        hi, lo = max(costs), min(costs)
+        if hi <= max_imbalance * lo:
+            return
+        idle = 1 - sum(costs) / len(costs) / hi
+        ratio = f"{hi / lo:.1f}x" if lo else "infinitely more than"
+        warnings.warn(PipelineBalanceWarning(
+            f"AutoParallel({self.name}).pipeline: the stages' estimated costs are "
+            f"unbalanced: {', '.join(f'stage {s} {c:.3g}' for s, c in enumerate(costs))} "
+            f"flops per micro-batch (forward); stage {costs.index(hi)} costs {ratio} stage "
+            f"{costs.index(lo)} (max_imbalance={max_imbalance:g}). A step runs at the pace "
+            f"of the slowest stage: the stages idle {idle:.0%} of it on average, besides "
+            "the schedule's bubble.\nFix: move the fs.pipeline_split markers (or the Cells' "
+            "pipeline_stage) so the stages do similar work; ap.pipeline_stage_costs() "
+            "shows the estimates; pipeline(..., max_imbalance=None) turns the check "
+            "off."), stacklevel=5)
+
+    def run_chunk(self, c: int, param_vals, carry_in, batch_vals):
+        """The outputs of chunk ``c``: its carry to the next chunk, or ``[loss]``."""
+        env = dict(zip(self.const_vars, self.consts))
+        env.update(zip(self.batch_vars, batch_vals))
+        env.update(zip([self.param_vars[i] for i in self.chunk_params[c]], param_vals))
+        if c:
+            env.update(zip(self.carries[c - 1], carry_in))
+        read = walk_equations(self.chunk_eqs[c], env, bind_equation,
+                              f"running pipeline stage {c}:")
+        if c == self.n_chunks - 1:
+            return [read(self.program.outputs[0])]
+        return [env[v] for v in self.carries[c]]
+
+    def carry_avals(self, b: int) -> list:
+        return [v.aval for v in self.carries[b]]
+
+
+
+    # -- the compiled pieces: one forward and one backward program per chunk --------
+    def chunk_key(self, c: int):
+        """A key equal for two chunks exactly when they compute the same function of
+        the same input types (equations, parameters, literals and constants compared by
+        value, variables by position), so that they can share compiled programs: the
+        middle blocks of a stack, and the same chunk in every configuration with the same
+        micro-batch shapes. ``None`` when an equation holds a value not compared exactly
+        (such a chunk gets programs of its own)."""
+        names: dict = {}
+        consts = dict(zip(self.const_vars, self.consts))
+        last = c == self.n_chunks - 1
+        ins = ([self.param_vars[i] for i in self.chunk_params[c]]
+               + (self.carries[c - 1] if c else []) + list(self.batch_vars))
+        parts: list = [last, tuple(_aval_key(v.aval) for v in ins)]
+        for v in ins:
+            names[v] = len(names)
+        for eq in self.chunk_eqs[c]:
+            args = []
+            for a in eq.inputs:
+                if not isinstance(a, Var):
+                    lit = _exact(a.value)
+                    if lit is None:
+                        return None
+                    args.append(("lit", lit, _aval_key(a.aval)))
+                    continue
+                if a not in names:
+                    const = _exact(consts[a]) if a in consts else None
+                    if const is None:
+                        return None
+                    names[a] = len(names)
+                    parts.append(("const", names[a], const))
+                args.append(names[a])
+            params = _exact(eq.params)
+            if params is None:
+                return None
+            for v in eq.outputs:
+                names[v] = len(names)
+            parts.append((eq.prim, params, tuple(args),
+                          tuple(_aval_key(v.aval) for v in eq.outputs)))
+        outs = [self.program.outputs[0]] if last else self.carries[c]
+        parts.append(tuple(names[v] for v in outs))
+        return tuple(parts)
+
+    def _shared(self, kind: str, c: int, build, sharding: "StageSharding | None"):
+        if c not in self._keys:
+            self._keys[c] = self.chunk_key(c)
+        key = self._keys[c]
+        layout = None if sharding is None else sharding.key(self.chunk_params[c])
+        if key is None or layout is None and sharding is not None:
+            # programs of this chunk's own (kept with the sharding they were made for,
+            # so that its id is not reused while they live)
+            hit = self._compiled.get((kind, c, id(sharding)))
+            if hit is None:
+                hit = self._compiled[(kind, c, id(sharding))] = (sharding, build())
+            return hit[1]
+        fn = _CHUNK_PROGRAMS.get((kind, key, layout))
+        if fn is None:
+            fn = _CHUNK_PROGRAMS[(kind, key, layout)] = build()
+            while len(_CHUNK_PROGRAMS) > MAX_SHARED_PROGRAMS:  # the oldest go first
+                del _CHUNK_PROGRAMS[next(iter(_CHUNK_PROGRAMS))]
+        return fn
+
+    def forward_fn(self, c: int, sharding: "StageSharding | None" = None):
+        """``(params, carry_in, batch) -> carry_out`` of chunk ``c``, compiled; the last
+        chunk takes and returns the running loss sum: ``(..., loss_sum) -> loss_sum``.
+        With a ``sharding``, the program runs on the stage's devices through
+        ``fs.shard`` (operator parallelism inside the stage)."""
+        def build():
+            if c == self.n_chunks - 1:
+                def fwd(pv, ci, bv, loss_sum):
+                    return loss_sum + self.run_chunk(c, pv, ci, bv)[0]
+            else:
+                def fwd(pv, ci, bv):
+                    return self.run_chunk(c, pv, ci, bv)
+            fwd.__name__ = f"{self.name}_stage{c}_forward"
+            if sharding is None:
+                return jit(fwd)
+            extra = (None,) if c == self.n_chunks - 1 else ()
+            return sharding.compile(fwd, self._param_strategies(c, sharding), extra)
+
+        return self._shared("F", c, build, sharding)
+
+    def backward_fn(self, c: int, sharding: "StageSharding | None" = None):
+        """``(params, carry_in, batch, ct, grad_sums) -> (grad_sums + grads, ct_in)`` of
+        chunk ``c``, compiled. It recomputes the chunk's forward from its input (the
+        one activation kept per micro-batch between a forward and its backward)."""
+        def build():
+            def bwd(pv, ci, bv, ct, sums):
+                _, pull = vjp(lambda p, i: self.run_chunk(c, p, i, bv), pv, ci)
+                g_p, g_c = pull(ct)
+                return [s + g for s, g in zip(sums, g_p)], g_c
+
+            bwd.__name__ = f"{self.name}_stage{c}_backward"
+            if sharding is None:
+                return jit(bwd)
+            strategies = self._param_strategies(c, sharding)
+            return sharding.compile(bwd, strategies, (None, strategies))
+
+        return self._shared("B", c, build, sharding)
+
+    def _param_strategies(self, c: int, sharding: "StageSharding") -> list:
+        return [sharding.params[i] for i in self.chunk_params[c]]
+
+
+class StageSharding(NamedTuple):
+    """Operator parallelism inside each stage: every chunk's programs run through
+    ``fs.shard`` on the ``devices`` devices of a stage, with the parameters' strategies
+    (``parameter_plan``) and the micro-batch split along its rows; propagation (or the
+    search) lays out the rest and inserts the stage's collectives. The programs take
+    and return whole values, so stages hand each other whole activations."""
+
+    devices: int
+    params: tuple          # per parameter leaf: its strategy (None: derived)
+    batch: tuple           # per batch leaf: its strategy
+    groups: tuple | None   # ("pp", S) in a job: the stage is one of S groups of ranks
+    search: bool | str     # True: fshard's search; False: propagation; "follow_inputs"
+    fp32: bool = False     # float16 reductions run in float32 (reduce_in_float32)
+
+    def key(self, chunk_params) -> tuple | None:
+        """A key of what chunk programs compiled with this sharding depend on (None
+        when a strategy cannot be compared exactly)."""
+        parts = [_exact(self.params[i]) for i in chunk_params] + [
+            _exact(b) for b in self.batch]
+        if any(p is None for p in parts):
+            return None
+        return (self.devices, self.groups, self.search, self.fp32, tuple(parts))
+
+    def compile(self, fn, param_strategies: list, extra: tuple):
+        """``fn(params, carry, batch, *extra)`` compiled as ``fs.shard`` on the stage's
+        devices; ``extra``: the strategies of the further arguments."""
+        mesh = (self.devices if self.groups is not None
+                else Mesh(self.devices, "stage", virtual=True))
+        s = shard(fn, in_strategy=(param_strategies, None, list(self.batch)) + extra,
+                  mesh=mesh, level=2, search=self.search is True,
+                  dataset_strategy="full_batch")
+        s.search = self.search  # (semi_auto: "follow_inputs")
+        s.process_groups = self.groups
+        if self.fp32:
+            s.passes = (reduce_in_float32,)
+        return jit(s)
+
+
+def _has_constraints(program) -> bool:
+    """Whether ``program`` (or a loop body or branch in it) fixes a layout."""
+    for eq in program.equations:
+        if eq.prim is layout_constraint_p:
+            return True
+        for v in eq.params.values():
+            if any(_has_constraints(p) for p in (v if isinstance(v, tuple) else (v,))
+                   if isinstance(p, Program)):
+                return True
+    return False
+
+
+def _eq_flops(eq) -> float:
+    try:
+        spec = sharding_rules.lookup(eq.prim, transform="pipeline")(
+            *[a.aval for a in eq.inputs], **eq.params)
+    except FshardError:  # no sharding rule (or none for these operands)
+        return float(sum(math.prod(planning_size(d) for d in v.aval.shape)
+                         for v in eq.outputs))
+    return spec.flops_per_point * math.prod(planning_size(d) for d in spec.sizes.values())
+
+
+def _aval_key(a) -> tuple:
+    return (tuple(a.shape), str(a.dtype))
+
+
+def _exact(v):
+    """``v`` as a hashable value equal only to exact copies of it (``None`` when it
+    holds something that cannot be compared exactly): numbers by type and repr (so
+    ``-0.0`` is not ``0.0``), arrays by dtype, shape and bytes."""
+    if v is None or isinstance(v, (bool, str)):
+        return (type(v).__name__, v)
+    if isinstance(v, (int, float, np.generic)):
+        return (type(v).__name__, repr(v))
+    if isinstance(v, np.ndarray):
+        return ("array", str(v.dtype), v.shape, v.tobytes()) if v.size <= 4096 else None
+    if isinstance(v, (tuple, list)):
+        items = [_exact(x) for x in v]
+        return None if any(x is None for x in items) else (type(v).__name__, tuple(items))
+    if isinstance(v, dict):
+        items = [(k, _exact(x)) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))]
+        return None if any(x is None for _, x in items) else ("dict", tuple(items))
+    try:  # a dtype
+        return ("dtype", str(dtypes.to_numpy(v)))
+    except (KeyError, TypeError):
+        return None
+
+
+#: Compiled chunk programs shared by every cut whose chunks compute the same function
+#: (see ``Stages.chunk_key``), the newest MAX_SHARED_PROGRAMS of them.
+_CHUNK_PROGRAMS: dict = {}
+MAX_SHARED_PROGRAMS = 256
+
+
+#: Cut losses, by loss function and signature: the chunks' compiled programs are
+#: reused by every pipeline configuration with the same cut and micro-batch shapes.
+_CUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def cut(loss_fn, name: str, params, batch, rows: int, devices: int = 1) -> Stages:
+    sig = (tree.structure((params, batch)), rows, devices, tuple(
+        (tuple(typeof(x).shape[1:]), typeof(x).dtype) for x in tree.leaves(list(batch))),
+        tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves(params)))
+    try:
+        per_fn = _CUTS.setdefault(loss_fn, {})
+    except TypeError:  # not weak-referenceable: no reuse
+        per_fn = {}
+    hit = per_fn.get(sig)
+    if hit is None:
+        hit = per_fn[sig] = Stages(loss_fn, name, params, batch, rows, devices)
+    return hit
+
+
+# ---------------------------------------------------------------------------
+# The pipelined step
+# ---------------------------------------------------------------------------
+
+
+def batch_rows(name: str, batch, micro_batches: int, dp: int, sliced: bool = False) -> int:
+    """Rows of one micro-batch on one device (checks the batch splits evenly). ``sliced``:
+    the batch is this process's slice (``dataset_strategy("data_parallel")`` in a job),
+    split into micro-batches only."""
+    leaves = tree.leaves(list(batch))
+    if not leaves:
+        raise ArgumentError(f"AutoParallel({name}) with a pipeline needs batch inputs.")
+    rows = {typeof(x).shape[0] if typeof(x).ndim else None for x in leaves}
+    if None in rows or len(rows) != 1:
+        raise ArgumentError(
+            f"AutoParallel({name}).pipeline: every batch input must have the same first "
+            f"dimension (the batch) to split into micro-batches; got first dims "
+            f"{[typeof(x).shape[:1] for x in leaves]}.")
+    (B,) = rows
+    if sliced and B % micro_batches:
+        raise ArgumentError(
+            f"AutoParallel({name}).pipeline(micro_batches={micro_batches}): this process's "
+            f"slice of the batch has {B} rows, which do not split into {micro_batches} "
+            f"equal micro-batches.\nFix: a per-process batch that is a multiple of "
+            f"{micro_batches}.")
+    if sliced:
+        return B // micro_batches
+    if B % (micro_batches * dp):
+        raise ArgumentError(
+            f"AutoParallel({name}).pipeline(micro_batches={micro_batches}): the batch of "
+            f"{B} does not split into {micro_batches} micro-batches of {dp} equal "
+            f"data-parallel parts ({micro_batches} x {dp} = {micro_batches * dp} must divide "
+            f"{B}).\nFix: a batch size that is a multiple of {micro_batches * dp}, or "
+            "micro_batches dividing the batch.")
+    return B // (micro_batches * dp)
+
+
+def loss_combination(loss_fn, name: str, params, batch, rows: int, devices: int = 1) -> str:
+    """How a pipeline combines its micro-batch losses into the batch's: ``"mean"`` or
+    ``"sum"``, found by evaluating the loss (once per step signature, on this process's
+    first rows): on two blocks ``a`` and ``b`` of ``rows`` rows and on the ``2 * rows``
+    rows ``a; b`` (``a; a`` when there are fewer rows). A loss that is a mean over the
+    examples gives ``L(a; b) = (L(a) + L(b)) / 2``; a sum over the examples divided by a
+    constant (``sum / global_batch``) gives ``L(a; b) = L(a) + L(b)``. Any other loss
+    has no split into micro-batches that reproduces the unpipelined loss: an
+    ``ArgumentError``. (A loss that couples the examples, such as one normalising by
+    batch statistics, may pass this test and is never exact when pipelined.)"""
+    p_leaves = tree.leaves(params)
+    b_leaves = tree.leaves(list(batch))
+    if any(isinstance(x, Tracer) for x in p_leaves + b_leaves):
+        raise ArgumentError(
+            f"AutoParallel({name}).pipeline: the first step of a pipeline runs its loss on "
+            "concrete values to learn how micro-batch losses combine; it was called on "
+            "traced values (inside fs.jit or a transform).\nFix: call the AutoParallel "
+            "step directly (it is compiled already).")
+    B = typeof(b_leaves[0]).shape[0]
+    first = [x[:rows] for x in b_leaves]
+    second = [x[rows:2 * rows] for x in b_leaves] if B >= 2 * rows else first
+    in_tree = tree.structure(((params, *batch), {}))
+
+    programs: dict = {}  # rows -> the loss traced on that many rows
+
+    def loss_on(blocks, n):
+        traced = programs.get(n)
+        if traced is None:
+            avals = [typeof(x) for x in p_leaves] + [
+                ArrayType((n,) + tuple(typeof(x).shape[1:]), typeof(x).dtype)
+                for x in b_leaves]
+            with context.counted(context.shard_annotations):
+                if devices > 1:
+                    with context.counted(context.shard_depth), \
+                            context.pushed(context.shard_devices, devices):
+                        traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+                else:
+                    traced = trace_fun(lambda p, *b: loss_fn(p, *b), in_tree, avals)
+            programs[n] = traced
+        out = eval_program(traced.program, *traced.consts, *p_leaves, *blocks)[0]
+        return float(np.asarray(out.asnumpy() if hasattr(out, "asnumpy") else out))
+
+    la, lb = loss_on(first, rows), loss_on(second, rows)
+    both = loss_on([concat([a, b], 0) for a, b in zip(first, second)], 2 * rows)
+    mean, total = (la + lb) / 2, la + lb
+    scale = max(abs(la), abs(lb), abs(both))
+    tol = 1e-4 * scale + 1e-30
+    is_mean, is_sum = abs(both - mean) <= tol, abs(both - total) <= tol
+    if is_mean != is_sum:
+        return "mean" if is_mean else "sum"
+    why = ("the loss is zero on these rows, so they cannot tell" if is_mean else
+           f"it is neither: L(a) = {la:.6g}, L(b) = {lb:.6g}, L(a; b) = {both:.6g}")
+    raise ArgumentError(
+        f"AutoParallel({name}).pipeline: a pipeline computes the loss per micro-batch of "
+        f"{rows} rows and combines the micro-batch losses by their mean (a loss that is a "
+        "mean over the examples) or their sum (a sum over the examples divided by a "
+        f"constant); on two blocks a, b of the batch {why}, so no combination gives the "
+        "unpipelined loss.\nFix: write the loss as a mean over the batch (or a sum "
+        "divided by a constant), or train without pipeline(...).")
+
+
+#: The largest step (in equations, estimated) compiled as one program on a virtual mesh.
+FUSE_LIMIT = 1000
+
+
+class _Device:
+    """What one device holds during a step."""
+
+    def __init__(self, rank: int, stage: int, j: int):
+        self.rank, self.stage, self.j = rank, stage, j
+        self.saved: dict = {}      # (chunk, m) -> the chunk's input, kept until B
+        self.inbox: dict = {}      # ("F"|"B", chunk, m) -> values
+        self.outbox: dict = {}     # "F"|"B" -> (chunk, m, values)
+        self.sums: dict = {}       # chunk -> its parameters' gradient sums
+        self.loss = None           # the last chunk's running loss sum
+        self.peak_saved = 0        # most chunk inputs kept at once (activation memory)
+        self.peak_saved_bytes = 0
+        self.busy = 0.0            # seconds computing (measured with profile=True)
+
+
+class PipelinedStep:
+    """One configuration's step: the schedule's program order run over the compiled
+    chunk programs, then one compiled ``finish`` (reduce, optimizer update)."""
+
+    def __init__(self, runner, plan: Stages, schedule: Schedule, rank: int | None,
+                 sharding: StageSharding | None = None, combine: str = "mean"):
+        self.runner, self.plan, self.schedule = runner, plan, schedule
+        cfg = runner.cfg
+        self.S, self.M = cfg.stages, cfg.micro_batches
+        self.dp = runner.ap.n_devices // self.S  # devices per stage
+        self.rank = rank  # None: a virtual mesh (every device here)
+        self.sliced = runner.sliced
+        #: Operator parallelism inside the stages (None: data parallelism, each device
+        #: of a stage running whole chunks on its rows).
+        self.sharding = sharding
+        #: The data-parallel replicas the pipeline runs itself: a stage's devices, or
+        #: one when each stage's programs are sharded over its devices.
+        self.groups = 1 if sharding is not None else self.dp
+        #: How the micro-batch losses make the batch's (``loss_combination``): their
+        #: mean (a loss that is a mean over the examples) or their sum (a sum over the
+        #: examples divided by a constant); the last chunk's seed and the loss scale.
+        self.combine = combine
+        #: Float16 reductions (the replicas' gradient and loss sums) run in float32:
+        #: ``enable_fp32_communication()`` or MindSpore's default gradient fp32 sync,
+        #: as in a step without a pipeline.
+        self.fp32 = runner.fp32
+        self.loss_scale = 1.0 / (self.M * self.groups) if combine == "mean" else 1.0
+        self.order = schedule.timeline().program_order()
+        self.pad = max([sum(a.size for a in plan.carry_avals(b))
+                        for b in range(plan.n_chunks - 1)], default=0)
+        self.mesh = None if rank is None else Mesh((self.S, self.dp), ("pp", "dp"))
+        self._transfers: dict = {}
+        self._gather = None  # the batch from the processes' slices (sharded stages)
+        self._whole = None
+        self.finish = self._make_finish()
+        #: With ``profile = True`` (pieces only) each computation is waited for and
+        #: timed; ``stats`` then holds, per device of this process, the busy seconds
+        #: and the peak number and bytes of kept stage inputs of the last step.
+        self.profile = False
+        self.stats: list = []
+
+    # -- one step ------------------------------------------------------------------
+    @property
+    def fused(self) -> bool:
+        """On a virtual mesh a small step is compiled whole (one program: the per-call
+        cost of many small programs would dominate); a large one runs as its compiled
+        pieces (compiling thousands of equations at once costs more than it saves)."""
+        if self.rank is not None:
+            return False
+        size = sum(len(eqs) for eqs in self.plan.chunk_eqs) * 4 * self.M * self.groups
+        return size <= FUSE_LIMIT
+
+    def __call__(self, state, *batch):
+        if not self.fused or self.profile:
+            return self._run(state, *batch)
+        if self._whole is None:
+            def whole(params, opt_state, step, *b):
+                return self._run(self.runner.state_cls(params, opt_state, step), *b)
+
+            whole.__name__ = f"pipelined_step_{self.plan.name}"
+            self._whole = jit(whole)
+        return self._whole(state.params, state.opt_state, state.step, *batch)
+
+    def _run(self, state, *batch):
+        plan, S, M, dp, groups = self.plan, self.S, self.M, self.dp, self.groups
+        p_leaves, p_tree = tree.flatten(state.params)
+        b_leaves = tree.leaves(list(batch))
+        sliced = self.sliced
+        if sliced and self.sharding is not None:
+            # a stage's sharded programs take the whole micro-batch: gather the slices
+            b_leaves = self._gather_slices(b_leaves)
+            sliced = False
+        B = typeof(b_leaves[0]).shape[0]
+        # device j's part of the batch: its process's slice, or block j of dp of the
+        # whole batch (as a job's slices lay it out); micro-batch m is block m of M of it
+        part = B if sliced else B // groups
+        rows = part // M
+        # (with sharded stages, one "device" per stage runs the stage's programs)
+        ranks = range(0, S * dp, dp // groups) if self.rank is None else [self.rank]
+        devices = [_Device(r, r // dp, (r % dp) % groups) for r in ranks]
+        loss_dtype = dtypes.to_numpy(plan.program.outputs[0].aval.dtype)
+        seed = [np.asarray(self.loss_scale, loss_dtype)]
+        slices: dict = {}
+
+        def micro(m, j):
+            key = (m, j)
+            if key not in slices:
+                lo = (0 if sliced else j * part) + m * rows
+                slices[key] = [x[lo:lo + rows] for x in b_leaves]
+            return slices[key]
+
+        for item in self.order:
+            if isinstance(item, Event):
+                for d in devices:
+                    if d.stage == item.stage:
+                        t0 = time.perf_counter() if self.profile else 0.0
+                        made = self._compute(d, item.action, p_leaves, micro, seed,
+                                             loss_dtype)
+                        if self.profile:
+                            _wait(made)
+                            d.busy += time.perf_counter() - t0
+            else:
+                self._transfer(item, devices)
+        self.stats = [{"rank": d.rank, "stage": d.stage, "busy_s": d.busy,
+                       "peak_saved": d.peak_saved, "peak_saved_bytes": d.peak_saved_bytes}
+                      for d in devices]
+        return self._finish(devices, state, p_leaves, p_tree, loss_dtype)
+
+    def _compute(self, d: _Device, a, p_leaves, micro, seed, loss_dtype):
+        plan, S = self.plan, self.S
+        c, m = a.chunk, a.micro_batch
+        pv = [p_leaves[i] for i in plan.chunk_params[c]]
+        last = c == plan.n_chunks - 1
+        if a.kind == "F":
+            carry = d.inbox.pop(("F", c, m)) if c else []
+            d.saved[(c, m)] = carry
+            d.peak_saved = max(d.peak_saved, len(d.saved))
+            d.peak_saved_bytes = max(d.peak_saved_bytes, _saved_bytes(d.saved, micro, d.j))
+            if last:
+                if d.loss is None:
+                    d.loss = np.zeros((), loss_dtype)
+                d.loss = plan.forward_fn(c, self.sharding)(pv, carry, micro(m, d.j), d.loss)
+                return [d.loss]
+            out = list(plan.forward_fn(c, self.sharding)(pv, carry, micro(m, d.j)))
+            self._send(d, "F", c + 1, m, out)
+            return out
+        ct = seed if last else d.inbox.pop(("B", c, m))
+        sums = d.sums.get(c)
+        if sums is None:
+            sums = [np.zeros(typeof(x).shape, dtypes.to_numpy(typeof(x).dtype)) for x in pv]
+        sums, g_carry = plan.backward_fn(c, self.sharding)(pv, d.saved.pop((c, m)),
+                                                           micro(m, d.j), ct, sums)
+        d.sums[c] = list(sums)
+        if c:
+            self._send(d, "B", c - 1, m, list(g_carry))
+        return d.sums[c]
+
+    def _send(self, d: _Device, kind: str, chunk: int, m: int, values):
+        if chunk % self.S == d.stage:  # the chunk is on this device too
+            d.inbox[(kind, chunk, m)] = values
+        else:
+            d.outbox[kind] = (chunk, m, values)
+
+    # -- transfers -----------------------------------------------------------------
+    def _transfer(self, rnd, devices):
+        """One round: activations one stage on, cotangents one stage back."""
+        S, dp = self.S, self.dp
+        for kind, moves in (("F", rnd.forward), ("B", rnd.backward)):
+            if not moves:
+                continue
+            if self.rank is None:  # a virtual mesh: hand the values over
+                by_rank = {d.rank: d for d in devices}
+                step = dp // self.groups
+                for src, dst, _, _ in moves:
+                    for j in range(0, dp, step):
+                        chunk, m, vals = by_rank[src * dp + j].outbox.pop(kind)
+                        by_rank[dst * dp + j].inbox[(kind, chunk, m)] = vals
+                continue
+            (d,) = devices
+            # (an action still running at this round may have filled the outbox already:
+            # its value goes in the round at its end)
+            sending = (d.outbox.pop(kind)
+                       if any(src == d.stage for src, _, _, _ in moves) else None)
+            recv = [(chunk, m) for src, dst, chunk, m in moves if dst == d.stage]
+            boundary = None
+            if recv:
+                boundary = recv[0][0] - 1 if kind == "F" else recv[0][0]
+            send_b = None
+            if sending is not None:
+                send_b = sending[0] - 1 if kind == "F" else sending[0]
+            fn = self._transfer_fn(kind, send_b, boundary)
+            got = fn(list(sending[2]) if sending is not None else [])
+            if recv:
+                d.inbox[(kind,) + recv[0]] = list(got[1:])
+
+    def _transfer_fn(self, kind: str, send_b, recv_b):
+        """Compiled: pack what this stage sends (the carry of boundary ``send_b``) into
+        one float32 buffer, ``ppermute`` it over ``pp``, unpack what it receives."""
+        key = (kind, send_b, recv_b)
+        fn = self._transfers.get(key)
+        if fn is not None:
+            return fn
+        S, pad, mesh, plan = self.S, self.pad, self.mesh, self.plan
+        shift = 1 if kind == "F" else -1
+        perm = tuple((s, (s + shift) % S) for s in range(S))
+
+        def transfer(values):
+            with C.named_axis("pp", S), C.named_axis("dp", self.dp):
+                buf = _pack(values, pad) if values else np.zeros((pad,), np.float32)
+                got = C.ppermute_p.bind(buf, axis_name=("pp",), axis_sizes=(S,), perm=perm,
+                                        mesh=mesh)
+                # the buffer is an output even where nothing is received: a dropped
+                # collective on one rank would pair the next one with the wrong round
+                return [got] + ([] if recv_b is None else _unpack(got, plan.carry_avals(recv_b)))
+
+        transfer.__name__ = f"pipeline_{'activations' if kind == 'F' else 'cotangents'}"
+        fn = self._transfers[key] = jit(transfer)
+        return fn
+
+    def _gather_slices(self, b_leaves) -> list:
+        """The whole batch from each process's slice (in a job with sharded stages):
+        one AllGather per batch input over the stage's processes, in rank order."""
+        if self._gather is None:
+            S, dp, mesh = self.S, self.dp, self.mesh
+
+            def gather(xs):
+                with C.named_axis("pp", S), C.named_axis("dp", dp):
+                    return [C.all_gather_p.bind(x, axis_name=("dp",), axis_sizes=(dp,),
+                                                axis=0, mesh=mesh) for x in xs]
+
+            gather.__name__ = f"pipeline_batch_{self.plan.name}"
+            self._gather = jit(gather)
+        return list(self._gather(list(b_leaves)))
+
+    # -- reduce and update -----------------------------------------------------------
+    def _finish(self, devices, state, p_leaves, p_tree, loss_dtype):
+        plan = self.plan
+        n_p = len(p_leaves)
+        grads: list = [None] * n_p
+        loss = None
+        wide = _widen if self.fp32 else (lambda x: x)
+        for d in devices:  # (a virtual mesh: the data-parallel replicas summed here)
+            for c, sums in d.sums.items():
+                for i, g in zip(plan.chunk_params[c], sums):
+                    grads[i] = wide(g) if grads[i] is None else grads[i] + wide(g)
+            if d.loss is not None:
+                loss = wide(d.loss) if loss is None else loss + wide(d.loss)
+        if self.fp32:  # (summed in float32, rounded once)
+            grads = [g if g is None else cast(g, typeof(x).dtype)
+                     for g, x in zip(grads, p_leaves)]
+            loss = None if loss is None else cast(loss, loss_dtype)
+        # (in a job, the parameters of other stages get their gradients from them)
+        grads = [g if g is not None else np.zeros(typeof(x).shape,
+                                                   dtypes.to_numpy(typeof(x).dtype))
+                 for g, x in zip(grads, p_leaves)]
+        if loss is None:
+            loss = np.zeros((), loss_dtype)
+        scale = np.asarray(self.loss_scale, loss_dtype)
+        new_p, new_o, step, out = self.finish(state.params, state.opt_state, state.step,
+                                              tree.unflatten(p_tree, grads), loss, scale)
+        return self.runner.state_cls(new_p, new_o, step), out
+
+    def _make_finish(self):
+        ap, cfg = self.runner.ap, self.runner.cfg
+        S, M, dp, mesh, plan = self.S, self.M, self.dp, self.mesh, self.plan
+        last = (plan.n_chunks - 1) % S  # the stage of the last chunk
+        stage = None if self.rank is None else self.rank // dp
+        # one program per optimizer and configuration (on a virtual mesh: one per
+        # optimizer), shared by every pipeline using them; the loss scale
+        # 1 / (M * replicas) is an input. Sharded stages sum over their devices inside
+        # their programs already.
+        reduce_dp = mesh is not None and self.groups > 1
+        fp32 = self.fp32
+        key = None if mesh is None else (S, dp, last, stage, cfg.output_broadcast, reduce_dp,
+                                         fp32)
+        opt_update = ap.step_optimizer().update
+        try:
+            per_opt = _FINISHES.setdefault(opt_update, {})
+            update = weakref.ref(opt_update)  # (the cache must not keep its key alive)
+        except TypeError:  # not weak-referenceable: a program of its own
+            per_opt = {}
+
+            def update():
+                return opt_update
+        if key in per_opt:
+            return per_opt[key]
+        broadcast = cfg.output_broadcast
+
+        def finish(params, opt_state, step, grads, loss_sum, scale):
+            g_leaves, g_tree = tree.flatten(grads)
+            with C.named_axis("pp", S), C.named_axis("dp", dp):
+                if mesh is not None:
+                    # Every process gets every gradient: its stage's replicas' sums (each
+                    # process holds zeros for the other stages' parameters) summed over
+                    # the job. Every process then runs the whole optimizer, so one that
+                    # couples the parameters (a global-norm clip) sees the whole
+                    # gradient, and every process's state is the trained state (what a
+                    # checkpoint of any process holds).
+                    axes = ("pp", "dp") if reduce_dp else ("pp",)
+                    g_leaves = [_reduce(g, axes, mesh, fp32) for g in g_leaves]
+                    if reduce_dp and stage == last:
+                        loss_sum = _reduce(loss_sum, ("dp",), mesh, fp32)
+                loss = loss_sum * scale
+                if mesh is not None and stage != last:
+                    loss = loss * np.float32(np.nan)  # there is no loss on this stage
+                if mesh is not None and broadcast:
+                    mine = loss if stage == last else np.zeros((), np.float32)
+                    loss = C.psum_p.bind(mine, axis_name=("pp",), mesh=mesh)
+            updates, new_opt = update()(tree.unflatten(g_tree, g_leaves), opt_state, params)
+            return apply_updates(params, updates), new_opt, step + 1, loss
+
+        finish.__name__ = f"pipeline_finish_{plan.name}"
+        fn = per_opt[key] = jit(finish)
+        return fn
+
+
+#: The finishing programs, by optimizer (its ``update``) and configuration.
+_FINISHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _widen(x):
+    """A float16 value as float32 (a sum of several then rounds once)."""
+    return cast(x, dtypes.float32) if typeof(x).dtype == dtypes.float16 else x
+
+
+def _reduce(x, axes, mesh, fp32: bool):
+    """The psum of ``x`` over ``axes``; a float16 one in float32 with ``fp32``."""
+    if not (fp32 and typeof(x).dtype == dtypes.float16):
+        return C.psum_p.bind(x, axis_name=axes, mesh=mesh)
+    return cast(C.psum_p.bind(cast(x, dtypes.float32), axis_name=axes, mesh=mesh),
+                dtypes.float16)
+
+
+def _saved_bytes(saved: dict, micro, j) -> int:
+    """Bytes a device keeps between forwards and backwards: each chunk input (for the
+    first chunk, its micro-batch rows)."""
+    total = 0
+    for (c, m), carry in saved.items():
+        for x in (carry if c else micro(m, j)):
+            a = typeof(x)
+            total += a.size * np.dtype(dtypes.to_numpy(a.dtype)).itemsize
+    return total
+
+
+def _wait(values) -> None:
+    """Wait for a computation (MindSpore runs compiled programs asynchronously)."""
+    for x in values:
+        if hasattr(x, "asnumpy"):
+            x.asnumpy()
+
+
+def _pack(values, pad: int):
+    flat = [reshape(cast(v, dtypes.float32), (typeof(v).size,)) for v in values]
+    used = sum(typeof(f).shape[0] for f in flat)
+    if used < pad:
+        flat.append(np.zeros((pad - used,), np.float32))
+    return flat[0] if len(flat) == 1 else concat(flat, 0)
+
+
+def _unpack(buf, avals):
+    out, at = [], 0
+    for a in avals:
+        out.append(cast(reshape(buf[at:at + a.size], a.shape), a.dtype))
+        at += a.size
+    return out
+
+
+# ---------------------------------------------------------------------------
+# AutoParallel's side
+# ---------------------------------------------------------------------------
+
+
+class PipelineRunner:
+    """The pipelined steps of one ``AutoParallel`` (one per input signature), its
+    schedule and its parameter gathering."""
+
+    def __init__(self, ap, cfg: PipelineConfig, state_cls):
+        self.ap, self.cfg, self.state_cls = ap, cfg, state_cls
+        self._steps: dict = {}
+        self.plan: Stages | None = None
+
+    @property
+    def sliced(self) -> bool:
+        """Each process passes its slice of the batch: ``dataset_strategy(
+        "data_parallel")`` in a multi-process job (the processes of data-parallel index
+        ``j``, one per stage, pass slice ``j`` of ``dp``)."""
+        return not self.virtual and self.ap._dataset == "data_parallel"
+
+    @property
+    def virtual(self) -> bool:
+        if isinstance(self.ap.mesh, int):
+            return not distributed.is_initialized()
+        return resolve_mesh(self.ap.mesh).is_virtual
+
+    @property
+    def fp32(self) -> bool:
+        """Float16 reductions run in float32 (as ``AutoParallel``'s step decides)."""
+        return self.ap._fp32_comm or self.ap._gradient_fp32_sync
+
+    def check_combination(self):
+        ap = self.ap
+        for what, on in (("hsdp(...)", ap._hsdp is not None),
+                         ("comm_fusion(...)", ap._fusion is not None),
+                         ("a dataset_strategy(...) tuple",
+                          ap._dataset not in ("data_parallel", "full_batch")),
+                         ("has_aux=True", ap.has_aux),
+                         ("print_local_norm() / dump_local_norm()",
+                          any(ap._local_norm)),
+                         ("set_inputs(...)", ap._batch_specs is not None),
+                         ("a strategy or group file to write at the first step "
+                          "(save_param_strategy_file(path), save_operator_strategy_file"
+                          "(path), set_group_ckpt_save_file(path): a pipelined step is "
+                          "not one sharded program)", bool(ap._files))):
+            if on:
+                raise ArgumentError(
+                    f"AutoParallel({ap.name}): pipeline(...) cannot be combined with {what} "
+                    "yet: inside a stage fshard runs data parallelism or the operator "
+                    "strategies of parameter_plan(...) and the loss.\nFix: drop one of the "
+                    "two settings.")
+
+    def step_for(self, state, *batch) -> PipelinedStep:
+        check_context_mode(self.ap.parallel_mode, f"AutoParallel({self.ap.name})")
+        self.check_combination()
+        cfg = self.cfg
+        dp = self.ap.n_devices // cfg.stages
+        key = (tree.structure(state), tuple(
+            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))),
+            self.fp32)
+        hit = self._steps.get(key)
+        if hit is not None:
+            return hit
+        ap = self.ap
+        rows = batch_rows(ap.name, batch, cfg.micro_batches, dp, self.sliced)
+        plan = None
+        if dp > 1:  # a stage of several devices: sharded if the loss or the plan says so
+            plan = cut(ap.loss_fn, ap.name, state.params, batch, rows * dp, dp)
+            if not (plan.constrained or ap._param_plan):
+                plan = None
+        sharding = self._stage_sharding(state.params, batch, dp, plan is not None)
+        if plan is None:
+            plan = cut(ap.loss_fn, ap.name, state.params, batch, rows)
+        v = plan.check(cfg.stages, cfg.interleave)
+        plan.check_balance(cfg.stages, cfg.max_imbalance)
+        self.plan = plan
+        sched = Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, v)
+        combine = loss_combination(ap.loss_fn, ap.name, state.params, batch,
+                                   plan.batch_vars[0].aval.shape[0],
+                                   dp if sharding is not None else 1)
+        step = PipelinedStep(self, plan, sched, None if self.virtual else distributed.rank(),
+                             sharding, combine)
+        self._steps[key] = step
+        return step
+
+    def __call__(self, state, *batch):
+        return self.step_for(state, *batch)(state, *batch)
+
+    def _stage_sharding(self, params, batch, dp: int, sharded: bool):
+        """Operator parallelism inside the stages (``parameter_plan`` or strategies in
+        the loss), or None. The parameters' strategies are checked against a stage's
+        ``dp`` devices."""
+        ap, S = self.ap, self.cfg.stages
+        ap._check_param_plan(params)
+        paths, leaves, _ = tree.flatten_with_path(params)
+        strategies = []
+        for path, x in zip(paths, leaves):
+            given = ap._param_strategy(path, x)
+            what = f"parameter {tree.keystr(path) or '0'} ({typeof(x)})"
+            if isinstance(given, Layout) and math.prod(given.device_matrix) != dp:
+                raise ArgumentError(
+                    f"AutoParallel({ap.name}).pipeline(stages={S}): the Layout {given!r} "
+                    f"of {what} has a device matrix of {math.prod(given.device_matrix)} "
+                    f"devices, but each stage has {dp} ({ap.n_devices} devices / {S} "
+                    "stages): a stage's strategies describe its own devices.\nFix: a "
+                    f"Layout whose device matrix has {dp} devices.")
+            counts = given if isinstance(given, tuple) and all(
+                isinstance(k, int) for k in given) else None
+            if counts is not None and dp % math.prod(counts):
+                raise ArgumentError(
+                    f"AutoParallel({ap.name}).pipeline(stages={S}): the strategy "
+                    f"{given} of {what} splits it over {math.prod(counts)} devices, but "
+                    f"each stage has {dp} ({ap.n_devices} devices / {S} stages): a stage's "
+                    f"strategies run on its own devices.\nFix: split counts whose product "
+                    f"divides {dp}, or fewer stages.")
+            if given is None and ap.parallel_mode == "semi_auto":
+                given = (1,) * typeof(x).ndim
+            strategies.append(given)
+        if not sharded:
+            return None
+        batch_strategies = tuple((dp,) + (1,) * (typeof(x).ndim - 1)
+                                 for x in tree.leaves(list(batch)))
+        return StageSharding(dp, tuple(strategies), batch_strategies,
+                             None if self.virtual else ("pp", S),
+                             {"semi_auto": "follow_inputs", "sharding_propagation": False,
+                              "recursive_programming": True}[ap.parallel_mode], self.fp32)
+
+    def stage_costs(self) -> list:
+        if self.plan is None:
+            raise ArgumentError(
+                f"AutoParallel({self.ap.name}).pipeline_stage_costs(): run a step first "
+                "(the stages are found by tracing the loss on a batch).")
+        return self.plan.stage_costs(self.cfg.stages)
+
+    def schedule(self, virtual_stages: int | None = None) -> Schedule:
+        cfg = self.cfg
+        if virtual_stages is None:
+            if not cfg.interleave:
+                virtual_stages = 1
+            elif self.plan is not None:
+                virtual_stages = self.plan.n_chunks // cfg.stages
+            else:
+                raise ArgumentError(
+                    f"AutoParallel({self.ap.name}).pipeline_schedule(): with interleave=True "
+                    "the number of chunks per stage comes from the model's markers, known "
+                    "after the first step.\nFix: run a step first, or pass "
+                    "virtual_stages=v.")
+        return Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, virtual_stages)
+
+    def gather_params(self, state):
+        """``state.params``: every process holds every trained parameter (each step
+        hands every gradient to every process), in a job as on a virtual mesh."""
+        return state.params

@@ -186,7 +186,7 @@ def train_step(ctx):
                          "hand-written MindSpore graph",
                   notes=[f"timed interleaved ({runs} calls each, 10 rounds)",
                          f"the staged Program has {n_eqs} equations, {n_simple} after the "
-                         "cleanup passes (fshard/passes.py)"] + _jax_note(ctx))
+                         "cleanup passes (fshard/primitives/passes.py)"] + _jax_note(ctx))
 
 
 def _jax_note(ctx):

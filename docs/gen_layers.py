@@ -18,15 +18,16 @@ OUT = os.path.join(ROOT, "docs", "layers.svg")
 
 # Bands of consecutive layers, by the first module prefix of their lowest layer.
 BANDS = [
-    ("fshard.errors", "core", "#dde7f3"),
-    ("fshard.backend", "backend", "#f3e3dd"),
-    ("fshard.layout", "meshes", "#e6e6e6"),
-    ("fshard.backend.collectives", "backend", "#f3e3dd"),
-    ("fshard.primitives.base", "primitives", "#e1f0dc"),
-    ("fshard.passes", "sharding", "#f6edd0"),
-    ("fshard.ops", "ops, MindSpore adapter", "#ece0f2"),
-    ("fshard.transforms", "transforms", "#d9eeee"),
-    ("fshard.optim", "training", "#f2dfe6"),
+    ("fshard.errors", "core/", "#dde7f3"),
+    ("fshard.backend", "backend/", "#f3e3dd"),
+    ("fshard.meshes", "meshes/", "#e6e6e6"),
+    ("fshard.backend.collectives", "backend/", "#f3e3dd"),
+    ("fshard.primitives.base", "primitives/", "#e1f0dc"),
+    ("fshard.sharding", "sharding/", "#f6edd0"),
+    ("fshard.ops", "ops, adapter/", "#ece0f2"),
+    ("fshard.random", "nn/, random", "#eef2dc"),
+    ("fshard.transforms", "transforms/", "#d9eeee"),
+    ("fshard.training", "training/", "#f2dfe6"),
     ("fshard.launch", "tools", "#e6e6e6"),
 ]
 
@@ -66,7 +67,9 @@ def render() -> str:
         own = [m for m in modules if t._layer(m) == layers.index(layer)]
         labels = []
         for prefix in layer:
-            mine = [m for m in own if m == prefix or m.startswith(prefix + ".")]
+            # each module goes in the box of its longest matching prefix in the row
+            mine = [m for m in own if max((q for q in layer if m == q or m.startswith(q + ".")),
+                                          key=len) == prefix]
             if mine:
                 labels.append(_label(prefix, mine, paths))
         rows.append((band_i, labels))

@@ -105,4 +105,15 @@ from fshard.training.parallel import AutoParallel as AutoParallel  # noqa: E402
 from fshard.training.parallel import Model as Model  # noqa: E402
 from fshard.training.parallel import TrainState as TrainState  # noqa: E402
 
+# The public modules keep their short dotted paths now that they live in the layer
+# folders: ``from fshard.optim import adam`` and ``import fshard.tree`` still work (one
+# module object under two names, so state and isinstance checks are shared).
+import sys as _sys  # noqa: E402
+
+for _name, _module in (("dtypes", dtypes), ("tree", tree), ("rules", rules),
+                       ("distributed", distributed), ("optim", optim),
+                       ("checkpoint", checkpoint), ("amp", amp)):
+    _sys.modules.setdefault(f"fshard.{_name}", _module)
+del _sys, _name, _module
+
 __version__ = "0.1.0"

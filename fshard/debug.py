@@ -6,7 +6,7 @@ A Python ``print`` in a traced function runs once, while tracing, and shows trac
 ``debug_callback`` equation, which calls a Python function with the values as NumPy
 arrays every time the program runs: eagerly, and inside ``fs.jit`` as a MindSpore
 ``Custom`` op of type ``pyfunc`` (a Python call from the GRAPH-mode program).
-MindSpore's own ``ops.Print`` traces to the same primitive (fshard/interop.py).
+MindSpore's own ``ops.Print`` traces to the same primitive (fshard/adapter/interop.py).
 
 The primitive has an *effect*: it has no outputs, yet
 

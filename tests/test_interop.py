@@ -1,4 +1,4 @@
-"""Tracing native MindSpore code (fshard/interop.py).
+"""Tracing native MindSpore code (fshard/adapter/interop.py).
 
 Every entry of ``interop.SUPPORTED_OPS``, ``SUPPORTED_TENSOR_METHODS`` and
 ``SUPPORTED_CELLS`` has a case here; each case is traced, then run both compiled

@@ -495,7 +495,7 @@ class Jitted:
             traced = trace_fun(self.fun, in_tree, avals, rebuild)
             if self._annotated is not None:
                 self._annotated.check_return(traced.program.out_avals, traced.out_tree)
-            # the IR cleanup passes (fshard/passes.py) run on what is compiled only:
+            # the IR cleanup passes (fshard/primitives/passes.py) run on what is compiled only:
             # make_ir and .program show the staged Program as traced
             program = passes.simplify(traced.program)
             # In a job: fs.ShardedArray inputs are taken as blocks, and shard calls asked

@@ -1,7 +1,7 @@
 """``fs.vmap``: vectorise a function over a batch axis (NB: JAX's batching.py).
 
 The function is staged once on *unbatched* types; ``batch_program`` (the batching
-interpreter, in fshard/interpret.py beside the eager one) then walks the
+interpreter, in fshard/core/interpret.py beside the eager one) then walks the
 Program, applying each primitive's batching rule to ``(value, batch_dim)`` pairs and
 binding the rule's operations into the current trace. A batched Program is
 therefore vectorised, never a loop: each equation becomes one equation (plus, at

@@ -1492,7 +1492,8 @@ _TENSOR_UNSUPPORTED = ("__setitem__",)
 # Dispatch and errors
 # ---------------------------------------------------------------------------
 
-_FSHARD_DIR = os.path.dirname(os.path.abspath(__file__))
+# fshard/ (this file is fshard/adapter/interop.py) and, beside it, transforms/
+_FSHARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FSHARD_ROOT = os.path.dirname(_FSHARD_DIR)
 
 
@@ -1571,7 +1572,7 @@ def _unsupported_operator(name: str, args) -> UnsupportedOpError:
         f"fshard cannot trace the MindSpore Tensor operator {name}{_call_site(_stack())} "
         f"with a traced operand: it has no mapping to fshard ops. It was called on "
         f"({_describe(args)}).\nFix: add '{name}' to _TENSOR_OPERATORS in "
-        "fshard/interop.py, mapped to an fshard op function (declare a primitive first if "
+        "fshard/adapter/interop.py, mapped to an fshard op function (declare a primitive first if "
         "needed; see docs/adding_a_primitive.md), or compute the value another way.")
 
 
@@ -2057,7 +2058,7 @@ def _tracer_type_error(e: TypeError) -> UnsupportedOpError | None:
         "and nn Cells called on traced values, and the methods of the traced values "
         "themselves, but not this call (for example a method of a concrete Tensor given a "
         "traced argument).\nFix: call the corresponding fshard.ops function or a method "
-        "of the traced value instead, or teach fshard/interop.py this entry point (see "
+        "of the traced value instead, or teach fshard/adapter/interop.py this entry point (see "
         "docs/tracing.md).")
 
 

@@ -13,7 +13,7 @@ Rule signatures (x: operands, t: tangents, ct: cotangents, d: batch dims):
 - ``batching(args, dims, **params) -> (outs, out_dims)``
 - ``jvp(primals, tangents, **params) -> (primals_out, tangents_out)``
 - ``transpose(cts_out, *args, **params) -> cts_in``        (linear primitives)
-- ``sharding(*avals, **params) -> FactorSpec``             (see fshard/factors.py)
+- ``sharding(*avals, **params) -> FactorSpec``             (see fshard/core/factors.py)
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class RuleTable(Generic[R]):
                      + ".py" if module else "the module that declares it")
             raise MissingRuleError(
                 f"{transform} needs the {self.what} of primitive '{prim}', which has "
-                f"none{why}.\nFix: register one with fshard.core.rules.{self.kind}.set({prim}, "
+                f"none{why}.\nFix: register one with fshard.rules.{self.kind}.set({prim}, "
                 f"rule) in {where}, after its def_primitive (see "
                 f"docs/adding_a_primitive.md), or avoid this primitive under {transform}.")
         return rule

@@ -22,7 +22,8 @@ from fshard.errors import FshardError
 from fshard.core.ir import Equation, Literal, Program, Var
 from fshard.core.rules import abstract_eval
 
-_FSHARD_DIR = os.path.dirname(os.path.abspath(__file__))
+# fshard/ (this file is fshard/core/staging.py) and, beside it, transforms/
+_FSHARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP_DIRS = (_FSHARD_DIR, os.path.dirname(_FSHARD_DIR) + os.sep + "transforms")
 
 

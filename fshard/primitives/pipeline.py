@@ -1,7 +1,7 @@
 """``pipeline_split``: the marker that ends one pipeline stage and starts the next.
 
 The marker is the identity on values. ``fs.AutoParallel(...).pipeline(...)`` reads it
-from the traced loss to cut the program into stages (fshard/parallel/pipeline.py);
+from the traced loss to cut the program into stages (fshard/training/parallel/pipeline.py);
 everywhere else (eager, ``jit``, ``grad``, ``shard``) it is a no-op, so a model
 marked for a pipeline runs unchanged on one device (as MindSpore's
 ``cell.pipeline_stage`` does). A marked value inside ``vmap`` cannot be a stage

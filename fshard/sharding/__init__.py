@@ -5,7 +5,7 @@ Read in this order:
 
 - ``layouts``: ``ShardMesh`` (prime-sized axes), ``Sharding`` (mesh axes per dimension,
   pending sums), the candidates of an equation (from its primitive's ``FactorSpec``,
-  fshard/factors.py), and the steps that move a value between layouts;
+  fshard/core/factors.py), and the steps that move a value between layouts;
 - ``strategy``: the one parser of user strategies (split counts, ``fs.Layout`` views,
   None) for ``fs.shard``, ``fs.shard_map`` and ``AutoParallel``;
 - ``cost``: the one cost model (computation, and each move as the backend runs it);

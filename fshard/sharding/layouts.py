@@ -9,7 +9,7 @@ Vocabulary (NB: Shardy's factor-based sharding rules, GSPMD's partial state):
   (major first), and over which axes the value is a *pending sum* (``partial``).
   A value is replicated over every axis it does not mention.
 - A ``Candidate`` is one way to run an equation: which mesh axes split each factor of
-  its primitive's ``FactorSpec`` (fshard/factors.py); ``candidates`` enumerates them.
+  its primitive's ``FactorSpec`` (fshard/core/factors.py); ``candidates`` enumerates them.
 - A primitive that is linear in some operands lets a pending sum *pass through*
   (``carry_variants``): the AllReduce is paid once, late, on the smallest value
   (GSPMD's partial propagation).

@@ -2,7 +2,7 @@
 equations (fshard/primitives/spmd.py; fshard/sharding/constraints.py plans them):
 
 - ``Primitive.shard(in_strategy, out_strategy)`` on a MindSpore operator called in a
-  traced Cell or function (``operator_call``, from fshard/interop.py): its operands and
+  traced Cell or function (``operator_call``, from fshard/adapter/interop.py): its operands and
   outputs get those layouts, and the operator runs with exactly that strategy;
 - an ``fs.shard(f, in_strategy, out_strategy)`` called inside ``fs.AutoParallel``'s
   loss (``annotated_call``, from transforms/shard.py): ``f``'s arguments and results

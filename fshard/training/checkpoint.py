@@ -1011,7 +1011,7 @@ def load_safetensors(path, like, *, strict: bool = True):
     return _restore_named(like, values, path, "load_safetensors", strict)
 
 
-# A run's checkpoints, managed (orbax's CheckpointManager): fshard/checkpoint_manager.py
+# A run's checkpoints, managed (orbax's CheckpointManager): fshard/training/checkpoint_manager.py
 # holds the policy; its files are this module's.
 from fshard.training.checkpoint_manager import CheckpointManager as _Manager  # noqa: E402
 

@@ -3,7 +3,7 @@
 metric), restore the latest or the best.
 
 This module holds the policy only; the files are ``fs.checkpoint.save``/``load``'s
-(``fshard/checkpoint.py`` binds them: ``fs.checkpoint.CheckpointManager``). Each
+(``fshard/training/checkpoint.py`` binds them: ``fs.checkpoint.CheckpointManager``). Each
 checkpoint is the step directory ``directory/<step>`` that ``save(directory, state,
 step=step)`` writes, atomically; a step's metrics are ``directory/<step>/metrics.json``,
 written after the checkpoint is complete.
@@ -68,7 +68,7 @@ class CheckpointManager:
     """
 
     #: ``fs.checkpoint.save`` / ``load`` and the index file name (set by
-    #: fshard/checkpoint.py, which this module cannot import: it re-exports the class).
+    #: fshard/training/checkpoint.py, which this module cannot import: it re-exports the class).
     _save: Callable | None = None
     _load: Callable | None = None
     _index = "index.json"

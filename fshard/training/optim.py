@@ -35,7 +35,7 @@ from fshard.core.tracing import typeof
 from fshard.errors import ArgumentError
 
 # The dtype rules and the schedules are shared with optax's building blocks, which
-# live below fs.optim's optimizers (fshard/optim_blocks.py).
+# live below fs.optim's optimizers (fshard/training/optim_blocks.py).
 from fshard.training.optim_blocks import (Schedule, _arrays, _as_array, _as_state, _count0,
                                  _hyper_dtype, _per_dtype, _state_dtype, _zeros_like,
                                  constant_schedule, cosine_decay_schedule, join_schedules,
@@ -200,7 +200,7 @@ def _masked(flags: list, f, *trees):
 
 # -- schedules -----------------------------------------------------------------------
 #
-# One implementation per schedule (fshard/optim_blocks.py); fs.optim's older names are
+# One implementation per schedule (fshard/training/optim_blocks.py); fs.optim's older names are
 # the same functions.
 
 constant = constant_schedule
@@ -511,12 +511,12 @@ def apply_updates(params, updates):
     return tree.map(lambda p, u: _as_state(ops.add(p, u), typeof(p).dtype), params, updates)
 
 
-# optax's building blocks and schedules, by optax's names (fshard/optim_blocks.py)
+# optax's building blocks and schedules, by optax's names (fshard/training/optim_blocks.py)
 from fshard.training.optim_blocks import *  # noqa: E402,F401,F403
 from fshard.training.optim_blocks import __all__ as _blocks_all  # noqa: E402
 
 __all__ += _blocks_all
 
-# gradient accumulation (optax's MultiSteps: fshard/optim_accumulate.py)
+# gradient accumulation (optax's MultiSteps: fshard/training/optim_accumulate.py)
 from fshard.training.optim_accumulate import MultiSteps, MultiStepsState, multi_steps  # noqa: E402,F401
 __all__ += ["MultiSteps", "MultiStepsState", "multi_steps"]

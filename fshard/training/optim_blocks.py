@@ -161,7 +161,7 @@ def _check_state(fn: str, state, cls) -> None:
 # float32 leaf float32 ones. Any other leaf (float16, integers) is worked with in
 # float32, its state too, and its update is float32 (apply_updates casts back): in
 # float16, eps = 1e-8 is 0 and a second moment of 1e-9 underflows. fs.optim's
-# optimizers follow the same rules (fshard/optim.py).
+# optimizers follow the same rules (fshard/training/optim.py).
 #
 # The arithmetic goes through fshard.ops, never Python operators on Tensors: outside a
 # trace those are MindSpore's, which round a Python float to float32 first (0.9 * a

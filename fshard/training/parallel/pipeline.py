@@ -16,7 +16,7 @@ train step into a pipelined one:
    (data parallelism), or, when ``parameter_plan`` or the loss gives operator
    strategies, each chunk's programs are ``fs.shard``-ed over the stage's devices
    (``StageSharding``: operator parallelism inside the stage).
-3. **One step** follows the schedule's program order (fshard/parallel/schedule.py):
+3. **One step** follows the schedule's program order (fshard/training/parallel/schedule.py):
    each forward is the chunk's ``fs.vjp`` on its micro-batch (activations kept until
    the backward), each backward pulls the cotangent through; a transfer round moves
    activations one stage on and cotangents one stage back. Gradients are summed over

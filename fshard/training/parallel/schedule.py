@@ -4,7 +4,7 @@ A schedule says, for every pipeline stage (a group of devices), in which order i
 the forward (``F``) and backward (``B``) pass of each micro-batch on each of its model
 chunks, and where activations (forward) and cotangents (backward) cross to the
 neighbouring stage. It is pure data: the timeline simulator reads it to measure the
-bubble and the activation memory, and the pipeline executor (fshard/parallel/pipeline.py)
+bubble and the activation memory, and the pipeline executor (fshard/training/parallel/pipeline.py)
 runs its actions in the same order.
 
 - ``gpipe``: every forward, then every backward; a stage keeps the activations of all

@@ -106,14 +106,18 @@ from fshard.training.parallel import Model as Model  # noqa: E402
 from fshard.training.parallel import TrainState as TrainState  # noqa: E402
 
 # The public modules keep their short dotted paths now that they live in the layer
-# folders: ``from fshard.optim import adam`` and ``import fshard.tree`` still work (one
-# module object under two names, so state and isinstance checks are shared).
+# folders: ``from fshard.optim import adam``, ``import fshard.tree`` and ``from
+# fshard.parallel.ms_optimizers import from_mindspore`` still work (one module object
+# under two names, so state and isinstance checks are shared; a package's submodules
+# are all imported by now, so none is ever loaded twice under the short name).
 import sys as _sys  # noqa: E402
 
 for _name, _module in (("dtypes", dtypes), ("tree", tree), ("rules", rules),
                        ("distributed", distributed), ("optim", optim),
-                       ("checkpoint", checkpoint), ("amp", amp)):
-    _sys.modules.setdefault(f"fshard.{_name}", _module)
-del _sys, _name, _module
+                       ("checkpoint", checkpoint), ("amp", amp), ("parallel", parallel)):
+    _real = _module.__name__
+    for _sub in [m for m in _sys.modules if m == _real or m.startswith(_real + ".")]:
+        _sys.modules.setdefault(f"fshard.{_name}{_sub[len(_real):]}", _sys.modules[_sub])
+del _sys, _name, _module, _real, _sub
 
 __version__ = "0.1.0"

@@ -100,7 +100,7 @@ def test_comm_fusion_checks_every_key_and_value(config, match):
     with pytest.raises(fs.ArgumentError, match=match) as info:
         ap.comm_fusion(config)
     assert str(info.value).startswith("AutoParallel.comm_fusion(config): ")
-    assert ap._fusion is None  # nothing half-applied
+    assert ap.options.fusion_bytes is None  # nothing half-applied
 
 
 @pytest.mark.parametrize("config, bucket", [
@@ -113,7 +113,7 @@ def test_comm_fusion_checks_every_key_and_value(config, match):
 def test_comm_fusion_accepts_mindspores_spellings(config, bucket):
     ap = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=2)
     assert ap.comm_fusion(config) is ap
-    assert ap._fusion == bucket
+    assert ap.options.fusion_bytes == bucket
 
 
 # -- the launcher's checks that need no launch -------------------------------------------

@@ -184,10 +184,15 @@ def test_the_public_module_paths_stay_importable():
     from fshard.checkpoint import CheckpointManager, save
     from fshard.optim import adam
 
+    from fshard.parallel import ParallelMode
+    from fshard.parallel.ms_optimizers import from_mindspore
+
     assert fshard.tree is fs.tree and save is fs.checkpoint.save
+    assert ParallelMode is fs.parallel.ParallelMode
+    assert from_mindspore is fs.parallel.ms_optimizers.from_mindspore
     assert adam is fs.optim.adam and CheckpointManager is fs.checkpoint.CheckpointManager
     for name in ("dtypes", "rules", "distributed", "amp", "nn", "random", "ops", "debug",
-                 "errors", "launch", "testing", "profiling", "transforms"):
+                 "errors", "parallel", "launch", "testing", "profiling", "transforms"):
         mod = importlib.import_module(f"fshard.{name}")
         assert getattr(fs, name, mod) is mod, name
 

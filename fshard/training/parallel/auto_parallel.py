@@ -59,6 +59,8 @@ from fshard.meshes.layout import block_index as strategy_block
 from fshard.meshes.mesh import Mesh, resolve_mesh
 from fshard.training.optim import Optimizer, apply_updates
 from fshard.training.parallel.ms_optimizers import from_mindspore, is_mindspore_optimizer
+from fshard.training.parallel.options import (Hsdp, ParallelMode, ParallelOptions,
+                                              parse_comm_fusion)
 from fshard.training.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.training.parallel.schedule import Schedule
 from fshard.primitives.passes import reduce_in_float32
@@ -75,8 +77,17 @@ from fshard.sharding.local_batch import (block_index, check_same_slices, global_
                                           to_global)
 from fshard.transforms.shard import shard
 
-MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
-LEVELS = ("level1", "level2", "level3")
+#: How each mode plans what no strategy fixes (``fs.shard``'s ``search``):
+_SEARCH = {
+    # MindSpore's semi-auto parallel: an operator without a strategy follows its
+    # inputs (data parallel over the batch split), planned by no search.
+    ParallelMode.SEMI_AUTO: "follow_inputs",
+    # Greedy propagation, or the plan that follows the inputs where the objective
+    # prices it lower (it can gather activations data parallelism never needs).
+    ParallelMode.SHARDING_PROPAGATION: "cheaper_path",
+    # fshard's search over the whole step.
+    ParallelMode.RECURSIVE_PROGRAMMING: True,
+}
 
 
 class TrainState(NamedTuple):
@@ -123,26 +134,25 @@ class AutoParallel:
             follows its inputs' layouts: data parallel over the batch split),
             ``"sharding_propagation"`` (propagation derives the rest, the parameters
             too), or ``"recursive_programming"`` (the whole step planned by fshard's
-            search).
+            search); or the ``fs.parallel.ParallelMode`` member of that name.
         mesh: an ``fs.Mesh``, a device count, or None (the default mesh).
         has_aux: ``network`` returns ``(loss, aux)``.
         in_shapes: declared shapes of the batch inputs (``set_inputs``), for batches
             of varying size run by one compiled step.
     """
 
-    def __init__(self, network, optimizer=None, parallel_mode: str = "semi_auto", *,
+    def __init__(self, network, optimizer=None,
+                 parallel_mode: ParallelMode | str = ParallelMode.SEMI_AUTO, *,
                  mesh=None, has_aux: bool = False, in_shapes=None):
         if not callable(network):
             raise ArgumentError(
                 f"AutoParallel(network=...) must be a loss function or an nn.Cell; got "
                 f"{type(network).__name__} {network!r}.")
-        if isinstance(optimizer, str) and parallel_mode == "semi_auto":
+        if isinstance(optimizer, str) and \
+                ParallelMode.parse(parallel_mode) is ParallelMode.SEMI_AUTO:
             # MindSpore's signature: AutoParallel(network, parallel_mode="semi_auto")
             optimizer, parallel_mode = None, optimizer
-        if parallel_mode not in MODES:
-            raise ArgumentError(
-                f"AutoParallel(parallel_mode=...) must be one of {MODES}; got "
-                f"{parallel_mode!r}.")
+        options = ParallelOptions(mode=parallel_mode)
         if isinstance(mesh, bool) or not (mesh is None or isinstance(mesh, (int, Mesh))):
             raise ArgumentError(
                 f"AutoParallel(mesh=...) must be an fs.Mesh, a device count or None; got "
@@ -170,19 +180,11 @@ class AutoParallel:
         self._frozen_opt = None  # (frozen names, optimizer, step_optimizer()) cache
         self._set_network(network, has_aux)
         self._set_optimizer(optimizer)
-        self.parallel_mode = parallel_mode
+        self._options = options
         self._mesh = mesh
-        self._dataset_given = None  # dataset_strategy(config); None: not called
-        self._param_plan: dict = {}
-        self._hsdp = None  # (shard_size, threshold_bytes, level)
-        self._fusion = None  # bucket bytes
         self._fixed_params = None  # loaded parameter strategies
         self._fixed_only_trainable = False  # the loaded file lists trainable ones only
         self._pipeline = None  # a PipelineRunner once pipeline(stages > 1) is set
-        self._fp32_comm = False  # enable_fp32_communication
-        self._gradient_fp32_sync = True  # MindSpore's default; disable_gradient_fp32_sync
-        self._local_norm = (False, None)  # (print, dump directory)
-        self._device_norm = False  # enable_device_local_norm
         self._batch_specs = None  # declared batch input shapes (set_inputs)
         # Files MindSpore writes when the step is first compiled: kind ("param",
         # "operator", "groups") -> path, each written once after it is set.
@@ -247,6 +249,30 @@ class AutoParallel:
                 "fs.AutoParallel(network, optimizer, ...), or train with fshard's "
                 "Model(network=ap, optimizer=...) (fs.Model).")
 
+    # -- the options -----------------------------------------------------------------
+    @property
+    def options(self) -> ParallelOptions:
+        """The configuration, checked (``fs.parallel.ParallelOptions``, frozen): the
+        constructor's ``parallel_mode`` and what the methods below set."""
+        return self._options
+
+    def _configure(self, **changes) -> "AutoParallel":
+        """New options with ``changes`` (checked: on an error nothing changes); the
+        compiled steps are made again."""
+        self._options = self._options.replace(**changes)
+        self._steps.clear()
+        return self
+
+    @property
+    def parallel_mode(self) -> ParallelMode:
+        """The ``ParallelMode`` (equal to its string: ``ap.parallel_mode ==
+        "semi_auto"``)."""
+        return self._options.mode
+
+    @parallel_mode.setter
+    def parallel_mode(self, mode) -> None:
+        self._configure(mode=mode)
+
     # -- the mesh and MindSpore's context ------------------------------------------
     @property
     def mesh(self):
@@ -260,8 +286,8 @@ class AutoParallel:
         """The dataset strategy: ``dataset_strategy(config)``'s, else the one
         ``ms.set_auto_parallel_context(dataset_strategy=... / full_batch=...)`` set,
         else "data_parallel" (MindSpore's default)."""
-        if self._dataset_given is not None:
-            return self._dataset_given
+        if self._options.dataset_strategy is not None:
+            return self._options.dataset_strategy
         return context_dataset_strategy(f"AutoParallel({self.name})",
                                         allow_tuple=True) or "data_parallel"
 
@@ -276,24 +302,17 @@ class AutoParallel:
         """``"data_parallel"`` (default: each batch input split along dim 0 over all
         devices), ``"full_batch"`` (whole), or a tuple with one strategy per batch
         input (tuples of split counts or ``fs.Layout`` views)."""
-        if config not in ("data_parallel", "full_batch") and not isinstance(config, tuple):
+        if config is None:  # (None in the options means "not given")
             raise ArgumentError(
                 "AutoParallel.dataset_strategy(config): config must be 'data_parallel', "
-                f"'full_batch' or a tuple of per-input strategies; got {config!r}.")
-        self._dataset_given = config
-        self._steps.clear()
-        return self
+                "'full_batch' or a tuple of per-input strategies; got None.\nFix: "
+                "dataset_strategy('data_parallel'), MindSpore's default.")
+        return self._configure(dataset_strategy=config)
 
     def parameter_plan(self, plan: dict) -> "AutoParallel":
         """Strategies for parameters, by name (``'dense1.weight'`` for a Cell, the key
         path such as ``"['w1']"`` or ``'w1'`` for a dict of parameters)."""
-        if not isinstance(plan, dict):
-            raise ArgumentError(
-                f"AutoParallel.parameter_plan(plan): plan must be a dict of name -> "
-                f"strategy; got {type(plan).__name__}.")
-        self._param_plan = dict(plan)
-        self._steps.clear()
-        return self
+        return self._configure(parameter_plan=plan)
 
     def hsdp(self, shard_size: int = -1, threshold: int = 64,
              optimizer_level: str = "level1") -> "AutoParallel":
@@ -306,88 +325,14 @@ class AutoParallel:
         under ``threshold`` KB or whose first dimension does not divide stay as they
         are. Example: dp x mp = 2 x 4 and a weight split ``(1, 4)``: its Adam moments
         are ``(2, 4)``, an eighth per device."""
-        if optimizer_level not in LEVELS:
-            raise ArgumentError(
-                f"AutoParallel.hsdp(optimizer_level=...) must be one of {LEVELS}; got "
-                f"{optimizer_level!r}.")
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-            raise ArgumentError(
-                f"AutoParallel.hsdp(threshold=...) must be an int >= 0 (KB); got "
-                f"{threshold!r}.")
-        if isinstance(shard_size, bool) or not isinstance(shard_size, int) or (
-                shard_size != -1 and shard_size < 1):
-            raise ArgumentError(
-                f"AutoParallel.hsdp(shard_size=...) must be -1 (each parameter's whole "
-                f"data-parallel group) or a positive "
-                f"int; got {shard_size!r}.")
-        self._hsdp = (shard_size, threshold * 1024, optimizer_level)
-        self._steps.clear()
-        return self
+        return self._configure(hsdp=Hsdp(shard_size, threshold, optimizer_level))
 
     def comm_fusion(self, config: dict) -> "AutoParallel":
         """Bucket the gradients' AllReduces: ``{"allreduce": {"mode": "auto" | "size",
         "config": MB}}`` ("auto": 64 MB buckets, ``config`` None; "size": ``config`` MB),
         or ``{"openstate": False}`` to turn fusion off. The keys and values are
         MindSpore's (``AutoParallel.comm_fusion``), checked as MindSpore checks them."""
-        where = "AutoParallel.comm_fusion(config)"
-        if not isinstance(config, dict):
-            raise ArgumentError(
-                f"{where}: config must be a dict; got {type(config).__name__}.\nFix: e.g. "
-                '{"allreduce": {"mode": "auto", "config": None}}.')
-        unknown = set(config) - {"openstate", "allreduce", "allgather", "reducescatter"}
-        if unknown:
-            raise ArgumentError(
-                f"{where}: unknown keys {sorted(unknown, key=repr)}; MindSpore's keys are "
-                "'openstate', 'allreduce', 'allgather' and 'reducescatter'.\nFix: use "
-                "'openstate' (a bool) and 'allreduce' (a dict of 'mode' and 'config').")
-        for kind in ("allgather", "reducescatter"):
-            if kind in config:
-                raise ArgumentError(
-                    f"{where}: fusing {kind} is not supported by fshard (only AllReduce "
-                    "buckets); remove that key.")
-        openstate = config.get("openstate", True)
-        if not isinstance(openstate, bool):
-            raise ArgumentError(
-                f"{where}: 'openstate' must be a bool (True: fusion on, False: off); got "
-                f"{type(openstate).__name__} {openstate!r}.\nFix: {{'openstate': False}} "
-                "turns fusion off.")
-        ar = config.get("allreduce", {"mode": "auto", "config": None})
-        if not isinstance(ar, dict):
-            raise ArgumentError(
-                f"{where}: 'allreduce' must be a dict with keys 'mode' and 'config'; got "
-                f"{type(ar).__name__} {ar!r}.\nFix: {{'allreduce': {{'mode': 'size', "
-                "'config': 32}}.")
-        if set(ar) != {"mode", "config"}:
-            missing = sorted({"mode", "config"} - set(ar))
-            extra = sorted(set(ar) - {"mode", "config"}, key=repr)
-            raise ArgumentError(
-                f"{where}: 'allreduce' must have exactly the keys 'mode' and 'config' (as "
-                f"MindSpore asks)" + (f"; missing {missing}" if missing else "")
-                + (f"; unknown {extra}" if extra else "") + ".\nFix: {'mode': 'auto', "
-                "'config': None} or {'mode': 'size', 'config': <MB>}.")
-        mode, size = ar["mode"], ar["config"]
-        if mode == "auto":
-            if size is not None:
-                raise ArgumentError(
-                    f"{where}: allreduce mode 'auto' uses 64 MB buckets, so config "
-                    f"{size!r} would be ignored.\nFix: config None, or mode 'size' for a "
-                    "bucket of config MB.")
-            fusion = 64 * 2**20
-        elif mode == "size":
-            if isinstance(size, bool) or not isinstance(size, (int, float)) or not (
-                    math.isfinite(size) and size > 0):
-                raise ArgumentError(
-                    f"{where}: allreduce mode 'size' needs config = a bucket size in MB, "
-                    f"a finite number > 0; got {size!r}.")
-            fusion = float(size) * 2**20
-        else:
-            raise ArgumentError(
-                f"{where}: allreduce mode must be 'auto' or 'size'; got {mode!r} ('index' "
-                "names MindSpore's graph-compiler fusion indices, which fshard has no use "
-                "for).")
-        self._fusion = fusion if openstate else None
-        self._steps.clear()
-        return self
+        return self._configure(fusion_bytes=parse_comm_fusion(config))
 
     def enable_gradients_mean(self) -> "AutoParallel":
         """Accepted: MindSpore then averages the per-device gradients, which gives the
@@ -406,9 +351,7 @@ class AutoParallel:
         """Reduce collectives (AllReduce, ReduceScatter) of float16 values run in
         float32: cast up, reduce, cast back (``fshard.primitives.passes.reduce_in_float32``), so a
         sum over many devices rounds once instead of at every partial sum."""
-        self._fp32_comm = True
-        self._steps.clear()
-        return self
+        return self._configure(fp32_communication=True)
 
     def disable_gradient_fp32_sync(self) -> "AutoParallel":
         """Reduce float16 values in float16. By default (MindSpore's gradient fp32
@@ -416,29 +359,23 @@ class AutoParallel:
         in which a gradient's reduction is not told apart from another, so this applies
         to every reduction of the step, unless ``enable_fp32_communication()`` asks for
         float32 communication everywhere."""
-        self._gradient_fp32_sync = False
-        self._steps.clear()
-        return self
+        return self._configure(gradient_fp32_sync=False)
 
     def print_local_norm(self) -> "AutoParallel":
         """At every step print the L2 norm of each block of each gradient, the blocks
         being the parameter's layout (at ZeRO level2 and above, the optimizer state's),
         as ``local_norm: step 3 w1 block (0, 1): 0.0123`` (process 0 of a job)."""
-        self._local_norm = (True, self._local_norm[1])
-        self._steps.clear()
-        return self
+        return self._configure(print_local_norm=True)
 
     def dump_local_norm(self, path) -> "AutoParallel":
         """As ``print_local_norm``, written to ``path/local_norm_rank<r>.jsonl`` (one
         JSON line per step: ``{"step": 3, "norms": {"w1": [[...], ...]}}``, each value an
         array of block norms shaped like the split counts) instead of printed."""
-        if not isinstance(path, (str, os.PathLike)):
+        if path is None:  # (None in the options means "not dumped")
             raise ArgumentError(
-                f"AutoParallel.dump_local_norm(path): path must be a directory path; got "
-                f"{type(path).__name__} {path!r}.")
-        self._local_norm = (self._local_norm[0], os.fspath(path))
-        self._steps.clear()
-        return self
+                "AutoParallel.dump_local_norm(path): path must be a directory path; got "
+                "NoneType None.\nFix: a str or pathlib.Path naming a directory.")
+        return self._configure(dump_local_norm=path)
 
     def enable_device_local_norm(self) -> "AutoParallel":
         """With ``print_local_norm()`` or ``dump_local_norm(path)``, also report each
@@ -446,8 +383,7 @@ class AutoParallel:
         (the blocks of the local norms), as ``device_local_norm: step 3 device 1:
         0.0456`` and as ``"device_norms": {"0": ..., "1": ...}`` in the dumped line
         (every device of a virtual mesh; a job's process its own)."""
-        self._device_norm = True
-        return self
+        return self._configure(device_local_norm=True)
 
     def pipeline(self, stages: int = 1, output_broadcast: bool = False, interleave: bool = False,
                  scheduler: str = "1f1b", *, micro_batches: int | None = None,
@@ -476,7 +412,7 @@ class AutoParallel:
                 f"AutoParallel.pipeline(stages=1) turns the pipeline off, so "
                 f"micro_batches={micro_batches} would be ignored.\nFix: stages >= 2 for a "
                 "pipeline, or drop micro_batches.")
-        k = self.__dict__.get("_accumulate", 1)
+        k = self._options.gradient_accumulation
         if stages != 1 and k > 1:
             raise ArgumentError(
                 f"AutoParallel({self.name}).pipeline(stages={stages}): "
@@ -525,17 +461,13 @@ class AutoParallel:
         rows, and the gradients stay per-device sums through the loop: reduced once
         per update, not per micro-step. With ``has_aux`` the aux is stacked over the
         micro-batches. ``k=1`` turns it off. Returns ``self``."""
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ArgumentError(
-                f"AutoParallel.gradient_accumulation(k): k must be an int >= 1 (micro-batches "
-                f"per update); got {type(k).__name__} {k!r}.\nFix: e.g. "
-                "ap.gradient_accumulation(4).")
+        options = self._options.replace(gradient_accumulation=k)  # checks k
         if self._pipeline is not None and k > 1:
             raise ArgumentError(
                 f"AutoParallel({self.name}).gradient_accumulation({k}): a pipeline already "
                 "accumulates the gradients of its micro-batches.\nFix: use "
                 "ap.pipeline(stages, micro_batches=...) alone.")
-        self._accumulate = int(k)
+        self._options = options
         self._steps.clear()
         return self
 
@@ -544,7 +476,7 @@ class AutoParallel:
         batch, or with ``gradient_accumulation(k)`` the mean over ``k`` micro-batches
         (a loop)."""
         vg = value_and_grad(loss_fn, has_aux=self.has_aux)
-        k = self.__dict__.get("_accumulate", 1)
+        k = self._options.gradient_accumulation
         if k == 1:
             return vg(params, *batch)
         dp = self.n_devices if self._dataset == "data_parallel" else 1
@@ -646,9 +578,9 @@ class AutoParallel:
         devices holding the same copy of it (``n_devices / prod(base)``), limited to
         ``shard_size`` (the largest group dividing both)."""
         n = self.n_devices
-        if self._hsdp is None:
+        if self._options.hsdp is None:
             return 1
-        size = self._hsdp[0]
+        size = self._options.hsdp.shard_size
         if size != -1 and n % size:
             raise ShardingError(
                 f"AutoParallel.hsdp(shard_size={size}) must divide the {n} devices.")
@@ -659,7 +591,8 @@ class AutoParallel:
         """The ZeRO strategy of a leaf at ``level_needed`` (None: not at this level):
         ``base`` (the leaf's split counts without ZeRO; default whole) with its first
         dimension further split over the leaf's data-parallel group."""
-        if self._hsdp is None or LEVELS.index(self._hsdp[2]) < LEVELS.index(level_needed):
+        hsdp = self._options.hsdp
+        if hsdp is None or not hsdp.reaches(level_needed):
             return None
         a = typeof(x)
         if a.ndim == 0:
@@ -667,7 +600,7 @@ class AutoParallel:
         base = tuple(base) if base is not None else self._whole(x)
         g = self._group(base)
         nbytes = a.size * np.dtype(_np_dtype(a.dtype)).itemsize
-        if g == 1 or a.shape[0] % (base[0] * g) or nbytes < self._hsdp[1]:
+        if g == 1 or a.shape[0] % (base[0] * g) or nbytes < hsdp.threshold_bytes:
             return None
         return (base[0] * g,) + base[1:]
 
@@ -702,7 +635,8 @@ class AutoParallel:
             if base is not None:
                 given = self._zero(x, "level3", base) or given
             if given is None:
-                given = self._whole(x) if self.parallel_mode == "semi_auto" else None
+                given = self._whole(x) if self.parallel_mode is ParallelMode.SEMI_AUTO \
+                    else None
             out.append(given)
         return tree.unflatten(spec, out)
 
@@ -711,7 +645,7 @@ class AutoParallel:
         would otherwise leave that parameter unsplit without a word)."""
         paths = tree.flatten_with_path(params)[0]
         names = {_name(p) for p in paths} | {tree.keystr(p) for p in paths}
-        unknown = [k for k in self._param_plan if k not in names]
+        unknown = [k for k in self._options.parameter_plan if k not in names]
         if unknown:
             known = sorted(_name(p) for p in paths)
             raise ArgumentError(
@@ -724,7 +658,8 @@ class AutoParallel:
     def _param_strategy(self, path, x):
         """The strategy given for a parameter (parameter_plan, a loaded file), or None."""
         name = _name(path)
-        given = self._param_plan.get(name, self._param_plan.get(tree.keystr(path)))
+        plan = self._options.parameter_plan
+        given = plan.get(name, plan.get(tree.keystr(path)))
         if self._fixed_params is not None and name in self._fixed_params:
             given = tuple(self._fixed_params[name])
         return given
@@ -740,7 +675,8 @@ class AutoParallel:
         out = []
         for x, (base, given) in zip(leaves, bases, strict=True):
             s = None if base is False else self._zero(x, "level1", base)
-            if s is None and base is not False and (given or self.parallel_mode == "semi_auto"):
+            if s is None and base is not False and (
+                    given or self.parallel_mode is ParallelMode.SEMI_AUTO):
                 s = base or self._whole(x)
             out.append(s)
         return tree.unflatten(spec, out)
@@ -773,8 +709,8 @@ class AutoParallel:
                     "inputs.\nFix: one strategy per batch input.")
             return list(self._dataset)
         if self._dataset == "full_batch":
-            return [tree.map(self._whole, b) if self.parallel_mode == "semi_auto" else None
-                    for b in batch]
+            return [tree.map(self._whole, b) if self.parallel_mode is ParallelMode.SEMI_AUTO
+                    else None for b in batch]
         n = self.n_devices
 
         def split(x):
@@ -807,7 +743,7 @@ class AutoParallel:
         loss_fn, opt, has_aux = self.loss_fn, self.optimizer, self.has_aux
         fixed = self._frozen()
 
-        norms = self._local_norms if any(self._local_norm) else None
+        norms = self._local_norms if self._options.local_norm else None
 
         def train_step(params, opt_state, step, *batch):
             # Frozen parameters (requires_grad=False) are read, not differentiated, and
@@ -873,11 +809,11 @@ class AutoParallel:
         return out
 
     def _report_norms(self, state, norms: dict) -> None:
-        shown, path = self._local_norm
+        shown, path = self._options.print_local_norm, self._options.dump_local_norm
         step = int(state.step.asnumpy())
         values = {k: np.asarray(v.asnumpy()).tolist() for k, v in norms.items()}
         record = {"step": step, "norms": values}
-        if self._device_norm:
+        if self._options.device_local_norm:
             devices = self._device_norms(_without(state.params, self._frozen()), values)
             first = distributed.rank() if self._in_job() else 0
             record["device_norms"] = {str(first + i): v for i, v in enumerate(devices)}
@@ -927,7 +863,7 @@ class AutoParallel:
                 "program, so partitioned(), memory_report(), state_strategies() and the "
                 "strategy files are not available.\nFix: inspect the pipeline with "
                 "pipeline_schedule(); call pipeline(stages=1) to turn it off.")
-        check_context_mode(self.parallel_mode, f"AutoParallel({self.name})")
+        check_context_mode(self.parallel_mode.value, f"AutoParallel({self.name})")
         # (the dataset strategy and the mesh may come from MindSpore's context)
         key = (tree.structure(state), tuple(
             (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))),
@@ -940,29 +876,21 @@ class AutoParallel:
         o_sh = self._state_strategies(state.opt_state, _without(state.params, self._frozen()))
         b_sh = self._batch_strategies(batch)
         in_strategy = (p_sh, o_sh, ()) + tuple(b_sh)
-        out_strategy = (TrainState(p_sh, o_sh, ()), None) + ((None,) if any(
-            self._local_norm) else ())
+        out_strategy = (TrainState(p_sh, o_sh, ()), None) + (
+            (None,) if self._options.local_norm else ())
         grad_vars: list = []
         # level 2: the plan that takes the least time (compute at the backend's flops
         # rate plus each collective as the backend runs it), not the fewest bytes.
         s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
                   mesh=self.mesh, level=2, dataset_strategy="full_batch",
-                  search=self.parallel_mode == "recursive_programming")
-        s.comm_fusion = self._fusion
-        if self.parallel_mode == "semi_auto":
-            # MindSpore's semi-auto parallel: an operator without a strategy follows
-            # its inputs (data parallel over the batch split), planned by no search.
-            s.search = "follow_inputs"
-        elif self.parallel_mode == "sharding_propagation":
-            # Greedy propagation, or the plan that follows the inputs where the
-            # objective prices it lower (it can gather activations data parallelism
-            # never needs).
-            s.search = "cheaper_path"
+                  search=False)
+        s.search = _SEARCH[self.parallel_mode]  # (fs.shard's own argument takes a bool)
+        s.comm_fusion = self._options.fusion_bytes
         # In a job the split leaves of the new state stay each process's blocks
         # (fs.ShardedArray): the next step takes them as they are, so ZeRO's and model
         # parallelism's memory saving is real and no step gathers the state.
         s.gather_outputs = not self._in_job()
-        if self._fp32_comm or self._gradient_fp32_sync:
+        if self._options.fp32_reductions:
             s.passes = (reduce_in_float32,)
         s.grad_vars = grad_vars
         s.batch_places = {}  # batch signature -> this process's blocks (_place_slices)
@@ -984,7 +912,7 @@ class AutoParallel:
                 f"AutoParallel({self.name})(state, *batch): state must be the TrainState "
                 f"from ap.init(...); got {type(state).__name__}.")
         self._need_optimizer()
-        if self._device_norm and not any(self._local_norm):
+        if self._options.device_local_norm and not self._options.local_norm:
             raise ArgumentError(
                 f"AutoParallel({self.name}): enable_device_local_norm() adds each "
                 "device's gradient norm to the local norms, but neither print_local_norm() "
@@ -1231,7 +1159,7 @@ class AutoParallel:
         return self
 
     def __repr__(self) -> str:
-        return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode!r})"
+        return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode.value!r})"
 
 
 def _initialise(cell) -> None:

@@ -65,6 +65,7 @@ from fshard.meshes.layout import Layout
 from fshard.meshes.mesh import Mesh, resolve_mesh
 from fshard.training.optim import apply_updates
 from fshard.primitives.passes import reduce_in_float32
+from fshard.training.parallel.options import ParallelMode
 from fshard.training.parallel.schedule import Event, Schedule, check_config
 from fshard.primitives import collectives as C
 from fshard.primitives.elementwise import cast
@@ -1012,6 +1013,13 @@ def _unpack(buf, avals):
 # ---------------------------------------------------------------------------
 
 
+#: How a stage of several devices plans what no strategy fixes, per AutoParallel mode
+#: (the ``search`` of the stage's ``fs.shard``).
+_STAGE_SEARCH = {ParallelMode.SEMI_AUTO: "follow_inputs",
+                 ParallelMode.SHARDING_PROPAGATION: False,
+                 ParallelMode.RECURSIVE_PROGRAMMING: True}
+
+
 class PipelineRunner:
     """The pipelined steps of one ``AutoParallel`` (one per input signature), its
     schedule and its parameter gathering."""
@@ -1037,17 +1045,17 @@ class PipelineRunner:
     @property
     def fp32(self) -> bool:
         """Float16 reductions run in float32 (as ``AutoParallel``'s step decides)."""
-        return self.ap._fp32_comm or self.ap._gradient_fp32_sync
+        return self.ap.options.fp32_reductions
 
     def check_combination(self):
         ap = self.ap
-        for what, on in (("hsdp(...)", ap._hsdp is not None),
-                         ("comm_fusion(...)", ap._fusion is not None),
+        for what, on in (("hsdp(...)", ap.options.hsdp is not None),
+                         ("comm_fusion(...)", ap.options.fusion_bytes is not None),
                          ("a dataset_strategy(...) tuple",
                           ap._dataset not in ("data_parallel", "full_batch")),
                          ("has_aux=True", ap.has_aux),
                          ("print_local_norm() / dump_local_norm()",
-                          any(ap._local_norm)),
+                          ap.options.local_norm),
                          ("set_inputs(...)", ap._batch_specs is not None),
                          ("a strategy or group file to write at the first step "
                           "(save_param_strategy_file(path), save_operator_strategy_file"
@@ -1061,7 +1069,7 @@ class PipelineRunner:
                     "two settings.")
 
     def step_for(self, state, *batch) -> PipelinedStep:
-        check_context_mode(self.ap.parallel_mode, f"AutoParallel({self.ap.name})")
+        check_context_mode(self.ap.parallel_mode.value, f"AutoParallel({self.ap.name})")
         self.check_combination()
         cfg = self.cfg
         dp = self.ap.n_devices // cfg.stages
@@ -1076,7 +1084,7 @@ class PipelineRunner:
         plan = None
         if dp > 1:  # a stage of several devices: sharded if the loss or the plan says so
             plan = cut(ap.loss_fn, ap.name, state.params, batch, rows * dp, dp)
-            if not (plan.constrained or ap._param_plan):
+            if not (plan.constrained or ap.options.parameter_plan):
                 plan = None
         sharding = self._stage_sharding(state.params, batch, dp, plan is not None)
         if plan is None:
@@ -1123,7 +1131,7 @@ class PipelineRunner:
                     f"each stage has {dp} ({ap.n_devices} devices / {S} stages): a stage's "
                     f"strategies run on its own devices.\nFix: split counts whose product "
                     f"divides {dp}, or fewer stages.")
-            if given is None and ap.parallel_mode == "semi_auto":
+            if given is None and ap.parallel_mode is ParallelMode.SEMI_AUTO:
                 given = (1,) * typeof(x).ndim
             strategies.append(given)
         if not sharded:
@@ -1132,8 +1140,7 @@ class PipelineRunner:
                                  for x in tree.leaves(list(batch)))
         return StageSharding(dp, tuple(strategies), batch_strategies,
                              None if self.virtual else ("pp", S),
-                             {"semi_auto": "follow_inputs", "sharding_propagation": False,
-                              "recursive_programming": True}[ap.parallel_mode], self.fp32)
+                             _STAGE_SEARCH[ap.parallel_mode], self.fp32)
 
     def stage_costs(self) -> list:
         if self.plan is None:

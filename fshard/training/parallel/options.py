@@ -1,0 +1,275 @@
+"""``fs.AutoParallel``'s configuration: one frozen options object, checked in one place.
+
+The constructor's ``parallel_mode`` and the MindSpore-named configuration methods
+(``dataset_strategy``, ``parameter_plan``, ``hsdp``, ``comm_fusion``,
+``gradient_accumulation``, the fp32-communication and local-norm switches) each make a
+new ``ParallelOptions`` with ``replace`` (MindSpore's ``comm_fusion`` dict is read by
+``parse_comm_fusion``); ``__post_init__`` checks every field, so a
+refused value leaves the previous options in place (nothing half-applied), and the
+step is built from ``ap.options`` alone.
+
+>>> from fshard.training.parallel.options import ParallelMode, ParallelOptions
+>>> o = ParallelOptions(mode="sharding_propagation").replace(gradient_accumulation=4)
+>>> o.mode is ParallelMode.SHARDING_PROPAGATION, o.mode == "sharding_propagation"
+(True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
+
+from fshard.errors import ArgumentError
+
+
+class ParallelMode(str, enum.Enum):
+    """How ``fs.AutoParallel`` plans what no strategy fixes (MindSpore's
+    ``AutoParallel(parallel_mode=...)``; its strings are accepted and compare equal).
+
+    - ``SEMI_AUTO`` (``"semi_auto"``): the strategies given; an operator without one
+      follows its inputs' layouts (data parallel over the batch split);
+    - ``SHARDING_PROPAGATION`` (``"sharding_propagation"``): propagation derives the
+      rest, the parameters too;
+    - ``RECURSIVE_PROGRAMMING`` (``"recursive_programming"``): fshard's search over the
+      whole step.
+
+    >>> import fshard as fs
+    >>> mode = fs.parallel.ParallelMode("recursive_programming")
+    >>> mode is fs.parallel.ParallelMode.RECURSIVE_PROGRAMMING, mode == "recursive_programming"
+    (True, True)
+    """
+
+    SEMI_AUTO = "semi_auto"
+    SHARDING_PROPAGATION = "sharding_propagation"
+    RECURSIVE_PROGRAMMING = "recursive_programming"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value) -> "ParallelMode":
+        """``value`` (a member or its string) as a member; anything else is an error."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value)
+            except ValueError:
+                pass
+        modes = tuple(m.value for m in cls)
+        # MindSpore's context names its modes differently (ms.set_auto_parallel_context)
+        context = {"semi_auto_parallel": "'semi_auto'",
+                   "auto_parallel": "'sharding_propagation' or 'recursive_programming' (its "
+                                    "search_mode)"}
+        hint = (f"{value!r} is ms.set_auto_parallel_context's spelling; AutoParallel's is "
+                f"{context[value]}" if isinstance(value, str) and value in context else
+                "parallel_mode='semi_auto' (the strategies given, data parallel elsewhere)")
+        raise ArgumentError(
+            f"AutoParallel(parallel_mode=...) must be one of {modes} (or fs.parallel."
+            f"ParallelMode); got {value!r}.\nFix: {hint}.")
+
+
+MODES = tuple(m.value for m in ParallelMode)
+LEVELS = ("level1", "level2", "level3")
+
+
+class Hsdp(NamedTuple):
+    """ZeRO (``AutoParallel.hsdp``): the group size (-1: each parameter's whole
+    data-parallel group), the size in KB under which a tensor stays whole, the level."""
+
+    shard_size: int
+    threshold: int
+    level: str
+
+    @property
+    def threshold_bytes(self) -> int:
+        return self.threshold * 1024
+
+    def reaches(self, level: str) -> bool:
+        """ZeRO at this level splits what ``level`` splits (level3 includes level1)."""
+        return LEVELS.index(self.level) >= LEVELS.index(level)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelOptions:
+    """Everything ``fs.AutoParallel`` is configured with (``ap.options``), checked on
+    construction. The fields are the methods' arguments, as given.
+
+    >>> import fshard as fs
+    >>> ap = fs.AutoParallel(lambda p, x: (x @ p).sum(), fs.optim.sgd(0.1), mesh=2)
+    >>> ap.gradient_accumulation(4).options.gradient_accumulation
+    4
+    >>> ap.options.replace(mode="sharding_propagation").mode
+    <ParallelMode.SHARDING_PROPAGATION: 'sharding_propagation'>
+    """
+
+    mode: ParallelMode = ParallelMode.SEMI_AUTO
+    #: ``"data_parallel"``, ``"full_batch"``, a tuple of per-input strategies, or None
+    #: (not given: MindSpore's context decides, else "data_parallel")
+    dataset_strategy: Any = None
+    parameter_plan: Mapping = dataclasses.field(default_factory=dict)
+    hsdp: Hsdp | None = None
+    #: the AllReduce bucket size in bytes (``comm_fusion``; None: no fusion)
+    fusion_bytes: float | None = None
+    fp32_communication: bool = False
+    gradient_fp32_sync: bool = True  # MindSpore's default
+    print_local_norm: bool = False
+    dump_local_norm: str | None = None
+    device_local_norm: bool = False
+    gradient_accumulation: int = 1
+
+    def __post_init__(self):
+        def set_(name, value):  # (frozen: only construction sets a field)
+            object.__setattr__(self, name, value)
+
+        set_("mode", ParallelMode.parse(self.mode))
+        _check_dataset(self.dataset_strategy)
+        if not isinstance(self.parameter_plan, Mapping):
+            raise ArgumentError(
+                f"AutoParallel.parameter_plan(plan): plan must be a dict of name -> "
+                f"strategy; got {type(self.parameter_plan).__name__}.\nFix: e.g. "
+                "{'dense1.weight': (1, 2)}.")
+        set_("parameter_plan", MappingProxyType(dict(self.parameter_plan)))
+        if self.hsdp is not None:
+            set_("hsdp", _check_hsdp(*self.hsdp))
+        b = self.fusion_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
+                              or not (math.isfinite(b) and b > 0)):
+            raise ArgumentError(
+                f"ParallelOptions(fusion_bytes=...) must be None or a bucket size in bytes "
+                f"> 0; got {b!r}.\nFix: set it with AutoParallel.comm_fusion(config).")
+        if self.dump_local_norm is not None:
+            if not isinstance(self.dump_local_norm, (str, os.PathLike)):
+                raise ArgumentError(
+                    f"AutoParallel.dump_local_norm(path): path must be a directory path; "
+                    f"got {type(self.dump_local_norm).__name__} {self.dump_local_norm!r}."
+                    "\nFix: a str or pathlib.Path naming a directory.")
+            set_("dump_local_norm", os.fspath(self.dump_local_norm))
+        k = self.gradient_accumulation
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ArgumentError(
+                f"AutoParallel.gradient_accumulation(k): k must be an int >= 1 (micro-batches "
+                f"per update); got {type(k).__name__} {k!r}.\nFix: e.g. "
+                "ap.gradient_accumulation(4).")
+        set_("gradient_accumulation", int(k))
+        for name in ("fp32_communication", "gradient_fp32_sync", "print_local_norm",
+                     "device_local_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ArgumentError(
+                    f"ParallelOptions({name}=...) must be a bool; got "
+                    f"{getattr(self, name)!r}.\nFix: True or False.")
+
+    def replace(self, **changes) -> "ParallelOptions":
+        """New options with ``changes``, checked (these are unchanged on an error)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def local_norm(self) -> bool:
+        """Gradient block norms are reported (printed or dumped)."""
+        return self.print_local_norm or self.dump_local_norm is not None
+
+    @property
+    def fp32_reductions(self) -> bool:
+        """Float16 reductions run in float32."""
+        return self.fp32_communication or self.gradient_fp32_sync
+
+
+def _check_dataset(config) -> None:
+    if config is not None and config not in ("data_parallel", "full_batch") and \
+            not isinstance(config, tuple):
+        raise ArgumentError(
+            "AutoParallel.dataset_strategy(config): config must be 'data_parallel', "
+            f"'full_batch' or a tuple of per-input strategies; got {config!r}.\nFix: "
+            "dataset_strategy('data_parallel') splits each batch input along dimension 0 "
+            "over the devices; ((8, 1), (8,)) gives one strategy per batch input.")
+
+
+def _check_hsdp(shard_size, threshold, level) -> Hsdp:
+    if level not in LEVELS:
+        raise ArgumentError(
+            f"AutoParallel.hsdp(optimizer_level=...) must be one of {LEVELS}; got "
+            f"{level!r}.\nFix: 'level1' splits the optimizer state, 'level2' also the "
+            "gradients, 'level3' also the parameters.")
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise ArgumentError(
+            f"AutoParallel.hsdp(threshold=...) must be an int >= 0 (KB); got "
+            f"{threshold!r}.\nFix: e.g. threshold=64 keeps tensors under 64 KB whole.")
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or (
+            shard_size != -1 and shard_size < 1):
+        raise ArgumentError(
+            f"AutoParallel.hsdp(shard_size=...) must be -1 (each parameter's whole "
+            f"data-parallel group) or a positive int; got {shard_size!r}.\nFix: "
+            "shard_size=-1, or the size of the groups to split over.")
+    return Hsdp(shard_size, threshold, level)
+
+
+def parse_comm_fusion(config) -> float | None:
+    """The AllReduce bucket size MindSpore's ``comm_fusion`` ``config`` asks for (None:
+    fusion off), checked as MindSpore checks it."""
+    where = "AutoParallel.comm_fusion(config)"
+    if not isinstance(config, Mapping):
+        raise ArgumentError(
+            f"{where}: config must be a dict; got {type(config).__name__}.\nFix: e.g. "
+            '{"allreduce": {"mode": "auto", "config": None}}.')
+    unknown = set(config) - {"openstate", "allreduce", "allgather", "reducescatter"}
+    if unknown:
+        raise ArgumentError(
+            f"{where}: unknown keys {sorted(unknown, key=repr)}; MindSpore's keys are "
+            "'openstate', 'allreduce', 'allgather' and 'reducescatter'.\nFix: use "
+            "'openstate' (a bool) and 'allreduce' (a dict of 'mode' and 'config').")
+    for kind in ("allgather", "reducescatter"):
+        if kind in config:
+            raise ArgumentError(
+                f"{where}: fusing {kind} is not supported by fshard (only AllReduce "
+                "buckets); remove that key.")
+    openstate = config.get("openstate", True)
+    if not isinstance(openstate, bool):
+        raise ArgumentError(
+            f"{where}: 'openstate' must be a bool (True: fusion on, False: off); got "
+            f"{type(openstate).__name__} {openstate!r}.\nFix: {{'openstate': False}} "
+            "turns fusion off.")
+    ar = config.get("allreduce", {"mode": "auto", "config": None})
+    if not isinstance(ar, Mapping):
+        raise ArgumentError(
+            f"{where}: 'allreduce' must be a dict with keys 'mode' and 'config'; got "
+            f"{type(ar).__name__} {ar!r}.\nFix: {{'allreduce': {{'mode': 'size', "
+            "'config': 32}}.")
+    if set(ar) != {"mode", "config"}:
+        missing = sorted({"mode", "config"} - set(ar))
+        extra = sorted(set(ar) - {"mode", "config"}, key=repr)
+        raise ArgumentError(
+            f"{where}: 'allreduce' must have exactly the keys 'mode' and 'config' (as "
+            f"MindSpore asks)" + (f"; missing {missing}" if missing else "")
+            + (f"; unknown {extra}" if extra else "") + ".\nFix: {'mode': 'auto', "
+            "'config': None} or {'mode': 'size', 'config': <MB>}.")
+    mode, size = ar["mode"], ar["config"]
+    if mode == "auto":
+        if size is not None:
+            raise ArgumentError(
+                f"{where}: allreduce mode 'auto' uses 64 MB buckets, so config "
+                f"{size!r} would be ignored.\nFix: config None, or mode 'size' for a "
+                "bucket of config MB.")
+        fusion = 64 * 2**20
+    elif mode == "size":
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not (
+                math.isfinite(size) and size > 0):
+            raise ArgumentError(
+                f"{where}: allreduce mode 'size' needs config = a bucket size in MB, "
+                f"a finite number > 0; got {size!r}.\nFix: e.g. {{'mode': 'size', "
+                "'config': 32}.")
+        fusion = float(size) * 2**20
+    else:
+        raise ArgumentError(
+            f"{where}: allreduce mode must be 'auto' or 'size'; got {mode!r} ('index' "
+            "names MindSpore's graph-compiler fusion indices, which fshard has no use "
+            "for).\nFix: {'mode': 'auto', 'config': None}.")
+    return fusion if openstate else None

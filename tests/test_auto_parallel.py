@@ -494,3 +494,21 @@ def test_each_zero_level_communicates_what_zero_needs():
     state = ap.init(params)
     assert ap.state_strategies(state, x, y).params == {
         "w1": (4, 1), "b1": (4,), "w2": (4, 1), "b2": (1,)}
+
+
+def test_carried_state_keeps_its_mesh_axes_from_step_to_step():
+    """A tuple strategy says how many ways, not over which devices; a train step's
+    state leaves go out on the devices they came in on (else a job gathers and cuts
+    them again at every step). The 2 x 2 Adam MLP with ZeRO level1: b1 and w2 once
+    came back on the other mesh axis of size 2."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_autoparallel as example
+
+    ap = example.make(mp=2, zero="level1", mesh=4)
+    state = ap.init(example.init_params())
+    x, y = next(iter(example.batches(1)))
+    part = ap.partitioned(state, x, y)
+    n = len(tree.leaves((state.params, state.opt_state, state.step)))
+    assert part.in_shardings[:n] == part.out_shardings[:n]
+    split = [s for s in part.in_shardings[:n] if any(s.dims)]
+    assert len(split) >= 9, split  # w1, b1, w2 and Adam's moments of them (ZeRO)

@@ -186,6 +186,10 @@ class Sharded:
         # ``comm_fusion``); None: one AllReduce per value.
         self.comm_fusion = None
         self.passes = ()  # rewrites of the per-device program (fs.AutoParallel's)
+        # The first ``carried`` output leaves are the next call's first ``carried``
+        # argument leaves (fs.AutoParallel's train state): a tuple strategy given to
+        # both takes the same mesh axes on both sides, so no step redistributes it.
+        self.carried = 0
         # ``(axis name, count)``: in a job, the devices are one of ``count`` equal groups
         # of the processes (consecutive ranks), this process's group, and all
         # communication stays inside it (a pipeline stage's devices); None: the world.
@@ -305,10 +309,11 @@ class Sharded:
             in_sh.append(parse_strategy(e, a, mesh, where, what))
         out_sh, out_flexible = self._out_shardings(prog, mesh, fname, traced.out_tree)
         flexible += [("out", k) for k in out_flexible]
+        tied = [(("in", n_c + k), ("out", k)) for k in range(self.carried)]
         body = Program(prog.inputs, prog.equations, prog.outputs)
         plan = ShardPlan(body, in_sh, out_sh, mesh, self.level, fname, self.search,
                          self._fixed, world=world_mesh(mesh, groups) if in_job else None,
-                         flexible=flexible, fusion=self.comm_fusion)
+                         flexible=flexible, fusion=self.comm_fusion, tied=tied)
         plan.passes = self.passes
         plan.local_outputs = in_job and not self.gather_outputs
         self._cache[key] = (plan, traced)

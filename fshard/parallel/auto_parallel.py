@@ -948,6 +948,8 @@ class AutoParallel:
                   mesh=self.mesh, level=2, dataset_strategy="full_batch",
                   search=self.parallel_mode == "recursive_programming")
         s.comm_fusion = self._fusion
+        # The new state is the next step's state: its leaves keep their devices.
+        s.carried = len(tree.leaves((state.params, state.opt_state, state.step)))
         if self.parallel_mode == "semi_auto":
             # MindSpore's semi-auto parallel: an operator without a strategy follows
             # its inputs (data parallel over the batch split), planned by no search.

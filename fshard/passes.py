@@ -31,8 +31,10 @@ import numpy as np
 from fshard import dtypes
 from fshard.core import ArrayType
 from fshard.ir import Equation, Literal, Program, Var
+from fshard.primitives.base import add_p
 from fshard.primitives.collectives import pmean_p, psum_p, psum_scatter_p
-from fshard.primitives.elementwise import cast_p
+from fshard.primitives.elementwise import (cast_p, div_p, maximum_p, minimum_p, mul_p, pow_p,
+                                           sub_p)
 from fshard.primitives.structural import (broadcast_to_p, concat_p, reshape_p, split_p,
                                           transpose_p)
 
@@ -212,6 +214,53 @@ def simplify(program: Program, max_rounds: int = 4) -> Program:
         if len(program.equations) == n:
             break
     return program
+
+
+# ---------------------------------------------------------------------------
+# implicit_broadcasts: for lowering only
+# ---------------------------------------------------------------------------
+
+# Binary primitives whose MindSpore kernels broadcast their operands as NumPy does.
+_BROADCASTING = (add_p, sub_p, mul_p, div_p, pow_p, maximum_p, minimum_p)
+
+
+def _static(shape) -> bool:
+    return all(type(d) is int for d in shape)
+
+
+def implicit_broadcasts(program: Program) -> Program:
+    """``program`` with the ``broadcast_to`` operands of arithmetic equations replaced
+    by what they broadcast, where MindSpore's kernel broadcasts it to the same result
+    (``mul(x, broadcast_to(0.9, x.shape))`` becomes ``mul(x, 0.9)``), and the broadcasts
+    nothing else reads dropped.
+
+    fshard's primitives take operands of one shape, so tracing materialises every
+    broadcast (an optimizer's ``m * b1``, a normalisation's ``x * scale`` per channel);
+    lowered one to one, each is a kernel writing a full-size tensor that the next
+    kernel reads back. The result is NOT a valid fshard Program (its operands' shapes
+    differ): it is only for ``backend.lower_program``, after every other pass.
+    """
+    producer = {v: eq for eq in program.equations if eq.prim is broadcast_to_p
+                for v in eq.outputs}
+    out = []
+    for eq in program.equations:
+        if eq.prim in _BROADCASTING and producer and _static(eq.outputs[0].aval.shape):
+            want = tuple(eq.outputs[0].aval.shape)
+            ins = list(eq.inputs)
+            for i, a in enumerate(ins):
+                src = producer.get(a) if isinstance(a, Var) else None
+                if src is None or not _static(src.inputs[0].aval.shape):
+                    continue
+                trial = ins[:i] + [src.inputs[0]] + ins[i + 1:]
+                if np.broadcast_shapes(*(tuple(t.aval.shape) for t in trial)) == want:
+                    ins = trial
+            if ins != list(eq.inputs):
+                eq = Equation(eq.prim, ins, eq.params, eq.outputs, eq.source)
+        out.append(eq)
+    if len(out) == len(program.equations) and all(
+            a is b for a, b in zip(out, program.equations)):
+        return program
+    return dce(Program(program.inputs, out, program.outputs, program.n_consts, program.meta))
 
 
 # ---------------------------------------------------------------------------

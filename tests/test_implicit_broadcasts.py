@@ -1,0 +1,88 @@
+"""The lowering leaves broadcasts to MindSpore's arithmetic kernels
+(``fshard.passes.implicit_broadcasts``): same values, fewer kernels."""
+
+import numpy as np
+import pytest
+
+import fshard as fs
+from fshard import passes
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((4, 3, 5, 5)).astype(np.float32)
+W = RNG.standard_normal(3).astype(np.float32)
+
+
+def _close(got, want):
+    got = np.asarray(got.asnumpy() if hasattr(got, "asnumpy") else got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(want).max()))
+
+
+def _lowered_ops(f, *args) -> list:
+    src = fs.jit(f).lower(*args).source
+    body = src.split("\n\n")[0].splitlines()[1:]
+    return [line.split("= ", 1)[1].split("(")[0] for line in body if " = " in line]
+
+
+def test_scalar_and_per_channel_broadcasts_are_left_to_the_kernels():
+    def f(x, w):
+        return (x * 0.5 + fs.ops.reshape(w, (1, 3, 1, 1))) / 3.0 - fs.ops.maximum(x, 0.1)
+
+    ops = _lowered_ops(f, X, W)
+    assert not any("broadcast_to" in o for o in ops), ops
+    _close(fs.jit(f)(X, W), (X * 0.5 + W[None, :, None, None]) / 3.0 - np.maximum(X, 0.1))
+
+
+def test_a_broadcast_read_elsewhere_is_kept():
+    def f(x, w):
+        b = fs.ops.broadcast_to(fs.ops.reshape(w, (1, 3, 1, 1)), X.shape)
+        return x * b, b.sum((0, 2, 3)), b
+
+    ops = _lowered_ops(f, X, W)
+    assert sum("broadcast_to" in o for o in ops) == 1, ops
+    y, s, b = fs.jit(f)(X, W)
+    full = np.broadcast_to(W[None, :, None, None], X.shape)
+    _close(y, X * full)
+    _close(s, full.sum((0, 2, 3)))
+    _close(b, full)
+
+
+def test_both_operands_broadcast_to_a_larger_shape():
+    a = RNG.standard_normal((1, 3)).astype(np.float32)
+    c = RNG.standard_normal((2, 1)).astype(np.float32)
+
+    def f(a, c):
+        return fs.ops.broadcast_to(a, (2, 3)) * fs.ops.broadcast_to(c, (2, 3))
+
+    assert fs.jit(f)(a, c).shape == (2, 3)
+    _close(fs.jit(f)(a, c), a * c)
+
+
+def test_gradients_and_optimizer_update_unchanged():
+    def loss(w, x):
+        return ((x * fs.ops.reshape(w, (1, 3, 1, 1))) ** 2).mean()
+
+    g = fs.jit(fs.grad(loss))(W, X)
+    _close(g, (2 * X ** 2 * W[None, :, None, None]).mean((0, 2, 3)) / 3)
+    opt = fs.optim.adam(0.1)
+    params = {"w": W}
+    state = opt.init(params)
+
+    def update(p, s, g):
+        u, s = opt.update(g, s, p)
+        return fs.optim.apply_updates(p, u), s
+
+    assert not any("broadcast_to" in o for o in _lowered_ops(update, params, state, params))
+    got, _ = fs.jit(update)(params, state, params)
+    want, _ = update(params, state, params)  # eager: the Program as traced
+    _close(got["w"], want["w"].asnumpy())
+
+
+def test_the_pass_leaves_a_program_without_broadcasts_alone():
+    ir = fs.make_ir(lambda x: x * x)(X)
+    assert passes.implicit_broadcasts(ir.program) is ir.program
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float16])
+def test_other_dtypes(dtype):
+    x = (X * 4).astype(dtype)
+    _close(fs.jit(lambda x: x * 2 + 1)(x), (x * 2 + 1))

@@ -142,3 +142,35 @@ def test_kernel_counts_of_a_training_step():
 
     assert full_size(prog) == 19
     assert full_size(passes.implicit_broadcasts(passes.simplify(prog))) == 12
+
+
+@pytest.mark.parametrize("make", [lambda: fs.optim.adam(0.1), lambda: fs.optim.adamw(0.1),
+                                  lambda: fs.optim.sgd(0.1, momentum=0.9),
+                                  lambda: fs.optim.sgd(0.1, momentum=0.9, nesterov=True)],
+                         ids=["adam", "adamw", "momentum", "nesterov"])
+def test_small_leaves_update_together_with_the_same_bits(make):
+    """Inside a traced step the small leaves of one dtype go through the optimizer's
+    arithmetic concatenated (one kernel per operation for all of them)."""
+    opt = make()
+    params = {"a": X[0], "b": W, "c": X[1, 0], "big": np.ones((300, 300), np.float32),
+              "h": X[2].astype(np.float16)}
+    grads = {k: (v * 0.5 + 0.25).astype(v.dtype) for k, v in params.items()}
+    state = opt.init(params)
+
+    def update(p, s, g):
+        u, s = opt.update(g, s, p)
+        return fs.optim.apply_updates(p, u), s
+
+    eager = update(params, state, grads)   # leaf by leaf
+    fused = fs.jit(update)(params, state, grads)
+    for e, f in zip(fs.tree.leaves(eager), fs.tree.leaves(fused)):
+        np.testing.assert_array_equal(np.asarray(f.asnumpy()), np.asarray(e.asnumpy()))
+    again = fs.jit(update)(*fused, grads)   # a second step from the fused state
+    want = update(*eager, grads)
+    for e, f in zip(fs.tree.leaves(want), fs.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(f.asnumpy()), np.asarray(e.asnumpy()))
+    prog = fs.make_ir(update)(params, state, grads).program
+    assert sum(eq.prim.name == "concat" for eq in prog.equations) >= 2
+    # under fs.shard, leaf by leaf (a concatenation would mix the leaves' layouts)
+    sharded = fs.make_ir(fs.shard(update, (None, None, None), mesh=2))(params, state, grads)
+    assert "concat" not in str(sharded)

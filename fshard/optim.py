@@ -328,7 +328,7 @@ def _fused_map(fn, *trees) -> tuple:
     if type(current_trace()) is not EvalTrace and not context.shard_depth.get():
         for i in range(n):
             avals = [typeof(leaves[i]) for leaves in flat]
-            if math.prod(avals[0].shape) <= _FUSE_MAX and all(
+            if 0 < math.prod(avals[0].shape) <= _FUSE_MAX and all(
                     a.shape == avals[0].shape for a in avals):
                 groups.setdefault(tuple(a.dtype for a in avals), []).append(i)
     for idx in groups.values():

@@ -508,7 +508,8 @@ class Jitted:
                                                    for k, v in sig.items()})
             local = None if not sig and not any(out_info) else (program, out_info)
             program, consts, params = lift_parameters(program, traced.consts)
-            src, globals_, n_out = backend.lower_program(program, consts, traced.name)
+            src, globals_, n_out = backend.lower_program(passes.implicit_broadcasts(program),
+                                                         consts, traced.name)
             lowered = Lowered(traced, src, globals_, n_out, _last_computed(program), local,
                               program, params)
             self._cache[key] = lowered

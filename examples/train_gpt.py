@@ -195,9 +195,12 @@ def build(dp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False, amp: bool = F
     if plan:
         ap.parameter_plan(plan)
     if pp > 1:
-        ap.pipeline(stages=pp, micro_batches=micro_batches or pp)
-    elif tp > 1:
-        # the batch over dp only (each tp group holds the same rows), the scale whole
+        # every process passes the whole batch (in a job; each stage's devices take
+        # their rows of each micro-batch); every stage returns the loss
+        ap.dataset_strategy("full_batch")
+        ap.pipeline(stages=pp, micro_batches=micro_batches or pp, output_broadcast=True)
+    elif n > 1:
+        # the rows over dp only (the tp devices of a row block hold the same rows)
         ap.dataset_strategy(((dp, 1), (dp, 1), (dp,)))
     return ap
 
@@ -250,13 +253,14 @@ def main(argv=None):
     parser.add_argument("--plot", default=None, help="save the loss curve here")
     parser.add_argument("--out", default=None, help="write the losses here (JSON)")
     args = parser.parse_args(argv)
-    distributed = fs.distributed.is_initialized() if hasattr(fs, "distributed") else False
-    mesh = None
-    if distributed:
-        fs.distributed.init()
-    losses, skipped = train(args.steps, progress=True, dp=args.dp, tp=args.tp, pp=args.pp,
-                            sp=args.sp, amp=args.amp, remat=args.remat,
-                            micro_batches=args.micro_batches, mesh=mesh)
+    if fs.distributed.in_launcher():
+        fs.distributed.init()  # one device per process: the job is the mesh
+    first = fs.distributed.rank() == 0
+    losses, skipped = train(args.steps, progress=first, dp=args.dp, tp=args.tp,
+                            pp=args.pp, sp=args.sp, amp=args.amp, remat=args.remat,
+                            micro_batches=args.micro_batches)
+    if not first:
+        return
     print(f"dp={args.dp} tp={args.tp} pp={args.pp} sp={args.sp} amp={args.amp} "
           f"remat={args.remat}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
           f"{skipped} skipped steps")

@@ -219,20 +219,29 @@ class Stages:
         self.chunk_eqs = chunk_eqs
         # parameters: one chunk each
         owner = {}
+
+        def reads_in(eq, s):
+            # an fs.pipeline_split marker reads its operands in the stage before it: a
+            # parameter handed to it is sent on (a tied weight: Megatron's embedding
+            # and output head), owned by the stage that uses it before the marker
+            return s - 1 if _is_split_marker(eq) else s
+
         for v_i, v in enumerate(self.param_vars):
-            chunks = sorted({s for eq, s in zip(prog.equations, eq_st) if v in eq.inputs})
+            chunks = sorted({reads_in(eq, s) for eq, s in zip(prog.equations, eq_st)
+                             if v in eq.inputs})
             if len(chunks) > 1:
                 self._fail(
                     f"parameter #{v_i} ({v.aval}) is used in stages {chunks}; a parameter "
                     "must live in one stage (shared weights across stages are not "
-                    "supported).\nFix: use the parameter in one stage only, e.g. pass a "
-                    "value computed from it through fs.pipeline_split.")
+                    "supported).\nFix: use the parameter in one stage only and hand it "
+                    "to the later stage through the marker, `h, w = fs.pipeline_split((h, "
+                    "w))` (a tied embedding), or pass a value computed from it.")
             owner[v_i] = chunks[0] if chunks else 0
         self.param_owner = owner  # leaf index -> chunk
         self.chunk_params = [[i for i in range(len(self.param_vars)) if owner[i] == c]
                              for c in range(found)]
         # carries: values made in chunks <= b and used in chunks > b
-        made = {}
+        made = {v: owner[i] for i, v in enumerate(self.param_vars)}
         for eq, s in zip(prog.equations, eq_st):
             for v in eq.outputs:
                 made[v] = s
@@ -241,7 +250,7 @@ class Stages:
             for v in eq.inputs:
                 if isinstance(v, Var) and v in made:
                     last_use[v] = max(last_use.get(v, -1), s)
-        order = [v for eq in prog.equations for v in eq.outputs]
+        order = list(self.param_vars) + [v for eq in prog.equations for v in eq.outputs]
         self.carries = [[v for v in order if made[v] <= b < last_use.get(v, -1)]
                         for b in range(found - 1)]
         for b, vs in enumerate(self.carries):
@@ -467,6 +476,11 @@ class StageSharding(NamedTuple):
         if self.fp32:
             s.passes = (reduce_in_float32,)
         return jit(s)
+
+
+def _is_split_marker(eq) -> bool:
+    """An ``fs.pipeline_split`` marker (not a Cell's ``pipeline_stage`` entry)."""
+    return eq.prim is pipeline_split_p and eq.params.get("stage") is None
 
 
 def _has_constraints(program) -> bool:

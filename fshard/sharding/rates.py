@@ -74,9 +74,11 @@ def _load(path: str, mtime: int) -> dict | None:
         ok = (isinstance(table, dict) and table.get("format") == FORMAT
               and all(isinstance(table.get(k), (int, float)) and table[k] >= 0
                       for k in _NUMBERS) and table["flops_per_s"] > 0
+              and isinstance(table.get("devices"), int) and table["devices"] >= 1
               and all(isinstance(table.get(k), dict) and all(
-                  isinstance(v, list) and len(v) == 2 and min(v) >= 0
-                  for v in table[k].values()) for k in ("all_reduce", "all_gather")))
+                  isinstance(n, str) and n.isdigit() and isinstance(v, list) and len(v) == 2
+                  and all(isinstance(t, (int, float)) for t in v) and min(v) >= 0
+                  for n, v in table[k].items()) for k in ("all_reduce", "all_gather")))
     except (OSError, ValueError):
         ok = False
     if not ok:

@@ -8,7 +8,7 @@ rate a least-squares line through several sizes, so a busy machine moves the num
 little):
 
 - ``op_s``: the fixed cost of one more kernel in a compiled program (a chain of 1 and of
-  33 small adds);
+  65 small adds);
 - ``call_s``: the fixed cost of calling a compiled program (the intercept of that chain);
 - ``flops_per_s``: a matmul's flops (``2·m·k·n``) per second, over three sizes;
 - ``point_s``: the seconds per element of an elementwise op (an add over three sizes);
@@ -109,7 +109,7 @@ def _measure_compute(runs: int) -> dict:
     x = _tensor((64,))
     # The first calls of a process pay one-off costs: warm up on a program of its own.
     _times([(_compile(_chain(2), [_f32((64,))]), [x])], 3, 1)
-    ks = (1, 33)
+    ks = (1, 65)
     ts = _times([(_compile(_chain(k), [_f32((64,))]), [x]) for k in ks], runs)
     call_s, op_s = _fit(ks, ts)
     shapes = ((128, 256, 256), (256, 512, 512), (512, 512, 1024))
@@ -202,5 +202,3 @@ def calibrate(devices: int | None = None, *, runs: int = 7) -> dict:
             f"set FSHARD_CACHE_DIR to a writable directory.") from e
     load_cache_clear()
     return table
-
-

@@ -10,7 +10,9 @@ little):
 - ``op_s``: the fixed cost of one more kernel in a compiled program (a chain of 1 and of
   65 small adds);
 - ``call_s``: the fixed cost of calling a compiled program (the intercept of that chain);
-- ``flops_per_s``: a matmul's flops (``2·m·k·n``) per second, over three sizes;
+- ``flops_per_s``: a matmul's flops (``2·m·k·n`` per device) per second, batched over
+  the devices as a virtual mesh runs it, over four thin and wide block shapes, with the
+  right operand per device and shared;
 - ``point_s``: the seconds per element of an elementwise op (an add over three sizes);
 - per collective (``all_reduce``, ``all_gather``) and group size ``n``:
   ``(fixed seconds, seconds per byte of each device's block)`` of the virtual mesh's
@@ -105,17 +107,36 @@ def _chain(k: int):
     return fn
 
 
-def _measure_compute(runs: int) -> dict:
+def _batched_matmul(m: int, k: int, n: int, devices: int, both: bool) -> tuple:
+    inner, consts = stage(lambda a, b: [matmul(a, b)], [_f32((m, k)), _f32((k, n))])
+    axes, lanes = [("g", devices)], frozenset({"g"})
+    b_lead = (devices,) if both else ()
+
+    def whole(a, b):
+        return run_batched(inner, list(consts) + [a, b], [frozenset()] * len(consts) + [
+            lanes, lanes if both else frozenset()], [lanes], axes)
+
+    return (_compile(whole, [_f32((devices, m, k)), _f32(b_lead + (k, n))]),
+            [_tensor((devices, m, k)), _tensor(b_lead + (k, n), 1)])
+
+
+def _measure_compute(runs: int, devices: int) -> dict:
     x = _tensor((64,))
     # The first calls of a process pay one-off costs: warm up on a program of its own.
     _times([(_compile(_chain(2), [_f32((64,))]), [x])], 3, 1)
     ks = (1, 65)
     ts = _times([(_compile(_chain(k), [_f32((64,))]), [x]) for k in ks], runs)
     call_s, op_s = _fit(ks, ts)
-    shapes = ((128, 256, 256), (256, 512, 512), (512, 512, 1024))
-    items = [(_compile(lambda a, b: [matmul(a, b)], [_f32((m, k)), _f32((k, n))]),
-              [_tensor((m, k)), _tensor((k, n), 1)]) for m, k, n in shapes]
-    _, s_per_flop = _fit([2.0 * m * k * n for m, k, n in shapes], _times(items, runs))
+    # Matmuls as a virtual mesh runs them: each device's block, batched over the devices,
+    # the right operand batched too (a weight gradient's) or shared (a replicated weight);
+    # the thin and wide shapes of split activations, not a square peak-rate kernel.
+    shapes = ((32, 64, 512), (64, 512, 32), (32, 512, 512), (512, 32, 512))
+    items, flops = [], []
+    for both in (True, False):
+        for m, k, n in shapes:
+            items.append(_batched_matmul(m, k, n, devices, both))
+            flops.append(2.0 * devices * m * k * n)
+    _, s_per_flop = _fit(flops, _times(items, runs))
     sizes = (1 << 16, 1 << 20, 1 << 22)
     items = [(_compile(lambda a, b: [add(a, b)], [_f32((size,)), _f32((size,))]),
               [_tensor((size,)), _tensor((size,), 1)]) for size in sizes]
@@ -155,7 +176,7 @@ def measure(devices: int, runs: int = 7) -> dict:
     t0 = time.perf_counter()
     table = {"format": FORMAT, "backend": backend.device_target(),
              "mindspore": backend.ms_version(), "devices": devices, "lanes": True}
-    compute = _measure_compute(runs)
+    compute = _measure_compute(runs, devices)
     table.update(compute)
     for kind in ("all_reduce", "all_gather"):
         per_n = {}

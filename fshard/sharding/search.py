@@ -36,7 +36,7 @@ from fshard import dtypes
 from fshard.dims import planning_prod
 from fshard.factors import linear_groups
 from fshard.ir import Literal, Program, Var
-from fshard.sharding.cost import (CostModel, compute_cost, redistribution,
+from fshard.sharding.cost import (CostModel, backend_rates, redistribution,
                                   redistribution_seconds)
 from fshard.sharding.layouts import (
     Candidate,
@@ -175,7 +175,7 @@ class Problem:
         self.eqs = program.equations
         self.n = len(self.eqs)
         self.level = level
-        self.model = model or CostModel(level=level)
+        self.model = model or CostModel(level=level, rates=backend_rates(mesh.size))
         self.out_shardings = list(out_shardings)
         uses: dict = {}
         last: dict = {}
@@ -209,7 +209,7 @@ class Problem:
             if v not in last and self.n:
                 self.dying[0].append(v)
         self._skeys = [spec_key(sp) for sp in self.specs]
-        self._cands = SpecCache(mesh, compute_cost)
+        self._cands = SpecCache(mesh, self.model.compute)
         self.base = base_candidates(program, self.specs, mesh)  # fixed layouts: one
         # Mesh axes the fixed layouts mention (for the symmetry of the others).
         self.fixed_axes = frozenset(a for sh in list(self.given.values()) + [

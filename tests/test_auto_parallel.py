@@ -196,8 +196,9 @@ def test_memory_report_follows_the_zero_formulas(level):
     split = sum(_split_bytes(p, n) for p in params.values())  # b2 (10,) stays whole
     assert report["params"] == (split if level == "level3" else whole)
     assert report["optimizer_state"] == (whole if level is None else split)
-    # the update reads each gradient reduced, in the optimizer state's layout
-    assert report["grads"] == (whole if level is None else split)
+    # each gradient as held once reduced: whole (AllReduce) up to level1, whose update
+    # slices it; split like the optimizer state from level2 (reduce-scattered)
+    assert report["grads"] == (split if level in ("level2", "level3") else whole)
 
 
 MP_PLAN = {"w1": (1, 4), "b1": (4,), "w2": (4, 1)}  # b2 whole: a 2-D plan, dp 2 x mp 4
@@ -486,7 +487,13 @@ def test_each_zero_level_communicates_what_zero_needs():
         assert slices <= gathers
         assert got[level].count(("psum", ())) == 1
         assert got[level] != got[None]
-    assert got["level1"] == got["level2"]  # on CPU both reduce whole, then slice
+    # the same collectives (on CPU a reduce-scatter is an AllReduce and a slice), but
+    # level1 reduces the gradients after the backward and keeps them whole until the
+    # update, level2 reduce-scatters each one in the backward where it is complete:
+    # the last layer's first
+    assert sorted(got["level1"]) == sorted(got["level2"])
+    order = [c for c in got["level2"] if c in whole]
+    assert order.index(("psum", (512, 10))) < order.index(("psum", (784, 512)))
     # level3: the parameters stay split (their new slices are not gathered) and no
     # gradient of a split parameter is reduced whole
     assert not whole & set(got["level3"])

@@ -62,6 +62,8 @@ from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
 from fshard.passes import reduce_in_float32
 from fshard.primitives import collectives as C
+from fshard.primitives.control import custom_vjp
+from fshard.sharding.cost import local_bytes
 from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import Sharding
 from fshard.sharding.local import ShardedArray, gather_sharded
@@ -73,6 +75,7 @@ from fshard.transforms.jit import declared_types, jit
 from fshard.transforms.local_batch import (block_index, check_same_slices, global_type,
                                           to_global)
 from fshard.transforms.shard import shard
+from fshard.user_layouts import with_sharding_constraint
 
 MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
 LEVELS = ("level1", "level2", "level3")
@@ -566,6 +569,12 @@ class AutoParallel:
                          params)
         (acc, loss_sum), auxs = scan(body, (zeros, np.float32(0.0)), micro)
         grads = tree.map(lambda a: a / float(k), acc)
+        if self._splits_gradients():
+            paths, leaves, spec = tree.flatten_with_path(params)
+            strategies = [self._base(p, x) for p, x in zip(paths, leaves)]
+            strategies = [None if b is None else self._zero(x, "level2", b)
+                          for b, x in zip(strategies, leaves)]
+            grads = with_sharding_constraint(grads, tree.unflatten(spec, strategies))
         loss = (loss_sum / float(k)).astype(box["dtype"])
         return ((loss, auxs) if self.has_aux else loss), grads
 
@@ -814,6 +823,7 @@ class AutoParallel:
             trainable = _without(params, fixed)
 
             def loss_of(t, *b):
+                t = self._reduce_scatter_points(t)
                 return loss_fn({**params, **t} if fixed else t, *b)
 
             # An fs.shard called in the loss fixes layouts there (semi-auto parallel).
@@ -830,6 +840,29 @@ class AutoParallel:
 
         train_step.__name__ = f"train_step_{self.name}"
         return train_step
+
+    def _splits_gradients(self) -> bool:
+        return self._hsdp is not None and LEVELS.index(self._hsdp[2]) >= 1
+
+    def _reduce_scatter_points(self, params):
+        """From ZeRO level2, ``params`` with each parameter that ZeRO splits passed
+        through an identity whose derivative lays its gradient out as the optimizer
+        state (``fs.with_sharding_constraint`` in a ``custom_vjp``): the backward
+        reduce-scatters each gradient right where it is complete (on CPU, which has
+        no ReduceScatter, an AllReduce whose whole result dies at once in this
+        device's slice), so a device keeps only its block of every reduced gradient,
+        where level1 keeps the whole gradients until the update. With
+        ``gradient_accumulation`` the micro-batches' sums are reduced once, after the
+        loop (``_value_and_grad``)."""
+        if not self._splits_gradients() or self.__dict__.get("_accumulate", 1) > 1:
+            return params
+        paths, leaves, spec = tree.flatten_with_path(params)
+        out = []
+        for p, x in zip(paths, leaves):
+            base = self._base(p, x)
+            s = None if base is None else self._zero(x, "level2", base)
+            out.append(x if s is None else _scatter_gradient(s)(x))
+        return tree.unflatten(spec, out)
 
     def _norm_counts(self, path, x) -> tuple:
         """The split counts cutting a parameter's gradient into the blocks whose norms
@@ -1082,9 +1115,6 @@ class AutoParallel:
         """Bytes per device of ``params``, ``grads`` and ``optimizer_state`` as the plan
         lays them out: parameters and optimizer state as the step receives them, each
         gradient as the optimizer update consumes it."""
-        from fshard.sharding.layouts import candidate_shardings
-        from fshard.sharding.cost import local_bytes
-
         part = self.partitioned(state, *batch)
         prop, mesh = part.prop, part.prop.mesh
         n_p = len(tree.leaves(state.params))
@@ -1099,16 +1129,17 @@ class AutoParallel:
             "optimizer_state": sum(local_bytes(sh, v.aval, mesh) for v, sh in zip(
                 ins[n_p:n_p + n_o], shs[n_p:n_p + n_o])),
         }
-        # Each gradient as its first consumer reads it (the optimizer update: reduced,
-        # and split like the optimizer state at ZeRO level 2 and above).
+        # Each gradient as the step holds it once complete: whole (its pending sum
+        # reduced by an AllReduce) unless the plan splits it, as ZeRO level2 does (a
+        # reduce-scatter in the backward) and level3 (its parameter's gather
+        # transposed). A slice the update takes of a whole gradient (level1) does not
+        # free the whole one.
         s, _ = self.sharded(state, *batch)
         grads = 0.0
         for g in s.grad_vars:
-            for eq, (spec, cand) in zip(program.equations, prop.choice):
-                if g is not None and g in eq.inputs:
-                    req = candidate_shardings(spec, cand)[0][eq.inputs.index(g)]
-                    grads += local_bytes(req, g.aval, mesh)
-                    break
+            if g is not None:
+                grads += local_bytes(prop.shardings.get(g, Sharding.replicated(g.aval.ndim)),
+                                     g.aval, mesh)
         report["grads"] = grads
         return report
 
@@ -1246,6 +1277,18 @@ def _initialise(cell) -> None:
             if getattr(p.init_mode, "init", None) is None and p.init is not None:
                 p.init_mode = initializer(p.init, p.shape, p.dtype)
             p.init_data()
+
+
+def _scatter_gradient(strategy):
+    """The identity, whose derivative gives its cotangent the layout ``strategy``."""
+
+    @custom_vjp
+    def point(x):
+        return x
+
+    point.defvjp(lambda x: (x, None),
+                 lambda _, ct: (with_sharding_constraint(ct, strategy),))
+    return point
 
 
 def _without(params, names: set):

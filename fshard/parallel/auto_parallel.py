@@ -24,7 +24,7 @@ it to ``fs.jit(fs.shard(step, ...))``:
   (``level=2``: the flops each device computes at the backend's measured rate plus
   each collective as the backend runs it);
 - ZeRO (``hsdp``): the optimizer state (level1), also the gradients (level2: the
-  plan reduce-scatters them to the state's layout) and the parameters (level3:
+  backward reduce-scatters each to the state's layout where it is complete) and the parameters (level3:
   gathered where used) are split along their first dimension over the data-parallel
   group, except tensors smaller than ``threshold`` KB or not divisible;
 - ``comm_fusion``: the per-device program's AllReduces are bucketed
@@ -1114,7 +1114,8 @@ class AutoParallel:
     def memory_report(self, state: TrainState, *batch) -> dict:
         """Bytes per device of ``params``, ``grads`` and ``optimizer_state`` as the plan
         lays them out: parameters and optimizer state as the step receives them, each
-        gradient as the optimizer update consumes it."""
+        gradient as the step holds it once complete and reduced (whole up to ZeRO
+        level1, whose update slices it; split like the optimizer state from level2)."""
         part = self.partitioned(state, *batch)
         prop, mesh = part.prop, part.prop.mesh
         n_p = len(tree.leaves(state.params))

@@ -956,9 +956,9 @@ class AutoParallel:
         if self._pipeline is not None:
             raise ArgumentError(
                 f"AutoParallel({self.name}): with a pipeline the step is not one sharded "
-                "program, so partitioned(), memory_report(), state_strategies() and the "
-                "strategy files are not available.\nFix: inspect the pipeline with "
-                "pipeline_schedule(); call pipeline(stages=1) to turn it off.")
+                "program, so partitioned(), memory_report(), state_strategies() and "
+                "save_operator_strategy_file() are not available.\nFix: inspect the "
+                "pipeline with pipeline_schedule(); call pipeline(stages=1) to turn it off.")
         check_context_mode(self.parallel_mode, f"AutoParallel({self.name})")
         # (the dataset strategy and the mesh may come from MindSpore's context)
         key = (tree.structure(state), tuple(
@@ -1021,10 +1021,13 @@ class AutoParallel:
                 f"AutoParallel({self.name}): enable_device_local_norm() adds each "
                 "device's gradient norm to the local norms, but neither print_local_norm() "
                 "nor dump_local_norm(path) is set.\nFix: call one of them too.")
-        if self._pipeline is not None:
-            return self._pipeline(state, *batch)
         if self._files:
             self._write_files(state, batch)
+        if self._pipeline is not None:
+            result = self._pipeline(state, *batch)
+            if len(result) == 3:  # print_local_norm / dump_local_norm
+                self._report_norms(result[0], result[2])
+            return result[0], result[1]
         if self._feeds_slices():
             check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
                               f"AutoParallel({self.name})")
@@ -1162,11 +1165,19 @@ class AutoParallel:
         step is first compiled (its first call) and the AutoParallel is returned."""
         if state is None:
             return self._defer("param", "save_param_strategy_file", path, batch)
+        fixed = self._frozen() if self._only_trainable else set()
+        if self._pipeline is not None:
+            data = self._pipeline.param_strategies(state, *batch)
+            data["params"] = {k: v for k, v in data["params"].items() if k not in fixed}
+            data["stages"] = {k: v for k, v in data["stages"].items() if k not in fixed}
+            data = {"format": "fshard-param-strategy", "devices": self.n_devices,
+                    "only_trainable": self._only_trainable, **data}
+            _write_json(path, data)
+            return data
         part = self.partitioned(state, *batch)
         mesh = part.prop.mesh
         paths, _, _ = tree.flatten_with_path(state.params)
         shs = _arg_shardings(part, (state, batch))[:len(paths)]
-        fixed = self._frozen() if self._only_trainable else set()
         data = {"format": "fshard-param-strategy", "devices": mesh.size,
                 "only_trainable": self._only_trainable,
                 "params": {_name(p): list(sh.strategy(mesh)) for p, sh in zip(paths, shs)
@@ -1191,7 +1202,15 @@ class AutoParallel:
         return self._defer("groups", "set_group_ckpt_save_file", path, ())
 
     def save_group_file(self, path, state: TrainState, *batch) -> dict:
-        """Write the file of ``set_group_ckpt_save_file`` now, for this step."""
+        """Write the file of ``set_group_ckpt_save_file`` now, for this step (with a
+        pipeline: the groups ``"pp"``, this process's pipeline group, one device per
+        stage, and ``"dp"``, its stage's devices, when a stage has several)."""
+        if self._pipeline is not None:
+            rank = distributed.rank()
+            data = {"format": "fshard-comm-groups", "devices": self.n_devices,
+                    "rank": rank, "groups": self._pipeline.groups(rank)}
+            write_json_atomic(path, data, "communication group file")
+            return data
         part = self.partitioned(state, *batch)
         mesh, rank = part.prop.mesh, distributed.rank()
         groups = {}

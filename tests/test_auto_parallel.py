@@ -301,6 +301,10 @@ def test_param_strategy_file_round_trip(tmp_path):
     (lambda ap: ap.hsdp(threshold=-1), "threshold"),
     (lambda ap: ap.comm_fusion({"allreduce": {"mode": "index", "config": [2]}}), "'auto' or"),
     (lambda ap: ap.comm_fusion({"allgather": {"mode": "auto"}}), "allgather"),
+    (lambda ap: ap.comm_fusion({"reducescatter": {"mode": "auto", "config": None}}),
+     "reducescatter is not supported"),
+    (lambda ap: ap.comm_fusion({"allgather": {"mode": "index", "config": [2]}}),
+     "allgather mode must be 'auto' or 'size'"),
     (lambda ap: ap.comm_fusion(3), "must be a dict"),
     (lambda ap: ap.dataset_strategy("model_parallel"), "data_parallel"),
     (lambda ap: ap.pipeline(stages=3), "must divide the 4 devices"),
@@ -501,3 +505,26 @@ def test_each_zero_level_communicates_what_zero_needs():
     state = ap.init(params)
     assert ap.state_strategies(state, x, y).params == {
         "w1": (4, 1), "b1": (4,), "w2": (4, 1), "b2": (1,)}
+
+
+def test_comm_fusion_buckets_the_zero_all_gathers():
+    # ZeRO level1 gathers the updated blocks of w1, b1 and w2 (b2 does not split): one
+    # AllGather with "allgather" fusion, one per tensor with 1-byte buckets, the same
+    # training either way
+    params, x, y = _data()
+
+    def make(config=None):
+        ap = fs.AutoParallel(mse, Momentum(), mesh=4).hsdp(threshold=0)
+        return ap if config is None else ap.comm_fusion(config)
+
+    def gathers(ap):
+        return sum(c[0] == "all_gather" for c in _comms(ap, ap.init(params), x, y))
+
+    fused = make({"allgather": {"mode": "auto", "config": None}})
+    assert gathers(make()) == 3 and gathers(fused) == 1
+    assert gathers(make({"allgather": {"mode": "size", "config": 1e-6}})) == 3
+    assert gathers(make({"openstate": False, "allgather": {"mode": "auto",
+                                                           "config": None}})) == 3
+    _, want = _train(make(), params, x, y, steps=3)
+    state, got = _train(fused, params, x, y, steps=3)
+    assert got == want

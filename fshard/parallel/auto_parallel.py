@@ -39,6 +39,7 @@ error that says so; none is accepted and ignored.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -60,7 +61,7 @@ from fshard.optim import Optimizer, apply_updates
 from fshard.parallel.ms_optimizers import from_mindspore, is_mindspore_optimizer
 from fshard.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.parallel.schedule import Schedule
-from fshard.passes import reduce_in_float32
+from fshard.passes import fuse_allgathers, reduce_in_float32
 from fshard.primitives import collectives as C
 from fshard.primitives.control import custom_vjp
 from fshard.sharding.cost import local_bytes
@@ -178,6 +179,7 @@ class AutoParallel:
         self._param_plan: dict = {}
         self._hsdp = None  # (shard_size, threshold_bytes, level)
         self._fusion = None  # bucket bytes
+        self._gather_fusion = None  # bucket bytes of the AllGathers (comm_fusion)
         self._fixed_params = None  # loaded parameter strategies
         self._fixed_only_trainable = False  # the loaded file lists trainable ones only
         self._pipeline = None  # a PipelineRunner once pipeline(stages > 1) is set
@@ -342,51 +344,22 @@ class AutoParallel:
                 f"{where}: unknown keys {sorted(unknown, key=repr)}; MindSpore's keys are "
                 "'openstate', 'allreduce', 'allgather' and 'reducescatter'.\nFix: use "
                 "'openstate' (a bool) and 'allreduce' (a dict of 'mode' and 'config').")
-        for kind in ("allgather", "reducescatter"):
-            if kind in config:
-                raise ArgumentError(
-                    f"{where}: fusing {kind} is not supported by fshard (only AllReduce "
-                    "buckets); remove that key.")
+        if "reducescatter" in config:
+            raise ArgumentError(
+                f"{where}: fusing reducescatter is not supported by fshard (on the CPU "
+                "backend a reduce-scatter is an AllReduce and a slice, which the "
+                "'allreduce' buckets fuse); remove that key.")
         openstate = config.get("openstate", True)
         if not isinstance(openstate, bool):
             raise ArgumentError(
                 f"{where}: 'openstate' must be a bool (True: fusion on, False: off); got "
                 f"{type(openstate).__name__} {openstate!r}.\nFix: {{'openstate': False}} "
                 "turns fusion off.")
-        ar = config.get("allreduce", {"mode": "auto", "config": None})
-        if not isinstance(ar, dict):
-            raise ArgumentError(
-                f"{where}: 'allreduce' must be a dict with keys 'mode' and 'config'; got "
-                f"{type(ar).__name__} {ar!r}.\nFix: {{'allreduce': {{'mode': 'size', "
-                "'config': 32}}.")
-        if set(ar) != {"mode", "config"}:
-            missing = sorted({"mode", "config"} - set(ar))
-            extra = sorted(set(ar) - {"mode", "config"}, key=repr)
-            raise ArgumentError(
-                f"{where}: 'allreduce' must have exactly the keys 'mode' and 'config' (as "
-                f"MindSpore asks)" + (f"; missing {missing}" if missing else "")
-                + (f"; unknown {extra}" if extra else "") + ".\nFix: {'mode': 'auto', "
-                "'config': None} or {'mode': 'size', 'config': <MB>}.")
-        mode, size = ar["mode"], ar["config"]
-        if mode == "auto":
-            if size is not None:
-                raise ArgumentError(
-                    f"{where}: allreduce mode 'auto' uses 64 MB buckets, so config "
-                    f"{size!r} would be ignored.\nFix: config None, or mode 'size' for a "
-                    "bucket of config MB.")
-            fusion = 64 * 2**20
-        elif mode == "size":
-            if isinstance(size, bool) or not isinstance(size, (int, float)) or not (
-                    math.isfinite(size) and size > 0):
-                raise ArgumentError(
-                    f"{where}: allreduce mode 'size' needs config = a bucket size in MB, "
-                    f"a finite number > 0; got {size!r}.")
-            fusion = float(size) * 2**20
-        else:
-            raise ArgumentError(
-                f"{where}: allreduce mode must be 'auto' or 'size'; got {mode!r} ('index' "
-                "names MindSpore's graph-compiler fusion indices, which fshard has no use "
-                "for).")
+        fusion = _fusion_bytes(where, "allreduce",
+                               config.get("allreduce", {"mode": "auto", "config": None}))
+        gathers = _fusion_bytes(where, "allgather", config["allgather"]) \
+            if "allgather" in config else None
+        self._gather_fusion = gathers if openstate else None
         self._fusion = fusion if openstate else None
         self._steps.clear()
         return self
@@ -996,6 +969,8 @@ class AutoParallel:
         s.gather_outputs = not self._in_job()
         if self._fp32_comm or self._gradient_fp32_sync:
             s.passes = (reduce_in_float32,)
+        if self._gather_fusion is not None:  # comm_fusion({"allgather": ...})
+            s.passes += (functools.partial(fuse_allgathers, bucket_bytes=self._gather_fusion),)
         s.grad_vars = grad_vars
         s.batch_places = {}  # batch signature -> this process's blocks (_place_slices)
         operator_file = getattr(self, "_operator_file", None)
@@ -1297,6 +1272,43 @@ def _initialise(cell) -> None:
             if getattr(p.init_mode, "init", None) is None and p.init is not None:
                 p.init_mode = initializer(p.init, p.shape, p.dtype)
             p.init_data()
+
+
+def _fusion_bytes(where: str, kind: str, cfg) -> float:
+    """The bucket bytes of one ``comm_fusion`` entry (``{"mode": "auto" | "size",
+    "config": MB}``), checked as MindSpore checks it."""
+    if not isinstance(cfg, dict):
+        raise ArgumentError(
+            f"{where}: '{kind}' must be a dict with keys 'mode' and 'config'; got "
+            f"{type(cfg).__name__} {cfg!r}.\nFix: {{'{kind}': {{'mode': 'size', "
+            "'config': 32}}.")
+    if set(cfg) != {"mode", "config"}:
+        missing = sorted({"mode", "config"} - set(cfg))
+        extra = sorted(set(cfg) - {"mode", "config"}, key=repr)
+        raise ArgumentError(
+            f"{where}: '{kind}' must have exactly the keys 'mode' and 'config' (as "
+            f"MindSpore asks)" + (f"; missing {missing}" if missing else "")
+            + (f"; unknown {extra}" if extra else "") + ".\nFix: {'mode': 'auto', "
+            "'config': None} or {'mode': 'size', 'config': <MB>}.")
+    mode, size = cfg["mode"], cfg["config"]
+    if mode == "auto":
+        if size is not None:
+            raise ArgumentError(
+                f"{where}: {kind} mode 'auto' uses 64 MB buckets, so config "
+                f"{size!r} would be ignored.\nFix: config None, or mode 'size' for a "
+                "bucket of config MB.")
+        return 64 * 2**20
+    if mode == "size":
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not (
+                math.isfinite(size) and size > 0):
+            raise ArgumentError(
+                f"{where}: {kind} mode 'size' needs config = a bucket size in MB, "
+                f"a finite number > 0; got {size!r}.")
+        return float(size) * 2**20
+    raise ArgumentError(
+        f"{where}: {kind} mode must be 'auto' or 'size'; got {mode!r} ('index' "
+        "names MindSpore's graph-compiler fusion indices, which fshard has no use "
+        "for).")
 
 
 def _scatter_gradient(strategy):

@@ -197,3 +197,22 @@ def test_pipeline_float16_gradient_sums_run_in_float32():
     assert _pipeline_b_gradient(lambda ap: ap.disable_gradient_fp32_sync()) == 2048.0
     assert _pipeline_b_gradient(
         lambda ap: ap.disable_gradient_fp32_sync().enable_fp32_communication()) == 2050.0
+
+
+def test_pipeline_grad_reducer_passes_complete_gradients_through():
+    # MindSpore's functional pipeline loop: grads = pp_grad_reducer(grads); fshard's
+    # gradients are the whole batch's already, so it gives them back as they are
+    from mindspore import nn
+    from mindspore.parallel.nn import PipelineGradReducer
+
+    net = nn.Dense(4, 2)
+    opt = nn.SGD(net.trainable_params(), 1e-2)
+    reducer = PipelineGradReducer(opt.parameters, opt_shard=False)
+    rng = np.random.default_rng(5)
+    grads = (rng.standard_normal((2, 4)).astype(np.float32),
+             rng.standard_normal((2,)).astype(np.float32))
+    out = fs.jit(lambda g: reducer(g))(grads)
+    for a, b in zip(out, grads):
+        np.testing.assert_array_equal(a.asnumpy(), b)
+    with pytest.raises(fs.ArgumentError, match=r"PipelineGradReducer\(grads\).*alone"):
+        fs.jit(lambda g: reducer(g, g))(grads)

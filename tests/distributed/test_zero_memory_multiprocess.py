@@ -1,11 +1,12 @@
-"""ZeRO's memory in a real 4-process job, per level (none, level1, level2): one launch
+"""ZeRO's memory in a real 4-process job, per level (none, level1 to level3): one launch
 of tests/distributed/zero_memory_checks.py per level, since a process's peak resident
 memory is its lifetime's.
 
 Each process's ``memory_report`` gives the ZeRO formulas for P parameters on N = 4
 processes (float32, SGD momentum): params 4P at every level; optimizer state 4P, then
 4P/N from level1; gradients 4P up to level1 (reduced by AllReduce and kept whole until
-the update, which slices them), 4P/N at level2 (reduce-scattered in the backward). The
+the update, which slices them), 4P/N from level2 (reduce-scattered in the backward);
+parameters 4P/N at level3. The
 peak resident memory of every process is measured and written to the test's output
 (``-s``), with the difference between levels; the losses are the same at every level.
 """
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.full
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "zero_memory_checks.py")
 N = 4
-LEVELS = ("none", "level1", "level2")
+LEVELS = ("none", "level1", "level2", "level3")
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +50,12 @@ def test_each_process_reports_the_zero_formulas(jobs):
         for r, got in enumerate(ranks):
             p = got["parameters"]
             report = got["report"]
-            assert report["params"] == 4 * p, (level, r)
+            assert report["params"] == (4 * p // N if level == "level3" else 4 * p), (level, r)
             # (+ 4 bytes: the optimizer's step count, a whole int32)
             assert report["optimizer_state"] == (4 * p if level == "none" else 4 * p // N) + 4, (
                 level, r)
-            assert report["grads"] == (4 * p // N if level == "level2" else 4 * p), (level, r)
+            assert report["grads"] == (4 * p if level in ("none", "level1") else 4 * p // N), (
+                level, r)
 
 
 def test_every_level_trains_to_the_same_losses(jobs):

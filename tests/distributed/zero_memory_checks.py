@@ -5,7 +5,7 @@
 A ReLU-free 16-layer tanh MLP of 1024 x 1024 weights (P = 16,777,216 parameters, 64 MiB
 of float32 gradients) trained by ``fs.AutoParallel`` with SGD momentum, each process
 feeding its own 4 rows (``dataset_strategy("data_parallel")``), LEVEL one of ``none``,
-``level1``, ``level2``. Each process writes ``zero_<LEVEL>_rank<r>.json``: its
+``level1``, ``level2``, ``level3``. Each process writes ``zero_<LEVEL>_rank<r>.json``: its
 ``memory_report``, its resident memory (``VmRSS``) before the first step and its peak
 resident memory (``VmHWM``) after 3 steps, and the losses.
 """

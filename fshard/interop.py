@@ -1816,10 +1816,11 @@ def _is_pipeline_grad_reducer(cell) -> bool:
 def _pipeline_grads(cell, grads=None, *rest, **kwargs):
     """MindSpore's ``PipelineGradReducer(grads)`` in traced code: ``grads``, as given."""
     if grads is None or rest or kwargs:
+        given = (0 if grads is None else 1) + len(rest)
         raise ArgumentError(
-            f"{type(cell).__name__}(grads): called with {1 + len(rest) if grads is not None else 0} "
-            f"positional and {len(kwargs)} keyword arguments; it takes the gradients "
-            "alone.\nFix: grads = pp_grad_reducer(grads).")
+            f"{type(cell).__name__}(grads): called with {given} positional and "
+            f"{len(kwargs)} keyword arguments; it takes the gradients alone.\nFix: "
+            "grads = pp_grad_reducer(grads).")
     return grads
 
 

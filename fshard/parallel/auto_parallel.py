@@ -24,11 +24,13 @@ it to ``fs.jit(fs.shard(step, ...))``:
   (``level=2``: the flops each device computes at the backend's measured rate plus
   each collective as the backend runs it);
 - ZeRO (``hsdp``): the optimizer state (level1), also the gradients (level2: the
-  backward reduce-scatters each to the state's layout where it is complete) and the parameters (level3:
-  gathered where used) are split along their first dimension over the data-parallel
-  group, except tensors smaller than ``threshold`` KB or not divisible;
+  backward reduce-scatters each to the state's layout where it is complete) and the
+  parameters (level3: gathered where used) are split along their first dimension over
+  the data-parallel group, except tensors smaller than ``threshold`` KB or not
+  divisible;
 - ``comm_fusion``: the per-device program's AllReduces are bucketed
-  (``fshard.passes.fuse_allreduces``).
+  (``fshard.passes.fuse_allreduces``), and with ``"allgather"`` its AllGathers
+  (``fshard.passes.fuse_allgathers``).
 
 fshard differentiates the global loss, so gradients are exact whatever the layouts:
 there is no per-device loss to average (``enable_gradients_mean`` and

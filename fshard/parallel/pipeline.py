@@ -1057,10 +1057,7 @@ class PipelineRunner:
                          ("a dataset_strategy(...) tuple",
                           ap._dataset not in ("data_parallel", "full_batch")),
                          ("has_aux=True", ap.has_aux),
-                         ("set_inputs(...)", ap._batch_specs is not None),
-                         ("save_operator_strategy_file(path) (a pipelined step is not "
-                          "one sharded program: it has no single operator plan)",
-                          "operator" in ap._files)):
+                         ("set_inputs(...)", ap._batch_specs is not None)):
             if on:
                 raise ArgumentError(
                     f"AutoParallel({ap.name}): pipeline(...) cannot be combined with {what} "

@@ -975,6 +975,7 @@ class AutoParallel:
             s.passes += (functools.partial(fuse_allgathers, bucket_bytes=self._gather_fusion),)
         s.grad_vars = grad_vars
         s.batch_places = {}  # batch signature -> this process's blocks (_place_slices)
+        s.state_splits = {}  # state signature -> its split leaves (_place_state)
         operator_file = getattr(self, "_operator_file", None)
         if operator_file is not None:
             s.load_strategies(operator_file)
@@ -1005,6 +1006,8 @@ class AutoParallel:
             if len(result) == 3:  # print_local_norm / dump_local_norm
                 self._report_norms(result[0], result[2])
             return result[0], result[1]
+        if self._in_job():
+            state = self._place_state(state, batch)
         if self._feeds_slices():
             check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
                               f"AutoParallel({self.name})")
@@ -1038,6 +1041,30 @@ class AutoParallel:
                 "dataset_strategy((split, ...)) giving each input's split counts.")
         specs = list(self._batch_specs) + [None] * (len(batch) - len(self._batch_specs))
         return tuple(b if sp is None else sp for b, sp in zip(batch, specs))
+
+    def _place_state(self, state: TrainState, batch) -> TrainState:
+        """In a job, ``state`` with each whole leaf that the plan splits (the state of
+        ``ap.init``, or a loaded one) cut to this process's block (an
+        ``fs.ShardedArray``: no communication), as the steps return it: the first step
+        then runs the program of every later step, instead of compiling a second one
+        for whole inputs whose memory the process would keep."""
+        leaves, spec = tree.flatten(state)
+        gbatch = self._plan_batch(batch)
+        s, _ = self._sharded(state, gbatch)
+        key = (spec, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves))
+        split = s.state_splits.get(key)
+        if split is None:  # once per plan: which leaves it splits, and how
+            part = s.partitioned(state.params, state.opt_state, state.step, *gbatch)
+            shs = _arg_shardings(part, (state, gbatch))[:len(leaves)]
+            split = {i: (Sharding(sh.dims), part.prop.mesh) for i, sh in enumerate(shs)
+                     if any(sh.dims)}
+            s.state_splits[key] = split
+        if all(isinstance(leaves[i], (ShardedArray, Tracer)) for i in split):
+            return state
+        rank = distributed.rank()
+        leaves = [ShardedArray.cut(x, *split[i], rank) if i in split and not isinstance(
+            x, (ShardedArray, Tracer)) else x for i, x in enumerate(leaves)]
+        return tree.unflatten(spec, leaves)
 
     def _place_slices(self, state: TrainState, batch) -> tuple:
         """Each process's slice as what the plan reads: a concrete slice is this

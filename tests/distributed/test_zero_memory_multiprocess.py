@@ -3,12 +3,13 @@ of tests/distributed/zero_memory_checks.py per level, since a process's peak res
 memory is its lifetime's.
 
 Each process's ``memory_report`` gives the ZeRO formulas for P parameters on N = 4
-processes (float32, SGD momentum): params 4P at every level; optimizer state 4P, then
-4P/N from level1; gradients 4P up to level1 (reduced by AllReduce and kept whole until
-the update, which slices them), 4P/N from level2 (reduce-scattered in the backward);
-parameters 4P/N at level3. The
-peak resident memory of every process is measured and written to the test's output
-(``-s``), with the difference between levels; the losses are the same at every level.
+processes (float32, SGD momentum): params 4P, 4P/N at level3; optimizer state 4P,
+then 4P/N from level1; gradients 4P up to level1 (reduced by AllReduce and kept whole
+until the update, which slices them), 4P/N from level2 (reduce-scattered in the
+backward). The peak resident memory of every process is measured and written to the test's output
+(``-s``); level1 and level2 peak well below no ZeRO (the first step cuts the whole
+initial state into each process's blocks, so one program is compiled); the losses are
+the same at every level.
 """
 
 from __future__ import annotations
@@ -63,6 +64,23 @@ def test_every_level_trains_to_the_same_losses(jobs):
     for level, ranks in jobs.items():
         for got in ranks:
             np.testing.assert_allclose(got["losses"], want, rtol=1e-5, err_msg=level)
+
+
+def test_the_first_step_cuts_the_whole_initial_state_and_compiles_once(jobs):
+    # (the state of ap.init is whole; the steps return each process's blocks: the first
+    # step runs on the blocks too, not a second program for whole inputs)
+    for level, ranks in jobs.items():
+        assert [got["compiles"] for got in ranks] == [1] * N, level
+
+
+def test_zero_lowers_the_peak_resident_memory(jobs):
+    # level1 and level2 hold the momentum in blocks (16 MiB instead of 64 MiB): every
+    # process peaks well below every process without ZeRO
+    p = jobs["none"][0]["parameters"]
+    without = min(got["after"]["VmHWM"] for got in jobs["none"])
+    for level in ("level1", "level2"):
+        peak = max(got["after"]["VmHWM"] for got in jobs[level])
+        assert peak < without - 2 * p // N, (level, peak, without)
 
 
 def test_the_peak_resident_memory_of_every_process_is_measured(jobs):

@@ -7,7 +7,8 @@ of float32 gradients) trained by ``fs.AutoParallel`` with SGD momentum, each pro
 feeding its own 4 rows (``dataset_strategy("data_parallel")``), LEVEL one of ``none``,
 ``level1``, ``level2``, ``level3``. Each process writes ``zero_<LEVEL>_rank<r>.json``: its
 ``memory_report``, its resident memory (``VmRSS``) before the first step and its peak
-resident memory (``VmHWM``) after 3 steps, and the losses.
+resident memory (``VmHWM``) after 3 steps, the losses, and how many programs the steps
+compiled.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def main(out: str, level: str) -> None:
         state, l = ap(state, x, y)
         losses.append(float(l.asnumpy()))
     after = rss()
+    compiles = sum(compiled.compile_count for _, compiled in ap._steps.values())
     with open(os.path.join(out, f"zero_{level}_rank{rank}.json"), "w") as fh:
         json.dump({"report": report, "before": before, "after": after, "losses": losses,
-                   "parameters": LAYERS * WIDTH * WIDTH}, fh)
+                   "parameters": LAYERS * WIDTH * WIDTH, "compiles": compiles}, fh)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from fshard import dtypes
 from fshard.core import ArrayType
 from fshard.ir import Equation, Literal, Program, Var
 from fshard.primitives.base import add_p, reduce_sum_p
-from fshard.primitives.collectives import pmean_p, psum_p, psum_scatter_p
+from fshard.primitives.collectives import all_gather_p, pmean_p, psum_p, psum_scatter_p
 from fshard.primitives.elementwise import (cast_p, div_p, equal_p, greater_equal_p, greater_p,
                                            less_equal_p, less_p, maximum_p, minimum_p, mul_p,
                                            neg_p, not_equal_p, pow_p, sub_p)
@@ -343,6 +343,39 @@ def fuse_allreduces(program: Program, bucket_bytes: float) -> Program:
     AllReduce runs once all its operands are ready and before any reader of its
     results. Every element is still reduced once: the sums are the same.
     """
+    return _fuse(program, bucket_bytes, _psum_key, _fused_psum)
+
+
+def fuse_allgathers(program: Program, bucket_bytes: float) -> Program:
+    """``program`` with its ``all_gather`` equations along dimension 0 over the same
+    mesh axes and of the same dtype merged into buckets of at most ``bucket_bytes``
+    of gathered output (one flattened, concatenated AllGather per bucket, cut back
+    after): ZeRO's gathers of the updated parameters' blocks then cost a few
+    collectives instead of one per tensor (MindSpore's ``comm_fusion`` for
+    ``"allgather"``). Buckets fill as ``fuse_allreduces``'s do; the values are the
+    same."""
+    return _fuse(program, bucket_bytes, _gather_key, _fused_all_gather)
+
+
+def _psum_key(eq):
+    if not (eq.prim is psum_p and len(eq.inputs) == 1 and isinstance(eq.inputs[0], Var)
+            and eq.inputs[0].aval.is_static):
+        return None
+    return (tuple(eq.params["axis_name"]), eq.inputs[0].aval.dtype)
+
+
+def _gather_key(eq):
+    if not (eq.prim is all_gather_p and len(eq.inputs) == 1 and isinstance(eq.inputs[0], Var)
+            and eq.inputs[0].aval.is_static and eq.params.get("axis") == 0
+            and eq.outputs[0].aval.is_static):
+        return None
+    return (tuple(sorted((k, repr(v)) for k, v in eq.params.items())),
+            eq.inputs[0].aval.dtype)
+
+
+def _fuse(program: Program, bucket_bytes: float, key_of, build) -> Program:
+    """The bucketing of ``fuse_allreduces``: equations with the same ``key_of``
+    (None: not fusable) merged by ``build(equations) -> equations``."""
     eqs = program.equations
     producer = {v: i for i, eq in enumerate(eqs) for v in eq.outputs}
     # deps[i]: bit set of the equations equation i depends on, transitively
@@ -362,11 +395,10 @@ def fuse_allreduces(program: Program, bucket_bytes: float) -> Program:
     buckets: list = []   # lists of equation indices
     open_: dict = {}     # key -> (bucket index, bytes, member bit set)
     for i, eq in enumerate(eqs):
-        if not (eq.prim is psum_p and len(eq.inputs) == 1 and isinstance(eq.inputs[0], Var)
-                and eq.inputs[0].aval.is_static):
+        key = key_of(eq)
+        if key is None:
             continue
-        key = (tuple(eq.params["axis_name"]), eq.inputs[0].aval.dtype)
-        b = nbytes(eq.inputs[0])
+        b = nbytes(eq.outputs[0])
         cur = open_.get(key)
         if cur is None or cur[1] + b > bucket_bytes or deps[i] & cur[2]:
             buckets.append([i])
@@ -404,14 +436,14 @@ def fuse_allreduces(program: Program, bucket_bytes: float) -> Program:
     while ready:
         _, n = heapq.heappop(ready)
         if n in members:
-            out.extend(_fused_psum([eqs[i] for i in members[n]]))
+            out.extend(build([eqs[i] for i in members[n]]))
         else:
             out.append(eqs[n])
         for m in succs[n]:
             waiting[m] -= 1
             if waiting[m] == 0:
                 heapq.heappush(ready, (order_key[m], m))
-    assert len(out) >= len(eqs), "fuse_allreduces lost equations (a cycle)"
+    assert len(out) >= len(eqs), "fusing collectives lost equations (a cycle)"
     return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)
 
 
@@ -430,6 +462,33 @@ def _fused_psum(eqs: list) -> list:
     out.append(Equation(psum_p, [total], dict(eqs[0].params), [reduced]))
     pieces = [Var(v.aval) for v in flat]
     out.append(Equation(split_p, [reduced], {"sizes": lengths, "axis": 0}, pieces))
+    for eq, piece in zip(eqs, pieces):
+        (y,) = eq.outputs
+        out.append(Equation(reshape_p, [piece], {"shape": tuple(y.aval.shape)}, [y],
+                            eq.source))
+    return out
+
+
+def _fused_all_gather(eqs: list) -> list:
+    """One AllGather (along dimension 0) for several: flatten each block, concatenate,
+    gather (device-major: ``n`` runs of the concatenation), then per value its
+    columns of the ``(n, total)`` result, reshaped to ``(n * rows, ...)``."""
+    out, flat = [], []
+    for eq in eqs:
+        (x,) = eq.inputs
+        v = Var(ArrayType((int(np.prod(x.aval.shape, dtype=np.int64)),), x.aval.dtype))
+        out.append(Equation(reshape_p, [x], {"shape": v.aval.shape}, [v], eq.source))
+        flat.append(v)
+    lengths = tuple(v.aval.shape[0] for v in flat)
+    total = Var(ArrayType((sum(lengths),), flat[0].aval.dtype))
+    out.append(Equation(concat_p, flat, {"axis": 0}, [total]))
+    n = eqs[0].outputs[0].aval.shape[0] // eqs[0].inputs[0].aval.shape[0]
+    gathered = Var(ArrayType((n * sum(lengths),), total.aval.dtype))
+    out.append(Equation(all_gather_p, [total], dict(eqs[0].params), [gathered]))
+    rows = Var(ArrayType((n, sum(lengths)), total.aval.dtype))
+    out.append(Equation(reshape_p, [gathered], {"shape": rows.aval.shape}, [rows]))
+    pieces = [Var(ArrayType((n, k), total.aval.dtype)) for k in lengths]
+    out.append(Equation(split_p, [rows], {"sizes": lengths, "axis": 1}, pieces))
     for eq, piece in zip(eqs, pieces):
         (y,) = eq.outputs
         out.append(Equation(reshape_p, [piece], {"shape": tuple(y.aval.shape)}, [y],

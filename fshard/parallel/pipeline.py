@@ -911,9 +911,10 @@ class PipelinedStep:
         if loss is None:
             loss = np.zeros((), loss_dtype)
         scale = np.asarray(self.loss_scale, loss_dtype)
-        new_p, new_o, step, out = self.finish(state.params, state.opt_state, state.step,
-                                              tree.unflatten(p_tree, grads), loss, scale)
-        return self.runner.state_cls(new_p, new_o, step), out
+        new_p, new_o, step, out, *norms = self.finish(
+            state.params, state.opt_state, state.step, tree.unflatten(p_tree, grads), loss,
+            scale)
+        return (self.runner.state_cls(new_p, new_o, step), out, *norms)
 
     def _make_finish(self):
         ap, cfg = self.runner.ap, self.runner.cfg
@@ -929,8 +930,12 @@ class PipelinedStep:
         key = None if mesh is None else (S, dp, last, stage, cfg.output_broadcast, reduce_dp,
                                          fp32)
         opt_update = ap.step_optimizer().update
+        # print_local_norm / dump_local_norm: the program also returns the norms of the
+        # gradients' blocks (``AutoParallel._local_norms``: this AutoParallel's, so
+        # such a program is not shared)
+        norms = ap._local_norms if any(ap._local_norm) else None
         try:
-            per_opt = _FINISHES.setdefault(opt_update, {})
+            per_opt = _FINISHES.setdefault(opt_update, {}) if norms is None else {}
             update = weakref.ref(opt_update)  # (the cache must not keep its key alive)
         except TypeError:  # not weak-referenceable: a program of its own
             per_opt = {}
@@ -961,8 +966,15 @@ class PipelinedStep:
                 if mesh is not None and broadcast:
                     mine = loss if stage == last else np.zeros((), np.float32)
                     loss = C.psum_p.bind(mine, axis_name=("pp",), mesh=mesh)
-            updates, new_opt = update()(tree.unflatten(g_tree, g_leaves), opt_state, params)
-            return apply_updates(params, updates), new_opt, step + 1, loss
+            grads = tree.unflatten(g_tree, g_leaves)
+            updates, new_opt = update()(grads, opt_state, params)
+            out = (apply_updates(params, updates), new_opt, step + 1, loss)
+            if norms is None:
+                return out
+            fixed = ap._frozen()
+            trainable = {k: v for k, v in params.items() if k not in fixed} if fixed else params
+            return out + (norms(trainable, {k: grads[k] for k in trainable} if fixed
+                                else grads),)
 
         finish.__name__ = f"pipeline_finish_{plan.name}"
         fn = per_opt[key] = jit(finish)
@@ -1059,13 +1071,7 @@ class PipelineRunner:
                          ("a dataset_strategy(...) tuple",
                           ap._dataset not in ("data_parallel", "full_batch")),
                          ("has_aux=True", ap.has_aux),
-                         ("print_local_norm() / dump_local_norm()",
-                          any(ap._local_norm)),
-                         ("set_inputs(...)", ap._batch_specs is not None),
-                         ("a strategy or group file to write at the first step "
-                          "(save_param_strategy_file(path), save_operator_strategy_file"
-                          "(path), set_group_ckpt_save_file(path): a pipelined step is "
-                          "not one sharded program)", bool(ap._files))):
+                         ("set_inputs(...)", ap._batch_specs is not None)):
             if on:
                 raise ArgumentError(
                     f"AutoParallel({ap.name}): pipeline(...) cannot be combined with {what} "
@@ -1108,6 +1114,36 @@ class PipelineRunner:
 
     def __call__(self, state, *batch):
         return self.step_for(state, *batch)(state, *batch)
+
+    def param_strategies(self, state, *batch) -> dict:
+        """Per parameter name: its strategy inside its stage (``"params"``: the
+        ``parameter_plan`` strategy over the stage's devices, else whole) and its
+        pipeline stage (``"stages"``), for the parameter strategy file."""
+        step = self.step_for(state, *batch)
+        plan, S = step.plan, step.S
+        paths, leaves, _ = tree.flatten_with_path(state.params)
+        stage_of = {i: c % S for c, owned in enumerate(plan.chunk_params) for i in owned}
+        params, stages = {}, {}
+        for i, (p, x) in enumerate(zip(paths, leaves)):
+            name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
+            given = self.ap._param_strategy(p, x)
+            counts = tuple(given) if isinstance(given, (tuple, list)) else (
+                tuple(given.to_strategy()) if isinstance(given, Layout) else None)
+            params[name] = list(counts or (1,) * typeof(x).ndim)
+            stages[name] = stage_of.get(i, 0)
+        return {"params": params, "stages": stages}
+
+    def groups(self, rank: int) -> dict:
+        """The communication groups of ``rank`` (devices stage-major, ``dp`` per
+        stage): ``"pp"`` its pipeline group, ``"dp"`` its stage's devices (if more
+        than one)."""
+        S = self.cfg.stages
+        dp = self.ap.n_devices // S
+        stage, j = divmod(rank, dp)
+        out = {"pp": [s * dp + j for s in range(S)]}
+        if dp > 1:
+            out["dp"] = [stage * dp + k for k in range(dp)]
+        return out
 
     def _stage_sharding(self, params, batch, dp: int, sharded: bool):
         """Operator parallelism inside the stages (``parameter_plan`` or strategies in

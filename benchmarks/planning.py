@@ -13,6 +13,11 @@ For each program and parallel mode (``semi_auto``, ``sharding_propagation``,
   ``value_and_grad`` with ``fs.pmean``, plus the same update), the ratio's baseline;
 - the collectives of the per-device program.
 
+Then predicted against measured step time for 12 plans (``benchmarks/prediction.py``:
+these steps, ``fs.shard`` hand plans, a searched 10-layer MLP, MindSpore's documented
+MatMul strategy), with the load average; run ``fs.sharding.calibrate()`` first for
+predictions in this machine's rates.
+
 Programs: the MLP 64-512-512-10 on a batch of 256; the digits MLP 64-128-10 of
 examples/train_autoparallel.py on a batch of 64 (scikit-learn's digits); and, planning
 only, ``fs.shard(fs.value_and_grad(loss), search=True)`` of MLPs of 10, 100 and 1,000
@@ -23,6 +28,7 @@ only, ``fs.shard(fs.value_and_grad(loss), search=True)`` of MLPs of 10, 100 and 
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 
@@ -166,6 +172,18 @@ def planning(ctx):
             rows.append(Row("fshard", f"{name}: {mode}", t[mode]["median_s"],
                             t[mode]["min_s"], t[mode]["runs"], note))
             notes.append(f"{name}: {mode}: {note}")
+    # Predicted against measured step time, 12 plans (benchmarks/prediction.py): with
+    # this machine's calibration table when fs.sharding.calibrate() has made one.
+    from benchmarks import prediction
+    from fshard.sharding.rates import calibrated
+
+    notes.append(f"load average before the predictions: {os.getloadavg()[0]:.1f}; "
+                 f"calibrated: {calibrated(DEVICES) is not None}")
+    for r in prediction.measure(runs=ctx.runs(10, 2), rounds=ctx.runs(4, 1)):
+        notes.append(f"{r['plan']}: predicted {r['predicted_s'] * 1e3:.1f} ms, measured "
+                     f"{r['best_s'] * 1e3:.1f} ms (best round; median "
+                     f"{r['median_s'] * 1e3:.1f} ms), predicted/measured {r['ratio']:.2f}, "
+                     f"{r['collectives']}")
     for layers in (10, 100) if ctx.quick else (10, 100, 1000):
         n, cpu, colls = deep_planning(layers)
         notes.append(f"{layers}-layer MLP value_and_grad ({n} equations), fs.shard "

@@ -209,8 +209,9 @@ def zero_memory() -> list[dict]:
             return nbytes_split / n + nbytes_whole if k >= at else nbytes_split + nbytes_whole
 
         want = {"params": per(4 * split, 4 * whole, 3),
-                # as the update reads them: sliced like the state from level1 on
-                "grads": per(4 * split, 4 * whole, 1),
+                # as the step holds them once reduced: split like the state from
+                # level2 on (reduce-scattered in the backward), whole before
+                "grads": per(4 * split, 4 * whole, 2),
                 "optimizer_state": per(8 * split, 8 * whole, 1) + 4}  # + the int32 count
         out.append({"level": level or "none", "report": got, "formula": want})
     return out

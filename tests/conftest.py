@@ -40,6 +40,16 @@ def one_launched_job_at_a_time(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_user_calibration(tmp_path_factory):
+    """Plans in tests price with the default rates: a table that ``fs.sharding.calibrate``
+    cached for this machine (in the user's cache directory) would change them. Tests
+    that calibrate write into this empty directory."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FSHARD_CACHE_DIR", str(tmp_path_factory.mktemp("fshard-cache")))
+        yield
+
+
 # ---------------------------------------------------------------------------
 # Quick run and full matrix
 # ---------------------------------------------------------------------------

@@ -196,8 +196,9 @@ def test_memory_report_follows_the_zero_formulas(level):
     split = sum(_split_bytes(p, n) for p in params.values())  # b2 (10,) stays whole
     assert report["params"] == (split if level == "level3" else whole)
     assert report["optimizer_state"] == (whole if level is None else split)
-    # the update reads each gradient reduced, in the optimizer state's layout
-    assert report["grads"] == (whole if level is None else split)
+    # each gradient as held once reduced: whole (AllReduce) up to level1, whose update
+    # slices it; split like the optimizer state from level2 (reduce-scattered)
+    assert report["grads"] == (split if level in ("level2", "level3") else whole)
 
 
 MP_PLAN = {"w1": (1, 4), "b1": (4,), "w2": (4, 1)}  # b2 whole: a 2-D plan, dp 2 x mp 4
@@ -300,6 +301,10 @@ def test_param_strategy_file_round_trip(tmp_path):
     (lambda ap: ap.hsdp(threshold=-1), "threshold"),
     (lambda ap: ap.comm_fusion({"allreduce": {"mode": "index", "config": [2]}}), "'auto' or"),
     (lambda ap: ap.comm_fusion({"allgather": {"mode": "auto"}}), "allgather"),
+    (lambda ap: ap.comm_fusion({"reducescatter": {"mode": "auto", "config": None}}),
+     "reducescatter is not supported"),
+    (lambda ap: ap.comm_fusion({"allgather": {"mode": "index", "config": [2]}}),
+     "allgather mode must be 'auto' or 'size'"),
     (lambda ap: ap.comm_fusion(3), "must be a dict"),
     (lambda ap: ap.dataset_strategy("model_parallel"), "data_parallel"),
     (lambda ap: ap.pipeline(stages=3), "must divide the 4 devices"),
@@ -486,7 +491,13 @@ def test_each_zero_level_communicates_what_zero_needs():
         assert slices <= gathers
         assert got[level].count(("psum", ())) == 1
         assert got[level] != got[None]
-    assert got["level1"] == got["level2"]  # on CPU both reduce whole, then slice
+    # the same collectives (on CPU a reduce-scatter is an AllReduce and a slice), but
+    # level1 reduces the gradients after the backward and keeps them whole until the
+    # update, level2 reduce-scatters each one in the backward where it is complete:
+    # the last layer's first
+    assert sorted(got["level1"]) == sorted(got["level2"])
+    order = [c for c in got["level2"] if c in whole]
+    assert order.index(("psum", (512, 10))) < order.index(("psum", (784, 512)))
     # level3: the parameters stay split (their new slices are not gathered) and no
     # gradient of a split parameter is reduced whole
     assert not whole & set(got["level3"])
@@ -494,3 +505,44 @@ def test_each_zero_level_communicates_what_zero_needs():
     state = ap.init(params)
     assert ap.state_strategies(state, x, y).params == {
         "w1": (4, 1), "b1": (4,), "w2": (4, 1), "b2": (1,)}
+
+
+def test_carried_state_keeps_its_mesh_axes_from_step_to_step():
+    """A tuple strategy says how many ways, not over which devices; a train step's
+    state leaves go out on the devices they came in on (else a job gathers and cuts
+    them again at every step). The 2 x 2 Adam MLP with ZeRO level1: b1 and w2 once
+    came back on the other mesh axis of size 2."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_autoparallel as example
+
+    ap = example.make(mp=2, zero="level1", mesh=4)
+    state = ap.init(example.init_params())
+    x, y = next(iter(example.batches(1)))
+    part = ap.partitioned(state, x, y)
+    n = len(tree.leaves((state.params, state.opt_state, state.step)))
+    assert part.in_shardings[:n] == part.out_shardings[:n]
+    split = [s for s in part.in_shardings[:n] if any(s.dims)]
+    assert len(split) >= 9, split  # w1, b1, w2 and Adam's moments of them (ZeRO)
+
+
+def test_comm_fusion_buckets_the_zero_all_gathers():
+    # ZeRO level1 gathers the updated blocks of w1, b1 and w2 (b2 does not split): one
+    # AllGather with "allgather" fusion, one per tensor with 1-byte buckets, the same
+    # training either way
+    params, x, y = _data()
+
+    def make(config=None):
+        ap = fs.AutoParallel(mse, Momentum(), mesh=4).hsdp(threshold=0)
+        return ap if config is None else ap.comm_fusion(config)
+
+    def gathers(ap):
+        return sum(c[0] == "all_gather" for c in _comms(ap, ap.init(params), x, y))
+
+    fused = make({"allgather": {"mode": "auto", "config": None}})
+    assert gathers(make()) == 3 and gathers(fused) == 1
+    assert gathers(make({"allgather": {"mode": "size", "config": 1e-6}})) == 3
+    assert gathers(make({"openstate": False, "allgather": {"mode": "auto",
+                                                           "config": None}})) == 3
+    _, want = _train(make(), params, x, y, steps=3)
+    state, got = _train(fused, params, x, y, steps=3)
+    assert got == want

@@ -504,3 +504,61 @@ def test_python_scalars_round_trip_with_the_dtypes_fshard_gives_them(tmp_path):
               np.float32(0.1))
     ckpt.save_mindspore(tmp_path / "p.ckpt", {"lr": 0.1})
     same_bits(ckpt.load_mindspore(tmp_path / "p.ckpt", {"lr": 0.1})["lr"], np.float32(0.1))
+
+
+def _placement(x):
+    from fshard.sharding.placement import PLACEMENT
+
+    return getattr(x, PLACEMENT, None)
+
+
+def test_load_with_a_mesh_places_each_leaf_on_it(tmp_path):
+    # saved on a mesh of 4 (w in row blocks, b in halves), loaded on meshes of 2, 8 and
+    # 2 x 4: the values are the saved ones, each leaf placed with the layout asked for
+    state = {"w": np.arange(48, dtype=np.float32).reshape(8, 6),
+             "b": np.arange(6, dtype=np.float32), "s": np.int32(3)}
+    d = ckpt.save(tmp_path / "a", state, layouts={"w": (4, 1), "b": (2,), "s": None}, mesh=4)
+    for mesh in (2, 8, fs.Mesh((2, 4), ("dp", "mp"))):
+        back = ckpt.load(d, state, mesh=mesh)
+        for k in state:
+            same_bits(back[k], state[k])
+        n = getattr(mesh, "size", mesh)
+        # the saved layout where it fits the new mesh ((4, 1) does not split on 2)
+        assert _placement(back["w"]) == (None if n == 2 else ((4, 1), n))
+        assert _placement(back["b"]) == ((2,), n) and _placement(back["s"]) is None
+    # the layouts asked for (None: whole), or those like's leaves were placed with
+    back = ckpt.load(d, state, mesh=8, layouts={"w": (1, 2), "b": None, "s": None})
+    assert _placement(back["w"]) == ((1, 2), 8) and _placement(back["b"]) is None
+    like = dict(state, w=fs.device_put(state["w"], (2, 2), mesh=8))
+    back = ckpt.load(d, like, mesh=8)
+    assert _placement(back["w"]) == ((2, 2), 8)
+    # a placed value is laid out that way by a sharded function that leaves it free
+    with fs.Mesh(8, "d"):
+        f = fs.shard(lambda w: w * 2.0, in_strategy=(None,))
+        assert f.strategies(back["w"])["inputs"][0]["strategy"] == [2, 2]
+    with pytest.raises(fs.ShardingError, match=r"mesh=8, layouts\) leaf \['s'\] = \(2,\)"):
+        ckpt.load(d, state, mesh=8, layouts={"w": None, "b": None, "s": (2,)})
+
+
+def test_a_train_state_saved_on_one_mesh_resumes_on_another(tmp_path):
+    def loss(p, x, y):
+        return ((x @ p["w"] + p["b"] - y) ** 2).mean()
+
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal((8, 4)).astype(np.float32),
+              "b": np.zeros((4,), np.float32)}
+    x, y = rng.standard_normal((16, 8)).astype(np.float32), np.ones((16, 4), np.float32)
+    a = fs.AutoParallel(loss, fs.optim.adam(1e-2), mesh=4).hsdp(threshold=0)
+    state = a.init(params)
+    for _ in range(2):
+        state, _ = a(state, x, y)
+    d = ckpt.save(tmp_path, state, step=2, layouts=a.state_strategies(state, x, y), mesh=4)
+    b = fs.AutoParallel(loss, fs.optim.adam(1e-2), mesh=8).parameter_plan({"w": (1, 2)})
+    like = b.init(params)
+    back = ckpt.load(d, like, mesh=8, layouts=b.state_strategies(like, x, y))
+    for got, want in zip(fs.tree.leaves(back), fs.tree.leaves(state)):
+        same_bits(got, want)
+    assert _placement(back.params["w"]) == ((1, 2), 8)
+    _, l_a = a(state, x, y)
+    _, l_b = b(back, x, y)
+    np.testing.assert_allclose(float(l_b.asnumpy()), float(l_a.asnumpy()), rtol=1e-5)

@@ -36,7 +36,7 @@ _NO_RUN = re.compile(r"^[ \t]*<!--\s*no-run:\s*(?P<reason>.*?)\s*-->[ \t]*$")
 # 4-6 s each (~50 s together); the pages measured at 5-25 s (whole training loops,
 # pipelines, checkpoints, the seed's dynamic-shape example) run with --full.
 FULL_ONLY = {"README.md", "adding_a_primitive.md", "auto_parallel.md", "checkpoint.md",
-             "control_flow.md", "dynamic_shapes.md", "from_jax.md", "optim.md",
+             "control_flow.md", "dynamic_shapes.md", "from_jax.md", "gpt.md", "optim.md",
              "pipeline.md", "random.md"}
 
 # Pages whose examples do not run as pasted yet, each xfailed strictly (it fails as

@@ -231,3 +231,30 @@ def test_unsupported_dtype_error_names_the_kernel():
         "dtype is float16 or float32; docs/amp.md lists which ops run in which dtype.\n"
         "See docs/errors.md#unsupporteddtypeerror")
     assert isinstance(info.value, TypeError)
+
+
+def test_a_jitted_cells_errors_name_the_callers_arguments():
+    """fs.jit(cell): the caller passes construct's arguments (fshard supplies the
+    parameters first), so an error names them as the caller counts and calls them."""
+    import mindspore as ms
+    from mindspore import nn
+
+    class Two(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.d = nn.Dense(4, 3)
+
+        def construct(self, x, y):
+            return self.d(x) + y
+
+    s = fs.Symbol()
+    f = fs.jit(Two(), in_shapes=(fs.ArrayType((s, 4), ms.float32),
+                                 fs.ArrayType((s, 3), ms.float32)))
+    f(np.ones((2, 4), np.float32), np.ones((2, 3), np.float32))
+    with pytest.raises(fs.ShapeError, match=r"args\[0\] \(parameter 'x'\) has shape \(2, 5\)"):
+        f(np.ones((2, 5), np.float32), np.ones((2, 3), np.float32))
+    with pytest.raises(fs.ShapeError, match=r"args\[1\] \(parameter 'y'\) has size 3 .* "
+                       r"in args\[0\] \(parameter 'x'\)"):
+        f(np.ones((2, 4), np.float32), np.ones((3, 3), np.float32))
+    with pytest.raises(fs.ArgumentError, match=r"set_inputs: argument 1\[0\]: expected"):
+        fs.jit(Two(), in_shapes=(None, (s, 3)))

@@ -648,3 +648,45 @@ def test_a_cells_parameter_plan_shards_its_stages():
         want = s_ref.params[k].asnumpy()
         np.testing.assert_allclose(s.params[k].asnumpy(), want, rtol=1e-5,
                                    atol=1e-5 * float(np.abs(want).max()), err_msg=k)
+
+
+def test_local_norms_and_the_seed_files_work_with_a_pipeline(tmp_path, capsys):
+    # seed 001's knobs on a pipelined step (2 stages x 2 devices): the gradient norms
+    # are those of the whole batch's gradient, the files written at the first step
+    import json
+
+    p, x, y = _data()
+    _, grads = fs.value_and_grad(_loss)(p, x, y)
+    ap = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=4).pipeline(stages=2, micro_batches=2)
+    ap.print_local_norm().dump_local_norm(tmp_path / "norms").enable_device_local_norm()
+    ap.save_param_strategy_file(tmp_path / "param.json")
+    ap.set_group_ckpt_save_file(tmp_path / "groups.json")
+    state = ap.init(p)
+    state, loss = ap(state, x, y)
+    ref = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=4).pipeline(stages=2, micro_batches=2)
+    _, want = ref(ref.init(p), x, y)
+    assert float(loss.asnumpy()) == float(want.asnumpy())  # training unchanged
+    line = json.loads((tmp_path / "norms" / "local_norm_rank0.jsonl").read_text())
+    assert line["step"] == 1
+    total = 0.0
+    for k, g in grads.items():
+        g = g.asnumpy().astype(np.float64)
+        np.testing.assert_allclose(line["norms"][k], np.linalg.norm(g), rtol=1e-5)
+        total += float((g ** 2).sum())
+    # every device holds every gradient (each process runs the whole optimizer)
+    assert sorted(line["device_norms"]) == ["0", "1", "2", "3"]
+    for v in line["device_norms"].values():
+        np.testing.assert_allclose(v, np.sqrt(total), rtol=1e-5)
+    printed = capsys.readouterr().out
+    assert "local_norm: step 1 w1 block (0, 0): " in printed
+    assert "device_local_norm: step 1 device 3" in printed
+    param = json.loads((tmp_path / "param.json").read_text())
+    assert param["params"] == {"w1": [1, 1], "w2": [1, 1]}
+    assert param["stages"] == {"w1": 0, "w2": 1}
+    groups = json.loads((tmp_path / "groups.json").read_text())
+    assert groups["groups"] == {"pp": [0, 2], "dp": [0, 1]} and groups["rank"] == 0
+    # the operator strategy file has no single plan to describe
+    ap2 = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=4).pipeline(stages=2, micro_batches=2)
+    ap2.save_operator_strategy_file(tmp_path / "op.json")
+    with pytest.raises(fs.ArgumentError, match="save_operator_strategy_file"):
+        ap2(ap2.init(p), x, y)

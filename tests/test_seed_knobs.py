@@ -1,6 +1,6 @@
 """MindSpore's AutoParallel file knobs as seed 001 writes them: the strategy and group
 files set by path alone before training (written when the step is first compiled),
-the non-trainable parameters in the strategy file, and their refusal with a pipeline."""
+the non-trainable parameters in the strategy file, and the files with a pipeline."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_strategy_file_lists_trainable_parameters_unless_disabled(tmp_path):
         again(again.init(), x, y)
 
 
-def test_files_set_by_path_alone_are_refused_with_a_pipeline(tmp_path):
+def test_files_set_by_path_alone_with_a_pipeline(tmp_path):
     def loss(p, x, y):
         h = fs.pipeline_split(x @ p["w1"])
         return ((h @ p["w2"] - y) ** 2).mean()
@@ -117,9 +117,15 @@ def test_files_set_by_path_alone_are_refused_with_a_pipeline(tmp_path):
               "w2": rng.standard_normal((4, 2)).astype(np.float32)}
     x = rng.standard_normal((8, 4)).astype(np.float32)
     y = rng.standard_normal((8, 2)).astype(np.float32)
+    import json
+
     ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=2).pipeline(stages=2)
     ap.set_group_ckpt_save_file(str(tmp_path / "g.ckpt"))
-    with pytest.raises(fs.ArgumentError, match="set_group_ckpt_save_file.*not one sharded"):
+    ap(ap.init(params), x, y)  # the pipeline group of 2 stages x 1 device
+    assert json.loads((tmp_path / "g.ckpt").read_text())["groups"] == {"pp": [0, 1]}
+    ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=2).pipeline(stages=2)
+    ap.save_operator_strategy_file(str(tmp_path / "op.json"))
+    with pytest.raises(fs.ArgumentError, match="save_operator_strategy_file.*not available"):
         ap(ap.init(params), x, y)
 
 
@@ -191,3 +197,22 @@ def test_pipeline_float16_gradient_sums_run_in_float32():
     assert _pipeline_b_gradient(lambda ap: ap.disable_gradient_fp32_sync()) == 2048.0
     assert _pipeline_b_gradient(
         lambda ap: ap.disable_gradient_fp32_sync().enable_fp32_communication()) == 2050.0
+
+
+def test_pipeline_grad_reducer_passes_complete_gradients_through():
+    # MindSpore's functional pipeline loop: grads = pp_grad_reducer(grads); fshard's
+    # gradients are the whole batch's already, so it gives them back as they are
+    from mindspore import nn
+    from mindspore.parallel.nn import PipelineGradReducer
+
+    net = nn.Dense(4, 2)
+    opt = nn.SGD(net.trainable_params(), 1e-2)
+    reducer = PipelineGradReducer(opt.parameters, opt_shard=False)
+    rng = np.random.default_rng(5)
+    grads = (rng.standard_normal((2, 4)).astype(np.float32),
+             rng.standard_normal((2,)).astype(np.float32))
+    out = fs.jit(lambda g: reducer(g))(grads)
+    for a, b in zip(out, grads):
+        np.testing.assert_array_equal(a.asnumpy(), b)
+    with pytest.raises(fs.ArgumentError, match=r"PipelineGradReducer\(grads\).*alone"):
+        fs.jit(lambda g: reducer(g, g))(grads)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from fshard.core import dtypes, tree
+from fshard.core import context, dtypes, tree
 from fshard.core.tracing import typeof
 from fshard.errors import DifferentiationError
 from fshard.core.interpret import bind_equation, equation_note, eval_program, walk
@@ -209,12 +209,15 @@ def backward_pass(linear: Program, n_res: int, residuals: list, cts_out: list) -
                 "tangents (e.g. t * t).\nFix: make the JVP rule linear in the tangents "
                 "(multiply tangents only by primal values)."
                 + (f" (created at {eq.source})" if eq.source else ""))
+        token = context.source.set(eq.source)
         try:
             rule = transpose_rules.lookup(eq.prim, transform="reverse-mode differentiation")
             cts_in = rule(cts if eq.prim.multiple_results else cts[0], *args, **eq.params)
         except Exception as e:
             e.add_note(equation_note(eq, "transposing"))
             raise
+        finally:
+            context.source.reset(token)
         for a, ct in zip(eq.inputs, cts_in, strict=True):
             if isinstance(a, Var) and a in lin_vars:
                 add_ct(a, ct)

@@ -296,11 +296,12 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType | None:
         "None to take its shape from each call.")
 
 
-def declared_types(specs, where: str) -> tuple:
+def declared_types(specs, where: str, skip: int = 0) -> tuple:
     """Input declarations (one per argument: an ``fs.ArrayType``, a MindSpore placeholder
     Tensor, a pytree of them, or None) as ArrayTypes (``set_inputs`` of ``fs.jit``,
     ``fs.shard`` and ``fs.AutoParallel``). One ``mindspore.Symbol`` object with
-    ``unique=True`` is one fshard Symbol across all of them."""
+    ``unique=True`` is one fshard Symbol across all of them. Errors count the
+    arguments from the ``skip``-th (the first one a caller passes)."""
     ms_symbols: dict = {}
 
     def convert(spec, where):
@@ -314,7 +315,8 @@ def declared_types(specs, where: str) -> tuple:
             return out if isinstance(spec, dict) else type(spec)(out.values())
         return _spec_type(spec, where, ms_symbols)  # raises, naming the entry
 
-    return tuple(convert(spec, f"{where}: argument {i}") for i, spec in enumerate(specs))
+    return tuple(convert(spec, f"{where}: argument {i - skip}")
+                 for i, spec in enumerate(specs))
 
 
 def _bind(name: str, what: str, avals, values, sizes: dict, names=None) -> dict:
@@ -433,7 +435,8 @@ class Jitted:
         None dimensions, or None (the argument's shapes come from each call). Every call
         whose shapes satisfy the declarations then runs one program, traced and compiled
         once; a call that does not is an fshard error. Returns ``self``."""
-        self._in_shapes = declared_types(specs, f"{self!r}.set_inputs")
+        self._in_shapes = declared_types(specs, f"{self!r}.set_inputs",
+                                         getattr(self.fun, "supplied_args", 0))
         return self
 
     @property
@@ -505,7 +508,8 @@ class Jitted:
                                                    for k, v in sig.items()})
             local = None if not sig and not any(out_info) else (program, out_info)
             program, consts, params = lift_parameters(program, traced.consts)
-            src, globals_, n_out = backend.lower_program(program, consts, traced.name)
+            src, globals_, n_out = backend.lower_program(passes.implicit_broadcasts(program),
+                                                         consts, traced.name)
             lowered = Lowered(traced, src, globals_, n_out, _last_computed(program), local,
                               program, params)
             self._cache[key] = lowered
@@ -649,18 +653,24 @@ def check_donation(api: str, fun, donate_argnums, donate_argnames, static_argnum
 
 
 def _input_names(fun, args, kwargs) -> list[str]:
-    """``args[1] (parameter 'x')``-style names of the array leaves of a call."""
+    """``args[1] (parameter 'x')``-style names of the array leaves of a call (counted
+    as its caller counts them: a Cell's parameters, which fshard supplies, are named
+    as such)."""
     import inspect
 
     try:
         params = list(inspect.signature(fun).parameters)
     except (TypeError, ValueError):
         params = []
+    skip = getattr(fun, "supplied_args", 0)
     out = []
     for path in tree.flatten_with_path((tuple(args), kwargs))[0]:
         if path and path[0] == 0 and len(path) > 1:
             i = path[1]
-            arg = f"args[{i}]" + tree.keystr(path[2:])
+            if i < skip:
+                out.append(f"the Cell's parameter {tree.keystr(path[2:])}")
+                continue
+            arg = f"args[{i - skip}]" + tree.keystr(path[2:])
             out.append(f"{arg} (parameter '{params[i]}')" if i < len(params) else arg)
         else:
             out.append("kwargs" + tree.keystr(path[1:]))

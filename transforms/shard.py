@@ -23,7 +23,9 @@ from fshard.errors import CompositionError, OperatorStrategyWarning, ShardingErr
 from fshard.adapter.cells import parameters
 from fshard.adapter.interop import (context_dataset_strategy, context_mesh, context_search,
                             register_cell_shard)
-from fshard.core.ir import Program
+from fshard.core.ir import Equation, Program, Var
+from fshard.primitives.generic import assign, ms_op_p
+from fshard.primitives.structural import stop_gradient_p
 from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import ShardMesh, Sharding
 from fshard.sharding.partition import Partitioned
@@ -188,6 +190,10 @@ class Sharded:
         # ``comm_fusion``); None: one AllReduce per value.
         self.comm_fusion = None
         self.passes = ()  # rewrites of the per-device program (fs.AutoParallel's)
+        # The first ``carried`` output leaves are the next call's first ``carried``
+        # argument leaves (fs.AutoParallel's train state): a tuple strategy given to
+        # both takes the same mesh axes on both sides, so no step redistributes it.
+        self.carried = 0
         # ``(axis name, count)``: in a job, the devices are one of ``count`` equal groups
         # of the processes (consecutive ranks), this process's group, and all
         # communication stays inside it (a pipeline stage's devices); None: the world.
@@ -293,7 +299,7 @@ class Sharded:
         mesh = ShardMesh.for_devices(n)
         with context.counted(context.shard_depth), context.pushed(context.shard_devices, n):
             traced = trace_fun(fn, in_tree, [typeof(x) for x in leaves])
-        prog = traced.program
+        prog, writes = _hoist_writes(traced.program)
         avals = [v.aval for v in prog.inputs]
         n_c = prog.n_consts
         in_sh = [Sharding.replicated(a.ndim) for a in avals[:n_c]]
@@ -305,14 +311,21 @@ class Sharded:
                 where = (f"shard({fname}): dataset_strategy='data_parallel' makes each "
                          "unannotated argument a batch slice per device, the strategy")
             in_sh.append(parse_strategy(e, a, mesh, where, what))
-        out_sh, out_flexible = self._out_shardings(prog, mesh, fname, traced.out_tree)
+        n_out = len(prog.outputs) - len(writes)
+        out_sh, out_flexible = self._out_shardings(
+            Program(prog.inputs, prog.equations, prog.outputs[:n_out], prog.n_consts),
+            mesh, fname, traced.out_tree)
+        # the statistics written (whole on every device: the global batch's)
+        out_sh += [Sharding.replicated(a.ndim) for a in prog.out_avals[n_out:]]
         flexible += [("out", k) for k in out_flexible]
+        tied = [(("in", n_c + k), ("out", k)) for k in range(self.carried)]
         body = Program(prog.inputs, prog.equations, prog.outputs)
         plan = ShardPlan(body, in_sh, out_sh, mesh, self.level, fname, self.search,
                          self._fixed, world=world_mesh(mesh, groups) if in_job else None,
-                         flexible=flexible, fusion=self.comm_fusion)
+                         flexible=flexible, fusion=self.comm_fusion, tied=tied)
         plan.passes = self.passes
         plan.local_outputs = in_job and not self.gather_outputs
+        plan.writes = tuple(writes)
         self._cache[key] = (plan, traced)
         return plan, traced
 
@@ -440,6 +453,11 @@ class Sharded:
         outs = shard_call_p.bind(*traced.consts, *leaves, plan=plan)
         if any(sliced) and self.out_strategy is None:
             outs = local_batch.take_outputs(plan.partitioned(), outs, distributed.rank())
+        if plan.writes:  # the writes the body made, into the caller's tensors
+            outs, new = outs[:-len(plan.writes)], outs[-len(plan.writes):]
+            operands = list(traced.consts) + list(leaves)
+            for i, v in zip(plan.writes, new):
+                assign(operands[i], v)
         # (an fs.ShardedArray output of data_parallel is already this process's rows)
         return tree.unflatten(traced.out_tree, outs)
 
@@ -506,6 +524,52 @@ class Sharded:
 
     def __repr__(self) -> str:
         return f"fs.shard({fun_name(self.fn)})"
+
+
+def _is_input_write(eq, origin: dict) -> bool:
+    fn = eq.params.get("fn") if eq.prim is ms_op_p else None
+    return (fn is not None and fn.call.name == "Assign" and fn.has_effect
+            and isinstance(eq.inputs[0], Var) and eq.inputs[0] in origin
+            and isinstance(eq.inputs[1], Var))
+
+
+def _hoist_writes(program: Program) -> tuple[Program, list]:
+    """``program`` without its ``Assign`` equations into its own inputs (BatchNorm's
+    moving statistics in training mode), and the input indices written.
+
+    Each written value becomes an extra output (after the others; the last write of an
+    input wins), and a read of the input after its write reads the value instead, as
+    MindSpore orders them. ``fs.shard`` writes the values into the caller's tensors
+    after the sharded call, whole: inside the per-device program each device would
+    write only its own block or copy of the input (on a virtual mesh, a temporary
+    one), whereas these values are the same on every device (a batch statistic of a
+    split batch is all-reduced) and equal the unsharded program's."""
+    # input index of each input, and of its stop_gradient (a Cell's statistics under a
+    # transform): the tensor an Assign into it writes
+    origin = {v: i for i, v in enumerate(program.inputs)}
+    alias: dict = {}
+    written: dict = {}
+    eqs = []
+    for eq in program.equations:
+        ins = [alias.get(a, a) if isinstance(a, Var) else a for a in eq.inputs]
+        if eq.prim is stop_gradient_p and eq.inputs[0] in origin:
+            origin[eq.outputs[0]] = origin[eq.inputs[0]]
+        if _is_input_write(eq, origin):
+            target, value = origin[eq.inputs[0]], ins[1]
+            for v, i in origin.items():  # later reads of the tensor read the value
+                if i == target:
+                    alias[v] = value
+            alias[eq.outputs[0]] = value
+            written.pop(target, None)
+            written[target] = value
+            continue
+        eqs.append(Equation(eq.prim, ins, eq.params, eq.outputs, eq.source)
+                   if ins != list(eq.inputs) else eq)
+    if not written:
+        return program, []
+    outputs = [alias.get(a, a) if isinstance(a, Var) else a for a in program.outputs]
+    return (Program(program.inputs, eqs, outputs + list(written.values()),
+                    program.n_consts, program.meta), list(written))
 
 
 def _resolve_parameter_plan(cell, plan_, fname) -> dict:

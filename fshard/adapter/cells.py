@@ -10,6 +10,7 @@ call, so updates to the Cell are always seen.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 from fshard.backend.mindspore import (
     cell_first_call_checks,
@@ -164,6 +165,12 @@ def functional(cell):
             return cell(*args, **kwargs)
 
     apply.__name__ = type(cell).__name__
+    try:  # errors name an input by construct's parameter names
+        sig = inspect.signature(cell.construct)
+        apply.__signature__ = sig.replace(parameters=[inspect.Parameter(
+            "params", inspect.Parameter.POSITIONAL_OR_KEYWORD), *sig.parameters.values()])
+    except (TypeError, ValueError):
+        pass
     return apply, {n: p for n, p in parameters(cell).items()}
 
 
@@ -174,6 +181,9 @@ def maybe_cell(fun, transform):
         return transform(fun)
     cell = fun
     apply, _ = functional(cell)
+    # The caller passes construct's arguments; fshard supplies the first (the Cell's
+    # parameters), so errors count the caller's arguments from 0.
+    apply.supplied_args = 1
     inner = transform(apply)
 
     def call(*args, **kwargs):

@@ -1791,6 +1791,12 @@ def _wrap_cell_call(orig):
             if run is not None and id(self) not in _sharded_cells():
                 with context.pushed(context.sharded_cells, id(self)):
                     return run(args, kwargs)
+            if _is_pipeline_grad_reducer(self):
+                # MindSpore's PipelineGradReducer sums the micro-batches' gradients that
+                # its Pipeline wrapper accumulated; fshard differentiates the whole
+                # batch's loss (a Pipeline wrapper's loss is the batch's), so the
+                # gradients it is given are complete already.
+                return _pipeline_grads(self, *args, **kwargs)
             stage = self.__dict__.get("_pipeline_stage")
             if stage is not None:  # MindSpore's cell.pipeline_stage = k: the inputs enter k
                 args, kwargs = _enter_stage((args, kwargs), stage)
@@ -1802,6 +1808,22 @@ def _wrap_cell_call(orig):
 
     __call__.__wrapped__ = orig
     return __call__
+
+
+def _is_pipeline_grad_reducer(cell) -> bool:
+    return any(c.__name__ == "PipelineGradReducer" and c.__module__.startswith(
+        "mindspore.parallel") for c in type(cell).__mro__)
+
+
+def _pipeline_grads(cell, grads=None, *rest, **kwargs):
+    """MindSpore's ``PipelineGradReducer(grads)`` in traced code: ``grads``, as given."""
+    if grads is None or rest or kwargs:
+        given = (0 if grads is None else 1) + len(rest)
+        raise ArgumentError(
+            f"{type(cell).__name__}(grads): called with {given} positional and "
+            f"{len(kwargs)} keyword arguments; it takes the gradients alone.\nFix: "
+            "grads = pp_grad_reducer(grads).")
+    return grads
 
 
 def _sharded_cells() -> tuple:

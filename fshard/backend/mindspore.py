@@ -541,6 +541,11 @@ def device_target() -> str:
     return ms.get_context("device_target")
 
 
+def ms_version() -> str:
+    """MindSpore's version (calibration tables are per version)."""
+    return ms.__version__
+
+
 def native_collectives() -> dict:
     """The row of ``NATIVE_COLLECTIVES`` for the device target in use (the cost model
     prices each collective as it will run: natively, or emulated)."""

@@ -46,6 +46,11 @@ meshes: ContextVar[tuple] = ContextVar("fshard_meshes", default=())
 #: Inside ``with fs.disable_jit():``: ``fs.jit`` functions run op by op, uncompiled.
 jit_disabled: ContextVar[bool] = ContextVar("fshard_jit_disabled", default=False)
 
+#: The ``file:line`` of the equation a transform is interpreting: the equations it
+#: creates (its JVP, its transpose, its batched form) keep the line of the user's code
+#: that created the original (``fs.profile`` groups the backward pass by it).
+source: ContextVar = ContextVar("fshard_source", default=None)
+
 #: The loop bodies (``scan``, ``fori_loop``, ``while_loop``) being staged, innermost
 #: last: ``fs.random`` warns when a draw there uses a key that no iteration changes.
 loop_bodies: ContextVar[tuple] = ContextVar("fshard_loop_bodies", default=())

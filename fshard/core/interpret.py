@@ -50,11 +50,14 @@ def walk_equations(equations, env: dict, rule: Callable, what: str,
         return literal(a) if isinstance(a, Literal) else env[a]
 
     for eq in equations:
+        token = context.source.set(eq.source)
         try:
             outs = rule(eq, [read(a) for a in eq.inputs])
         except Exception as e:
             e.add_note(equation_note(eq, what))
             raise
+        finally:
+            context.source.reset(token)
         env.update(zip(eq.outputs, outs, strict=True))
     return read
 

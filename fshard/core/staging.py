@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from fshard.core import context
 from fshard.core.tracing import ArrayType, Trace, Tracer, set_trace, typeof
 from fshard.errors import FshardError
 from fshard.core.ir import Equation, Literal, Program, Var
@@ -77,7 +78,8 @@ class StagingTrace(Trace):
         rule = abstract_eval.lookup(prim, transform="tracing")
         out_avals = rule(*[a.aval for a in atoms], **params)
         outs = [Var(a) for a in out_avals]
-        self.equations.append(Equation(prim, atoms, params, outs, _user_frame()))
+        self.equations.append(Equation(prim, atoms, params, outs,
+                                        context.source.get() or _user_frame()))
         return [StagedTracer(self, v) for v in outs]
 
 

@@ -31,8 +31,11 @@ import numpy as np
 from fshard.core import dtypes
 from fshard.core.tracing import ArrayType
 from fshard.core.ir import Equation, Literal, Program, Var
-from fshard.primitives.collectives import pmean_p, psum_p, psum_scatter_p
-from fshard.primitives.elementwise import cast_p
+from fshard.primitives.base import add_p, reduce_sum_p
+from fshard.primitives.collectives import all_gather_p, pmean_p, psum_p, psum_scatter_p
+from fshard.primitives.elementwise import (cast_p, div_p, equal_p, greater_equal_p, greater_p,
+                                           less_equal_p, less_p, maximum_p, minimum_p, mul_p,
+                                           neg_p, not_equal_p, pow_p, sub_p)
 from fshard.primitives.structural import (broadcast_to_p, concat_p, reshape_p, split_p,
                                           transpose_p)
 
@@ -133,6 +136,9 @@ def _atom_key(a):
     return ("var", id(a))
 
 
+_COMMUTATIVE = (add_p, mul_p, maximum_p, minimum_p, equal_p, not_equal_p)
+
+
 def cse(program: Program) -> Program:
     """Reuse the outputs of an earlier identical equation."""
     alias: dict = {}
@@ -141,7 +147,10 @@ def cse(program: Program) -> Program:
     for eq in program.equations:
         ins = [alias.get(a, a) if isinstance(a, Var) else a for a in eq.inputs]
         eq = Equation(eq.prim, ins, eq.params, eq.outputs, eq.source)
-        key = (eq.prim, tuple(_atom_key(a) for a in ins), _key(eq.params))
+        atoms = tuple(_atom_key(a) for a in ins)
+        if eq.prim in _COMMUTATIVE:  # x * y and y * x: the same, bit for bit
+            atoms = tuple(sorted(atoms, key=repr))
+        key = (eq.prim, atoms, _key(eq.params))
         prev = None if eq.prim.effect else seen.get(key)  # two prints print twice
         if prev is not None:
             alias.update(zip(eq.outputs, prev.outputs))
@@ -149,6 +158,58 @@ def cse(program: Program) -> Program:
         seen[key] = eq
         out.append(eq)
     return _rebuild(program, out, alias)
+
+
+# ---------------------------------------------------------------------------
+# sink_neg: a negation read once moves to the smaller side, or into a subtraction
+# ---------------------------------------------------------------------------
+
+
+def _uses(program: Program) -> dict:
+    n: dict = {}
+    for eq in program.equations:
+        for a in eq.inputs:
+            if isinstance(a, Var):
+                n[a] = n.get(a, 0) + 1
+    for a in program.outputs:
+        if isinstance(a, Var):
+            n[a] = n.get(a, 0) + 2  # an output is always read
+    return n
+
+
+def sink_neg(program: Program) -> Program:
+    """``reduce_sum(neg(x))`` becomes ``neg(reduce_sum(x))`` and ``add(a, neg(b))``
+    becomes ``sub(a, b)`` when nothing else reads the ``neg``: one full-size kernel
+    less each (reverse mode makes many: the transposes of ``sub``, of a mean's
+    centring, of an optimizer's ``p - lr * u``). Exact: negation changes no bit but
+    the sign, and ``a - b`` is ``a + (-b)`` in IEEE arithmetic."""
+    uses = _uses(program)
+    negs = {eq.outputs[0]: eq for eq in program.equations
+            if eq.prim is neg_p and uses.get(eq.outputs[0]) == 1}
+    if not negs:
+        return program
+    out, done = [], set()
+    for eq in program.equations:
+        if eq.prim is reduce_sum_p and eq.inputs[0] in negs:
+            (x,) = negs[eq.inputs[0]].inputs
+            mid = Var(eq.outputs[0].aval)
+            out.append(Equation(reduce_sum_p, [x], eq.params, [mid], eq.source))
+            out.append(Equation(neg_p, [mid], {}, eq.outputs, eq.source))
+            done.add(eq.inputs[0])
+            continue
+        if eq.prim is add_p and any(a in negs for a in eq.inputs):
+            a, b = eq.inputs
+            if a in negs and b not in negs:
+                a, b = b, a
+            if b in negs:
+                out.append(Equation(sub_p, [a, negs[b].inputs[0]], {}, eq.outputs, eq.source))
+                done.add(b)
+                continue
+        out.append(eq)
+    if not done:
+        return program
+    out = [eq for eq in out if not (eq.prim is neg_p and eq.outputs[0] in done)]
+    return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)
 
 
 # ---------------------------------------------------------------------------
@@ -179,6 +240,7 @@ def dce(program: Program) -> Program:
 PASSES: list[tuple[str, PassFn]] = [
     ("fold_structural", fold_structural),
     ("cse", cse),
+    ("sink_neg", sink_neg),
     ("dce", dce),
 ]
 
@@ -215,6 +277,55 @@ def simplify(program: Program, max_rounds: int = 4) -> Program:
 
 
 # ---------------------------------------------------------------------------
+# implicit_broadcasts: for lowering only
+# ---------------------------------------------------------------------------
+
+# Binary primitives whose MindSpore kernels broadcast their operands as NumPy does
+# (the comparisons too: relu's derivative compares with a broadcast 0).
+_BROADCASTING = (add_p, sub_p, mul_p, div_p, pow_p, maximum_p, minimum_p, equal_p, not_equal_p,
+                 less_p, less_equal_p, greater_p, greater_equal_p)
+
+
+def _static(shape) -> bool:
+    return all(type(d) is int for d in shape)
+
+
+def implicit_broadcasts(program: Program) -> Program:
+    """``program`` with the ``broadcast_to`` operands of arithmetic equations replaced
+    by what they broadcast, where MindSpore's kernel broadcasts it to the same result
+    (``mul(x, broadcast_to(0.9, x.shape))`` becomes ``mul(x, 0.9)``), and the broadcasts
+    nothing else reads dropped.
+
+    fshard's primitives take operands of one shape, so tracing materialises every
+    broadcast (an optimizer's ``m * b1``, a normalisation's ``x * scale`` per channel);
+    lowered one to one, each is a kernel writing a full-size tensor that the next
+    kernel reads back. The result is NOT a valid fshard Program (its operands' shapes
+    differ): it is only for ``backend.lower_program``, after every other pass.
+    """
+    producer = {v: eq for eq in program.equations if eq.prim is broadcast_to_p
+                for v in eq.outputs}
+    out = []
+    for eq in program.equations:
+        if eq.prim in _BROADCASTING and producer and _static(eq.outputs[0].aval.shape):
+            want = tuple(eq.outputs[0].aval.shape)
+            ins = list(eq.inputs)
+            for i, a in enumerate(ins):
+                src = producer.get(a) if isinstance(a, Var) else None
+                if src is None or not _static(src.inputs[0].aval.shape):
+                    continue
+                trial = ins[:i] + [src.inputs[0]] + ins[i + 1:]
+                if np.broadcast_shapes(*(tuple(t.aval.shape) for t in trial)) == want:
+                    ins = trial
+            if ins != list(eq.inputs):
+                eq = Equation(eq.prim, ins, eq.params, eq.outputs, eq.source)
+        out.append(eq)
+    if len(out) == len(program.equations) and all(
+            a is b for a, b in zip(out, program.equations)):
+        return program
+    return dce(Program(program.inputs, out, program.outputs, program.n_consts, program.meta))
+
+
+# ---------------------------------------------------------------------------
 # fuse_allreduces: bucket independent AllReduces into few large ones
 # ---------------------------------------------------------------------------
 
@@ -232,6 +343,39 @@ def fuse_allreduces(program: Program, bucket_bytes: float) -> Program:
     AllReduce runs once all its operands are ready and before any reader of its
     results. Every element is still reduced once: the sums are the same.
     """
+    return _fuse(program, bucket_bytes, _psum_key, _fused_psum)
+
+
+def fuse_allgathers(program: Program, bucket_bytes: float) -> Program:
+    """``program`` with its ``all_gather`` equations along dimension 0 over the same
+    mesh axes and of the same dtype merged into buckets of at most ``bucket_bytes``
+    of gathered output (one flattened, concatenated AllGather per bucket, cut back
+    after): ZeRO's gathers of the updated parameters' blocks then cost a few
+    collectives instead of one per tensor (MindSpore's ``comm_fusion`` for
+    ``"allgather"``). Buckets fill as ``fuse_allreduces``'s do; the values are the
+    same."""
+    return _fuse(program, bucket_bytes, _gather_key, _fused_all_gather)
+
+
+def _psum_key(eq):
+    if not (eq.prim is psum_p and len(eq.inputs) == 1 and isinstance(eq.inputs[0], Var)
+            and eq.inputs[0].aval.is_static):
+        return None
+    return (tuple(eq.params["axis_name"]), eq.inputs[0].aval.dtype)
+
+
+def _gather_key(eq):
+    if not (eq.prim is all_gather_p and len(eq.inputs) == 1 and isinstance(eq.inputs[0], Var)
+            and eq.inputs[0].aval.is_static and eq.params.get("axis") == 0
+            and eq.outputs[0].aval.is_static):
+        return None
+    return (tuple(sorted((k, repr(v)) for k, v in eq.params.items())),
+            eq.inputs[0].aval.dtype)
+
+
+def _fuse(program: Program, bucket_bytes: float, key_of, build) -> Program:
+    """The bucketing of ``fuse_allreduces``: equations with the same ``key_of``
+    (None: not fusable) merged by ``build(equations) -> equations``."""
     eqs = program.equations
     producer = {v: i for i, eq in enumerate(eqs) for v in eq.outputs}
     # deps[i]: bit set of the equations equation i depends on, transitively
@@ -251,11 +395,10 @@ def fuse_allreduces(program: Program, bucket_bytes: float) -> Program:
     buckets: list = []   # lists of equation indices
     open_: dict = {}     # key -> (bucket index, bytes, member bit set)
     for i, eq in enumerate(eqs):
-        if not (eq.prim is psum_p and len(eq.inputs) == 1 and isinstance(eq.inputs[0], Var)
-                and eq.inputs[0].aval.is_static):
+        key = key_of(eq)
+        if key is None:
             continue
-        key = (tuple(eq.params["axis_name"]), eq.inputs[0].aval.dtype)
-        b = nbytes(eq.inputs[0])
+        b = nbytes(eq.outputs[0])
         cur = open_.get(key)
         if cur is None or cur[1] + b > bucket_bytes or deps[i] & cur[2]:
             buckets.append([i])
@@ -293,14 +436,14 @@ def fuse_allreduces(program: Program, bucket_bytes: float) -> Program:
     while ready:
         _, n = heapq.heappop(ready)
         if n in members:
-            out.extend(_fused_psum([eqs[i] for i in members[n]]))
+            out.extend(build([eqs[i] for i in members[n]]))
         else:
             out.append(eqs[n])
         for m in succs[n]:
             waiting[m] -= 1
             if waiting[m] == 0:
                 heapq.heappush(ready, (order_key[m], m))
-    assert len(out) >= len(eqs), "fuse_allreduces lost equations (a cycle)"
+    assert len(out) >= len(eqs), "fusing collectives lost equations (a cycle)"
     return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)
 
 
@@ -319,6 +462,33 @@ def _fused_psum(eqs: list) -> list:
     out.append(Equation(psum_p, [total], dict(eqs[0].params), [reduced]))
     pieces = [Var(v.aval) for v in flat]
     out.append(Equation(split_p, [reduced], {"sizes": lengths, "axis": 0}, pieces))
+    for eq, piece in zip(eqs, pieces):
+        (y,) = eq.outputs
+        out.append(Equation(reshape_p, [piece], {"shape": tuple(y.aval.shape)}, [y],
+                            eq.source))
+    return out
+
+
+def _fused_all_gather(eqs: list) -> list:
+    """One AllGather (along dimension 0) for several: flatten each block, concatenate,
+    gather (device-major: ``n`` runs of the concatenation), then per value its
+    columns of the ``(n, total)`` result, reshaped to ``(n * rows, ...)``."""
+    out, flat = [], []
+    for eq in eqs:
+        (x,) = eq.inputs
+        v = Var(ArrayType((int(np.prod(x.aval.shape, dtype=np.int64)),), x.aval.dtype))
+        out.append(Equation(reshape_p, [x], {"shape": v.aval.shape}, [v], eq.source))
+        flat.append(v)
+    lengths = tuple(v.aval.shape[0] for v in flat)
+    total = Var(ArrayType((sum(lengths),), flat[0].aval.dtype))
+    out.append(Equation(concat_p, flat, {"axis": 0}, [total]))
+    n = eqs[0].outputs[0].aval.shape[0] // eqs[0].inputs[0].aval.shape[0]
+    gathered = Var(ArrayType((n * sum(lengths),), total.aval.dtype))
+    out.append(Equation(all_gather_p, [total], dict(eqs[0].params), [gathered]))
+    rows = Var(ArrayType((n, sum(lengths)), total.aval.dtype))
+    out.append(Equation(reshape_p, [gathered], {"shape": rows.aval.shape}, [rows]))
+    pieces = [Var(ArrayType((n, k), total.aval.dtype)) for k in lengths]
+    out.append(Equation(split_p, [rows], {"sizes": lengths, "axis": 1}, pieces))
     for eq, piece in zip(eqs, pieces):
         (y,) = eq.outputs
         out.append(Equation(reshape_p, [piece], {"shape": tuple(y.aval.shape)}, [y],

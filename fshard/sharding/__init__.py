@@ -8,6 +8,8 @@ Read in this order:
   fshard/core/factors.py), and the steps that move a value between layouts;
 - ``strategy``: the one parser of user strategies (split counts, ``fs.Layout`` views,
   None) for ``fs.shard``, ``fs.shard_map`` and ``AutoParallel``;
+- ``rates``, ``calibration``: this machine's measured rates (``fs.sharding.calibrate()``),
+  cached on disk, which the cost model prices with when present;
 - ``cost``: the one cost model (computation, and each move as the backend runs it);
 - ``propagation``: a layout for every value (MindSpore's algorithm);
 - ``search``: the cost of a whole assignment, exhaustive and dynamic-programming
@@ -20,3 +22,5 @@ Read in this order:
 The transforms (``fs.shard``, ``fs.shard_map``, the ``shard_call`` primitive) are the
 user API over these; nothing here imports them.
 """
+
+from fshard.sharding.calibration import calibrate as calibrate  # noqa: E402

@@ -10,11 +10,12 @@ import math
 from dataclasses import dataclass, field
 
 from fshard.core import dtypes
-from fshard.backend.mindspore import device_target, native_collectives
+from fshard.backend.mindspore import comm_initialized, device_target, native_collectives
 from fshard.core.tracing import ArrayType
 from fshard.core.dims import planning_prod, planning_size
 from fshard.core.factors import FactorSpec
 from fshard.sharding.layouts import Candidate, ShardMesh, Sharding, plan
+from fshard.sharding.rates import calibrated
 
 def compute_cost(spec: FactorSpec, cand: Candidate, mesh: ShardMesh) -> float:
     """Iteration points per device (times flops per point)."""
@@ -119,9 +120,66 @@ BACKEND_RATES: dict = {
 }
 
 
-def backend_rates() -> dict:
-    """The row of ``BACKEND_RATES`` for the device target in use (CPU's for another)."""
+def backend_rates(devices: int | None = None) -> dict:
+    """The rates the planner prices with: the table ``fs.sharding.calibrate()`` measured
+    on this machine for a virtual mesh of ``devices`` when there is one (and this process
+    is not a rank of a multi-process job, whose collectives are another matter), else the
+    row of ``BACKEND_RATES`` for the device target (CPU's for another)."""
+    if devices is not None and not comm_initialized():
+        table = calibrated(devices)
+        if table is not None:
+            return rates_from_table(table)
     return BACKEND_RATES.get(device_target(), BACKEND_RATES["CPU"])
+
+
+def rates_from_table(table: dict) -> dict:
+    """The rates of a calibration table (fshard/sharding/calibration.py): a row like
+    ``BACKEND_RATES``' plus ``op_s`` (one kernel's fixed cost), ``point_s`` (an
+    elementwise op's seconds per element), ``call_s`` (calling the compiled program),
+    ``lanes`` (the virtual devices one process computes for) and ``groups`` (per
+    collective, per group size, ``(fixed s, s per byte of a device's block)`` as the
+    virtual mesh runs it)."""
+    groups = {op: {int(n): tuple(v) for n, v in table[op].items()}
+              for op in ("all_reduce", "all_gather")}
+    row = {"flops_per_s": table["flops_per_s"], "point_s": table["point_s"],
+           "op_s": table["op_s"], "call_s": table["call_s"], "lanes": table["devices"],
+           "groups": groups}
+    # The byte-rate view of the largest group, for what prices bytes alone (propagation).
+    for op, per_n in groups.items():
+        a, b = per_n[max(per_n)] if per_n else (0.0, 1e-12)
+        row[op] = (a, 1.0 / max(b, 1e-15))
+    row["reduce_scatter"], row["broadcast"] = row["all_reduce"], row["all_gather"]
+    return row
+
+
+def _group_rate(per_n: dict, n: int) -> tuple:
+    """The measured ``(fixed s, s per byte)`` of a group of ``n`` (the nearest size
+    measured when ``n`` was not)."""
+    if n in per_n:
+        return per_n[n]
+    return per_n[min(per_n, key=lambda m: (abs(m - n), m))]
+
+
+def contracts(spec: FactorSpec) -> bool:
+    """Whether ``spec`` is a contraction (a matmul, a convolution: a summed factor that
+    two operands share), priced per flop; the others are priced per element."""
+    return any(sum(lab in ins for ins in spec.inputs) >= 2 for lab in spec.reduce)
+
+
+def compute_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: dict
+                    ) -> float:
+    """Seconds equation ``spec`` takes run as ``cand`` with a calibration table's rates
+    (``rates_from_table``): one kernel's fixed cost, plus its work (a contraction's flops
+    at the matmul rate, else its elements at the elementwise rate) times the devices the
+    process computes for (a virtual mesh runs every device's block)."""
+    flops = compute_cost(spec, cand, mesh)
+    if not flops:
+        return rates["op_s"]
+    if contracts(spec):
+        work = flops / rates["flops_per_s"]
+    else:
+        work = flops / (spec.flops_per_point or 1.0) * rates["point_s"]
+    return rates["op_s"] + mesh.size * work
 
 
 def step_op(kind: str, n: int, world: bool, native: dict) -> str | None:
@@ -152,6 +210,13 @@ def step_seconds(kind: str, local: float, n: int, world: bool, native: dict,
     >>> round(step_seconds("psum", 1e6, 2, True, {"all_reduce_sum": "any"}, rates), 6)
     0.011
     """
+    groups = rates.get("groups")
+    if groups is not None:  # measured on a virtual mesh, as its batched run does it
+        if kind == "slice" or n == 1:
+            return 0.0
+        latency, per_byte = _group_rate(groups["all_gather" if kind == "all_gather"
+                                                else "all_reduce"], n)
+        return latency + per_byte * local
     op = step_op(kind, n, world, native)
     if op is None:
         return 0.0
@@ -214,3 +279,16 @@ class CostModel:
     @property
     def flops_per_s(self) -> float:
         return self.rates["flops_per_s"]
+
+    @property
+    def call_s(self) -> float:
+        """The fixed cost of calling the compiled program (measured tables only)."""
+        return self.rates.get("call_s", 0.0)
+
+    def compute(self, spec: FactorSpec, cand: Candidate, mesh: ShardMesh) -> float:
+        """The compute of ``spec`` as ``cand``, in flops: ``compute_cost``, or at level 2
+        with a measured table, its seconds (``compute_seconds``) as flops at the matmul
+        rate, so ``compute / flops_per_s`` is the time either way."""
+        if self.level != 2 or "point_s" not in self.rates:
+            return compute_cost(spec, cand, mesh)
+        return compute_seconds(spec, cand, mesh, self.rates) * self.flops_per_s

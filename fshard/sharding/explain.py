@@ -3,9 +3,9 @@ communication time, and the runner-up (``fs.shard(...).explain``,
 ``fs.AutoParallel.explain``).
 
 The times come from the one objective (``fshard.sharding.search.Problem``) priced at
-level 2 (the backend's flops rate and each collective's fixed cost and byte rate,
-``fshard.sharding.cost.BACKEND_RATES``), whatever level planned the program, so plans
-of different planners compare in seconds.
+level 2 (the rates ``fs.sharding.calibrate()`` measured on this machine when it has,
+else ``fshard.sharding.cost.BACKEND_RATES``), whatever level planned the program, so
+plans of different planners compare in seconds.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fshard.core.ir import Literal
-from fshard.sharding.cost import CostModel
+from fshard.sharding.cost import CostModel, backend_rates
 from fshard.sharding.search import Problem
 
 
@@ -38,14 +38,17 @@ class EquationPlan:
 @dataclass
 class Explanation:
     """A plan, equation by equation (``rows``), plus the moves of the outputs to their
-    requested layouts (``output_comm_s``); ``total_s`` is the predicted step time and
-    ``collectives`` the number of collectives."""
+    requested layouts (``output_comm_s``); ``total_s`` is the predicted step time (with
+    ``call_s``, calling the compiled program, when the rates were measured by
+    ``fs.sharding.calibrate``) and ``collectives`` the number of collectives."""
 
     name: str
     devices: int
     rows: list = field(default_factory=list)
     output_comm_s: float = 0.0
     output_collectives: int = 0
+    # The fixed cost of calling the compiled program (a measured table's ``call_s``).
+    call_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -57,7 +60,7 @@ class Explanation:
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.call_s + self.compute_s + self.comm_s
 
     @property
     def collectives(self) -> int:
@@ -75,6 +78,8 @@ class Explanation:
                          f"{r.compute_s * 1e3:>10.4f} {r.comm_s * 1e3:>9.4f}  {other}")
         lines.append(f"{'':>4}  {'(outputs)':<16} {'':<40} {'':>10} "
                      f"{self.output_comm_s * 1e3:>9.4f}")
+        if self.call_s:
+            lines.append(f"{'':>4}  {'(call)':<16} {'':<40} {self.call_s * 1e3:>10.4f}")
         return "\n".join(lines)
 
 
@@ -112,13 +117,13 @@ def _local_seconds(problem: Problem, held: dict, i: int, cand, model: CostModel
 
 def explain(prop, name: str = "f", runner_up: bool = True) -> Explanation:
     """The plan ``prop`` (a ``Propagated`` as partitioned), priced per equation."""
-    model = CostModel(level=2)
+    model = CostModel(level=2, rates=backend_rates(prop.mesh.size))
     problem = Problem(prop.program, prop.mesh, [spec for spec, _ in prop.choice],
                       prop.given_inputs if prop.given_inputs is not None
                       else prop.in_shardings, prop.out_shardings, 2, model=model)
     layouts = dict(zip(prop.program.inputs, prop.in_shardings, strict=True))
     st = problem.initial(layouts)
-    out = Explanation(name, prop.mesh.size)
+    out = Explanation(name, prop.mesh.size, call_s=model.call_s)
     for i, (_, cand) in enumerate(prop.choice):
         inputs = tuple((x, layouts[x]) for x in problem.free_at[i])
         before_t, before_n = st.ctime, st.ncoll

@@ -25,13 +25,16 @@ class ShardPlan:
 
     def __init__(self, body: Program, in_shardings, out_shardings, mesh: ShardMesh,
                  level: int = 0, name: str = "f", search: bool = False, fixed=None,
-                 world=None, flexible=(), fusion: float | None = None):
+                 world=None, flexible=(), fusion: float | None = None, tied=()):
         assert body.n_consts == 0, "a shard_call body takes its constants as inputs"
         self.body, self.mesh, self.level, self.name = body, mesh, level, name
         self.in_shardings, self.out_shardings = list(in_shardings), list(out_shardings)
         self.search, self.fixed = search, fixed
         # Inputs given as tuple strategies: their mesh axes are chosen with the plan.
         self.flexible = tuple(flexible)
+        # Pairs of flexible layouts (an input, the output it becomes at the next call)
+        # that take the same mesh axes.
+        self.tied = tuple(tied)
         # Bucket size (bytes) for fusing the per-device AllReduces (None: no fusion).
         self.fusion = fusion
         # Rewrites of the per-device program, in order (fs.AutoParallel's).
@@ -65,7 +68,7 @@ class ShardPlan:
             if self.flexible and self.fixed is None:
                 self.in_shardings, self.out_shardings = choose_split_axes(
                     self.body, self.in_shardings, self.out_shardings, self.mesh, self.level,
-                    self.flexible)
+                    self.flexible, self.tied)
                 self.flexible = ()
             prop = None
             if self.fixed is None and self.search == "follow_inputs":

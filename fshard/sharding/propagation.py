@@ -15,7 +15,7 @@ from fshard.core.dims import dim_multiple_of
 from fshard.core.ir import Program, Var
 from fshard.core.rules import sharding as sharding_rules
 from fshard.sharding.constraints import base_candidates, is_constraint
-from fshard.sharding.cost import (CostModel, compute_cost, local_bytes, native_reduce_scatter,
+from fshard.sharding.cost import (CostModel, backend_rates, local_bytes, native_reduce_scatter,
                                   plan_bytes)
 from fshard.sharding.layouts import (ShardMesh, Sharding, SpecCache, candidate_shardings,
                                      carry_variants, plan, spec_key)
@@ -53,7 +53,7 @@ def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
              extra_comm: float = 0.0, out_demand: dict | None = None,
              desired: dict | None = None, layouts: tuple | None = None):
     ins, outs, compute = layouts or (*candidate_shardings(spec, cand),
-                                     compute_cost(spec, cand, mesh))
+                                     model.compute(spec, cand, mesh))
     comm, n_coll = extra_comm, 0
     for a, req in zip(eq.inputs, ins):
         if isinstance(a, Var) and a in known:
@@ -165,7 +165,7 @@ def _sink_pending_sums(program: Program, choice: list, known: dict, consumers: d
 def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: ShardMesh,
               level: int = 0) -> Propagated:
     """Give every value a sharding (MindSpore's BFS; see the module docstring)."""
-    model = CostModel(level=level)
+    model = CostModel(level=level, rates=backend_rates(mesh.size))
     known: dict = {v: s for v, s in zip(program.inputs, in_shardings) if s is not None}
     demand: dict = {}     # Var -> layouts its decided consumers need
     out_demand: dict = {}  # Var -> layouts requested for it as a program output
@@ -186,7 +186,7 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
     choice: list = [None] * len(program.equations)
     desired = _desired(program, specs, out_demand, mesh)
     skeys = [spec_key(sp) for sp in specs]
-    cache = SpecCache(mesh, compute_cost)
+    cache = SpecCache(mesh, model.compute)
     # An equation's choice depends only on its spec, its values' sizes and the layouts
     # known or asked for around it: a program repeats few such situations (the layers
     # of a network, their gradients), so each is decided once (linear-time planning).

@@ -36,7 +36,7 @@ from fshard.core import dtypes
 from fshard.core.dims import planning_prod
 from fshard.core.factors import linear_groups
 from fshard.core.ir import Literal, Program, Var
-from fshard.sharding.cost import (CostModel, compute_cost, redistribution,
+from fshard.sharding.cost import (CostModel, backend_rates, redistribution,
                                   redistribution_seconds)
 from fshard.sharding.layouts import (
     Candidate,
@@ -175,7 +175,7 @@ class Problem:
         self.eqs = program.equations
         self.n = len(self.eqs)
         self.level = level
-        self.model = model or CostModel(level=level)
+        self.model = model or CostModel(level=level, rates=backend_rates(mesh.size))
         self.out_shardings = list(out_shardings)
         uses: dict = {}
         last: dict = {}
@@ -209,7 +209,7 @@ class Problem:
             if v not in last and self.n:
                 self.dying[0].append(v)
         self._skeys = [spec_key(sp) for sp in self.specs]
-        self._cands = SpecCache(mesh, compute_cost)
+        self._cands = SpecCache(mesh, self.model.compute)
         self.base = base_candidates(program, self.specs, mesh)  # fixed layouts: one
         # Mesh axes the fixed layouts mention (for the symmetry of the others).
         self.fixed_axes = frozenset(a for sh in list(self.given.values()) + [
@@ -1093,23 +1093,32 @@ def with_assignment(prop, in_shardings, choice):
 
 
 def choose_split_axes(body: Program, in_shardings: list, out_shardings: list,
-                      mesh: ShardMesh, level: int, flexible) -> tuple[list, list]:
+                      mesh: ShardMesh, level: int, flexible, tied=()) -> tuple[list, list]:
     """``(in_shardings, out_shardings)`` with the layouts at ``flexible`` (``("in", k)``
     or ``("out", k)``: those given as tuple strategies) moved to the mesh axes that
     make the whole plan cheapest: every combination when there are few, else
     coordinate descent from the row-major default (which wins ties, so a plan only
-    changes when another assignment is strictly cheaper)."""
+    changes when another assignment is strictly cheaper). Each pair in ``tied`` (an
+    input and the output it becomes at the next call, given the same strategy) moves
+    together: a carried value keeps its devices from call to call."""
     start = {"in": list(in_shardings), "out": list(out_shardings)}
+    follower = {b: a for a, b in tied if a in flexible and b in flexible
+                and start[a[0]][a[1]] is not None
+                and start[a[0]][a[1]] == start[b[0]][b[1]]}
+    leaders: dict = {}
+    for b, a in follower.items():
+        leaders.setdefault(a, []).append(b)
     options = {(side, k): split_alternatives(start[side][k], mesh) for side, k in flexible
-               if start[side][k] is not None}
+               if start[side][k] is not None and (side, k) not in follower}
     options = {key: v for key, v in options.items() if len(v) > 1}
     if not options or not all(v.aval.is_static for v in body.inputs):
         return start["in"], start["out"]
 
     def with_(base, changes):
         new = {"in": list(base["in"]), "out": list(base["out"])}
-        for (side, k), sh in changes:
-            new[side][k] = sh
+        for key, sh in changes:
+            for side, k in [key, *leaders.get(key, ())]:
+                new[side][k] = sh
         return new
 
     def score(s):

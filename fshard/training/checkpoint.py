@@ -47,6 +47,7 @@ from fshard.errors import ArgumentError, CheckpointError, FshardError
 from fshard.meshes.layout import as_layout, block_owners, shard_slices
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.local import ShardedArray, block_bounds
+from fshard.sharding.placement import device_put, placed_strategy
 from fshard.sharding.strategy import parse_strategy
 
 __all__ = ["save", "SaveHandle", "load", "latest", "clean", "save_mindspore", "load_mindspore",
@@ -688,7 +689,62 @@ def load(path, like, *, layouts=None, mesh=None, verify: bool = True):
                                         target.sharding, target.mesh, target.rank))
     finally:
         reader.close()
+    if mesh is not None and _virtual(mesh):
+        out = _place_on(mesh, out, like, likes, layouts, [saved[w] for w in wanted], wanted)
     return tree.unflatten(spec, out)
+
+
+def _virtual(mesh) -> bool:
+    """Whether ``load``'s ``mesh`` is a virtual mesh (one process holds every device)."""
+    _, nproc = _world()
+    return getattr(mesh, "is_virtual", nproc == 1)
+
+
+def _place_on(mesh, values: list, like, likes: list, layouts, entries: list,
+              names: list) -> list:
+    """The loaded leaves placed on the virtual ``mesh`` (``fs.device_put``: whole
+    values that carry their strategy, which an ``fs.shard`` leaving that argument to
+    propagation follows): each with its entry of ``layouts`` (None: whole) if given;
+    else the strategy its ``like`` leaf was placed with on this mesh, else the strategy
+    it was saved with if that fits this mesh (the split counts divide its device count
+    and the leaf's dimensions), else whole."""
+    n = getattr(mesh, "size", mesh)
+    specs = [None] * len(likes)
+    if layouts is not None:
+        try:
+            specs = tree.broadcast_prefix(layouts, like, is_leaf=_is_layout_leaf)
+        except ValueError as e:
+            raise CheckpointError(
+                f"fs.checkpoint.load(..., layouts): layouts must have the structure of "
+                f"like (or a prefix of it), with a strategy tuple, an fs.Layout view or "
+                f"None per leaf: {e}") from None
+    smesh = ShardMesh.for_devices(n)
+    out = []
+    for v, x, given, e, name in zip(values, likes, specs, entries, names):
+        if layouts is None:
+            given = placed_strategy(x, n)
+        if given is None and layouts is None:
+            saved = e.get("layout")
+            counts = saved.get("strategy") if isinstance(saved, dict) else saved
+            if counts and any(c != 1 for c in counts):
+                try:
+                    parse_strategy(tuple(counts), typeof(v), smesh, "saved layout", "leaf")
+                    given = tuple(counts)
+                except FshardError:  # saved for a mesh this one cannot split it on
+                    given = None
+        if given is None:
+            out.append(v)
+            continue
+        a = typeof(v)
+        parse_strategy(given, a, smesh, f"fs.checkpoint.load(..., mesh={n}, layouts) leaf "
+                       f"{name}", f"a {a} leaf")  # a ShardingError naming the leaf
+        out.append(device_put(v, given, mesh=n))
+    return out
+
+
+def _is_layout_leaf(s) -> bool:
+    return s is None or (isinstance(s, tuple) and all(isinstance(d, int) for d in s)) \
+        or hasattr(s, "to_strategy")
 
 
 def _check_load_mesh(mesh) -> None:

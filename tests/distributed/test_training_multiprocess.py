@@ -160,11 +160,6 @@ def test_2x2_adam_training_in_4_processes_matches_one_process(jobs, uninterrupte
         "w1": [1, 2], "b1": [2], "w2": [2, 1], "b2": [1]}
 
 
-@pytest.mark.xfail(strict=False, reason="after this stop's planning and propagation "
-                   "changes, the resumed 2 x 2 ZeRO level1 step of the 4-process job "
-                   "gathered 2 split values at its boundary (a cost, not a wrong number: "
-                   "the losses are checked equal by the other tests of this job); not yet "
-                   "diagnosed")
 def test_split_state_stays_process_local_across_steps(jobs):
     """In a job the split leaves of the train state are fs.ShardedArrays (each process
     holds its blocks): the steps take and return them with no AllGather of the state,

@@ -24,11 +24,13 @@ it to ``fs.jit(fs.shard(step, ...))``:
   (``level=2``: the flops each device computes at the backend's measured rate plus
   each collective as the backend runs it);
 - ZeRO (``hsdp``): the optimizer state (level1), also the gradients (level2: the
-  plan reduce-scatters them to the state's layout) and the parameters (level3:
-  gathered where used) are split along their first dimension over the data-parallel
-  group, except tensors smaller than ``threshold`` KB or not divisible;
+  backward reduce-scatters each to the state's layout where it is complete) and the
+  parameters (level3: gathered where used) are split along their first dimension over
+  the data-parallel group, except tensors smaller than ``threshold`` KB or not
+  divisible;
 - ``comm_fusion``: the per-device program's AllReduces are bucketed
-  (``fshard.primitives.passes.fuse_allreduces``).
+  (``fshard.primitives.passes.fuse_allreduces``), and with ``"allgather"`` its
+  AllGathers (``fshard.primitives.passes.fuse_allgathers``).
 
 fshard differentiates the global loss, so gradients are exact whatever the layouts:
 there is no per-device loss to average (``enable_gradients_mean`` and
@@ -39,6 +41,7 @@ error that says so; none is accepted and ignored.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -63,8 +66,10 @@ from fshard.training.parallel.options import (Hsdp, ParallelMode, ParallelOption
                                               parse_comm_fusion)
 from fshard.training.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.training.parallel.schedule import Schedule
-from fshard.primitives.passes import reduce_in_float32
+from fshard.primitives.passes import fuse_allgathers, reduce_in_float32
 from fshard.primitives import collectives as C
+from fshard.primitives.control import custom_vjp
+from fshard.sharding.cost import local_bytes
 from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import Sharding
 from fshard.sharding.local import ShardedArray, gather_sharded
@@ -76,6 +81,7 @@ from fshard.transforms.jit import declared_types, jit
 from fshard.sharding.local_batch import (block_index, check_same_slices, global_type,
                                           to_global)
 from fshard.transforms.shard import shard
+from fshard.sharding.user_layouts import with_sharding_constraint
 
 #: How each mode plans what no strategy fixes (``fs.shard``'s ``search``):
 _SEARCH = {
@@ -332,7 +338,8 @@ class AutoParallel:
         "config": MB}}`` ("auto": 64 MB buckets, ``config`` None; "size": ``config`` MB),
         or ``{"openstate": False}`` to turn fusion off. The keys and values are
         MindSpore's (``AutoParallel.comm_fusion``), checked as MindSpore checks them."""
-        return self._configure(fusion_bytes=parse_comm_fusion(config))
+        allreduce, allgather = parse_comm_fusion(config)
+        return self._configure(fusion_bytes=allreduce, gather_fusion_bytes=allgather)
 
     def enable_gradients_mean(self) -> "AutoParallel":
         """Accepted: MindSpore then averages the per-device gradients, which gives the
@@ -499,6 +506,12 @@ class AutoParallel:
                          params)
         (acc, loss_sum), auxs = scan(body, (zeros, np.float32(0.0)), micro)
         grads = tree.map(lambda a: a / float(k), acc)
+        if self._splits_gradients():
+            paths, leaves, spec = tree.flatten_with_path(params)
+            strategies = [self._base(p, x) for p, x in zip(paths, leaves)]
+            strategies = [None if b is None else self._zero(x, "level2", b)
+                          for b, x in zip(strategies, leaves)]
+            grads = with_sharding_constraint(grads, tree.unflatten(spec, strategies))
         loss = (loss_sum / float(k)).astype(box["dtype"])
         return ((loss, auxs) if self.has_aux else loss), grads
 
@@ -751,6 +764,7 @@ class AutoParallel:
             trainable = _without(params, fixed)
 
             def loss_of(t, *b):
+                t = self._reduce_scatter_points(t)
                 return loss_fn({**params, **t} if fixed else t, *b)
 
             # An fs.shard called in the loss fixes layouts there (semi-auto parallel).
@@ -767,6 +781,30 @@ class AutoParallel:
 
         train_step.__name__ = f"train_step_{self.name}"
         return train_step
+
+    def _splits_gradients(self) -> bool:
+        hsdp = self._options.hsdp
+        return hsdp is not None and hsdp.reaches("level2")
+
+    def _reduce_scatter_points(self, params):
+        """From ZeRO level2, ``params`` with each parameter that ZeRO splits passed
+        through an identity whose derivative lays its gradient out as the optimizer
+        state (``fs.with_sharding_constraint`` in a ``custom_vjp``): the backward
+        reduce-scatters each gradient right where it is complete (on CPU, which has
+        no ReduceScatter, an AllReduce whose whole result dies at once in this
+        device's slice), so a device keeps only its block of every reduced gradient,
+        where level1 keeps the whole gradients until the update. With
+        ``gradient_accumulation`` the micro-batches' sums are reduced once, after the
+        loop (``_value_and_grad``)."""
+        if not self._splits_gradients() or self._options.gradient_accumulation > 1:
+            return params
+        paths, leaves, spec = tree.flatten_with_path(params)
+        out = []
+        for p, x in zip(paths, leaves):
+            base = self._base(p, x)
+            s = None if base is None else self._zero(x, "level2", base)
+            out.append(x if s is None else _scatter_gradient(s)(x))
+        return tree.unflatten(spec, out)
 
     def _norm_counts(self, path, x) -> tuple:
         """The split counts cutting a parameter's gradient into the blocks whose norms
@@ -860,9 +898,9 @@ class AutoParallel:
         if self._pipeline is not None:
             raise ArgumentError(
                 f"AutoParallel({self.name}): with a pipeline the step is not one sharded "
-                "program, so partitioned(), memory_report(), state_strategies() and the "
-                "strategy files are not available.\nFix: inspect the pipeline with "
-                "pipeline_schedule(); call pipeline(stages=1) to turn it off.")
+                "program, so partitioned(), memory_report(), state_strategies() and "
+                "save_operator_strategy_file() are not available.\nFix: inspect the "
+                "pipeline with pipeline_schedule(); call pipeline(stages=1) to turn it off.")
         check_context_mode(self.parallel_mode.value, f"AutoParallel({self.name})")
         # (the dataset strategy and the mesh may come from MindSpore's context)
         key = (tree.structure(state), tuple(
@@ -886,14 +924,20 @@ class AutoParallel:
                   search=False)
         s.search = _SEARCH[self.parallel_mode]  # (fs.shard's own argument takes a bool)
         s.comm_fusion = self._options.fusion_bytes
+        # The new state is the next step's state: its leaves keep their devices.
+        s.carried = len(tree.leaves((state.params, state.opt_state, state.step)))
         # In a job the split leaves of the new state stay each process's blocks
         # (fs.ShardedArray): the next step takes them as they are, so ZeRO's and model
         # parallelism's memory saving is real and no step gathers the state.
         s.gather_outputs = not self._in_job()
         if self._options.fp32_reductions:
             s.passes = (reduce_in_float32,)
+        gathers = self._options.gather_fusion_bytes
+        if gathers is not None:  # comm_fusion({"allgather": ...})
+            s.passes += (functools.partial(fuse_allgathers, bucket_bytes=gathers),)
         s.grad_vars = grad_vars
         s.batch_places = {}  # batch signature -> this process's blocks (_place_slices)
+        s.state_splits = {}  # state signature -> its split leaves (_place_state)
         operator_file = getattr(self, "_operator_file", None)
         if operator_file is not None:
             s.load_strategies(operator_file)
@@ -917,10 +961,15 @@ class AutoParallel:
                 f"AutoParallel({self.name}): enable_device_local_norm() adds each "
                 "device's gradient norm to the local norms, but neither print_local_norm() "
                 "nor dump_local_norm(path) is set.\nFix: call one of them too.")
-        if self._pipeline is not None:
-            return self._pipeline(state, *batch)
         if self._files:
             self._write_files(state, batch)
+        if self._pipeline is not None:
+            result = self._pipeline(state, *batch)
+            if len(result) == 3:  # print_local_norm / dump_local_norm
+                self._report_norms(result[0], result[2])
+            return result[0], result[1]
+        if self._in_job():
+            state = self._place_state(state, batch)
         if self._feeds_slices():
             check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
                               f"AutoParallel({self.name})")
@@ -954,6 +1003,30 @@ class AutoParallel:
                 "dataset_strategy((split, ...)) giving each input's split counts.")
         specs = list(self._batch_specs) + [None] * (len(batch) - len(self._batch_specs))
         return tuple(b if sp is None else sp for b, sp in zip(batch, specs))
+
+    def _place_state(self, state: TrainState, batch) -> TrainState:
+        """In a job, ``state`` with each whole leaf that the plan splits (the state of
+        ``ap.init``, or a loaded one) cut to this process's block (an
+        ``fs.ShardedArray``: no communication), as the steps return it: the first step
+        then runs the program of every later step, instead of compiling a second one
+        for whole inputs whose memory the process would keep."""
+        leaves, spec = tree.flatten(state)
+        gbatch = self._plan_batch(batch)
+        s, _ = self._sharded(state, gbatch)
+        key = (spec, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves))
+        split = s.state_splits.get(key)
+        if split is None:  # once per plan: which leaves it splits, and how
+            part = s.partitioned(state.params, state.opt_state, state.step, *gbatch)
+            shs = _arg_shardings(part, (state, gbatch))[:len(leaves)]
+            split = {i: (Sharding(sh.dims), part.prop.mesh) for i, sh in enumerate(shs)
+                     if any(sh.dims)}
+            s.state_splits[key] = split
+        if all(isinstance(leaves[i], (ShardedArray, Tracer)) for i in split):
+            return state
+        rank = distributed.rank()
+        leaves = [ShardedArray.cut(x, *split[i], rank) if i in split and not isinstance(
+            x, (ShardedArray, Tracer)) else x for i, x in enumerate(leaves)]
+        return tree.unflatten(spec, leaves)
 
     def _place_slices(self, state: TrainState, batch) -> tuple:
         """Each process's slice as what the plan reads: a concrete slice is this
@@ -1010,10 +1083,8 @@ class AutoParallel:
     def memory_report(self, state: TrainState, *batch) -> dict:
         """Bytes per device of ``params``, ``grads`` and ``optimizer_state`` as the plan
         lays them out: parameters and optimizer state as the step receives them, each
-        gradient as the optimizer update consumes it."""
-        from fshard.sharding.layouts import candidate_shardings
-        from fshard.sharding.cost import local_bytes
-
+        gradient as the step holds it once complete and reduced (whole up to ZeRO
+        level1, whose update slices it; split like the optimizer state from level2)."""
         part = self.partitioned(state, *batch)
         prop, mesh = part.prop, part.prop.mesh
         n_p = len(tree.leaves(state.params))
@@ -1028,16 +1099,17 @@ class AutoParallel:
             "optimizer_state": sum(local_bytes(sh, v.aval, mesh) for v, sh in zip(
                 ins[n_p:n_p + n_o], shs[n_p:n_p + n_o])),
         }
-        # Each gradient as its first consumer reads it (the optimizer update: reduced,
-        # and split like the optimizer state at ZeRO level 2 and above).
+        # Each gradient as the step holds it once complete: whole (its pending sum
+        # reduced by an AllReduce) unless the plan splits it, as ZeRO level2 does (a
+        # reduce-scatter in the backward) and level3 (its parameter's gather
+        # transposed). A slice the update takes of a whole gradient (level1) does not
+        # free the whole one.
         s, _ = self.sharded(state, *batch)
         grads = 0.0
         for g in s.grad_vars:
-            for eq, (spec, cand) in zip(program.equations, prop.choice):
-                if g is not None and g in eq.inputs:
-                    req = candidate_shardings(spec, cand)[0][eq.inputs.index(g)]
-                    grads += local_bytes(req, g.aval, mesh)
-                    break
+            if g is not None:
+                grads += local_bytes(prop.shardings.get(g, Sharding.replicated(g.aval.ndim)),
+                                     g.aval, mesh)
         report["grads"] = grads
         return report
 
@@ -1059,11 +1131,19 @@ class AutoParallel:
         step is first compiled (its first call) and the AutoParallel is returned."""
         if state is None:
             return self._defer("param", "save_param_strategy_file", path, batch)
+        fixed = self._frozen() if self._only_trainable else set()
+        if self._pipeline is not None:
+            data = self._pipeline.param_strategies(state, *batch)
+            data["params"] = {k: v for k, v in data["params"].items() if k not in fixed}
+            data["stages"] = {k: v for k, v in data["stages"].items() if k not in fixed}
+            data = {"format": "fshard-param-strategy", "devices": self.n_devices,
+                    "only_trainable": self._only_trainable, **data}
+            _write_json(path, data)
+            return data
         part = self.partitioned(state, *batch)
         mesh = part.prop.mesh
         paths, _, _ = tree.flatten_with_path(state.params)
         shs = _arg_shardings(part, (state, batch))[:len(paths)]
-        fixed = self._frozen() if self._only_trainable else set()
         data = {"format": "fshard-param-strategy", "devices": mesh.size,
                 "only_trainable": self._only_trainable,
                 "params": {_name(p): list(sh.strategy(mesh)) for p, sh in zip(paths, shs)
@@ -1088,7 +1168,15 @@ class AutoParallel:
         return self._defer("groups", "set_group_ckpt_save_file", path, ())
 
     def save_group_file(self, path, state: TrainState, *batch) -> dict:
-        """Write the file of ``set_group_ckpt_save_file`` now, for this step."""
+        """Write the file of ``set_group_ckpt_save_file`` now, for this step (with a
+        pipeline: the groups ``"pp"``, this process's pipeline group, one device per
+        stage, and ``"dp"``, its stage's devices, when a stage has several)."""
+        if self._pipeline is not None:
+            rank = distributed.rank()
+            data = {"format": "fshard-comm-groups", "devices": self.n_devices,
+                    "rank": rank, "groups": self._pipeline.groups(rank)}
+            write_json_atomic(path, data, "communication group file")
+            return data
         part = self.partitioned(state, *batch)
         mesh, rank = part.prop.mesh, distributed.rank()
         groups = {}
@@ -1175,6 +1263,18 @@ def _initialise(cell) -> None:
             if getattr(p.init_mode, "init", None) is None and p.init is not None:
                 p.init_mode = initializer(p.init, p.shape, p.dtype)
             p.init_data()
+
+
+def _scatter_gradient(strategy):
+    """The identity, whose derivative gives its cotangent the layout ``strategy``."""
+
+    @custom_vjp
+    def point(x):
+        return x
+
+    point.defvjp(lambda x: (x, None),
+                 lambda _, ct: (with_sharding_constraint(ct, strategy),))
+    return point
 
 
 def _without(params, names: set):

@@ -120,6 +120,8 @@ class ParallelOptions:
     hsdp: Hsdp | None = None
     #: the AllReduce bucket size in bytes (``comm_fusion``; None: no fusion)
     fusion_bytes: float | None = None
+    #: the AllGather bucket size in bytes (``comm_fusion``'s "allgather"; None: none)
+    gather_fusion_bytes: float | None = None
     fp32_communication: bool = False
     gradient_fp32_sync: bool = True  # MindSpore's default
     print_local_norm: bool = False
@@ -141,12 +143,13 @@ class ParallelOptions:
         set_("parameter_plan", MappingProxyType(dict(self.parameter_plan)))
         if self.hsdp is not None:
             set_("hsdp", _check_hsdp(*self.hsdp))
-        b = self.fusion_bytes
-        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
-                              or not (math.isfinite(b) and b > 0)):
-            raise ArgumentError(
-                f"ParallelOptions(fusion_bytes=...) must be None or a bucket size in bytes "
-                f"> 0; got {b!r}.\nFix: set it with AutoParallel.comm_fusion(config).")
+        for name in ("fusion_bytes", "gather_fusion_bytes"):
+            b = getattr(self, name)
+            if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
+                                  or not (math.isfinite(b) and b > 0)):
+                raise ArgumentError(
+                    f"ParallelOptions({name}=...) must be None or a bucket size in bytes "
+                    f"> 0; got {b!r}.\nFix: set it with AutoParallel.comm_fusion(config).")
         if self.dump_local_norm is not None:
             if not isinstance(self.dump_local_norm, (str, os.PathLike)):
                 raise ArgumentError(
@@ -212,9 +215,9 @@ def _check_hsdp(shard_size, threshold, level) -> Hsdp:
     return Hsdp(shard_size, threshold, level)
 
 
-def parse_comm_fusion(config) -> float | None:
-    """The AllReduce bucket size MindSpore's ``comm_fusion`` ``config`` asks for (None:
-    fusion off), checked as MindSpore checks it."""
+def parse_comm_fusion(config) -> tuple[float | None, float | None]:
+    """The AllReduce and AllGather bucket sizes in bytes MindSpore's ``comm_fusion``
+    ``config`` asks for (None: not fused), checked as MindSpore checks it."""
     where = "AutoParallel.comm_fusion(config)"
     if not isinstance(config, Mapping):
         raise ArgumentError(
@@ -226,50 +229,57 @@ def parse_comm_fusion(config) -> float | None:
             f"{where}: unknown keys {sorted(unknown, key=repr)}; MindSpore's keys are "
             "'openstate', 'allreduce', 'allgather' and 'reducescatter'.\nFix: use "
             "'openstate' (a bool) and 'allreduce' (a dict of 'mode' and 'config').")
-    for kind in ("allgather", "reducescatter"):
-        if kind in config:
-            raise ArgumentError(
-                f"{where}: fusing {kind} is not supported by fshard (only AllReduce "
-                "buckets); remove that key.")
+    if "reducescatter" in config:
+        raise ArgumentError(
+            f"{where}: fusing reducescatter is not supported by fshard (on the CPU "
+            "backend a reduce-scatter is an AllReduce and a slice, which the "
+            "'allreduce' buckets fuse); remove that key.")
     openstate = config.get("openstate", True)
     if not isinstance(openstate, bool):
         raise ArgumentError(
             f"{where}: 'openstate' must be a bool (True: fusion on, False: off); got "
             f"{type(openstate).__name__} {openstate!r}.\nFix: {{'openstate': False}} "
             "turns fusion off.")
-    ar = config.get("allreduce", {"mode": "auto", "config": None})
-    if not isinstance(ar, Mapping):
+    allreduce = _bucket_bytes(where, "allreduce",
+                              config.get("allreduce", {"mode": "auto", "config": None}))
+    allgather = _bucket_bytes(where, "allgather", config["allgather"]) \
+        if "allgather" in config else None
+    return (allreduce, allgather) if openstate else (None, None)
+
+
+def _bucket_bytes(where: str, kind: str, cfg) -> float:
+    """The bucket bytes of one ``comm_fusion`` entry (``{"mode": "auto" | "size",
+    "config": MB}``), checked as MindSpore checks it."""
+    if not isinstance(cfg, Mapping):
         raise ArgumentError(
-            f"{where}: 'allreduce' must be a dict with keys 'mode' and 'config'; got "
-            f"{type(ar).__name__} {ar!r}.\nFix: {{'allreduce': {{'mode': 'size', "
+            f"{where}: '{kind}' must be a dict with keys 'mode' and 'config'; got "
+            f"{type(cfg).__name__} {cfg!r}.\nFix: {{'{kind}': {{'mode': 'size', "
             "'config': 32}}.")
-    if set(ar) != {"mode", "config"}:
-        missing = sorted({"mode", "config"} - set(ar))
-        extra = sorted(set(ar) - {"mode", "config"}, key=repr)
+    if set(cfg) != {"mode", "config"}:
+        missing = sorted({"mode", "config"} - set(cfg))
+        extra = sorted(set(cfg) - {"mode", "config"}, key=repr)
         raise ArgumentError(
-            f"{where}: 'allreduce' must have exactly the keys 'mode' and 'config' (as "
+            f"{where}: '{kind}' must have exactly the keys 'mode' and 'config' (as "
             f"MindSpore asks)" + (f"; missing {missing}" if missing else "")
             + (f"; unknown {extra}" if extra else "") + ".\nFix: {'mode': 'auto', "
             "'config': None} or {'mode': 'size', 'config': <MB>}.")
-    mode, size = ar["mode"], ar["config"]
+    mode, size = cfg["mode"], cfg["config"]
     if mode == "auto":
         if size is not None:
             raise ArgumentError(
-                f"{where}: allreduce mode 'auto' uses 64 MB buckets, so config "
+                f"{where}: {kind} mode 'auto' uses 64 MB buckets, so config "
                 f"{size!r} would be ignored.\nFix: config None, or mode 'size' for a "
                 "bucket of config MB.")
-        fusion = 64 * 2**20
-    elif mode == "size":
+        return 64 * 2**20
+    if mode == "size":
         if isinstance(size, bool) or not isinstance(size, (int, float)) or not (
                 math.isfinite(size) and size > 0):
             raise ArgumentError(
-                f"{where}: allreduce mode 'size' needs config = a bucket size in MB, "
+                f"{where}: {kind} mode 'size' needs config = a bucket size in MB, "
                 f"a finite number > 0; got {size!r}.\nFix: e.g. {{'mode': 'size', "
                 "'config': 32}.")
-        fusion = float(size) * 2**20
-    else:
-        raise ArgumentError(
-            f"{where}: allreduce mode must be 'auto' or 'size'; got {mode!r} ('index' "
-            "names MindSpore's graph-compiler fusion indices, which fshard has no use "
-            "for).\nFix: {'mode': 'auto', 'config': None}.")
-    return fusion if openstate else None
+        return float(size) * 2**20
+    raise ArgumentError(
+        f"{where}: {kind} mode must be 'auto' or 'size'; got {mode!r} ('index' "
+        "names MindSpore's graph-compiler fusion indices, which fshard has no use "
+        "for).\nFix: {'mode': 'auto', 'config': None}.")

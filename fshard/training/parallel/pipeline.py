@@ -221,20 +221,29 @@ class Stages:
         self.chunk_eqs = chunk_eqs
         # parameters: one chunk each
         owner = {}
+
+        def reads_in(eq, s):
+            # an fs.pipeline_split marker reads its operands in the stage before it: a
+            # parameter handed to it is sent on (a tied weight: Megatron's embedding
+            # and output head), owned by the stage that uses it before the marker
+            return s - 1 if _is_split_marker(eq) else s
+
         for v_i, v in enumerate(self.param_vars):
-            chunks = sorted({s for eq, s in zip(prog.equations, eq_st) if v in eq.inputs})
+            chunks = sorted({reads_in(eq, s) for eq, s in zip(prog.equations, eq_st)
+                             if v in eq.inputs})
             if len(chunks) > 1:
                 self._fail(
                     f"parameter #{v_i} ({v.aval}) is used in stages {chunks}; a parameter "
                     "must live in one stage (shared weights across stages are not "
-                    "supported).\nFix: use the parameter in one stage only, e.g. pass a "
-                    "value computed from it through fs.pipeline_split.")
+                    "supported).\nFix: use the parameter in one stage only and hand it "
+                    "to the later stage through the marker, `h, w = fs.pipeline_split((h, "
+                    "w))` (a tied embedding), or pass a value computed from it.")
             owner[v_i] = chunks[0] if chunks else 0
         self.param_owner = owner  # leaf index -> chunk
         self.chunk_params = [[i for i in range(len(self.param_vars)) if owner[i] == c]
                              for c in range(found)]
         # carries: values made in chunks <= b and used in chunks > b
-        made = {}
+        made = {v: owner[i] for i, v in enumerate(self.param_vars)}
         for eq, s in zip(prog.equations, eq_st):
             for v in eq.outputs:
                 made[v] = s
@@ -243,7 +252,7 @@ class Stages:
             for v in eq.inputs:
                 if isinstance(v, Var) and v in made:
                     last_use[v] = max(last_use.get(v, -1), s)
-        order = [v for eq in prog.equations for v in eq.outputs]
+        order = list(self.param_vars) + [v for eq in prog.equations for v in eq.outputs]
         self.carries = [[v for v in order if made[v] <= b < last_use.get(v, -1)]
                         for b in range(found - 1)]
         for b, vs in enumerate(self.carries):
@@ -469,6 +478,11 @@ class StageSharding(NamedTuple):
         if self.fp32:
             s.passes = (reduce_in_float32,)
         return jit(s)
+
+
+def _is_split_marker(eq) -> bool:
+    """An ``fs.pipeline_split`` marker (not a Cell's ``pipeline_stage`` entry)."""
+    return eq.prim is pipeline_split_p and eq.params.get("stage") is None
 
 
 def _has_constraints(program) -> bool:
@@ -899,9 +913,10 @@ class PipelinedStep:
         if loss is None:
             loss = np.zeros((), loss_dtype)
         scale = np.asarray(self.loss_scale, loss_dtype)
-        new_p, new_o, step, out = self.finish(state.params, state.opt_state, state.step,
-                                              tree.unflatten(p_tree, grads), loss, scale)
-        return self.runner.state_cls(new_p, new_o, step), out
+        new_p, new_o, step, out, *norms = self.finish(
+            state.params, state.opt_state, state.step, tree.unflatten(p_tree, grads), loss,
+            scale)
+        return (self.runner.state_cls(new_p, new_o, step), out, *norms)
 
     def _make_finish(self):
         ap, cfg = self.runner.ap, self.runner.cfg
@@ -917,8 +932,12 @@ class PipelinedStep:
         key = None if mesh is None else (S, dp, last, stage, cfg.output_broadcast, reduce_dp,
                                          fp32)
         opt_update = ap.step_optimizer().update
+        # print_local_norm / dump_local_norm: the program also returns the norms of the
+        # gradients' blocks (``AutoParallel._local_norms``: this AutoParallel's, so
+        # such a program is not shared)
+        norms = ap._local_norms if ap.options.local_norm else None
         try:
-            per_opt = _FINISHES.setdefault(opt_update, {})
+            per_opt = _FINISHES.setdefault(opt_update, {}) if norms is None else {}
             update = weakref.ref(opt_update)  # (the cache must not keep its key alive)
         except TypeError:  # not weak-referenceable: a program of its own
             per_opt = {}
@@ -949,8 +968,15 @@ class PipelinedStep:
                 if mesh is not None and broadcast:
                     mine = loss if stage == last else np.zeros((), np.float32)
                     loss = C.psum_p.bind(mine, axis_name=("pp",), mesh=mesh)
-            updates, new_opt = update()(tree.unflatten(g_tree, g_leaves), opt_state, params)
-            return apply_updates(params, updates), new_opt, step + 1, loss
+            grads = tree.unflatten(g_tree, g_leaves)
+            updates, new_opt = update()(grads, opt_state, params)
+            out = (apply_updates(params, updates), new_opt, step + 1, loss)
+            if norms is None:
+                return out
+            fixed = ap._frozen()
+            trainable = {k: v for k, v in params.items() if k not in fixed} if fixed else params
+            return out + (norms(trainable, {k: grads[k] for k in trainable} if fixed
+                                else grads),)
 
         finish.__name__ = f"pipeline_finish_{plan.name}"
         fn = per_opt[key] = jit(finish)
@@ -1050,17 +1076,12 @@ class PipelineRunner:
     def check_combination(self):
         ap = self.ap
         for what, on in (("hsdp(...)", ap.options.hsdp is not None),
-                         ("comm_fusion(...)", ap.options.fusion_bytes is not None),
+                         ("comm_fusion(...)", ap.options.fusion_bytes is not None
+                          or ap.options.gather_fusion_bytes is not None),
                          ("a dataset_strategy(...) tuple",
                           ap._dataset not in ("data_parallel", "full_batch")),
                          ("has_aux=True", ap.has_aux),
-                         ("print_local_norm() / dump_local_norm()",
-                          ap.options.local_norm),
-                         ("set_inputs(...)", ap._batch_specs is not None),
-                         ("a strategy or group file to write at the first step "
-                          "(save_param_strategy_file(path), save_operator_strategy_file"
-                          "(path), set_group_ckpt_save_file(path): a pipelined step is "
-                          "not one sharded program)", bool(ap._files))):
+                         ("set_inputs(...)", ap._batch_specs is not None)):
             if on:
                 raise ArgumentError(
                     f"AutoParallel({ap.name}): pipeline(...) cannot be combined with {what} "
@@ -1103,6 +1124,36 @@ class PipelineRunner:
 
     def __call__(self, state, *batch):
         return self.step_for(state, *batch)(state, *batch)
+
+    def param_strategies(self, state, *batch) -> dict:
+        """Per parameter name: its strategy inside its stage (``"params"``: the
+        ``parameter_plan`` strategy over the stage's devices, else whole) and its
+        pipeline stage (``"stages"``), for the parameter strategy file."""
+        step = self.step_for(state, *batch)
+        plan, S = step.plan, step.S
+        paths, leaves, _ = tree.flatten_with_path(state.params)
+        stage_of = {i: c % S for c, owned in enumerate(plan.chunk_params) for i in owned}
+        params, stages = {}, {}
+        for i, (p, x) in enumerate(zip(paths, leaves)):
+            name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
+            given = self.ap._param_strategy(p, x)
+            counts = tuple(given) if isinstance(given, (tuple, list)) else (
+                tuple(given.to_strategy()) if isinstance(given, Layout) else None)
+            params[name] = list(counts or (1,) * typeof(x).ndim)
+            stages[name] = stage_of.get(i, 0)
+        return {"params": params, "stages": stages}
+
+    def groups(self, rank: int) -> dict:
+        """The communication groups of ``rank`` (devices stage-major, ``dp`` per
+        stage): ``"pp"`` its pipeline group, ``"dp"`` its stage's devices (if more
+        than one)."""
+        S = self.cfg.stages
+        dp = self.ap.n_devices // S
+        stage, j = divmod(rank, dp)
+        out = {"pp": [s * dp + j for s in range(S)]}
+        if dp > 1:
+            out["dp"] = [stage * dp + k for k in range(dp)]
+        return out
 
     def _stage_sharding(self, params, batch, dp: int, sharded: bool):
         """Operator parallelism inside the stages (``parameter_plan`` or strategies in

@@ -1,0 +1,180 @@
+"""Predicted against measured step time, for plans of several programs, modes and hand
+plans on 8 virtual devices (part of ``python -m benchmarks --only planning``;
+``python -m benchmarks.prediction`` runs it alone and prints the table).
+
+The prediction is ``explain(...).total_s``: the cost model at level 2 with the rates
+``fs.sharding.calibrate()`` measured on this machine (run it first: without a table the
+default rates, for a multi-process job, price a virtual mesh's step far too low). The
+measurement times the compiled step as it runs: ``rounds`` rounds of ``runs`` calls,
+every plan timed interleaved with the others in each round, each waiting for its
+result; ``best`` is the least round median (another process's work only adds time) and
+``median`` the median of all calls. The load average is recorded next to the numbers:
+on a shared machine a long step rarely runs alone, so ``best`` is the number comparable
+with the calibration (which keeps its least round medians too).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+import numpy as np
+
+DEVICES = 8
+
+
+def _collectives(names) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(Counter(names).items())) or "none"
+
+
+def _mlp_params(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    p = {}
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        p[f"w{i}"] = (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
+        p[f"b{i}"] = np.zeros(b, np.float32)
+    return p
+
+
+def _shard_plans():
+    """``{label: (fs.shard-ed function, args)}``: hand plans and searched plans."""
+    import mindspore as ms
+    from mindspore import ops
+
+    import fshard as fs
+    from benchmarks.planning import _loss
+
+    rng = np.random.default_rng(1)
+    p = {k: ms.Tensor(v) for k, v in _mlp_params((64, 512, 512, 10)).items()}
+    x = ms.Tensor(rng.standard_normal((256, 64)).astype(np.float32))
+    y = ms.Tensor(rng.integers(0, 10, 256).astype(np.int32))
+    vg = fs.value_and_grad(_loss)
+    rep = {k: (1,) * v.ndim for k, v in p.items()}
+    megatron = dict(rep, w0=(1, DEVICES), b0=(DEVICES,), w1=(DEVICES, 1))
+    plans = {
+        "MLP vg: data parallel (hand)": (fs.shard(vg, in_strategy=(rep, (DEVICES, 1), (
+            DEVICES,)), mesh=DEVICES), (p, x, y)),
+        "MLP vg: Megatron column-row (hand)": (fs.shard(vg, in_strategy=(megatron, (1, 1), (
+            1,)), mesh=DEVICES), (p, x, y)),
+        "MLP vg: replicated (hand)": (fs.shard(vg, in_strategy=(rep, (1, 1), (1,)),
+                                               mesh=DEVICES), (p, x, y)),
+        "MLP vg: 2x4 batch x hidden (hand)": (fs.shard(vg, in_strategy=(
+            dict(rep, w0=(1, 4), b0=(4,), w1=(4, 1)), (2, 1), (2,)), mesh=DEVICES),
+            (p, x, y)),
+    }
+    ws = [ms.Tensor((rng.standard_normal((64, 64)) / 8).astype(np.float32))
+          for _ in range(10)]
+    xd = ms.Tensor(rng.standard_normal((256, 64)).astype(np.float32))
+
+    def deep(ws, x):
+        h = x
+        for w in ws:
+            h = ops.relu(ops.matmul(h, w))
+        return h.mean()
+
+    plans["10-layer 64x64 MLP vg: search=True"] = (fs.shard(
+        fs.value_and_grad(deep), in_strategy=(None, (DEVICES, 1)), mesh=DEVICES, level=2,
+        search=True), (ws, xd))
+    a = ms.Tensor(rng.standard_normal((512, 256)).astype(np.float32))
+    b = ms.Tensor(rng.standard_normal((256, 256)).astype(np.float32))
+    c = ms.Tensor(rng.standard_normal((256, 256)).astype(np.float32))
+
+    def chain(a, b, c):
+        return ops.matmul(ops.matmul(a, b), c)
+
+    plans["MatMul ((4,1),(1,2)) then MatMul"] = (fs.shard(
+        chain, in_strategy=((4, 1), (1, 2), None), mesh=DEVICES), (a, b, c))
+    return plans
+
+
+def _auto_plans():
+    """``{label: (call, explanation, collectives)}`` of AutoParallel's steps."""
+    import fshard as fs
+    from benchmarks import planning as P
+
+    out = {}
+    for name, (params, x, labels) in P.programs().items():
+        short = name.split(" ")[0]
+        for mode in P.MODES:
+            ap, state, _, _, e, colls = P.plan_mode(mode, params, x, labels)
+            out[f"{short} Adam step: {mode}"] = (
+                lambda ap=ap, state=state, x=x, labels=labels:
+                ap(state, x, labels)[1].asnumpy(), e, colls)
+    del fs
+    return out
+
+
+def _wait(out):
+    import fshard as fs
+
+    fs.block_until_ready(out)
+
+
+def plans():
+    """``{label: (call, explanation, collectives)}`` of every plan measured (an
+    ``fs.shard`` plan runs under ``fs.jit``, as a training step would)."""
+    import fshard as fs
+
+    out = _auto_plans()
+    for label, (f, args) in _shard_plans().items():
+        e = f.explain(*args)
+        colls = f.partitioned(*args).collectives()
+        jitted = fs.jit(f)
+        out[label] = (lambda f=jitted, args=args: _wait(f(*args)), e, colls)
+    return out
+
+
+def measure(runs: int = 10, rounds: int = 4) -> list[dict]:
+    """One dict per plan: label, predicted, best, median (seconds), ratio (predicted over
+    best), collectives; plus the load averages before and after."""
+    ps = plans()
+    for call, _, _ in ps.values():
+        call()
+        call()
+    load0 = os.getloadavg()
+    times = {k: [] for k in ps}
+    best = {k: float("inf") for k in ps}
+    for _ in range(rounds):
+        for k, (call, _, _) in ps.items():
+            ts = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                call()
+                ts.append(time.perf_counter() - t0)
+            times[k] += ts
+            best[k] = min(best[k], float(np.median(ts)))
+    load1 = os.getloadavg()
+    rows = []
+    for k, (_, e, colls) in ps.items():
+        rows.append({"plan": k, "predicted_s": e.total_s, "best_s": best[k],
+                     "median_s": float(np.median(times[k])),
+                     "ratio": e.total_s / best[k], "collectives": _collectives(colls),
+                     "load": (load0[0], load1[0])})
+    return rows
+
+
+def table(rows) -> str:
+    """The markdown table of ``measure``'s rows."""
+    lines = ["| plan | predicted | measured (best round) | measured (median) | "
+             "predicted / best | collectives | load avg |",
+             "|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['plan']} | {r['predicted_s'] * 1e3:.1f} ms | "
+                     f"{r['best_s'] * 1e3:.1f} ms | {r['median_s'] * 1e3:.1f} ms | "
+                     f"{r['ratio']:.2f} | {r['collectives']} | "
+                     f"{r['load'][0]:.1f}-{r['load'][1]:.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    import fshard as fs
+
+    if "--calibrate" in sys.argv:
+        t0 = time.perf_counter()
+        fs.sharding.calibrate(DEVICES)
+        print(f"calibrated in {time.perf_counter() - t0:.1f} s")
+    print(f"uptime: {os.popen('uptime').read().strip()}")
+    print(table(measure()))

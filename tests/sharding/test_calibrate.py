@@ -1,0 +1,228 @@
+"""fs.sharding.calibrate: the measured rates, their cache on disk, and the planner and
+explain pricing with them (conftest points FSHARD_CACHE_DIR at an empty directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from mindspore import Tensor, ops
+
+import fshard as fs
+from fshard.errors import ShardingError
+from fshard.core.factors import FactorSpec
+from fshard.sharding import rates
+from fshard.sharding.cost import (BACKEND_RATES, CostModel, backend_rates, compute_seconds,
+                                  contracts, rates_from_table, step_seconds)
+from fshard.sharding.layouts import Candidate, ShardMesh
+
+
+def _table(n, **kw):
+    t = {"format": rates.FORMAT, "backend": "CPU", "mindspore": "x", "devices": n,
+         "lanes": True, "call_s": 3e-4, "op_s": 5e-6, "flops_per_s": 2e10, "point_s": 1e-9,
+         "all_reduce": {"2": [1e-5, 1e-9], "8": [4e-5, 2e-9]},
+         "all_gather": {"2": [1e-5, 3e-9], "8": [4e-5, 5e-9]}}
+    t.update(kw)
+    return t
+
+
+def _write(devices, table):
+    path = rates.cache_path(devices)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table))
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSHARD_CACHE_DIR", str(tmp_path))
+    yield tmp_path
+    rates.load_cache_clear()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """One real calibration (2 virtual devices, one call per measurement: a smoke run)."""
+    d = tmp_path_factory.mktemp("calibration")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FSHARD_CACHE_DIR", str(d))
+        table = fs.sharding.calibrate(devices=2, runs=1)
+        saved = json.loads(rates.cache_path(2).read_text())
+    rates.load_cache_clear()
+    return table, saved
+
+
+def test_calibrate_measures_and_caches_the_table(measured):
+    table, saved = measured
+    assert saved == table
+    assert table["devices"] == 2 and table["lanes"] is True
+    assert table["flops_per_s"] > 0 and table["point_s"] > 0
+    assert set(table["all_reduce"]) == set(table["all_gather"]) == {"2"}
+    for op in ("all_reduce", "all_gather"):
+        a, b = table[op]["2"]
+        assert a >= 0 and b > 0
+    row = rates_from_table(table)
+    assert row["groups"]["all_reduce"][2] == tuple(table["all_reduce"]["2"])
+
+
+def test_cache_path_is_per_backend_version_and_devices(cache, monkeypatch):
+    p8, p2 = rates.cache_path(8), rates.cache_path(2)
+    assert p8.parent == cache and p8 != p2
+    assert "CPU" in p8.name and "2.10" in p8.name and p8.name.endswith("-8.json")
+    monkeypatch.delenv("FSHARD_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache / "xdg"))
+    assert rates.cache_dir() == cache / "xdg" / "fshard"
+
+
+def test_without_a_table_the_default_rates_price(cache):
+    assert rates.calibrated(8) is None
+    assert backend_rates(8) is BACKEND_RATES["CPU"]
+    assert CostModel(level=2, rates=backend_rates(8)).call_s == 0.0
+
+
+def test_a_table_is_read_and_used(cache):
+    _write(8, _table(8))
+    row = backend_rates(8)
+    assert row["groups"]["all_gather"][8] == (4e-5, 5e-9)
+    assert backend_rates(4) is BACKEND_RATES["CPU"]  # no table for 4 devices
+    # a rewritten table is read again (the cache is keyed by the file's mtime)
+    path = _write(8, _table(8, flops_per_s=4e10))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert backend_rates(8)["flops_per_s"] == 4e10
+
+
+def test_collective_seconds_per_group_size_from_the_table():
+    row = rates_from_table(_table(8))
+    native = {"all_reduce_sum": "any", "all_gather": "world"}
+    assert step_seconds("psum", 1e6, 2, False, native, row) == pytest.approx(1e-5 + 1e-3)
+    assert step_seconds("psum", 1e6, 8, True, native, row) == pytest.approx(4e-5 + 2e-3)
+    assert step_seconds("all_gather", 1e6, 8, True, native, row) == pytest.approx(
+        4e-5 + 5e-3)
+    # a group size not measured takes the nearest one measured
+    assert step_seconds("psum", 1e6, 4, False, native, row) == pytest.approx(1e-5 + 1e-3)
+    assert step_seconds("slice", 1e6, 8, True, native, row) == 0.0
+
+
+def test_compute_seconds_matmul_per_flop_elementwise_per_element_times_lanes():
+    row = rates_from_table(_table(8))
+    mesh = ShardMesh.for_devices(8)
+    mm = FactorSpec([("m", "k"), ("k", "n")], [("m", "n")], {"m": 64, "k": 32, "n": 16},
+                    reduce=frozenset({"k"}), flops_per_point=2.0)
+    ew = FactorSpec([("a",), ("a",)], [("a",)], {"a": 4096})
+    assert contracts(mm) and not contracts(ew)
+    whole = Candidate(())
+    # every one of the 8 virtual devices computes the whole product: 8 times its flops
+    assert compute_seconds(mm, whole, mesh, row) == pytest.approx(
+        5e-6 + 8 * 2.0 * 64 * 32 * 16 / 2e10)
+    assert compute_seconds(ew, whole, mesh, row) == pytest.approx(5e-6 + 8 * 4096 * 1e-9)
+    model = CostModel(level=2, rates=row)
+    assert model.compute(ew, whole, mesh) / model.flops_per_s == pytest.approx(
+        compute_seconds(ew, whole, mesh, row))
+    # levels 0 and 1 keep MindSpore's flop counts
+    assert CostModel(level=0, rates=row).compute(ew, whole, mesh) == 4096.0
+
+
+def _mlp_loss(w, v, x):
+    return ops.relu(ops.matmul(ops.relu(ops.matmul(x, w)), v)).mean()
+
+
+def test_plans_priced_with_a_table_give_the_unsharded_values(cache):
+    _write(8, _table(8))
+    rng = np.random.default_rng(0)
+    w = Tensor(rng.standard_normal((16, 32)).astype(np.float32))
+    v = Tensor(rng.standard_normal((32, 8)).astype(np.float32))
+    x = Tensor(rng.standard_normal((64, 16)).astype(np.float32))
+    f = fs.shard(fs.value_and_grad(_mlp_loss, argnums=(0, 1)), in_strategy=(None, None, (8, 1)),
+                 mesh=8, level=2, search=True)
+    (val, (gw, gv)) = f(w, v, x)
+    (rv, (rw, rvv)) = fs.value_and_grad(_mlp_loss, argnums=(0, 1))(w, v, x)
+    scale = max(abs(float(rv.asnumpy())), 1.0)
+    np.testing.assert_allclose(val.asnumpy(), rv.asnumpy(), rtol=1e-5, atol=1e-6 * scale)
+    np.testing.assert_allclose(gw.asnumpy(), rw.asnumpy(), rtol=1e-4,
+                               atol=1e-5 * np.abs(rw.asnumpy()).max())
+    np.testing.assert_allclose(gv.asnumpy(), rvv.asnumpy(), rtol=1e-4,
+                               atol=1e-5 * np.abs(rvv.asnumpy()).max())
+    e = f.explain(w, v, x)
+    assert e.call_s == 3e-4
+    assert e.total_s == pytest.approx(e.call_s + e.compute_s + e.comm_s)
+    assert "(call)" in str(e)
+
+
+@pytest.mark.parametrize("devices", [0, -2, True, "8", 2.0])
+def test_calibrate_refuses_bad_devices(devices):
+    with pytest.raises(ShardingError, match="devices must be a positive int") as e:
+        fs.sharding.calibrate(devices=devices)
+    assert isinstance(e.value, ValueError) and "Fix:" in str(e.value)
+
+
+@pytest.mark.parametrize("runs", [0, 1.5, True])
+def test_calibrate_refuses_bad_runs(runs):
+    with pytest.raises(ShardingError, match="runs must be a positive int"):
+        fs.sharding.calibrate(devices=2, runs=runs)
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 1}),
+                                     json.dumps(_table(8, flops_per_s=-1.0)),
+                                     json.dumps(_table(8, format=99)),
+                                     json.dumps(_table(8, all_reduce={"2": [1.0]})),
+                                     json.dumps(_table(8, all_gather={"two": [1.0, 1.0]})),
+                                     json.dumps(_table(8, all_gather={"2": ["a", 1.0]})),
+                                     json.dumps(_table(8, devices="8")), "[]"])
+def test_a_corrupt_table_is_an_error_naming_the_file_and_the_fix(cache, content):
+    path = rates.cache_path(8)
+    path.write_text(content)
+    with pytest.raises(ShardingError) as e:
+        backend_rates(8)
+    msg = str(e.value)
+    assert str(path) in msg and "fs.sharding.calibrate()" in msg and "delete the file" in msg
+
+
+def test_an_unwritable_cache_dir_is_an_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("FSHARD_CACHE_DIR", str(blocker / "sub"))
+    from fshard.sharding import calibration as cal
+
+    monkeypatch.setattr(cal, "measure", lambda devices, runs: _table(devices))
+    with pytest.raises(ShardingError, match="FSHARD_CACHE_DIR") as e:
+        fs.sharding.calibrate(devices=2)
+    assert "cannot write" in str(e.value)
+
+
+# A table measured on a loaded 2-core machine: with it, updating a replicated weight on
+# every virtual device costs more than updating a block per device and gathering it.
+MEASURED_8 = {"call_s": 1.0e-3, "op_s": 1.57e-5, "flops_per_s": 3.86e10, "point_s": 1.85e-9,
+              "all_reduce": {"2": [0.0, 8.9e-10], "4": [0.0, 2.44e-9], "8": [0.0, 2.2e-9]},
+              "all_gather": {"2": [0.0, 7.98e-9], "4": [0.0, 9.83e-9], "8": [0.0, 5.52e-8]}}
+
+
+def _adam_mlp_loss(p, x, y):
+    h = fs.ops.relu(x @ p["w0"] + p["b0"])
+    return fs.ops.softmax_cross_entropy(h @ p["w1"] + p["b1"], y)
+
+
+@pytest.mark.full  # two AutoParallel steps compiled (~9 s on 2 loaded cores); the quick
+# run prices a plan with a table in test_plans_priced_with_a_table_give_the_unsharded_values
+def test_a_calibrated_plan_that_gathers_updated_blocks_trains_like_one_device(cache):
+    _write(8, _table(8, **MEASURED_8))
+    rng = np.random.default_rng(0)
+    params = {"w0": (rng.standard_normal((64, 256)) / 8).astype(np.float32),
+              "b0": np.zeros(256, np.float32),
+              "w1": (rng.standard_normal((256, 10)) / 16).astype(np.float32),
+              "b1": np.zeros(10, np.float32)}
+    x = rng.standard_normal((64, 64)).astype(np.float32)
+    y = rng.integers(0, 10, 64).astype(np.int32)
+    ap = fs.AutoParallel(_adam_mlp_loss, fs.optim.adam(1e-2), "sharding_propagation", mesh=8)
+    ap.dataset_strategy("data_parallel")
+    one = fs.AutoParallel(_adam_mlp_loss, fs.optim.adam(1e-2), "semi_auto", mesh=1)
+    s, r = ap.init(params), one.init(params)
+    assert "all_gather" in ap.partitioned(s, x, y).collectives()  # the measured rates' plan
+    for _ in range(2):
+        (s, loss), (r, want) = ap(s, x, y), one(r, x, y)
+        np.testing.assert_allclose(loss.asnumpy(), want.asnumpy(), rtol=1e-5)
+    for k in params:
+        w = r.params[k].asnumpy()
+        np.testing.assert_allclose(s.params[k].asnumpy(), w, rtol=1e-4,
+                                   atol=1e-5 * max(np.abs(w).max(), 1.0))

@@ -1,0 +1,176 @@
+"""Passes that cut the kernels of a compiled program without changing a value: the
+lowering leaves broadcasts to MindSpore's arithmetic kernels
+(``passes.implicit_broadcasts``), a negation read once moves past a sum or into a
+subtraction (``passes.sink_neg``), and ``x * y`` / ``y * x`` are computed once
+(``passes.cse``)."""
+
+import numpy as np
+import pytest
+
+import fshard as fs
+from fshard.primitives import passes
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((4, 3, 5, 5)).astype(np.float32)
+W = RNG.standard_normal(3).astype(np.float32)
+
+
+def _close(got, want):
+    got = np.asarray(got.asnumpy() if hasattr(got, "asnumpy") else got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(want).max()))
+
+
+def _lowered_ops(f, *args) -> list:
+    src = fs.jit(f).lower(*args).source
+    body = src.split("\n\n")[0].splitlines()[1:]
+    return [line.split("= ", 1)[1].split("(")[0] for line in body if " = " in line]
+
+
+def test_scalar_and_per_channel_broadcasts_are_left_to_the_kernels():
+    def f(x, w):
+        return (x * 0.5 + fs.ops.reshape(w, (1, 3, 1, 1))) / 3.0 - fs.ops.maximum(x, 0.1)
+
+    ops = _lowered_ops(f, X, W)
+    assert not any("broadcast_to" in o for o in ops), ops
+    _close(fs.jit(f)(X, W), (X * 0.5 + W[None, :, None, None]) / 3.0 - np.maximum(X, 0.1))
+
+
+def test_a_broadcast_read_elsewhere_is_kept():
+    def f(x, w):
+        b = fs.ops.broadcast_to(fs.ops.reshape(w, (1, 3, 1, 1)), X.shape)
+        return x * b, b.sum((0, 2, 3)), b
+
+    ops = _lowered_ops(f, X, W)
+    assert sum("broadcast_to" in o for o in ops) == 1, ops
+    y, s, b = fs.jit(f)(X, W)
+    full = np.broadcast_to(W[None, :, None, None], X.shape)
+    _close(y, X * full)
+    _close(s, full.sum((0, 2, 3)))
+    _close(b, full)
+
+
+def test_both_operands_broadcast_to_a_larger_shape():
+    a = RNG.standard_normal((1, 3)).astype(np.float32)
+    c = RNG.standard_normal((2, 1)).astype(np.float32)
+
+    def f(a, c):
+        return fs.ops.broadcast_to(a, (2, 3)) * fs.ops.broadcast_to(c, (2, 3))
+
+    assert fs.jit(f)(a, c).shape == (2, 3)
+    _close(fs.jit(f)(a, c), a * c)
+
+
+def test_gradients_and_optimizer_update_unchanged():
+    def loss(w, x):
+        return ((x * fs.ops.reshape(w, (1, 3, 1, 1))) ** 2).mean()
+
+    g = fs.jit(fs.grad(loss))(W, X)
+    _close(g, (2 * X ** 2 * W[None, :, None, None]).mean((0, 2, 3)) / 3)
+    opt = fs.optim.adam(0.1)
+    params = {"w": W}
+    state = opt.init(params)
+
+    def update(p, s, g):
+        u, s = opt.update(g, s, p)
+        return fs.optim.apply_updates(p, u), s
+
+    assert not any("broadcast_to" in o for o in _lowered_ops(update, params, state, params))
+    got, _ = fs.jit(update)(params, state, params)
+    want, _ = update(params, state, params)  # eager: the Program as traced
+    _close(got["w"], want["w"].asnumpy())
+
+
+def test_the_pass_leaves_a_program_without_broadcasts_alone():
+    ir = fs.make_ir(lambda x: x * x)(X)
+    assert passes.implicit_broadcasts(ir.program) is ir.program
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float16])
+def test_other_dtypes(dtype):
+    x = (X * 4).astype(dtype)
+    _close(fs.jit(lambda x: x * 2 + 1)(x), (x * 2 + 1))
+
+
+def _prims(program) -> list:
+    return [eq.prim.name for eq in program.equations]
+
+
+def test_sink_neg_and_commutative_cse_are_exact():
+    def f(a, b):
+        s = fs.ops.neg(a * b).sum(0)          # reduce_sum(neg) -> neg(reduce_sum)
+        d = a + fs.ops.neg(b)                 # add(a, neg b) -> sub(a, b)
+        return s, d, b * a + a * b            # b * a is a * b
+
+    prog = passes.simplify(fs.make_ir(f)(X[0, 0], X[1, 1]).program)
+    names = _prims(prog)
+    assert names.count("mul") == 1 and "sub" in names, names
+    assert names.index("reduce_sum") < names.index("neg"), names
+    a, b = X[0, 0], X[1, 1]
+    got = fs.jit(f)(a, b)
+    want = [-(a * b).sum(0), a - b, 2 * (a * b)]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.asnumpy(), w.astype(np.float32))
+
+
+def test_a_neg_read_twice_stays():
+    def f(a):
+        n = fs.ops.neg(a)
+        return n.sum(0), n * 2.0
+
+    prog = passes.simplify(fs.make_ir(f)(X[0, 0]).program)
+    assert _prims(prog).count("neg") == 1
+    s, m = fs.jit(f)(X[0, 0])
+    np.testing.assert_array_equal(s.asnumpy(), -X[0, 0].sum(0))
+    np.testing.assert_array_equal(m.asnumpy(), -X[0, 0] * 2.0)
+
+
+def test_kernel_counts_of_a_training_step():
+    """The Adam update of one parameter: 12 full-size kernels, down from 19 as traced
+    (broadcasts of the constants, a negation)."""
+    opt = fs.optim.adam(1e-3)
+    params = {"w": X[0]}
+    state = opt.init(params)
+
+    def update(p, s, g):
+        u, s = opt.update(g, s, p)
+        return fs.optim.apply_updates(p, u), s
+
+    prog = fs.make_ir(update)(params, state, params).program
+
+    def full_size(program):
+        return sum(tuple(eq.outputs[0].aval.shape) == X[0].shape for eq in program.equations)
+
+    assert full_size(prog) == 19
+    assert full_size(passes.implicit_broadcasts(passes.simplify(prog))) == 12
+
+
+@pytest.mark.parametrize("make", [lambda: fs.optim.adam(0.1), lambda: fs.optim.adamw(0.1),
+                                  lambda: fs.optim.sgd(0.1, momentum=0.9),
+                                  lambda: fs.optim.sgd(0.1, momentum=0.9, nesterov=True)],
+                         ids=["adam", "adamw", "momentum", "nesterov"])
+def test_small_leaves_update_together_with_the_same_bits(make):
+    """Inside a traced step the small leaves of one dtype go through the optimizer's
+    arithmetic concatenated (one kernel per operation for all of them)."""
+    opt = make()
+    params = {"a": X[0], "b": W, "c": X[1, 0], "big": np.ones((300, 300), np.float32),
+              "h": X[2].astype(np.float16)}
+    grads = {k: (v * 0.5 + 0.25).astype(v.dtype) for k, v in params.items()}
+    state = opt.init(params)
+
+    def update(p, s, g):
+        u, s = opt.update(g, s, p)
+        return fs.optim.apply_updates(p, u), s
+
+    eager = update(params, state, grads)   # leaf by leaf
+    fused = fs.jit(update)(params, state, grads)
+    for e, f in zip(fs.tree.leaves(eager), fs.tree.leaves(fused)):
+        np.testing.assert_array_equal(np.asarray(f.asnumpy()), np.asarray(e.asnumpy()))
+    again = fs.jit(update)(*fused, grads)   # a second step from the fused state
+    want = update(*eager, grads)
+    for e, f in zip(fs.tree.leaves(want), fs.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(f.asnumpy()), np.asarray(e.asnumpy()))
+    prog = fs.make_ir(update)(params, state, grads).program
+    assert sum(eq.prim.name == "concat" for eq in prog.equations) >= 2
+    # under fs.shard, leaf by leaf (a concatenation would mix the leaves' layouts)
+    sharded = fs.make_ir(fs.shard(update, (None, None, None), mesh=2))(params, state, grads)
+    assert "concat" not in str(sharded)

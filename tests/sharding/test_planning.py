@@ -103,11 +103,15 @@ def test_explain_prices_the_plan_that_runs(mlp_step):
     assert "runner-up" in str(plans["semi_auto"])
 
 
-def test_explain_names_a_wrong_state(mlp_step):
+@pytest.mark.parametrize("method", ["explain", "partitioned", "sharded", "memory_report",
+                                    "state_strategies"])
+def test_reports_name_a_wrong_state(mlp_step, method):
+    # a dict of parameters where the TrainState belongs is an fshard error naming the
+    # method, not an AttributeError from inside the planner
     params, x, y, aps = mlp_step
-    with pytest.raises(fs.ArgumentError, match=r"explain\(state, \*batch\): state must be "
-                       r"the TrainState from ap.init\(...\); got dict"):
-        aps["semi_auto"].explain(params, x, y)
+    with pytest.raises(fs.ArgumentError, match=rf"\.{method}\(state, \*batch\): state must "
+                       r"be the TrainState from ap.init\(params\); got dict"):
+        getattr(aps["semi_auto"], method)(params, x, y)
 
 
 def test_shard_explain():

@@ -892,7 +892,15 @@ class AutoParallel:
     def sharded(self, state: TrainState, *batch):
         """The ``fs.shard``-ed step for these arguments (``partitioned(...)`` shows the
         per-device program)."""
+        self._check_state(state, ".sharded(state, *batch)")
         return self._sharded(state, self._plan_batch(batch))
+
+    def _check_state(self, state, call: str) -> None:
+        if not isinstance(state, TrainState):
+            raise ArgumentError(
+                f"AutoParallel({self.name}){call}: state must be the TrainState from "
+                f"ap.init(params); got {type(state).__name__}.\nFix: pass the state that "
+                "ap.init(...) or the previous step returned.")
 
     def _sharded(self, state: TrainState, batch):
         if self._pipeline is not None:
@@ -951,10 +959,7 @@ class AutoParallel:
         ``has_aux``). In a multi-process job with ``dataset_strategy("data_parallel")``
         each process passes its own slice of the batch (process ``r`` of ``N``: rows
         ``[r * b, (r + 1) * b)`` of the global batch)."""
-        if not isinstance(state, TrainState):
-            raise ArgumentError(
-                f"AutoParallel({self.name})(state, *batch): state must be the TrainState "
-                f"from ap.init(...); got {type(state).__name__}.")
+        self._check_state(state, "(state, *batch)")
         self._need_optimizer()
         if self._options.device_local_norm and not self._options.local_norm:
             raise ArgumentError(
@@ -1056,6 +1061,7 @@ class AutoParallel:
 
     def partitioned(self, state: TrainState, *batch):
         """The per-device program of the step (print it; ``.collectives()``)."""
+        self._check_state(state, ".partitioned(state, *batch)")
         return self._partitioned(state, self._plan_batch(batch))
 
     @property
@@ -1072,11 +1078,7 @@ class AutoParallel:
     def explain(self, state: TrainState, *batch):
         """The step's plan, per equation: the layouts chosen, the predicted compute and
         communication time, and the runner-up (print it; ``fshard.sharding.explain``)."""
-        if not isinstance(state, TrainState):
-            raise ArgumentError(
-                f"AutoParallel({self.name}).explain(state, *batch): state must be the "
-                f"TrainState from ap.init(...); got {type(state).__name__}.\nFix: "
-                "state = ap.init(params); ap.explain(state, *batch).")
+        self._check_state(state, ".explain(state, *batch)")
         part = self.partitioned(state, *batch)
         return explain_plan(part.prop, f"{self.name} ({self.parallel_mode})")
 
@@ -1085,6 +1087,7 @@ class AutoParallel:
         lays them out: parameters and optimizer state as the step receives them, each
         gradient as the step holds it once complete and reduced (whole up to ZeRO
         level1, whose update slices it; split like the optimizer state from level2)."""
+        self._check_state(state, ".memory_report(state, *batch)")
         part = self.partitioned(state, *batch)
         prop, mesh = part.prop, part.prop.mesh
         n_p = len(tree.leaves(state.params))
@@ -1116,6 +1119,7 @@ class AutoParallel:
     def state_strategies(self, state: TrainState, *batch) -> TrainState:
         """The strategy (split counts) of every leaf of ``state`` in the step's plan,
         as a ``TrainState`` of tuples: the ``layouts`` of ``fs.checkpoint.save``."""
+        self._check_state(state, ".state_strategies(state, *batch)")
         part = self.partitioned(state, *batch)
         mesh = part.prop.mesh
         leaves, spec = tree.flatten(TrainState(state.params, state.opt_state, state.step))
@@ -1235,6 +1239,7 @@ class AutoParallel:
         first compiled."""
         if state is None:
             return self._defer("operator", "save_operator_strategy_file", path, batch)
+        self._check_state(state, ".save_operator_strategy_file(path, state, *batch)")
         batch = self._plan_batch(batch)
         s, _ = self._sharded(state, batch)
         return s.save_strategies(path, state.params, state.opt_state, state.step, *batch)

@@ -6,13 +6,15 @@ A ReLU-free 16-layer tanh MLP of 1024 x 1024 weights (P = 16,777,216 parameters,
 of float32 gradients) trained by ``fs.AutoParallel`` with SGD momentum, each process
 feeding its own 4 rows (``dataset_strategy("data_parallel")``), LEVEL one of ``none``,
 ``level1``, ``level2``, ``level3``. Each process writes ``zero_<LEVEL>_rank<r>.json``: its
-``memory_report``, its resident memory (``VmRSS``) before the first step and its peak
-resident memory (``VmHWM``) after 3 steps, the losses, and how many programs the steps
-compiled.
+``memory_report``; its resident memory (``VmRSS``) before the first step, its peak
+(``VmHWM``) after it, its resident memory once settled (``settle``) and its peak in
+steps 2 and 3; the losses; and how many programs the steps compiled.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import sys
@@ -30,6 +32,16 @@ def rss() -> dict:
     with open("/proc/self/status") as fh:
         fields = dict(line.split(":", 1) for line in fh)
     return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+
+
+def settle() -> None:
+    """Free what is garbage, hand the allocator's free memory back to the system and
+    restart the peak (``VmHWM``) at the resident memory now, so that the peak of the
+    steps that follow is theirs (Linux: ``5`` to ``/proc/self/clear_refs``)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
 
 
 def loss(p, x, y):
@@ -63,13 +75,19 @@ def main(out: str, level: str) -> None:
     report = ap.memory_report(state, x, y)
     before = rss()
     losses = []
-    for _ in range(STEPS):
+    first = None
+    for i in range(STEPS):
         state, l = ap(state, x, y)
         losses.append(float(l.asnumpy()))
+        if i == 0:
+            first = rss()
+            settle()
+            steady = rss()
     after = rss()
     compiles = sum(compiled.compile_count for _, compiled in ap._steps.values())
     with open(os.path.join(out, f"zero_{level}_rank{rank}.json"), "w") as fh:
-        json.dump({"report": report, "before": before, "after": after, "losses": losses,
+        json.dump({"report": report, "before": before, "first": first, "steady": steady,
+                   "after": after, "losses": losses,
                    "parameters": LAYERS * WIDTH * WIDTH, "compiles": compiles}, fh)
 
 

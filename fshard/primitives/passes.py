@@ -447,8 +447,9 @@ def _fuse(program: Program, bucket_bytes: float, key_of, build) -> Program:
     return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)
 
 
-def _fused_psum(eqs: list) -> list:
-    """One AllReduce for several: flatten, concatenate, reduce, split, reshape back."""
+def _flatten_concat(eqs: list) -> tuple[list, Var, tuple]:
+    """The equations flattening each collective's input and concatenating them, the
+    concatenation, and each input's length in it."""
     out, flat = [], []
     for eq in eqs:
         (x,) = eq.inputs
@@ -458,30 +459,30 @@ def _fused_psum(eqs: list) -> list:
     lengths = tuple(v.aval.shape[0] for v in flat)
     total = Var(ArrayType((sum(lengths),), flat[0].aval.dtype))
     out.append(Equation(concat_p, flat, {"axis": 0}, [total]))
+    return out, total, lengths
+
+
+def _reshape_back(eqs: list, pieces: list) -> list:
+    """Each piece of a fused result reshaped into the output of its collective."""
+    return [Equation(reshape_p, [piece], {"shape": tuple(eq.outputs[0].aval.shape)},
+                     [eq.outputs[0]], eq.source) for eq, piece in zip(eqs, pieces)]
+
+
+def _fused_psum(eqs: list) -> list:
+    """One AllReduce for several: flatten, concatenate, reduce, split, reshape back."""
+    out, total, lengths = _flatten_concat(eqs)
     reduced = Var(total.aval)
     out.append(Equation(psum_p, [total], dict(eqs[0].params), [reduced]))
-    pieces = [Var(v.aval) for v in flat]
+    pieces = [Var(ArrayType((k,), total.aval.dtype)) for k in lengths]
     out.append(Equation(split_p, [reduced], {"sizes": lengths, "axis": 0}, pieces))
-    for eq, piece in zip(eqs, pieces):
-        (y,) = eq.outputs
-        out.append(Equation(reshape_p, [piece], {"shape": tuple(y.aval.shape)}, [y],
-                            eq.source))
-    return out
+    return out + _reshape_back(eqs, pieces)
 
 
 def _fused_all_gather(eqs: list) -> list:
     """One AllGather (along dimension 0) for several: flatten each block, concatenate,
     gather (device-major: ``n`` runs of the concatenation), then per value its
     columns of the ``(n, total)`` result, reshaped to ``(n * rows, ...)``."""
-    out, flat = [], []
-    for eq in eqs:
-        (x,) = eq.inputs
-        v = Var(ArrayType((int(np.prod(x.aval.shape, dtype=np.int64)),), x.aval.dtype))
-        out.append(Equation(reshape_p, [x], {"shape": v.aval.shape}, [v], eq.source))
-        flat.append(v)
-    lengths = tuple(v.aval.shape[0] for v in flat)
-    total = Var(ArrayType((sum(lengths),), flat[0].aval.dtype))
-    out.append(Equation(concat_p, flat, {"axis": 0}, [total]))
+    out, total, lengths = _flatten_concat(eqs)
     n = eqs[0].outputs[0].aval.shape[0] // eqs[0].inputs[0].aval.shape[0]
     gathered = Var(ArrayType((n * sum(lengths),), total.aval.dtype))
     out.append(Equation(all_gather_p, [total], dict(eqs[0].params), [gathered]))
@@ -489,11 +490,7 @@ def _fused_all_gather(eqs: list) -> list:
     out.append(Equation(reshape_p, [gathered], {"shape": rows.aval.shape}, [rows]))
     pieces = [Var(ArrayType((n, k), total.aval.dtype)) for k in lengths]
     out.append(Equation(split_p, [rows], {"sizes": lengths, "axis": 1}, pieces))
-    for eq, piece in zip(eqs, pieces):
-        (y,) = eq.outputs
-        out.append(Equation(reshape_p, [piece], {"shape": tuple(y.aval.shape)}, [y],
-                            eq.source))
-    return out
+    return out + _reshape_back(eqs, pieces)
 
 
 def reduce_in_float32(program: Program) -> Program:

@@ -25,16 +25,20 @@ class ShardPlan:
 
     def __init__(self, body: Program, in_shardings, out_shardings, mesh: ShardMesh,
                  level: int = 0, name: str = "f", search: bool = False, fixed=None,
-                 world=None, flexible=(), fusion: float | None = None, tied=()):
+                 world=None, flexible=(), fusion: float | None = None, tied=(), copies=()):
         assert body.n_consts == 0, "a shard_call body takes its constants as inputs"
         self.body, self.mesh, self.level, self.name = body, mesh, level, name
         self.in_shardings, self.out_shardings = list(in_shardings), list(out_shardings)
         self.search, self.fixed = search, fixed
         # Inputs given as tuple strategies: their mesh axes are chosen with the plan.
         self.flexible = tuple(flexible)
-        # Pairs of flexible layouts (an input, the output it becomes at the next call)
-        # that take the same mesh axes.
+        # Pairs (an input, the output it becomes at the next call): flexible layouts
+        # given to both take the same mesh axes, and an output left to the plan (None)
+        # leaves in its input's layout.
         self.tied = tuple(tied)
+        # Pairs (an input, the input it is a copy of): left to the plan, the copy takes
+        # the layout of the original (an optimizer moment, its parameter's).
+        self.copies = tuple(copies)
         # Bucket size (bytes) for fusing the per-device AllReduces (None: no fusion).
         self.fusion = fusion
         # Rewrites of the per-device program, in order (fs.AutoParallel's).
@@ -65,6 +69,7 @@ class ShardPlan:
 
     def partitioned(self) -> Partitioned:
         if self._part is None:
+            self._carry_layouts()
             if self.flexible and self.fixed is None:
                 self.in_shardings, self.out_shardings = choose_split_axes(
                     self.body, self.in_shardings, self.out_shardings, self.mesh, self.level,
@@ -94,6 +99,29 @@ class ShardPlan:
             for rewrite in self.passes:  # rewrites of the per-device program
                 self._part.program = rewrite(self._part.program)
         return self._part
+
+    def _carry_layouts(self) -> None:
+        """Give each carried output left to the plan (None) its input's layout, so the
+        next call takes the value as it is: no call gathers a split parameter or
+        optimizer state at its end (to slice it again at the next). An input left to
+        the plan too takes the layout propagation gives it (the one its consumers
+        need, as MindSpore's propagation gives a parameter), then both are fixed and
+        the plan is made with them, so its cost counts the update's moves. A copy of
+        an input (``copies``) takes the layout of the input it copies."""
+        follows = [(i, o) for (_, i), (_, o) in self.tied if self.out_shardings[o] is None]
+        if not follows:
+            return
+        if any(self.in_shardings[i] is None for i, _ in follows):
+            decided = propagate(self.body, self.in_shardings, self.out_shardings, self.mesh,
+                                self.level).in_shardings
+            for c, i in self.copies:
+                if self.in_shardings[c] is None:
+                    decided[c] = decided[i]
+            for i, _ in follows:
+                if self.in_shardings[i] is None:
+                    self.in_shardings[i] = decided[i]
+        for i, o in follows:
+            self.out_shardings[o] = self.in_shardings[i]
 
     def virtual_program(self, local_in=frozenset(), local_out=frozenset()
                         ) -> tuple[Program, list]:

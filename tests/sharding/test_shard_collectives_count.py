@@ -345,3 +345,18 @@ def test_documented_matmul_strategy_then_unannotated_matmul_keeps_the_layout(rng
     assert sorted(part.collectives()) == ["all_gather", "psum"]
     np.testing.assert_allclose(_np(sharded(x)), _np(net(x)), rtol=1e-5,
                                atol=1e-5 * np.abs(_np(net(x))).max())
+
+
+def test_a_pending_sum_is_reduced_before_it_is_gathered(rng):
+    # The chain's output is split (4, 1) and a pending sum over the other 2 devices; the
+    # caller wants it whole: the AllReduce runs on each device's 16x8 block, then the
+    # AllGather (reducing the gathered 64x8 value would send 4x the bytes).
+    net = _operator_chain(rng)
+    (x,) = tensors(rng, (64, 32))
+    sharded = fs.shard(net, in_strategy=(None,), mesh=8)
+    eqs = [eq for eq in sharded.partitioned(x).program.equations
+           if eq.prim.name in ("psum", "all_gather")]
+    assert [eq.prim.name for eq in eqs] == ["psum", "all_gather"]
+    assert tuple(eqs[0].inputs[0].aval.shape) == (64 // 4, 8)
+    np.testing.assert_allclose(_np(sharded(x)), _np(net(x)), rtol=1e-5,
+                               atol=1e-5 * np.abs(_np(net(x))).max())

@@ -546,3 +546,29 @@ def test_comm_fusion_buckets_the_zero_all_gathers():
     _, want = _train(make(), params, x, y, steps=3)
     state, got = _train(fused, params, x, y, steps=3)
     assert got == want
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation",
+                                  pytest.param("recursive_programming",
+                                               marks=pytest.mark.full)])
+def test_a_derived_parameter_keeps_its_planned_layout_from_step_to_step(mode):
+    # Megatron's MLP (w1 by columns, w2 by rows) on a whole batch: the one collective
+    # the step needs is the forward's AllReduce. b1 has no strategy: the plan splits it
+    # like w1's columns, and the new b1 and its Adam moments leave the step in that
+    # layout (the next step's), not gathered whole at the end of every step.
+    params, x, y = _data(d_out=16)
+    ap = fs.AutoParallel(mse, fs.optim.adam(1e-2), mode, mesh=4)
+    ap.parameter_plan({"w1": (1, 4), "w2": (4, 1)}).dataset_strategy("full_batch")
+    state = ap.init(params)
+    part = ap.partitioned(state, x, y)
+    assert sorted(part.collectives()) == ["psum"]
+    n_state = len(tree.leaves((state.params, state.opt_state, state.step)))
+    ins = part.in_shardings[len(part.in_shardings) - n_state - 2:][:n_state]
+    assert list(part.out_shardings[:n_state]) == list(ins)
+    strategies = ap.state_strategies(state, x, y)
+    assert strategies.params["b1"] == (4,)
+    assert strategies.opt_state.mu["b1"] == strategies.opt_state.nu["b1"] == (4,)
+    _, losses = _train(ap, params, x, y, steps=2)
+    ref_ap = fs.AutoParallel(mse, fs.optim.adam(1e-2), mesh=1)
+    _, ref = _train(ref_ap, params, x, y, steps=2)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)

@@ -194,6 +194,9 @@ class Sharded:
         # argument leaves (fs.AutoParallel's train state): a tuple strategy given to
         # both takes the same mesh axes on both sides, so no step redistributes it.
         self.carried = 0
+        # Pairs (argument leaf, argument leaf it copies): a copy left to the plan takes
+        # the layout of the value it copies (an optimizer moment, its parameter's).
+        self.copies = ()
         # ``(axis name, count)``: in a job, the devices are one of ``count`` equal groups
         # of the processes (consecutive ranks), this process's group, and all
         # communication stays inside it (a pipeline stage's devices); None: the world.
@@ -322,7 +325,8 @@ class Sharded:
         body = Program(prog.inputs, prog.equations, prog.outputs)
         plan = ShardPlan(body, in_sh, out_sh, mesh, self.level, fname, self.search,
                          self._fixed, world=world_mesh(mesh, groups) if in_job else None,
-                         flexible=flexible, fusion=self.comm_fusion, tied=tied)
+                         flexible=flexible, fusion=self.comm_fusion, tied=tied,
+                         copies=[(n_c + a, n_c + b) for a, b in self.copies])
         plan.passes = self.passes
         plan.local_outputs = in_job and not self.gather_outputs
         plan.writes = tuple(writes)
@@ -370,7 +374,9 @@ class Sharded:
         for k, (s, a, p) in enumerate(zip(per_leaf, outs, paths)):
             sh = parse_strategy(s, a, mesh, f"shard({fname}): out_strategy{tree.keystr(p)}",
                                 f"output {k} ({a})")
-            out.append(sh if sh is not None else Sharding.replicated(a.ndim))
+            # A carried output left unannotated takes its input's layout (ShardPlan).
+            out.append(sh if sh is not None else
+                       None if k < self.carried else Sharding.replicated(a.ndim))
         flexible = [k for k, s in enumerate(per_leaf) if isinstance(s, (tuple, list))]
         return out, flexible
 

@@ -21,7 +21,7 @@ from mindspore import ops
 
 from fshard.core import dtypes
 from fshard.backend.mindspore import (COLLECTIVE_DTYPES, NATIVE_COLLECTIVES, Tensor,
-                                      device_target)
+                                      device_target, gather_any_rank)
 from fshard.core.tracing import ArrayType
 from fshard.core.dims import dims_equal
 from fshard.errors import ArgumentError, AxisNameError
@@ -322,7 +322,7 @@ def _ms_slot(x, slot):
 
 
 def _ms_take(x, index):
-    return ops.gather(x, index, 0)
+    return gather_any_rank(x, index, 0)
 
 
 def _ms_pick(x, index, keep):

@@ -162,7 +162,7 @@ class LoweringContext:
         vs = [f"v{k}" for k in range(n_carry)]
         xs = [f"x{k}" for k in range(n_xs)]
         ys = [f"y{k}" for k in range(len(y_avals))]
-        zeros, gather = self.ref(ms.ops.zeros), self.ref(ms.ops.gather)
+        zeros, gather = self.ref(ms.ops.zeros), self.ref(gather_any_rank)
         update, reshape = self.ref(ms.ops.tensor_scatter_update), self.ref(ms.ops.reshape)
         expand = self.ref(ms.ops.expand_dims)
         i32 = self.ref(ms.int32, "int32")
@@ -796,6 +796,28 @@ def pyboost_prim_classes() -> list:
 def tensor_text(array: np.ndarray) -> str:
     """How MindSpore's ``ops.Print`` shows a tensor (its ``Tensor`` repr)."""
     return repr(Tensor(np.asarray(array)))
+
+
+# MindSpore's Gather kernel refuses an operand of more than 8 dimensions.
+GATHER_MAX_RANK = 8
+
+
+def gather_any_rank(x, indices, axis: int):
+    """``ms.ops.gather(x, indices, axis)`` for an ``x`` of any rank: past
+    ``GATHER_MAX_RANK`` dimensions (a vmapped or virtual-mesh program adds one per
+    batching level) it gathers from ``x`` viewed as (before, axis, after) and restores
+    the dimensions. (Plain loops: this runs inside MindSpore graphs too.)"""
+    shape = x.shape
+    if len(shape) <= GATHER_MAX_RANK:
+        return ms.ops.gather(x, indices, axis)
+    before, after = 1, 1
+    for d in shape[:axis]:
+        before = before * d
+    for d in shape[axis + 1:]:
+        after = after * d
+    out = ms.ops.gather(ms.ops.reshape(x, (before, shape[axis], after)), indices, 1)
+    return ms.ops.reshape(out, tuple(shape[:axis]) + tuple(indices.shape)
+                          + tuple(shape[axis + 1:]))
 
 
 def as_rank1(x):

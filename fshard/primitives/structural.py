@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 from mindspore import ops
 
+from fshard.backend.mindspore import gather_any_rank
 from fshard.core import dtypes
 from fshard.core.array_types import Array, ArrayLike, Int, Shaped
 from fshard.core.tracing import ArrayType, Symbol, Tracer, dims_equal, is_symbolic, typeof
@@ -636,7 +637,7 @@ def pad(x: Shaped[Array, "..."], low, high, interior=None) -> Shaped[Array, "...
 
 
 def _ms_gather(x, indices, axis):
-    return ops.gather(x, indices, axis)
+    return gather_any_rank(x, indices, axis)
 
 
 def _gather_type(x, indices, *, axis):

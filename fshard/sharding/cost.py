@@ -266,9 +266,13 @@ class CostModel:
     # their emulations): its row of NATIVE_COLLECTIVES.
     native: dict = field(default_factory=native_collectives)
 
-    def score(self, compute: float, comm_bytes: float, n_collectives: int, memory: float):
+    def score(self, compute: float, comm_bytes: float, n_collectives: int, memory: float,
+              edge_bytes: float | None = None):
+        """A candidate's score in propagation; ``edge_bytes``: the part of
+        ``comm_bytes`` that redistributes between operators (level 0 prefers none)."""
         if self.level == 0:
-            return (comm_bytes > 0, self.alpha * compute + self.beta * comm_bytes, memory)
+            edge = comm_bytes if edge_bytes is None else edge_bytes
+            return (edge > 0, self.alpha * compute + self.beta * comm_bytes, memory)
         if self.level == 1:
             return (memory, comm_bytes, compute)
         # Propagation sees bytes only: priced at the AllReduce's rates.

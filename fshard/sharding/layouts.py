@@ -363,7 +363,9 @@ def plan(src: Sharding, dst: Sharding, reduce_scatter: bool = True) -> tuple[Ste
             to_reduce -= set(ax)
             new_axes[d] = ()
     if to_reduce:
-        steps.append(Step("psum", tuple(sorted(to_reduce))))
+        # Reduced before anything is gathered: the AllReduce then runs on the block,
+        # not on the gathered value (a pending sum over axes disjoint from the split).
+        steps.insert(0, Step("psum", tuple(sorted(to_reduce))))
     for d, ax in new_axes.items():
         if ax:
             steps.append(Step("slice", ax, d))

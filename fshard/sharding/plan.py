@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 
 from fshard.core.tracing import ArrayType
 from fshard.errors import ShardingError
-from fshard.core.ir import Program
+from fshard.core.ir import Program, Var
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.partition import Partitioned, apply_fixed, partition
 from fshard.sharding.propagation import propagate, undecided
@@ -25,16 +26,20 @@ class ShardPlan:
 
     def __init__(self, body: Program, in_shardings, out_shardings, mesh: ShardMesh,
                  level: int = 0, name: str = "f", search: bool = False, fixed=None,
-                 world=None, flexible=(), fusion: float | None = None, tied=()):
+                 world=None, flexible=(), fusion: float | None = None, tied=(), copies=()):
         assert body.n_consts == 0, "a shard_call body takes its constants as inputs"
         self.body, self.mesh, self.level, self.name = body, mesh, level, name
         self.in_shardings, self.out_shardings = list(in_shardings), list(out_shardings)
         self.search, self.fixed = search, fixed
         # Inputs given as tuple strategies: their mesh axes are chosen with the plan.
         self.flexible = tuple(flexible)
-        # Pairs of flexible layouts (an input, the output it becomes at the next call)
-        # that take the same mesh axes.
+        # Pairs (an input, the output it becomes at the next call): flexible layouts
+        # given to both take the same mesh axes, and an output left to the plan (None)
+        # leaves in its input's layout.
         self.tied = tuple(tied)
+        # Pairs (an input, the input it is a copy of): left to the plan, the copy takes
+        # the layout of the original (an optimizer moment, its parameter's).
+        self.copies = tuple(copies)
         # Bucket size (bytes) for fusing the per-device AllReduces (None: no fusion).
         self.fusion = fusion
         # Rewrites of the per-device program, in order (fs.AutoParallel's).
@@ -70,21 +75,7 @@ class ShardPlan:
                     self.body, self.in_shardings, self.out_shardings, self.mesh, self.level,
                     self.flexible, self.tied)
                 self.flexible = ()
-            prop = None
-            if self.fixed is None and self.search == "follow_inputs":
-                # fs.AutoParallel's semi_auto: every equation decided in one pass, no
-                # propagation (its choices would all be replaced).
-                prop = follow_inputs(undecided(self.body, self.in_shardings,
-                                               self.out_shardings, self.mesh, self.level))
-            if prop is None:
-                prop = propagate(self.body, self.in_shardings, self.out_shardings,
-                                 self.mesh, self.level)
-                if self.fixed is not None:
-                    prop = apply_fixed(prop, self.fixed)
-                elif self.search == "cheaper_path":  # fs.AutoParallel's propagation mode
-                    prop = cheaper_path(prop)
-                elif self.search and self.search != "follow_inputs":
-                    prop = refine(prop)
+            prop = self._carry_layouts(*self._propagated())
             self._part = partition(prop)
             self._part.name = self.name
             if self.fusion is not None:
@@ -94,6 +85,59 @@ class ShardPlan:
             for rewrite in self.passes:  # rewrites of the per-device program
                 self._part.program = rewrite(self._part.program)
         return self._part
+
+    def _propagated(self) -> tuple:
+        """``(plan, greedy propagation's plan or None)`` for the boundary layouts as
+        they stand."""
+        if self.fixed is None and self.search == "follow_inputs":
+            # fs.AutoParallel's semi_auto: every equation decided in one pass, no
+            # propagation (its choices would all be replaced).
+            prop = follow_inputs(undecided(self.body, self.in_shardings,
+                                           self.out_shardings, self.mesh, self.level))
+            if prop is not None:
+                return prop, None
+        greedy = propagate(self.body, self.in_shardings, self.out_shardings, self.mesh,
+                           self.level)
+        if self.fixed is not None:
+            return apply_fixed(greedy, self.fixed), greedy
+        if self.search == "cheaper_path":  # fs.AutoParallel's propagation mode
+            return cheaper_path(greedy), greedy
+        if self.search and self.search != "follow_inputs":
+            return refine(greedy), greedy
+        return greedy, greedy
+
+    def _carry_layouts(self, prop, greedy):
+        """``prop`` with each carried output left to the plan (None) given its input's
+        layout, so the next call takes the value as it is: no call gathers a split
+        parameter or optimizer state at its end (to slice it again at the next). When
+        the plan already leaves each such output in its input's layout, and each copy
+        of an input (``copies``: an optimizer moment) in the layout of the input it
+        copies, that is all. Otherwise an input left to the plan takes the layout
+        greedy propagation gives it (the one its consumers need, as MindSpore's
+        propagation gives a parameter), a copy its original's, and the plan is made
+        again with those layouts fixed on both sides, so its cost counts the moves."""
+        follows = [(i, o) for (_, i), (_, o) in self.tied if self.out_shardings[o] is None]
+        if not follows:
+            return prop
+        ins, outputs = prop.in_shardings, self.body.outputs
+        if all(isinstance(outputs[o], Var) and prop.shardings.get(outputs[o]) == ins[i]
+               for i, o in follows) and all(ins[c] == ins[i] for c, i in self.copies):
+            follow = {o: i for i, o in follows}
+            self.out_shardings = [ins[follow[o]] if o in follow else s
+                                  for o, s in enumerate(self.out_shardings)]
+            return replace(prop, out_shardings=list(self.out_shardings))
+        if greedy is None:
+            greedy = propagate(self.body, self.in_shardings, self.out_shardings, self.mesh,
+                               self.level)
+        decided = list(greedy.in_shardings)
+        for c, i in self.copies:
+            if self.in_shardings[c] is None:
+                decided[c] = decided[i]
+        for i, o in follows:
+            if self.in_shardings[i] is None:
+                self.in_shardings[i] = decided[i]
+            self.out_shardings[o] = self.in_shardings[i]
+        return self._propagated()[0]
 
     def virtual_program(self, local_in=frozenset(), local_out=frozenset()
                         ) -> tuple[Program, list]:

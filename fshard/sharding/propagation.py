@@ -68,6 +68,11 @@ def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
                 b = plan_bytes(out, req, v.aval, mesh, model.native)
                 comm += b
                 n_coll += bool(b)
+    # MindSpore's propagation ranks a strategy first by the redistribution on its edges
+    # to other operators (a strategy with none wins); moving an output to the layout
+    # the program's caller asks for, or to a desired layout, is not such an edge.
+    edge = comm
+    for v, out in zip(eq.outputs, outs):
         for req in (out_demand or {}).get(v, ()):
             if not req.partial <= out.partial:  # a loop body's pending-sum carry
                 comm = float("inf")
@@ -87,7 +92,7 @@ def _eq_cost(eq, spec, cand, known: dict, demand: dict, mesh, model: CostModel,
             comm += b
             n_coll += bool(b)
     memory = sum(local_bytes(o, v.aval, mesh) for o, v in zip(outs, eq.outputs))
-    return model.score(compute, comm, n_coll, memory)
+    return model.score(compute, comm, n_coll, memory, edge)
 
 
 def _deferral_bytes(eq, spec, cand, mesh) -> float:

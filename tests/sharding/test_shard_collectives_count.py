@@ -295,3 +295,68 @@ def test_a_layout_pins_the_axes_that_a_tuple_leaves_free(rng):
     part = pinned.partitioned(*args)
     assert set(part.in_shardings[0].dims[0]) <= set(part.in_shardings[1].dims[1])
     np.testing.assert_allclose(_np(pinned(*args)), _np(mlp_bias(*args)), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# MindSpore's documented operator strategy followed by an unannotated operator
+# ---------------------------------------------------------------------------
+#
+# MatMul().shard(((4, 1), (1, 2))) leaves its output split (4, 2). MindSpore's
+# propagation gives the next, unannotated MatMul the strategy that needs no
+# redistribution of that output: ((4, 2), (2, 1)), contracting the split columns (a
+# pending sum, reduced by the MatMul's own AllReduce). Gathering the columns and
+# slicing the rows instead (an AllGather and a block_slice) is a redistribution
+# MindSpore does not make.
+
+
+def _operator_chain(rng):
+    from mindspore import Parameter, nn
+
+    w1, w2 = tensors(rng, (32, 16), (16, 8))
+
+    class Chain(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = Parameter(w1, name="w1"), Parameter(w2, name="w2")
+            self.matmul1 = ops.MatMul().shard(((4, 1), (1, 2)))
+            self.matmul2 = ops.MatMul()
+
+        def construct(self, x):
+            return self.matmul2(self.matmul1(x, self.w1), self.w2)
+
+    return Chain()
+
+
+def test_documented_matmul_strategy_then_unannotated_matmul_keeps_the_layout(rng):
+    net = _operator_chain(rng)
+    (x,) = tensors(rng, (64, 32))
+    sharded = fs.shard(net, in_strategy=(None,), mesh=8)
+    part = sharded.partitioned(x)
+    names = [eq.prim.name for eq in part.program.equations]
+    first, second = [i for i, n in enumerate(names) if n == "matmul"]
+    # nothing moves between the two MatMuls: the second takes the first's output as is
+    assert names[first + 1:second] == []
+    assert "block_slice" not in names
+    second_eq = part.program.equations[second]
+    assert second_eq.inputs[0] is part.program.equations[first].outputs[0]
+    assert tuple(second_eq.inputs[0].aval.shape) == (64 // 4, 16 // 2)
+    # the MatMul's own AllReduce (over the 2 devices splitting the contraction) and the
+    # gather of the replicated output: MindSpore's communication, no more
+    assert sorted(part.collectives()) == ["all_gather", "psum"]
+    np.testing.assert_allclose(_np(sharded(x)), _np(net(x)), rtol=1e-5,
+                               atol=1e-5 * np.abs(_np(net(x))).max())
+
+
+def test_a_pending_sum_is_reduced_before_it_is_gathered(rng):
+    # The chain's output is split (4, 1) and a pending sum over the other 2 devices; the
+    # caller wants it whole: the AllReduce runs on each device's 16x8 block, then the
+    # AllGather (reducing the gathered 64x8 value would send 4x the bytes).
+    net = _operator_chain(rng)
+    (x,) = tensors(rng, (64, 32))
+    sharded = fs.shard(net, in_strategy=(None,), mesh=8)
+    eqs = [eq for eq in sharded.partitioned(x).program.equations
+           if eq.prim.name in ("psum", "all_gather")]
+    assert [eq.prim.name for eq in eqs] == ["psum", "all_gather"]
+    assert tuple(eqs[0].inputs[0].aval.shape) == (64 // 4, 8)
+    np.testing.assert_allclose(_np(sharded(x)), _np(net(x)), rtol=1e-5,
+                               atol=1e-5 * np.abs(_np(net(x))).max())

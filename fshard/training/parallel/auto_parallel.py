@@ -694,6 +694,30 @@ class AutoParallel:
             out.append(s)
         return tree.unflatten(spec, out)
 
+    def _state_copies(self, state: TrainState) -> list:
+        """``(state leaf, parameter leaf)`` per optimizer-state leaf that copies a
+        parameter (Adam's moments, a momentum), as indices into the leaves of
+        ``(params, opt_state)``: left to the plan, a copy takes its parameter's layout."""
+        paths = tree.flatten_with_path(state.params)[0]
+        index = {tree.keystr(p): k for k, p in enumerate(paths)}
+        trainable = _without(state.params, self._frozen())
+        own = [index[tree.keystr(p)] for p in tree.flatten_with_path(trainable)[0]]
+        p_spec = tree.flatten(trainable)[1]
+        shapes = [tuple(typeof(x).shape) for x in tree.leaves(trainable)]
+
+        def is_copy(t) -> bool:
+            leaves, spec = tree.flatten(t)
+            return spec == p_spec and [tuple(typeof(x).shape) for x in leaves] == shapes
+
+        out, k = [], len(paths)
+        for item in tree.flatten(state.opt_state, is_leaf=is_copy)[0]:
+            if is_copy(item):
+                out += [(k + j, p) for j, p in enumerate(own)]
+                k += len(own)
+            else:
+                k += 1
+        return out
+
     def _state_bases(self, opt_state, params) -> list:
         """Per optimizer-state leaf, ``(base, given)``: the split counts of the
         parameter it copies (False if that parameter's strategy is an ``fs.Layout``
@@ -934,6 +958,7 @@ class AutoParallel:
         s.comm_fusion = self._options.fusion_bytes
         # The new state is the next step's state: its leaves keep their devices.
         s.carried = len(tree.leaves((state.params, state.opt_state, state.step)))
+        s.copies = self._state_copies(state)
         # In a job the split leaves of the new state stay each process's blocks
         # (fs.ShardedArray): the next step takes them as they are, so ZeRO's and model
         # parallelism's memory saving is real and no step gathers the state.

@@ -588,15 +588,23 @@ class AutoParallel:
     # -- strategies ----------------------------------------------------------------
     def _group(self, base: tuple) -> int:
         """The ZeRO group of a tensor split ``base`` ways: its data-parallel group, the
-        devices holding the same copy of it (``n_devices / prod(base)``), limited to
+        devices holding the same copy of it (``n / prod(base)``, ``n`` the devices
+        that hold it: all of them, or with a pipeline its stage's), limited to
         ``shard_size`` (the largest group dividing both)."""
         n = self.n_devices
+        stages = 1 if self._pipeline is None else self._pipeline.cfg.stages
+        n //= stages
         if self._options.hsdp is None:
             return 1
         size = self._options.hsdp.shard_size
         if size != -1 and n % size:
+            where = f"the {n} devices" if stages == 1 else (
+                f"the {n} devices of a pipeline stage ({self.n_devices} devices / "
+                f"{stages} stages)")
             raise ShardingError(
-                f"AutoParallel.hsdp(shard_size={size}) must divide the {n} devices.")
+                f"AutoParallel.hsdp(shard_size={size}) must divide {where}.\nFix: "
+                f"shard_size one of {[d for d in range(1, n + 1) if n % d == 0]}, or -1 "
+                "(each parameter's whole data-parallel group).")
         replicas = n // int(np.prod(base, dtype=np.int64)) if len(base) else n
         return replicas if size == -1 else math.gcd(size, replicas)
 
@@ -616,6 +624,28 @@ class AutoParallel:
         if g == 1 or a.shape[0] % (base[0] * g) or nbytes < hsdp.threshold_bytes:
             return None
         return (base[0] * g,) + base[1:]
+
+    def _pipeline_zero(self, state: TrainState):
+        """ZeRO's split counts for a pipelined step (each over its stage's devices, see
+        ``_group``), or None if ZeRO splits nothing: per parameter leaf its own
+        (level3) and its gradient's (level2), per optimizer-state leaf its own
+        (level1); None for a leaf kept whole."""
+        if self._options.hsdp is None:
+            return None
+        paths, leaves, _ = tree.flatten_with_path(state.params)
+        bases = [self._base(p, x) for p, x in zip(paths, leaves)]
+        params = [None if b is None else self._zero(x, "level3", b)
+                  for b, x in zip(bases, leaves)]
+        grads = [None if b is None else self._zero(x, "level2", b)
+                 for b, x in zip(bases, leaves)]
+        fixed = self._frozen()
+        trainable = _without(state.params, fixed)
+        bases = self._state_bases(state.opt_state, trainable)
+        opt = [None if base is False else self._zero(x, "level1", base)
+               for x, (base, _) in zip(tree.leaves(state.opt_state), bases, strict=True)]
+        if not any(c is not None for c in params + grads + opt):
+            return None
+        return params, grads, opt
 
     def _base(self, path, x):
         """A parameter's split counts without ZeRO: its given strategy, or whole; None
@@ -1086,8 +1116,16 @@ class AutoParallel:
         """Bytes per device of ``params``, ``grads`` and ``optimizer_state`` as the plan
         lays them out: parameters and optimizer state as the step receives them, each
         gradient as the step holds it once complete and reduced (whole up to ZeRO
-        level1, whose update slices it; split like the optimizer state from level2)."""
+        level1, whose update slices it; split like the optimizer state from level2).
+
+        With a pipeline: the state as the step's final program (the optimizer update)
+        lays it out, every device holding every stage's state (ZeRO splits each leaf
+        over its stage's devices), and ``"stages"``, one entry per stage: the bytes per
+        device of that stage's own parameters, their gradients and the optimizer
+        state that copies them."""
         self._check_state(state, ".memory_report(state, *batch)")
+        if self._pipeline is not None:
+            return self._pipeline.step_for(state, *batch).memory_report(state)
         part = self.partitioned(state, *batch)
         prop, mesh = part.prop, part.prop.mesh
         n_p = len(tree.leaves(state.params))

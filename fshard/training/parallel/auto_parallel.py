@@ -1278,6 +1278,17 @@ class AutoParallel:
         if state is None:
             return self._defer("operator", "save_operator_strategy_file", path, batch)
         self._check_state(state, ".save_operator_strategy_file(path, state, *batch)")
+        if self._pipeline is not None:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).save_operator_strategy_file({path!r}): with "
+                f"pipeline(stages={self._pipeline.cfg.stages}) the step is not one sharded "
+                "program whose operators have strategies: each stage runs its chunks' "
+                "programs in the schedule's order, data parallel over the stage's devices "
+                "(or fs.shard-ed by parameter_plan's strategies), and "
+                "load_operator_strategy_file could not give them back.\nFix: "
+                "save_param_strategy_file(path) records each parameter's strategy and "
+                "pipeline stage; or save the operator strategies of the same AutoParallel "
+                "without the pipeline (pipeline(stages=1)).")
         batch = self._plan_batch(batch)
         s, _ = self._sharded(state, batch)
         return s.save_strategies(path, state.params, state.opt_state, state.step, *batch)

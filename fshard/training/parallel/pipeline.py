@@ -1267,6 +1267,8 @@ class PipelineRunner:
                          ("a dataset_strategy(...) tuple",
                           ap._dataset not in ("data_parallel", "full_batch")),
                          ("has_aux=True", ap.has_aux),
+                         ("load_operator_strategy_file(...)",
+                          getattr(ap, "_operator_file", None) is not None),
                          ("set_inputs(...)", ap._batch_specs is not None)):
             if on:
                 raise ArgumentError(

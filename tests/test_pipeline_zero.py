@@ -1,0 +1,186 @@
+"""ZeRO (``hsdp``) inside pipeline stages on a virtual mesh of 8 devices = 2 stages x 4
+data-parallel: every level trains to the numbers of the unpipelined run without ZeRO,
+``memory_report`` gives each stage's state split over its 4 devices, and the
+combinations that stay refused say why and the fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fshard as fs
+from fshard.training.parallel import pipeline as pipeline_mod
+
+STEPS = 3
+N, S = 8, 2  # 2 stages of 4 devices
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(0, 0.1, (32, 64)).astype(np.float32),
+              "b1": np.zeros(64, np.float32),
+              "w2": rng.normal(0, 0.1, (64, 32)).astype(np.float32),
+              "b2": np.zeros(32, np.float32)}
+    batches = [(rng.normal(size=(32, 32)).astype(np.float32), rng.integers(0, 32, 32))
+               for _ in range(STEPS)]
+    return params, batches
+
+
+def _loss(p, x, y):
+    h = fs.ops.relu(x @ p["w1"] + p["b1"])
+    h = fs.pipeline_split(h)
+    return fs.ops.softmax_cross_entropy(h @ p["w2"] + p["b2"], y)
+
+
+def _train(ap, params, batches):
+    state = ap.init(params)
+    losses = []
+    for x, y in batches:
+        state, l = ap(state, x, y)
+        losses.append(float(l.asnumpy()))
+    return state, np.array(losses), {k: v.asnumpy() for k, v in state.params.items()}
+
+
+def _close(got, want):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(want))))
+
+
+def _optimizer():
+    # a global-norm clip couples every parameter of both stages: exact only if the
+    # sharded update sees the whole gradient (max_norm low enough to clip)
+    return fs.optim.chain(fs.optim.clip_by_global_norm(0.5), fs.optim.adam(1e-2))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    params, batches = _data()
+    ap = fs.AutoParallel(_loss, _optimizer(), mesh=N)
+    return _train(ap, params, batches)
+
+
+def _zero_ap(level, **hsdp):
+    ap = fs.AutoParallel(_loss, _optimizer(), mesh=N)
+    ap.hsdp(threshold=hsdp.pop("threshold", 0), optimizer_level=level, **hsdp)
+    return ap.pipeline(stages=S, micro_batches=4)
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_zero_inside_stages_trains_as_unpipelined(level, reference):
+    params, batches = _data()
+    state, losses, trained = _train(_zero_ap(level), params, batches)
+    _, ref_losses, ref_params = reference
+    _close(losses, ref_losses)
+    for k in ref_params:
+        _close(trained[k], ref_params[k])
+
+
+def test_zero_inside_stages_run_as_pieces(monkeypatch, reference):
+    """A step too large to compile whole runs its pieces, the sharded finish too."""
+    monkeypatch.setattr(pipeline_mod, "FUSE_LIMIT", 0)
+    params, batches = _data()
+    _, losses, trained = _train(_zero_ap("level2"), params, batches)
+    _close(losses, reference[1])
+    for k in trained:
+        _close(trained[k], reference[2][k])
+
+
+def _stage_bytes(params, frac_p, frac_g, frac_o):
+    """Per stage (w1, b1 in stage 0; w2, b2 in stage 1): bytes per device with each kind
+    divided by its fraction; Adam's two moments copy the parameters."""
+    out = []
+    for names in (("w1", "b1"), ("w2", "b2")):
+        b = sum(params[k].nbytes for k in names)
+        out.append({"params": b // frac_p, "grads": b // frac_g,
+                    "optimizer_state": 2 * b // frac_o})
+    return out
+
+
+@pytest.mark.parametrize("level, fracs", [(None, (1, 1, 1)), ("level1", (1, 1, 4)),
+                                          ("level2", (1, 4, 4)), ("level3", (4, 4, 4))])
+def test_memory_report_splits_each_stage_over_its_devices(level, fracs):
+    params, batches = _data()
+    if level is None:
+        ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N).pipeline(stages=S,
+                                                                          micro_batches=4)
+    else:
+        ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N).hsdp(
+            threshold=0, optimizer_level=level).pipeline(stages=S, micro_batches=4)
+    state = ap.init(params)
+    report = ap.memory_report(state, *batches[0])
+    assert report["stages"] == _stage_bytes(params, *fracs)
+    total = sum(x.nbytes for x in params.values())
+    assert report["params"] == total // fracs[0]
+    assert report["grads"] == total // fracs[1]
+    # (Adam's step count, an int32 scalar, is whole on every device)
+    assert report["optimizer_state"] == 2 * total // fracs[2] + 4
+
+
+def test_zero_threshold_and_shard_size_inside_stages():
+    params, batches = _data()
+    # threshold: w1 and w2 (8 KB) split, the biases (256 B and 128 B) stay whole
+    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N).hsdp(threshold=1)
+    ap.pipeline(stages=S, micro_batches=4)
+    report = ap.memory_report(ap.init(params), *batches[0])
+    assert report["stages"][0]["optimizer_state"] == 2 * (params["w1"].nbytes // 4
+                                                          + params["b1"].nbytes)
+    # shard_size=2: groups of 2 of a stage's 4 devices
+    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N).hsdp(shard_size=2, threshold=0)
+    ap.pipeline(stages=S, micro_batches=4)
+    report = ap.memory_report(ap.init(params), *batches[0])
+    assert report["stages"][1]["optimizer_state"] == 2 * (params["w2"].nbytes
+                                                          + params["b2"].nbytes) // 2
+    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N).hsdp(shard_size=3, threshold=0)
+    ap.pipeline(stages=S, micro_batches=4)
+    with pytest.raises(fs.ShardingError, match=r"shard_size=3\) must divide the 4 devices "
+                       r"of a pipeline stage \(8 devices / 2 stages\).*\nFix: shard_size "
+                       r"one of \[1, 2, 4\]"):
+        ap(ap.init(params), *batches[0])
+
+
+def test_zero_with_operator_parallel_stages(reference):
+    """parameter_plan splits w1 over 2 of a stage's 4 devices: ZeRO splits it over the
+    other 2 (its data-parallel group), and the numbers stay the unpipelined ones."""
+    params, batches = _data()
+    ap = fs.AutoParallel(_loss, _optimizer(), mesh=N).hsdp(threshold=0)
+    ap.parameter_plan({"w1": (1, 2)}).pipeline(stages=S, micro_batches=4)
+    _, losses, trained = _train(ap, params, batches)
+    _close(losses, reference[1])
+    for k in trained:
+        _close(trained[k], reference[2][k])
+    report = ap.memory_report(ap.init(params), *batches[0])
+    assert report["stages"][0]["optimizer_state"] == 2 * (params["w1"].nbytes // 4
+                                                          + params["b1"].nbytes // 4)
+
+
+def test_zero_inside_stages_in_a_job_is_refused_with_the_fix(monkeypatch):
+    params, batches = _data()
+    monkeypatch.setattr(pipeline_mod.PipelineRunner, "virtual", property(lambda self: False))
+    ap = _zero_ap("level1")
+    with pytest.raises(fs.ArgumentError, match=r"hsdp\(optimizer_level='level1'\) with "
+                       r"pipeline\(stages=2\) in a multi-process job.*\nFix: drop hsdp"):
+        ap._pipeline.step_for(ap.init(params), *batches[0])
+
+
+def test_operator_strategy_file_with_a_pipeline_says_why_and_the_fix(tmp_path):
+    params, batches = _data()
+    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N).pipeline(stages=S,
+                                                                      micro_batches=4)
+    state = ap.init(params)
+    msg = (r"save_operator_strategy_file\('.*op.json'\): with pipeline\(stages=2\) the "
+           r"step is not one sharded program.*\nFix: save_param_strategy_file\(path\)")
+    with pytest.raises(fs.ArgumentError, match=msg):
+        ap.save_operator_strategy_file(str(tmp_path / "op.json"), state, *batches[0])
+    ap.save_operator_strategy_file(str(tmp_path / "op.json"))  # MindSpore's form: at the step
+    with pytest.raises(fs.ArgumentError, match=msg):
+        ap(state, *batches[0])
+    assert not (tmp_path / "op.json").exists()
+
+
+def test_loading_an_operator_strategy_file_with_a_pipeline_is_refused(tmp_path):
+    params, batches = _data()
+    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N).pipeline(stages=S,
+                                                                      micro_batches=4)
+    ap.load_operator_strategy_file(str(tmp_path / "op.json"))
+    with pytest.raises(fs.ArgumentError, match=r"cannot be combined with "
+                       r"load_operator_strategy_file\(...\).*\nFix: drop one"):
+        ap(ap.init(params), *batches[0])

@@ -184,3 +184,13 @@ def test_loading_an_operator_strategy_file_with_a_pipeline_is_refused(tmp_path):
     with pytest.raises(fs.ArgumentError, match=r"cannot be combined with "
                        r"load_operator_strategy_file\(...\).*\nFix: drop one"):
         ap(ap.init(params), *batches[0])
+
+
+def test_param_strategy_file_has_zero_level3_splits(tmp_path):
+    params, batches = _data()
+    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N).hsdp(
+        threshold=0, optimizer_level="level3").pipeline(stages=S, micro_batches=4)
+    data = ap.save_param_strategy_file(str(tmp_path / "p.json"), ap.init(params),
+                                       *batches[0])
+    assert data["params"] == {"w1": [4, 1], "b1": [4], "w2": [4, 1], "b2": [4]}
+    assert data["stages"] == {"w1": 0, "b1": 0, "w2": 1, "b2": 1}

@@ -1326,9 +1326,11 @@ class PipelineRunner:
 
     def param_strategies(self, state, *batch) -> dict:
         """Per parameter name: its strategy inside its stage (``"params"``: the
-        ``parameter_plan`` strategy over the stage's devices, else whole) and its
-        pipeline stage (``"stages"``), for the parameter strategy file."""
+        ``parameter_plan`` strategy over the stage's devices, split further by ZeRO
+        level3, else whole) and its pipeline stage (``"stages"``), for the parameter
+        strategy file."""
         step = self.step_for(state, *batch)
+        zero = step.zero[0] if step.zero is not None else None
         plan, S = step.plan, step.S
         paths, leaves, _ = tree.flatten_with_path(state.params)
         stage_of = {i: c % S for c, owned in enumerate(plan.chunk_params) for i in owned}
@@ -1338,6 +1340,8 @@ class PipelineRunner:
             given = self.ap._param_strategy(p, x)
             counts = tuple(given) if isinstance(given, (tuple, list)) else (
                 tuple(given.to_strategy()) if isinstance(given, Layout) else None)
+            if zero is not None and zero[i] is not None:
+                counts = tuple(zero[i])
             params[name] = list(counts or (1,) * typeof(x).ndim)
             stages[name] = stage_of.get(i, 0)
         return {"params": params, "stages": stages}

@@ -194,3 +194,42 @@ def test_param_strategy_file_has_zero_level3_splits(tmp_path):
                                        *batches[0])
     assert data["params"] == {"w1": [4, 1], "b1": [4], "w2": [4, 1], "b2": [4]}
     assert data["stages"] == {"w1": 0, "b1": 0, "w2": 1, "b2": 1}
+
+
+def test_frozen_parameter_with_zero_inside_stages():
+    """A Cell's requires_grad=False parameter is kept, not trained, and has no optimizer
+    state (the optimizer state is over the trained parameters) with ZeRO in the stages."""
+    import mindspore as ms
+    from mindspore import nn
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.d1, self.d2 = nn.Dense(8, 8), nn.Dense(8, 8)
+            self.scale = ms.Parameter(ms.Tensor(np.arange(1, 9, dtype=np.float32)),
+                                      name="scale", requires_grad=False)
+
+        def construct(self, x, y):
+            h = fs.pipeline_split(self.d1(x) * self.scale)
+            return ((self.d2(h) - y) ** 2).mean()
+
+    rng = np.random.default_rng(1)
+    x, y = (rng.normal(size=(16, 8)).astype(np.float32) for _ in range(2))
+    net = Net()
+    piped = fs.AutoParallel(net, fs.optim.adam(0.1), mesh=4).hsdp(
+        threshold=0, optimizer_level="level3").pipeline(stages=2, micro_batches=2)
+    plain = fs.AutoParallel(net, fs.optim.adam(0.1), mesh=4)
+    s1, s2 = piped.init(), plain.init()
+    for _ in range(2):
+        s1, l1 = piped(s1, x, y)
+        s2, l2 = plain(s2, x, y)
+    _close(l1.asnumpy(), l2.asnumpy())
+    np.testing.assert_array_equal(s1.params["scale"].asnumpy(), np.arange(1, 9))
+    for k in s2.params:
+        _close(s1.params[k].asnumpy(), s2.params[k].asnumpy())
+    report = piped.memory_report(s1, x, y)
+    w = 8 * 8 * 4
+    # stage 0: d1 (weight, bias) and the frozen scale, each split over 2 devices; Adam's
+    # moments of d1 only
+    assert report["stages"][0] == {"params": (w + 32 + 32) // 2, "grads": (w + 32 + 32) // 2,
+                                   "optimizer_state": 2 * (w + 32) // 2}

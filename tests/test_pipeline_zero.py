@@ -161,19 +161,48 @@ def test_zero_inside_stages_in_a_job_is_refused_with_the_fix(monkeypatch):
         ap._pipeline.step_for(ap.init(params), *batches[0])
 
 
-def test_operator_strategy_file_with_a_pipeline_says_why_and_the_fix(tmp_path):
+def test_operator_strategy_file_with_data_parallel_stages_says_why_and_the_fix(tmp_path):
     params, batches = _data()
     ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N).pipeline(stages=S,
                                                                       micro_batches=4)
     state = ap.init(params)
-    msg = (r"save_operator_strategy_file\('.*op.json'\): with pipeline\(stages=2\) the "
-           r"step is not one sharded program.*\nFix: save_param_strategy_file\(path\)")
+    msg = (r"save_operator_strategy_file: with pipeline\(stages=2\) each stage's programs "
+           r"run data parallel.*no operator strategies.*\nFix: give parameter_plan")
     with pytest.raises(fs.ArgumentError, match=msg):
         ap.save_operator_strategy_file(str(tmp_path / "op.json"), state, *batches[0])
     ap.save_operator_strategy_file(str(tmp_path / "op.json"))  # MindSpore's form: at the step
     with pytest.raises(fs.ArgumentError, match=msg):
         ap(state, *batches[0])
     assert not (tmp_path / "op.json").exists()
+
+
+def test_operator_strategy_file_has_a_section_per_stage(tmp_path):
+    """Sharded stages (parameter_plan): each stage's chunks' forward and backward
+    strategies over its 4 devices; with ZeRO also the final program's over all 8."""
+    import json
+
+    params, batches = _data()
+    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N).hsdp(threshold=0)
+    ap.parameter_plan({"w1": (1, 4), "w2": (4, 1)}).pipeline(stages=S, micro_batches=4)
+    path = tmp_path / "op.json"
+    ap.save_operator_strategy_file(str(path))  # written at the first step
+    ap(ap.init(params), *batches[0])
+    data = json.loads(path.read_text())
+    assert data["format"] == "fshard-pipeline-operator-strategy" and data["devices"] == N
+    assert [(st["stage"], st["devices"], [c["chunk"] for c in st["chunks"]])
+            for st in data["stages"]] == [(0, 4, [0]), (1, 4, [1])]
+    for st, counts in ((0, [1, 4]), (1, [4, 1])):
+        fwd = data["stages"][st]["chunks"][0]["forward"]
+        # inputs: the stage's bias and weight (by name), its carry or batch rows
+        assert fwd["inputs"][1]["strategy"] == counts
+        assert any(e["primitive"] == "matmul" for e in fwd["equations"])
+        assert data["stages"][st]["chunks"][0]["backward"]["equations"]
+    # the finish (ZeRO level1): the parameters (b1, b2, w1, w2) whole; Adam's moments of
+    # the biases split 4 ways over a stage, of the weights whole (parameter_plan's 4-way
+    # split leaves them a data-parallel group of 1 device; the update runs whole)
+    strategies = [i["strategy"] for i in data["finish"]["inputs"]]
+    assert strategies[:4] == [[1], [1], [1, 1], [1, 1]]
+    assert strategies[5:9] == [[4], [4], [1, 1], [1, 1]]
 
 
 def test_loading_an_operator_strategy_file_with_a_pipeline_is_refused(tmp_path):

@@ -936,9 +936,10 @@ class AutoParallel:
         if self._pipeline is not None:
             raise ArgumentError(
                 f"AutoParallel({self.name}): with a pipeline the step is not one sharded "
-                "program, so partitioned(), memory_report(), state_strategies() and "
-                "save_operator_strategy_file() are not available.\nFix: inspect the "
-                "pipeline with pipeline_schedule(); call pipeline(stages=1) to turn it off.")
+                "program, so partitioned(), explain(), sharded() and state_strategies() "
+                "are not available.\nFix: inspect the pipeline with pipeline_schedule(), "
+                "memory_report(state, *batch) and save_operator_strategy_file(path, state, "
+                "*batch); call pipeline(stages=1) to turn it off.")
         check_context_mode(self.parallel_mode.value, f"AutoParallel({self.name})")
         # (the dataset strategy and the mesh may come from MindSpore's context)
         key = (tree.structure(state), tuple(
@@ -1274,21 +1275,17 @@ class AutoParallel:
                                     *batch) -> dict | "AutoParallel":
         """Write the strategy of every equation of the step (``fs.shard``'s strategy
         file) to ``path``; with ``path`` alone (MindSpore's form), when the step is
-        first compiled."""
+        first compiled. With a pipeline whose stages are sharded (``parameter_plan`` or
+        strategies in the loss): one section per stage, each chunk's forward and
+        backward programs' strategies (``"stages"``), and with ZeRO the final
+        program's (``"finish"``)."""
         if state is None:
             return self._defer("operator", "save_operator_strategy_file", path, batch)
         self._check_state(state, ".save_operator_strategy_file(path, state, *batch)")
         if self._pipeline is not None:
-            raise ArgumentError(
-                f"AutoParallel({self.name}).save_operator_strategy_file({path!r}): with "
-                f"pipeline(stages={self._pipeline.cfg.stages}) the step is not one sharded "
-                "program whose operators have strategies: each stage runs its chunks' "
-                "programs in the schedule's order, data parallel over the stage's devices "
-                "(or fs.shard-ed by parameter_plan's strategies), and "
-                "load_operator_strategy_file could not give them back.\nFix: "
-                "save_param_strategy_file(path) records each parameter's strategy and "
-                "pipeline stage; or save the operator strategies of the same AutoParallel "
-                "without the pipeline (pipeline(stages=1)).")
+            data = self._pipeline.step_for(state, *batch).operator_strategies(state)
+            write_json_atomic(path, data, "operator strategy file")
+            return data
         batch = self._plan_batch(batch)
         s, _ = self._sharded(state, batch)
         return s.save_strategies(path, state.params, state.opt_state, state.step, *batch)

@@ -480,7 +480,9 @@ class StageSharding(NamedTuple):
         s.process_groups = self.groups
         if self.fp32:
             s.passes = (reduce_in_float32,)
-        return jit(s)
+        fn = jit(s)
+        fn.sharded = s  # (its operator strategies: PipelinedStep.operator_strategies)
+        return fn
 
 
 def _is_split_marker(eq) -> bool:
@@ -1017,6 +1019,42 @@ class PipelinedStep:
         parts = [ArrayType((self.groups,) + tuple(typeof(x).shape), typeof(x).dtype)
                  for x in tree.leaves(state.params)]
         return (state.params, state.opt_state, state.step, parts, loss, loss)
+
+    def operator_strategies(self, state) -> dict:
+        """The operator strategies of the step's sharded programs: per stage, each of its
+        chunks' forward and backward (``fs.shard``'s strategies, over the stage's
+        devices), and, with ZeRO, the final program's (over all the devices). Refused
+        when the stages are data parallel (their programs have no strategies)."""
+        ap, plan = self.runner.ap, self.plan
+        if self.sharding is None:
+            raise ArgumentError(
+                f"AutoParallel({ap.name}).save_operator_strategy_file: with "
+                f"pipeline(stages={self.S}) each stage's programs run data parallel over "
+                "its devices (no parameter_plan and no operator strategy in the loss), so "
+                "they have no operator strategies to write.\nFix: give parameter_plan(...) "
+                "(or Primitive.shard strategies in the loss) for strategies inside the "
+                "stages, save_param_strategy_file(path) for each parameter's stage, or "
+                "save the operator strategies without the pipeline (pipeline(stages=1)).")
+        p_leaves = tree.leaves(state.params)
+        batch = [v.aval for v in plan.batch_vars]
+        loss = ArrayType((), plan.program.outputs[0].aval.dtype)
+        stages = [{"stage": s, "devices": self.dp, "chunks": []} for s in range(self.S)]
+        for c in range(plan.n_chunks):
+            last = c == plan.n_chunks - 1
+            pv = [typeof(p_leaves[i]) for i in plan.chunk_params[c]]
+            carry = plan.carry_avals(c - 1) if c else []
+            ct = [loss] if last else plan.carry_avals(c)
+            fwd = plan.forward_fn(c, self.sharding).sharded
+            bwd = plan.backward_fn(c, self.sharding).sharded
+            stages[c % self.S]["chunks"].append({
+                "chunk": c,
+                "forward": fwd.strategies(pv, carry, batch, *((loss,) if last else ())),
+                "backward": bwd.strategies(pv, carry, batch, ct, pv)})
+        out = {"format": "fshard-pipeline-operator-strategy", "devices": ap.n_devices,
+               "stages": stages}
+        if self.zero is not None:
+            out["finish"] = self.finish_sharded.strategies(*self.finish_args(state))
+        return out
 
     def memory_report(self, state) -> dict:
         """Bytes per device of the trained state as the finish lays it out: in total

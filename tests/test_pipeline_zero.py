@@ -262,3 +262,40 @@ def test_frozen_parameter_with_zero_inside_stages():
     # moments of d1 only
     assert report["stages"][0] == {"params": (w + 32 + 32) // 2, "grads": (w + 32 + 32) // 2,
                                    "optimizer_state": 2 * (w + 32) // 2}
+
+
+def test_device_local_norms_follow_the_blocks_inside_each_stage(tmp_path):
+    """At level2 each gradient's blocks are split over a stage's 4 devices, stage-major:
+    device r holds block r % 4, so devices 0 and 4 (index 0 of stages 0 and 1) report
+    the same norm, devices 0 and 1 different ones."""
+    import json
+
+    params, batches = _data()
+    ap = _zero_ap("level2").dump_local_norm(str(tmp_path)).enable_device_local_norm()
+    ap(ap.init(params), *batches[0])
+    (line,) = (tmp_path / "local_norm_rank0.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    norms = {k: np.asarray(v) for k, v in record["norms"].items()}
+    assert norms["w1"].shape == (4, 1)
+    for r in range(N):
+        want = np.sqrt(sum(float(v.reshape(-1)[r % 4]) ** 2 for v in norms.values()))
+        np.testing.assert_allclose(record["device_norms"][str(r)], want, rtol=1e-6)
+    assert record["device_norms"]["0"] != record["device_norms"]["1"]
+
+
+def test_device_local_norms_of_a_stage_plan_without_zero(tmp_path):
+    """parameter_plan's strategies describe a stage's 4 devices: w1 (1, 4) puts column
+    block r % 4 on device r (before, the blocks were placed as over all 8 devices)."""
+    import json
+
+    params, batches = _data()
+    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N)
+    ap.parameter_plan({"w1": (1, 4), "w2": (4, 1)}).pipeline(stages=S, micro_batches=4)
+    ap.dump_local_norm(str(tmp_path)).enable_device_local_norm()
+    ap(ap.init(params), *batches[0])
+    record = json.loads((tmp_path / "local_norm_rank0.jsonl").read_text())
+    norms = {k: np.asarray(v) for k, v in record["norms"].items()}
+    for r in range(N):
+        want = np.sqrt(sum(float(v.reshape(-1)[r % 4 if v.size == 4 else 0]) ** 2
+                           for v in norms.values()))
+        np.testing.assert_allclose(record["device_norms"][str(r)], want, rtol=1e-6)

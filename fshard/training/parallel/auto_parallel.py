@@ -861,8 +861,11 @@ class AutoParallel:
     def _device_norms(self, params, values: dict) -> list:
         """Per device (every device of a virtual mesh; this process's in a job), the
         L2 norm of all the gradient blocks it holds: each parameter's block of that
-        device under its split counts (MindSpore's device matrix for a strategy)."""
+        device under its split counts (MindSpore's device matrix for a strategy). With a
+        pipeline the counts describe a stage's ``n / S`` devices (stage-major ranks):
+        device ``r`` holds the block of its index ``r % (n / S)`` in its stage."""
         n = self.n_devices
+        group = n if self._pipeline is None else n // self._pipeline.cfg.stages
         counts = {_name(p): self._norm_counts(p, x)
                   for p, x in zip(*tree.flatten_with_path(params)[:2])}
         ranks = [distributed.rank()] if self._in_job() else range(n)
@@ -871,7 +874,7 @@ class AutoParallel:
             total = 0.0
             for k, v in values.items():
                 a = np.asarray(v, np.float64)
-                block = strategy_block(counts[k], r, n) if a.ndim else ()
+                block = strategy_block(counts[k], r % group, group) if a.ndim else ()
                 total += float(a[block]) ** 2
             out.append(math.sqrt(total))
         return out

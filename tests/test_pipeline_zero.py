@@ -299,3 +299,33 @@ def test_device_local_norms_of_a_stage_plan_without_zero(tmp_path):
         want = np.sqrt(sum(float(v.reshape(-1)[r % 4 if v.size == 4 else 0]) ** 2
                            for v in norms.values()))
         np.testing.assert_allclose(record["device_norms"][str(r)], want, rtol=1e-6)
+
+
+@pytest.mark.full  # ~15 s: 4 chunks compiled for two runs
+def test_zero_with_interleaved_chunks():
+    """Interleaved GPipe, 4 chunks on 2 stages (chunks 0, 2 on stage 0): each stage's
+    two weights split over its 4 devices at level2, the numbers the unpipelined ones."""
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": rng.normal(0, 0.2, (16, 16)).astype(np.float32) for i in range(4)}
+    batches = [tuple(rng.normal(size=(32, 16)).astype(np.float32) for _ in range(2))
+               for _ in range(STEPS)]
+
+    def loss(p, x, y):
+        h = x
+        for i in range(4):
+            h = fs.ops.tanh(h @ p[f"w{i}"])
+            h = fs.pipeline_split(h) if i < 3 else h
+        return ((h - y) ** 2).mean()
+
+    _, ref_losses, ref = _train(fs.AutoParallel(loss, fs.optim.adam(1e-2), mesh=N), params,
+                                batches)
+    ap = fs.AutoParallel(loss, fs.optim.adam(1e-2), mesh=N).hsdp(
+        threshold=0, optimizer_level="level2").pipeline(
+        stages=S, micro_batches=4, interleave=True, scheduler="gpipe")
+    state, losses, trained = _train(ap, params, batches)
+    _close(losses, ref_losses)
+    for k in ref:
+        _close(trained[k], ref[k])
+    w = 16 * 16 * 4
+    assert ap.memory_report(state, *batches[0])["stages"] == [
+        {"params": 2 * w, "grads": 2 * w // 4, "optimizer_state": 2 * 2 * w // 4}] * 2

@@ -64,7 +64,8 @@ def _zero_ap(level, **hsdp):
     return ap.pipeline(stages=S, micro_batches=4)
 
 
-@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+@pytest.mark.parametrize("level", [pytest.param("level1", marks=pytest.mark.full), "level2",
+                                   pytest.param("level3", marks=pytest.mark.full)])
 def test_zero_inside_stages_trains_as_unpipelined(level, reference):
     params, batches = _data()
     state, losses, trained = _train(_zero_ap(level), params, batches)
@@ -74,6 +75,7 @@ def test_zero_inside_stages_trains_as_unpipelined(level, reference):
         _close(trained[k], ref_params[k])
 
 
+@pytest.mark.full  # ~10-20 s: a configuration of its own compiled
 def test_zero_inside_stages_run_as_pieces(monkeypatch, reference):
     """A step too large to compile whole runs its pieces, the sharded finish too."""
     monkeypatch.setattr(pipeline_mod, "FUSE_LIMIT", 0)
@@ -137,6 +139,7 @@ def test_zero_threshold_and_shard_size_inside_stages():
         ap(ap.init(params), *batches[0])
 
 
+@pytest.mark.full  # ~10-20 s: a configuration of its own compiled
 def test_zero_with_operator_parallel_stages(reference):
     """parameter_plan splits w1 over 2 of a stage's 4 devices: ZeRO splits it over the
     other 2 (its data-parallel group), and the numbers stay the unpipelined ones."""
@@ -178,31 +181,31 @@ def test_operator_strategy_file_with_data_parallel_stages_says_why_and_the_fix(t
 
 def test_operator_strategy_file_has_a_section_per_stage(tmp_path):
     """Sharded stages (parameter_plan): each stage's chunks' forward and backward
-    strategies over its 4 devices; with ZeRO also the final program's over all 8."""
+    strategies over its 2 devices; with ZeRO also the final program's over all 4."""
     import json
 
     params, batches = _data()
-    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=N).hsdp(threshold=0)
-    ap.parameter_plan({"w1": (1, 4), "w2": (4, 1)}).pipeline(stages=S, micro_batches=4)
+    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-2), mesh=4).hsdp(threshold=0)
+    ap.parameter_plan({"w1": (1, 2), "w2": (2, 1)}).pipeline(stages=S, micro_batches=2)
     path = tmp_path / "op.json"
     ap.save_operator_strategy_file(str(path))  # written at the first step
     ap(ap.init(params), *batches[0])
     data = json.loads(path.read_text())
-    assert data["format"] == "fshard-pipeline-operator-strategy" and data["devices"] == N
+    assert data["format"] == "fshard-pipeline-operator-strategy" and data["devices"] == 4
     assert [(st["stage"], st["devices"], [c["chunk"] for c in st["chunks"]])
-            for st in data["stages"]] == [(0, 4, [0]), (1, 4, [1])]
-    for st, counts in ((0, [1, 4]), (1, [4, 1])):
+            for st in data["stages"]] == [(0, 2, [0]), (1, 2, [1])]
+    for st, counts in ((0, [1, 2]), (1, [2, 1])):
         fwd = data["stages"][st]["chunks"][0]["forward"]
         # inputs: the stage's bias and weight (by name), its carry or batch rows
         assert fwd["inputs"][1]["strategy"] == counts
         assert any(e["primitive"] == "matmul" for e in fwd["equations"])
         assert data["stages"][st]["chunks"][0]["backward"]["equations"]
     # the finish (ZeRO level1): the parameters (b1, b2, w1, w2) whole; Adam's moments of
-    # the biases split 4 ways over a stage, of the weights whole (parameter_plan's 4-way
+    # the biases split 2 ways over a stage, of the weights whole (parameter_plan's 2-way
     # split leaves them a data-parallel group of 1 device; the update runs whole)
     strategies = [i["strategy"] for i in data["finish"]["inputs"]]
     assert strategies[:4] == [[1], [1], [1, 1], [1, 1]]
-    assert strategies[5:9] == [[4], [4], [1, 1], [1, 1]]
+    assert strategies[5:9] == [[2], [2], [1, 1], [1, 1]]
 
 
 def test_loading_an_operator_strategy_file_with_a_pipeline_is_refused(tmp_path):
@@ -225,6 +228,7 @@ def test_param_strategy_file_has_zero_level3_splits(tmp_path):
     assert data["stages"] == {"w1": 0, "b1": 0, "w2": 1, "b2": 1}
 
 
+@pytest.mark.full  # ~10-20 s: a configuration of its own compiled
 def test_frozen_parameter_with_zero_inside_stages():
     """A Cell's requires_grad=False parameter is kept, not trained, and has no optimizer
     state (the optimizer state is over the trained parameters) with ZeRO in the stages."""
@@ -265,24 +269,27 @@ def test_frozen_parameter_with_zero_inside_stages():
 
 
 def test_device_local_norms_follow_the_blocks_inside_each_stage(tmp_path):
-    """At level2 each gradient's blocks are split over a stage's 4 devices, stage-major:
-    device r holds block r % 4, so devices 0 and 4 (index 0 of stages 0 and 1) report
-    the same norm, devices 0 and 1 different ones."""
+    """At level2 each gradient's blocks are split over a stage's devices (2 x 2 here),
+    stage-major: device r holds block r % 2, so devices 0 and 2 (index 0 of stages 0
+    and 1) report the same norm, devices 0 and 1 different ones."""
     import json
 
     params, batches = _data()
-    ap = _zero_ap("level2").dump_local_norm(str(tmp_path)).enable_device_local_norm()
+    ap = fs.AutoParallel(_loss, fs.optim.sgd(1e-2), mesh=4).hsdp(
+        threshold=0, optimizer_level="level2").pipeline(stages=S, micro_batches=2)
+    ap.dump_local_norm(str(tmp_path)).enable_device_local_norm()
     ap(ap.init(params), *batches[0])
     (line,) = (tmp_path / "local_norm_rank0.jsonl").read_text().splitlines()
     record = json.loads(line)
     norms = {k: np.asarray(v) for k, v in record["norms"].items()}
-    assert norms["w1"].shape == (4, 1)
-    for r in range(N):
-        want = np.sqrt(sum(float(v.reshape(-1)[r % 4]) ** 2 for v in norms.values()))
+    assert norms["w1"].shape == (2, 1)
+    for r in range(4):
+        want = np.sqrt(sum(float(v.reshape(-1)[r % 2]) ** 2 for v in norms.values()))
         np.testing.assert_allclose(record["device_norms"][str(r)], want, rtol=1e-6)
     assert record["device_norms"]["0"] != record["device_norms"]["1"]
 
 
+@pytest.mark.full  # ~10-20 s: a configuration of its own compiled
 def test_device_local_norms_of_a_stage_plan_without_zero(tmp_path):
     """parameter_plan's strategies describe a stage's 4 devices: w1 (1, 4) puts column
     block r % 4 on device r (before, the blocks were placed as over all 8 devices)."""

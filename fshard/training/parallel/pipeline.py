@@ -943,11 +943,14 @@ class PipelinedStep:
             for c, sums in d.sums.items():
                 for i, g in zip(plan.chunk_params[c], sums):
                     parts[i].append(reshape(g, (1,) + tuple(typeof(g).shape)))
-            if d.loss is not None:
-                loss = d.loss if loss is None else loss + d.loss
+            if d.loss is not None:  # (float16 summed in float32 with fp32 reductions)
+                mine = _widen(d.loss) if self.fp32 else d.loss
+                loss = mine if loss is None else loss + mine
         parts = [p[0] if len(p) == 1 else concat(p, 0) for p in parts]
         if loss is None:
             loss = np.zeros((), loss_dtype)
+        elif self.fp32:
+            loss = cast(loss, loss_dtype)
         scale = np.asarray(self.loss_scale, loss_dtype)
         new_p, new_o, step, out, *norms = self.finish(
             state.params, state.opt_state, state.step, parts, loss, scale)

@@ -302,7 +302,7 @@ def test_param_strategy_file_round_trip(tmp_path):
     (lambda ap: ap.comm_fusion({"allreduce": {"mode": "index", "config": [2]}}), "'auto' or"),
     (lambda ap: ap.comm_fusion({"allgather": {"mode": "auto"}}), "allgather"),
     (lambda ap: ap.comm_fusion({"reducescatter": {"mode": "auto", "config": None}}),
-     "reducescatter is not supported"),
+     r"reducescatter is not supported(.|\n)*\nFix: remove the 'reducescatter' key"),
     (lambda ap: ap.comm_fusion({"allgather": {"mode": "index", "config": [2]}}),
      "allgather mode must be 'auto' or 'size'"),
     (lambda ap: ap.comm_fusion(3), "must be a dict"),

@@ -397,11 +397,11 @@ def test_integer_value_crossing_a_boundary_is_an_error():
 def test_pipeline_does_not_combine_with_other_plans():
     p, x, y = _data()
     ap = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=2).pipeline(stages=2, micro_batches=2)
-    ap.hsdp()
-    with pytest.raises(fs.ArgumentError, match=r"cannot be combined with hsdp"):
+    ap.comm_fusion({"allreduce": {"mode": "size", "config": 2}})
+    with pytest.raises(fs.ArgumentError, match=r"cannot be combined with comm_fusion"):
         ap(ap.init(p), x, y)
     with pytest.raises(fs.ArgumentError, match="not one sharded program"):
-        ap.memory_report(ap.init(p), x, y)
+        ap.state_strategies(ap.init(p), x, y)
     with pytest.raises(fs.ArgumentError, match="no pipeline is configured"):
         fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=2).pipeline_schedule()
     inter = fs.AutoParallel(_loss, fs.optim.sgd(0.1), mesh=2).pipeline(

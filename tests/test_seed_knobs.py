@@ -125,7 +125,9 @@ def test_files_set_by_path_alone_with_a_pipeline(tmp_path):
     assert json.loads((tmp_path / "g.ckpt").read_text())["groups"] == {"pp": [0, 1]}
     ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=2).pipeline(stages=2)
     ap.save_operator_strategy_file(str(tmp_path / "op.json"))
-    with pytest.raises(fs.ArgumentError, match="save_operator_strategy_file.*not available"):
+    with pytest.raises(fs.ArgumentError, match=r"save_operator_strategy_file: with "
+                       r"pipeline\(stages=2\) each stage's programs run data parallel"
+                       r"(.|\n)*no operator strategies(.|\n)*Fix: give parameter_plan"):
         ap(ap.init(params), x, y)
 
 

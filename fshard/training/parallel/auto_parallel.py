@@ -588,15 +588,23 @@ class AutoParallel:
     # -- strategies ----------------------------------------------------------------
     def _group(self, base: tuple) -> int:
         """The ZeRO group of a tensor split ``base`` ways: its data-parallel group, the
-        devices holding the same copy of it (``n_devices / prod(base)``), limited to
+        devices holding the same copy of it (``n / prod(base)``, ``n`` the devices
+        that hold it: all of them, or with a pipeline its stage's), limited to
         ``shard_size`` (the largest group dividing both)."""
         n = self.n_devices
+        stages = 1 if self._pipeline is None else self._pipeline.cfg.stages
+        n //= stages
         if self._options.hsdp is None:
             return 1
         size = self._options.hsdp.shard_size
         if size != -1 and n % size:
+            where = f"the {n} devices" if stages == 1 else (
+                f"the {n} devices of a pipeline stage ({self.n_devices} devices / "
+                f"{stages} stages)")
             raise ShardingError(
-                f"AutoParallel.hsdp(shard_size={size}) must divide the {n} devices.")
+                f"AutoParallel.hsdp(shard_size={size}) must divide {where}.\nFix: "
+                f"shard_size one of {[d for d in range(1, n + 1) if n % d == 0]}, or -1 "
+                "(each parameter's whole data-parallel group).")
         replicas = n // int(np.prod(base, dtype=np.int64)) if len(base) else n
         return replicas if size == -1 else math.gcd(size, replicas)
 
@@ -616,6 +624,28 @@ class AutoParallel:
         if g == 1 or a.shape[0] % (base[0] * g) or nbytes < hsdp.threshold_bytes:
             return None
         return (base[0] * g,) + base[1:]
+
+    def _pipeline_zero(self, state: TrainState):
+        """ZeRO's split counts for a pipelined step (each over its stage's devices, see
+        ``_group``), or None if ZeRO splits nothing: per parameter leaf its own
+        (level3) and its gradient's (level2), per optimizer-state leaf its own
+        (level1); None for a leaf kept whole."""
+        if self._options.hsdp is None:
+            return None
+        paths, leaves, _ = tree.flatten_with_path(state.params)
+        bases = [self._base(p, x) for p, x in zip(paths, leaves)]
+        params = [None if b is None else self._zero(x, "level3", b)
+                  for b, x in zip(bases, leaves)]
+        grads = [None if b is None else self._zero(x, "level2", b)
+                 for b, x in zip(bases, leaves)]
+        fixed = self._frozen()
+        trainable = _without(state.params, fixed)
+        bases = self._state_bases(state.opt_state, trainable)
+        opt = [None if base is False else self._zero(x, "level1", base)
+               for x, (base, _) in zip(tree.leaves(state.opt_state), bases, strict=True)]
+        if not any(c is not None for c in params + grads + opt):
+            return None
+        return params, grads, opt
 
     def _base(self, path, x):
         """A parameter's split counts without ZeRO: its given strategy, or whole; None
@@ -855,8 +885,11 @@ class AutoParallel:
     def _device_norms(self, params, values: dict) -> list:
         """Per device (every device of a virtual mesh; this process's in a job), the
         L2 norm of all the gradient blocks it holds: each parameter's block of that
-        device under its split counts (MindSpore's device matrix for a strategy)."""
+        device under its split counts (MindSpore's device matrix for a strategy). With a
+        pipeline the counts describe a stage's ``n / S`` devices (stage-major ranks):
+        device ``r`` holds the block of its index ``r % (n / S)`` in its stage."""
         n = self.n_devices
+        group = n if self._pipeline is None else n // self._pipeline.cfg.stages
         counts = {_name(p): self._norm_counts(p, x)
                   for p, x in zip(*tree.flatten_with_path(params)[:2])}
         ranks = [distributed.rank()] if self._in_job() else range(n)
@@ -865,7 +898,7 @@ class AutoParallel:
             total = 0.0
             for k, v in values.items():
                 a = np.asarray(v, np.float64)
-                block = strategy_block(counts[k], r, n) if a.ndim else ()
+                block = strategy_block(counts[k], r % group, group) if a.ndim else ()
                 total += float(a[block]) ** 2
             out.append(math.sqrt(total))
         return out
@@ -930,9 +963,10 @@ class AutoParallel:
         if self._pipeline is not None:
             raise ArgumentError(
                 f"AutoParallel({self.name}): with a pipeline the step is not one sharded "
-                "program, so partitioned(), memory_report(), state_strategies() and "
-                "save_operator_strategy_file() are not available.\nFix: inspect the "
-                "pipeline with pipeline_schedule(); call pipeline(stages=1) to turn it off.")
+                "program, so partitioned(), explain(), sharded() and state_strategies() "
+                "are not available.\nFix: inspect the pipeline with pipeline_schedule(), "
+                "memory_report(state, *batch) and save_operator_strategy_file(path, state, "
+                "*batch); call pipeline(stages=1) to turn it off.")
         check_context_mode(self.parallel_mode.value, f"AutoParallel({self.name})")
         # (the dataset strategy and the mesh may come from MindSpore's context)
         key = (tree.structure(state), tuple(
@@ -1111,8 +1145,16 @@ class AutoParallel:
         """Bytes per device of ``params``, ``grads`` and ``optimizer_state`` as the plan
         lays them out: parameters and optimizer state as the step receives them, each
         gradient as the step holds it once complete and reduced (whole up to ZeRO
-        level1, whose update slices it; split like the optimizer state from level2)."""
+        level1, whose update slices it; split like the optimizer state from level2).
+
+        With a pipeline: the state as the step's final program (the optimizer update)
+        lays it out, every device holding every stage's state (ZeRO splits each leaf
+        over its stage's devices), and ``"stages"``, one entry per stage: the bytes per
+        device of that stage's own parameters, their gradients and the optimizer
+        state that copies them."""
         self._check_state(state, ".memory_report(state, *batch)")
+        if self._pipeline is not None:
+            return self._pipeline.step_for(state, *batch).memory_report(state)
         part = self.partitioned(state, *batch)
         prop, mesh = part.prop, part.prop.mesh
         n_p = len(tree.leaves(state.params))
@@ -1261,10 +1303,17 @@ class AutoParallel:
                                     *batch) -> dict | "AutoParallel":
         """Write the strategy of every equation of the step (``fs.shard``'s strategy
         file) to ``path``; with ``path`` alone (MindSpore's form), when the step is
-        first compiled."""
+        first compiled. With a pipeline whose stages are sharded (``parameter_plan`` or
+        strategies in the loss): one section per stage, each chunk's forward and
+        backward programs' strategies (``"stages"``), and with ZeRO the final
+        program's (``"finish"``)."""
         if state is None:
             return self._defer("operator", "save_operator_strategy_file", path, batch)
         self._check_state(state, ".save_operator_strategy_file(path, state, *batch)")
+        if self._pipeline is not None:
+            data = self._pipeline.step_for(state, *batch).operator_strategies(state)
+            write_json_atomic(path, data, "operator strategy file")
+            return data
         batch = self._plan_batch(batch)
         s, _ = self._sharded(state, batch)
         return s.save_strategies(path, state.params, state.opt_state, state.step, *batch)

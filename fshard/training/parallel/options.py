@@ -233,7 +233,9 @@ def parse_comm_fusion(config) -> tuple[float | None, float | None]:
         raise ArgumentError(
             f"{where}: fusing reducescatter is not supported by fshard (on the CPU "
             "backend a reduce-scatter is an AllReduce and a slice, which the "
-            "'allreduce' buckets fuse); remove that key.")
+            "'allreduce' buckets fuse).\nFix: remove the 'reducescatter' key; "
+            "{'allreduce': {'mode': 'size', 'config': MB}} buckets the AllReduces they "
+            "are on CPU.")
     openstate = config.get("openstate", True)
     if not isinstance(openstate, bool):
         raise ArgumentError(

@@ -64,6 +64,9 @@ from fshard.core.ir import Program, Var
 from fshard.meshes.layout import Layout
 from fshard.meshes.mesh import Mesh, resolve_mesh
 from fshard.training.optim import apply_updates
+from fshard.sharding.cost import local_bytes
+from fshard.sharding.layouts import Sharding
+from fshard.sharding.user_layouts import with_sharding_constraint
 from fshard.primitives.passes import reduce_in_float32
 from fshard.training.parallel.options import ParallelMode
 from fshard.training.parallel.schedule import Event, Schedule, check_config
@@ -477,7 +480,9 @@ class StageSharding(NamedTuple):
         s.process_groups = self.groups
         if self.fp32:
             s.passes = (reduce_in_float32,)
-        return jit(s)
+        fn = jit(s)
+        fn.sharded = s  # (its operator strategies: PipelinedStep.operator_strategies)
+        return fn
 
 
 def _is_split_marker(eq) -> bool:
@@ -680,7 +685,8 @@ class PipelinedStep:
     chunk programs, then one compiled ``finish`` (reduce, optimizer update)."""
 
     def __init__(self, runner, plan: Stages, schedule: Schedule, rank: int | None,
-                 sharding: StageSharding | None = None, combine: str = "mean"):
+                 sharding: StageSharding | None = None, combine: str = "mean",
+                 zero=None, state=None):
         self.runner, self.plan, self.schedule = runner, plan, schedule
         cfg = runner.cfg
         self.S, self.M = cfg.stages, cfg.micro_batches
@@ -709,7 +715,12 @@ class PipelinedStep:
         self._transfers: dict = {}
         self._gather = None  # the batch from the processes' slices (sharded stages)
         self._whole = None
-        self.finish = self._make_finish()
+        #: ZeRO inside the stages (``AutoParallel._pipeline_zero``'s split counts), or
+        #: None: the finishing program is then sharded over the devices, each state
+        #: leaf split over its stage's devices (``_make_zero_finish``).
+        self.zero = zero
+        self._grad_vars: list = []
+        self.finish = self._make_finish() if zero is None else self._make_zero_finish(state)
         #: With ``profile = True`` (pieces only) each computation is waited for and
         #: timed; ``stats`` then holds, per device of this process, the busy seconds
         #: and the peak number and bytes of kept stage inputs of the last step.
@@ -896,6 +907,8 @@ class PipelinedStep:
         grads: list = [None] * n_p
         loss = None
         wide = _widen if self.fp32 else (lambda x: x)
+        if self.zero is not None:
+            return self._finish_zero(devices, state, p_leaves, loss_dtype)
         for d in devices:  # (a virtual mesh: the data-parallel replicas summed here)
             for c, sums in d.sums.items():
                 for i, g in zip(plan.chunk_params[c], sums):
@@ -917,6 +930,174 @@ class PipelinedStep:
             state.params, state.opt_state, state.step, tree.unflatten(p_tree, grads), loss,
             scale)
         return (self.runner.state_cls(new_p, new_o, step), out, *norms)
+
+    def _finish_zero(self, devices, state, p_leaves, loss_dtype):
+        """The finish with ZeRO (a virtual mesh): each parameter's gradient goes in as
+        its stage's replicas' sums stacked, ``(replicas, *shape)``, each replica's on its
+        own device, so the sharded finish reduces them over the stage's devices as
+        ZeRO's level says (an AllReduce, or a reduce-scatter to the state's blocks)."""
+        plan = self.plan
+        parts: list = [[] for _ in p_leaves]
+        loss = None
+        for d in devices:  # stage-major, replica j ascending
+            for c, sums in d.sums.items():
+                for i, g in zip(plan.chunk_params[c], sums):
+                    parts[i].append(reshape(g, (1,) + tuple(typeof(g).shape)))
+            if d.loss is not None:  # (float16 summed in float32 with fp32 reductions)
+                mine = _widen(d.loss) if self.fp32 else d.loss
+                loss = mine if loss is None else loss + mine
+        parts = [p[0] if len(p) == 1 else concat(p, 0) for p in parts]
+        if loss is None:
+            loss = np.zeros((), loss_dtype)
+        elif self.fp32:
+            loss = cast(loss, loss_dtype)
+        scale = np.asarray(self.loss_scale, loss_dtype)
+        new_p, new_o, step, out, *norms = self.finish(
+            state.params, state.opt_state, state.step, parts, loss, scale)
+        return (self.runner.state_cls(new_p, new_o, step), out, *norms)
+
+    def _zero_views(self, state):
+        """The finish's layouts: per parameter, optimizer-state and gradient leaf, a
+        layout over the ``(pp, dp)`` devices splitting it over its stage's devices as
+        ZeRO's counts say (whole where they are None), and per stacked gradient the
+        split of its replicas over the stage's devices."""
+        S, dp, groups = self.S, self.dp, self.groups
+        p_counts, g_counts, o_counts = self.zero
+        p_leaves, p_tree = tree.flatten(state.params)
+        o_leaves, o_tree = tree.flatten(state.opt_state)
+
+        def views(counts, leaves):
+            return [_stage_view(c if c is not None else (1,) * typeof(x).ndim, S, dp)
+                    for c, x in zip(counts, leaves)]
+
+        stacked = [_stage_view((groups,) + (1,) * typeof(x).ndim, S, dp) for x in p_leaves]
+        return (tree.unflatten(p_tree, views(p_counts, p_leaves)),
+                tree.unflatten(o_tree, views(o_counts, o_leaves)),
+                views(g_counts, p_leaves), stacked)
+
+    def _make_zero_finish(self, state):
+        """The finish as one program sharded over the ``S * dp`` devices (a virtual
+        mesh): the parameters (level3), their gradients (level2) and the optimizer
+        state (level1) split over each stage's devices, the optimizer traced whole (so
+        an optimizer that couples the parameters, a global-norm clip, stays exact: the
+        plan adds the collectives)."""
+        ap, plan = self.runner.ap, self.plan
+        p_views, o_views, g_views, stacked = self._zero_views(state)
+        opt_update = ap.step_optimizer().update
+        norms = ap._local_norms if ap.options.local_norm else None
+        g_tree = tree.structure(state.params)
+        grad_vars = self._grad_vars
+
+        def finish(params, opt_state, step, parts, loss_sum, scale):
+            # each gradient: its replicas' sum, laid out as ZeRO's level says (whole at
+            # level1: an AllReduce, the update slicing it; split from level2: each
+            # device reduces only its block)
+            g_leaves = [with_sharding_constraint(p.sum(axis=0), v)
+                        for p, v in zip(parts, g_views)]
+            grad_vars[:] = [getattr(g, "ir_var", None) for g in g_leaves]
+            grads = tree.unflatten(g_tree, g_leaves)
+            updates, new_opt = opt_update(grads, opt_state, params)
+            out = (apply_updates(params, updates), new_opt, step + 1, loss_sum * scale)
+            if norms is None:
+                return out
+            fixed = ap._frozen()
+            trainable = {k: v for k, v in params.items() if k not in fixed} if fixed else params
+            return out + (norms(trainable, {k: grads[k] for k in trainable} if fixed
+                                else grads),)
+
+        finish.__name__ = f"pipeline_finish_{plan.name}"
+        s = shard(finish, in_strategy=(p_views, o_views, (), stacked, (), ()),
+                  out_strategy=(p_views, o_views, (), ()) + ((None,) if norms else ()),
+                  mesh=Mesh((self.S, self.dp), ("pp", "dp"), virtual=True), level=2,
+                  search=False, dataset_strategy="full_batch")
+        s.search = "follow_inputs"  # (the layouts are given: no search)
+        if self.fp32:
+            s.passes = (reduce_in_float32,)
+        self.finish_sharded = s
+        return jit(s)
+
+    def finish_args(self, state) -> tuple:
+        """The finish's arguments as types (for its per-device program)."""
+        loss = ArrayType((), self.plan.program.outputs[0].aval.dtype)
+        parts = [ArrayType((self.groups,) + tuple(typeof(x).shape), typeof(x).dtype)
+                 for x in tree.leaves(state.params)]
+        return (state.params, state.opt_state, state.step, parts, loss, loss)
+
+    def operator_strategies(self, state) -> dict:
+        """The operator strategies of the step's sharded programs: per stage, each of its
+        chunks' forward and backward (``fs.shard``'s strategies, over the stage's
+        devices), and, with ZeRO, the final program's (over all the devices). Refused
+        when the stages are data parallel (their programs have no strategies)."""
+        ap, plan = self.runner.ap, self.plan
+        if self.sharding is None:
+            raise ArgumentError(
+                f"AutoParallel({ap.name}).save_operator_strategy_file: with "
+                f"pipeline(stages={self.S}) each stage's programs run data parallel over "
+                "its devices (no parameter_plan and no operator strategy in the loss), so "
+                "they have no operator strategies to write.\nFix: give parameter_plan(...) "
+                "(or Primitive.shard strategies in the loss) for strategies inside the "
+                "stages, save_param_strategy_file(path) for each parameter's stage, or "
+                "save the operator strategies without the pipeline (pipeline(stages=1)).")
+        p_leaves = tree.leaves(state.params)
+        batch = [v.aval for v in plan.batch_vars]
+        loss = ArrayType((), plan.program.outputs[0].aval.dtype)
+        stages = [{"stage": s, "devices": self.dp, "chunks": []} for s in range(self.S)]
+        for c in range(plan.n_chunks):
+            last = c == plan.n_chunks - 1
+            pv = [typeof(p_leaves[i]) for i in plan.chunk_params[c]]
+            carry = plan.carry_avals(c - 1) if c else []
+            ct = [loss] if last else plan.carry_avals(c)
+            fwd = plan.forward_fn(c, self.sharding).sharded
+            bwd = plan.backward_fn(c, self.sharding).sharded
+            stages[c % self.S]["chunks"].append({
+                "chunk": c,
+                "forward": fwd.strategies(pv, carry, batch, *((loss,) if last else ())),
+                "backward": bwd.strategies(pv, carry, batch, ct, pv)})
+        out = {"format": "fshard-pipeline-operator-strategy", "devices": ap.n_devices,
+               "stages": stages}
+        if self.zero is not None:
+            out["finish"] = self.finish_sharded.strategies(*self.finish_args(state))
+        return out
+
+    def memory_report(self, state) -> dict:
+        """Bytes per device of the trained state as the finish lays it out: in total
+        (every device keeps every stage's state, the way the optimizer runs) and, in
+        ``"stages"``, of each stage's own parameters (and the optimizer-state leaves
+        that copy them). Without ZeRO every leaf is whole."""
+        p_leaves = tree.leaves(state.params)
+        o_leaves = tree.leaves(state.opt_state)
+        stage_of = {i: c % self.S for c, owned in enumerate(self.plan.chunk_params)
+                    for i in owned}
+
+        def nbytes(x):
+            a = typeof(x)
+            return int(a.size * np.dtype(dtypes.to_numpy(a.dtype)).itemsize)
+
+        if self.zero is None:
+            p_b = [nbytes(x) for x in p_leaves]
+            g_b = list(p_b)
+            o_b = [nbytes(x) for x in o_leaves]
+        else:
+            args = self.finish_args(state)
+            part = self.finish_sharded.partitioned(*args)
+            prop, mesh = part.prop, part.prop.mesh
+            # (the program's first inputs may be constants its tracing captured)
+            n_args = len(tree.leaves(args))
+            ins = prop.program.inputs[len(prop.program.inputs) - n_args:]
+            shs = list(part.in_shardings)[len(part.in_shardings) - n_args:]
+            n_p, n_o = len(p_leaves), len(o_leaves)
+            p_b = [local_bytes(sh, v.aval, mesh) for v, sh in zip(ins[:n_p], shs[:n_p])]
+            o_b = [local_bytes(sh, v.aval, mesh) for v, sh in
+                   zip(ins[n_p:n_p + n_o], shs[n_p:n_p + n_o])]
+            g_b = [local_bytes(prop.shardings.get(g, Sharding.replicated(g.aval.ndim)),
+                               g.aval, mesh) for g in self._grad_vars]
+        o_stage = _copies_stage(state, stage_of, self.runner.ap._frozen())
+        stages = [{"params": sum(b for i, b in enumerate(p_b) if stage_of.get(i, 0) == s),
+                   "grads": sum(b for i, b in enumerate(g_b) if stage_of.get(i, 0) == s),
+                   "optimizer_state": sum(b for k, b in enumerate(o_b) if o_stage[k] == s)}
+                  for s in range(self.S)]
+        return {"params": sum(p_b), "grads": sum(g_b), "optimizer_state": sum(o_b),
+                "stages": stages}
 
     def _make_finish(self):
         ap, cfg = self.runner.ap, self.runner.cfg
@@ -985,6 +1166,53 @@ class PipelinedStep:
 
 #: The finishing programs, by optimizer (its ``update``) and configuration.
 _FINISHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _stage_view(counts, S: int, dp: int):
+    """Split counts over one stage's ``dp`` devices as a layout of all ``S * dp``
+    (stage-major: stage ``s`` holds ranks ``s * dp ... s * dp + dp - 1``): every stage's
+    devices hold every block (the ``pp`` axis repeats), inside a stage the blocks are
+    spread as the counts say, any remaining factor repeating last. Whole: the counts."""
+    counts = tuple(counts)
+    k = math.prod(counts)
+    if k == 1:
+        return counts
+    dm, names, view = [S], ["pp"], []
+    for i, c in enumerate(counts):
+        if c > 1:
+            dm.append(c)
+            names.append(f"z{i}")
+            view.append(f"z{i}")
+        else:
+            view.append("None")
+    if dp // k > 1:
+        dm.append(dp // k)
+        names.append("rep")
+    return Layout(tuple(dm), tuple(names))(*view)
+
+
+def _copies_stage(state, stage_of: dict, frozen: set) -> list:
+    """Per optimizer-state leaf, the stage of the parameter it copies (a subtree with
+    the trained parameters' structure and shapes: Adam's moments), or None."""
+    paths, _, _ = tree.flatten_with_path(state.params)
+    index = {tree.keystr(p): i for i, p in enumerate(paths)}
+    params = state.params
+    if frozen:  # (the optimizer state is over the trained parameters)
+        params = {k: v for k, v in params.items() if k not in frozen}
+    t_paths, p_leaves, p_spec = tree.flatten_with_path(params)
+    owners = [stage_of.get(index[tree.keystr(p)], 0) for p in t_paths]
+    shapes = [tuple(typeof(x).shape) for x in p_leaves]
+    n = len(p_leaves)
+
+    def is_copy(t) -> bool:
+        leaves, spec = tree.flatten(t)
+        return len(leaves) == n and [tuple(typeof(x).shape) for x in leaves] == shapes \
+            and spec == p_spec
+
+    out: list = []
+    for item in tree.flatten(state.opt_state, is_leaf=is_copy)[0]:
+        out.extend(owners if is_copy(item) else [None])
+    return out
 
 
 def _widen(x):
@@ -1075,12 +1303,13 @@ class PipelineRunner:
 
     def check_combination(self):
         ap = self.ap
-        for what, on in (("hsdp(...)", ap.options.hsdp is not None),
-                         ("comm_fusion(...)", ap.options.fusion_bytes is not None
+        for what, on in (("comm_fusion(...)", ap.options.fusion_bytes is not None
                           or ap.options.gather_fusion_bytes is not None),
                          ("a dataset_strategy(...) tuple",
                           ap._dataset not in ("data_parallel", "full_batch")),
                          ("has_aux=True", ap.has_aux),
+                         ("load_operator_strategy_file(...)",
+                          getattr(ap, "_operator_file", None) is not None),
                          ("set_inputs(...)", ap._batch_specs is not None)):
             if on:
                 raise ArgumentError(
@@ -1117,8 +1346,19 @@ class PipelineRunner:
         combine = loss_combination(ap.loss_fn, ap.name, state.params, batch,
                                    plan.batch_vars[0].aval.shape[0],
                                    dp if sharding is not None else 1)
+        zero = ap._pipeline_zero(state)
+        if zero is not None and not self.virtual:
+            hsdp = ap.options.hsdp
+            raise ArgumentError(
+                f"AutoParallel({ap.name}).hsdp(optimizer_level={hsdp.level!r}) with "
+                f"pipeline(stages={cfg.stages}) in a multi-process job: ZeRO inside the "
+                f"stages (each stage's {dp} devices splitting its state) runs on a virtual "
+                "mesh only; in a job every process keeps the whole trained state.\nFix: "
+                "drop hsdp(...), or give each stage one process "
+                f"(pipeline(stages={ap.n_devices})), or raise hsdp's threshold above the "
+                "parameters' size (nothing split).")
         step = PipelinedStep(self, plan, sched, None if self.virtual else distributed.rank(),
-                             sharding, combine)
+                             sharding, combine, zero, state)
         self._steps[key] = step
         return step
 
@@ -1127,9 +1367,11 @@ class PipelineRunner:
 
     def param_strategies(self, state, *batch) -> dict:
         """Per parameter name: its strategy inside its stage (``"params"``: the
-        ``parameter_plan`` strategy over the stage's devices, else whole) and its
-        pipeline stage (``"stages"``), for the parameter strategy file."""
+        ``parameter_plan`` strategy over the stage's devices, split further by ZeRO
+        level3, else whole) and its pipeline stage (``"stages"``), for the parameter
+        strategy file."""
         step = self.step_for(state, *batch)
+        zero = step.zero[0] if step.zero is not None else None
         plan, S = step.plan, step.S
         paths, leaves, _ = tree.flatten_with_path(state.params)
         stage_of = {i: c % S for c, owned in enumerate(plan.chunk_params) for i in owned}
@@ -1139,6 +1381,8 @@ class PipelineRunner:
             given = self.ap._param_strategy(p, x)
             counts = tuple(given) if isinstance(given, (tuple, list)) else (
                 tuple(given.to_strategy()) if isinstance(given, Layout) else None)
+            if zero is not None and zero[i] is not None:
+                counts = tuple(zero[i])
             params[name] = list(counts or (1,) * typeof(x).ndim)
             stages[name] = stage_of.get(i, 0)
         return {"params": params, "stages": stages}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from mindspore import ops
 
-from fshard.backend.mindspore import batch_norm_grad_class
+from fshard.backend.mindspore import as_tensor, batch_norm_grad_class
 from fshard.core import dtypes
 from fshard.core.array_types import Array, Float, Shaped
 from fshard.core.interpret import bind_equation, walk
@@ -22,6 +22,7 @@ from fshard.primitives.base import (Zero, batch_size, batch_to_front, def_primit
 from fshard.primitives.elementwise import exp, log, mul, rsqrt, sub
 from fshard.primitives.reductions import mean, reduce_max, reduce_sum
 from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
+from fshard.primitives.structural import stop_gradient as _stop_gradient
 from fshard.core.rules import batching, jvp, sharding, transpose, unsupported
 from fshard.core.factors import FactorSpec
 
@@ -280,8 +281,7 @@ def _affine(y, weight, bias, nd: int):
 # H, W) arrays and per-channel (C,) vectors, with ``eps`` as a parameter:
 #
 # - ``batch_norm_train(x, scale, bias) -> (y, batch_mean, batch_var)``: MindSpore's
-#   BatchNorm (is_training=True); the statistics (the biased variance) carry no
-#   derivative, as the decomposition's stop_gradient'ed ones;
+#   BatchNorm (is_training=True), the statistics with the biased variance;
 # - ``batch_norm_tangent(x, scale, mean, var, tx, tscale, tbias) -> ty``: y's tangent
 #   (its JVP), linear in the last three operands, transposed by
 # - ``batch_norm_grad(x, scale, mean, var, ct) -> (dx, dscale, dbias)``: MindSpore's
@@ -351,7 +351,8 @@ def _ms_bn_grad(x, scale, mean, var, ct, eps):
 
 def _bn_by_dtype(fused, exact):
     def impl(*xs, eps):
-        fn = fused if xs[0].dtype == dtypes.float32 else exact
+        xs = [as_tensor(x) for x in xs]
+        fn = fused if dtypes.canonical(xs[0].dtype) == dtypes.float32 else exact
         return list(fn(*xs, eps=eps))
 
     def lower(ctx, *xs, eps):
@@ -423,12 +424,10 @@ def _project(u, xh, r):
 
 
 def _decompose_train(x, scale, bias, *, eps):
-    from fshard.primitives.structural import stop_gradient
-
     mu, var, xc, rstd = _stats(x)
     c = typeof(x).shape[1]
-    y = _affine(mul(xc, rstd(eps)), scale, bias, 4)
-    return [y, stop_gradient(reshape(mu, (c,))), stop_gradient(reshape(var, (c,)))]
+    return [_affine(mul(xc, rstd(eps)), scale, bias, 4), reshape(mu, (c,)),
+            reshape(var, (c,))]
 
 
 def _decompose_tangent(x, scale, mean_, var_, tx, tscale, tbias, *, eps):
@@ -476,7 +475,9 @@ def _decomposition_jvp(prim):
                    literal=lambda a: (a.value, Zero(a.aval)))
         # the primal outputs from the primitive itself (one fused kernel)
         outs = prim.bind(*primals, **params)
-        return list(outs) if prim.multiple_results else [outs], [t for _, t in res]
+        # a tangent that does not depend on the given ones is zeros, not symbolic
+        return (list(outs) if prim.multiple_results else [outs],
+                [instantiate(t) for _, t in res])
 
     return rule
 
@@ -525,7 +526,14 @@ def _bn_train_jvp(primals, tangents, *, eps):
         return outs, zeros
     ts = [instantiate(t) for t in tangents]
     ty = batch_norm_tangent_p.bind(x, scale, outs[1], outs[2], *ts, eps=eps)
-    return outs, [ty] + zeros[1:]
+    if isinstance(tangents[0], Zero):  # the statistics do not depend on scale, bias
+        return outs, [ty] + [instantiate(z) for z in zeros[1:]]
+    # the statistics' own tangents (batch_norm_parts stops their gradient, so reverse
+    # mode drops these)
+    tx = tangents[0]
+    t_mean = mean(tx, _BN_AXES)
+    t_var = mul(mean(mul(sub(x, _channel_shaped(outs[1], 4)), tx), _BN_AXES), 2.0)
+    return outs, [ty, t_mean, t_var]
 
 
 def _bn_tangent_transpose(ct, x, scale, mean_, var_, tx, tscale, tbias, *, eps):
@@ -607,8 +615,9 @@ for _prim in _DECOMPOSE:
 
 
 def _fused_batch_norm(x, scale, bias, eps):
-    """Training-mode ``(y, batch_mean, batch_var)`` from the fused primitive, or None
-    where it does not apply (not float32, symbolic shapes)."""
+    """Training-mode ``(y, batch_mean, batch_var)`` from the fused primitive (the
+    statistics without gradient, as the decomposition's), or None where it does not
+    apply (not float32, symbolic shapes)."""
     a = typeof(x)
     if a.dtype != dtypes.float32 or not a.is_static or not 2 <= a.ndim <= 4:
         return None
@@ -617,7 +626,7 @@ def _fused_batch_norm(x, scale, bias, eps):
     bias = full((c,), 0.0, a.dtype) if bias is None else bias
     x4 = reshape(x, tuple(a.shape) + (1,) * (4 - a.ndim))
     y, m, v = batch_norm_train_p.bind(x4, scale, bias, eps=float(eps))
-    return reshape(y, tuple(a.shape)), m, v
+    return reshape(y, tuple(a.shape)), _stop_gradient(m), _stop_gradient(v)
 
 
 def batch_norm(x: Float[Array, "n c *spatial"], running_mean: Float[Array, "c"],

@@ -466,3 +466,12 @@ def test_fused_batch_norm_sharding_rule_splits_channels_only():
             *[fs.core.tracing.typeof(a) for a in (IMG, W4, MEAN4, VAR4, IMG)][
                 :3 if prim is batch_norm_train_p else 5], eps=1e-5)
         assert spec.splittable() == ["c"]
+
+
+def test_fused_batch_norm_stays_float32_under_amp_o2():
+    # MindSpore's O2 keeps BatchNorm in float32 (its black list): so does fs.amp
+    f = fs.amp.autocast(lambda x: (fs.ops.batch_norm(x, MEAN4, VAR4, W4, B4, True)[0] ** 2)
+                        .sum(), "O2")
+    text = str(fs.make_ir(fs.grad(f))(IMG))
+    eqs = [line for line in text.splitlines() if "batch_norm_" in line]
+    assert eqs and all("f16" not in line for line in eqs), eqs

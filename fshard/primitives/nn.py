@@ -617,9 +617,10 @@ for _prim in _DECOMPOSE:
 def _fused_batch_norm(x, scale, bias, eps):
     """Training-mode ``(y, batch_mean, batch_var)`` from the fused primitive (the
     statistics without gradient, as the decomposition's), or None where it does not
-    apply (not float32, symbolic shapes)."""
+    apply (not float32, a scale or bias of another dtype, symbolic shapes)."""
     a = typeof(x)
-    if a.dtype != dtypes.float32 or not a.is_static or not 2 <= a.ndim <= 4:
+    if a.dtype != dtypes.float32 or not a.is_static or not 2 <= a.ndim <= 4 or any(
+            v is not None and typeof(v).dtype != a.dtype for v in (scale, bias)):
         return None
     c = a.shape[1]
     scale = full((c,), 1.0, a.dtype) if scale is None else scale

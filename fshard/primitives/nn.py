@@ -1,5 +1,6 @@
-"""Neural-network primitives: bias_add, softmax, log_softmax; and composites built
-from primitives: layer_norm, softmax_cross_entropy, logsumexp.
+"""Neural-network primitives: bias_add, softmax, log_softmax, training-mode batch norm
+on MindSpore's fused kernels (batch_norm_train, batch_norm_tangent, batch_norm_grad);
+and composites built from primitives: layer_norm, softmax_cross_entropy, logsumexp.
 
 Composites need no rules of their own: their IR is made of primitives.
 """

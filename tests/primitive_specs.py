@@ -332,6 +332,39 @@ PLANE_CASES = [((2, 3, 4, 5), (2, 3, 2, 3)), ((1, 1, 3, 3), (1, 1, 2, 2)),
                ((4, 2, 3, 3), (4, 2, 4, 1))]
 
 
+# Training-mode batch norm: (N, C, H, W) shapes; the tangent's and the gradient's
+# mean/var operands are x's batch statistics (as the rules make them)
+BN_SHAPES = [(4, 3, 2, 3), (2, 2, 1, 1), (3, 1, 4, 2)]
+
+
+def _bn_stats(x):
+    x64 = x.astype(np.float64)
+    return x64.mean((0, 2, 3)).astype(x.dtype), x64.var((0, 2, 3)).astype(x.dtype)
+
+
+def _bn_train(rng, dt):
+    return [Sample((values(rng, s, dt), values(rng, s[1:2], dt), values(rng, s[1:2], dt)),
+                   {"eps": 1e-5}) for s in BN_SHAPES]
+
+
+def _bn_tangent(rng, dt):
+    out = []
+    for s in BN_SHAPES:
+        x = values(rng, s, dt)
+        out.append(Sample((x, values(rng, s[1:2], dt), *_bn_stats(x), values(rng, s, dt),
+                           values(rng, s[1:2], dt), values(rng, s[1:2], dt)), {"eps": 1e-3}))
+    return out
+
+
+def _bn_grad(rng, dt):
+    out = []
+    for s in BN_SHAPES:
+        x = values(rng, s, dt)
+        out.append(Sample((x, values(rng, s[1:2], dt), *_bn_stats(x), values(rng, s, dt)),
+                          {"eps": 1e-3}))
+    return out
+
+
 def _pool_gather(rng, dt):
     return [Sample((values(rng, vs, dt), rng.integers(0, vs[2] * vs[3], ish).astype(I32)))
             for vs, ish in PLANE_CASES]
@@ -1456,6 +1489,15 @@ def _specs() -> list[PrimitiveSpec]:
                       **THOROUGH),
         PrimitiveSpec(CV.pool_scatter_p, _pool_scatter, (F32,), linear_groups=((0,),),
                       **THOROUGH),
+        # mean/var are x's statistics: a derivative in x accounts for them, so x is
+        # differentiated through batch_norm_train (tests/test_native_norms.py checks
+        # the second order against finite differences)
+        PrimitiveSpec(N.batch_norm_train_p, _bn_train, (F32,), (0, 1, 2), tol=(1e-5, 1e-5),
+                      **THOROUGH),
+        PrimitiveSpec(N.batch_norm_tangent_p, _bn_tangent, (F32,), (1, 4, 5, 6),
+                      ((4, 5, 6),), tol=(1e-4, 1e-5), **THOROUGH),
+        PrimitiveSpec(N.batch_norm_grad_p, _bn_grad, (F32,), (1, 4), ((4,),),
+                      tol=(1e-4, 1e-5), **THOROUGH),
         PrimitiveSpec(E.add_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.sub_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.mul_p, binary(), NUMERIC, (0, 1), ((0,), (1,))),

@@ -413,7 +413,47 @@ def avg_pool2d(x, *, kernel, stride, padding):
     return _pool_windows(x, kernel, stride, padding, 0.0)[1].mean((-2, -1)).astype(x.dtype)
 
 
+def _bn_parts(x, mean, var, eps):
+    x = x.astype(np.float64)
+    m = mean.astype(np.float64).reshape(1, -1, 1, 1)
+    r = 1.0 / np.sqrt(var.astype(np.float64).reshape(1, -1, 1, 1) + eps)
+    return (x - m) * r, r
+
+
+def _bn_project(u, xh, r):
+    u = u.astype(np.float64)
+    return r * (u - u.mean((0, 2, 3), keepdims=True)
+                - xh * (u * xh).mean((0, 2, 3), keepdims=True))
+
+
+def _chan(v):
+    return v.astype(np.float64).reshape(1, -1, 1, 1)
+
+
+def batch_norm_train(x, scale, bias, *, eps):
+    m, v = x.astype(np.float64).mean((0, 2, 3)), x.astype(np.float64).var((0, 2, 3))
+    xh, _ = _bn_parts(x, m, v, eps)
+    return [(xh * _chan(scale) + _chan(bias)).astype(x.dtype), m.astype(x.dtype),
+            v.astype(x.dtype)]
+
+
+def batch_norm_tangent(x, scale, mean, var, tx, tscale, tbias, *, eps):
+    xh, r = _bn_parts(x, mean, var, eps)
+    out = _chan(scale) * _bn_project(tx, xh, r) + _chan(tscale) * xh + _chan(tbias)
+    return out.astype(x.dtype)
+
+
+def batch_norm_grad(x, scale, mean, var, ct, *, eps):
+    xh, r = _bn_parts(x, mean, var, eps)
+    c = ct.astype(np.float64)
+    return [(_chan(scale) * _bn_project(c, xh, r)).astype(x.dtype),
+            (c * xh).sum((0, 2, 3)).astype(x.dtype), c.sum((0, 2, 3)).astype(x.dtype)]
+
+
 REFERENCES = {
+    "batch_norm_train": batch_norm_train,
+    "batch_norm_tangent": batch_norm_tangent,
+    "batch_norm_grad": batch_norm_grad,
     "conv2d": conv2d,
     "conv2d_input_grad": conv2d_input_grad,
     "conv2d_filter_grad": conv2d_filter_grad,

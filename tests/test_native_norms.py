@@ -340,3 +340,138 @@ def test_batch_norm_refuses_statistics_of_the_wrong_size():
 def test_interpolate_refuses_an_unknown_mode():
     with pytest.raises(fs.ProgramTypeError, match=r"(?s)mode=.area.*Fix"):
         fs.ops.interpolate(IMG, (3, 3), "area")
+
+
+# ---------------------------------------------------------------------------
+# Training-mode BatchNorm on MindSpore's fused kernels (float32): BatchNorm forward,
+# BatchNormGrad backward; every transform against the decomposition and MindSpore
+# ---------------------------------------------------------------------------
+
+DY = _t(4, 4, 6, 6)
+
+
+def _bn_loss(x, w, b):
+    y, _, _ = fs.ops.batch_norm(x, MEAN4, VAR4, w, b, training=True)
+    return (y * ops.cos(y) * DY).sum()
+
+
+def _f64(*xs):
+    return tuple(Tensor(_np(x).astype(np.float64)) for x in xs)
+
+
+def _bn_loss64(x, w, b):  # float64: the decomposition into reductions and elementwise ops
+    m, v = _f64(MEAN4, VAR4)
+    y, _, _ = fs.ops.batch_norm(x, m, v, w, b, training=True)
+    return (y * ops.cos(y) * Tensor(_np(DY).astype(np.float64))).sum()
+
+
+def test_training_batch_norm_runs_the_fused_kernels():
+    text = str(fs.make_ir(fs.grad(_bn_loss, argnums=(0, 1, 2)))(IMG, W4, B4))
+    assert "batch_norm_train" in text and "batch_norm_grad" in text
+    assert "axes=(0, 2, 3)" not in text  # no statistic is computed outside the kernels
+    lowered = fs.jit(fs.grad(_bn_loss, argnums=(0, 1, 2))).lower(IMG, W4, B4).as_text()
+    assert "= ms_bn_train_" in lowered and "= ms_bn_grad_" in lowered  # the kernels (float32)
+
+
+def test_training_batch_norm_gradients_match_mindspore_cell():
+    ms.set_seed(0)
+    ours = nn.BatchNorm2d(4, gamma_init="normal", beta_init="normal", momentum=0.8)
+    theirs = nn.BatchNorm2d(4, momentum=0.8)
+    theirs.gamma.set_data(ours.gamma.value() * 1)
+    theirs.beta.set_data(ours.beta.value() * 1)
+    ours.set_train(True)
+    theirs.set_train(True)
+    apply, params = fs.functional(ours)
+    train = {k: v for k, v in params.items() if v.requires_grad}
+
+    def loss(p, x):
+        y = apply(p, x)
+        return (y * ops.cos(y) * DY).sum()
+
+    def their_loss(x):
+        y = theirs(x)
+        return (y * ops.cos(y) * DY).sum()
+
+    grads = fs.jit(fs.grad(loss, argnums=(0, 1)))(train, IMG)
+    want = ms.grad(their_loss, grad_position=0, weights=theirs.trainable_params())(IMG)
+    got = {k.split(".")[-1]: v for k, v in grads[0].items()}
+    _close(grads[1], want[0], 1e-4)
+    _close(got["gamma"], want[1][0], 1e-4)
+    _close(got["beta"], want[1][1], 1e-4)
+    # the moving statistics, from the fused kernel's batch statistics (one step each)
+    _close(ours.moving_mean, theirs.moving_mean, 1e-5)
+    _close(ours.moving_variance, theirs.moving_variance, 1e-5)
+
+
+def test_fused_batch_norm_matches_the_decomposition():
+    got = fs.jit(fs.value_and_grad(_bn_loss, argnums=(0, 1, 2)))(IMG, W4, B4)
+    want = fs.value_and_grad(_bn_loss64, argnums=(0, 1, 2))(*_f64(IMG, W4, B4))
+    _close(got[0], want[0], 1e-4)
+    for g, w in zip(got[1], want[1]):
+        _close(g, w, 1e-4)
+    y, m, v = fs.jit(lambda x: fs.ops.batch_norm(x, MEAN4, VAR4, W4, B4, True, 0.3))(IMG)
+    y2, m2, v2 = fs.ops.batch_norm(*_f64(IMG, MEAN4, VAR4, W4, B4), True, 0.3)
+    for a, b in ((y, y2), (m, m2), (v, v2)):
+        _close(a, b, 1e-5)
+
+
+def test_fused_batch_norm_second_order_matches_the_decomposition():
+    t = _t(4, 4, 6, 6)
+
+    def hvp(loss, x, w, b, t):  # reverse over reverse, and forward over reverse
+        g = lambda a: fs.grad(loss)(a, w, b)  # noqa: E731
+        rev = fs.grad(lambda a: (g(a) * t).sum())(x)
+        return rev, fs.jvp(g, (x,), (t,))[1]
+
+    got = fs.jit(lambda x, t: hvp(_bn_loss, x, W4, B4, t))(IMG, t)
+    want = hvp(_bn_loss64, *_f64(IMG, W4, B4, t))
+    for g, w in zip(got, want):
+        _close(g, w, 1e-3)
+    # forward mode of the primitive itself
+    tan = fs.jvp(lambda x: _bn_loss(x, W4, B4), (IMG,), (t,))[1]
+    tan64 = fs.jvp(lambda x: _bn_loss64(x, *_f64(W4, B4)), _f64(IMG), _f64(t))[1]
+    _close(tan, tan64, 1e-4)
+
+
+def test_fused_batch_norm_under_vmap_uses_each_examples_statistics():
+    xs = Tensor(np.stack([IMG.asnumpy(), IMG.asnumpy()[::-1] * 0.5 + 1.0]))
+    f = lambda x: fs.ops.batch_norm(x, MEAN4, VAR4, W4, B4, training=True)  # noqa: E731
+    got = fs.jit(fs.vmap(f))(xs)
+    per_example = fs.jit(fs.vmap(fs.grad(_bn_loss, argnums=(0, 1)), in_axes=(0, None, None)))(
+        xs, W4, B4)
+    for i in range(2):
+        x = Tensor(xs.asnumpy()[i])
+        for a, b in zip(got, fs.ops.batch_norm(*_f64(x, MEAN4, VAR4, W4, B4), training=True)):
+            _close(_np(a)[i], b, 1e-5)
+        for a, b in zip(per_example, fs.grad(_bn_loss64, argnums=(0, 1))(*_f64(x, W4, B4))):
+            _close(_np(a)[i], b, 1e-4)
+
+
+@pytest.mark.parametrize("strategy,psums", [((2, 1, 1, 1), True), ((1, 2, 1, 1), False)])
+def test_fused_batch_norm_gradient_under_shard(strategy, psums):
+    # the plan expands the fused primitives: a batch split all-reduces the statistics
+    # and their gradient's sums (SyncBatchNorm); a channel split needs nothing
+    g = fs.grad(_bn_loss, argnums=(0, 1, 2))
+    part = fs.testing.check_sharding(g, (IMG, W4, B4), (strategy, None, None), mesh=2,
+                                     rtol=1e-4, atol=1e-4)
+    assert ("psum" in _collectives(part)) == psums
+    assert "batch_norm" not in str(part)
+
+
+def test_fused_batch_norm_sharding_rule_splits_channels_only():
+    from fshard.primitives.nn import batch_norm_grad_p, batch_norm_train_p
+
+    for prim in (batch_norm_train_p, batch_norm_grad_p):
+        spec = fs.rules.sharding.lookup(prim, transform="test")(
+            *[fs.core.tracing.typeof(a) for a in (IMG, W4, MEAN4, VAR4, IMG)][
+                :3 if prim is batch_norm_train_p else 5], eps=1e-5)
+        assert spec.splittable() == ["c"]
+
+
+def test_fused_batch_norm_stays_float32_under_amp_o2():
+    # MindSpore's O2 keeps BatchNorm in float32 (its black list): so does fs.amp
+    f = fs.amp.autocast(lambda x: (fs.ops.batch_norm(x, MEAN4, VAR4, W4, B4, True)[0] ** 2)
+                        .sum(), "O2")
+    text = str(fs.make_ir(fs.grad(f))(IMG))
+    eqs = [line for line in text.splitlines() if "batch_norm_" in line]
+    assert eqs and all("f16" not in line for line in eqs), eqs

@@ -947,6 +947,14 @@ def conv2d_backprop_filter_class():
     return _grad_ops.Conv2DBackpropFilter
 
 
+def batch_norm_grad_class():
+    """MindSpore's ``BatchNormGrad`` primitive class (generated into a private module):
+    the fused gradient of a training-mode BatchNorm from its saved batch statistics."""
+    from mindspore.ops.auto_generate import gen_ops_prim
+
+    return gen_ops_prim.BatchNormGrad
+
+
 def optimizer_lr_classes() -> tuple:
     """The private classes ``nn.Optimizer`` wraps a learning rate in:
     ``(a number in a group of dynamic learning rates, a list of per-step values)``."""

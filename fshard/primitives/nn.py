@@ -1,5 +1,6 @@
-"""Neural-network primitives: bias_add, softmax, log_softmax; and composites built
-from primitives: layer_norm, softmax_cross_entropy, logsumexp.
+"""Neural-network primitives: bias_add, softmax, log_softmax, training-mode batch norm
+on MindSpore's fused kernels (batch_norm_train, batch_norm_tangent, batch_norm_grad);
+and composites built from primitives: layer_norm, softmax_cross_entropy, logsumexp.
 
 Composites need no rules of their own: their IR is made of primitives.
 """
@@ -9,16 +10,21 @@ from __future__ import annotations
 import numpy as np
 from mindspore import ops
 
+from fshard.backend.mindspore import as_tensor, batch_norm_grad_class
 from fshard.core import dtypes
 from fshard.core.array_types import Array, Float, Shaped
-from fshard.core.tracing import typeof
+from fshard.core.interpret import bind_equation, walk
+from fshard.core.ir import Equation, Literal, Program
+from fshard.core.staging import stage
+from fshard.core.tracing import ArrayType, typeof
 from fshard.errors import ProgramTypeError, ShapeError
-from fshard.primitives.base import (batch_size, batch_to_front, def_primitive, defjvp, deflinear,
-                                    is_undefined, move_axis)
+from fshard.primitives.base import (Zero, batch_size, batch_to_front, def_primitive, defjvp,
+                                    deflinear, full, instantiate, is_undefined, move_axis)
 from fshard.primitives.elementwise import exp, log, mul, rsqrt, sub
 from fshard.primitives.reductions import mean, reduce_max, reduce_sum
 from fshard.primitives.structural import _norm_axis, broadcast_to, reshape
-from fshard.core.rules import batching, sharding, unsupported
+from fshard.primitives.structural import stop_gradient as _stop_gradient
+from fshard.core.rules import batching, jvp, sharding, transpose, unsupported
 from fshard.core.factors import FactorSpec
 
 FAMILY = "nn"
@@ -271,6 +277,360 @@ def _affine(y, weight, bias, nd: int):
     return y
 
 
+# ---------------------------------------------------------------------------
+# Training-mode batch norm as MindSpore's fused kernels. Three primitives over (N, C,
+# H, W) arrays and per-channel (C,) vectors, with ``eps`` as a parameter:
+#
+# - ``batch_norm_train(x, scale, bias) -> (y, batch_mean, batch_var)``: MindSpore's
+#   BatchNorm (is_training=True), the statistics with the biased variance;
+# - ``batch_norm_tangent(x, scale, mean, var, tx, tscale, tbias) -> ty``: y's tangent
+#   (its JVP), linear in the last three operands, transposed by
+# - ``batch_norm_grad(x, scale, mean, var, ct) -> (dx, dscale, dbias)``: MindSpore's
+#   BatchNormGrad from the saved statistics, linear in ``ct``, transposed by the tangent.
+#
+# So reverse mode runs one BatchNorm and one BatchNormGrad kernel per layer, as
+# MindSpore does. ``mean``/``var`` are always ``x``'s batch statistics (only these rules
+# make the equations), so a derivative in ``x`` accounts for them: the JVPs of the
+# tangent and of the gradient (second order) are those of their decompositions into
+# reductions and elementwise ops (``_DECOMPOSE``), which recompute the statistics from
+# ``x``. Batching folds the mapped axis into the channels (each example its own
+# statistics). Under ``fs.shard`` a plan expands the three into those decompositions
+# before propagation (``decompose_batch_norm``): a split batch then all-reduces the
+# statistics' sums (SyncBatchNorm). Their own sharding rules split the channels only.
+# MindSpore's CPU kernels are float32: other dtypes run the same formulas in MindSpore
+# ops.
+# ---------------------------------------------------------------------------
+
+_BatchNormGrad = batch_norm_grad_class()
+_BN_AXES = (0, 2, 3)
+
+
+def _ms_chan(v):
+    return ops.reshape(v, (1, v.shape[0], 1, 1))
+
+
+def _ms_project(u, xh, r):
+    """``r * (u - mean(u) - xh * mean(u * xh))`` per channel: the normalisation's
+    derivative (self-adjoint)."""
+    return r * (u - ops.mean(u, _BN_AXES, True) - xh * ops.mean(u * xh, _BN_AXES, True))
+
+
+def _ms_bn_train_exact(x, scale, bias, eps):
+    mean = ops.mean(x, _BN_AXES)
+    xc = x - _ms_chan(mean)
+    var = ops.mean(xc * xc, _BN_AXES)
+    y = xc * ops.rsqrt(_ms_chan(var) + eps) * _ms_chan(scale) + _ms_chan(bias)
+    return y, mean, var
+
+
+def _ms_bn_train(x, scale, bias, eps):
+    c = x.shape[1]
+    # MindSpore's kernel also writes the moving statistics into its 4th and 5th
+    # operands: scratch tensors here (fshard computes the moving statistics itself)
+    out = ops.BatchNorm(is_training=True, epsilon=eps)(
+        x, scale, bias, ops.zeros((c,), x.dtype), ops.ones((c,), x.dtype))
+    return out[0], out[3], out[4]
+
+
+def _ms_bn_tangent(x, scale, mean, var, tx, tscale, tbias, eps):
+    r = ops.rsqrt(_ms_chan(var) + eps)
+    xh = (x - _ms_chan(mean)) * r
+    return _ms_chan(scale) * _ms_project(tx, xh, r) + _ms_chan(tscale) * xh + _ms_chan(tbias)
+
+
+def _ms_bn_grad_exact(x, scale, mean, var, ct, eps):
+    r = ops.rsqrt(_ms_chan(var) + eps)
+    xh = (x - _ms_chan(mean)) * r
+    return (_ms_chan(scale) * _ms_project(ct, xh, r), ops.sum(ct * xh, _BN_AXES),
+            ops.sum(ct, _BN_AXES))
+
+
+def _ms_bn_grad(x, scale, mean, var, ct, eps):
+    out = _BatchNormGrad(is_training=True, epsilon=eps)(ct, x, scale, mean, var, var)
+    return out[0], out[1], out[2]
+
+
+def _bn_by_dtype(fused, exact):
+    def impl(*xs, eps):
+        xs = [as_tensor(x) for x in xs]
+        fn = fused if dtypes.canonical(xs[0].dtype) == dtypes.float32 else exact
+        return list(fn(*xs, eps=eps))
+
+    def lower(ctx, *xs, eps):
+        fn = fused if ctx.in_avals[0].dtype == dtypes.float32 else exact
+        return ctx.call(fn, *xs, eps=eps)
+
+    return impl, lower
+
+
+def _bn_check(name, images, vectors):
+    x = images[0]
+    if x.ndim != 4 or not dtypes.is_float(x.dtype):
+        raise ProgramTypeError(f"{name} needs a float (N, C, H, W) operand, got {x}")
+    for a in images:
+        if tuple(a.shape) != tuple(x.shape) or a.dtype != x.dtype:
+            raise ProgramTypeError(f"{name} needs operands of one type, got {x} and {a}")
+    for a in vectors:
+        if tuple(a.shape) != (x.shape[1],) or a.dtype != x.dtype:
+            raise ProgramTypeError(f"{name} needs per-channel operands of shape "
+                                   f"({x.shape[1]},) and dtype {x.dtype}, got {a}")
+    return x, ArrayType((x.shape[1],), x.dtype)
+
+
+def _bn_train_type(x, scale, bias, *, eps):
+    x, c = _bn_check("batch_norm_train", [x], [scale, bias])
+    return [x, c, c]
+
+
+def _bn_tangent_type(x, scale, mean, var, tx, tscale, tbias, *, eps):
+    return _bn_check("batch_norm_tangent", [x, tx], [scale, mean, var, tscale, tbias])[0]
+
+
+def _bn_grad_type(x, scale, mean, var, ct, *, eps):
+    x, c = _bn_check("batch_norm_grad", [x, ct], [scale, mean, var])
+    return [x, c, c]
+
+
+_impl, _lower = _bn_by_dtype(_ms_bn_train, _ms_bn_train_exact)
+batch_norm_train_p = def_primitive("batch_norm_train", FAMILY, _bn_train_type,
+                                   eager=_impl, lower=_lower, multiple_results=True)
+batch_norm_tangent_p = def_primitive("batch_norm_tangent", FAMILY, _bn_tangent_type,
+                                     _ms_bn_tangent)
+_impl, _lower = _bn_by_dtype(_ms_bn_grad, _ms_bn_grad_exact)
+batch_norm_grad_p = def_primitive("batch_norm_grad", FAMILY, _bn_grad_type, eager=_impl,
+                                  lower=_lower, multiple_results=True)
+
+# Which operands are images (N, C, H, W): the others are per-channel vectors.
+_BN_IMAGES = {batch_norm_train_p: (0,), batch_norm_tangent_p: (0, 4),
+              batch_norm_grad_p: (0, 4)}
+
+
+# -- the decompositions (fshard ops): second-order derivatives and fs.shard -------------
+
+
+def _stats(x):
+    """Batch mean and biased variance of (N, C, H, W) ``x``, as (1, C, 1, 1), and its
+    normalised form; differentiable in ``x``."""
+    from fshard.primitives.elementwise import add
+
+    mu = mean(x, _BN_AXES, keepdims=True)
+    xc = sub(x, mu)
+    var = mean(mul(xc, xc), _BN_AXES, keepdims=True)
+    return mu, var, xc, lambda eps: rsqrt(add(var, float(eps)))
+
+
+def _project(u, xh, r):
+    return mul(r, sub(sub(u, mean(u, _BN_AXES, keepdims=True)),
+                      mul(xh, mean(mul(u, xh), _BN_AXES, keepdims=True))))
+
+
+def _decompose_train(x, scale, bias, *, eps):
+    mu, var, xc, rstd = _stats(x)
+    c = typeof(x).shape[1]
+    return [_affine(mul(xc, rstd(eps)), scale, bias, 4), reshape(mu, (c,)),
+            reshape(var, (c,))]
+
+
+def _decompose_tangent(x, scale, mean_, var_, tx, tscale, tbias, *, eps):
+    from fshard.primitives.elementwise import add
+
+    _, _, xc, rstd = _stats(x)
+    r = rstd(eps)
+    xh = mul(xc, r)
+    out = mul(_channel_shaped(scale, 4), _project(tx, xh, r))
+    return [add(add(out, mul(_channel_shaped(tscale, 4), xh)), _channel_shaped(tbias, 4))]
+
+
+def _decompose_grad(x, scale, mean_, var_, ct, *, eps):
+    _, _, xc, rstd = _stats(x)
+    r = rstd(eps)
+    xh = mul(xc, r)
+    return [mul(_channel_shaped(scale, 4), _project(ct, xh, r)),
+            reduce_sum(mul(ct, xh), _BN_AXES), reduce_sum(ct, _BN_AXES)]
+
+
+_DECOMPOSE = {batch_norm_train_p: _decompose_train, batch_norm_tangent_p: _decompose_tangent,
+              batch_norm_grad_p: _decompose_grad}
+
+
+def _decomposition_jvp(prim):
+    """The JVP of ``prim``'s decomposition (the statistics recomputed from ``x``, so
+    the tangents of the ``mean``/``var`` operands are not read)."""
+    def rule(primals, tangents, **params):
+        program, consts = stage(lambda *xs: _DECOMPOSE[prim](*xs, **params),
+                                [typeof(p) for p in primals])
+        tangents = list(tangents)
+        for i in (2, 3):  # mean, var: functions of x
+            tangents[i] = Zero(typeof(primals[i]))
+
+        def eq_rule(eq, pairs):
+            ps, ts = zip(*pairs) if pairs else ((), ())
+            if all(isinstance(t, Zero) for t in ts):
+                return [(o, Zero(v.aval)) for o, v in zip(bind_equation(eq, ps), eq.outputs)]
+            outs, touts = jvp.lookup(eq.prim, transform="differentiation (jvp/grad)")(
+                list(ps), list(ts), **eq.params)
+            return list(zip(outs, touts))
+
+        args = [(c, Zero(typeof(c))) for c in consts] + list(zip(primals, tangents))
+        res = walk(program, args, eq_rule, "differentiating",
+                   literal=lambda a: (a.value, Zero(a.aval)))
+        # the primal outputs from the primitive itself (one fused kernel)
+        outs = prim.bind(*primals, **params)
+        # a tangent that does not depend on the given ones is zeros, not symbolic
+        return (list(outs) if prim.multiple_results else [outs],
+                [instantiate(t) for _, t in res])
+
+    return rule
+
+
+def decompose_batch_norm(program):
+    """``program`` with every fused batch-norm equation replaced by its decomposition
+    into reductions and elementwise ops (``fs.shard`` plans: a split batch then
+    all-reduces the statistics' sums). Equations inside sub-programs are left fused:
+    their sharding rules split the channels only, which is correct, if slower."""
+    if not any(eq.prim in _DECOMPOSE for eq in program.equations):
+        return program
+    alias: dict = {}
+
+    def read(a):
+        return a if isinstance(a, Literal) else alias.get(a, a)
+
+    equations = []
+    for eq in program.equations:
+        ins = [read(a) for a in eq.inputs]
+        if eq.prim not in _DECOMPOSE:
+            equations.append(Equation(eq.prim, ins, eq.params, eq.outputs, eq.source))
+            continue
+        sub_prog, consts = stage(lambda *xs, eq=eq: _DECOMPOSE[eq.prim](*xs, **eq.params),
+                                 [a.aval for a in eq.inputs])
+        if consts:  # not expected (its constants are scalars): keep it fused
+            equations.append(Equation(eq.prim, ins, eq.params, eq.outputs, eq.source))
+            continue
+        inner = dict(zip(sub_prog.inputs, ins))
+        for se in sub_prog.equations:
+            equations.append(Equation(se.prim, [inner.get(a, a) if not isinstance(
+                a, Literal) else a for a in se.inputs], se.params, se.outputs, eq.source))
+        for o, so in zip(eq.outputs, sub_prog.outputs):
+            alias[o] = so if isinstance(so, Literal) else inner.get(so, so)
+    outputs = [read(a) for a in program.outputs]
+    return Program(program.inputs, equations, outputs, program.n_consts, program.meta)
+
+
+# -- differentiation ---------------------------------------------------------------
+
+
+def _bn_train_jvp(primals, tangents, *, eps):
+    x, scale, bias = primals
+    outs = batch_norm_train_p.bind(x, scale, bias, eps=eps)
+    zeros = [Zero(typeof(o)) for o in outs]
+    if all(isinstance(t, Zero) for t in tangents):
+        return outs, zeros
+    ts = [instantiate(t) for t in tangents]
+    ty = batch_norm_tangent_p.bind(x, scale, outs[1], outs[2], *ts, eps=eps)
+    if isinstance(tangents[0], Zero):  # the statistics do not depend on scale, bias
+        return outs, [ty] + [instantiate(z) for z in zeros[1:]]
+    # the statistics' own tangents (batch_norm_parts stops their gradient, so reverse
+    # mode drops these)
+    tx = tangents[0]
+    t_mean = mean(tx, _BN_AXES)
+    t_var = mul(mean(mul(sub(x, _channel_shaped(outs[1], 4)), tx), _BN_AXES), 2.0)
+    return outs, [ty, t_mean, t_var]
+
+
+def _bn_tangent_transpose(ct, x, scale, mean_, var_, tx, tscale, tbias, *, eps):
+    if isinstance(ct, Zero):
+        return [None] * 7
+    dx, ds, db = batch_norm_grad_p.bind(x, scale, mean_, var_, ct, eps=eps)
+    return [None] * 4 + [c if is_undefined(t) else None
+                         for c, t in zip((dx, ds, db), (tx, tscale, tbias))]
+
+
+def _bn_grad_transpose(cts, x, scale, mean_, var_, ct, *, eps):
+    if all(isinstance(c, Zero) for c in cts) or not is_undefined(ct):
+        return [None] * 5
+    cts = [instantiate(c) for c in cts]
+    return [None] * 4 + [batch_norm_tangent_p.bind(x, scale, mean_, var_, *cts, eps=eps)]
+
+
+jvp.set(batch_norm_train_p, _bn_train_jvp)
+unsupported(batch_norm_train_p, "transpose", "not linear")
+jvp.set(batch_norm_tangent_p, _decomposition_jvp(batch_norm_tangent_p))
+transpose.set(batch_norm_tangent_p, _bn_tangent_transpose)
+jvp.set(batch_norm_grad_p, _decomposition_jvp(batch_norm_grad_p))
+transpose.set(batch_norm_grad_p, _bn_grad_transpose)
+
+
+# -- batching: the mapped axis folds into the channels --------------------------------
+
+
+def _bn_batching(prim):
+    images = _BN_IMAGES[prim]
+
+    def rule(args, dims, **params):
+        size = batch_size(args, dims)
+        folded = []
+        for i, (v, d) in enumerate(zip(args, dims)):
+            v = batch_to_front(v, d, size)
+            s = tuple(typeof(v).shape)
+            if i in images:  # (B, N, C, H, W) -> (N, B*C, H, W)
+                v = reshape(move_axis(v, 0, 1), (s[1], s[0] * s[2]) + s[3:])
+            else:  # (B, C) -> (B*C,)
+                v = reshape(v, (s[0] * s[1],))
+            folded.append(v)
+        outs = prim.bind(*folded, **params)
+        outs = outs if prim.multiple_results else [outs]
+        res, out_dims = [], []
+        for o in outs:
+            s = tuple(typeof(o).shape)
+            if len(s) == 4:
+                res.append(reshape(o, (s[0], size, s[1] // size) + s[2:]))
+                out_dims.append(1)
+            else:
+                res.append(reshape(o, (size, s[0] // size)))
+                out_dims.append(0)
+        return res, out_dims
+
+    return rule
+
+
+# -- sharding: the channels split; a batch or spatial split needs the decomposition ----
+
+
+def _bn_sharding(prim):
+    images = _BN_IMAGES[prim]
+
+    def rule(*avals, **params):
+        img, vec = ("n", "c", "h", "w"), ("c",)
+        outs = [img, vec, vec] if prim.multiple_results else [img]
+        x = avals[0]
+        return FactorSpec([img if i in images else vec for i in range(len(avals))],
+                          outs, dict(zip(img, x.shape)), nosplit=frozenset("nhw"),
+                          flops_per_point=10.0)
+
+    return rule
+
+
+for _prim in _DECOMPOSE:
+    batching.set(_prim, _bn_batching(_prim))
+    sharding.set(_prim, _bn_sharding(_prim))
+
+
+def _fused_batch_norm(x, scale, bias, eps):
+    """Training-mode ``(y, batch_mean, batch_var)`` from the fused primitive (the
+    statistics without gradient, as the decomposition's), or None where it does not
+    apply (not float32, a scale or bias of another dtype, symbolic shapes)."""
+    a = typeof(x)
+    if a.dtype != dtypes.float32 or not a.is_static or not 2 <= a.ndim <= 4 or any(
+            v is not None and typeof(v).dtype != a.dtype for v in (scale, bias)):
+        return None
+    c = a.shape[1]
+    scale = full((c,), 1.0, a.dtype) if scale is None else scale
+    bias = full((c,), 0.0, a.dtype) if bias is None else bias
+    x4 = reshape(x, tuple(a.shape) + (1,) * (4 - a.ndim))
+    y, m, v = batch_norm_train_p.bind(x4, scale, bias, eps=float(eps))
+    return reshape(y, tuple(a.shape)), _stop_gradient(m), _stop_gradient(v)
+
+
 def batch_norm(x: Float[Array, "n c *spatial"], running_mean: Float[Array, "c"],
                running_var: Float[Array, "c"], weight=None, bias=None, training: bool = False,
                momentum: float = 0.1, eps: float = 1e-5) -> tuple:
@@ -316,13 +676,17 @@ def batch_norm_parts(x, running_mean, running_var, weight=None, bias=None,
     n = 1
     for i in axes:
         n *= a.shape[i]
-    mu = mean(x, axes, keepdims=True)
-    xc = sub(x, mu)
-    var = mean(mul(xc, xc), axes, keepdims=True)
-    y = _affine(mul(xc, rsqrt(add(var, float(eps)))), weight, bias, nd)
+    fused = _fused_batch_norm(x, weight, bias, eps)
+    if fused is not None:  # MindSpore's BatchNorm and BatchNormGrad kernels
+        y, batch_mean, batch_var = fused
+    else:
+        mu = mean(x, axes, keepdims=True)
+        xc = sub(x, mu)
+        var = mean(mul(xc, xc), axes, keepdims=True)
+        y = _affine(mul(xc, rsqrt(add(var, float(eps)))), weight, bias, nd)
+        batch_mean = stop_gradient(reshape(mu, (c,)))
+        batch_var = stop_gradient(reshape(var, (c,)))
     m = float(momentum)
-    batch_mean = stop_gradient(reshape(mu, (c,)))
-    batch_var = stop_gradient(reshape(var, (c,)))
     unbiased = mul(batch_var, n / (n - 1)) if n > 1 else batch_var
     new_mean = add(mul(stop_gradient(running_mean), 1.0 - m), mul(batch_mean, m))
     new_var = add(mul(stop_gradient(running_var), 1.0 - m), mul(unbiased, m))

@@ -13,6 +13,7 @@ from dataclasses import replace
 from fshard.core.tracing import ArrayType
 from fshard.errors import ShardingError
 from fshard.core.ir import Program, Var
+from fshard.primitives.nn import decompose_batch_norm
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.partition import Partitioned, apply_fixed, partition
 from fshard.sharding.propagation import propagate, undecided
@@ -28,6 +29,9 @@ class ShardPlan:
                  level: int = 0, name: str = "f", search: bool = False, fixed=None,
                  world=None, flexible=(), fusion: float | None = None, tied=(), copies=()):
         assert body.n_consts == 0, "a shard_call body takes its constants as inputs"
+        # BatchNorm's fused kernels compute the statistics of the block they get; as
+        # reductions and elementwise ops, a split batch all-reduces them (SyncBatchNorm)
+        body = decompose_batch_norm(body)
         self.body, self.mesh, self.level, self.name = body, mesh, level, name
         self.in_shardings, self.out_shardings = list(in_shardings), list(out_shardings)
         self.search, self.fixed = search, fixed

@@ -37,10 +37,11 @@ LOW_PRECISION_OPS = frozenset({"matmul"})
 
 # O2 runs everything in the compute dtype except these, which run in float32: the
 # normalisations and the ops whose float16 results overflow or lose the loss
-# (MindSpore's O2 black list holds only BatchNorm and LayerNorm, which fshard traces as
-# the reductions and rsqrt below).
+# (MindSpore's O2 black list holds only BatchNorm and LayerNorm: fshard traces LayerNorm
+# as the reductions and rsqrt below, and training-mode BatchNorm as its fused kernels).
 FLOAT32_OPS = frozenset({"softmax", "log_softmax", "reduce_sum", "exp", "log", "pow",
-                         "rsqrt", "sqrt", "erf"})
+                         "rsqrt", "sqrt", "erf", "batch_norm_train", "batch_norm_tangent",
+                         "batch_norm_grad"})
 
 _LOW = (dtypes.float16, dtypes.bfloat16)
 

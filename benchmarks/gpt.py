@@ -26,11 +26,14 @@ What "measured" means here (``measure_memory``):
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import statistics
 import sys
 import time
 
+import mindspore as ms
 import numpy as np
 
 import fshard as fs
@@ -199,45 +202,276 @@ def _uptime() -> str:
     return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+#: the combinations timed (a 2-layer decoder, so that each compiles in well under a
+#: minute on a loaded CPU; pp is at most 2): (label, devices, build() arguments,
+#: ZeRO level or None)
+TIMED = [
+    ("1 device", 1, dict(), None),
+    ("dp=4", 4, dict(dp=4), None),
+    ("dp=4 + ZeRO-1", 4, dict(dp=4), "level1"),
+    ("dp=4 + ZeRO-2", 4, dict(dp=4), "level2"),
+    ("dp=4 + ZeRO-3", 4, dict(dp=4), "level3"),
+    ("tp=4", 4, dict(tp=4), None),
+    ("tp=4 + sp", 4, dict(tp=4, sp=True), None),
+    ("pp=2", 2, dict(pp=2), None),
+    ("dp=2 x tp=2 + sp", 4, dict(dp=2, tp=2, sp=True), None),
+    ("dp=2 x pp=2", 4, dict(dp=2, pp=2), None),
+    ("dp=8", 8, dict(dp=8), None),
+    ("dp=2 x tp=4 + sp", 8, dict(dp=2, tp=4, sp=True), None),
+    ("dp=2 x tp=2 x pp=2 + sp", 8, dict(dp=2, tp=2, pp=2, sp=True), None),
+]
+TIMED_LAYERS = 2
+
+
+def _build_timed(cfg: dict, zero: str | None):
+    ap = gpt.build(layers=TIMED_LAYERS, **cfg)
+    if zero is not None:
+        # threshold 0: this model's tensors are a few KB, under MindSpore's 64 KB default
+        ap.hsdp(threshold=0, optimizer_level=zero)
+    return ap
+
+
+def _fs_jit_step(layers: int):
+    """The single-device step without AutoParallel: ``fs.jit`` of the loss's
+    ``fs.value_and_grad`` and ``fs.optim.adam``'s update, one program."""
+    loss = gpt.make_loss(layers)
+    opt = fs.optim.adam(3e-3)
+
+    @fs.jit
+    def step(params, opt_state, tokens, targets, scale):
+        value, grads = fs.value_and_grad(loss)(params, tokens, targets, scale)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return fs.optim.apply_updates(params, updates), opt_state, value
+
+    params = {k: ms.Tensor(v) for k, v in gpt.init_params(layers).items()}
+    holder = {"state": (params, opt.init(params))}
+
+    def run(*batch):
+        p, o, value = step(*holder["state"], *batch)
+        holder["state"] = (p, o)
+        return value
+
+    return run
+
+
+def _ms_train_cell(layers: int):
+    """MindSpore's own GRAPH-mode ``nn.TrainOneStepCell(loss, nn.Adam)`` on the same
+    decoder (the same parameters, the same loss), written with ``mindspore.ops``."""
+    from mindspore import Parameter, Tensor, nn, ops
+
+    init = gpt.init_params(layers)
+    hd = gpt.DIM // gpt.HEADS
+    cos, sin = (Tensor(a) for a in gpt._rope(gpt.SEQ, hd))
+    mask = Tensor(np.triu(np.ones((gpt.SEQ, gpt.SEQ), bool), 1))
+
+    def norm(x, g):
+        return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + 1e-6) * g
+
+    def rot(x):
+        half = x.shape[-1] // 2
+        return ops.cat((-x[..., half:], x[..., :half]), axis=-1)
+
+    class GPT(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.names = sorted(init)
+            self.p = ms.ParameterTuple(
+                [Parameter(Tensor(init[k]), name=k.replace(".", "_")) for k in self.names])
+            self.idx = {k: i for i, k in enumerate(self.names)}
+
+        def w(self, name):
+            return self.p[self.idx[name]]
+
+        def construct(self, tokens, targets, scale):
+            table = self.w("embed")
+            x = ops.gather(table, tokens, 0)
+            b, s, d = x.shape
+            for i in range(layers):
+                h = norm(x, self.w(f"layer{i}.attn_norm"))
+                q, k, v = (ops.matmul(h, self.w(f"layer{i}.{n}")).reshape(
+                    b, s, gpt.HEADS, hd).transpose(0, 2, 1, 3) for n in ("wq", "wk", "wv"))
+                q = q * cos + rot(q) * sin
+                k = k * cos + rot(k) * sin
+                sc = ops.matmul(q, k.transpose(0, 1, 3, 2)) * float(1 / np.sqrt(hd))
+                att = ops.matmul(ops.softmax(sc.masked_fill(mask, -3e4), axis=-1), v)
+                att = att.transpose(0, 2, 1, 3).reshape(b, s, d)
+                x = x + ops.matmul(att, self.w(f"layer{i}.wo"))
+                h = norm(x, self.w(f"layer{i}.mlp_norm"))
+                up = ops.silu(ops.matmul(h, self.w(f"layer{i}.w1"))) * ops.matmul(
+                    h, self.w(f"layer{i}.w3"))
+                x = x + ops.matmul(up, self.w(f"layer{i}.w2"))
+            h = norm(x, self.w("final_norm"))
+            logp = ops.log_softmax(ops.matmul(h, table.T), -1)
+            picked = ops.gather_elements(logp, 2, targets.expand_dims(-1))
+            return (-picked.mean((1, 2)) * scale).mean()
+
+    net = GPT()
+    train = nn.TrainOneStepCell(net, nn.Adam(net.trainable_params(), 3e-3))
+    train.set_train()
+    return train
+
+
+def _graph_mode_call(train, *batch):
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        return float(train(*batch).asnumpy())
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+class _OverBudget(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise ``_OverBudget`` in this (main) thread after ``seconds``: a combination's
+    first call (plan, trace, compile) that takes longer is skipped, not waited for."""
+    def fire(signum, frame):
+        raise _OverBudget
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _transfer_rounds(ap) -> int:
+    """Transfer rounds (activations or cotangents crossing a stage boundary) in one
+    step of a pipelined ``ap``'s program order."""
+    step = next(iter(ap._pipeline._steps.values()))
+    return sum(1 for item in step.order if type(item).__name__ != "Event")
+
+
+def _collective_kinds(part) -> dict:
+    kinds: dict = {}
+    for name in part.collectives():
+        kinds[name] = kinds.get(name, 0) + 1
+    return kinds
+
+
+def _kib(b) -> str:
+    return f"{b / 1024:.1f}"
+
+
 @benchmark("gpt_parallel",
-           title="GPT decoder: memory per device and step time per parallelism combination")
+           title="GPT decoder: step time, collectives and memory per parallelism combination")
 def gpt_parallel(ctx):
-    runs = ctx.runs(7, 2)
+    """Each combination is built and compiled once (its first call timed: plan, trace
+    and compile), then every combination's steps are timed interleaved, one step of
+    each per round, so that the machine's load falls on all alike; a combination stops
+    after ``max_runs`` steps or ``budget_s`` seconds of timed steps."""
+    max_runs, budget_s = ctx.runs(15, 3), (6.0 if not ctx.quick else 1.0)
+    compile_budget_s = 300.0
+
     load_before = _uptime()
-    rows, notes, memory = [], [], {}
-    residuals: dict = {}
-    for label, n, cfg in COMBOS:
+    tokens, targets = next(gpt.corpus(1))
+    scale = np.ones(len(tokens), np.float32)
+    # MindSpore tensors for every runner alike (the conversion is not timed)
+    batch = tuple(ms.Tensor(a) for a in (tokens, targets, scale))
+    notes = [f"decoder: {TIMED_LAYERS} layers, width {gpt.DIM}, {gpt.HEADS} heads, MLP "
+             f"{gpt.FF}, vocabulary {gpt.VOCAB}, batch {gpt.BATCH}, sequence {gpt.SEQ}, "
+             f"float32, Adam 3e-3; all devices of a virtual mesh run in this one process"]
+    runners, first, info = {}, {}, {}
+
+    # the single-device references: fs.jit and MindSpore's TrainOneStepCell
+    print("  [gpt_parallel] fs.jit, 1 device: first call ...", flush=True)
+    t0 = time.perf_counter()
+    jit_run = _fs_jit_step(TIMED_LAYERS)
+    jit_losses = [float(jit_run(*batch))]
+    first["fs.jit step (1 device)"] = time.perf_counter() - t0
+    print("  [gpt_parallel] MindSpore TrainOneStepCell, GRAPH mode: first call ...",
+          flush=True)
+    t0 = time.perf_counter()
+    cell = _ms_train_cell(TIMED_LAYERS)
+    ms_losses = [_graph_mode_call(cell, *batch)]
+    first["MindSpore TrainOneStepCell, GRAPH (1 device)"] = time.perf_counter() - t0
+    for _ in range(2):
+        jit_losses.append(float(jit_run(*batch)))
+        ms_losses.append(_graph_mode_call(cell, *batch))
+    np.testing.assert_allclose(jit_losses, ms_losses, rtol=1e-4)
+    notes.append(f"fs.jit and TrainOneStepCell: the same first three losses "
+                 f"{np.round(jit_losses, 5).tolist()}")
+    runners["fs.jit step (1 device)"] = lambda: float(jit_run(*batch))
+    runners["MindSpore TrainOneStepCell, GRAPH (1 device)"] = \
+        lambda: _graph_mode_call(cell, *batch)
+
+    whole = sum(v.nbytes for v in gpt.init_params(TIMED_LAYERS).values())
+    skipped = []
+    for label, n, cfg, zero in TIMED:
+        print(f"  [gpt_parallel] {label} ({n} devices): first call ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            with _time_limit(compile_budget_s):
+                ap = _build_timed(cfg, zero)
+                holder = {"state": ap.init(gpt.init_params(TIMED_LAYERS))}
+                holder["state"], loss = ap(holder["state"], *batch)
+                loss0 = float(loss)
+        except _OverBudget:
+            skipped.append(label)
+            print(f"  [gpt_parallel] {label}: skipped, its first call took over "
+                  f"{compile_budget_s:.0f} s", flush=True)
+            continue
+        first[label] = time.perf_counter() - t0
+        np.testing.assert_allclose(loss0, jit_losses[0], rtol=1e-4)
         if cfg.get("pp", 1) == 1:
-            mem = measure_memory(label, cfg)
-            residuals[(cfg.get("dp", 1), cfg.get("tp", 1), cfg.get("sp", False))] = \
-                mem["activations"] * cfg.get("dp", 1)
+            rep = ap.memory_report(holder["state"], *batch)
+            kinds = _collective_kinds(ap.partitioned(holder["state"], *batch))
         else:
-            mem = None
-        memory[label] = mem
-    for label, n, cfg in COMBOS:
-        if memory[label] is None:
-            memory[label] = measure_memory(label, cfg, tp_residuals=residuals)
-    a1 = memory["1 device"]["activations"]
-    for label, n, cfg in COMBOS:
-        mem, form = memory[label], formula(cfg)
-        dp, tp, pp = cfg.get("dp", 1), cfg.get("tp", 1), cfg.get("pp", 1)
-        notes.append(
-            f"memory {label}: " + ", ".join(
-                f"{k} {mem[k] / 1024:.1f} KiB (formula {form[k] / 1024:.1f})"
-                for k in ("params", "grads", "optimizer_state"))
-            + f", activations {mem['activations'] / 1024:.1f} KiB (ideal "
-            f"A1/(dp tp pp) {a1 / (dp * tp * pp) / 1024:.1f})"
-            + (f", kept stage inputs {mem['kept_inputs'] / 1024:.1f} KiB"
-               if "kept_inputs" in mem else "")
-            + (f", {mem['collectives']} collectives" if "collectives" in mem else ""))
-        t = step_time(cfg, runs)
-        pred = predicted_step(cfg) * 1e6
-        big = predicted_step(cfg, **LARGE) * 1e3
-        rows.append(Row("fshard", f"{label} ({n} devices)", t["median_s"], t["min_s"],
-                        t["runs"], f"predicted on {n} GPUs: {pred:.0f} µs; "
-                        f"1.5B model: {big:.0f} ms"))
-    notes.append(f"load average before: {load_before}; after: {_uptime()}")
-    return Result(rows, baseline="dp=8 (8 devices)",
-                  target="memory: the formula where fshard's layout is Megatron's; "
-                         "time: measured on the shared CPU, predicted for 8 GPUs",
+            # fshard's pipeline updates whole parameters on every device (pipeline.md)
+            rep = {"params": _tree_bytes(holder["state"].params), "grads": whole,
+                   "optimizer_state": _tree_bytes(holder["state"].opt_state)}
+            kinds = {"stage transfer rounds": _transfer_rounds(ap)}
+        info[label] = (n, cfg, rep, kinds)
+
+        def run(ap=ap, holder=holder):
+            holder["state"], loss = ap(holder["state"], *batch)
+            return float(loss)
+
+        runners[label] = run
+        run()  # a second warm-up step (the first after compilation)
+        print(f"  [gpt_parallel] {label}: first call {first[label]:.1f} s", flush=True)
+
+    print("  [gpt_parallel] timing, interleaved ...", flush=True)
+    times = {k: [] for k in runners}
+    while True:
+        active = [k for k in runners
+                  if len(times[k]) < max_runs and sum(times[k]) < budget_s]
+        if not active:
+            break
+        for k in active:
+            t0 = time.perf_counter()
+            runners[k]()
+            times[k].append(time.perf_counter() - t0)
+    load_after = _uptime()
+
+    rows = []
+    for k, ts in times.items():
+        note = f"first call {first[k]:.1f} s"
+        if k in info:
+            n, cfg, rep, kinds = info[k]
+            form = formula(cfg, TIMED_LAYERS)
+            coll = (f"{sum(kinds.values())} collectives ("
+                    + ", ".join(f"{c} {v}" for c, v in sorted(kinds.items())) + ")")
+            note += (f"; {coll}; device 0 KiB: params {_kib(rep['params'])}, grads "
+                     f"{_kib(rep['grads'])}, Adam {_kib(rep['optimizer_state'])} "
+                     f"(formula without ZeRO: {_kib(form['params'])}, "
+                     f"{_kib(form['grads'])}, {_kib(form['optimizer_state'])})")
+            label = f"{k} ({n} devices)"
+        else:
+            label = k
+        rows.append(Row("mindspore" if k.startswith("MindSpore") else "fshard", label,
+                        statistics.median(ts), min(ts), len(ts), note))
+    notes.append(f"steps timed interleaved, at most {max_runs} per combination or "
+                 f"{budget_s:.0f} s of steps; whole model {_kib(whole)} KiB")
+    if skipped:
+        notes.append(f"skipped (first call over {compile_budget_s:.0f} s): "
+                     + ", ".join(skipped))
+    notes.append(f"load average (1, 5, 15 min) before: {load_before}; after: {load_after}")
+    return Result(rows, baseline="fs.jit step (1 device)",
+                  target="overhead of the virtual mesh (one process, 2 cores): the ratio "
+                         "to one device's fs.jit step is a cost, not a speedup",
                   notes=notes)

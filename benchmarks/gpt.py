@@ -208,17 +208,18 @@ def _uptime() -> str:
 TIMED = [
     ("1 device", 1, dict(), None),
     ("dp=4", 4, dict(dp=4), None),
+    ("pp=2", 2, dict(pp=2), None),
+    ("dp=2 x pp=2", 4, dict(dp=2, pp=2), None),
+    ("dp=8", 8, dict(dp=8), None),
+    ("tp=4 + sp", 4, dict(tp=4, sp=True), None),
+    ("dp=2 x tp=2 + sp", 4, dict(dp=2, tp=2, sp=True), None),
+    ("dp=2 x tp=2 x pp=2 + sp", 8, dict(dp=2, tp=2, pp=2, sp=True), None),
+    ("tp=4", 4, dict(tp=4), None),
+    ("dp=2 x tp=4 + sp", 8, dict(dp=2, tp=4, sp=True), None),
+    # ZeRO's first call is the slowest (minutes on a loaded machine): last
     ("dp=4 + ZeRO-1", 4, dict(dp=4), "level1"),
     ("dp=4 + ZeRO-2", 4, dict(dp=4), "level2"),
     ("dp=4 + ZeRO-3", 4, dict(dp=4), "level3"),
-    ("tp=4", 4, dict(tp=4), None),
-    ("tp=4 + sp", 4, dict(tp=4, sp=True), None),
-    ("pp=2", 2, dict(pp=2), None),
-    ("dp=2 x tp=2 + sp", 4, dict(dp=2, tp=2, sp=True), None),
-    ("dp=2 x pp=2", 4, dict(dp=2, pp=2), None),
-    ("dp=8", 8, dict(dp=8), None),
-    ("dp=2 x tp=4 + sp", 8, dict(dp=2, tp=4, sp=True), None),
-    ("dp=2 x tp=2 x pp=2 + sp", 8, dict(dp=2, tp=2, pp=2, sp=True), None),
 ]
 TIMED_LAYERS = 2
 
@@ -357,16 +358,32 @@ def _kib(b) -> str:
     return f"{b / 1024:.1f}"
 
 
+def _interleaved(runners: dict, max_runs: int, budget_s: float) -> dict:
+    """Seconds of each runner's calls, one call of each per round (the machine's load
+    falls on all alike), until ``max_runs`` rounds or ``budget_s`` seconds of the
+    first runner's calls."""
+    times = {k: [] for k in runners}
+    while len(times[next(iter(runners))]) < max_runs and \
+            sum(times[next(iter(runners))]) < budget_s:
+        for k, f in runners.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 @benchmark("gpt_parallel",
            title="GPT decoder: step time, collectives and memory per parallelism combination")
 def gpt_parallel(ctx):
     """Each combination is built and compiled once (its first call timed: plan, trace
-    and compile), then every combination's steps are timed interleaved, one step of
-    each per round, so that the machine's load falls on all alike; a combination stops
-    after ``max_runs`` steps or ``budget_s`` seconds of timed steps."""
-    max_runs, budget_s = ctx.runs(15, 3), (6.0 if not ctx.quick else 1.0)
+    and compile; skipped past ``compile_budget_s``), then its steps are timed
+    interleaved with the single-device ``fs.jit`` step and MindSpore's GRAPH-mode
+    ``TrainOneStepCell`` on the same decoder (one step of each per round, so that the
+    machine's load falls on the three alike and the ratios are fair while the load
+    moves), for ``max_runs`` rounds or ``budget_s`` seconds of the combination's steps.
+    Each combination's line is printed as soon as it is measured."""
+    max_runs, budget_s = ctx.runs(12, 3), (5.0 if not ctx.quick else 1.0)
     compile_budget_s = 300.0
-
     load_before = _uptime()
     tokens, targets = next(gpt.corpus(1))
     scale = np.ones(len(tokens), np.float32)
@@ -375,34 +392,40 @@ def gpt_parallel(ctx):
     notes = [f"decoder: {TIMED_LAYERS} layers, width {gpt.DIM}, {gpt.HEADS} heads, MLP "
              f"{gpt.FF}, vocabulary {gpt.VOCAB}, batch {gpt.BATCH}, sequence {gpt.SEQ}, "
              f"float32, Adam 3e-3; all devices of a virtual mesh run in this one process"]
-    runners, first, info = {}, {}, {}
+    say = lambda msg: print(f"  [gpt_parallel] {msg}", flush=True)  # noqa: E731
 
     # the single-device references: fs.jit and MindSpore's TrainOneStepCell
-    print("  [gpt_parallel] fs.jit, 1 device: first call ...", flush=True)
+    say("fs.jit, 1 device: first call ...")
     t0 = time.perf_counter()
     jit_run = _fs_jit_step(TIMED_LAYERS)
     jit_losses = [float(jit_run(*batch))]
-    first["fs.jit step (1 device)"] = time.perf_counter() - t0
-    print("  [gpt_parallel] MindSpore TrainOneStepCell, GRAPH mode: first call ...",
-          flush=True)
+    first_jit = time.perf_counter() - t0
+    say("MindSpore TrainOneStepCell, GRAPH mode: first call ...")
     t0 = time.perf_counter()
     cell = _ms_train_cell(TIMED_LAYERS)
     ms_losses = [_graph_mode_call(cell, *batch)]
-    first["MindSpore TrainOneStepCell, GRAPH (1 device)"] = time.perf_counter() - t0
+    first_ms = time.perf_counter() - t0
     for _ in range(2):
         jit_losses.append(float(jit_run(*batch)))
         ms_losses.append(_graph_mode_call(cell, *batch))
     np.testing.assert_allclose(jit_losses, ms_losses, rtol=1e-4)
     notes.append(f"fs.jit and TrainOneStepCell: the same first three losses "
                  f"{np.round(jit_losses, 5).tolist()}")
-    runners["fs.jit step (1 device)"] = lambda: float(jit_run(*batch))
-    runners["MindSpore TrainOneStepCell, GRAPH (1 device)"] = \
-        lambda: _graph_mode_call(cell, *batch)
+    refs = {"fs.jit": lambda: float(jit_run(*batch)),
+            "ms": lambda: _graph_mode_call(cell, *batch)}
+    t = _interleaved(refs, 2 * max_runs, 2 * budget_s)
+    rows = [Row("fshard", "fs.jit step (1 device)", statistics.median(t["fs.jit"]),
+                min(t["fs.jit"]), len(t["fs.jit"]), f"first call {first_jit:.1f} s"),
+            Row("mindspore", "MindSpore TrainOneStepCell, GRAPH (1 device)",
+                statistics.median(t["ms"]), min(t["ms"]), len(t["ms"]),
+                f"first call {first_ms:.1f} s")]
+    say(f"fs.jit {statistics.median(t['fs.jit']) * 1e3:.2f} ms, TrainOneStepCell "
+        f"{statistics.median(t['ms']) * 1e3:.2f} ms (medians, interleaved)")
 
     whole = sum(v.nbytes for v in gpt.init_params(TIMED_LAYERS).values())
     skipped = []
     for label, n, cfg, zero in TIMED:
-        print(f"  [gpt_parallel] {label} ({n} devices): first call ...", flush=True)
+        say(f"{label} ({n} devices): first call ...")
         t0 = time.perf_counter()
         try:
             with _time_limit(compile_budget_s):
@@ -412,10 +435,9 @@ def gpt_parallel(ctx):
                 loss0 = float(loss)
         except _OverBudget:
             skipped.append(label)
-            print(f"  [gpt_parallel] {label}: skipped, its first call took over "
-                  f"{compile_budget_s:.0f} s", flush=True)
+            say(f"{label}: skipped, its first call took over {compile_budget_s:.0f} s")
             continue
-        first[label] = time.perf_counter() - t0
+        first = time.perf_counter() - t0
         np.testing.assert_allclose(loss0, jit_losses[0], rtol=1e-4)
         if cfg.get("pp", 1) == 1:
             rep = ap.memory_report(holder["state"], *batch)
@@ -425,52 +447,36 @@ def gpt_parallel(ctx):
             rep = {"params": _tree_bytes(holder["state"].params), "grads": whole,
                    "optimizer_state": _tree_bytes(holder["state"].opt_state)}
             kinds = {"stage transfer rounds": _transfer_rounds(ap)}
-        info[label] = (n, cfg, rep, kinds)
 
         def run(ap=ap, holder=holder):
             holder["state"], loss = ap(holder["state"], *batch)
             return float(loss)
 
-        runners[label] = run
         run()  # a second warm-up step (the first after compilation)
-        print(f"  [gpt_parallel] {label}: first call {first[label]:.1f} s", flush=True)
-
-    print("  [gpt_parallel] timing, interleaved ...", flush=True)
-    times = {k: [] for k in runners}
-    while True:
-        active = [k for k in runners
-                  if len(times[k]) < max_runs and sum(times[k]) < budget_s]
-        if not active:
-            break
-        for k in active:
-            t0 = time.perf_counter()
-            runners[k]()
-            times[k].append(time.perf_counter() - t0)
-    load_after = _uptime()
-
-    rows = []
-    for k, ts in times.items():
-        note = f"first call {first[k]:.1f} s"
-        if k in info:
-            n, cfg, rep, kinds = info[k]
-            form = formula(cfg, TIMED_LAYERS)
-            coll = (f"{sum(kinds.values())} collectives ("
-                    + ", ".join(f"{c} {v}" for c, v in sorted(kinds.items())) + ")")
-            note += (f"; {coll}; device 0 KiB: params {_kib(rep['params'])}, grads "
-                     f"{_kib(rep['grads'])}, Adam {_kib(rep['optimizer_state'])} "
-                     f"(formula without ZeRO: {_kib(form['params'])}, "
-                     f"{_kib(form['grads'])}, {_kib(form['optimizer_state'])})")
-            label = f"{k} ({n} devices)"
-        else:
-            label = k
-        rows.append(Row("mindspore" if k.startswith("MindSpore") else "fshard", label,
-                        statistics.median(ts), min(ts), len(ts), note))
-    notes.append(f"steps timed interleaved, at most {max_runs} per combination or "
-                 f"{budget_s:.0f} s of steps; whole model {_kib(whole)} KiB")
+        t = _interleaved({"combo": run, **refs}, max_runs, budget_s)
+        med = {k: statistics.median(v) for k, v in t.items()}
+        form = formula(cfg, TIMED_LAYERS)
+        coll = (f"{sum(kinds.values())} collectives ("
+                + ", ".join(f"{c} {v}" for c, v in sorted(kinds.items())) + ")")
+        note = (f"first call {first:.1f} s; {med['combo'] / med['fs.jit']:.2f}x fs.jit, "
+                f"{med['combo'] / med['ms']:.2f}x TrainOneStepCell (same rounds: "
+                f"{med['fs.jit'] * 1e3:.2f}, {med['ms'] * 1e3:.2f} ms); {coll}; device 0 "
+                f"KiB: params {_kib(rep['params'])}, grads {_kib(rep['grads'])}, Adam "
+                f"{_kib(rep['optimizer_state'])} (formula without ZeRO: "
+                f"{_kib(form['params'])}, {_kib(form['grads'])}, "
+                f"{_kib(form['optimizer_state'])}); load {_uptime()}")
+        rows.append(Row("fshard", f"{label} ({n} devices)", med["combo"], min(t["combo"]),
+                        len(t["combo"]), note))
+        say(f"{label}: median {med['combo'] * 1e3:.2f} ms, min "
+            f"{min(t['combo']) * 1e3:.2f} ms; {note}")
+        del ap, holder, run
+    notes.append(f"steps timed interleaved with the two references, at most {max_runs} "
+                 f"rounds or {budget_s:.0f} s of the combination's steps; whole model "
+                 f"{_kib(whole)} KiB")
     if skipped:
         notes.append(f"skipped (first call over {compile_budget_s:.0f} s): "
                      + ", ".join(skipped))
-    notes.append(f"load average (1, 5, 15 min) before: {load_before}; after: {load_after}")
+    notes.append(f"load average (1, 5, 15 min) before: {load_before}; after: {_uptime()}")
     return Result(rows, baseline="fs.jit step (1 device)",
                   target="overhead of the virtual mesh (one process, 2 cores): the ratio "
                          "to one device's fs.jit step is a cost, not a speedup",

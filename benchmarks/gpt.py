@@ -4,9 +4,13 @@ per device and step time.
 ``gpt_parallel``: for each combination of data (dp), tensor (tp), pipeline (pp) and
 sequence (sp, over the tp devices) parallelism on a 4- or 8-device virtual mesh, the
 per-device bytes of parameters, gradients, optimizer state and activations, measured
-from what fshard runs, next to the formula of Megatron-LM's layout; and the step's
-time (float32, Adam, 4 layers, batch 16, sequence 16), against data parallelism on
-the same number of devices and next to an analytic prediction for 8 accelerators.
+from what fshard runs, next to the formula of Megatron-LM's layout
+(``measure_memory``, 4 layers), and an analytic prediction of the step on 8
+accelerators (``predicted_step``). The benchmark itself (``TIMED``, a 2-layer decoder) times each combination's step
+interleaved with the single-device ``fs.jit`` step and MindSpore's GRAPH-mode
+``TrainOneStepCell`` (float32, Adam, batch 16, sequence 16), with its first call,
+collectives and per-device bytes; on a virtual mesh that is the emulation's overhead,
+not a speedup.
 
 What "measured" means here (``measure_memory``):
 
@@ -202,8 +206,8 @@ def _uptime() -> str:
     return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-#: the combinations timed (a 2-layer decoder, so that each compiles in well under a
-#: minute on a loaded CPU; pp is at most 2): (label, devices, build() arguments,
+#: the combinations timed (a 2-layer decoder, so that most first calls stay within the
+#: 300 s limit on a loaded 2-core machine; pp is at most 2): (label, devices, build() arguments,
 #: ZeRO level or None)
 TIMED = [
     ("1 device", 1, dict(), None),
@@ -258,7 +262,7 @@ def _fs_jit_step(layers: int):
 def _ms_train_cell(layers: int):
     """MindSpore's own GRAPH-mode ``nn.TrainOneStepCell(loss, nn.Adam)`` on the same
     decoder (the same parameters, the same loss), written with ``mindspore.ops``."""
-    from mindspore import Parameter, Tensor, nn, ops
+    Parameter, Tensor, nn, ops = ms.Parameter, ms.Tensor, ms.nn, ms.ops
 
     init = gpt.init_params(layers)
     hd = gpt.DIM // gpt.HEADS

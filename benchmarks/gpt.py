@@ -7,8 +7,8 @@ per-device bytes of parameters, gradients, optimizer state and activations, meas
 from what fshard runs, next to the formula of Megatron-LM's layout
 (``measure_memory``, 4 layers), and an analytic prediction of the step on 8
 accelerators (``predicted_step``). The benchmark itself (``TIMED``, a 2-layer
-decoder) times each combination's step interleaved with the single-device ``fs.jit`` step and MindSpore's GRAPH-mode
-``TrainOneStepCell`` (float32, Adam, batch 16, sequence 16), with its first call,
+decoder) times each combination's step interleaved with the single-device
+``fs.jit`` step and MindSpore's GRAPH-mode ``TrainOneStepCell`` (float32, Adam, batch 16, sequence 16), with its first call,
 collectives and per-device bytes; on a virtual mesh that is the emulation's overhead,
 not a speedup.
 

@@ -8,9 +8,9 @@ from what fshard runs, next to the formula of Megatron-LM's layout
 (``measure_memory``, 4 layers), and an analytic prediction of the step on 8
 accelerators (``predicted_step``). The benchmark itself (``TIMED``, a 2-layer
 decoder) times each combination's step interleaved with the single-device
-``fs.jit`` step and MindSpore's GRAPH-mode ``TrainOneStepCell`` (float32, Adam, batch 16, sequence 16), with its first call,
-collectives and per-device bytes; on a virtual mesh that is the emulation's overhead,
-not a speedup.
+``fs.jit`` step and MindSpore's GRAPH-mode ``TrainOneStepCell`` (float32, Adam,
+batch 16, sequence 16), with its first call, collectives and per-device bytes; on a
+virtual mesh that is the emulation's overhead, not a speedup.
 
 What "measured" means here (``measure_memory``):
 

@@ -4,9 +4,13 @@ per device and step time.
 ``gpt_parallel``: for each combination of data (dp), tensor (tp), pipeline (pp) and
 sequence (sp, over the tp devices) parallelism on a 4- or 8-device virtual mesh, the
 per-device bytes of parameters, gradients, optimizer state and activations, measured
-from what fshard runs, next to the formula of Megatron-LM's layout; and the step's
-time (float32, Adam, 4 layers, batch 16, sequence 16), against data parallelism on
-the same number of devices and next to an analytic prediction for 8 accelerators.
+from what fshard runs, next to the formula of Megatron-LM's layout
+(``measure_memory``, 4 layers), and an analytic prediction of the step on 8
+accelerators (``predicted_step``). The benchmark itself (``TIMED``, a 2-layer
+decoder) times each combination's step interleaved with the single-device
+``fs.jit`` step and MindSpore's GRAPH-mode ``TrainOneStepCell`` (float32, Adam,
+batch 16, sequence 16), with its first call, collectives and per-device bytes; on a
+virtual mesh that is the emulation's overhead, not a speedup.
 
 What "measured" means here (``measure_memory``):
 
@@ -26,11 +30,14 @@ What "measured" means here (``measure_memory``):
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import statistics
 import sys
 import time
 
+import mindspore as ms
 import numpy as np
 
 import fshard as fs
@@ -199,45 +206,282 @@ def _uptime() -> str:
     return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+#: the combinations timed (a 2-layer decoder, so that most first calls stay within the
+#: 300 s limit on a loaded 2-core machine; pp is at most 2): (label, devices, build() arguments,
+#: ZeRO level or None)
+TIMED = [
+    ("1 device", 1, dict(), None),
+    ("dp=4", 4, dict(dp=4), None),
+    ("pp=2", 2, dict(pp=2), None),
+    ("dp=2 x pp=2", 4, dict(dp=2, pp=2), None),
+    ("dp=8", 8, dict(dp=8), None),
+    ("tp=4 + sp", 4, dict(tp=4, sp=True), None),
+    ("dp=2 x tp=2 + sp", 4, dict(dp=2, tp=2, sp=True), None),
+    ("dp=2 x tp=2 x pp=2 + sp", 8, dict(dp=2, tp=2, pp=2, sp=True), None),
+    ("tp=4", 4, dict(tp=4), None),
+    ("dp=2 x tp=4 + sp", 8, dict(dp=2, tp=4, sp=True), None),
+    # ZeRO's first call is the slowest (minutes on a loaded machine): last
+    ("dp=4 + ZeRO-1", 4, dict(dp=4), "level1"),
+    ("dp=4 + ZeRO-2", 4, dict(dp=4), "level2"),
+    ("dp=4 + ZeRO-3", 4, dict(dp=4), "level3"),
+]
+TIMED_LAYERS = 2
+
+
+def _build_timed(cfg: dict, zero: str | None):
+    ap = gpt.build(layers=TIMED_LAYERS, **cfg)
+    if zero is not None:
+        # threshold 0: this model's tensors are a few KB, under MindSpore's 64 KB default
+        ap.hsdp(threshold=0, optimizer_level=zero)
+    return ap
+
+
+def _fs_jit_step(layers: int):
+    """The single-device step without AutoParallel: ``fs.jit`` of the loss's
+    ``fs.value_and_grad`` and ``fs.optim.adam``'s update, one program."""
+    loss = gpt.make_loss(layers)
+    opt = fs.optim.adam(3e-3)
+
+    @fs.jit
+    def step(params, opt_state, tokens, targets, scale):
+        value, grads = fs.value_and_grad(loss)(params, tokens, targets, scale)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return fs.optim.apply_updates(params, updates), opt_state, value
+
+    params = {k: ms.Tensor(v) for k, v in gpt.init_params(layers).items()}
+    holder = {"state": (params, opt.init(params))}
+
+    def run(*batch):
+        p, o, value = step(*holder["state"], *batch)
+        holder["state"] = (p, o)
+        return value
+
+    return run
+
+
+def _ms_train_cell(layers: int):
+    """MindSpore's own GRAPH-mode ``nn.TrainOneStepCell(loss, nn.Adam)`` on the same
+    decoder (the same parameters, the same loss), written with ``mindspore.ops``."""
+    Parameter, Tensor, nn, ops = ms.Parameter, ms.Tensor, ms.nn, ms.ops
+
+    init = gpt.init_params(layers)
+    hd = gpt.DIM // gpt.HEADS
+    cos, sin = (Tensor(a) for a in gpt._rope(gpt.SEQ, hd))
+    mask = Tensor(np.triu(np.ones((gpt.SEQ, gpt.SEQ), bool), 1))
+
+    def norm(x, g):
+        return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + 1e-6) * g
+
+    def rot(x):
+        half = x.shape[-1] // 2
+        return ops.cat((-x[..., half:], x[..., :half]), axis=-1)
+
+    class GPT(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.names = sorted(init)
+            self.p = ms.ParameterTuple(
+                [Parameter(Tensor(init[k]), name=k.replace(".", "_")) for k in self.names])
+            self.idx = {k: i for i, k in enumerate(self.names)}
+
+        def w(self, name):
+            return self.p[self.idx[name]]
+
+        def construct(self, tokens, targets, scale):
+            table = self.w("embed")
+            x = ops.gather(table, tokens, 0)
+            b, s, d = x.shape
+            for i in range(layers):
+                h = norm(x, self.w(f"layer{i}.attn_norm"))
+                q, k, v = (ops.matmul(h, self.w(f"layer{i}.{n}")).reshape(
+                    b, s, gpt.HEADS, hd).transpose(0, 2, 1, 3) for n in ("wq", "wk", "wv"))
+                q = q * cos + rot(q) * sin
+                k = k * cos + rot(k) * sin
+                sc = ops.matmul(q, k.transpose(0, 1, 3, 2)) * float(1 / np.sqrt(hd))
+                att = ops.matmul(ops.softmax(sc.masked_fill(mask, -3e4), axis=-1), v)
+                att = att.transpose(0, 2, 1, 3).reshape(b, s, d)
+                x = x + ops.matmul(att, self.w(f"layer{i}.wo"))
+                h = norm(x, self.w(f"layer{i}.mlp_norm"))
+                up = ops.silu(ops.matmul(h, self.w(f"layer{i}.w1"))) * ops.matmul(
+                    h, self.w(f"layer{i}.w3"))
+                x = x + ops.matmul(up, self.w(f"layer{i}.w2"))
+            h = norm(x, self.w("final_norm"))
+            logp = ops.log_softmax(ops.matmul(h, table.T), -1)
+            picked = ops.gather_elements(logp, 2, targets.expand_dims(-1))
+            return (-picked.mean((1, 2)) * scale).mean()
+
+    net = GPT()
+    train = nn.TrainOneStepCell(net, nn.Adam(net.trainable_params(), 3e-3))
+    train.set_train()
+    return train
+
+
+def _graph_mode_call(train, *batch):
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        return float(train(*batch).asnumpy())
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+class _OverBudget(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise ``_OverBudget`` in this (main) thread after ``seconds``: a combination's
+    first call (plan, trace, compile) that takes longer is skipped, not waited for."""
+    def fire(signum, frame):
+        raise _OverBudget
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _transfer_rounds(ap) -> int:
+    """Transfer rounds (activations or cotangents crossing a stage boundary) in one
+    step of a pipelined ``ap``'s program order."""
+    step = next(iter(ap._pipeline._steps.values()))
+    return sum(1 for item in step.order if type(item).__name__ != "Event")
+
+
+def _collective_kinds(part) -> dict:
+    kinds: dict = {}
+    for name in part.collectives():
+        kinds[name] = kinds.get(name, 0) + 1
+    return kinds
+
+
+def _kib(b) -> str:
+    return f"{b / 1024:.1f}"
+
+
+def _interleaved(runners: dict, max_runs: int, budget_s: float) -> dict:
+    """Seconds of each runner's calls, one call of each per round (the machine's load
+    falls on all alike), until ``max_runs`` rounds or ``budget_s`` seconds of the
+    first runner's calls."""
+    times = {k: [] for k in runners}
+    while len(times[next(iter(runners))]) < max_runs and \
+            sum(times[next(iter(runners))]) < budget_s:
+        for k, f in runners.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 @benchmark("gpt_parallel",
-           title="GPT decoder: memory per device and step time per parallelism combination")
+           title="GPT decoder: step time, collectives and memory per parallelism combination")
 def gpt_parallel(ctx):
-    runs = ctx.runs(7, 2)
+    """Each combination is built and compiled once (its first call timed: plan, trace
+    and compile; skipped past ``compile_budget_s``), then its steps are timed
+    interleaved with the single-device ``fs.jit`` step and MindSpore's GRAPH-mode
+    ``TrainOneStepCell`` on the same decoder (one step of each per round, so that the
+    machine's load falls on the three alike and the ratios are fair while the load
+    moves), for ``max_runs`` rounds or ``budget_s`` seconds of the combination's steps.
+    Each combination's line is printed as soon as it is measured."""
+    max_runs, budget_s = ctx.runs(12, 3), (5.0 if not ctx.quick else 1.0)
+    compile_budget_s = 300.0
     load_before = _uptime()
-    rows, notes, memory = [], [], {}
-    residuals: dict = {}
-    for label, n, cfg in COMBOS:
+    tokens, targets = next(gpt.corpus(1))
+    scale = np.ones(len(tokens), np.float32)
+    # MindSpore tensors for every runner alike (the conversion is not timed)
+    batch = tuple(ms.Tensor(a) for a in (tokens, targets, scale))
+    notes = [f"decoder: {TIMED_LAYERS} layers, width {gpt.DIM}, {gpt.HEADS} heads, MLP "
+             f"{gpt.FF}, vocabulary {gpt.VOCAB}, batch {gpt.BATCH}, sequence {gpt.SEQ}, "
+             f"float32, Adam 3e-3; all devices of a virtual mesh run in this one process"]
+    say = lambda msg: print(f"  [gpt_parallel] {msg}", flush=True)  # noqa: E731
+
+    # the single-device references: fs.jit and MindSpore's TrainOneStepCell
+    say("fs.jit, 1 device: first call ...")
+    t0 = time.perf_counter()
+    jit_run = _fs_jit_step(TIMED_LAYERS)
+    jit_losses = [float(jit_run(*batch))]
+    first_jit = time.perf_counter() - t0
+    say("MindSpore TrainOneStepCell, GRAPH mode: first call ...")
+    t0 = time.perf_counter()
+    cell = _ms_train_cell(TIMED_LAYERS)
+    ms_losses = [_graph_mode_call(cell, *batch)]
+    first_ms = time.perf_counter() - t0
+    for _ in range(2):
+        jit_losses.append(float(jit_run(*batch)))
+        ms_losses.append(_graph_mode_call(cell, *batch))
+    np.testing.assert_allclose(jit_losses, ms_losses, rtol=1e-4)
+    notes.append(f"fs.jit and TrainOneStepCell: the same first three losses "
+                 f"{np.round(jit_losses, 5).tolist()}")
+    refs = {"fs.jit": lambda: float(jit_run(*batch)),
+            "ms": lambda: _graph_mode_call(cell, *batch)}
+    t = _interleaved(refs, 2 * max_runs, 2 * budget_s)
+    rows = [Row("fshard", "fs.jit step (1 device)", statistics.median(t["fs.jit"]),
+                min(t["fs.jit"]), len(t["fs.jit"]), f"first call {first_jit:.1f} s"),
+            Row("mindspore", "MindSpore TrainOneStepCell, GRAPH (1 device)",
+                statistics.median(t["ms"]), min(t["ms"]), len(t["ms"]),
+                f"first call {first_ms:.1f} s")]
+    say(f"fs.jit {statistics.median(t['fs.jit']) * 1e3:.2f} ms, TrainOneStepCell "
+        f"{statistics.median(t['ms']) * 1e3:.2f} ms (medians, interleaved)")
+
+    whole = sum(v.nbytes for v in gpt.init_params(TIMED_LAYERS).values())
+    skipped = []
+    for label, n, cfg, zero in TIMED:
+        say(f"{label} ({n} devices): first call ...")
+        t0 = time.perf_counter()
+        try:
+            with _time_limit(compile_budget_s):
+                ap = _build_timed(cfg, zero)
+                holder = {"state": ap.init(gpt.init_params(TIMED_LAYERS))}
+                holder["state"], loss = ap(holder["state"], *batch)
+                loss0 = float(loss)
+        except _OverBudget:
+            skipped.append(label)
+            say(f"{label}: skipped, its first call took over {compile_budget_s:.0f} s")
+            continue
+        first = time.perf_counter() - t0
+        np.testing.assert_allclose(loss0, jit_losses[0], rtol=1e-4)
         if cfg.get("pp", 1) == 1:
-            mem = measure_memory(label, cfg)
-            residuals[(cfg.get("dp", 1), cfg.get("tp", 1), cfg.get("sp", False))] = \
-                mem["activations"] * cfg.get("dp", 1)
+            rep = ap.memory_report(holder["state"], *batch)
+            kinds = _collective_kinds(ap.partitioned(holder["state"], *batch))
         else:
-            mem = None
-        memory[label] = mem
-    for label, n, cfg in COMBOS:
-        if memory[label] is None:
-            memory[label] = measure_memory(label, cfg, tp_residuals=residuals)
-    a1 = memory["1 device"]["activations"]
-    for label, n, cfg in COMBOS:
-        mem, form = memory[label], formula(cfg)
-        dp, tp, pp = cfg.get("dp", 1), cfg.get("tp", 1), cfg.get("pp", 1)
-        notes.append(
-            f"memory {label}: " + ", ".join(
-                f"{k} {mem[k] / 1024:.1f} KiB (formula {form[k] / 1024:.1f})"
-                for k in ("params", "grads", "optimizer_state"))
-            + f", activations {mem['activations'] / 1024:.1f} KiB (ideal "
-            f"A1/(dp tp pp) {a1 / (dp * tp * pp) / 1024:.1f})"
-            + (f", kept stage inputs {mem['kept_inputs'] / 1024:.1f} KiB"
-               if "kept_inputs" in mem else "")
-            + (f", {mem['collectives']} collectives" if "collectives" in mem else ""))
-        t = step_time(cfg, runs)
-        pred = predicted_step(cfg) * 1e6
-        big = predicted_step(cfg, **LARGE) * 1e3
-        rows.append(Row("fshard", f"{label} ({n} devices)", t["median_s"], t["min_s"],
-                        t["runs"], f"predicted on {n} GPUs: {pred:.0f} µs; "
-                        f"1.5B model: {big:.0f} ms"))
-    notes.append(f"load average before: {load_before}; after: {_uptime()}")
-    return Result(rows, baseline="dp=8 (8 devices)",
-                  target="memory: the formula where fshard's layout is Megatron's; "
-                         "time: measured on the shared CPU, predicted for 8 GPUs",
+            # fshard's pipeline updates whole parameters on every device (pipeline.md)
+            rep = {"params": _tree_bytes(holder["state"].params), "grads": whole,
+                   "optimizer_state": _tree_bytes(holder["state"].opt_state)}
+            kinds = {"stage transfer rounds": _transfer_rounds(ap)}
+
+        def run(ap=ap, holder=holder):
+            holder["state"], loss = ap(holder["state"], *batch)
+            return float(loss)
+
+        run()  # a second warm-up step (the first after compilation)
+        t = _interleaved({"combo": run, **refs}, max_runs, budget_s)
+        med = {k: statistics.median(v) for k, v in t.items()}
+        form = formula(cfg, TIMED_LAYERS)
+        coll = (f"{sum(kinds.values())} collectives ("
+                + ", ".join(f"{c} {v}" for c, v in sorted(kinds.items())) + ")")
+        note = (f"first call {first:.1f} s; {med['combo'] / med['fs.jit']:.2f}x fs.jit, "
+                f"{med['combo'] / med['ms']:.2f}x TrainOneStepCell (same rounds: "
+                f"{med['fs.jit'] * 1e3:.2f}, {med['ms'] * 1e3:.2f} ms); {coll}; device 0 "
+                f"KiB: params {_kib(rep['params'])}, grads {_kib(rep['grads'])}, Adam "
+                f"{_kib(rep['optimizer_state'])} (formula without ZeRO: "
+                f"{_kib(form['params'])}, {_kib(form['grads'])}, "
+                f"{_kib(form['optimizer_state'])}); load {_uptime()}")
+        rows.append(Row("fshard", f"{label} ({n} devices)", med["combo"], min(t["combo"]),
+                        len(t["combo"]), note))
+        say(f"{label}: median {med['combo'] * 1e3:.2f} ms, min "
+            f"{min(t['combo']) * 1e3:.2f} ms; {note}")
+        del ap, holder, run
+    notes.append(f"steps timed interleaved with the two references, at most {max_runs} "
+                 f"rounds or {budget_s:.0f} s of the combination's steps; whole model "
+                 f"{_kib(whole)} KiB")
+    if skipped:
+        notes.append(f"skipped (first call over {compile_budget_s:.0f} s): "
+                     + ", ".join(skipped))
+    notes.append(f"load average (1, 5, 15 min) before: {load_before}; after: {_uptime()}")
+    return Result(rows, baseline="fs.jit step (1 device)",
+                  target="overhead of the virtual mesh (one process, 2 cores): the ratio "
+                         "to one device's fs.jit step is a cost, not a speedup",
                   notes=notes)

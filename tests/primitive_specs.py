@@ -841,7 +841,7 @@ def _layout_constraint(rng, dt):
 
 def _block_slice(rng, dt):
     cases = [((4, 3), ("i",), 0, (2,)), ((2, 6), ("i",), 1, (3,)),
-             ((4, 2), ("i", "j"), 0, (2, 2))]
+             ((4, 2), ("i", "j"), 0, (2, 2)), ((3, 16), ("i", "j", "k"), 1, (2, 2, 2))]
     return [Sample((values(rng, a, dt),), {"axis_name": names, "dim": d, "sizes": sz})
             for a, names, d, sz in cases]
 

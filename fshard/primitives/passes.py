@@ -36,6 +36,7 @@ from fshard.primitives.collectives import all_gather_p, pmean_p, psum_p, psum_sc
 from fshard.primitives.elementwise import (cast_p, div_p, equal_p, greater_equal_p, greater_p,
                                            less_equal_p, less_p, maximum_p, minimum_p, mul_p,
                                            neg_p, not_equal_p, pow_p, sub_p)
+from fshard.primitives.spmd import block_slice_p
 from fshard.primitives.structural import (broadcast_to_p, concat_p, reshape_p, split_p,
                                           transpose_p)
 
@@ -210,6 +211,33 @@ def sink_neg(program: Program) -> Program:
         return program
     out = [eq for eq in out if not (eq.prim is neg_p and eq.outputs[0] in done)]
     return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)
+
+
+# ---------------------------------------------------------------------------
+# slice_broadcasts: for per-device programs
+# ---------------------------------------------------------------------------
+
+
+def slice_broadcasts(program: Program) -> Program:
+    """A device's block of a broadcast along the split dimension is the broadcast at
+    the block's shape: ``block_slice(broadcast_to(x))`` becomes ``broadcast_to(x)``
+    (an optimizer's scalar hyperparameters broadcast to a parameter's shape, then
+    split by ZeRO, are otherwise sliced per device: on a virtual mesh each slice is a
+    gather). The broadcast it read is left to ``dce``."""
+    producer: dict = {}
+    out = []
+    for eq in program.equations:
+        src = producer.get(eq.inputs[0]) if eq.prim is block_slice_p else None
+        if src is not None and src.prim is broadcast_to_p:
+            (x,) = src.inputs
+            shape = tuple(eq.outputs[0].aval.shape)
+            d = eq.params["dim"] - (len(shape) - len(x.aval.shape))  # x's dim, if any
+            if d < 0 or x.aval.shape[d] == 1:
+                eq = Equation(broadcast_to_p, [x], {"shape": shape}, eq.outputs, eq.source)
+        out.append(eq)
+        for v in eq.outputs:
+            producer[v] = eq
+    return dce(Program(program.inputs, out, program.outputs, program.n_consts, program.meta))
 
 
 # ---------------------------------------------------------------------------

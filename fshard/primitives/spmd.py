@@ -75,20 +75,29 @@ def _batching(args, dims, *, axis_name, dim, sizes):
         return [block_slice_p.bind(x, axis_name=axis_name, dim=dim + 1, sizes=sizes)], [0]
     i = axis_name.index(axis.name)
     n = sizes[i]
-    x = batch_to_front(x, d, axis.size)  # (n, ..., D, ...)
-    shape = typeof(x).shape
-    D = shape[dim + 1]
     pre = int(np.prod(sizes[:i]))
-    post = D // (pre * n)
-    split = tuple(shape[:dim + 1]) + (pre, n, post) + tuple(shape[dim + 2:])
-    xs = move_axis(reshape(x, split), dim + 2, 1)  # (lane, block, ...)
-    # Lane j keeps block j: the diagonal of (lane, block), gathered from their merged
-    # axis at j * (n + 1). (A one-hot mask and a sum would turn booleans into integers
-    # and an inf in another block into NaN.)
-    rest_shape = tuple(typeof(xs).shape[2:])
-    diag = np.arange(n, dtype=np.int32) * (n + 1)
-    picked = gather_p.bind(reshape(xs, (n * n,) + rest_shape), diag, axis=0)
-    out = reshape(picked, tuple(shape[:dim + 1]) + (pre * post,) + tuple(shape[dim + 2:]))
+    if d is None:
+        # The same value in every lane: lane j's block j is a reshape, no gather.
+        shape = typeof(x).shape
+        post = shape[dim] // (pre * n)
+        split = tuple(shape[:dim]) + (pre, n, post) + tuple(shape[dim + 1:])
+        blocks = move_axis(reshape(x, split), dim + 1, 0)  # (lane, ..., pre, post, ...)
+        out = reshape(blocks, (n,) + tuple(shape[:dim]) + (pre * post,)
+                      + tuple(shape[dim + 1:]))
+    else:
+        x = batch_to_front(x, d, axis.size)  # (n, ..., D, ...)
+        shape = typeof(x).shape
+        post = shape[dim + 1] // (pre * n)
+        split = tuple(shape[:dim + 1]) + (pre, n, post) + tuple(shape[dim + 2:])
+        xs = move_axis(reshape(x, split), dim + 2, 1)  # (lane, block, ...)
+        # Lane j keeps block j: the diagonal of (lane, block), gathered from their
+        # merged axis at j * (n + 1). (A one-hot mask and a sum would turn booleans
+        # into integers and an inf in another block into NaN.)
+        rest_shape = tuple(typeof(xs).shape[2:])
+        diag = np.arange(n, dtype=np.int32) * (n + 1)
+        picked = gather_p.bind(reshape(xs, (n * n,) + rest_shape), diag, axis=0)
+        out = reshape(picked, tuple(shape[:dim + 1]) + (pre * post,)
+                      + tuple(shape[dim + 2:]))
     rest = axis_name[:i] + axis_name[i + 1:]
     if rest:
         out = block_slice_p.bind(out, axis_name=rest, dim=dim + 1,

@@ -13,6 +13,7 @@ from dataclasses import replace
 from fshard.core.tracing import ArrayType
 from fshard.errors import ShardingError
 from fshard.core.ir import Program, Var
+from fshard.primitives import passes
 from fshard.primitives.nn import decompose_batch_norm
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.partition import Partitioned, apply_fixed, partition
@@ -82,10 +83,9 @@ class ShardPlan:
             prop = self._carry_layouts(*self._propagated())
             self._part = partition(prop)
             self._part.name = self.name
+            self._part.program = passes.slice_broadcasts(self._part.program)
             if self.fusion is not None:
-                from fshard.primitives.passes import fuse_allreduces
-
-                self._part.program = fuse_allreduces(self._part.program, self.fusion)
+                self._part.program = passes.fuse_allreduces(self._part.program, self.fusion)
             for rewrite in self.passes:  # rewrites of the per-device program
                 self._part.program = rewrite(self._part.program)
         return self._part
@@ -154,8 +154,6 @@ class ShardPlan:
         key = (frozenset(local_in), frozenset(local_out))
         hit = self._virtual.get(key)
         if hit is None:
-            from fshard.primitives import passes
-
             part = self.partitioned()
             run = run_virtual if self.world is None else functools.partial(
                 run_on_rank, mesh=self.world, local_in=key[0], local_out=key[1])

@@ -31,6 +31,29 @@ class Propagated:
     out_shardings: list      # requested output shardings
     given_inputs: list = None  # the annotations propagation started from
     level: int = 0
+    memo: "Memo | None" = None  # what planning this program again can reuse
+
+
+class Memo:
+    """What propagating one program on one mesh at one level computes whatever its
+    boundary layouts: the equations' specs and candidates, each (spec, candidate)'s
+    layouts and compute, and each decision by its situation (a decision depends on
+    nothing else). A search over boundary layouts (``choose_split_axes``) propagates
+    the same program many times: each situation is then decided once across them all."""
+
+    def __init__(self, program: Program, mesh: ShardMesh, level: int = 0):
+        self.program, self.mesh, self.level = program, mesh, level
+        self.model = CostModel(level=level, rates=backend_rates(mesh.size))
+        self.specs = [_spec(eq) for eq in program.equations]
+        self.skeys = [spec_key(sp) for sp in self.specs]
+        # Layouts the user fixed (layout_constraint) and the operators they pin: one
+        # candidate.
+        self.bases = base_candidates(program, self.specs, mesh)
+        self.cache = SpecCache(mesh, self.model.compute)
+        self.decided: dict = {}
+
+    def serves(self, program: Program, mesh: ShardMesh, level: int) -> bool:
+        return self.program is program and self.mesh == mesh and self.level == level
 
 
 def _spec(eq):
@@ -168,9 +191,12 @@ def _sink_pending_sums(program: Program, choice: list, known: dict, consumers: d
 
 
 def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: ShardMesh,
-              level: int = 0) -> Propagated:
-    """Give every value a sharding (MindSpore's BFS; see the module docstring)."""
-    model = CostModel(level=level, rates=backend_rates(mesh.size))
+              level: int = 0, memo: Memo | None = None) -> Propagated:
+    """Give every value a sharding (MindSpore's BFS; see the module docstring). ``memo``
+    (a ``Memo`` of the same program, mesh and level) carries work across calls."""
+    if memo is None or not memo.serves(program, mesh, level):
+        memo = Memo(program, mesh, level)
+    model = memo.model
     known: dict = {v: s for v, s in zip(program.inputs, in_shardings) if s is not None}
     demand: dict = {}     # Var -> layouts its decided consumers need
     out_demand: dict = {}  # Var -> layouts requested for it as a program output
@@ -185,17 +211,13 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
                 consumers.setdefault(a, []).append(i)
         for v in eq.outputs:
             producer[v] = i
-    specs = [_spec(eq) for eq in program.equations]
-    # Layouts the user fixed (layout_constraint) and the operators they pin: one candidate.
-    bases = base_candidates(program, specs, mesh)
+    specs, skeys, bases, cache = memo.specs, memo.skeys, memo.bases, memo.cache
     choice: list = [None] * len(program.equations)
     desired = _desired(program, specs, out_demand, mesh)
-    skeys = [spec_key(sp) for sp in specs]
-    cache = SpecCache(mesh, model.compute)
     # An equation's choice depends only on its spec, its values' sizes and the layouts
     # known or asked for around it: a program repeats few such situations (the layers
     # of a network, their gradients), so each is decided once (linear-time planning).
-    decided: dict = {}
+    decided = memo.decided
     akeys: dict = {}
 
     def aval_key(v):
@@ -290,4 +312,5 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
             decide(i)
     _sink_pending_sums(program, choice, known, consumers, mesh)
     ins = [known.get(v, Sharding.replicated(v.aval.ndim)) for v in program.inputs]
-    return Propagated(program, mesh, known, choice, ins, out_shardings, list(in_shardings), level)
+    return Propagated(program, mesh, known, choice, ins, out_shardings, list(in_shardings), level,
+                      memo)

@@ -27,6 +27,7 @@ for carries and output layouts, and imports no MindSpore itself.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -48,7 +49,7 @@ from fshard.sharding.layouts import (
     candidate_shardings,
     carry_variants,
 )
-from fshard.sharding.propagation import propagate
+from fshard.sharding.propagation import Memo, propagate
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.strategy import split_alternatives
 from fshard.sharding.constraints import base_candidates
@@ -170,12 +171,16 @@ class Problem:
     """
 
     def __init__(self, program, mesh, specs, given_inputs, out_shardings, level: int = 0,
-                 model: CostModel | None = None, seed_inputs=None):
+                 model: CostModel | None = None, seed_inputs=None, memo: Memo | None = None):
         self.program, self.mesh, self.specs = program, mesh, list(specs)
         self.eqs = program.equations
         self.n = len(self.eqs)
         self.level = level
-        self.model = model or CostModel(level=level, rates=backend_rates(mesh.size))
+        if memo is not None and model is None:  # the same specs: their caches serve
+            self.model = memo.model
+        else:
+            memo = None
+            self.model = model or CostModel(level=level, rates=backend_rates(mesh.size))
         self.out_shardings = list(out_shardings)
         uses: dict = {}
         last: dict = {}
@@ -208,9 +213,12 @@ class Problem:
                 self.free_unused.append(v)
             if v not in last and self.n:
                 self.dying[0].append(v)
-        self._skeys = [spec_key(sp) for sp in self.specs]
-        self._cands = SpecCache(mesh, self.model.compute)
-        self.base = base_candidates(program, self.specs, mesh)  # fixed layouts: one
+        if memo is not None:
+            self._skeys, self._cands, self.base = memo.skeys, memo.cache, memo.bases
+        else:
+            self._skeys = [spec_key(sp) for sp in self.specs]
+            self._cands = SpecCache(mesh, self.model.compute)
+            self.base = base_candidates(program, self.specs, mesh)  # fixed layouts: one
         # Mesh axes the fixed layouts mention (for the symmetry of the others).
         self.fixed_axes = frozenset(a for sh in list(self.given.values()) + [
             o for o in self.out_shardings if o is not None] for a in sh.used)
@@ -224,18 +232,23 @@ class Problem:
             if seeds.get(v) is not None:
                 self.seed_options[v] = list(dict.fromkeys(
                     _permuted(seeds[v], m) for m in _axis_permutations(mesh)))
-        # A lower bound of the compute still to come (a carry computes as its base).
-        self.min_compute = [0.0] * (self.n + 1)
+        self._plans: dict = {}
+        self._bytes: dict = {}
+        self._akeys: dict = {}
+
+    @functools.cached_property
+    def min_compute(self) -> list:
+        """Per equation, a lower bound of the compute still to come (a carry computes
+        as its base); only searches need it."""
+        out = [0.0] * (self.n + 1)
         least: dict = {}  # (spec key, base candidates) -> least compute
         for i in reversed(range(self.n)):
             k = (self._skeys[i], tuple(self.base[i]))
             m = least.get(k) if self._skeys[i] is not None else None
             if m is None:
                 m = least[k] = min(self.shardings(i, c)[2] for c in self.base[i])
-            self.min_compute[i] = self.min_compute[i + 1] + m
-        self._plans: dict = {}
-        self._bytes: dict = {}
-        self._akeys: dict = {}
+            out[i] = out[i + 1] + m
+        return out
 
     def shardings(self, i: int, cand: Candidate) -> tuple:
         """``(operand layouts, output layouts, compute)`` of equation ``i`` as ``cand``."""
@@ -245,8 +258,13 @@ class Problem:
     def from_propagated(prop) -> "Problem":
         """The problem ``propagate`` solved greedily (same boundary layouts and level)."""
         given = prop.given_inputs if prop.given_inputs is not None else prop.in_shardings
+        memo = prop.memo
+        if memo is not None and (len(prop.choice) != len(memo.specs) or any(
+                spec is not mine for (spec, _), mine in zip(prop.choice, memo.specs))):
+            memo = None
         return Problem(prop.program, prop.mesh, [spec for spec, _ in prop.choice], given,
-                       prop.out_shardings, prop.level, seed_inputs=prop.in_shardings)
+                       prop.out_shardings, prop.level, seed_inputs=prop.in_shardings,
+                       memo=memo)
 
     # -- sizes and moves ---------------------------------------------------------
     def _aval_key(self, v) -> tuple:
@@ -1096,11 +1114,17 @@ def choose_split_axes(body: Program, in_shardings: list, out_shardings: list,
                       mesh: ShardMesh, level: int, flexible, tied=()) -> tuple[list, list]:
     """``(in_shardings, out_shardings)`` with the layouts at ``flexible`` (``("in", k)``
     or ``("out", k)``: those given as tuple strategies) moved to the mesh axes that
-    make the whole plan cheapest: every combination when there are few, else
-    coordinate descent from the row-major default (which wins ties, so a plan only
-    changes when another assignment is strictly cheaper). Each pair in ``tied`` (an
-    input and the output it becomes at the next call, given the same strategy) moves
-    together: a carried value keeps its devices from call to call."""
+    make the whole plan cheapest. Each pair in ``tied`` (an input and the output it
+    becomes at the next call, given the same strategy) moves together: a carried value
+    keeps its devices from call to call.
+
+    With few choices, every combination is scored. Otherwise the layouts given the same
+    strategy move together (MindSpore derives every operator's devices from its
+    strategy by one rule, so equal strategies share devices): every combination of
+    those groups when there are few, else coordinate descent over them from the
+    row-major default. The default wins ties, so a plan only changes when another
+    assignment is strictly cheaper; each trial propagates the whole step, so the
+    trials are bounded whatever the program's number of parameters."""
     start = {"in": list(in_shardings), "out": list(out_shardings)}
     follower = {b: a for a, b in tied if a in flexible and b in flexible
                 and start[a[0]][a[1]] is not None
@@ -1113,35 +1137,52 @@ def choose_split_axes(body: Program, in_shardings: list, out_shardings: list,
     options = {key: v for key, v in options.items() if len(v) > 1}
     if not options or not all(v.aval.is_static for v in body.inputs):
         return start["in"], start["out"]
+    if math.prod(len(v) for v in options.values()) > _EXHAUSTIVE:
+        # One option per starting layout: moving it moves every value that starts there.
+        groups: dict = {}
+        for key in options:
+            groups.setdefault(start[key[0]][key[1]], []).append(key)
+        options = {tuple(keys): options[keys[0]] for keys in groups.values()}
+    else:
+        options = {(key,): alts for key, alts in options.items()}
 
-    def with_(base, changes):
+    def with_(base, option, sh):
         new = {"in": list(base["in"]), "out": list(base["out"])}
-        for key, sh in changes:
+        for key in option:
             for side, k in [key, *leaders.get(key, ())]:
                 new[side][k] = sh
         return new
 
+    memo = Memo(body, mesh, level)  # the trials share their decisions
+
     def score(s):
-        return cost(propagate(body, s["in"], s["out"], mesh, level)).score(level)
+        return cost(propagate(body, s["in"], s["out"], mesh, level, memo)).score(level)
 
     best, best_score = start, score(start)
-    if math.prod(len(v) for v in options.values()) <= 64:
+    if math.prod(len(v) for v in options.values()) <= _EXHAUSTIVE:
         for combo in itertools.product(*options.values()):
-            trial = with_(start, zip(options, combo))
+            trial = start
+            for option, sh in zip(options, combo):
+                trial = with_(trial, option, sh)
             s = score(trial)
             if s < best_score:
                 best, best_score = trial, s
         return best["in"], best["out"]
     for _ in range(3):
         improved = False
-        for (side, k), alts in options.items():
+        for option, alts in options.items():
+            side, k = option[0]
             for sh in alts:
                 if sh == best[side][k]:
                     continue
-                trial = with_(best, [((side, k), sh)])
+                trial = with_(best, option, sh)
                 s = score(trial)
                 if s < best_score:
                     best, best_score, improved = trial, s, True
         if not improved:
             break
     return best["in"], best["out"]
+
+
+# Boundary-layout combinations scored one by one at most (each propagates the program).
+_EXHAUSTIVE = 64

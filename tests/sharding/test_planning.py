@@ -18,6 +18,7 @@ import fshard as fs
 from fshard.sharding import explain as explain_mod
 from fshard.sharding import propagation, search
 from fshard.sharding.propagation import propagate
+from fshard.sharding.strategy import split_alternatives
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -161,6 +162,57 @@ def test_each_repeated_situation_is_decided_as_planning_each_equation(monkeypatc
     monkeypatch.setattr(propagation, "spec_key", lambda spec: None)
     monkeypatch.setattr(search, "spec_key", lambda spec: None)
     assert plans() == memo
+
+
+def _tuple_strategy_plan(layers):
+    vg, ws, x = _deep(layers)
+    strategy = ([(1, 4) if i % 2 == 0 else (4, 1) for i in range(layers)], (2, 1))
+    return fs.shard(vg, in_strategy=strategy, mesh=8, level=2), vg, ws, x
+
+
+def test_propagations_sharing_a_memo_decide_as_fresh_ones():
+    # choose_split_axes propagates one program under many boundary layouts with one
+    # Memo: every decision it reuses must be the one a fresh propagation makes.
+    f, _, ws, x = _tuple_strategy_plan(6)
+    plan = f._prepare((ws, x))[0]
+    memo = propagation.Memo(plan.body, plan.mesh, 2)
+    base = list(plan.in_shardings)
+    trials = [base]
+    for k in range(len(base)):
+        for alt in split_alternatives(base[k], plan.mesh)[1:] if base[k] else ():
+            trials.append(base[:k] + [alt] + base[k + 1:])
+    assert len(trials) > 10
+    for ins in trials + trials[::-1]:
+        args = (plan.body, ins, plan.out_shardings, plan.mesh, 2)
+        shared, fresh = propagate(*args, memo=memo), propagate(*args)
+        assert _choices(shared) == _choices(fresh)
+        assert search.cost(shared).score(2) == search.cost(fresh).score(2)
+
+
+def test_tuple_strategies_are_placed_in_trials_independent_of_the_layer_count(monkeypatch):
+    # Each trial of a placement of tuple strategies propagates the whole step: values
+    # given the same strategy move together, so the trials do not grow with the number
+    # of parameters (a 24-layer step with 49 such values took 53+ trials before).
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return propagate(*args, **kwargs)
+
+    monkeypatch.setattr(search, "propagate", counting)
+    counts = []
+    for layers in (4, 24):
+        f, vg, ws, x = _tuple_strategy_plan(layers)
+        calls.clear()
+        f.partitioned(ws, x)
+        counts.append(len(calls))
+    # three starting layouts ((1, 4), (4, 1), (2, 1)), three placements each: 27 + 1
+    assert counts == [28, 28]
+    (v, gs), (want_v, want_gs) = f(ws, x), vg(ws, x)
+    np.testing.assert_allclose(v.asnumpy(), want_v.asnumpy(), rtol=1e-5)
+    for g, w in zip(gs, want_gs):
+        w = w.asnumpy()
+        np.testing.assert_allclose(g.asnumpy(), w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
 
 
 @pytest.mark.parametrize("name,pattern,n", bench.FAST[:5],

@@ -998,12 +998,7 @@ class PipelinedStep:
             grads = tree.unflatten(g_tree, g_leaves)
             updates, new_opt = opt_update(grads, opt_state, params)
             out = (apply_updates(params, updates), new_opt, step + 1, loss_sum * scale)
-            if norms is None:
-                return out
-            fixed = ap._frozen()
-            trainable = {k: v for k, v in params.items() if k not in fixed} if fixed else params
-            return out + (norms(trainable, {k: grads[k] for k in trainable} if fixed
-                                else grads),)
+            return out + _local_norms(norms, ap._frozen(), params, grads)
 
         finish.__name__ = f"pipeline_finish_{plan.name}"
         s = shard(finish, in_strategy=(p_views, o_views, (), stacked, (), ()),
@@ -1152,16 +1147,22 @@ class PipelinedStep:
             grads = tree.unflatten(g_tree, g_leaves)
             updates, new_opt = update()(grads, opt_state, params)
             out = (apply_updates(params, updates), new_opt, step + 1, loss)
-            if norms is None:
-                return out
-            fixed = ap._frozen()
-            trainable = {k: v for k, v in params.items() if k not in fixed} if fixed else params
-            return out + (norms(trainable, {k: grads[k] for k in trainable} if fixed
-                                else grads),)
+            return out + _local_norms(norms, ap._frozen(), params, grads)
 
         finish.__name__ = f"pipeline_finish_{plan.name}"
         fn = per_opt[key] = jit(finish)
         return fn
+
+
+def _local_norms(norms, fixed, params: dict, grads: dict) -> tuple:
+    """``(norms of the trainable gradients,)`` for a finishing program's outputs when
+    device-local norms are on (``norms``), else ``()``; ``fixed``: the frozen names."""
+    if norms is None:
+        return ()
+    if not fixed:
+        return (norms(params, grads),)
+    trainable = {k: v for k, v in params.items() if k not in fixed}
+    return (norms(trainable, {k: grads[k] for k in trainable}),)
 
 
 #: The finishing programs, by optimizer (its ``update``) and configuration.

@@ -623,6 +623,12 @@ class GraphFunction:
                 _ms_parallel.set_parallel_mode(mode)
 
     def _call(self, *args):
+        # A Parameter passed as a value (a Cell's weights, the first step of a training
+        # loop whose later steps pass the updated Tensors) goes in as the Tensor it
+        # holds: MindSpore compiles a graph per argument kind, so the Parameter would
+        # cost a second compile at the next call.
+        args = tuple(Tensor(a) if k >= self.n_params and isinstance(a, Parameter)
+                     and not a.has_init else a for k, a in enumerate(args))
         phase = self._phase
         if (phase is not None and _jit_context() is None and not _requires_grad()
                 and _plain_tensors(args, self.n_params)

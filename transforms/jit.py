@@ -19,7 +19,7 @@ from fshard.backend import mindspore as backend
 from fshard.core.tracing import (ArrayType, EvalTrace, Symbol, current_trace, dim_eval, is_symbolic,
                          typeof)
 from fshard.errors import ArgumentError, ShapeError
-from fshard.core.ir import Program
+from fshard.core.ir import Program, Var
 from fshard.meshes.mesh import context_key as _mesh_key
 from fshard.sharding.local import ShardedArray
 from fshard.core.annotations import AnnotatedShapes
@@ -373,10 +373,20 @@ def _last_computed(program) -> int | None:
 
 
 def _last_output(program) -> int | None:
-    defined = {v: (i, k) for i, eq in enumerate(program.equations)
-               for k, v in enumerate(eq.outputs)}
-    where = [defined.get(a, (-1, -1)) for a in program.outputs]
-    last = max(range(len(where)), key=lambda j: where[j][0])
+    """The output at the end of the longest chain of equations (MindSpore's runtime
+    runs an equation once its operands are ready, so program order says little: an
+    optimizer's last update in program order may be ready long before the gradient
+    that backpropagation computes last); ties go to the later one in program order."""
+    depth: dict = {}
+    defined: dict = {}
+    for i, eq in enumerate(program.equations):
+        d = 1 + max((depth.get(a, 0) for a in eq.inputs if isinstance(a, Var)), default=0)
+        for k, v in enumerate(eq.outputs):
+            depth[v], defined[v] = d, (i, k)
+    where = [defined.get(a, (-1, -1)) if isinstance(a, Var) else (-1, -1)
+             for a in program.outputs]
+    last = max(range(len(where)), key=lambda j: (
+        depth.get(program.outputs[j], 0) if where[j][0] >= 0 else -1, where[j][0]))
     if where[last][0] < 0:
         return None
     eq = program.equations[where[last][0]]

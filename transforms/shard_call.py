@@ -23,6 +23,7 @@ from fshard.core.tracing import ArrayType, typeof
 from fshard.core.interpret import batch_program, current_axis, eval_program
 from fshard.core.ir import Equation, Literal, Program, Var
 from fshard.primitives import collectives as C
+from fshard.primitives import passes
 from fshard.primitives.base import (Zero, batch_to_front, def_primitive, instantiate, is_undefined,
                                     move_axis)
 from fshard.core.rules import batching, jvp, takes_process_local, transpose, unsupported
@@ -102,7 +103,10 @@ def _shard_call_lowering(ctx, *exprs, plan, local_in=(), local_out=()):
     from fshard.backend.mindspore import as_tensor
 
     program, consts = plan.virtual_program(frozenset(local_in), frozenset(local_out))
-    closed = Program(program.inputs, program.equations, program.outputs)
+    # MindSpore's arithmetic kernels broadcast: no full-size copy of a bias or a
+    # hyperparameter per device block (as fs.jit lowers its own program).
+    closed = passes.implicit_broadcasts(
+        Program(program.inputs, program.equations, program.outputs))
     args = [ctx.ref(as_tensor(c), "const") for c in consts] + list(exprs)
     return f"{ctx.function(closed, 'shard')}({', '.join(args)})"
 

@@ -683,6 +683,14 @@ def _kept_shape(shape, axes):
 def _ms_reduce_sum(x, axes):
     if len(axes) == 0:
         return x
+    if len(axes) == 1 and 0 < axes[0] < len(x.shape) - 1:
+        # A middle axis (a virtual mesh's psum sums each mesh axis's lanes in turn):
+        # MindSpore's CPU kernel is slow there and fast over axis 0, so the axis moves
+        # to the front first. Summing (2, 2, 2, 512, 512) over axis 2 took 10.6 ms
+        # directly and 1.3 ms so; no shape measured was slower so.
+        k = axes[0]
+        perm = (k,) + tuple(range(k)) + tuple(range(k + 1, len(x.shape)))
+        return ops.ReduceSum(False)(ops.transpose(x, perm), 0)
     return ops.ReduceSum(False)(x, axes)  # keeps the dtype (ops.sum widens int32)
 
 

@@ -627,11 +627,15 @@ class GraphFunction:
         # loop whose later steps pass the updated Tensors) goes in as the Tensor it
         # holds: MindSpore compiles a graph per argument kind, so the Parameter would
         # cost a second compile at the next call.
-        args = tuple(Tensor(a) if k >= self.n_params and isinstance(a, Parameter)
-                     and not a.has_init else a for k, a in enumerate(args))
+        # (Checked once per call, the conversion only when some argument is not a
+        # plain Tensor: the direct route below stays as short as it was.)
+        plain = _plain_tensors(args, self.n_params)
+        if not plain:
+            args = tuple(Tensor(a) if k >= self.n_params and isinstance(a, Parameter)
+                         and not a.has_init else a for k, a in enumerate(args))
+            plain = _plain_tensors(args, self.n_params)
         phase = self._phase
-        if (phase is not None and _jit_context() is None and not _requires_grad()
-                and _plain_tensors(args, self.n_params)
+        if (phase is not None and plain and _jit_context() is None and not _requires_grad()
                 and (self.dynamic or [a.shape for a in args] == self._sig)):
             try:
                 self._executor.set_jit_config(self._config)

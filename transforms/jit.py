@@ -364,6 +364,12 @@ def _bind(name: str, what: str, avals, values, sizes: dict, names=None) -> dict:
     return sizes
 
 
+def bind_declared(name: str, what: str, avals, values) -> dict:
+    """Check ``values`` against declared ``avals`` (an fshard error names the first
+    mismatch); returns the sizes the Symbols take."""
+    return _bind(name, what, avals, values, {})
+
+
 def _last_computed(program) -> int | None:
     """Which output the graph computes last (None: fewer than two outputs, or not on
     CPU, where waiting would copy device memory to the host)."""

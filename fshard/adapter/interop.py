@@ -1764,11 +1764,26 @@ def _record_cell_shard(orig):
         if _cell_shard_maker:
             self.__dict__[CELL_SHARD_ATTR] = _cell_shard_maker[0](
                 self, in_strategy, out_strategy, parameter_plan)
-        return orig(self, in_strategy, out_strategy, parameter_plan)
+        out = orig(self, in_strategy, out_strategy, parameter_plan)
+        run = self.__dict__.get(CELL_SHARD_ATTR)
+        if run is not None and self.__dict__.get("_shard_fn") is not None:
+            # In a job (MindSpore sets _shard_fn only when its group has several
+            # ranks) an eager call would compile the Cell with MindSpore's partitioner,
+            # which refuses the CPU: it runs as fs.shard(cell, ...) instead, the Cell
+            # executed sharded as MindSpore's PyNative Cell.shard executes it.
+            self._shard_fn = _eager_cell_shard(self, run)
+        return out
 
     shard.__wrapped__ = orig
     shard.__doc__ = orig.__doc__
     return shard
+
+
+def _eager_cell_shard(cell, run):
+    def shard_fn(*args, **kwargs):
+        with context.pushed(context.sharded_cells, id(cell)):  # its own call inside
+            return run(args, kwargs)                            # traces plainly
+    return shard_fn
 
 
 def install_cell_shard_recorder() -> None:

@@ -1,8 +1,10 @@
 """Seed 000 (functional operator sharding): Net1, whose block1 is sharded in place by
-``Cell.shard``, as written; run on a batch (the seed shows no training loop)."""
+``Cell.shard``, as written, with ``import fshard`` added (fshard's ``Cell.shard``); run on
+a batch (the seed shows no training loop)."""
 
 import numpy as np
 import mindspore as ms
+import fshard  # noqa: F401
 from mindspore.communication import init
 ms.set_context(mode=ms.PYNATIVE_MODE)
 init()

@@ -77,7 +77,7 @@ from fshard.sharding.plan import write_json_atomic
 from fshard.core.staging import fun_name
 from fshard.transforms.ad import value_and_grad
 from fshard.transforms.control_flow import scan
-from fshard.transforms.jit import declared_types, jit
+from fshard.transforms.jit import bind_declared, declared_types, jit
 from fshard.sharding.local_batch import (block_index, check_same_slices, global_type,
                                           to_global)
 from fshard.transforms.shard import shard
@@ -939,10 +939,11 @@ class AutoParallel:
     def _plan_batch(self, batch) -> tuple:
         """The batch as the plan sees it: global types when each process passes its
         slice (``N`` slices of ``b`` rows make a global batch of ``N * b``)."""
-        if self._batch_specs is not None:  # declared: planned by its declaration
-            return self._declared_batch(batch)
         if not self._feeds_slices():
-            return batch
+            # declared: planned by its declaration
+            return batch if self._batch_specs is None else self._declared_batch(batch)
+        if self._batch_specs is not None:
+            self._check_declared_slices(batch)
         n = self.n_devices
         return tuple(tree.map(lambda x: global_type(x, n), b) for b in batch)
 
@@ -1008,7 +1009,7 @@ class AutoParallel:
         operator_file = getattr(self, "_operator_file", None)
         if operator_file is not None:
             s.load_strategies(operator_file)
-        entry = (s, jit(s) if self._batch_specs is None else
+        entry = (s, jit(s) if self._batch_specs is None or self._feeds_slices() else
                  jit(s, in_shapes=(None, None, None) + tuple(self._batch_specs)))
         self._steps[key] = entry
         return entry
@@ -1038,8 +1039,8 @@ class AutoParallel:
             check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
                               f"AutoParallel({self.name})")
             batch = self._place_slices(state, batch)
-        _, step = self._sharded(state, batch if self._batch_specs is None
-                                else self._declared_batch(batch))
+        _, step = self._sharded(state, batch if self._batch_specs is None or
+                                self._feeds_slices() else self._declared_batch(batch))
         result = step(state.params, state.opt_state, state.step, *batch)
         if len(result) == 3:  # print_local_norm / dump_local_norm
             self._report_norms(result[0], result[2])
@@ -1059,14 +1060,30 @@ class AutoParallel:
                 f"AutoParallel({self.name}) declares {len(self._batch_specs)} batch inputs "
                 f"with set_inputs, but the step got {len(batch)}.\nFix: pass every "
                 "declared batch input.")
-        if self._feeds_slices():
-            raise ArgumentError(
-                f"AutoParallel({self.name}).set_inputs declares the global batch, but with "
-                "dataset_strategy('data_parallel') in a multi-process job each process "
-                "passes its own slice.\nFix: pass the global batch in every process with "
-                "dataset_strategy((split, ...)) giving each input's split counts.")
         specs = list(self._batch_specs) + [None] * (len(batch) - len(self._batch_specs))
         return tuple(b if sp is None else sp for b, sp in zip(batch, specs))
+
+    def _check_declared_slices(self, batch) -> None:
+        """With ``dataset_strategy('data_parallel')`` in a multi-process job the
+        declaration is of what each process passes, its slice (MindSpore's
+        ``set_inputs`` declares the dataset's per-device batch there): each call's
+        slices are checked against it. The step is planned for the global batch of
+        each slice size it meets (its Symbols scaled by the process count would not
+        be the declared ones)."""
+        avals, values = [], []
+        for k, (spec, b) in enumerate(zip(self._batch_specs, batch)):
+            if spec is None:
+                continue
+            a_leaves, b_leaves = tree.leaves(spec), tree.leaves(b)
+            if len(a_leaves) != len(b_leaves):
+                raise ArgumentError(
+                    f"AutoParallel({self.name}): batch input {k} has {len(b_leaves)} "
+                    f"arrays, but set_inputs declared {len(a_leaves)}.\nFix: pass the "
+                    "structure that was declared.")
+            avals += a_leaves
+            values += b_leaves
+        bind_declared(f"AutoParallel({self.name}) (set_inputs: each process's slice)",
+                      "batch input array", avals, values)
 
     def _place_state(self, state: TrainState, batch) -> TrainState:
         """In a job, ``state`` with each whole leaf that the plan splits (the state of

@@ -126,3 +126,137 @@ def test_seed_001_model_train_under_the_launcher(tmp_path, data_path):
                            without_pending=True), 2, data_path)
     for o in outs:
         assert [(e, s) for e, s, _ in _losses(o)] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+# -- under MindSpore's msrun --------------------------------------------------------
+# ``seed_scripts/run_seeds.py`` runs several seeds, unchanged, one after the other in
+# one job (MindSpore's parallel context reset and its seed set to 0 before each, so
+# that seeds drawing their weights without a seed of their own are reproducible): two
+# msrun launches cover the four seeds. A seed's reference is the same driver in one
+# process on the virtual mesh (``--virtual``).
+
+DRIVER = os.path.join(HERE, "run_seeds.py")
+BIN = os.path.dirname(sys.executable)
+MSRUN = os.path.join(BIN, "msrun")
+
+
+def _by_script(text: str) -> dict:
+    """A driver's output split at its ``=== <script>`` lines."""
+    parts = re.split(r"^=== (\S+)\n", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _msrun(scripts: list, workers: int, data_path: str, tmp_path) -> list:
+    """``msrun --worker_num N --local_worker_num N`` of the driver on ``scripts``, as
+    a seed's user runs it on one machine; each rank's output, split by script."""
+    assert os.path.exists(MSRUN), f"msrun (installed with mindspore) is missing: {MSRUN}"
+    logs = tmp_path / f"msrun{workers}"
+    env = dict(os.environ, DATA_PATH=data_path,
+               PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+    env.setdefault("MS_NODE_TIMEOUT", str(launch.collective_timeout(workers)))
+    cmd = [MSRUN, "--worker_num", str(workers), "--local_worker_num", str(workers),
+           "--master_port", str(_free_port()), "--log_dir", str(logs), "--join", "True",
+           "--cluster_time_out", "300", DRIVER, *scripts]
+    with launch.job_lock():  # one job at a time, as fshard.launch's jobs
+        try:
+            out = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True,
+                                 text=True, timeout=900, start_new_session=True)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"msrun timed out: {str(e.stdout)[-3000:]}") from e
+    texts = [(logs / f"worker_{r}.log").read_text(errors="replace")
+             if (logs / f"worker_{r}.log").exists() else "" for r in range(workers)]
+    assert out.returncode == 0, out.stdout[-2000:] + "\n".join(
+        f"--- worker {r}\n" + "\n".join(line for line in t.splitlines()
+                                         if not line.startswith("["))[-3000:]
+        for r, t in enumerate(texts))
+    return [_by_script(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def virtual_reference(data_path, tmp_path_factory):
+    """Seeds 001 and 003 through the driver in one process on 8 virtual devices. In a
+    job, each of seed 003's processes reads the whole dataset (its loader has no
+    num_shards) and passes it as its slice (MindSpore's data_parallel): the global
+    batch is 8 copies of each batch, whose summed loss (reduction "none") has 8 times
+    the gradient of one copy's; its reference is seed 003 with the learning rate
+    times 8 (nothing else changed)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    text = Path(HERE, "seed_003_dynamic_shape.py").read_text()
+    line = "optimizer = nn.SGD(net.trainable_params(), 1e-3)"
+    assert line in text
+    lr8 = tmp / "seed_003_dynamic_shape.py"
+    lr8.write_text(text.replace(line, line.replace("1e-3", "8e-3")))
+    out = _run_virtual_driver([os.path.join(HERE, "seed_001_model_train.py"), str(lr8)],
+                              8, data_path, str(tmp))
+    return {k: _losses(v) for k, v in _by_script(out).items()}
+
+
+def _run_virtual_driver(scripts: list, devices: int, data_path: str, cwd: str) -> str:
+    env = dict(os.environ, FSHARD_DEVICES=str(devices), DATA_PATH=data_path)
+    out = subprocess.run([sys.executable, DRIVER, "--virtual", *scripts], env=env,
+                         capture_output=True, text=True, timeout=900, cwd=cwd)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out.stdout
+
+
+def _assert_losses_equal(got: list, want: list, what: str) -> None:
+    assert [(e, s) for e, s, _ in got] == [(e, s) for e, s, _ in want], (what, got, want)
+    for (e, s, g), (_, _, w) in zip(got, want):
+        assert abs(g - w) <= 1e-5 * max(1.0, abs(w)), (what, e, s, g, w)
+
+
+def test_seeds_002_and_001_under_msrun(tmp_path, data_path, virtual_reference):
+    """``msrun --worker_num 2 --local_worker_num 2`` of seeds 002 and 001, unchanged:
+    seed 002 (MindSpore's own Model and ops.AllReduce, each rank its half of every
+    batch) prints the same averaged loss on both ranks, equal to the same driver
+    under fshard.launch; seed 001 (its two pipeline stages the two processes) prints
+    on every rank the losses of the virtual mesh of 8."""
+    seeds = [os.path.join(HERE, "seed_002_manual_parallel.py"),
+             os.path.join(HERE, "seed_001_model_train.py")]
+    ranks = _msrun(seeds, 2, data_path, tmp_path)
+    s002 = [_losses(r["seed_002_manual_parallel.py"]) for r in ranks]
+    assert [(e, s) for e, s, _ in s002[0]] == [(10, 2)] and s002[0] == s002[1], s002
+    result = launch.run(DRIVER, 2, [seeds[0]], timeout=600, env={"DATA_PATH": data_path},
+                        log_dir=str(tmp_path / "launch"))
+    assert result.ok, result.message
+    for r in range(2):
+        assert _losses(_by_script(result.output(r))["seed_002_manual_parallel.py"]) \
+            == s002[0]
+    want = virtual_reference["seed_001_model_train.py"]
+    assert [(e, s) for e, s, _ in want] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    for r, out in enumerate(ranks):
+        _assert_losses_equal(_losses(out["seed_001_model_train.py"]), want,
+                             f"seed 001, rank {r}")
+
+
+def test_seeds_000_and_003_under_msrun_with_8_processes(tmp_path, data_path,
+                                                        virtual_reference):
+    """``msrun --worker_num 8`` (the seeds' 8 devices) of seeds 000 and 003: seed 000's
+    Net1 runs its block1 as fs.shard in the job (MindSpore's own Cell.shard would
+    compile it with its partitioner, which refuses the CPU; its two calls agree, and
+    ``cell_shard_in_job.py`` checks such a call against NumPy); seed 003 (its
+    set_inputs declaring each process's slice, data_parallel) prints on every rank the
+    losses of its reference."""
+    seeds = [os.path.join(HERE, "seed_000_net1.py"),
+             os.path.join(HERE, "cell_shard_in_job.py"),
+             os.path.join(HERE, "seed_003_dynamic_shape.py")]
+    ranks = _msrun(seeds, 8, data_path, tmp_path)
+    want = virtual_reference["seed_003_dynamic_shape.py"]
+    assert [e for e, _, _ in want] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    for r, out in enumerate(ranks):
+        diff = float(re.search(r"Net1 max difference: (\S+)",
+                               out["seed_000_net1.py"]).group(1))
+        assert diff <= 1e-5, (r, diff)
+        check = out["cell_shard_in_job.py"]
+        diff = float(re.search(r"cell.shard eager max difference: (\S+)", check).group(1))
+        assert diff <= 1e-5 and "runs in: fshard." in check, (r, check)
+        _assert_losses_equal(_losses(out["seed_003_dynamic_shape.py"]), want,
+                             f"seed 003, rank {r}")

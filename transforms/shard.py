@@ -21,8 +21,8 @@ from fshard.sharding import user_layouts
 from fshard.core.tracing import EvalTrace, Tracer, current_trace, typeof
 from fshard.errors import CompositionError, OperatorStrategyWarning, ShardingError
 from fshard.adapter.cells import parameters
-from fshard.adapter.interop import (context_dataset_strategy, context_mesh, context_search,
-                            register_cell_shard)
+from fshard.adapter.interop import (CELL_SHARD_ATTR, context_dataset_strategy, context_mesh,
+                                    context_search, register_cell_shard)
 from fshard.core.ir import Equation, Program, Var
 from fshard.primitives.generic import assign, ms_op_p
 from fshard.primitives.structural import stop_gradient_p
@@ -467,18 +467,22 @@ class Sharded:
         # (an fs.ShardedArray output of data_parallel is already this process's rows)
         return tree.unflatten(traced.out_tree, outs)
 
-    def _annotate(self, fname: str, args, kwargs):
+    def _annotate(self, fname: str, args, kwargs, plan_taken: bool = False):
         """Called inside ``fs.AutoParallel``'s loss: ``fn`` traced inline, its arguments
         and results constrained to ``in_strategy``/``out_strategy`` (MindSpore's
-        functional shard inside a network under semi-auto parallel)."""
+        functional shard inside a network under semi-auto parallel). ``plan_taken``:
+        the step's plan has this Cell's ``parameter_plan`` already (``cell.shard`` on
+        a Cell of its network)."""
         n = context.shard_devices.get()[-1]
         why = None
         if kwargs:
             why = (f"it was called with keyword arguments {sorted(kwargs)}",
                    "pass the arrays positionally, one in_strategy entry each")
-        elif self.parameter_plan:
-            why = ("it has a parameter_plan, which only an outermost fs.shard applies",
-                   "give the parameters' strategies to AutoParallel.parameter_plan({...})")
+        elif self.parameter_plan and not plan_taken:
+            why = ("it has a parameter_plan, which only an outermost fs.shard or a "
+                   "cell.shard(...) on a Cell of the AutoParallel's network applies",
+                   "give the parameters' strategies to AutoParallel.parameter_plan({...}), "
+                   "or call cell.shard(..., parameter_plan=...) on the sub-Cell")
         elif self._dataset_given and self.dataset_strategy != "full_batch":
             # (one from MindSpore's context is the step's: the AutoParallel reads it)
             why = (f"it has dataset_strategy={self.dataset_strategy!r}, which only the "
@@ -703,19 +707,44 @@ def _cell_shard(cell, in_strategy, out_strategy, parameter_plan):
     now, as ``fs.shard`` checks its arguments). Inside an ``fs.shard`` (or an
     ``fs.AutoParallel`` step), which plans the whole network, its strategies fix the
     layouts of the Cell's inputs and outputs there instead (MindSpore's Cell.shard
-    under semi-auto parallel); a parameter_plan is then the outer plan's."""
+    under semi-auto parallel); its parameter_plan is then part of the
+    ``fs.AutoParallel`` step's plan (``cell_parameter_plans``)."""
     sharded = shard(cell, in_strategy, out_strategy, parameter_plan)
     fname = fun_name(cell)
 
     def run(args, kwargs):
         if context.shard_depth.get() and context.shard_annotations.get():
-            return sharded(*args, **kwargs)  # AutoParallel: Sharded._annotate
+            # AutoParallel: layouts fixed inline; the parameter_plan is the step's
+            return sharded._annotate(fname, args, kwargs,
+                                     plan_taken=id(cell) in context.planned_cells.get())
         if context.shard_depth.get():
             return user_layouts.annotated_call(cell, fname, args, sharded.in_strategy,
                                                sharded.out_strategy)
         return sharded(*args, **kwargs)
 
+    run.parameter_plan = sharded._param_plan  # {path inside the Cell: (key, strategy)}
     return run
+
+
+def cell_parameter_plans(network) -> dict:
+    """The ``parameter_plan`` entries of every ``cell.shard(...)`` on a Cell of
+    ``network`` (itself included), by the parameter's path inside ``network``:
+    ``{path: (how it was given, strategy)}``."""
+    out: dict = {}
+    for prefix, cell in network.cells_and_names():
+        run = cell.__dict__.get(CELL_SHARD_ATTR)
+        for path, (key, strategy) in getattr(run, "parameter_plan", {}).items():
+            where = f"{prefix}.shard(parameter_plan={{{key!r}: {strategy!r}}})" if prefix \
+                else f"shard(parameter_plan={{{key!r}: {strategy!r}}})"
+            out[f"{prefix}.{path}" if prefix else path] = (where, strategy)
+    return out
+
+
+def cells_with_parameter_plans(network) -> tuple:
+    """ids of the Cells of ``network`` annotated by ``cell.shard`` with a
+    ``parameter_plan`` (see ``context.planned_cells``)."""
+    return tuple(id(cell) for _, cell in network.cells_and_names()
+                 if getattr(cell.__dict__.get(CELL_SHARD_ATTR), "parameter_plan", None))
 
 
 register_cell_shard(_cell_shard)

@@ -41,6 +41,9 @@ replica_axes: ContextVar[tuple] = ContextVar("fshard_replica_axes", default=())
 #: ids of the Cells whose ``cell.shard(...)`` is running them now (their own calls
 #: inside then trace plainly).
 sharded_cells: ContextVar[tuple] = ContextVar("fshard_sharded_cells", default=())
+#: ids of the Cells whose ``cell.shard(..., parameter_plan=...)`` the enclosing
+#: ``fs.AutoParallel`` step has taken into its own plan (their parameters are its).
+planned_cells: ContextVar[tuple] = ContextVar("fshard_planned_cells", default=())
 #: The ``with fs.Mesh(...)`` meshes in effect (innermost last).
 meshes: ContextVar[tuple] = ContextVar("fshard_meshes", default=())
 #: Inside ``with fs.disable_jit():``: ``fs.jit`` functions run op by op, uncompiled.

@@ -80,7 +80,7 @@ from fshard.transforms.control_flow import scan
 from fshard.transforms.jit import bind_declared, declared_types, jit
 from fshard.sharding.local_batch import (block_index, check_same_slices, global_type,
                                           to_global)
-from fshard.transforms.shard import shard
+from fshard.transforms.shard import cell_parameter_plans, cells_with_parameter_plans, shard
 from fshard.sharding.user_layouts import with_sharding_constraint
 
 #: How each mode plans what no strategy fixes (``fs.shard``'s ``search``):
@@ -213,6 +213,10 @@ class AutoParallel:
         self.cell = network if is_cell(network) else None
         self.loss_fn = functional(network)[0] if self.cell is not None else network
         self.name = fun_name(self.loss_fn)
+        if self.cell is not None:
+            # the parameter_plan of a cell.shard(...) on one of its Cells is part of
+            # the step's plan (_given_plan): there the Cell applies only its layouts
+            self.loss_fn = _planning_cells(self.loss_fn, self.cell)
         if output is not None:
             apply = self.loss_fn
             self.loss_fn = lambda params, *batch: output(apply(params, *batch))
@@ -688,6 +692,7 @@ class AutoParallel:
         would otherwise leave that parameter unsplit without a word)."""
         paths = tree.flatten_with_path(params)[0]
         names = {_name(p) for p in paths} | {tree.keystr(p) for p in paths}
+        self._given_plan()  # (a conflict with a cell.shard's parameter_plan: an error)
         unknown = [k for k in self._options.parameter_plan if k not in names]
         if unknown:
             known = sorted(_name(p) for p in paths)
@@ -698,10 +703,31 @@ class AutoParallel:
                 f"{' ...' if len(known) > 12 else ''}.\nFix: use those names (a Cell's "
                 "'dense1.weight', a dict's key 'w1' or key path \"['w1']\").")
 
+    def _given_plan(self) -> dict:
+        """``parameter_plan(...)``'s strategies and those of every
+        ``cell.shard(..., parameter_plan=...)`` on a Cell of the network (as in
+        MindSpore, one plan), by parameter name. A parameter given different
+        strategies by the two is an ArgumentError naming both."""
+        plan = dict(self._options.parameter_plan)
+        if self.cell is None:
+            return plan
+        for name, (where, strategy) in cell_parameter_plans(self.cell).items():
+            keys = [k for k in (name, tree.keystr((name,))) if k in plan]
+            for k in keys:
+                if _strategy_key(plan[k]) != _strategy_key(strategy):
+                    raise ArgumentError(
+                        f"AutoParallel({self.name}): the parameter {name!r} has two "
+                        f"strategies: parameter_plan({{{k!r}: {plan[k]!r}}}) and "
+                        f"{where} on a Cell of the network.\nFix: give it one strategy, "
+                        "in one of the two places.")
+            if not keys:
+                plan[name] = strategy
+        return plan
+
     def _param_strategy(self, path, x):
         """The strategy given for a parameter (parameter_plan, a loaded file), or None."""
         name = _name(path)
-        plan = self._options.parameter_plan
+        plan = self._given_plan()
         given = plan.get(name, plan.get(tree.keystr(path)))
         if self._fixed_params is not None and name in self._fixed_params:
             given = tuple(self._fixed_params[name])
@@ -1398,6 +1424,24 @@ def _np_dtype(dtype):
     from fshard.core import dtypes
 
     return dtypes.to_numpy(dtype)
+
+
+def _planning_cells(apply, cell):
+    """``apply`` (the Cell's functional form) run with ``context.planned_cells`` naming
+    the Cells whose ``cell.shard`` parameter_plan the step's plan has taken."""
+    @functools.wraps(apply)
+    def loss_fn(params, *batch):
+        with context.setting(context.planned_cells, cells_with_parameter_plans(cell)):
+            return apply(params, *batch)
+
+    return loss_fn
+
+
+def _strategy_key(strategy):
+    """A strategy compared by value (split counts as a tuple, whatever the sequence)."""
+    if isinstance(strategy, (tuple, list)):
+        return tuple(_strategy_key(s) for s in strategy)
+    return strategy
 
 
 def _name(path) -> str:

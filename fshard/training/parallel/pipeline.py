@@ -1335,7 +1335,7 @@ class PipelineRunner:
         plan = None
         if dp > 1:  # a stage of several devices: sharded if the loss or the plan says so
             plan = cut(ap.loss_fn, ap.name, state.params, batch, rows * dp, dp)
-            if not (plan.constrained or ap.options.parameter_plan):
+            if not (plan.constrained or ap._given_plan()):
                 plan = None
         sharding = self._stage_sharding(state.params, batch, dp, plan is not None)
         if plan is None:

@@ -77,6 +77,74 @@ def test_a_wrong_parameter_name_is_an_error_at_once():
         block.shard(in_strategy=((8, 1),), parameter_plan={"self.dense9.weight": (8, 1)})
 
 
+# -- cell.shard's parameter_plan inside fs.AutoParallel -----------------------------
+
+def _copy(src, dst):
+    """``dst`` with ``src``'s parameter values (the same structure)."""
+    for (_, p), (_, q) in zip(src.parameters_and_names(), dst.parameters_and_names(),
+                              strict=True):
+        q.set_data(Tensor(p.asnumpy()))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def trained_net1():
+    """Seed 000's Net1 in an AutoParallel step of 8 devices (semi_auto): 3 SGD steps."""
+    ms.set_seed(0)
+    net = Net1()
+    ref = _copy(net, Net())
+    rng = np.random.default_rng(2)
+    x = Tensor(rng.normal(size=(16, 32)).astype(np.float32))
+    y = Tensor(rng.normal(size=(16, 32)).astype(np.float32))
+    ap = fs.AutoParallel(nn.WithLossCell(net, nn.MSELoss()), fs.optim.sgd(0.1), mesh=8)
+    state = ap.init()
+    losses = []
+    for _ in range(3):
+        state, loss = ap(state, x, y)
+        losses.append(float(loss.asnumpy()))
+    return ap, state, losses, ref, x, y
+
+
+def test_cell_shard_parameter_plan_is_part_of_the_autoparallel_plan(trained_net1):
+    """As in MindSpore, block1.shard(parameter_plan={'self.block1.dense2.weight':
+    (8, 1)}) lays that weight out (8, 1) in the step's plan; the numbers are the
+    unsharded ones."""
+    ap, state, losses, ref, x, y = trained_net1
+    layouts = ap.state_strategies(state, x, y).params
+    assert layouts["_backbone.block1.dense2.weight"] == (8, 1)
+    assert {v for k, v in layouts.items() if k != "_backbone.block1.dense2.weight"} \
+        <= {(1, 1), (1,)}  # semi_auto: the others whole
+    apply, params = fs.functional(nn.WithLossCell(ref, nn.MSELoss()))
+    step = fs.jit(fs.value_and_grad(apply))
+    want = []
+    for _ in range(3):
+        loss, grads = step(params, x, y)
+        want.append(float(loss.asnumpy()))
+        params = {k: params[k] - 0.1 * grads[k] for k in params}
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    for k, v in params.items():
+        np.testing.assert_allclose(state.params[k].asnumpy(), v.asnumpy(),
+                                   rtol=1e-4, atol=1e-6 * max(1.0, np.abs(v.asnumpy()).max()))
+
+
+def test_cell_shard_and_step_parameter_plans_must_agree(net_and_x):
+    net, _ = net_and_x
+    rng = np.random.default_rng(3)
+    x = Tensor(rng.normal(size=(16, 32)).astype(np.float32))
+    y = Tensor(rng.normal(size=(16, 32)).astype(np.float32))
+    name = "_backbone.block1.dense2.weight"
+    ap = fs.AutoParallel(nn.WithLossCell(net, nn.MSELoss()), fs.optim.sgd(0.1), mesh=8)
+    ap.parameter_plan({name: (1, 8)})
+    with pytest.raises(fs.ArgumentError, match=(
+            r"(?s)'_backbone.block1.dense2.weight' has two strategies: parameter_plan\("
+            r"\{'_backbone.block1.dense2.weight': \(1, 8\)\}\) and _backbone.block1.shard"
+            r"\(parameter_plan=\{'self.block1.dense2.weight': \(8, 1\)\}\).*Fix: give")):
+        ap(ap.init(), x, y)
+    ap.parameter_plan({name: [8, 1]})  # the same strategy given twice: one plan
+    state, _ = ap(ap.init(), x, y)
+    assert ap.state_strategies(state, x, y).params[name] == (8, 1)
+
+
 # -- set_inputs: MindSpore's declarations -------------------------------------------
 
 F32 = ms.float32

@@ -358,6 +358,55 @@ class AutoParallel:
         either way."""
         return self
 
+    def no_init_parameters_in_compile(self) -> "AutoParallel":
+        """Accepted: MindSpore then leaves the weights uninitialised while it compiles.
+        fshard's compilation never initialises them either (it traces types, not
+        values): Parameters made under ``no_init_parameters()`` are initialised by
+        ``init()`` (``fs.Model``: before its first step), which the step needs."""
+        return self
+
+    def transformer_opt(self, file_path) -> "AutoParallel":
+        """MindSpore's parallel speed-up JSON (``parallel_speed_up.json``): None or
+        ``""`` turns it off, as in MindSpore. A file whose options are all off
+        (``false`` / ``0``) is accepted; an option turned on is an ArgumentError naming
+        it: each reorders, overlaps or fuses communication in MindSpore's Ascend graph
+        compiler, which fshard's programs do not go through (its speed options are
+        ``comm_fusion`` and the plan itself)."""
+        where = f"AutoParallel({self.name}).transformer_opt(file_path)"
+        if file_path is None or file_path == "":
+            return self
+        if not isinstance(file_path, (str, os.PathLike)):
+            raise ArgumentError(
+                f"{where}: file_path must be the path of a JSON file (str), None or ''; "
+                f"got {type(file_path).__name__} {file_path!r}.\nFix: pass the path of "
+                "parallel_speed_up.json, or None.")
+        try:
+            with open(file_path) as fh:
+                config = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise ArgumentError(
+                f"{where}: cannot read {os.fspath(file_path)!r} as JSON ({e}).\nFix: pass "
+                "the path of a JSON object of MindSpore's speed-up options.") from e
+        if not isinstance(config, dict):
+            raise ArgumentError(
+                f"{where}: {os.fspath(file_path)!r} holds a JSON "
+                f"{type(config).__name__}, not an object of options.\nFix: "
+                '{"grad_matmul_communication_overlap": false, ...}.')
+        unknown = sorted(set(config) - set(SPEEDUP_OPTIONS))
+        on = sorted(k for k, v in config.items() if k in SPEEDUP_OPTIONS and v)
+        if unknown or on:
+            raise ArgumentError(
+                f"{where}: {os.fspath(file_path)!r} "
+                + (f"names unknown options {unknown} (MindSpore's are "
+                   f"{list(SPEEDUP_OPTIONS)})" if unknown else "")
+                + ("; it " if unknown and on else "")
+                + (f"turns on {on}, which fshard does not implement: each reorders, "
+                   "overlaps or fuses communication in MindSpore's Ascend graph compiler, "
+                   "which fshard's programs do not go through" if on else "")
+                + ".\nFix: drop transformer_opt (or set those options false); fshard's "
+                "own speed options are comm_fusion and the parallel plan.")
+        return self
+
     def enable_fp32_communication(self) -> "AutoParallel":
         """Reduce collectives (AllReduce, ReduceScatter) of float16 values run in
         float32: cast up, reduce, cast back (``fshard.primitives.passes.reduce_in_float32``), so a
@@ -378,15 +427,15 @@ class AutoParallel:
         as ``local_norm: step 3 w1 block (0, 1): 0.0123`` (process 0 of a job)."""
         return self._configure(print_local_norm=True)
 
-    def dump_local_norm(self, path) -> "AutoParallel":
-        """As ``print_local_norm``, written to ``path/local_norm_rank<r>.jsonl`` (one
+    def dump_local_norm(self, file_path) -> "AutoParallel":
+        """As ``print_local_norm``, written to ``file_path/local_norm_rank<r>.jsonl`` (one
         JSON line per step: ``{"step": 3, "norms": {"w1": [[...], ...]}}``, each value an
         array of block norms shaped like the split counts) instead of printed."""
-        if path is None:  # (None in the options means "not dumped")
+        if file_path is None:  # (None in the options means "not dumped")
             raise ArgumentError(
-                "AutoParallel.dump_local_norm(path): path must be a directory path; got "
-                "NoneType None.\nFix: a str or pathlib.Path naming a directory.")
-        return self._configure(dump_local_norm=path)
+                "AutoParallel.dump_local_norm(file_path): file_path must be a directory "
+                "path; got NoneType None.\nFix: a str or pathlib.Path naming a directory.")
+        return self._configure(dump_local_norm=file_path)
 
     def enable_device_local_norm(self) -> "AutoParallel":
         """With ``print_local_norm()`` or ``dump_local_norm(path)``, also report each
@@ -1236,15 +1285,15 @@ class AutoParallel:
         shs = _arg_shardings(part, (state, batch))[:len(leaves)]
         return tree.unflatten(spec, [tuple(sh.strategy(mesh)) for sh in shs])
 
-    def save_param_strategy_file(self, path, state: TrainState | None = None,
+    def save_param_strategy_file(self, file_path, state: TrainState | None = None,
                                  *batch) -> dict | "AutoParallel":
         """Write each parameter's strategy (split counts), keyed by parameter name, to
-        ``path`` as JSON, atomically. Only the trainable parameters are listed (as in
+        ``file_path`` as JSON, atomically. Only the trainable parameters are listed (as in
         MindSpore) unless ``disable_strategy_file_only_for_trainable_params()`` was
-        called. With ``path`` alone (MindSpore's form) the file is written when the
+        called. With ``file_path`` alone (MindSpore's form) the file is written when the
         step is first compiled (its first call) and the AutoParallel is returned."""
         if state is None:
-            return self._defer("param", "save_param_strategy_file", path, batch)
+            return self._defer("param", "save_param_strategy_file", file_path, batch)
         fixed = self._frozen() if self._only_trainable else set()
         if self._pipeline is not None:
             data = self._pipeline.param_strategies(state, *batch)
@@ -1252,7 +1301,7 @@ class AutoParallel:
             data["stages"] = {k: v for k, v in data["stages"].items() if k not in fixed}
             data = {"format": "fshard-param-strategy", "devices": self.n_devices,
                     "only_trainable": self._only_trainable, **data}
-            _write_json(path, data)
+            _write_json(file_path, data)
             return data
         part = self.partitioned(state, *batch)
         mesh = part.prop.mesh
@@ -1262,7 +1311,7 @@ class AutoParallel:
                 "only_trainable": self._only_trainable,
                 "params": {_name(p): list(sh.strategy(mesh)) for p, sh in zip(paths, shs)
                            if _name(p) not in fixed}}
-        _write_json(path, data)
+        _write_json(file_path, data)
         return data
 
     def disable_strategy_file_only_for_trainable_params(self) -> "AutoParallel":
@@ -1272,14 +1321,14 @@ class AutoParallel:
         self._only_trainable = False
         return self
 
-    def set_group_ckpt_save_file(self, path) -> "AutoParallel":
+    def set_group_ckpt_save_file(self, file_path) -> "AutoParallel":
         """When the step is first compiled, write the communication groups its
-        per-device program uses to ``path`` as JSON, atomically: for this process's
+        per-device program uses to ``file_path`` as JSON, atomically: for this process's
         rank (0 on a virtual mesh), each group's name (its mesh axes, joined by
         ``-``) -> the ranks of the group that contains it, ``{"format":
         "fshard-comm-groups", "devices": N, "rank": r, "groups": {"m0-m1": [0, 1, 2,
         3]}}`` (MindSpore's ``set_group_ckpt_save_file``)."""
-        return self._defer("groups", "set_group_ckpt_save_file", path, ())
+        return self._defer("groups", "set_group_ckpt_save_file", file_path, ())
 
     def save_group_file(self, path, state: TrainState, *batch) -> dict:
         """Write the file of ``set_group_ckpt_save_file`` now, for this step (with a
@@ -1303,19 +1352,19 @@ class AutoParallel:
         write_json_atomic(path, data, "communication group file")
         return data
 
-    def _defer(self, kind: str, method: str, path, batch) -> "AutoParallel":
+    def _defer(self, kind: str, method: str, file_path, batch) -> "AutoParallel":
         """Remember a file to write when the step is first compiled."""
         if batch:
             raise ArgumentError(
-                f"AutoParallel({self.name}).{method}(path, state, *batch) needs the "
+                f"AutoParallel({self.name}).{method}(file_path, state, *batch) needs the "
                 f"state first; got {len(batch)} more arguments with state None.\nFix: "
-                f"{method}(path) alone (written at the first step) or "
-                f"{method}(path, state, *batch) (written now).")
-        if not isinstance(path, (str, os.PathLike)):
+                f"{method}(file_path) alone (written at the first step) or "
+                f"{method}(file_path, state, *batch) (written now).")
+        if not isinstance(file_path, (str, os.PathLike)):
             raise ArgumentError(
-                f"AutoParallel({self.name}).{method}(path): path must be a file path (str "
-                f"or os.PathLike); got {type(path).__name__} {path!r}.")
-        self._files[kind] = os.fspath(path)
+                f"AutoParallel({self.name}).{method}(file_path): file_path must be a file "
+                f"path (str or os.PathLike); got {type(file_path).__name__} {file_path!r}.")
+        self._files[kind] = os.fspath(file_path)
         return self
 
     def _write_files(self, state: TrainState, batch) -> None:
@@ -1327,49 +1376,59 @@ class AutoParallel:
             write[kind](path, state, *batch)
             del self._files[kind]  # (kept if the step fails to compile: written later)
 
-    def load_param_strategy_file(self, path) -> "AutoParallel":
+    def load_param_strategy_file(self, file_path) -> "AutoParallel":
         """Use the parameter strategies of a file written by
         ``save_param_strategy_file`` (checked against the parameters when stepping)."""
-        data = _read_json(path, "fshard-param-strategy")
+        data = _read_json(file_path, "fshard-param-strategy")
         if data.get("devices") != self.n_devices:
             raise ShardingError(
-                f"load_param_strategy_file({path!r}): the file was written for "
+                f"load_param_strategy_file({file_path!r}): the file was written for "
                 f"{data.get('devices')} devices, this AutoParallel has {self.n_devices}.")
         self._fixed_params = data["params"]
         # (files written before the flag existed list every parameter)
         self._fixed_only_trainable = bool(data.get("only_trainable", False))
-        self._param_file = str(path)
+        self._param_file = str(file_path)
         self._steps.clear()
         return self
 
-    def save_operator_strategy_file(self, path, state: TrainState | None = None,
+    def save_operator_strategy_file(self, file_path, state: TrainState | None = None,
                                     *batch) -> dict | "AutoParallel":
         """Write the strategy of every equation of the step (``fs.shard``'s strategy
-        file) to ``path``; with ``path`` alone (MindSpore's form), when the step is
+        file) to ``file_path``; with ``file_path`` alone (MindSpore's form), when the step is
         first compiled. With a pipeline whose stages are sharded (``parameter_plan`` or
         strategies in the loss): one section per stage, each chunk's forward and
         backward programs' strategies (``"stages"``), and with ZeRO the final
         program's (``"finish"``)."""
         if state is None:
-            return self._defer("operator", "save_operator_strategy_file", path, batch)
-        self._check_state(state, ".save_operator_strategy_file(path, state, *batch)")
+            return self._defer("operator", "save_operator_strategy_file", file_path, batch)
+        self._check_state(state, ".save_operator_strategy_file(file_path, state, *batch)")
         if self._pipeline is not None:
             data = self._pipeline.step_for(state, *batch).operator_strategies(state)
-            write_json_atomic(path, data, "operator strategy file")
+            write_json_atomic(file_path, data, "operator strategy file")
             return data
         batch = self._plan_batch(batch)
         s, _ = self._sharded(state, batch)
-        return s.save_strategies(path, state.params, state.opt_state, state.step, *batch)
+        return s.save_strategies(file_path, state.params, state.opt_state, state.step, *batch)
 
-    def load_operator_strategy_file(self, path) -> "AutoParallel":
+    def load_operator_strategy_file(self, file_path) -> "AutoParallel":
         """Reuse a plan saved by ``save_operator_strategy_file`` (checked on use)."""
-        self._operator_file = path
+        self._operator_file = file_path
         for s, _ in self._steps.values():
-            s.load_strategies(path)
+            s.load_strategies(file_path)
         return self
 
     def __repr__(self) -> str:
         return f"fs.AutoParallel({self.name}, parallel_mode={self.parallel_mode.value!r})"
+
+
+#: The options of MindSpore's parallel speed-up JSON (``AutoParallel.transformer_opt``).
+SPEEDUP_OPTIONS = (
+    "recomputation_communication_overlap", "grad_matmul_communication_overlap",
+    "grad_fa_allgather_overlap", "enable_communication_fusion",
+    "grad_computation_allreduce_overlap", "computation_allgather_overlap",
+    "computation_communication_fusion_level", "dataset_broadcast_opt_level",
+    "allreduce_and_biasadd_swap", "enable_allreduce_slice_to_reducescatter",
+    "enable_interleave_split_concat_branch", "enable_interleave_parallel_branch")
 
 
 def _initialise(cell) -> None:

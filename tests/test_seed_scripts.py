@@ -260,3 +260,21 @@ def test_seeds_000_and_003_under_msrun_with_8_processes(tmp_path, data_path,
         assert diff <= 1e-5 and "runs in: fshard." in check, (r, check)
         _assert_losses_equal(_losses(out["seed_003_dynamic_shape.py"]), want,
                              f"seed 003, rank {r}")
+
+
+def test_seeds_000_and_003_under_the_launcher_with_8_processes(tmp_path, data_path,
+                                                               virtual_reference):
+    """The same job as above under ``python -m fshard.launch -n 8``."""
+    seeds = [os.path.join(HERE, "seed_000_net1.py"),
+             os.path.join(HERE, "seed_003_dynamic_shape.py")]
+    result = launch.run(DRIVER, 8, seeds, timeout=900, env={"DATA_PATH": data_path},
+                        log_dir=str(tmp_path))
+    assert result.ok, result.message
+    want = virtual_reference["seed_003_dynamic_shape.py"]
+    for r in range(8):
+        out = _by_script(result.output(r))
+        diff = float(re.search(r"Net1 max difference: (\S+)",
+                               out["seed_000_net1.py"]).group(1))
+        assert diff <= 1e-5, (r, diff)
+        _assert_losses_equal(_losses(out["seed_003_dynamic_shape.py"]), want,
+                             f"seed 003, rank {r}")

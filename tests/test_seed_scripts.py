@@ -1,6 +1,7 @@
 """The seeds' training scripts (tests/seed_scripts/), run as their users wrote them:
 on the virtual mesh (``mindspore.communication``'s ``init`` imported from
-``virtual_comm``: the only line changed) and under ``fshard.launch`` (unchanged).
+``virtual_comm``: the only line changed), under ``fshard.launch`` and under MindSpore's
+``msrun`` (unchanged; seed 000 with ``import fshard`` added).
 
 MNIST does not ship offline: ``DATA_PATH`` points at MNIST-format files of
 scikit-learn's digits (``seed_scripts/mnist.py``), so the seeds' own loader runs.

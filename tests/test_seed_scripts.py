@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -167,14 +168,20 @@ def _msrun(scripts: list, workers: int, data_path: str, tmp_path) -> list:
            "--master_port", str(_free_port()), "--log_dir", str(logs), "--join", "True",
            "--cluster_time_out", "300", DRIVER, *scripts]
     with launch.job_lock():  # one job at a time, as fshard.launch's jobs
+        proc = subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         try:
-            out = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True,
-                                 text=True, timeout=900, start_new_session=True)
-        except subprocess.TimeoutExpired as e:
-            raise AssertionError(f"msrun timed out: {str(e.stdout)[-3000:]}") from e
+            stdout = proc.communicate(timeout=900)[0]
+        except subprocess.TimeoutExpired:
+            stdout = "msrun timed out"
+        finally:
+            if proc.poll() is None:  # msrun, its scheduler and workers: one group
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     texts = [(logs / f"worker_{r}.log").read_text(errors="replace")
              if (logs / f"worker_{r}.log").exists() else "" for r in range(workers)]
-    assert out.returncode == 0, out.stdout[-2000:] + "\n".join(
+    assert proc.returncode == 0, stdout[-2000:] + "\n".join(
         f"--- worker {r}\n" + "\n".join(line for line in t.splitlines()
                                          if not line.startswith("["))[-3000:]
         for r, t in enumerate(texts))

@@ -3,7 +3,7 @@
 A benchmark is one function ``fn(ctx) -> Result`` registered with
 ``@benchmark(name, ...)``. It measures with ``ctx.compare`` / ``ctx.measure``
 (median and min of ``ctx.runs(full, quick)`` calls, each including the wait for
-its result), attaches JAX numbers with ``ctx.jax(name)``, and returns a
+its result), attaches JAX numbers with ``ctx.jax_rows(name)``, and returns a
 ``Result`` whose rows are reported relative to its ``baseline`` row.
 
     @benchmark("vmap_mlp", title="vmap of an MLP", jax="vmap_mlp")
@@ -98,7 +98,12 @@ class Context:
         if not entry:
             return []
         return [Row("jax", label, t["median_s"], t["min_s"], t["runs"], t.get("note", ""))
-                for label, t in entry.items()]
+                for label, t in entry.items() if not label.startswith("_")]
+
+    def jax_check(self, name: str) -> dict | None:
+        """What the JAX baseline ``name`` reports to check it ran the same model (its
+        ``"_check"`` entry: first losses, parameter counts), or None without it."""
+        return (self._jax.get(name) or {}).get("_check")
 
     def jax_error(self) -> str | None:
         return self._jax.get("_error")

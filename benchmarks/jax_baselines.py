@@ -5,8 +5,12 @@
 Prints one JSON document on its last line: ``{name: {label: timing}, "_meta": ...}``
 where a timing is ``timing.measure``'s dict. Each baseline mirrors the fshard
 benchmark of the same name (same shapes, dtypes, data and run counts) and waits
-for its result with ``np.asarray`` (MindSpore's side uses ``.asnumpy()``).
-Add a baseline as one function registered in ``BASELINES``.
+for its result with ``np.asarray`` (MindSpore's side uses ``.asnumpy()``); the
+training steps wait for every output (``jax.block_until_ready``). A label starting
+with ``_`` is not a timing: ``"_check"`` carries what the MindSpore side compares to
+know both ran the same model (first losses from the initial values of
+``model_specs.py``, parameter counts). Add a baseline as one function registered
+in ``BASELINES``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import model_specs  # noqa: E402
 import timing  # noqa: E402
 
 BASELINES = {}
@@ -264,6 +269,193 @@ def train_scan(quick):
     return {"jax.jit(jax.lax.scan(step)) over 10 steps": timing.measure(
                 lambda: np.asarray(scanned(carry)[1]), runs=runs, warmup=2),
             "Python loop of 10 jax.jit(step) calls": timing.measure(loop, runs=runs, warmup=2)}
+
+
+def _first_and_steps(make, args, runs, first_runs, warmup):
+    """A training step's timings: ``make()`` returns a fresh ``jax.jit`` step
+    ``(state, *args) -> (state, loss)`` and its initial state. The first call (trace,
+    compile, the step) is timed on a fresh step each time; the steady steps on one,
+    each waiting for every output (``jax.block_until_ready``), the updated state fed
+    back. Returns ``(first, steps, losses)``: the first three losses of one step."""
+    def first():
+        step, state = make()
+        return lambda: jax.block_until_ready(step(state, *args))
+
+    first_t = timing.measure_each(first, runs=first_runs)
+    step, state = make()
+    box = [state]
+    losses = []
+    for _ in range(3):
+        box[0], loss = jax.block_until_ready(step(box[0], *args))
+        losses.append(float(loss))
+
+    def call():
+        box[0], _ = jax.block_until_ready(step(box[0], *args))
+
+    return first_t, timing.measure(call, runs=runs, warmup=warmup), losses
+
+
+# ---------------------------------------------------------------------------
+# ResNet-18 (benchmarks/resnet.py): mindcv's resnet18, in plain JAX
+# ---------------------------------------------------------------------------
+
+RESNET_LR, RESNET_MOMENTUM, BN_EPS, BN_MOMENTUM = 0.01, 0.9, 1e-5, 0.9
+
+
+def _conv(x, w, stride, pad):
+    return jax.lax.conv_general_dilated(x, w, (stride, stride), ((pad, pad), (pad, pad)),
+                                        dimension_numbers=("NCHW", "OIHW", "NCHW"))
+
+
+def _batch_norm(x, p, stats, name, new_stats):
+    """Training-mode BatchNorm2d (mindcv's: eps 1e-5, momentum 0.9): normalise with
+    the batch's biased variance; the moving variance takes the unbiased one."""
+    mean = x.mean((0, 2, 3))
+    var = x.var((0, 2, 3))
+    n = x.size // x.shape[1]
+    m = jax.lax.stop_gradient
+    new_stats[f"{name}.moving_mean"] = (BN_MOMENTUM * stats[f"{name}.moving_mean"]
+                                        + (1 - BN_MOMENTUM) * m(mean))
+    new_stats[f"{name}.moving_variance"] = (BN_MOMENTUM * stats[f"{name}.moving_variance"]
+                                            + (1 - BN_MOMENTUM) * m(var) * n / (n - 1))
+    shape = (1, -1, 1, 1)
+    y = (x - mean.reshape(shape)) * jax.lax.rsqrt(var.reshape(shape) + BN_EPS)
+    return y * p[f"{name}.gamma"].reshape(shape) + p[f"{name}.beta"].reshape(shape)
+
+
+def resnet18(p, stats, x):
+    """``(logits, new_stats)``: mindcv's resnet18 forward in training mode (NCHW)."""
+    new = {}
+    relu = jax.nn.relu
+    x = relu(_batch_norm(_conv(x, p["conv1.weight"], 2, 3), p, stats, "bn1", new))
+    # MaxPool2d(3, stride 2, pad_mode "same"): TF-style SAME padding, -inf outside
+    x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 1, 3, 3), (1, 1, 2, 2), "SAME")
+    for stage, (_, stride) in enumerate(model_specs.RESNET_STAGES, 1):
+        for block in range(2):
+            pre = f"layer{stage}.{block}"
+            s = stride if block == 0 else 1
+            h = relu(_batch_norm(_conv(x, p[f"{pre}.conv1.weight"], s, 1), p, stats,
+                                 f"{pre}.bn1", new))
+            h = _batch_norm(_conv(h, p[f"{pre}.conv2.weight"], 1, 1), p, stats, f"{pre}.bn2",
+                            new)
+            if f"{pre}.down_sample.0.weight" in p:  # 1x1, stride s, "same": no padding
+                x = _batch_norm(_conv(x, p[f"{pre}.down_sample.0.weight"], s, 0), p, stats,
+                                f"{pre}.down_sample.1", new)
+            x = relu(h + x)
+    x = x.mean((2, 3))  # GlobalAvgPooling
+    return x @ p["classifier.weight"].T + p["classifier.bias"], new
+
+
+def _resnet18_state(seed=0):
+    w = model_specs.resnet18_weights(seed)
+    params = {k: jnp.asarray(v) for k, v in w.items() if model_specs.trainable(k)}
+    stats = {k: jnp.asarray(v) for k, v in w.items() if not model_specs.trainable(k)}
+    return params, jax.tree.map(jnp.zeros_like, params), stats
+
+
+def _resnet18_make():
+    def loss(p, stats, x, y):
+        logits, new = resnet18(p, stats, x)
+        return _xent(logits, y), new
+
+    def step(state, x, y):
+        # nn.Momentum / fs.optim.sgd(momentum=0.9): v = 0.9 v + g; p -= lr v
+        p, v, stats = state
+        (value, stats), g = jax.value_and_grad(loss, has_aux=True)(p, stats, x, y)
+        v = jax.tree.map(lambda v, g: RESNET_MOMENTUM * v + g, v, g)
+        p = jax.tree.map(lambda p, v: p - RESNET_LR * v, p, v)
+        return (p, v, stats), value
+
+    return jax.jit(step), _resnet18_state()
+
+
+@baseline
+def resnet18_train_step(quick):
+    """mindcv's ResNet-18 training step in plain JAX (benchmarks/resnet.py): batch 16
+    of 3x32x32, 10 classes, training-mode BatchNorm, SGD momentum 0.9."""
+    x, y = (jnp.asarray(a) for a in model_specs.resnet18_batch())
+    first, steps, losses = _first_and_steps(_resnet18_make, (x, y), _runs(quick, 20, 2),
+                                            _runs(quick, 2, 1), warmup=2)
+    params, _, stats = _resnet18_state()
+
+    def count(tree):
+        return int(sum(a.size for a in jax.tree.leaves(tree)))
+
+    return {"step: jax.jit(value_and_grad) + SGD momentum": steps,
+            "first call: trace + compile + step": first,
+            "_check": {"losses": losses, "trainable": count(params),
+                       "moving_stats": count(stats)}}
+
+
+# ---------------------------------------------------------------------------
+# The Llama-style block (benchmarks/transformers.py), in plain JAX
+# ---------------------------------------------------------------------------
+
+LLAMA_LR, ADAM_B1, ADAM_B2, ADAM_EPS = 1e-3, 0.9, 0.999, 1e-8
+
+
+def _rms_norm(x, w, eps=1e-6):
+    return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return jnp.concatenate((-x[..., half:], x[..., :half]), axis=-1)
+
+
+def llama_block(p, x, cos, sin):
+    b, s, d = x.shape
+    heads = model_specs.LLAMA_HEADS
+    hd = d // heads
+
+    def split(t):
+        return t.reshape(b, s, heads, hd).transpose(0, 2, 1, 3)
+
+    h = _rms_norm(x, p["attn_norm"])
+    q, k, v = split(h @ p["wq"]), split(h @ p["wk"]), split(h @ p["wv"])
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    scores = (q @ k.transpose(0, 1, 3, 2)) * float(1.0 / np.sqrt(hd))
+    mask = jnp.triu(jnp.ones((s, s), bool), k=1)
+    scores = jnp.where(mask, -1e9, scores)  # masked_fill
+    att = jax.nn.softmax(scores, axis=-1) @ v
+    x = x + att.transpose(0, 2, 1, 3).reshape(b, s, d) @ p["wo"]
+    h = _rms_norm(x, p["mlp_norm"])
+    return x + (jax.nn.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
+
+
+def _llama_make():
+    cos, sin = (jnp.asarray(a) for a in model_specs.llama_rotary())
+
+    def loss(p, x, y):
+        return jnp.mean((llama_block(p, x, cos, sin) - y) ** 2)
+
+    def step(state, x, y):
+        # nn.Adam / fs.optim.adam: p -= lr sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps)
+        p, m, v, t = state
+        value, g = jax.value_and_grad(loss)(p, x, y)
+        t = t + 1
+        m = jax.tree.map(lambda m, g: ADAM_B1 * m + (1 - ADAM_B1) * g, m, g)
+        v = jax.tree.map(lambda v, g: ADAM_B2 * v + (1 - ADAM_B2) * g * g, v, g)
+        lr = LLAMA_LR * jnp.sqrt(1 - ADAM_B2 ** t) / (1 - ADAM_B1 ** t)
+        p = jax.tree.map(lambda p, m, v: p - lr * m / (jnp.sqrt(v) + ADAM_EPS), p, m, v)
+        return (p, m, v, t), value
+
+    params = {k: jnp.asarray(w) for k, w in model_specs.llama_weights().items()}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return jax.jit(step), (params, zeros, zeros, jnp.float32(0))
+
+
+@baseline
+def llama_step(quick):
+    """One Adam step of the Llama-style block in plain JAX (benchmarks/transformers.py):
+    batch 4, sequence 64, width 128, 4 heads, MLP 352, MSE loss."""
+    x, y = (jnp.asarray(a) for a in model_specs.llama_batch())
+    first, steps, losses = _first_and_steps(_llama_make, (x, y), _runs(quick, 60, 6),
+                                            _runs(quick, 3, 1), warmup=3)
+    return {"step: jax.jit(value_and_grad + Adam)": steps,
+            "first call: trace + compile + step": first,
+            "_check": {"losses": losses}}
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,9 @@ The two steps' losses are checked equal over three steps before timing; they are
 interleaved, each waiting for its loss (``.asnumpy()``). The first call (trace and
 compile) of each is timed on fresh objects: ``fs.jit``'s step against the
 ``TrainOneStepCell``'s first GRAPH-mode call and against ``mindspore.jit`` of
-``mindspore.value_and_grad`` of the same loss (no optimizer).
+``mindspore.value_and_grad`` of the same loss (no optimizer). The JAX rows
+(``jax_baselines.py``) time the same block and Adam in plain JAX, from the same weights
+and batch (``model_specs.py``); its first three losses must equal fshard's.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 import fshard as fs
+from benchmarks import model_specs
 from benchmarks.harness import Result, benchmark, row
 
-B, S, DIM, HEADS, FF = 4, 64, 128, 4, 352
+B, S, DIM, HEADS, FF = (model_specs.LLAMA_B, model_specs.LLAMA_S, model_specs.LLAMA_DIM,
+                        model_specs.LLAMA_HEADS, model_specs.LLAMA_FF)
 LR = 1e-3
 
 
@@ -39,23 +43,13 @@ def rotate_half(x):
 class LlamaBlock(nn.Cell):
     def __init__(self, seed=0):
         super().__init__()
-        rng = np.random.default_rng(seed)
-
-        def weight(*shape):
-            w = rng.standard_normal(shape) / np.sqrt(shape[0])
-            return Parameter(Tensor(w.astype(np.float32)))
-
+        # the values the JAX baseline builds too (benchmarks/model_specs.py)
+        for name, w in model_specs.llama_weights(seed, DIM, FF).items():
+            setattr(self, name, Parameter(Tensor(w)))
         self.head_dim = DIM // HEADS
         self.scale = float(1.0 / np.sqrt(self.head_dim))
-        self.wq, self.wk, self.wv, self.wo = (weight(DIM, DIM) for _ in range(4))
-        self.w1, self.w3, self.w2 = weight(DIM, FF), weight(DIM, FF), weight(FF, DIM)
-        self.attn_norm = Parameter(Tensor(np.ones(DIM, np.float32)))
-        self.mlp_norm = Parameter(Tensor(np.ones(DIM, np.float32)))
-        inv = 1.0 / (10000 ** (np.arange(0, self.head_dim, 2) / self.head_dim))
-        angles = np.outer(np.arange(S), inv)
-        angles = np.concatenate([angles, angles], -1)
-        self.cos = Tensor(np.cos(angles).astype(np.float32))
-        self.sin = Tensor(np.sin(angles).astype(np.float32))
+        cos, sin = model_specs.llama_rotary(S, self.head_dim)
+        self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.mask = ops.triu(ops.ones((S, S), ms.float32), diagonal=1).astype(ms.bool_)
 
     def split_heads(self, t, b, s):
@@ -127,11 +121,10 @@ def ms_jit_value_and_grad():
     return ms.jit(ms.value_and_grad(net, None, net.trainable_params()))
 
 
-@benchmark("llama_step", title="Llama block training step (Adam): fs.jit vs MindSpore GRAPH mode")
+@benchmark("llama_step", title="Llama block training step (Adam): fs.jit vs MindSpore GRAPH mode",
+           jax="llama_step")
 def llama_step(ctx):
-    rng = np.random.default_rng(1)
-    x = Tensor(rng.standard_normal((B, S, DIM)).astype(np.float32))
-    y = Tensor(rng.standard_normal((B, S, DIM)).astype(np.float32))
+    x, y = (Tensor(a) for a in model_specs.llama_batch(1))
 
     # first calls: trace + compile, on fresh objects each run
     first_runs = ctx.runs(3, 1)
@@ -166,6 +159,11 @@ def llama_step(ctx):
         with graph_mode():
             want.append(float(train(x, y).asnumpy()))
     np.testing.assert_allclose(got, want, rtol=1e-4)
+    notes = []
+    check = ctx.jax_check("llama_step")
+    if check:  # the same block in JAX, from the same weights and batch
+        np.testing.assert_allclose(check["losses"], got, rtol=1e-4)
+        notes.append(f"JAX's first three losses: {np.round(check['losses'], 6).tolist()}")
     holder = {"state": state}
 
     def fs_call():
@@ -185,6 +183,7 @@ def llama_step(ctx):
         row("mindspore", "mindspore.jit(value_and_grad): first call", first_jit,
             "no optimizer"),
         row("fshard", "fs.jit step: first call (trace + compile)", first_fs),
+        *ctx.jax_rows("llama_step"),
     ]
     return Result(rows, baseline="TrainOneStepCell + nn.Adam, GRAPH mode: step",
                   target="step at most 1.05x MindSpore's GRAPH-mode TrainOneStepCell; first "
@@ -192,4 +191,4 @@ def llama_step(ctx):
                   notes=[f"batch {B}, sequence {S}, width {DIM}, {HEADS} heads, MLP {FF}",
                          (f"steps timed interleaved ({runs} calls each, 6 rounds); first "
                           f"calls on fresh objects ({first_runs} each)"),
-                         f"first three losses equal: {np.round(got, 6).tolist()}"])
+                         f"first three losses equal: {np.round(got, 6).tolist()}", *notes])

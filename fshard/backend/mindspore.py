@@ -998,3 +998,11 @@ def split_with_size_class():
     from mindspore.ops.auto_generate import gen_ops_prim
 
     return gen_ops_prim.SplitWithSize
+
+
+def softmax_kernel():
+    """The Softmax primitive instance ``ops.softmax`` calls (``softmax_impl(x, axis)``,
+    generated into a private module)."""
+    from mindspore.ops.auto_generate import softmax_impl
+
+    return softmax_impl

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from mindspore import ops
 
-from fshard.backend.mindspore import as_tensor, batch_norm_grad_class
+from fshard.backend.mindspore import as_tensor, batch_norm_grad_class, softmax_kernel
 from fshard.core import dtypes
 from fshard.core.array_types import Array, Float, Shaped
 from fshard.core.interpret import bind_equation, walk
@@ -100,7 +100,12 @@ def bias_add(x: Shaped[Array, "*batch c"], bias: Shaped[Array, "c"]) -> Shaped[A
 
 
 def _ms_softmax(x, axis):
-    return ops.softmax(x, axis)
+    # the kernel ops.softmax calls, without its Python argument checks, which MindSpore's
+    # graph compiler would interpret at each call site (~8 ms each, measured)
+    return _SOFTMAX(x, axis)
+
+
+_SOFTMAX = softmax_kernel()
 
 
 def _ms_log_softmax(x, axis):

@@ -664,9 +664,13 @@ def _ms_pool_gather(t, idx):
     return ops.reshape(out, (n, c, ho, wo))
 
 
+# made once: ops.zeros is Python the graph compiler interprets at each call site
+_ZEROS = ops.Zeros()
+
+
 def _ms_pool_scatter(ct, idx, plane):
     n, c, ho, wo = ct.shape
-    zeros = ops.zeros((n, c, plane[0] * plane[1]), ct.dtype)
+    zeros = _ZEROS((n, c, plane[0] * plane[1]), ct.dtype)
     out = ops.tensor_scatter_elements(zeros, ops.reshape(idx, (n, c, ho * wo)),
                                       ops.reshape(ct, (n, c, ho * wo)), 2, "add")
     return ops.reshape(out, (n, c, plane[0], plane[1]))

@@ -309,14 +309,22 @@ def stack(xs: Sequence[Shaped[Array, "..."]], axis: int = 0) -> Shaped[Array, ".
 # ---------------------------------------------------------------------------
 
 
+def _ms_split(x, sizes, axis):
+    return ops.split(x, sizes, axis)
+
+
 # ``ops.split`` slices piece by piece in a Python loop that MindSpore's graph compiler
 # unrolls while inferring types: 2.4 s of compile for one split into ~60 pieces (a
-# multi-tensor optimizer update's), against ~0.02 s for this one primitive, made once.
+# multi-tensor optimizer update's), against ~0.1 s for one SplitWithSize, made once.
+# Compiled, SplitWithSize fails on an empty piece off axis 0 ("memcpy failed"):
+# a split with an empty piece keeps ops.split.
 _SPLIT_WITH_SIZE = split_with_size_class()()
 
 
-def _ms_split(x, sizes, axis):
-    return _SPLIT_WITH_SIZE(x, sizes, axis)
+def _lower_split(ctx, x, *, sizes, axis):
+    if min(sizes) == 0:
+        return ctx.call(_ms_split, x, sizes=sizes, axis=axis)
+    return f"{ctx.ref(_SPLIT_WITH_SIZE)}({x}, {ctx.param(tuple(sizes))}, {axis})"
 
 
 def _split_type(x, *, sizes, axis):
@@ -329,7 +337,8 @@ def _split_type(x, *, sizes, axis):
             for s in sizes]
 
 
-split_p = def_primitive("split", FAMILY, _split_type, _ms_split, multiple_results=True)
+split_p = def_primitive("split", FAMILY, _split_type, _ms_split, multiple_results=True,
+                        lower=_lower_split)
 
 
 def _split_batching(args, dims, *, sizes, axis):

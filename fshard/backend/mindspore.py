@@ -993,8 +993,8 @@ def optimizer_lr_classes() -> tuple:
 
 def split_with_size_class():
     """MindSpore's ``SplitWithSize`` primitive class (generated into a private module):
-    one kernel cutting a tensor into pieces of given sizes along an axis, zero sizes
-    included, for every dtype on CPU."""
+    one kernel cutting a tensor into pieces of given sizes along an axis, for every
+    dtype on CPU (compiled, not into an empty piece off axis 0: "memcpy failed")."""
     from mindspore.ops.auto_generate import gen_ops_prim
 
     return gen_ops_prim.SplitWithSize

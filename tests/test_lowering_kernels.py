@@ -126,3 +126,13 @@ def test_one_hot_and_middle_axis_sum_lowered_equal_the_eager_ops():
         want = fs.jit(f)(idx, x)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.asnumpy(), np.asarray(w.asnumpy()))
+
+
+def test_splits_into_different_numbers_of_pieces_compile_in_one_program():
+    # through ops.split both went through one wrapper, and MindSpore's compiler refused
+    # the second ("The elements size should be equal")
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    got = fs.jit(lambda a: structural.split(a, [2, 4], 1) + structural.split(a, [1, 2, 3], 1))(x)
+    want = np.split(x, [2], 1) + np.split(x, [1, 3], 1)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.asnumpy(), w)

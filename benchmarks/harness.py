@@ -91,6 +91,7 @@ class Context:
     measure = staticmethod(timing.measure)
     compare = staticmethod(timing.compare)
     measure_each = staticmethod(timing.measure_each)
+    measure_each_interleaved = staticmethod(timing.measure_each_interleaved)
 
     def jax_rows(self, name: str) -> list[Row]:
         """The JAX baseline ``name`` as rows (empty, with a note, when unavailable)."""
@@ -240,3 +241,16 @@ def write_json(path: str, results: dict, meta: dict) -> None:
         json.dump(doc, fh, indent=2, ensure_ascii=False)
         fh.write("\n")
     os.replace(tmp, path)
+
+
+def warm_up_compiler():
+    """Compile and run one tiny ``mindspore.jit`` graph, untimed: MindSpore's first
+    compile in a process pays its own start-up (~1-4 s), which the first call timed
+    would otherwise carry alone."""
+    import mindspore as ms
+
+    ms.jit(_tiny)(ms.Tensor([1.0])).asnumpy()
+
+
+def _tiny(a):
+    return a * 2.0 + 1.0

@@ -688,13 +688,32 @@ def _ms_reduce_sum(x, axes):
         # MindSpore's CPU kernel is slow there and fast over axis 0, so the axis moves
         # to the front first. Summing (2, 2, 2, 512, 512) over axis 2 took 10.6 ms
         # directly and 1.3 ms so; no shape measured was slower so.
-        k = axes[0]
-        perm = (k,) + tuple(range(k)) + tuple(range(k + 1, len(x.shape)))
-        return ops.ReduceSum(False)(ops.transpose(x, perm), 0)
-    return ops.ReduceSum(False)(x, axes)  # keeps the dtype (ops.sum widens int32)
+        return _REDUCE_SUM(ops.transpose(x, _front(axes[0], len(x.shape))), 0)
+    return _REDUCE_SUM(x, axes)  # keeps the dtype (ops.sum widens int32)
 
 
-reduce_sum_p = def_primitive("reduce_sum", "reductions", _reduce_type, _ms_reduce_sum)
+def _front(k: int, ndim: int) -> tuple:
+    return (k,) + tuple(range(k)) + tuple(range(k + 1, ndim))
+
+
+# made once: a Primitive built inside generated code is built again by MindSpore's
+# compiler at each call site (see LoweringContext.kernel)
+_REDUCE_SUM = ops.ReduceSum(False)
+
+
+def _lower_reduce_sum(ctx, x, *, axes):
+    # _ms_reduce_sum's choice made here: its branches would be parsed at each call site
+    nd = len(ctx.in_avals[0].shape)
+    if len(axes) == 0:
+        return x
+    if len(axes) == 1 and 0 < axes[0] < nd - 1:
+        moved = f"{ctx.ref(ops.transpose)}({x}, {ctx.param(_front(axes[0], nd))})"
+        return f"{ctx.ref(_REDUCE_SUM)}({moved}, 0)"
+    return f"{ctx.ref(_REDUCE_SUM)}({x}, {ctx.param(tuple(axes))})"
+
+
+reduce_sum_p = def_primitive("reduce_sum", "reductions", _reduce_type, _ms_reduce_sum,
+                             lower=_lower_reduce_sum)
 batching.set(reduce_sum_p, _reducer_batching(reduce_sum_p))
 sharding.set(reduce_sum_p, _reduce_sharding("sum"))
 deflinear(reduce_sum_p, lambda ct, x, *, axes: [

@@ -36,7 +36,7 @@ from mindspore import dtype as mstype
 from mindspore import ops
 
 from fshard.core import dtypes
-from fshard.backend.mindspore import conv2d_backprop_filter_class
+from fshard.backend.mindspore import Tensor, conv2d_backprop_filter_class
 from fshard.core.array_types import Array, Float, Int
 from fshard.core.tracing import ArrayType, typeof
 from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
@@ -114,24 +114,37 @@ def _check_conv(name, x_shape, w_shape, stride, padding, dilation, groups):
 # ---------------------------------------------------------------------------
 
 
-def _ms_conv(x, w, stride, padding, dilation, groups):
+def _conv_kernel(w_shape, stride, padding, dilation, groups):
     p = (padding[0][0], padding[0][1], padding[1][0], padding[1][1])
-    return ops.Conv2D(w.shape[0], (w.shape[2], w.shape[3]), pad_mode="pad", pad=p,
-                      stride=stride, dilation=dilation, group=groups)(x, w)
+    return ops.Conv2D(w_shape[0], (w_shape[2], w_shape[3]), pad_mode="pad", pad=p,
+                      stride=stride, dilation=dilation, group=groups)
 
 
-def _ms_conv_input_grad(ct, w, stride, padding, dilation, groups, input_shape):
+def _input_grad_kernel(w_shape, stride, padding, dilation, groups):
     p = (padding[0][0], padding[0][1], padding[1][0], padding[1][1])
-    return ops.Conv2DBackpropInput(w.shape[0], (w.shape[2], w.shape[3]), pad_mode="pad",
+    return ops.Conv2DBackpropInput(w_shape[0], (w_shape[2], w_shape[3]), pad_mode="pad",
                                    pad=p, pad_list=p, stride=stride, dilation=dilation,
-                                   group=groups)(ct, w, input_shape)
+                                   group=groups)
 
 
-def _ms_conv_filter_grad(x, ct, stride, padding, dilation, groups, kernel_shape):
+def _filter_grad_kernel(kernel_shape, stride, padding, dilation, groups):
     p = (padding[0][0], padding[0][1], padding[1][0], padding[1][1])
     return Conv2DBackpropFilter(
         kernel_shape[0], (kernel_shape[2], kernel_shape[3]), pad_mode="pad", pad=p,
-        pad_list=p, stride=stride, dilation=dilation, group=groups)(ct, x, kernel_shape)
+        pad_list=p, stride=stride, dilation=dilation, group=groups)
+
+
+def _ms_conv(x, w, stride, padding, dilation, groups):
+    return _conv_kernel(w.shape, stride, padding, dilation, groups)(x, w)
+
+
+def _ms_conv_input_grad(ct, w, stride, padding, dilation, groups, input_shape):
+    return _input_grad_kernel(w.shape, stride, padding, dilation, groups)(ct, w, input_shape)
+
+
+def _ms_conv_filter_grad(x, ct, stride, padding, dilation, groups, kernel_shape):
+    return _filter_grad_kernel(kernel_shape, stride, padding, dilation, groups)(
+        ct, x, kernel_shape)
 
 
 def _patch(xp, i, j, ho, wo, stride, dilation):
@@ -192,18 +205,41 @@ def _ms_conv_filter_grad_f64(x, ct, stride, padding, dilation, groups, kernel_sh
     return ops.reshape(ops.stack(taps, 2), (o, cg, kh, kw))
 
 
-def _by_dtype(kernel, exact):
+def _by_dtype(kernel, exact, lower_kernel=None):
     """The eager implementation and the lowering: MindSpore's kernel, or for float64
-    (which its CPU kernels lack) the exact patch-wise form."""
+    (which its CPU kernels lack) the exact patch-wise form. ``lower_kernel(ctx, *xs,
+    **params)``, if given, lowers the kernel's case (with the Primitive built at
+    lowering time: ``LoweringContext.kernel``)."""
     def impl(*xs, **params):
         fn = exact if xs[0].dtype == mstype.float64 else kernel
         return fn(*xs, **params)
 
     def lower(ctx, *xs, **params):
-        fn = exact if ctx.in_avals[0].dtype == dtypes.float64 else kernel
-        return ctx.call(fn, *xs, **params)
+        if ctx.in_avals[0].dtype == dtypes.float64:
+            return ctx.call(exact, *xs, **params)
+        if lower_kernel is not None and all(a.is_static for a in ctx.in_avals):
+            return lower_kernel(ctx, *xs, **params)
+        return ctx.call(kernel, *xs, **params)
 
     return impl, lower
+
+
+def _lower_conv(ctx, x, w, *, stride, padding, dilation, groups):
+    k = ctx.kernel(_conv_kernel, tuple(ctx.in_avals[1].shape), stride, padding, dilation,
+                   groups)
+    return f"{k}({x}, {w})"
+
+
+def _lower_input_grad(ctx, ct, w, *, stride, padding, dilation, groups, input_shape):
+    k = ctx.kernel(_input_grad_kernel, tuple(ctx.in_avals[1].shape), stride, padding,
+                   dilation, groups)
+    return f"{k}({ct}, {w}, {ctx.param(tuple(input_shape))})"
+
+
+def _lower_filter_grad(ctx, x, ct, *, stride, padding, dilation, groups, kernel_shape):
+    k = ctx.kernel(_filter_grad_kernel, tuple(kernel_shape), stride, padding, dilation,
+                   groups)
+    return f"{k}({ct}, {x}, {ctx.param(tuple(kernel_shape))})"
 
 
 # ---------------------------------------------------------------------------
@@ -237,12 +273,13 @@ def _filter_grad_type(x, ct, *, stride, padding, dilation, groups, kernel_shape)
     return ArrayType(tuple(kernel_shape), x.dtype)
 
 
-_impl, _lower = _by_dtype(_ms_conv, _ms_conv_f64)
+_impl, _lower = _by_dtype(_ms_conv, _ms_conv_f64, _lower_conv)
 conv2d_p = def_primitive("conv2d", FAMILY, _conv_type, _impl, lower=_lower)
-_impl, _lower = _by_dtype(_ms_conv_input_grad, _ms_conv_input_grad_f64)
+_impl, _lower = _by_dtype(_ms_conv_input_grad, _ms_conv_input_grad_f64, _lower_input_grad)
 conv2d_input_grad_p = def_primitive("conv2d_input_grad", FAMILY, _input_grad_type, _impl,
                                     lower=_lower)
-_impl, _lower = _by_dtype(_ms_conv_filter_grad, _ms_conv_filter_grad_f64)
+_impl, _lower = _by_dtype(_ms_conv_filter_grad, _ms_conv_filter_grad_f64,
+                          _lower_filter_grad)
 conv2d_filter_grad_p = def_primitive("conv2d_filter_grad", FAMILY, _filter_grad_type, _impl,
                                      lower=_lower)
 
@@ -506,6 +543,40 @@ def _ms_avg_pool(x, kernel, stride, padding):
     return ops.AvgPool(kernel, stride, "VALID")(_ms_pool_pad(x, padding, 0.0))
 
 
+# Lowered, the pools call kernels built at lowering time (LoweringContext.kernel) on the
+# input padded by one shared PadV3: ops.pad is Python that MindSpore's compiler
+# interprets at each call site.
+_PAD = ops.PadV3(mode="constant", paddings_contiguous=True)
+
+
+def _pool_pad_src(ctx, x, padding, value) -> str:
+    if padding[0][0] + padding[0][1] + padding[1][0] + padding[1][1] == 0:
+        return x
+    pads = (padding[1][0], padding[1][1], padding[0][0], padding[0][1])
+    fill = ctx.ref(Tensor(value, ctx.in_avals[0].dtype), "fill")
+    return f"{ctx.ref(_PAD)}({x}, {pads!r}, {fill})"
+
+
+def _lower_pool(cls, value):
+    def lower(ctx, x, *, kernel, stride, padding):
+        k = ctx.kernel(cls, kernel, stride, "VALID")
+        return f"{k}({_pool_pad_src(ctx, x, padding, value)})"
+
+    return lower
+
+
+def _argmax_kernel(kernel, stride):
+    return ops.MaxPoolWithArgmaxV2(kernel, stride, (0, 0), (1, 1), False, mstype.int32)
+
+
+def _lower_max_pool_argmax(ctx, x, *, kernel, stride, padding):
+    if ctx.in_avals[0].dtype != dtypes.float32:  # the kernel is float32: casts around it
+        return ctx.call(_ms_max_pool_argmax, x, kernel=kernel, stride=stride,
+                        padding=padding)
+    k = ctx.kernel(_argmax_kernel, kernel, stride)
+    return f"{k}({_pool_pad_src(ctx, x, padding, float('-inf'))})"
+
+
 # MindSpore's CPU pooling kernels compute float64 at float32 precision; float64 takes
 # the window's taps one by one (exact).
 
@@ -534,16 +605,18 @@ def _ms_avg_pool_f64(x, kernel, stride, padding):
     return ops.mean(_ms_pool_taps(x, kernel, stride, padding, 0.0), 0)
 
 
-_impl, _lower = _by_dtype(_ms_max_pool, _ms_max_pool_f64)
+_impl, _lower = _by_dtype(_ms_max_pool, _ms_max_pool_f64,
+                          _lower_pool(ops.MaxPool, float("-inf")))
 max_pool2d_p = def_primitive("max_pool2d", FAMILY, _pool_type("max_pool2d"), _impl,
                              lower=_lower)
-_impl, _lower = _by_dtype(_ms_max_pool_argmax, _ms_max_pool_argmax_f64)
+_impl, _lower = _by_dtype(_ms_max_pool_argmax, _ms_max_pool_argmax_f64,
+                          _lower_max_pool_argmax)
 max_pool2d_argmax_p = def_primitive(
     "max_pool2d_argmax", FAMILY,
     lambda x, **p: [_pool_type("max_pool2d_argmax")(x, **p),
                     ArrayType(_pool_type("max_pool2d_argmax")(x, **p).shape, dtypes.int32)],
     _impl, multiple_results=True, lower=_lower)
-_impl, _lower = _by_dtype(_ms_avg_pool, _ms_avg_pool_f64)
+_impl, _lower = _by_dtype(_ms_avg_pool, _ms_avg_pool_f64, _lower_pool(ops.AvgPool, 0.0))
 avg_pool2d_p = def_primitive("avg_pool2d", FAMILY, _pool_type("avg_pool2d"), _impl,
                              lower=_lower)
 
@@ -591,9 +664,13 @@ def _ms_pool_gather(t, idx):
     return ops.reshape(out, (n, c, ho, wo))
 
 
+# made once: ops.zeros is Python the graph compiler interprets at each call site
+_ZEROS = ops.Zeros()
+
+
 def _ms_pool_scatter(ct, idx, plane):
     n, c, ho, wo = ct.shape
-    zeros = ops.zeros((n, c, plane[0] * plane[1]), ct.dtype)
+    zeros = _ZEROS((n, c, plane[0] * plane[1]), ct.dtype)
     out = ops.tensor_scatter_elements(zeros, ops.reshape(idx, (n, c, ho * wo)),
                                       ops.reshape(ct, (n, c, ho * wo)), 2, "add")
     return ops.reshape(out, (n, c, plane[0], plane[1]))

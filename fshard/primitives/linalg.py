@@ -50,9 +50,10 @@ def _matmul_type(x, y, *, transpose_a, transpose_b):
     return ArrayType(tuple(x.shape[:-2]) + (m, n), x.dtype)
 
 
-def _matmul_lower(ctx, x, y, **params):
-    fn = _ms_matmul if len(ctx.in_avals[0].shape) == 2 else _ms_batch_matmul
-    return ctx.call(fn, x, y, **params)
+def _matmul_lower(ctx, x, y, *, transpose_a, transpose_b):
+    # the Primitive built here, not in the graph (see LoweringContext.kernel)
+    cls = ops.MatMul if len(ctx.in_avals[0].shape) == 2 else ops.BatchMatMul
+    return f"{ctx.kernel(cls, transpose_a, transpose_b)}({x}, {y})"
 
 
 def _matmul_impl(x, y, transpose_a, transpose_b):

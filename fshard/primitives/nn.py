@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from mindspore import ops
 
-from fshard.backend.mindspore import as_tensor, batch_norm_grad_class
+from fshard.backend.mindspore import as_tensor, batch_norm_grad_class, softmax_kernel
 from fshard.core import dtypes
 from fshard.core.array_types import Array, Float, Shaped
 from fshard.core.interpret import bind_equation, walk
@@ -100,7 +100,12 @@ def bias_add(x: Shaped[Array, "*batch c"], bias: Shaped[Array, "c"]) -> Shaped[A
 
 
 def _ms_softmax(x, axis):
-    return ops.softmax(x, axis)
+    # the kernel ops.softmax calls, without its Python argument checks, which MindSpore's
+    # graph compiler would interpret at each call site (~8 ms each, measured)
+    return _SOFTMAX(x, axis)
+
+
+_SOFTMAX = softmax_kernel()
 
 
 def _ms_log_softmax(x, axis):
@@ -323,13 +328,16 @@ def _ms_bn_train_exact(x, scale, bias, eps):
     return y, mean, var
 
 
-def _ms_bn_train(x, scale, bias, eps):
-    c = x.shape[1]
+def _ms_bn_train_with(bn, x, scale, bias):
     # MindSpore's kernel also writes the moving statistics into its 4th and 5th
-    # operands: scratch tensors here (fshard computes the moving statistics itself)
-    out = ops.BatchNorm(is_training=True, epsilon=eps)(
-        x, scale, bias, ops.zeros((c,), x.dtype), ops.ones((c,), x.dtype))
+    # operands: scratch tensors here (fshard computes the moving statistics itself).
+    # ZerosLike/OnesLike, not ops.zeros/ops.ones: those are Python that the graph
+    # compiler interprets at each call site (~15 ms each, measured).
+    out = bn(x, scale, bias, _ZEROS_LIKE(scale), _ONES_LIKE(scale))
     return out[0], out[3], out[4]
+
+
+_ZEROS_LIKE, _ONES_LIKE = ops.ZerosLike(), ops.OnesLike()
 
 
 def _ms_bn_tangent(x, scale, mean, var, tx, tscale, tbias, eps):
@@ -345,22 +353,35 @@ def _ms_bn_grad_exact(x, scale, mean, var, ct, eps):
             ops.sum(ct, _BN_AXES))
 
 
-def _ms_bn_grad(x, scale, mean, var, ct, eps):
-    out = _BatchNormGrad(is_training=True, epsilon=eps)(ct, x, scale, mean, var, var)
+def _ms_bn_grad_with(bn_grad, x, scale, mean, var, ct):
+    out = bn_grad(ct, x, scale, mean, var, var)
     return out[0], out[1], out[2]
 
 
-def _bn_by_dtype(fused, exact):
+def _bn_by_dtype(fused, exact, kernel):
+    """float32 runs MindSpore's fused kernel (``fused(kernel(eps), *xs)`` lowered, with
+    the kernel built at lowering time: ``LoweringContext.kernel``); other dtypes the
+    exact form."""
     def impl(*xs, eps):
         xs = [as_tensor(x) for x in xs]
-        fn = fused if dtypes.canonical(xs[0].dtype) == dtypes.float32 else exact
-        return list(fn(*xs, eps=eps))
+        if dtypes.canonical(xs[0].dtype) != dtypes.float32:
+            return list(exact(*xs, eps=eps))
+        return list(fused(kernel(eps), *xs))
 
     def lower(ctx, *xs, eps):
-        fn = fused if ctx.in_avals[0].dtype == dtypes.float32 else exact
-        return ctx.call(fn, *xs, eps=eps)
+        if ctx.in_avals[0].dtype != dtypes.float32:
+            return ctx.call(exact, *xs, eps=eps)
+        return ctx.call(fused, ctx.kernel(kernel, eps), *xs)
 
     return impl, lower
+
+
+def _bn_kernel(eps):
+    return ops.BatchNorm(is_training=True, epsilon=eps)
+
+
+def _bn_grad_kernel(eps):
+    return _BatchNormGrad(is_training=True, epsilon=eps)
 
 
 def _bn_check(name, images, vectors):
@@ -391,12 +412,12 @@ def _bn_grad_type(x, scale, mean, var, ct, *, eps):
     return [x, c, c]
 
 
-_impl, _lower = _bn_by_dtype(_ms_bn_train, _ms_bn_train_exact)
+_impl, _lower = _bn_by_dtype(_ms_bn_train_with, _ms_bn_train_exact, _bn_kernel)
 batch_norm_train_p = def_primitive("batch_norm_train", FAMILY, _bn_train_type,
                                    eager=_impl, lower=_lower, multiple_results=True)
 batch_norm_tangent_p = def_primitive("batch_norm_tangent", FAMILY, _bn_tangent_type,
                                      _ms_bn_tangent)
-_impl, _lower = _bn_by_dtype(_ms_bn_grad, _ms_bn_grad_exact)
+_impl, _lower = _bn_by_dtype(_ms_bn_grad_with, _ms_bn_grad_exact, _bn_grad_kernel)
 batch_norm_grad_p = def_primitive("batch_norm_grad", FAMILY, _bn_grad_type, eager=_impl,
                                   lower=_lower, multiple_results=True)
 

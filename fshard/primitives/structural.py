@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 from mindspore import ops
 
-from fshard.backend.mindspore import gather_any_rank
+from fshard.backend.mindspore import (Tensor, as_tensor, gather_any_rank,
+                                      split_with_size_class)
 from fshard.core import dtypes
 from fshard.core.array_types import Array, ArrayLike, Int, Shaped
 from fshard.core.tracing import ArrayType, Symbol, Tracer, dims_equal, is_symbolic, typeof
@@ -312,6 +313,20 @@ def _ms_split(x, sizes, axis):
     return ops.split(x, sizes, axis)
 
 
+# ``ops.split`` slices piece by piece in a Python loop that MindSpore's graph compiler
+# unrolls while inferring types: 2.4 s of compile for one split into ~60 pieces (a
+# multi-tensor optimizer update's), against ~0.1 s for one SplitWithSize, made once.
+# Compiled, SplitWithSize fails on an empty piece off axis 0 ("memcpy failed"):
+# a split with an empty piece keeps ops.split.
+_SPLIT_WITH_SIZE = split_with_size_class()()
+
+
+def _lower_split(ctx, x, *, sizes, axis):
+    if min(sizes) == 0:
+        return ctx.call(_ms_split, x, sizes=sizes, axis=axis)
+    return f"{ctx.ref(_SPLIT_WITH_SIZE)}({x}, {ctx.param(tuple(sizes))}, {axis})"
+
+
 def _split_type(x, *, sizes, axis):
     _check_rank("split", x)
     _check_axis("split", axis, x.ndim)
@@ -322,7 +337,8 @@ def _split_type(x, *, sizes, axis):
             for s in sizes]
 
 
-split_p = def_primitive("split", FAMILY, _split_type, _ms_split, multiple_results=True)
+split_p = def_primitive("split", FAMILY, _split_type, _ms_split, multiple_results=True,
+                        lower=_lower_split)
 
 
 def _split_batching(args, dims, *, sizes, axis):
@@ -548,6 +564,22 @@ def _ms_pad(x, low, high, interior):
     return ops.pad(x, pads)
 
 
+# ops.pad is Python (argument checks, a scalar conversion) that MindSpore's graph
+# compiler interprets at each call site (~50 ms each, measured): without interior
+# padding, the lowering calls the PadV3 instance ops.pad would, made once.
+_PAD = ops.PadV3(mode="constant", paddings_contiguous=True)
+
+
+def _lower_pad(ctx, x, *, low, high, interior):
+    if any(interior):
+        return ctx.call(_ms_pad, x, low=low, high=high, interior=interior)
+    pads = ()
+    for lo, hi in zip(low, high):
+        pads = (lo, hi) + pads  # the last dimension first
+    zero = ctx.ref(Tensor(0, ctx.in_avals[0].dtype), "zero")
+    return f"{ctx.ref(_PAD)}({x}, {ctx.param(pads)}, {zero})"
+
+
 def _padded_size(n: int, lo: int, hi: int, i: int) -> int:
     return lo + hi + n + max(n - 1, 0) * i
 
@@ -566,7 +598,7 @@ def _pad_type(x, *, low, high, interior):
                      x.dtype)
 
 
-pad_p = def_primitive("pad", FAMILY, _pad_type, _ms_pad)
+pad_p = def_primitive("pad", FAMILY, _pad_type, _ms_pad, lower=_lower_pad)
 
 
 def _pad_batching(args, dims, *, low, high, interior):
@@ -892,8 +924,19 @@ def scatter_add(updates: Shaped[Array, "..."], indices: Int[Array, "..."], shape
 
 
 def _ms_one_hot(indices, depth, dtype):
-    hits = ops.equal(ops.expand_dims(indices, -1), ops.arange(depth, dtype=indices.dtype))
-    return ops.cast(hits, dtype)
+    return _ms_one_hot_of(indices, ops.arange(depth, dtype=indices.dtype), dtype)
+
+
+def _lower_one_hot(ctx, indices, *, depth, dtype):
+    # the 0..depth-1 row as a constant: ``ops.arange`` is Python that MindSpore's compiler
+    # interprets at each call site (~0.6 s of compile, measured)
+    row = ctx.ref(as_tensor(np.arange(depth, dtype=dtypes.to_numpy(ctx.in_avals[0].dtype))),
+                  "iota")
+    return ctx.call(_ms_one_hot_of, indices, row, dtype=dtype)
+
+
+def _ms_one_hot_of(indices, row, dtype):
+    return ops.cast(ops.equal(ops.expand_dims(indices, -1), row), dtype)
 
 
 def _one_hot_type(indices, *, depth, dtype):
@@ -904,7 +947,7 @@ def _one_hot_type(indices, *, depth, dtype):
     return ArrayType(tuple(indices.shape) + (depth,), dtype)
 
 
-one_hot_p = def_primitive("one_hot", FAMILY, _one_hot_type, _ms_one_hot)
+one_hot_p = def_primitive("one_hot", FAMILY, _one_hot_type, _ms_one_hot, lower=_lower_one_hot)
 batching.set(one_hot_p, vectorized(one_hot_p))  # the new axis is last: batch dim unmoved
 sharding.set(one_hot_p, lambda indices, *, depth, dtype: FactorSpec(
     # The indices' dims are parallel; the new depth axis stays whole (a block of it

@@ -51,7 +51,7 @@ import numpy as np
 
 from fshard.core import context, tree
 from fshard.meshes import distributed
-from fshard.backend.mindspore import as_tensor
+from fshard.backend.mindspore import Tensor, as_tensor
 from fshard.adapter.cells import frozen, functional, is_cell, pipeline_wrapper, segmented
 from fshard.core.tracing import Tracer, typeof
 from fshard.core.dims import dim_multiple_of
@@ -107,6 +107,15 @@ class TrainState(NamedTuple):
 
 def _refuse(knob: str, why: str):
     raise ArgumentError(f"AutoParallel.{knob}(): {why}")
+
+
+def _signature(x) -> tuple:
+    """``(shape, dtype)`` of a step argument's leaf, on every step's path: a Tensor (the
+    state's leaves) reads its own, in a fraction of ``typeof``'s time."""
+    if type(x) is Tensor:
+        return x.shape, x.dtype
+    a = typeof(x)
+    return tuple(a.shape), a.dtype
 
 
 class AutoParallel:
@@ -991,9 +1000,8 @@ class AutoParallel:
                 "*batch); call pipeline(stages=1) to turn it off.")
         check_context_mode(self.parallel_mode.value, f"AutoParallel({self.name})")
         # (the dataset strategy and the mesh may come from MindSpore's context)
-        key = (tree.structure(state), tuple(
-            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))),
-            repr(self._dataset), self.n_devices)
+        key = (tree.structure(state), tuple(map(_signature, tree.leaves((state, batch)))),
+               repr(self._dataset), self.n_devices)
         hit = self._steps.get(key)
         if hit is not None:
             return hit

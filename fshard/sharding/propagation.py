@@ -199,10 +199,10 @@ def _sink_pending_sums(program: Program, choice: list, known: dict, consumers: d
 def _whole_reductions(program: Program, choice: list, known: dict, consumers: dict,
                       out_shardings: list, mesh: ShardMesh, model: CostModel) -> None:
     """Run whole a sum of a value every device holds whole (or will, once its own
-    pending sum is reduced), where the propagation split it: a split of a replicated operand is a free local slice, but the split sum is a
-    pending sum, one AllReduce more (the loss, an RMSNorm weight's gradient: a
-    program output, whose AllReduce the level-0 objective discounts as overlapping the
-    step). Kept whole when the AllReduce takes longer, at the backend's rates, than the
+    pending sum is reduced), where the propagation split it: a split of a replicated
+    operand is a free local slice, but the split sum is a pending sum, one AllReduce
+    more (the loss, an RMSNorm weight's gradient: a program output, whose AllReduce
+    the level-0 objective discounts as overlapping the step). Kept whole when the AllReduce takes longer, at the backend's rates, than the
     compute the split saves; the equations that passed the pending sum along then run
     on the whole sum (each the only reader of the value it carried)."""
     latency, bandwidth = model.rates["all_reduce"]
@@ -223,15 +223,15 @@ def _whole_reductions(program: Program, choice: list, known: dict, consumers: di
             if len(readers) != 1 or cur in program.outputs:
                 break
             j = readers[0]
-            s_j, c_j = choice[j]
+            c_j = choice[j][1]
             if c_j.carry != out.partial or len(c_j.carry_ops) != 1 \
                     or program.equations[j].inputs[c_j.carry_ops[0]] is not cur \
                     or len(program.equations[j].outputs) != 1:
                 break
             path.append(j)
             cur = program.equations[j].outputs[0]
-        if any(o is cur and s is not None and s.partial
-               for o, s in zip(program.outputs, out_shardings)):
+        if any(o is cur and req is not None and req.partial
+               for o, req in zip(program.outputs, out_shardings)):
             continue  # asked for as a pending sum (a loop body's accumulator)
         whole = Candidate(tuple((f, ax) for f, ax in cand.assign if f not in spec.reduce))
         saved = (model.compute(spec, whole, mesh) - model.compute(spec, cand, mesh)) \

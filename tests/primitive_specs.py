@@ -1533,6 +1533,7 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(S.scatter_add_p, _scatter_add, NUMERIC, linear_groups=((0,),), **THOROUGH),
         PrimitiveSpec(S.one_hot_p, _one_hot, (F32,), diff_argnums=(), **THOROUGH),
         PrimitiveSpec(R.reduce_sum_p, _reduce, NUMERIC, linear_groups=((0,),)),
+        PrimitiveSpec(R.lane_sum_p, _reduce, NUMERIC, linear_groups=((0,),)),
         PrimitiveSpec(R.reduce_max_p, _reduce, NUMERIC),
         PrimitiveSpec(R.reduce_min_p, _reduce, NUMERIC),
         PrimitiveSpec(R.argmax_p, _arg, (F32,), zero_derivative=True),

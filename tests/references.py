@@ -523,6 +523,7 @@ REFERENCES = {
     "one_hot": one_hot,
     # reductions
     "reduce_sum": _reduce(np.sum),
+    "lane_sum": _reduce(np.sum),
     "reduce_max": _reduce(np.max),
     "reduce_min": _reduce(np.min),
     "argmax": lambda x, *, axis: np.argmax(x, axis=axis),

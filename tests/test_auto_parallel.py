@@ -581,3 +581,52 @@ def test_a_derived_parameter_keeps_its_planned_layout_from_step_to_step(mode):
     ref_ap = fs.AutoParallel(mse, fs.optim.adam(1e-2), mesh=1)
     _, ref = _train(ref_ap, params, x, y, steps=2)
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
+
+def _prims(ap, state, x, y) -> list:
+    return [eq.prim.name for eq in ap.partitioned(state, x, y).program.equations]
+
+
+def test_a_whole_update_concatenates_small_leaves_with_the_same_bits(monkeypatch):
+    # semi_auto, data parallel: every parameter and Adam moment is whole on every
+    # device, so fs.optim updates the small leaves together (one concatenation, as
+    # under fs.jit); the same parameters, bit for bit, as leaf by leaf
+    params, x, y = _data()
+
+    def make():
+        return fs.AutoParallel(mse, fs.optim.adam(1e-2), mesh=4).dataset_strategy(
+            "data_parallel")
+
+    fused = make()
+    state = fused.init(params)
+    prims = _prims(fused, state, x, y)
+    assert prims.count("concat") == 3 and prims.count("split") == 3  # m, v, gradients
+    assert prims.count("psum") == 5  # the AllReduces: one per gradient and the loss
+    got, got_losses = _train(fused, params, x, y, steps=3)
+    monkeypatch.setattr(fs.AutoParallel, "_all_whole", lambda *a: False)
+    leafwise = make()
+    assert "concat" not in _prims(leafwise, leafwise.init(params), x, y)
+    want, want_losses = _train(leafwise, params, x, y, steps=3)
+    assert got_losses == want_losses
+    for k in params:
+        np.testing.assert_array_equal(got.params[k].asnumpy(), want.params[k].asnumpy())
+        np.testing.assert_array_equal(got.opt_state.nu[k].asnumpy(),
+                                      want.opt_state.nu[k].asnumpy())
+
+
+@pytest.mark.parametrize("setup", ["zero", "plan", "propagation"])
+def test_an_update_of_leaves_laid_out_differently_goes_leaf_by_leaf(setup):
+    # ZeRO splits the moments, a parameter plan splits w1, and the other modes plan the
+    # parameters' layouts after the update is traced: no concatenation of the leaves
+    params, x, y = _data()
+    mode = "sharding_propagation" if setup == "propagation" else "semi_auto"
+    ap = fs.AutoParallel(mse, fs.optim.adam(1e-2), mode, mesh=4)
+    if setup == "zero":
+        ap.hsdp(threshold=0)
+    elif setup == "plan":
+        ap.parameter_plan({"w1": (1, 4)})
+    state = ap.init(params)
+    assert "concat" not in _prims(ap, state, x, y)
+    _, losses = _train(ap, params, x, y, steps=2)
+    _, ref = _train(fs.AutoParallel(mse, fs.optim.adam(1e-2), mesh=1), params, x, y, steps=2)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)

@@ -34,6 +34,11 @@ shard_devices: ContextVar[tuple] = ContextVar("fshard_shard_devices", default=()
 #: How many ``fs.AutoParallel`` steps are being staged around the running code (an
 #: ``fs.shard`` called there annotates layouts instead of nesting).
 shard_annotations: ContextVar[int] = ContextVar("fshard_shard_annotations", default=0)
+#: Inside an ``fs.AutoParallel`` step's update whose parameters and optimizer state are
+#: whole on every device by its strategies: ``fs.optim`` updates small leaves together
+#: there (one concatenation cannot mix layouts that are all the same), as under
+#: ``fs.jit``; elsewhere inside ``fs.shard`` it updates them leaf by leaf.
+whole_updates: ContextVar[bool] = ContextVar("fshard_whole_updates", default=False)
 #: How many ``shard_map`` bodies are being staged or run around the running code.
 shard_map_depth: ContextVar[int] = ContextVar("fshard_shard_map_depth", default=0)
 #: Mesh axis names of the ``shard_map`` bodies being staged (innermost last).

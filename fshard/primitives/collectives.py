@@ -48,7 +48,7 @@ from fshard.errors import ArgumentError, AxisNameError, ProgramTypeError, ShapeE
 from fshard.backend.collectives import Comm, local_slice, this_rank
 from fshard.core.interpret import AxisData, batch_program, current_axis
 from fshard.primitives.base import (Zero, batch_to_front, def_primitive, deflinear, instantiate,
-                                    move_axis)
+                                    lane_sum, move_axis)
 from fshard.core.rules import abstract_eval, batching, jvp, transpose, unsupported
 
 FAMILY = "collectives"
@@ -248,11 +248,12 @@ def _reduce_batching(prim, reduce_lanes):
 
 def _sum_lanes(x, d, n):
     from fshard.primitives.elementwise import mul
-    from fshard.primitives.reductions import reduce_sum
 
     if d is None:  # the same value on every device: the sum is n copies
         return mul(x, _scalar(n, x))
-    return reduce_sum(x, d)
+    # lane_sum, not reduce_sum: the sums of a psum over several mesh axes (one per
+    # axis) merge into one (passes.merge_lane_sums), never with the program's own.
+    return lane_sum(x, (d,))
 
 
 def _mean_lanes(x, d, n):

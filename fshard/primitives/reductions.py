@@ -11,7 +11,7 @@ from mindspore import ops
 from fshard.core import dtypes
 from fshard.core.array_types import Array, ArrayLike, Float, Int, Shaped
 from fshard.core.tracing import ArrayType, dim_prod, is_symbolic, typeof
-from fshard.primitives.base import (  # noqa: F401  (reduce_sum_p: re-exported)
+from fshard.primitives.base import (  # noqa: F401  (reduce_sum_p, lane_sum_p: re-exported)
     Zero,
     _kept_shape,
     _norm_axis,
@@ -21,6 +21,7 @@ from fshard.primitives.base import (  # noqa: F401  (reduce_sum_p: re-exported)
     broadcast_to,
     def_primitive,
     defjvp,
+    lane_sum_p,
     reduce_sum_p,
     reshape,
 )

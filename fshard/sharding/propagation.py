@@ -17,8 +17,8 @@ from fshard.core.rules import sharding as sharding_rules
 from fshard.sharding.constraints import base_candidates, is_constraint
 from fshard.sharding.cost import (CostModel, backend_rates, local_bytes, native_reduce_scatter,
                                   plan_bytes)
-from fshard.sharding.layouts import (ShardMesh, Sharding, SpecCache, candidate_shardings,
-                                     carry_variants, plan, spec_key)
+from fshard.sharding.layouts import (Candidate, ShardMesh, Sharding, SpecCache,
+                                     candidate_shardings, carry_variants, plan, spec_key)
 
 
 @dataclass
@@ -142,12 +142,18 @@ def _desired(program: Program, specs: list, out_demand: dict, mesh: ShardMesh) -
         if len(eq.outputs) != 1 or eq.outputs[0] not in desired:
             continue
         want, out_labels = desired[eq.outputs[0]], spec.outputs[0]
+        # A sum of one operand wanted whole is wanted from an operand whole in the
+        # summed dimensions too: a split there would leave a pending sum, an AllReduce
+        # at the end (the loss, a norm's weight gradient), to save a few flops.
+        summed = spec.reduce if len(spec.inputs) == 1 else frozenset()
         for a, labels in zip(eq.inputs, spec.inputs):
             if not isinstance(a, Var) or a in desired or len(labels) != a.aval.ndim:
                 continue
-            if any(lab is not None and lab not in out_labels for lab in labels):
+            if any(lab is not None and lab not in out_labels and lab not in summed
+                   for lab in labels):
                 continue
-            dims = tuple(want.dims[out_labels.index(lab)] if lab is not None else ()
+            dims = tuple(want.dims[out_labels.index(lab)]
+                         if lab is not None and lab in out_labels else ()
                          for lab in labels)
             if any(d and not dim_multiple_of(a.aval.shape[k], mesh.count(d))
                    for k, d in enumerate(dims)):
@@ -188,6 +194,56 @@ def _sink_pending_sums(program: Program, choice: list, known: dict, consumers: d
             for v, out in zip(eq.outputs, outs):
                 known[v] = out
             break
+
+
+def _whole_reductions(program: Program, choice: list, known: dict, consumers: dict,
+                      out_shardings: list, mesh: ShardMesh, model: CostModel) -> None:
+    """Run whole a sum of a value every device holds whole (or will, once its own
+    pending sum is reduced), where the propagation split it: a split of a replicated
+    operand is a free local slice, but the split sum is a pending sum, one AllReduce
+    more (the loss, an RMSNorm weight's gradient: a program output, whose AllReduce
+    the level-0 objective discounts as overlapping the step). Kept whole when the AllReduce takes longer, at the backend's rates, than the
+    compute the split saves; the equations that passed the pending sum along then run
+    on the whole sum (each the only reader of the value it carried)."""
+    latency, bandwidth = model.rates["all_reduce"]
+    for i, eq in enumerate(program.equations):
+        spec, cand = choice[i]
+        if len(eq.inputs) != 1 or not spec.reduce or cand.carry or len(eq.outputs) != 1:
+            continue
+        (a,), (v,) = eq.inputs, eq.outputs
+        out = known.get(v)
+        # (an operand that is itself a pending sum is reduced first either way)
+        if out is None or not out.partial or not isinstance(a, Var) or a not in known \
+                or any(known[a].dims):
+            continue
+        # the pending sum's path: the single readers that pass it along
+        path, cur = [], v
+        while True:
+            readers = consumers.get(cur, [])
+            if len(readers) != 1 or cur in program.outputs:
+                break
+            j = readers[0]
+            c_j = choice[j][1]
+            if c_j.carry != out.partial or len(c_j.carry_ops) != 1 \
+                    or program.equations[j].inputs[c_j.carry_ops[0]] is not cur \
+                    or len(program.equations[j].outputs) != 1:
+                break
+            path.append(j)
+            cur = program.equations[j].outputs[0]
+        if any(o is cur and req is not None and req.partial
+               for o, req in zip(program.outputs, out_shardings)):
+            continue  # asked for as a pending sum (a loop body's accumulator)
+        whole = Candidate(tuple((f, ax) for f, ax in cand.assign if f not in spec.reduce))
+        saved = (model.compute(spec, whole, mesh) - model.compute(spec, cand, mesh)) \
+            / model.flops_per_s
+        reduced = local_bytes(known[cur], cur.aval, mesh)
+        if saved >= latency + reduced / bandwidth:
+            continue
+        for k, c in [(i, whole)] + [(j, Candidate(choice[j][1].assign)) for j in path]:
+            e = program.equations[k]
+            choice[k] = (choice[k][0], c)
+            _, outs = candidate_shardings(choice[k][0], c)
+            known[e.outputs[0]] = outs[0]
 
 
 def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: ShardMesh,
@@ -311,6 +367,7 @@ def propagate(program: Program, in_shardings: list, out_shardings: list, mesh: S
         if choice[i] is None:
             decide(i)
     _sink_pending_sums(program, choice, known, consumers, mesh)
+    _whole_reductions(program, choice, known, consumers, out_shardings, mesh, model)
     ins = [known.get(v, Sharding.replicated(v.aval.ndim)) for v in program.inputs]
     return Propagated(program, mesh, known, choice, ins, out_shardings, list(in_shardings), level,
                       memo)

@@ -320,13 +320,16 @@ def _fused_map(fn, *trees) -> tuple:
     instead of several per leaf (MindSpore's per-kernel cost on CPU, tens of
     microseconds, is most of an optimizer update of small tensors). Large leaves, whose
     copies would cost more than their kernels, and everything under ``fs.shard``
-    (whose layouts a concatenation would mix) go leaf by leaf."""
+    (whose layouts a concatenation would mix) go leaf by leaf, except an
+    ``fs.AutoParallel`` update whose parameters and state are all whole on every device
+    (``context.whole_updates``): one layout, nothing to mix."""
     flat = [tree.leaves(t) for t in trees]
     treedef = tree.structure(trees[0])
     n = len(flat[0])
     results: list = [None] * n
     groups: dict = {}
-    if type(current_trace()) is not EvalTrace and not context.shard_depth.get():
+    if type(current_trace()) is not EvalTrace and (
+            not context.shard_depth.get() or context.whole_updates.get()):
         for i in range(n):
             avals = [typeof(leaves[i]) for leaves in flat]
             if 0 < math.prod(avals[0].shape) <= _FUSE_MAX and all(

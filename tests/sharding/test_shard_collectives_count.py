@@ -360,3 +360,48 @@ def test_a_pending_sum_is_reduced_before_it_is_gathered(rng):
     assert tuple(eqs[0].inputs[0].aval.shape) == (64 // 4, 8)
     np.testing.assert_allclose(_np(sharded(x)), _np(net(x)), rtol=1e-5,
                                atol=1e-5 * np.abs(_np(net(x))).max())
+
+
+# ---------------------------------------------------------------------------
+# A sum of a value every device holds whole stays whole
+# ---------------------------------------------------------------------------
+#
+# Splitting the sum of a replicated value is a free local slice, but it leaves a pending
+# sum: an AllReduce more, to save a few flops (the loss of a Megatron block, an RMSNorm
+# weight's gradient). Such a sum runs whole on every device.
+
+
+def _rms_mlp_loss(p, x, y):
+    h = x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + 1e-6) * p["g"]
+    out = ops.matmul(ops.relu(ops.matmul(h, p["w1"])), p["w2"])
+    return ((out - y) ** 2).mean()
+
+
+def test_the_sum_of_a_replicated_value_needs_no_allreduce(rng):
+    (x,) = tensors(rng, (16, 32))
+    sharded = fs.shard(lambda x: (x * x).sum(), in_strategy=(None,), mesh=4)
+    assert sharded.partitioned(x).collectives() == []
+    np.testing.assert_allclose(_np(sharded(x)), float((_np(x) ** 2).sum()), rtol=1e-5)
+
+
+def test_megatron_norm_weight_and_loss_are_computed_whole(rng):
+    # value_and_grad of RMSNorm + Megatron MLP: the forward's AllReduce and one in the
+    # backward (of the input gradient, or of the norm weight's gradient computed from
+    # its pending sum); the loss is a sum of a replicated value, reduced by nobody
+    x, y, w1, w2 = tensors(rng, (16, 32), (16, 32), (32, 64), (64, 32))
+    params = {"g": Tensor(np.ones(32, np.float32)), "w1": w1, "w2": w2}
+    vg = fs.value_and_grad(_rms_mlp_loss)
+    strategy = {"g": None, "w1": (1, 4), "w2": (4, 1)}
+    sharded = fs.shard(vg, in_strategy=(strategy, None, None), out_strategy=(None, strategy),
+                       mesh=4)
+    part = sharded.partitioned(params, x, y)
+    assert part.collectives() == ["psum", "psum"]
+    shapes = [eq.inputs[0].aval.shape for eq in part.program.equations
+              if eq.prim.name == "psum"]
+    assert shapes[0] == (16, 32) and shapes[1] in ((16, 32), (32,)), shapes
+    (value, grads), (want_value, want_grads) = sharded(params, x, y), vg(params, x, y)
+    np.testing.assert_allclose(_np(value), _np(want_value), rtol=1e-5)
+    for k in params:
+        want = _np(want_grads[k])
+        np.testing.assert_allclose(_np(grads[k]), want, rtol=1e-4,
+                                   atol=1e-5 * np.abs(want).max())

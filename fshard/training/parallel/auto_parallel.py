@@ -51,7 +51,7 @@ import numpy as np
 
 from fshard.core import context, tree
 from fshard.meshes import distributed
-from fshard.backend.mindspore import as_tensor
+from fshard.backend.mindspore import Tensor, as_tensor
 from fshard.adapter.cells import frozen, functional, is_cell, pipeline_wrapper, segmented
 from fshard.core.tracing import Tracer, typeof
 from fshard.core.dims import dim_multiple_of
@@ -107,6 +107,15 @@ class TrainState(NamedTuple):
 
 def _refuse(knob: str, why: str):
     raise ArgumentError(f"AutoParallel.{knob}(): {why}")
+
+
+def _signature(x) -> tuple:
+    """``(shape, dtype)`` of a step argument's leaf, on every step's path: a Tensor (the
+    state's leaves) reads its own, in a fraction of ``typeof``'s time."""
+    if type(x) is Tensor:
+        return x.shape, x.dtype
+    a = typeof(x)
+    return tuple(a.shape), a.dtype
 
 
 class AutoParallel:
@@ -711,6 +720,25 @@ class AutoParallel:
     def _whole(self, x):
         return (1,) * typeof(x).ndim
 
+    def _all_whole(self, state: TrainState, p_sh, o_sh) -> bool:
+        """Every parameter, and every optimizer-state leaf that copies one (Adam's
+        moments), has the strategy whole (semi_auto without a parameter plan, ZeRO or a
+        strategy file): the update's leaves all have one layout."""
+        def whole(s, x):
+            return isinstance(s, tuple) and len(s) == typeof(x).ndim and all(
+                c == 1 for c in s)
+
+        # (a strategy is a tuple: read the strategy trees down to the state's leaves)
+        params = tree.leaves(state.params)
+        p_leaves = tree.structure(state.params).flatten_up_to(p_sh)
+        if not all(map(whole, p_leaves, params)):
+            return False
+        trainable = _without(state.params, self._frozen())
+        bases = self._state_bases(state.opt_state, trainable)
+        o_leaves = tree.structure(state.opt_state).flatten_up_to(o_sh)
+        return all(base is False or whole(s, x) for s, x, (base, _) in
+                   zip(o_leaves, tree.leaves(state.opt_state), bases, strict=True))
+
     def _param_strategies(self, params):
         paths, leaves, spec = tree.flatten_with_path(params)
         if self._fixed_params is not None:
@@ -879,9 +907,11 @@ class AutoParallel:
         return self
 
     # -- the step ------------------------------------------------------------------
-    def _step_fn(self, grad_vars: list):
+    def _step_fn(self, grad_vars: list, whole: bool = False):
         """The step; while ``fs.shard`` stages it, the Vars of the gradients are noted
-        in ``grad_vars`` (for ``memory_report``)."""
+        in ``grad_vars`` (for ``memory_report``). ``whole``: the strategies keep every
+        parameter and optimizer-state copy of one whole on every device, so the update
+        may concatenate small leaves (``context.whole_updates``)."""
         loss_fn, opt, has_aux = self.loss_fn, self.optimizer, self.has_aux
         fixed = self._frozen()
 
@@ -900,7 +930,8 @@ class AutoParallel:
             with context.counted(context.shard_annotations):
                 out, grads = self._value_and_grad(loss_of, trainable, batch)
             grad_vars[:] = [getattr(g, "ir_var", None) for g in tree.leaves(grads)]
-            updates, new_opt_state = opt.update(grads, opt_state, trainable)
+            with context.setting(context.whole_updates, whole):
+                updates, new_opt_state = opt.update(grads, opt_state, trainable)
             new_t = apply_updates(trainable, updates)
             new_p = {k: new_t.get(k, v) for k, v in params.items()} if fixed else new_t
             new = TrainState(new_p, new_opt_state, step + 1)
@@ -1045,9 +1076,8 @@ class AutoParallel:
                 "*batch); call pipeline(stages=1) to turn it off.")
         check_context_mode(self.parallel_mode.value, f"AutoParallel({self.name})")
         # (the dataset strategy and the mesh may come from MindSpore's context)
-        key = (tree.structure(state), tuple(
-            (tuple(typeof(x).shape), typeof(x).dtype) for x in tree.leaves((state, batch))),
-            repr(self._dataset), self.n_devices)
+        key = (tree.structure(state), tuple(map(_signature, tree.leaves((state, batch)))),
+               repr(self._dataset), self.n_devices)
         hit = self._steps.get(key)
         if hit is not None:
             return hit
@@ -1061,7 +1091,9 @@ class AutoParallel:
         grad_vars: list = []
         # level 2: the plan that takes the least time (compute at the backend's flops
         # rate plus each collective as the backend runs it), not the fewest bytes.
-        s = shard(self._step_fn(grad_vars), in_strategy=in_strategy, out_strategy=out_strategy,
+        whole = self._all_whole(state, p_sh, o_sh)
+        s = shard(self._step_fn(grad_vars, whole), in_strategy=in_strategy,
+                  out_strategy=out_strategy,
                   mesh=self.mesh, level=2, dataset_strategy="full_batch",
                   search=False)
         s.search = _SEARCH[self.parallel_mode]  # (fs.shard's own argument takes a bool)

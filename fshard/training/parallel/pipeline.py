@@ -731,7 +731,7 @@ class PipelinedStep:
         #: with one output, which ``fs.jit`` does not wait for): MindSpore 2.10's CPU
         #: runtime runs the next program slowly while an input of it is still being
         #: computed. Measured on the GPT decoder's 2-stage step (docs/performance.md,
-        #: "Where a pipelined step's time goes"): 2.8x faster at the median. The wait
+        #: "Where a pipelined step's time goes"): 2x faster at the median. The wait
         #: reads one scalar.
         self._wait_loss = device_target() == "CPU"
 

@@ -12,6 +12,12 @@ decoder) times each combination's step interleaved with the single-device
 batch 16, sequence 16), with its first call, collectives and per-device bytes; on a
 virtual mesh that is the emulation's overhead, not a speedup.
 
+``gpt_jobs``: the same 2-layer decoder in real 4-process jobs (``fshard.launch``, this
+module run as each rank: ``job_worker``), for every combination that fits 4 processes
+(``JOB_LAUNCHES``), each rank's steps timed after warm-up and its losses checked
+against one process's ``fs.jit`` step, which is the baseline. Four processes on two
+cores show the job's cost, not a speedup.
+
 What "measured" means here (``measure_memory``):
 
 - parameters, gradients, optimizer state without a pipeline: ``ap.memory_report``,

@@ -12,6 +12,12 @@ decoder) times each combination's step interleaved with the single-device
 batch 16, sequence 16), with its first call, collectives and per-device bytes; on a
 virtual mesh that is the emulation's overhead, not a speedup.
 
+``gpt_jobs``: the same 2-layer decoder in real 4-process jobs (``fshard.launch``, this
+module run as each rank: ``job_worker``), for every combination that fits 4 processes
+(``JOB_LAUNCHES``), each rank's steps timed after warm-up and its losses checked
+against one process's ``fs.jit`` step, which is the baseline. Four processes on two
+cores show the job's cost, not a speedup.
+
 What "measured" means here (``measure_memory``):
 
 - parameters, gradients, optimizer state without a pipeline: ``ap.memory_report``,
@@ -485,3 +491,190 @@ def gpt_parallel(ctx):
                   target="overhead of the virtual mesh (one process, 2 cores): the ratio "
                          "to one device's fs.jit step is a cost, not a speedup",
                   notes=notes)
+
+
+# -- in 4-process jobs ------------------------------------------------------------------
+
+#: the combinations timed in 4-process jobs (one process per device), one launch per
+#: group (a launch costs ~16 s of start-up; a group fails alone): (label, build()
+#: arguments, ZeRO level or None)
+JOB_LAUNCHES = [
+    [("dp=4", dict(dp=4), None),
+     ("tp=4", dict(tp=4), None),
+     ("tp=4 + sp", dict(tp=4, sp=True), None),
+     ("dp=2 x tp=2", dict(dp=2, tp=2), None),
+     ("dp=2 x tp=2 + sp", dict(dp=2, tp=2, sp=True), None)],
+    [("pp=2 x dp=2", dict(pp=2, dp=2), None),
+     ("pp=2 x tp=2", dict(pp=2, tp=2), None),
+     ("pp=2 x tp=2 + sp", dict(pp=2, tp=2, sp=True), None)],
+    [("dp=4 + ZeRO-1", dict(dp=4), "level1"),
+     ("dp=4 + ZeRO-2", dict(dp=4), "level2"),
+     ("dp=4 + ZeRO-3", dict(dp=4), "level3")],
+]
+JOB_PROCESSES = 4
+#: steps before the timed ones (the first call, then two): their losses are checked
+JOB_WARMUP = 3
+
+
+def _batch_tensors():
+    tokens, targets = next(gpt.corpus(1))
+    return tuple(ms.Tensor(a) for a in (tokens, targets, np.ones(len(tokens), np.float32)))
+
+
+def job_worker(out_dir: str, launch: int, runs: int) -> None:
+    """One rank of ``gpt_jobs``' job: for each combination of ``JOB_LAUNCHES[launch]``,
+    the first call (plan, trace, compile), ``JOB_WARMUP`` losses, then ``runs`` timed
+    steps, each waiting for its loss. Every process passes the whole batch (the
+    decoder's dataset strategies say which rows each device takes). Writes
+    ``rank<k>.json`` after each combination."""
+    import json
+
+    fs.distributed.init()
+    rank = fs.distributed.rank()
+    batch = _batch_tensors()
+    results = {}
+    for label, cfg, zero in JOB_LAUNCHES[launch]:
+        t0 = time.perf_counter()
+        ap = _build_timed(cfg, zero)
+        state = ap.init(gpt.init_params(TIMED_LAYERS))
+        losses, first = [], None
+        for _ in range(JOB_WARMUP):
+            state, loss = ap(state, *batch)
+            losses.append(float(loss))
+            first = first if first is not None else time.perf_counter() - t0
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            state, loss = ap(state, *batch)
+            float(loss)
+            times.append(time.perf_counter() - t0)
+        collectives = (len(ap.partitioned(state, *batch).collectives())
+                       if cfg.get("pp", 1) == 1 else None)
+        results[label] = {"losses": losses, "first_s": first, "times": times,
+                          "collectives": collectives}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump(results, fh)
+        del ap, state
+
+
+def run_gpt_jobs(runs: int, say=print) -> tuple[dict, list]:
+    """``({label: [per-rank results]}, [failure messages])``: one launch per group of
+    ``JOB_LAUNCHES``, each rank running ``python -m benchmarks.gpt``."""
+    import json
+    import tempfile
+
+    from fshard import launch
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out, failed = {}, []
+    for i, group in enumerate(JOB_LAUNCHES):
+        d = tempfile.mkdtemp(prefix="gpt_jobs_")
+        say(f"launch {i + 1} of {len(JOB_LAUNCHES)} ({', '.join(g[0] for g in group)}), "
+            f"load {_uptime()} ...")
+        t0 = time.perf_counter()
+        res = launch.run("benchmarks.gpt", JOB_PROCESSES, [d, str(i), str(runs)],
+                         timeout=1800, module=True, env={"PYTHONPATH": root})
+        say(f"  launch {i + 1}: {'ok' if res.ok else 'FAILED'} in "
+            f"{time.perf_counter() - t0:.0f} s, load {_uptime()}")
+        if not res.ok:
+            failed.append(f"launch {i + 1}: {res.message}")
+        ranks = []
+        for r in range(JOB_PROCESSES):
+            path = os.path.join(d, f"rank{r}.json")
+            if os.path.exists(path):
+                with open(path) as fh:
+                    ranks.append(json.load(fh))
+        for label, _, _ in group:
+            if len(ranks) == JOB_PROCESSES and all(label in r for r in ranks):
+                out[label] = [r[label] for r in ranks]
+    return out, failed
+
+
+def _jit_reference(runs: int) -> tuple[list, list]:
+    """The one-process references: the unsharded ``fs.jit`` step's first
+    ``JOB_WARMUP`` losses and the seconds of ``runs`` steps after them."""
+    batch = _batch_tensors()
+    run = _fs_jit_step(TIMED_LAYERS)
+    losses = [float(run(*batch)) for _ in range(JOB_WARMUP)]
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        float(run(*batch))
+        times.append(time.perf_counter() - t0)
+    return losses, times
+
+
+@benchmark("gpt_jobs",
+           title="GPT decoder in 4-process jobs: step time per parallelism combination")
+def gpt_jobs(ctx):
+    """Each combination that fits 4 processes trains the 2-layer decoder of
+    ``gpt_parallel`` in a real 4-process job (``fshard.launch``, one process per
+    device, MindSpore's collectives over TCP): each rank times ``runs`` steps after
+    ``JOB_WARMUP`` (median, min; each waits for its loss); the step time of a
+    combination is the slowest rank's. Every rank's first ``JOB_WARMUP`` losses are
+    checked against one process's unsharded ``fs.jit`` step (float32: rtol 1e-5,
+    docs/gpt.md's tolerance), which is timed in this process before and after the
+    jobs (the baseline). Four processes share the machine's two cores: a job can
+    show the cost of its communication, not a speedup; the analytic prediction for
+    accelerators (``predicted_step``) is in each row's note."""
+    runs = ctx.runs(20, 4)
+    say = lambda msg: print(f"  [gpt_jobs] {msg}", flush=True)  # noqa: E731
+    load_before = _uptime()
+    ref_losses, before = _jit_reference(runs)
+    say(f"fs.jit, 1 process: median {statistics.median(before) * 1e3:.2f} ms, "
+        f"losses {np.round(ref_losses, 5).tolist()}")
+    jobs, failed = run_gpt_jobs(runs, say)
+    _, after = _jit_reference(runs)
+    base = before + after
+    rows = [Row("fshard", "fs.jit step, 1 process (before and after the jobs)",
+                statistics.median(base), min(base), len(base),
+                f"before {statistics.median(before) * 1e3:.2f} ms, after "
+                f"{statistics.median(after) * 1e3:.2f} ms (medians)")]
+    wrong = []
+    one = predicted_step({}, layers=TIMED_LAYERS)
+    one_large = predicted_step({}, **LARGE)
+    for group in JOB_LAUNCHES:
+        for label, cfg, zero in group:
+            ranks = jobs.get(label)
+            if ranks is None:
+                continue
+            medians = [statistics.median(r["times"]) for r in ranks]
+            mins = [min(r["times"]) for r in ranks]
+            slow = int(np.argmax(medians))
+            diff = max(float(np.max(np.abs(np.asarray(r["losses"]) / ref_losses - 1)))
+                       for r in ranks)
+            if diff > 1e-5:
+                wrong.append(f"{label}: losses {[r['losses'] for r in ranks]} against "
+                             f"{ref_losses}")
+            coll = ranks[0]["collectives"]
+            pred = "" if zero else (
+                f"; predicted on {JOB_PROCESSES} accelerators: "
+                f"{predicted_step(cfg, layers=TIMED_LAYERS) * 1e6:.0f} µs (1: {one * 1e6:.0f}),"
+                f" a 1.5B model {predicted_step(cfg, **LARGE):.1f} s (1: {one_large:.1f})")
+            note = (f"slowest rank {slow}: medians per rank "
+                    f"{', '.join(f'{m * 1e3:.1f}' for m in medians)} ms; "
+                    f"{medians[slow] / statistics.median(base):.2f}x fs.jit; first call "
+                    f"{max(r['first_s'] for r in ranks):.1f} s; "
+                    + (f"{coll} collectives per step; " if coll is not None else
+                       "stage transfers + the stages' own collectives; ")
+                    + f"losses within {diff:.1e} of fs.jit" + pred)
+            rows.append(Row("fshard", f"{label} ({JOB_PROCESSES} processes)",
+                            medians[slow], mins[slow], len(ranks[slow]["times"]), note))
+            say(f"{label}: median {medians[slow] * 1e3:.2f} ms, min "
+                f"{mins[slow] * 1e3:.2f} ms; {note}")
+    notes = [f"decoder: {TIMED_LAYERS} layers (gpt_parallel's), float32, Adam; every "
+             f"rank passes the whole batch; {runs} timed steps per rank after "
+             f"{JOB_WARMUP}",
+             f"load average (1, 5, 15 min) before: {load_before}; after: {_uptime()}"]
+    notes += [f"failed: {m}" for m in failed]
+    if wrong:
+        raise AssertionError("gpt_jobs: losses differ from the fs.jit step's: "
+                             + "; ".join(wrong))
+    return Result(rows, baseline=rows[0].label,
+                  target=f"{JOB_PROCESSES} processes on 2 shared cores: the ratio to one "
+                         "process's fs.jit step is a cost, not a speedup",
+                  notes=notes)
+
+
+if __name__ == "__main__":  # a rank of gpt_jobs' job
+    job_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

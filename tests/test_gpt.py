@@ -92,6 +92,46 @@ def test_tp_sp_splits_the_sequence_between_the_blocks():
     assert "all_gather" in part.collectives()
 
 
+def test_dp2_tp4_sp_keeps_gradients_split_as_the_parameters():
+    """On 8 devices (mesh axes 2 x 2 x 2) the column- and row-split weights must share
+    the tp devices, away from the batch's dp axis: placed on the batch's axis, the plan
+    gathered every weight's gradient whole before the update (the model's size per
+    device where the parameters are a quarter of it)."""
+    ap = gpt.build(dp=2, tp=4, sp=True, layers=1)
+    state = ap.init(gpt.init_params(1))
+    tokens, targets = next(gpt.corpus(1))
+    batch = (tokens, targets, np.ones(len(tokens), np.float32))
+    report = ap.memory_report(state, *batch)
+    assert report["grads"] == report["params"]
+    whole = sum(v.nbytes for v in gpt.init_params(1).values())
+    assert report["params"] < 0.5 * whole
+    part = ap.partitioned(state, *batch)
+    mesh = part.prop.mesh
+    s, _ = ap.sharded(state, *batch)
+    params = _arg_layouts(ap, part, state, batch)
+    names = sorted(gpt.init_params(1))
+    for name, g in zip(names, s.grad_vars):
+        layout = part.prop.shardings[g]
+        assert layout.dims == params[name].dims, name
+        if name.split(".")[-1] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
+            assert sorted(layout.strategy(mesh)) == [1, 4], name
+    # the tp axes are not the batch's
+    tp_axes = {a for d in params["layer0.wq"].dims for a in d}
+    dp_axes = set(_arg_layouts(ap, part, state, batch, inputs=True)[0].dims[0])
+    assert tp_axes and dp_axes and not tp_axes & dp_axes
+
+
+def _arg_layouts(ap, part, state, batch, inputs=False):
+    """The layouts the step takes the parameters in, by name (or, with ``inputs``, the
+    batch's)."""
+    from fshard.training.parallel.auto_parallel import _arg_shardings
+
+    shs = _arg_shardings(part, (state, batch))
+    if inputs:
+        return shs[-len(batch):]
+    return dict(zip(sorted(state.params), shs))
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("config", [
     dict(dp=2, tp=2, pp=2, sp=True, amp=True, remat=True),

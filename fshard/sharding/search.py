@@ -1168,6 +1168,7 @@ def choose_split_axes(body: Program, in_shardings: list, out_shardings: list,
             if s < best_score:
                 best, best_score = trial, s
         return best["in"], best["out"]
+    moved = [key for option in options for k in option for key in [k, *leaders.get(k, ())]]
     for _ in range(3):
         improved = False
         for option, alts in options.items():
@@ -1179,9 +1180,44 @@ def choose_split_axes(body: Program, in_shardings: list, out_shardings: list,
                 s = score(trial)
                 if s < best_score:
                     best, best_score, improved = trial, s, True
+        for trial in _relabelled(best, moved, mesh):
+            s = score(trial)
+            if s < best_score:
+                best, best_score, improved = trial, s, True
         if not improved:
             break
     return best["in"], best["out"]
+
+
+def _relabelled(base: dict, keys: list, mesh: ShardMesh):
+    """Trials of ``choose_split_axes``'s descent: for each axes tuple ``old`` that some
+    layout at ``keys`` splits a dimension over, and each other tuple ``new`` of as many
+    devices, ``base`` with every such dimension split over ``new``. Layouts of different
+    strategies then move together: tensor parallelism's column-split ``(1, tp)`` and
+    row-split ``(tp, 1)`` weights must share their devices, and moving either group
+    alone costs more than it saves (their matmuls then disagree), so the one-group moves
+    stop at the default even when both moved are cheaper (``dp=2 x tp=4`` on
+    ``(2, 2, 2)``: weights on axes ``(0, 1)`` where the batch is on ``0``). A layout the
+    move would give an axis twice stays as it is."""
+    olds = sorted({ax for side, k in keys for ax in base[side][k].dims if ax})
+    axes = range(len(mesh.sizes))
+    for old in olds:
+        size = mesh.count(old)
+        for r in axes:
+            for new in itertools.combinations(axes, r + 1):
+                if new == old or mesh.count(new) != size:
+                    continue
+                trial = {"in": list(base["in"]), "out": list(base["out"])}
+                changed = False
+                for side, k in keys:
+                    sh = base[side][k]
+                    dims = tuple(new if ax == old else ax for ax in sh.dims)
+                    flat = [a for ax in dims for a in ax] + list(sh.partial)
+                    if dims != sh.dims and len(flat) == len(set(flat)):
+                        trial[side][k] = Sharding(dims, sh.partial)
+                        changed = True
+                if changed:
+                    yield trial
 
 
 # Boundary-layout combinations scored one by one at most (each propagates the program).

@@ -59,6 +59,7 @@ from fshard.core.tracing import ArrayType, Tracer, typeof
 from fshard.core.dims import planning_size
 from fshard.errors import ArgumentError, FshardError, PipelineBalanceWarning
 from fshard.adapter.interop import check_context_mode
+from fshard.backend.mindspore import device_target
 from fshard.core.interpret import bind_equation, eval_program, walk_equations
 from fshard.core.ir import Program, Var
 from fshard.meshes.layout import Layout
@@ -726,6 +727,13 @@ class PipelinedStep:
         #: and the peak number and bytes of kept stage inputs of the last step.
         self.profile = False
         self.stats: list = []
+        #: On CPU, wait for each running loss sum (the last chunk's forward, a program
+        #: with one output, which ``fs.jit`` does not wait for): MindSpore 2.10's CPU
+        #: runtime runs the next program slowly while an input of it is still being
+        #: computed. Measured on the GPT decoder's 2-stage step (docs/performance.md,
+        #: "Where a pipelined step's time goes"): 2x faster at the median. The wait
+        #: reads one scalar.
+        self._wait_loss = device_target() == "CPU"
 
     # -- one step ------------------------------------------------------------------
     @property
@@ -808,6 +816,8 @@ class PipelinedStep:
                 if d.loss is None:
                     d.loss = np.zeros((), loss_dtype)
                 d.loss = plan.forward_fn(c, self.sharding)(pv, carry, micro(m, d.j), d.loss)
+                if self._wait_loss and not isinstance(d.loss, Tracer):  # (run as pieces)
+                    _wait([d.loss])
                 return [d.loss]
             out = list(plan.forward_fn(c, self.sharding)(pv, carry, micro(m, d.j)))
             self._send(d, "F", c + 1, m, out)

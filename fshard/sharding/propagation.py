@@ -202,9 +202,10 @@ def _whole_reductions(program: Program, choice: list, known: dict, consumers: di
     pending sum is reduced), where the propagation split it: a split of a replicated
     operand is a free local slice, but the split sum is a pending sum, one AllReduce
     more (the loss, an RMSNorm weight's gradient: a program output, whose AllReduce
-    the level-0 objective discounts as overlapping the step). Kept whole when the AllReduce takes longer, at the backend's rates, than the
-    compute the split saves; the equations that passed the pending sum along then run
-    on the whole sum (each the only reader of the value it carried)."""
+    the level-0 objective discounts as overlapping the step). Kept whole when the
+    AllReduce takes longer, at the backend's rates, than the compute the split saves;
+    the equations that passed the pending sum along then run on the whole sum (each the
+    only reader of the value it carried)."""
     latency, bandwidth = model.rates["all_reduce"]
     for i, eq in enumerate(program.equations):
         spec, cand = choice[i]

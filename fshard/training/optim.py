@@ -353,9 +353,12 @@ def _fused_map(fn, *trees) -> tuple:
 
 
 def _scaled(s, rate):
-    """``-rate * s`` in ``s``'s dtype, the rate computed in the matching dtype."""
+    """``-rate * s`` in ``s``'s dtype, the rate computed in the matching dtype.
+
+    The scalar rate is negated, not the product: the same bits (rounding is symmetric
+    in sign) for one kernel less over every element."""
     d = typeof(s).dtype
-    return _as_state(ops.neg(ops.mul(s, rate(_hyper_dtype(d)))), d)
+    return _as_state(ops.mul(s, ops.neg(rate(_hyper_dtype(d)))), d)
 
 
 def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Optimizer:

@@ -28,9 +28,10 @@ it to ``fs.jit(fs.shard(step, ...))``:
   parameters (level3: gathered where used) are split along their first dimension over
   the data-parallel group, except tensors smaller than ``threshold`` KB or not
   divisible;
-- ``comm_fusion``: the per-device program's AllReduces are bucketed
-  (``fshard.primitives.passes.fuse_allreduces``), and with ``"allgather"`` its
-  AllGathers (``fshard.primitives.passes.fuse_allgathers``).
+- ``comm_fusion``: the per-device program's AllReduces are bucketed by size or, in
+  mode ``"index"``, by gradient index ranges, and with ``"reducescatter"`` its
+  reduce-scatters by their own size (``fshard.primitives.passes.fuse_allreduces``);
+  with ``"allgather"`` its AllGathers (``fshard.primitives.passes.fuse_allgathers``).
 
 fshard differentiates the global loss, so gradients are exact whatever the layouts:
 there is no per-device loss to average (``enable_gradients_mean`` and

@@ -151,3 +151,13 @@ def test_index_mode_with_gradient_accumulation_is_refused(data):
     with pytest.raises(fs.ArgumentError, match=r"mode 'index' cannot be combined with "
                                                r"gradient_accumulation"):
         ap(ap.init(params), x, y)
+
+
+def test_zero_level1s_gradients_are_reduce_scatters_too(data):
+    # level1 reduces each split gradient whole and the update reads this device's
+    # block of it: on CPU the same AllReduce-and-slice as level2's reduce-scatter
+    scatters = {(64, 32), (32,), (32, 10)}
+    only_allreduce = _make({"allreduce": {"mode": "auto", "config": None}}, "level1")
+    assert set(_psums(only_allreduce, data)) == scatters | {(11,)}
+    both = _make({"reducescatter": {"mode": "auto", "config": None}}, "level1")
+    assert sorted(_psums(both, data)) == [(11,), (64 * 32 + 32 + 32 * 10,)]

@@ -89,9 +89,9 @@ def test_autoparallel_mesh_of_no_devices_is_an_argument_error(mesh):
     ({"allreduce": {"mode": "size", "config": math.nan}}, "a finite number > 0; got nan"),
     ({"allreduce": {"mode": "size", "config": True}}, "a finite number > 0; got True"),
     ({"allreduce": {"mode": "size", "config": "32"}}, "a finite number > 0; got '32'"),
-    ({"allreduce": {"mode": "AUTO", "config": None}}, "mode must be 'auto' or 'size'"),
+    ({"allreduce": {"mode": "AUTO", "config": None}}, "mode must be 'auto', 'size' or 'index'"),
     ({"openstate": False, "allreduce": {"mode": "nope", "config": None}},
-     "mode must be 'auto' or 'size'"),
+     "mode must be 'auto', 'size' or 'index'"),
     ({"open_state": False}, r"unknown keys \['open_state'\]"),
     ({1: True}, r"unknown keys \[1\]"),
 ], ids=lambda v: repr(v)[:40] if not isinstance(v, str) else None)

@@ -121,14 +121,15 @@ def test_transformer_opt_off_is_accepted(tmp_path, reference):
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"allreduce": {"mode": "index", "config": [20, 20]}}, r"allreduce mode must be 'auto' "
-                                                            r"or 'size'; got 'index'"),
+    ({"allreduce": {"mode": "index", "config": [20, 20]}}, r"allreduce mode 'index' needs "
+                                                            r"config = a non-empty list of "
+                                                            r"increasing"),
     ({"allgather": {"mode": "index", "config": [1]}}, r"allgather mode .* got 'index'"),
-    ({"reducescatter": {"mode": "auto", "config": None}}, "fusing reducescatter is not "
-                                                           "supported"),
+    ({"reducescatter": {"mode": "index", "config": [1]}}, r"reducescatter mode .* got "
+                                                           r"'index'"),
     ({"openstate": "yes"}, "'openstate' must be a bool"),
 ])
-def test_comm_fusion_modes_fshard_lacks_are_refused_by_name(config, match):
+def test_comm_fusion_modes_mindspore_refuses_are_refused_by_name(config, match):
     ap = fs.AutoParallel(mse, fs.optim.sgd(0.1), mesh=2)
     with pytest.raises(fs.ArgumentError, match=r"comm_fusion\(config\): .*" + match):
         ap.comm_fusion(config)

@@ -186,8 +186,8 @@ class Sharded:
         self.parameter_plan, self.level, self.mesh = parameter_plan, level, mesh
         self.dataset_strategy, self.search = dataset_strategy, search
         self.gather_outputs = gather_outputs
-        # Bucket size in bytes for fusing gradient AllReduces (``fs.AutoParallel``'s
-        # ``comm_fusion``); None: one AllReduce per value.
+        # The rewrite bucketing the per-device AllReduces, ``(Partitioned) -> Program``
+        # (``fs.AutoParallel``'s ``comm_fusion``); None: one AllReduce per value.
         self.comm_fusion = None
         self.passes = ()  # rewrites of the per-device program (fs.AutoParallel's)
         # The first ``carried`` output leaves are the next call's first ``carried``

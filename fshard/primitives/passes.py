@@ -398,12 +398,22 @@ def implicit_broadcasts(program: Program) -> Program:
 # ---------------------------------------------------------------------------
 
 
-def fuse_allreduces(program: Program, bucket_bytes: float) -> Program:
+def fuse_allreduces(program: Program, bucket_bytes: float | None,
+                    scatter_bytes: float | None = None,
+                    group_of: Callable | None = None) -> Program:
     """``program`` with its ``psum`` equations over the same mesh axes and of the same
     dtype merged into buckets of at most ``bucket_bytes`` (one flattened, concatenated
     AllReduce per bucket, split back after): a data-parallel step's gradients then
     cost a few collectives instead of one per tensor (NB: PyTorch DDP's gradient
     buckets, MindSpore's ``comm_fusion``/``all_reduce_fusion_config``).
+
+    A reduce-scatter, which the CPU backend runs as an AllReduce whose result only
+    this device's block is read of (a ``psum`` all of whose readers are
+    ``block_slice``), is bucketed apart, by ``scatter_bytes`` (MindSpore's
+    ``"reducescatter"`` key); None leaves those (or the others, for ``bucket_bytes``)
+    one per value. ``group_of(equation)``, if given, replaces ``bucket_bytes``: the
+    other psums with the same label (not None) form one bucket (MindSpore's
+    ``"index"`` mode: gradients by index ranges), a None label leaves a psum alone.
 
     Buckets fill in program order; a psum whose operand depends on a psum of the open
     bucket starts a new one (one AllReduce cannot wait for its own result). The
@@ -411,7 +421,34 @@ def fuse_allreduces(program: Program, bucket_bytes: float) -> Program:
     AllReduce runs once all its operands are ready and before any reader of its
     results. Every element is still reduced once: the sums are the same.
     """
-    return _fuse(program, bucket_bytes, _psum_key, _fused_psum)
+    readers: dict = {}
+    for eq in program.equations:
+        for a in eq.inputs:
+            if isinstance(a, Var):
+                readers.setdefault(a, []).append(eq.prim)
+    outputs = {v for v in program.outputs if isinstance(v, Var)}
+
+    def scatters(eq) -> bool:
+        out = eq.outputs[0]
+        return out not in outputs and bool(readers.get(out)) and all(
+            r is block_slice_p for r in readers[out])
+
+    def key_of(eq):
+        key = _psum_key(eq)
+        if key is None:
+            return None
+        if scatters(eq):
+            return None if scatter_bytes is None else key + ("reducescatter",)
+        if group_of is None:
+            return None if bucket_bytes is None else key + ("allreduce",)
+        label = group_of(eq)
+        return None if label is None else key + ("index", label)
+
+    def limit(key) -> float:
+        return {"reducescatter": scatter_bytes, "allreduce": bucket_bytes}.get(
+            key[2], float("inf"))
+
+    return _fuse(program, limit, key_of, _fused_psum)
 
 
 def fuse_allgathers(program: Program, bucket_bytes: float) -> Program:
@@ -422,7 +459,7 @@ def fuse_allgathers(program: Program, bucket_bytes: float) -> Program:
     collectives instead of one per tensor (MindSpore's ``comm_fusion`` for
     ``"allgather"``). Buckets fill as ``fuse_allreduces``'s do; the values are the
     same."""
-    return _fuse(program, bucket_bytes, _gather_key, _fused_all_gather)
+    return _fuse(program, lambda key: bucket_bytes, _gather_key, _fused_all_gather)
 
 
 def _psum_key(eq):
@@ -441,9 +478,10 @@ def _gather_key(eq):
             eq.inputs[0].aval.dtype)
 
 
-def _fuse(program: Program, bucket_bytes: float, key_of, build) -> Program:
+def _fuse(program: Program, limit, key_of, build) -> Program:
     """The bucketing of ``fuse_allreduces``: equations with the same ``key_of``
-    (None: not fusable) merged by ``build(equations) -> equations``."""
+    (None: not fusable) merged by ``build(equations) -> equations`` into buckets of at
+    most ``limit(key)`` bytes."""
     eqs = program.equations
     producer = {v: i for i, eq in enumerate(eqs) for v in eq.outputs}
     # deps[i]: bit set of the equations equation i depends on, transitively
@@ -468,7 +506,7 @@ def _fuse(program: Program, bucket_bytes: float, key_of, build) -> Program:
             continue
         b = nbytes(eq.outputs[0])
         cur = open_.get(key)
-        if cur is None or cur[1] + b > bucket_bytes or deps[i] & cur[2]:
+        if cur is None or cur[1] + b > limit(key) or deps[i] & cur[2]:
             buckets.append([i])
             open_[key] = (len(buckets) - 1, b, 1 << i)
         else:

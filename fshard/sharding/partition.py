@@ -7,7 +7,7 @@ as ordinary equations, each layout of a value computed once.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fshard.core.tracing import ArrayType, bind
 from fshard.errors import ShardingError
@@ -53,6 +53,9 @@ class Partitioned:
     out_shardings: list
     annotations: dict         # per-device Var -> Sharding (for printing)
     name: str = ""
+    # per-device Var made by a layout change -> the Var of the program it moves
+    # (fs.AutoParallel's "index" fusion finds each gradient's AllReduce by it)
+    origins: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
         mesh = self.prop.mesh
@@ -152,14 +155,16 @@ def partition(prop: Propagated) -> Partitioned:
     scatter = native_reduce_scatter(native)
     outs_sh = list(prop.out_shardings)
     annotations: dict = {}
+    origins: dict = {}
 
     def note(x, sh):
         if isinstance(x, StagedTracer):
             annotations[x.ir_var] = sh
         return x
 
-    def get(versions: dict, aval, req):
-        """The value in layout ``req``, moved from the cheapest layout held."""
+    def get(versions: dict, var, req):
+        """The value of ``var`` in layout ``req``, moved from the cheapest layout held."""
+        aval = var.aval
         if req in versions:
             return versions[req]
         sources = [s for s in versions if req.partial <= s.partial]
@@ -167,6 +172,8 @@ def partition(prop: Propagated) -> Partitioned:
                                           len(plan(s, req, scatter))))
         for sh, x in redistribute(versions[src], src, req, mesh, native):
             versions.setdefault(sh, note(x, sh))
+            if isinstance(x, StagedTracer):
+                origins[x.ir_var] = var
         return versions[req]
 
     choice = {id(eq): c for eq, c in zip(program.equations, prop.choice)}
@@ -176,7 +183,7 @@ def partition(prop: Propagated) -> Partitioned:
         # value); the result is held in the one layout the candidate produces.
         spec, cand = choice[id(eq)]
         ins, outs = candidate_shardings(spec, cand)
-        args = [get(held, a.aval, req) if isinstance(held, dict) else held
+        args = [get(held, a, req) if isinstance(held, dict) else held
                 for a, held, req in zip(eq.inputs, operands, ins)]
         if eq.prim is layout_constraint_p:  # its operand now has the fixed layout
             return [{outs[0]: args[0]}]
@@ -210,7 +217,7 @@ def partition(prop: Propagated) -> Partitioned:
                 continue
             if outs_sh[k] is None:
                 outs_sh[k] = as_produced(versions, prop.shardings.get(a) or next(iter(versions)))
-            results.append(get(versions, a.aval, outs_sh[k]))
+            results.append(get(versions, a, outs_sh[k]))
         return results
 
     local_avals = [_local_aval(v.aval, s, mesh) for v, s in zip(program.inputs, prop.in_shardings)]
@@ -218,7 +225,8 @@ def partition(prop: Propagated) -> Partitioned:
         for name, size in zip(mesh.names, mesh.sizes):  # collectives read the axis sizes
             stack.enter_context(C.named_axis(name, size))
         pd_program, pd_consts = stage(per_device, local_avals)
-    return Partitioned(prop, pd_program, pd_consts, prop.in_shardings, outs_sh, annotations)
+    return Partitioned(prop, pd_program, pd_consts, prop.in_shardings, outs_sh, annotations,
+                       origins=origins)
 
 
 def apply_fixed(prop: Propagated, data: dict) -> Propagated:

@@ -28,7 +28,7 @@ class ShardPlan:
 
     def __init__(self, body: Program, in_shardings, out_shardings, mesh: ShardMesh,
                  level: int = 0, name: str = "f", search: bool = False, fixed=None,
-                 world=None, flexible=(), fusion: float | None = None, tied=(), copies=()):
+                 world=None, flexible=(), fusion=None, tied=(), copies=()):
         assert body.n_consts == 0, "a shard_call body takes its constants as inputs"
         # BatchNorm's fused kernels compute the statistics of the block they get; as
         # reductions and elementwise ops, a split batch all-reduces them (SyncBatchNorm)
@@ -45,7 +45,8 @@ class ShardPlan:
         # Pairs (an input, the input it is a copy of): left to the plan, the copy takes
         # the layout of the original (an optimizer moment, its parameter's).
         self.copies = tuple(copies)
-        # Bucket size (bytes) for fusing the per-device AllReduces (None: no fusion).
+        # The rewrite bucketing the per-device AllReduces, ``fusion(Partitioned) ->
+        # Program`` (fs.AutoParallel's comm_fusion; None: no fusion).
         self.fusion = fusion
         # Rewrites of the per-device program, in order (fs.AutoParallel's).
         self.passes = ()
@@ -85,7 +86,7 @@ class ShardPlan:
             self._part.name = self.name
             self._part.program = passes.slice_broadcasts(self._part.program)
             if self.fusion is not None:
-                self._part.program = passes.fuse_allreduces(self._part.program, self.fusion)
+                self._part.program = self.fusion(self._part)
             for rewrite in self.passes:  # rewrites of the per-device program
                 self._part.program = rewrite(self._part.program)
         return self._part

@@ -28,9 +28,10 @@ it to ``fs.jit(fs.shard(step, ...))``:
   parameters (level3: gathered where used) are split along their first dimension over
   the data-parallel group, except tensors smaller than ``threshold`` KB or not
   divisible;
-- ``comm_fusion``: the per-device program's AllReduces are bucketed
-  (``fshard.primitives.passes.fuse_allreduces``), and with ``"allgather"`` its
-  AllGathers (``fshard.primitives.passes.fuse_allgathers``).
+- ``comm_fusion``: the per-device program's AllReduces are bucketed by size or, in
+  mode ``"index"``, by gradient index ranges, and with ``"reducescatter"`` its
+  reduce-scatters by their own size (``fshard.primitives.passes.fuse_allreduces``);
+  with ``"allgather"`` its AllGathers (``fshard.primitives.passes.fuse_allgathers``).
 
 fshard differentiates the global loss, so gradients are exact whatever the layouts:
 there is no per-device loss to average (``enable_gradients_mean`` and
@@ -41,6 +42,7 @@ error that says so; none is accepted and ignored.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import math
@@ -66,9 +68,10 @@ from fshard.training.parallel.options import (Hsdp, ParallelMode, ParallelOption
                                               parse_comm_fusion)
 from fshard.training.parallel.pipeline import PipelineRunner, check_pipeline_args
 from fshard.training.parallel.schedule import Schedule
-from fshard.primitives.passes import fuse_allgathers, reduce_in_float32
+from fshard.primitives.passes import fuse_allgathers, fuse_allreduces, reduce_in_float32
 from fshard.primitives import collectives as C
 from fshard.primitives.control import custom_vjp
+from fshard.primitives.spmd import layout_constraint_p
 from fshard.sharding.cost import local_bytes
 from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import Sharding
@@ -347,12 +350,17 @@ class AutoParallel:
         return self._configure(hsdp=Hsdp(shard_size, threshold, optimizer_level))
 
     def comm_fusion(self, config: dict) -> "AutoParallel":
-        """Bucket the gradients' AllReduces: ``{"allreduce": {"mode": "auto" | "size",
-        "config": MB}}`` ("auto": 64 MB buckets, ``config`` None; "size": ``config`` MB),
-        or ``{"openstate": False}`` to turn fusion off. The keys and values are
-        MindSpore's (``AutoParallel.comm_fusion``), checked as MindSpore checks them."""
-        allreduce, allgather = parse_comm_fusion(config)
-        return self._configure(fusion_bytes=allreduce, gather_fusion_bytes=allgather)
+        """Bucket the per-device program's collectives: ``{"allreduce": {"mode": "auto"
+        | "size", "config": MB}}`` ("auto": 64 MB buckets, ``config`` None; "size":
+        ``config`` MB) for the AllReduces, ``{"allreduce": {"mode": "index", "config":
+        [i, j]}}`` for one AllReduce of gradients ``0..i-1``, one of ``i..j-1`` and one
+        of ``j..`` (the gradients in the order of ``tree.leaves(state.params)``), the
+        same "auto"/"size" entries under ``"allgather"`` for ZeRO's AllGathers and
+        ``"reducescatter"`` for its reduce-scatters (on CPU an AllReduce whose result
+        only this device's block is read of), or ``{"openstate": False}`` to turn
+        fusion off. The keys and values are MindSpore's (``AutoParallel.comm_fusion``),
+        checked as MindSpore checks them."""
+        return self._configure(**parse_comm_fusion(config))
 
     def enable_gradients_mean(self) -> "AutoParallel":
         """Accepted: MindSpore then averages the per-device gradients, which gives the
@@ -942,6 +950,44 @@ class AutoParallel:
         train_step.__name__ = f"train_step_{self.name}"
         return train_step
 
+    def _fuse_allreduces(self, grad_vars: list, part) -> Program:
+        """The per-device program of ``part`` with its AllReduces and reduce-scatters
+        bucketed as ``comm_fusion`` says. In mode "index" a gradient's AllReduce is the
+        one moving its Var (or the value a layout constraint turns into it, ZeRO's
+        reduce-scatter point), found through ``part.origins``."""
+        opts = self._options
+        points = opts.fusion_split_points
+        if points is None:
+            return fuse_allreduces(part.program, opts.fusion_bytes,
+                                   opts.scatter_fusion_bytes)
+        if opts.gradient_accumulation > 1:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).comm_fusion(config): allreduce mode 'index' "
+                "cannot be combined with gradient_accumulation(k) yet (the accumulated "
+                "gradients' AllReduces are not matched to gradient indices).\nFix: mode "
+                "'auto' or 'size', or gradient_accumulation(1).")
+        n = sum(g is not None for g in grad_vars)
+        if points[-1] >= n:
+            raise ArgumentError(
+                f"AutoParallel({self.name}).comm_fusion(config): allreduce mode 'index' "
+                f"split point {points[-1]} is past the last gradient (this step has {n} "
+                f"gradients, indices 0..{n - 1}).\nFix: split points below {n}, in the "
+                "order of tree.leaves(state.params).")
+        producer = {v: eq for eq in part.prop.program.equations for v in eq.outputs}
+        index_of = {}
+        for i, g in enumerate(grad_vars):
+            while g is not None and g not in index_of:
+                index_of[g] = i
+                eq = producer.get(g)
+                g = eq.inputs[0] if eq is not None and eq.prim is layout_constraint_p \
+                    else None
+
+        def group_of(eq):
+            i = index_of.get(part.origins.get(eq.outputs[0]))
+            return None if i is None else bisect.bisect_right(points, i)
+
+        return fuse_allreduces(part.program, None, opts.scatter_fusion_bytes, group_of)
+
     def _splits_gradients(self) -> bool:
         hsdp = self._options.hsdp
         return hsdp is not None and hsdp.reaches("level2")
@@ -1097,7 +1143,10 @@ class AutoParallel:
                   mesh=self.mesh, level=2, dataset_strategy="full_batch",
                   search=False)
         s.search = _SEARCH[self.parallel_mode]  # (fs.shard's own argument takes a bool)
-        s.comm_fusion = self._options.fusion_bytes
+        s.comm_fusion = functools.partial(self._fuse_allreduces, grad_vars) if any(
+            v is not None for v in (self._options.fusion_bytes,
+                                    self._options.fusion_split_points,
+                                    self._options.scatter_fusion_bytes)) else None
         # The new state is the next step's state: its leaves keep their devices.
         s.carried = len(tree.leaves((state.params, state.opt_state, state.step)))
         s.copies = self._state_copies(state)

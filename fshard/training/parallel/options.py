@@ -122,6 +122,12 @@ class ParallelOptions:
     fusion_bytes: float | None = None
     #: the AllGather bucket size in bytes (``comm_fusion``'s "allgather"; None: none)
     gather_fusion_bytes: float | None = None
+    #: the reduce-scatter bucket size in bytes (``comm_fusion``'s "reducescatter";
+    #: None: none)
+    scatter_fusion_bytes: float | None = None
+    #: the gradient indices starting a new AllReduce bucket (``comm_fusion``'s
+    #: "allreduce" in mode "index"; None: buckets by ``fusion_bytes``)
+    fusion_split_points: tuple | None = None
     fp32_communication: bool = False
     gradient_fp32_sync: bool = True  # MindSpore's default
     print_local_norm: bool = False
@@ -143,7 +149,10 @@ class ParallelOptions:
         set_("parameter_plan", MappingProxyType(dict(self.parameter_plan)))
         if self.hsdp is not None:
             set_("hsdp", _check_hsdp(*self.hsdp))
-        for name in ("fusion_bytes", "gather_fusion_bytes"):
+        if self.fusion_split_points is not None:
+            set_("fusion_split_points", _check_split_points(
+                "ParallelOptions(fusion_split_points=...)", self.fusion_split_points))
+        for name in ("fusion_bytes", "gather_fusion_bytes", "scatter_fusion_bytes"):
             b = getattr(self, name)
             if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
                                   or not (math.isfinite(b) and b > 0)):
@@ -174,6 +183,13 @@ class ParallelOptions:
     def replace(self, **changes) -> "ParallelOptions":
         """New options with ``changes``, checked (these are unchanged on an error)."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def fuses(self) -> bool:
+        """Some collectives are bucketed (``comm_fusion``)."""
+        return any(v is not None for v in (
+            self.fusion_bytes, self.gather_fusion_bytes, self.scatter_fusion_bytes,
+            self.fusion_split_points))
 
     @property
     def local_norm(self) -> bool:
@@ -215,9 +231,10 @@ def _check_hsdp(shard_size, threshold, level) -> Hsdp:
     return Hsdp(shard_size, threshold, level)
 
 
-def parse_comm_fusion(config) -> tuple[float | None, float | None]:
-    """The AllReduce and AllGather bucket sizes in bytes MindSpore's ``comm_fusion``
-    ``config`` asks for (None: not fused), checked as MindSpore checks it."""
+def parse_comm_fusion(config) -> dict:
+    """The ``ParallelOptions`` fields MindSpore's ``comm_fusion`` ``config`` asks for
+    (``fusion_bytes``, ``fusion_split_points``, ``gather_fusion_bytes``,
+    ``scatter_fusion_bytes``; None: not fused), checked as MindSpore checks it."""
     where = "AutoParallel.comm_fusion(config)"
     if not isinstance(config, Mapping):
         raise ArgumentError(
@@ -228,14 +245,8 @@ def parse_comm_fusion(config) -> tuple[float | None, float | None]:
         raise ArgumentError(
             f"{where}: unknown keys {sorted(unknown, key=repr)}; MindSpore's keys are "
             "'openstate', 'allreduce', 'allgather' and 'reducescatter'.\nFix: use "
-            "'openstate' (a bool) and 'allreduce' (a dict of 'mode' and 'config').")
-    if "reducescatter" in config:
-        raise ArgumentError(
-            f"{where}: fusing reducescatter is not supported by fshard (on the CPU "
-            "backend a reduce-scatter is an AllReduce and a slice, which the "
-            "'allreduce' buckets fuse).\nFix: remove the 'reducescatter' key; "
-            "{'allreduce': {'mode': 'size', 'config': MB}} buckets the AllReduces they "
-            "are on CPU.")
+            "'openstate' (a bool) and 'allreduce', 'allgather' or 'reducescatter' (a "
+            "dict of 'mode' and 'config').")
     openstate = config.get("openstate", True)
     if not isinstance(openstate, bool):
         raise ArgumentError(
@@ -244,14 +255,34 @@ def parse_comm_fusion(config) -> tuple[float | None, float | None]:
             "turns fusion off.")
     allreduce = _bucket_bytes(where, "allreduce",
                               config.get("allreduce", {"mode": "auto", "config": None}))
-    allgather = _bucket_bytes(where, "allgather", config["allgather"]) \
-        if "allgather" in config else None
-    return (allreduce, allgather) if openstate else (None, None)
+    fields = {"fusion_bytes": None, "fusion_split_points": None}
+    fields["fusion_split_points" if isinstance(allreduce, tuple) else "fusion_bytes"] = \
+        allreduce
+    for kind, name in (("allgather", "gather_fusion_bytes"),
+                       ("reducescatter", "scatter_fusion_bytes")):
+        fields[name] = _bucket_bytes(where, kind, config[kind]) if kind in config else None
+    return fields if openstate else dict.fromkeys(fields)
 
 
-def _bucket_bytes(where: str, kind: str, cfg) -> float:
+def _check_split_points(where: str, points) -> tuple:
+    """MindSpore's ``all_reduce_fusion_config`` checks: a non-empty list of
+    increasing non-negative ints."""
+    ok = isinstance(points, (list, tuple)) and len(points) > 0 and all(
+        isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0
+        for i in points) and all(a < b for a, b in zip(points, points[1:]))
+    if not ok:
+        raise ArgumentError(
+            f"{where}: allreduce mode 'index' needs config = a non-empty list of "
+            "increasing non-negative ints (the gradient indices where a new bucket "
+            f"starts); got {points!r}.\nFix: e.g. {{'mode': 'index', 'config': [20, 35]}} "
+            "fuses gradients 0..19, 20..34 and 35 to the last.")
+    return tuple(int(i) for i in points)
+
+
+def _bucket_bytes(where: str, kind: str, cfg) -> float | tuple:
     """The bucket bytes of one ``comm_fusion`` entry (``{"mode": "auto" | "size",
-    "config": MB}``), checked as MindSpore checks it."""
+    "config": MB}``; for "allreduce" also ``{"mode": "index", "config": [i, ...]}``,
+    whose split points are returned as a tuple), checked as MindSpore checks it."""
     if not isinstance(cfg, Mapping):
         raise ArgumentError(
             f"{where}: '{kind}' must be a dict with keys 'mode' and 'config'; got "
@@ -281,7 +312,14 @@ def _bucket_bytes(where: str, kind: str, cfg) -> float:
                 f"a finite number > 0; got {size!r}.\nFix: e.g. {{'mode': 'size', "
                 "'config': 32}.")
         return float(size) * 2**20
+    if mode == "index" and kind == "allreduce":
+        return _check_split_points(where, size)
+    if kind == "allreduce":
+        raise ArgumentError(
+            f"{where}: allreduce mode must be 'auto', 'size' or 'index'; got {mode!r}."
+            "\nFix: {'mode': 'auto', 'config': None}, {'mode': 'size', 'config': <MB>} "
+            "or {'mode': 'index', 'config': [<gradient index>, ...]}.")
     raise ArgumentError(
-        f"{where}: {kind} mode must be 'auto' or 'size'; got {mode!r} ('index' "
-        "names MindSpore's graph-compiler fusion indices, which fshard has no use "
-        "for).\nFix: {'mode': 'auto', 'config': None}.")
+        f"{where}: {kind} mode must be 'auto' or 'size' (MindSpore's 'index' mode is "
+        f"for 'allreduce' only); got {mode!r}.\nFix: {{'mode': 'auto', 'config': None}} "
+        "or {'mode': 'size', 'config': <MB>}.")

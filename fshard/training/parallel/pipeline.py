@@ -1314,8 +1314,7 @@ class PipelineRunner:
 
     def check_combination(self):
         ap = self.ap
-        for what, on in (("comm_fusion(...)", ap.options.fusion_bytes is not None
-                          or ap.options.gather_fusion_bytes is not None),
+        for what, on in (("comm_fusion(...)", ap.options.fuses),
                          ("a dataset_strategy(...) tuple",
                           ap._dataset not in ("data_parallel", "full_batch")),
                          ("has_aux=True", ap.has_aux),

@@ -53,7 +53,7 @@ import numpy as np
 
 from fshard.core import context, tree
 from fshard.meshes import distributed
-from fshard.backend.mindspore import Tensor, as_tensor
+from fshard.backend.mindspore import Tensor, as_tensor, auto_parallel_settings
 from fshard.adapter.cells import frozen, functional, is_cell, pipeline_wrapper, segmented
 from fshard.core.tracing import Tracer, typeof
 from fshard.core.dims import dim_multiple_of
@@ -61,7 +61,7 @@ from fshard.errors import ArgumentError, ShardingError
 from fshard.adapter.interop import check_context_mode, context_dataset_strategy, context_mesh
 from fshard.core.ir import Program
 from fshard.meshes.layout import block_index as strategy_block
-from fshard.meshes.mesh import Mesh, resolve_mesh
+from fshard.meshes.mesh import Mesh, context_key, resolve_mesh
 from fshard.training.optim import Optimizer, apply_updates
 from fshard.training.parallel.ms_optimizers import from_mindspore, is_mindspore_optimizer
 from fshard.training.parallel.options import (Hsdp, ParallelMode, ParallelOptions,
@@ -195,6 +195,8 @@ class AutoParallel:
                     "ap.pipeline(stages=S, interleave=True) with stage_config giving "
                     "each cell its chunk.")
         self._steps: dict = {}
+        # a repeated call's fast key -> its jitted step (__call__): emptied with _steps
+        self._calls: dict = {}
         self._frozen_opt = None  # (frozen names, optimizer, step_optimizer()) cache
         self._set_network(network, has_aux)
         self._set_optimizer(optimizer)
@@ -235,7 +237,7 @@ class AutoParallel:
             self.loss_fn.__name__ = self.name
         self.has_aux = has_aux
         self._frozen_opt = None
-        self._steps.clear()
+        self._forget_steps()
 
     def _set_optimizer(self, optimizer, loss_scale: float = 1.0) -> None:
         """An ``fs.optim`` optimizer, a MindSpore ``nn.Optimizer`` over the Cell's
@@ -261,7 +263,12 @@ class AutoParallel:
                 "\nFix: pass e.g. fs.optim.adam(1e-3) or nn.Adam(net.trainable_params()).")
         self.optimizer = optimizer
         self._frozen_opt = None
+        self._forget_steps()
+
+    def _forget_steps(self) -> None:
+        """Drop the compiled steps (the configuration they were planned for changed)."""
         self._steps.clear()
+        self._calls.clear()
 
     def _need_optimizer(self) -> None:
         if self.optimizer is None:
@@ -282,7 +289,7 @@ class AutoParallel:
         """New options with ``changes`` (checked: on an error nothing changes); the
         compiled steps are made again."""
         self._options = self._options.replace(**changes)
-        self._steps.clear()
+        self._forget_steps()
         return self
 
     @property
@@ -545,7 +552,7 @@ class AutoParallel:
                 "accumulates the gradients of its micro-batches.\nFix: use "
                 "ap.pipeline(stages, micro_batches=...) alone.")
         self._options = options
-        self._steps.clear()
+        self._forget_steps()
         return self
 
     def _value_and_grad(self, loss_fn, params, batch):
@@ -911,7 +918,7 @@ class AutoParallel:
         dataset strategy splits must be provably divisible by its split count
         (``Symbol(divisor=8)`` on 8 devices). Returns ``self``."""
         self._batch_specs = declared_types(batch_specs, f"AutoParallel({self.name}).set_inputs")
-        self._steps.clear()
+        self._forget_steps()
         return self
 
     # -- the step ------------------------------------------------------------------
@@ -1189,14 +1196,32 @@ class AutoParallel:
             if len(result) == 3:  # print_local_norm / dump_local_norm
                 self._report_norms(result[0], result[2])
             return result[0], result[1]
-        if self._in_job():
-            state = self._place_state(state, batch)
-        if self._feeds_slices():
-            check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
-                              f"AutoParallel({self.name})")
-            batch = self._place_slices(state, batch)
-        _, step = self._sharded(state, batch if self._batch_specs is None or
-                                self._feeds_slices() else self._declared_batch(batch))
+        # The hot path: a call with the structure, shapes and dtypes of an earlier one,
+        # under the same MindSpore context (parallel mode, dataset strategy, device_num)
+        # and the same mesh, runs the step the checks below chose for that call: one
+        # flatten and one dict lookup instead of re-reading the context four times and
+        # keying _steps. (In a job each call's state and slices are placed: no hot path.)
+        leaves, spec = tree.flatten((state, batch))
+        key = (spec, tuple([(x.shape, x.dtype) if type(x) is Tensor else _signature(x)
+                            for x in leaves]),
+               tuple(auto_parallel_settings().values()), context_key(),
+               distributed.is_initialized())
+        try:
+            step = self._calls.get(key)
+        except TypeError:  # a context dataset strategy of MindSpore Layouts: unhashable
+            step, key = None, None
+        if step is None:
+            in_job = self._in_job()
+            if in_job:
+                state = self._place_state(state, batch)
+            if self._feeds_slices():
+                check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
+                                  f"AutoParallel({self.name})")
+                batch = self._place_slices(state, batch)
+            _, step = self._sharded(state, batch if self._batch_specs is None or
+                                    self._feeds_slices() else self._declared_batch(batch))
+            if key is not None and not in_job:
+                self._calls[key] = step
         result = step(state.params, state.opt_state, state.step, *batch)
         if len(result) == 3:  # print_local_norm / dump_local_norm
             self._report_norms(result[0], result[2])
@@ -1469,7 +1494,7 @@ class AutoParallel:
         # (files written before the flag existed list every parameter)
         self._fixed_only_trainable = bool(data.get("only_trainable", False))
         self._param_file = str(file_path)
-        self._steps.clear()
+        self._forget_steps()
         return self
 
     def save_operator_strategy_file(self, file_path, state: TrainState | None = None,

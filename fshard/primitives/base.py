@@ -748,7 +748,7 @@ def _ms_lane_sum(x, axes):
     # is summed as (lanes, 1): every lane sum adds in device order, and a value is
     # summed alike alone or in a fused bucket of gradients.
     x = ops.reshape(x, (math.prod(shape[:k]),) + (shape[k:] or (1,)))
-    y = ops.ReduceSum(False)(x, 0)
+    y = _REDUCE_SUM(x, 0)
     return y if shape[k:] else ops.reshape(y, ())
 
 

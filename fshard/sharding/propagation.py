@@ -234,6 +234,9 @@ def _whole_reductions(program: Program, choice: list, known: dict, consumers: di
         if any(o is cur and req is not None and req.partial
                for o, req in zip(program.outputs, out_shardings)):
             continue  # asked for as a pending sum (a loop body's accumulator)
+        if any(program.equations[j].inputs[o] is cur for j in consumers.get(cur, [])
+               for o in choice[j][1].carry_ops):
+            continue  # a reader adds it to other pending sums (it must stay one)
         whole = Candidate(tuple((f, ax) for f, ax in cand.assign if f not in spec.reduce))
         saved = (model.compute(spec, whole, mesh) - model.compute(spec, cand, mesh)) \
             / model.flops_per_s

@@ -7,6 +7,7 @@ from fshard.primitives import spmd  # noqa: F401
 from fshard.primitives import collectives  # noqa: F401
 from fshard.primitives import pipeline  # noqa: F401
 from fshard.primitives import generic  # noqa: F401
+from fshard.primitives import optimizers  # noqa: F401
 from fshard.primitives import control  # noqa: F401  (after the families its rules use)
 from fshard.primitives import remat  # noqa: F401  (on control's call helpers)
 from fshard.core.rules import all_primitives as all_primitives

@@ -1,0 +1,274 @@
+"""Optimizer primitives: ``adam_update``, the moments and the direction of an Adam step
+on MindSpore's fused CPU kernel.
+
+``fs.optim.adam`` written with elementwise primitives is 11 kernels over every element
+(each a pass over memory plus MindSpore's per-kernel cost); ``nn.Adam`` runs one. The
+fused kernels of MindSpore's CPU backend write their operands in place, which no
+functional program may do to its inputs, so ``adam_update``'s lowering gives the kernel
+buffers of its own: the concatenation of the leaves (PyTorch's multi-tensor apply, one
+kernel for many small tensors) is a fresh buffer, which ``AdamNoUpdateParam`` then
+updates in place; the pieces are split out after it ran (``ops.depend``). The caller's
+arrays are never written (tests/test_adam_kernel.py checks it).
+
+For ``n`` leaves the operands are ``m_1..m_n, v_1..v_n, g_1..g_n, lr`` (one float dtype;
+``lr`` a scalar) and the outputs ``m'_1..m'_n, v'_1..v'_n, u_1..u_n``:
+
+    m' = b1 m + (1 - b1) g,  v' = b2 v + (1 - b2) g^2,  u = -lr m' / (sqrt(v') + eps)
+
+float32 runs MindSpore's kernel (which rounds ``b1 m + (1 - b1) g`` as one fused
+multiply-add, ``1 - b1`` taken in float32); other dtypes, and a learning rate that
+differs per example under ``fs.vmap``, the same formulas elementwise (within an ulp of
+the kernel's rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import mindspore as ms
+import numpy as np
+from mindspore import ops
+
+from fshard.backend.mindspore import as_tensor, split_with_size_class
+from fshard.core import dtypes
+from fshard.core.factors import FactorSpec
+from fshard.core.rules import batching, jvp, sharding, unsupported
+from fshard.core.tracing import ArrayType, is_symbolic, typeof
+from fshard.errors import ProgramTypeError
+from fshard.primitives.base import Zero, batch_size, batch_to_front, def_primitive
+from fshard.primitives.elementwise import add, div, mul, neg, sqrt
+from fshard.primitives.structural import reshape
+
+FAMILY = "optimizers"
+
+# Built once (a Primitive built in generated code is built again at each call site).
+_ADAM = ops.AdamNoUpdateParam()
+_CONCAT = ops.Concat(0)
+_RESHAPE = ops.Reshape()
+_SPLIT = split_with_size_class()()
+
+
+def _check(avals):
+    if len(avals) % 3 != 1 or len(avals) < 4:
+        raise ProgramTypeError(
+            f"adam_update takes 3n + 1 operands (moments, second moments, gradients, "
+            f"learning rate), got {len(avals)}")
+    n = len(avals) // 3
+    lr = avals[-1]
+    dt = lr.dtype
+    if lr.ndim != 0 or not dtypes.is_float(dt):
+        raise ProgramTypeError(f"adam_update needs a float scalar learning rate, got {lr}")
+    for i in range(n):
+        m, v, g = avals[i], avals[n + i], avals[2 * n + i]
+        if not (tuple(m.shape) == tuple(v.shape) == tuple(g.shape)) or not (
+                m.dtype == v.dtype == g.dtype == dt):
+            raise ProgramTypeError(
+                f"adam_update needs each leaf's moment, second moment and gradient of one "
+                f"shape, in the learning rate's dtype {dt}; leaf {i}: {m}, {v}, {g}")
+    return n
+
+
+def _type(*avals, b1, b2, eps):
+    n = _check(avals)
+    return [ArrayType(tuple(a.shape), a.dtype) for a in avals[:3 * n]]
+
+
+def _formulas(n, xs, b1, b2, eps, lr, o):
+    """The update elementwise with the ops of ``o`` (fshard's or MindSpore's; ``lr``
+    broadcasts)."""
+    outs_m, outs_v, outs_u = [], [], []
+    for i in range(n):
+        m, v, g = xs[i], xs[n + i], xs[2 * n + i]
+        m2 = o.add(o.mul(m, b1), o.mul(g, 1.0 - b1))
+        v2 = o.add(o.mul(v, b2), o.mul(o.mul(g, g), 1.0 - b2))
+        u = o.div(o.mul(o.neg(lr), m2), o.add(o.sqrt(v2), eps))
+        outs_m.append(m2)
+        outs_v.append(v2)
+        outs_u.append(u)
+    return outs_m + outs_v + outs_u
+
+
+def _f32(x):
+    return ms.Tensor(np.float32(x))
+
+
+def _kernel_args(mc, vc, gc, lr, b1, b2, eps, const):
+    # beta powers 0: the kernel's bias correction sqrt(1 - 0) / (1 - 0) is exactly 1
+    return (mc, vc, const(0.0), const(0.0), lr, const(b1), const(b2), const(eps), gc)
+
+
+def _eager(*xs, b1, b2, eps):
+    ts = [as_tensor(x) for x in xs]
+    n = (len(ts) - 1) // 3
+    if ts[-1].dtype != ms.float32:
+        return _formulas(n, ts, b1, b2, eps, ts[-1], _MS_OPS)
+    shapes = [tuple(t.shape) for t in ts[:n]]
+    sizes = [math.prod(s) for s in shapes]
+    flat = [[ops.reshape(t, (-1,)) for t in ts[k * n:(k + 1) * n]] for k in range(3)]
+    # the concatenations are new Tensors, the buffers the kernel overwrites
+    mc, vc, gc = (ops.concat(f, 0) for f in flat)
+    u = _ADAM(*_kernel_args(mc, vc, gc, ts[-1], b1, b2, eps, _f32))
+    outs = []
+    for whole in (mc, vc, u):
+        pieces = [whole] if n == 1 else ops.split(whole, sizes)
+        outs += [ops.reshape(p, s) for p, s in zip(pieces, shapes)]
+    return outs
+
+
+def _lower(ctx, *xs, b1, b2, eps):
+    n = (len(xs) - 1) // 3
+    avals = ctx.in_avals
+    if avals[-1].dtype != ms.float32:
+        return _lower_formulas(ctx, xs, b1, b2, eps)  # the kernel takes float32 only
+    shapes = [tuple(a.shape) for a in avals[:n]]
+    sizes = [math.prod(s) for s in shapes]
+    r = ctx.ref
+    args = [f"x{i}" for i in range(len(xs))]
+    flat = [[f"{r(_RESHAPE)}({a}, (-1,))" for a in args[k * n:(k + 1) * n]]
+            for k in range(3)]
+    name = f"fshard_adam_update_{len(ctx.helpers)}"
+    const = lambda c: r(_f32(c), "adam_const")  # noqa: E731
+    lines = [f"def {name}({', '.join(args)}):"]
+    # The concatenations are the buffers the kernel overwrites, never an operand (a
+    # concatenation of one tensor is a copy too); ``depend`` orders the reads after it.
+    for var, f in zip(("mc", "vc", "gc"), flat):
+        src = f[0] if var == "gc" and n == 1 else f"{r(_CONCAT)}(({', '.join(f)},))"
+        lines.append(f"    {var} = {src}")
+    lines.append(f"    u = {r(_ADAM)}({', '.join(_kernel_args('mc', 'vc', 'gc', args[-1], b1, b2, eps, const))})")
+    lines.append(f"    mc = {r(ops.depend)}(mc, u)")
+    lines.append(f"    vc = {r(ops.depend)}(vc, u)")
+    outs = []
+    for whole in ("mc", "vc", "u"):
+        if n == 1:
+            pieces = [whole]
+        else:
+            lines.append(f"    {whole}s = {r(_SPLIT)}({whole}, {ctx.param(tuple(sizes))}, 0)")
+            pieces = [f"{whole}s[{k}]" for k in range(n)]
+        outs += [f"{r(_RESHAPE)}({p}, {ctx.param(s)})" for p, s in zip(pieces, shapes)]
+    lines.append(f"    return ({', '.join(outs)},)")
+    ctx.helpers.append("\n".join(lines) + "\n")
+    return f"{name}({', '.join(xs)})"
+
+
+# the ops ``_formulas`` uses: MindSpore's (eager) and fshard's (batching, JVP)
+_MS_OPS = SimpleNamespace(add=ops.add, mul=ops.mul, div=ops.div, sqrt=ops.sqrt, neg=ops.neg)
+_FS_OPS = SimpleNamespace(add=add, mul=mul, div=div, sqrt=sqrt, neg=neg)
+
+
+def _lower_formulas(ctx, xs, b1, b2, eps):
+    """``_formulas`` as generated source (dtypes the fused kernel does not take)."""
+    n = (len(xs) - 1) // 3
+    r = ctx.ref
+    add_, mul_, div_, sqrt_, neg_ = (r(f) for f in (ops.add, ops.mul, ops.div, ops.sqrt,
+                                                    ops.neg))
+    args = [f"x{i}" for i in range(len(xs))]
+    name = f"fshard_adam_update_{len(ctx.helpers)}"
+    lines = [f"def {name}({', '.join(args)}):", f"    nlr = {neg_}({args[-1]})"]
+    for i in range(n):
+        m, v, g = args[i], args[n + i], args[2 * n + i]
+        lines += [f"    m{i} = {add_}({mul_}({m}, {b1!r}), {mul_}({g}, {1.0 - b1!r}))",
+                  f"    v{i} = {add_}({mul_}({v}, {b2!r}), {mul_}({mul_}({g}, {g}), "
+                  f"{1.0 - b2!r}))",
+                  f"    u{i} = {div_}({mul_}(nlr, m{i}), {add_}({sqrt_}(v{i}), {eps!r}))"]
+    outs = [f"{k}{i}" for k in "mvu" for i in range(n)]
+    lines.append(f"    return ({', '.join(outs)},)")
+    ctx.helpers.append("\n".join(lines) + "\n")
+    return f"{name}({', '.join(xs)})"
+
+
+adam_update_p = def_primitive("adam_update", FAMILY, _type, eager=_eager, lower=_lower,
+                              multiple_results=True)
+
+
+def _batching(args, dims, *, b1, b2, eps):
+    size = batch_size(args, dims)
+    n = (len(args) - 1) // 3
+    xs = [batch_to_front(x, d, size) for x, d in zip(args[:-1], dims[:-1])]
+    if dims[-1] is None:  # one learning rate for every example: the fused kernel
+        outs = adam_update_p.bind(*xs, args[-1], b1=b1, b2=b2, eps=eps)
+        return outs, [0] * len(outs)
+    # a learning rate per example (a schedule of a batched step count): the formulas,
+    # the rate shaped to broadcast against each leaf
+    lr = batch_to_front(args[-1], dims[-1], size)
+    per_leaf = [_formulas(1, xs[i::n], b1, b2, eps,
+                          reshape(lr, (size,) + (1,) * (typeof(xs[i]).ndim - 1)), _FS_OPS)
+                for i in range(n)]
+    outs = [leaf[k] for k in range(3) for leaf in per_leaf]
+    return outs, [0] * len(outs)
+
+
+def _jvp(primals, tangents, *, b1, b2, eps):
+    outs = adam_update_p.bind(*primals, b1=b1, b2=b2, eps=eps)
+    if all(isinstance(t, Zero) for t in tangents):
+        return outs, [Zero(typeof(o)) for o in outs]
+    n = (len(primals) - 1) // 3
+    lr, tlr = primals[-1], tangents[-1]
+    tms, tvs, tus = [], [], []
+    for i in range(n):
+        m2, v2 = outs[i], outs[n + i]
+        g = primals[2 * n + i]
+        tm, tv, tg = (tangents[k * n + i] for k in range(3))
+        terms_m, terms_v = [], []
+        if not isinstance(tm, Zero):
+            terms_m.append(mul(tm, b1))
+        if not isinstance(tv, Zero):
+            terms_v.append(mul(tv, b2))
+        if not isinstance(tg, Zero):
+            terms_m.append(mul(tg, 1.0 - b1))
+            terms_v.append(mul(mul(g, tg), 2.0 * (1.0 - b2)))
+        tm2 = _sum(terms_m) if terms_m else Zero(typeof(m2))
+        tv2 = _sum(terms_v) if terms_v else Zero(typeof(v2))
+        # u = -lr m' / (s + eps), s = sqrt(v'):
+        # du = -(dlr m' / den + lr (dm' / den - m' dv' / (2 s den^2)))
+        s = sqrt(v2)
+        den = add(s, eps)
+        terms_u = []
+        if not isinstance(tlr, Zero):
+            terms_u.append(mul(tlr, div(m2, den)))
+        if not isinstance(tm2, Zero):
+            terms_u.append(mul(lr, div(tm2, den)))
+        if not isinstance(tv2, Zero):
+            terms_u.append(neg(mul(lr, div(mul(m2, tv2), mul(mul(s, 2.0), mul(den, den))))))
+        tms.append(tm2)
+        tvs.append(tv2)
+        tus.append(neg(_sum(terms_u)) if terms_u else Zero(typeof(m2)))
+    return outs, tms + tvs + tus
+
+
+def _sum(terms):
+    out = terms[0]
+    for t in terms[1:]:
+        out = add(out, t)
+    return out
+
+
+def _sharding(*avals, b1, b2, eps):
+    """Each leaf's moments, gradient and outputs share its factors; leaves are
+    independent (the lowering concatenates whatever blocks a device holds)."""
+    n = (len(avals) - 1) // 3
+    labels = [tuple(f"l{i}d{k}" for k in range(avals[i].ndim)) for i in range(n)]
+    sizes = {f"l{i}d{k}": avals[i].shape[k] for i in range(n) for k in range(avals[i].ndim)}
+    return FactorSpec(labels * 3 + [()], labels * 3, sizes)
+
+
+batching.set(adam_update_p, _batching)
+jvp.set(adam_update_p, _jvp)
+sharding.set(adam_update_p, _sharding)
+unsupported(adam_update_p, "transpose", "not linear in any operand")
+
+
+def fusable(aval) -> bool:
+    """Whether ``adam_update`` takes a leaf of this type (a float of static shape)."""
+    return dtypes.is_float(aval.dtype) and not any(is_symbolic(d) for d in aval.shape)
+
+
+def adam_update(mu: list, nu: list, grads: list, lr, *, b1: float, b2: float,
+                eps: float) -> tuple[list, list, list]:
+    """One Adam step of the leaves ``mu``, ``nu``, ``grads`` (lists of one float dtype,
+    ``lr`` a scalar of it): ``(new mu, new nu, updates)``, ``updates = -lr m' /
+    (sqrt(v') + eps)`` (no bias correction: fold it into ``lr``)."""
+    n = len(mu)
+    outs = adam_update_p.bind(*mu, *nu, *grads, lr, b1=float(b1), b2=float(b2),
+                              eps=float(eps))
+    return list(outs[:n]), list(outs[n:2 * n]), list(outs[2 * n:])

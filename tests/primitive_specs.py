@@ -38,6 +38,7 @@ from fshard.primitives import elementwise as E
 from fshard.primitives import generic as G
 from fshard.primitives import linalg as L
 from fshard.primitives import nn as N
+from fshard.primitives import optimizers as OPT
 from fshard.primitives import pipeline as PL
 from fshard.primitives import remat as RM
 from fshard.primitives import reductions as R
@@ -362,6 +363,22 @@ def _bn_grad(rng, dt):
         x = values(rng, s, dt)
         out.append(Sample((x, values(rng, s[1:2], dt), *_bn_stats(x), values(rng, s, dt)),
                           {"eps": 1e-3}))
+    return out
+
+
+ADAM_LEAVES = [[(3, 4)], [(2, 3), (4,), ()], [(2, 2, 2)]]
+
+
+def _adam_update(rng, dt):
+    """Moments, positive second moments, gradients and a positive rate; n leaves."""
+    out = []
+    for shapes in ADAM_LEAVES:
+        ms_ = [values(rng, s, dt) for s in shapes]
+        vs = [values(rng, s, dt, "positive") for s in shapes]
+        gs = [values(rng, s, dt) for s in shapes]
+        lr = np.asarray(rng.uniform(0.01, 0.1), dt)
+        out.append(Sample((*ms_, *vs, *gs, lr), {"b1": 0.9, "b2": 0.999, "eps": 1e-8},
+                          diff_argnums=tuple(range(3 * len(shapes) + 1))))
     return out
 
 
@@ -1498,6 +1515,7 @@ def _specs() -> list[PrimitiveSpec]:
                       ((4, 5, 6),), tol=(1e-4, 1e-5), **THOROUGH),
         PrimitiveSpec(N.batch_norm_grad_p, _bn_grad, (F32,), (1, 4), ((4,),),
                       tol=(1e-4, 1e-5), **THOROUGH),
+        PrimitiveSpec(OPT.adam_update_p, _adam_update, (F32,), tol=(1e-5, 1e-7), **THOROUGH),
         PrimitiveSpec(E.add_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.sub_p, binary(), NUMERIC, (0, 1), ((0, 1),)),
         PrimitiveSpec(E.mul_p, binary(), NUMERIC, (0, 1), ((0,), (1,))),

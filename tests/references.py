@@ -450,7 +450,19 @@ def batch_norm_grad(x, scale, mean, var, ct, *, eps):
             (c * xh).sum((0, 2, 3)).astype(x.dtype), c.sum((0, 2, 3)).astype(x.dtype)]
 
 
+def adam_update(*xs, b1, b2, eps):
+    """MindSpore's Adam step without bias correction, in float64."""
+    n = (len(xs) - 1) // 3
+    lr = np.float64(xs[-1])
+    w = [np.asarray(x, np.float64) for x in xs[:-1]]
+    m2 = [b1 * w[i] + (1 - b1) * w[2 * n + i] for i in range(n)]
+    v2 = [b2 * w[n + i] + (1 - b2) * w[2 * n + i] ** 2 for i in range(n)]
+    u = [-lr * m / (np.sqrt(v) + eps) for m, v in zip(m2, v2)]
+    return [a.astype(xs[0].dtype) for a in m2 + v2 + u]
+
+
 REFERENCES = {
+    "adam_update": adam_update,
     "batch_norm_train": batch_norm_train,
     "batch_norm_tangent": batch_norm_tangent,
     "batch_norm_grad": batch_norm_grad,

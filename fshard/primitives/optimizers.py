@@ -23,6 +23,7 @@ the kernel's rounding).
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -36,7 +37,8 @@ from fshard.core.factors import FactorSpec
 from fshard.core.rules import batching, jvp, sharding, unsupported
 from fshard.core.tracing import ArrayType, is_symbolic, typeof
 from fshard.errors import ProgramTypeError
-from fshard.primitives.base import Zero, batch_size, batch_to_front, def_primitive
+from fshard.primitives.base import (Zero, batch_size, batch_to_front, def_primitive,
+                                    instantiate)
 from fshard.primitives.elementwise import add, div, mul, neg, sqrt
 from fshard.primitives.structural import reshape
 
@@ -46,6 +48,7 @@ FAMILY = "optimizers"
 _ADAM = ops.AdamNoUpdateParam()
 _CONCAT = ops.Concat(0)
 _RESHAPE = ops.Reshape()
+_ASSIGN = ops.Assign()
 _SPLIT = split_with_size_class()()
 
 
@@ -98,54 +101,89 @@ def _kernel_args(mc, vc, gc, lr, b1, b2, eps, const):
     return (mc, vc, const(0.0), const(0.0), lr, const(b1), const(b2), const(eps), gc)
 
 
+def _on_kernel(avals) -> bool:
+    """Whether the fused kernel runs: float32 (its only dtype), two leaves or more (the
+    split gives every output a buffer of its own)."""
+    return avals[-1].dtype == dtypes.float32 and len(avals) >= 7
+
+
 def _eager(*xs, b1, b2, eps):
     ts = [as_tensor(x) for x in xs]
     n = (len(ts) - 1) // 3
-    if ts[-1].dtype != ms.float32:
+    if not _on_kernel([typeof(t) for t in ts]):
         return _formulas(n, ts, b1, b2, eps, ts[-1], _MS_OPS)
     shapes = [tuple(t.shape) for t in ts[:n]]
     sizes = [math.prod(s) for s in shapes]
-    flat = [[ops.reshape(t, (-1,)) for t in ts[k * n:(k + 1) * n]] for k in range(3)]
-    # the concatenations are new Tensors, the buffers the kernel overwrites
+    pad = _padding(sizes)
+    flat = [[ops.reshape(t, (-1,)) for t in ts[k * n:(k + 1) * n]] + pad for k in range(3)]
+    # eagerly, a concatenation is a new Tensor: the buffer the kernel overwrites
     mc, vc, gc = (ops.concat(f, 0) for f in flat)
     u = _ADAM(*_kernel_args(mc, vc, gc, ts[-1], b1, b2, eps, _f32))
-    outs = []
-    for whole in (mc, vc, u):
-        pieces = [whole] if n == 1 else ops.split(whole, sizes)
-        outs += [ops.reshape(p, s) for p, s in zip(pieces, shapes)]
-    return outs
+    return [ops.reshape(p, s) for whole in (mc, vc, u)
+            for p, s in zip(ops.split(whole, sizes + [t.shape[0] for t in pad]), shapes)]
+
+
+# MindSpore's CPU kernel runs blocks of 16 floats with a fused multiply-add and any rest
+# one by one without; its threads' share of the buffer is tuned over the first calls,
+# so an element near a share's end was rounded one way or the other from call to call
+# (measured: 4 of 36 elements changed between calls 4 and 14; every length that is a
+# multiple of 16 gave the same bits at every call). The buffers are padded to one.
+_LANES = 16
+
+
+def _padding(sizes) -> list:
+    """A zeros Tensor padding ``sum(sizes)`` to a multiple of ``_LANES`` (or none)."""
+    pad = -sum(sizes) % _LANES
+    return [ms.Tensor(np.zeros(pad, np.float32))] if pad else []
+
+
+_scratch_ids = itertools.count()
+
+
+def _scratch(size: int):
+    """A float32 Parameter of the generated module: a buffer only the kernel writes."""
+    return ms.Parameter(ms.Tensor(np.zeros(size, np.float32)),
+                        name=f"fshard_adam_scratch_{next(_scratch_ids)}", requires_grad=False)
 
 
 def _lower(ctx, *xs, b1, b2, eps):
+    if not _on_kernel(ctx.in_avals):
+        return _lower_formulas(ctx, xs, b1, b2, eps)
     n = (len(xs) - 1) // 3
-    avals = ctx.in_avals
-    if avals[-1].dtype != ms.float32:
-        return _lower_formulas(ctx, xs, b1, b2, eps)  # the kernel takes float32 only
-    shapes = [tuple(a.shape) for a in avals[:n]]
+    shapes = [tuple(a.shape) for a in ctx.in_avals[:n]]
     sizes = [math.prod(s) for s in shapes]
     r = ctx.ref
     args = [f"x{i}" for i in range(len(xs))]
-    flat = [[f"{r(_RESHAPE)}({a}, (-1,))" for a in args[k * n:(k + 1) * n]]
-            for k in range(3)]
-    name = f"fshard_adam_update_{len(ctx.helpers)}"
+    reshape_ = r(_RESHAPE, "Reshape")
+
+    def shaped(x, shape, to):  # no reshape of a 1-D leaf: each costs MindSpore's compiler
+        return x if len(shape) == 1 else f"{reshape_}({x}, {ctx.param(tuple(to))})"
+
+    pad = [r(t, "adam_pad") for t in _padding(sizes)]
+    flat = [", ".join([shaped(a, s, (-1,)) for a, s in zip(args[k * n:(k + 1) * n], shapes)]
+                      + pad) for k in range(3)]
+    pieces = tuple(sizes) + tuple(-sum(sizes) % _LANES for _ in pad)
+    cat = r(_CONCAT, "Concat")
+    # The kernel writes its moments in place. In a compiled graph a concatenation is
+    # no buffer of its own: MindSpore folds one of constants (an optimizer state made
+    # by init inside the function) and merges equal ones (m and v both zeros), so the
+    # kernel would write a constant, or m and v into one buffer. It writes two
+    # Parameters of the module instead, which MindSpore orders as side effects: the
+    # moments are assigned in, updated, and split out (new buffers: no output aliases
+    # them).
+    sm, sv = (r(_scratch(sum(pieces)), "adam_scratch") for _ in range(2))
     const = lambda c: r(_f32(c), "adam_const")  # noqa: E731
-    lines = [f"def {name}({', '.join(args)}):"]
-    # The concatenations are the buffers the kernel overwrites, never an operand (a
-    # concatenation of one tensor is a copy too); ``depend`` orders the reads after it.
-    for var, f in zip(("mc", "vc", "gc"), flat):
-        src = f[0] if var == "gc" and n == 1 else f"{r(_CONCAT)}(({', '.join(f)},))"
-        lines.append(f"    {var} = {src}")
-    lines.append(f"    u = {r(_ADAM)}({', '.join(_kernel_args('mc', 'vc', 'gc', args[-1], b1, b2, eps, const))})")
-    lines.append(f"    mc = {r(ops.depend)}(mc, u)")
-    lines.append(f"    vc = {r(ops.depend)}(vc, u)")
+    name = f"fshard_adam_update_{len(ctx.helpers)}"
+    split = r(_SPLIT, "SplitWithSize")
+    lines = [f"def {name}({', '.join(args)}):",
+             f"    {r(_ASSIGN, 'Assign')}({sm}, {cat}(({flat[0]},)))",
+             f"    {r(_ASSIGN, 'Assign')}({sv}, {cat}(({flat[1]},)))",
+             f"    u = {r(_ADAM, 'AdamNoUpdateParam')}("
+             f"{', '.join(_kernel_args(sm, sv, f'{cat}(({flat[2]},))', args[-1], b1, b2, eps, const))})"]
     outs = []
-    for whole in ("mc", "vc", "u"):
-        if n == 1:
-            pieces = [whole]
-        else:
-            lines.append(f"    {whole}s = {r(_SPLIT)}({whole}, {ctx.param(tuple(sizes))}, 0)")
-            pieces = [f"{whole}s[{k}]" for k in range(n)]
-        outs += [f"{r(_RESHAPE)}({p}, {ctx.param(s)})" for p, s in zip(pieces, shapes)]
+    for k, whole in enumerate((sm, sv, "u")):
+        lines.append(f"    o{k} = {split}({whole}, {ctx.param(pieces)}, 0)")
+        outs += [shaped(f"o{k}[{i}]", s, s) for i, s in enumerate(shapes)]
     lines.append(f"    return ({', '.join(outs)},)")
     ctx.helpers.append("\n".join(lines) + "\n")
     return f"{name}({', '.join(xs)})"
@@ -233,7 +271,7 @@ def _jvp(primals, tangents, *, b1, b2, eps):
         tms.append(tm2)
         tvs.append(tv2)
         tus.append(neg(_sum(terms_u)) if terms_u else Zero(typeof(m2)))
-    return outs, tms + tvs + tus
+    return outs, [instantiate(t) for t in tms + tvs + tus]
 
 
 def _sum(terms):

@@ -354,31 +354,32 @@ def _fused_map(fn, *trees) -> tuple:
 
 
 def _adam_map(leaf, rate, mu, nu, grads, b1, b2, eps) -> tuple:
-    """Adam's moments and updates, ``(mu, nu, updates)``: the float32 leaves on
-    MindSpore's fused kernel, as ``nn.Adam`` (``adam_update``, which returns ``-rate m' /
-    (sqrt(v') + eps)`` at the rate ``rate(float32)``), the small ones of them together in one
-    call (as ``_fused_map``); the other leaves by ``leaf(m, v, g) -> (m, v, update)``."""
+    """Adam's moments and updates, ``(mu, nu, updates)``: the small float32 leaves (two
+    or more) together on MindSpore's fused kernel, as ``nn.Adam`` (``adam_update``,
+    which returns ``-rate m' / (sqrt(v') + eps)`` at the rate ``rate(float32)``); the
+    other leaves by ``leaf(m, v, g) -> (m, v, update)``. The kernel's one pass replaces
+    eleven elementwise kernels, but its operands are copied into buffers of its own, which
+    costs more than it saves for a large leaf (as in ``_fused_map``)."""
     flat = [tree.leaves(t) for t in (mu, nu, grads)]
-    treedef = tree.structure(mu)
     n = len(flat[0])
+    small = [i for i in range(n) if typeof(flat[0][i]).dtype == dtypes.float32
+             and adam_fusable(typeof(flat[0][i]))
+             and 0 < math.prod(typeof(flat[0][i]).shape) <= _FUSE_MAX]
     results: list = [None] * n
-    groups: dict = {}
-    for i in range(n):
-        a = typeof(flat[0][i])
-        size = math.prod(a.shape) if adam_fusable(a) else 0
-        if a.dtype == dtypes.float32 and size:
-            groups.setdefault("small" if size <= _FUSE_MAX else i, []).append(i)
-    lr = rate(dtypes.float32) if groups else None
-    if lr is not None and (typeof(lr).shape != () or typeof(lr).dtype != dtypes.float32):
-        groups = {}  # a schedule's rate that is not one float32 number: leaf by leaf
-    for idx in groups.values():
-        outs = adam_update(*([leaves[i] for i in idx] for leaves in flat), lr, b1=b1, b2=b2,
-                           eps=eps)
-        for k, i in enumerate(idx):
+    if context.shard_depth.get() and not context.whole_updates.get():
+        # under fs.shard the leaves' layouts differ: each is planned on its own (the
+        # kernel's equation, whose leaves share nothing, would be planned as one)
+        small = []
+    lr = rate(dtypes.float32) if len(small) >= 2 else None
+    if lr is not None and typeof(lr).shape == () and typeof(lr).dtype == dtypes.float32:
+        outs = adam_update(*([leaves[i] for i in small] for leaves in flat), lr, b1=b1,
+                           b2=b2, eps=eps)
+        for k, i in enumerate(small):
             results[i] = tuple(o[k] for o in outs)
     for i in range(n):
         if results[i] is None:
             results[i] = tuple(leaf(*(leaves[i] for leaves in flat)))
+    treedef = tree.structure(mu)
     return tuple(tree.unflatten(treedef, [r[j] for r in results]) for j in range(3))
 
 
@@ -470,18 +471,19 @@ def _adam(fn, lr, b1, b2, eps, weight_decay, bias_correction, mask) -> Optimizer
             d = ops.div(m, ops.add(ops.sqrt(v), eps))
             return m, v, (d if weight_decay else _scaled(d, rate))
 
-        if weight_decay:
-            # adamw stays decomposed: nn.AdamWeightDecay rounds its moments without the
+        if not bias_correction:
+            # adamw stays elementwise: nn.AdamWeightDecay rounds its moments without the
             # fused multiply-add of the Adam kernel (within 2e-5 of it over 5 steps; 8e-5
             # with the kernel)
             mu, nu, updates = _fused_map(leaf, state.mu, state.nu, grads)
+        else:
+            mu, nu, updates = _adam_map(leaf, rate, state.mu, state.nu, grads, b1, b2, eps)
+        if weight_decay:
             updates = _masked(_decay_mask(fn, mask, params),
                               lambda d, p: ops.add(d, ops.mul(_as_state(p, typeof(d).dtype),
                                                               weight_decay)),
                               updates, params)
             updates = tree.map(lambda d: _scaled(d, rate), updates)
-        else:
-            mu, nu, updates = _adam_map(leaf, rate, state.mu, state.nu, grads, b1, b2, eps)
         return updates, AdamState(count, mu, nu)
 
     return Optimizer(init, update)

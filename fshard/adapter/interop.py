@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import types
+import zlib
 from typing import Callable
 
 import numpy as np
@@ -1287,6 +1288,12 @@ def _communicate(prim, fn, *xs):
     names, job_mesh = _comm_axes(prim)
     if job_mesh is None:
         return fn(names, *xs)
+    return _on_job_axes(names, job_mesh, fn, f"running ops.{prim.name} on this rank:", *xs)
+
+
+def _on_job_axes(names, job_mesh, fn, what: str, *xs):
+    """``fn(names, *xs)`` staged with the job's mesh axes bound, each of its equations
+    then bound on this rank with the job's mesh."""
     out_tree = []
 
     def flat(*args):
@@ -1299,8 +1306,7 @@ def _communicate(prim, fn, *xs):
             stack.enter_context(C.named_axis(n, size))
         program, consts = stage(flat, [typeof(x) for x in xs])
     outs = walk(program, list(consts) + list(xs),
-                lambda eq, vals: bind_on_rank(eq, vals, job_mesh),
-                f"running ops.{prim.name} on this rank:")
+                lambda eq, vals: bind_on_rank(eq, vals, job_mesh), what)
     return tree.unflatten(out_tree[0], outs)
 
 
@@ -1456,15 +1462,218 @@ def _ms_print(prim, *args):
     debug_callback_p.bind(*arrays, callback=ms_print)
 
 
-@converts("NeighborExchange", "NeighborExchangeV2")
+# -- NeighborExchangeV2 ---------------------------------------------------------------
+#
+# MindSpore's halo exchange names its peers by rank ids that each process computes for
+# itself, so it is traced only where each process traces its own program: a job's
+# fs.jit outside any shard_map. On CPU it is emulated with one AllGather of the ranks'
+# inputs, from which each rank cuts what its neighbours send it (the pieces MindSpore's
+# own Ascend lowering, an AlltoAllv, would carry).
+
+#: The 8 directions of send_rank_ids / recv_rank_ids, in MindSpore's order.
+_DIRECTIONS = ("top", "top-right", "right", "bottom-right", "bottom", "bottom-left",
+               "left", "top-left")
+#: The [top, bottom, left, right] lens that bound each direction's piece: (rows, cols);
+#: None means the whole height (rows) or width (cols).
+_PIECE_SIDES = ((0, None), (0, 3), (None, 3), (1, 3), (1, None), (1, 2), (None, 2), (0, 2))
+
+
+def _neighbor_refusal(prim, why: str) -> UnsupportedOpError:
+    return UnsupportedOpError(
+        f"ops.{prim.name}{_call_site(_stack())} {why}\nFix: inside fs.shard_map (or on a "
+        "virtual mesh) write the exchange with fs.ppermute(x, axis_name, perm) (a list "
+        "of (source, destination) device pairs along a mesh axis), e.g. a halo: "
+        "fs.ppermute(x[:, -1:], 'w', [(i, i + 1) for i in range(n - 1)]). "
+        "ops.NeighborExchangeV2 itself works in a multi-process job (python -m "
+        "fshard.launch -n N script.py, or msrun), in a function compiled with fs.jit "
+        "outside any shard_map; docs/collectives.md.")
+
+
+def _int_list(prim, name: str, size: int, low: int) -> list:
+    value = prim.attrs.get(name)
+    ok = (isinstance(value, (list, tuple)) and len(value) == size and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= low for v in value))
+    if not ok:
+        what = ("rank ids, -1 for none" if low < 0 else "lengths >= 0")
+        raise ArgumentError(
+            f"ops.{prim.name}({name}={value!r}){_call_site(_stack())}: {name} must be a list "
+            f"of {size} ints ({what}).\nFix: e.g. {name}="
+            f"{[-1] * size if low < 0 else [0] * size}.")
+    return list(value)
+
+
+def _neighbor_v2_args(prim, aval) -> tuple:
+    """MindSpore's checks of NeighborExchangeV2's arguments, as fshard errors naming
+    the argument: ``(send_ids, send_lens, recv_ids, recv_lens)``."""
+    send_ids = _int_list(prim, "send_rank_ids", 8, -1)
+    recv_ids = _int_list(prim, "recv_rank_ids", 8, -1)
+    send_lens = _int_list(prim, "send_lens", 4, 0)
+    recv_lens = _int_list(prim, "recv_lens", 4, 0)
+    site = _call_site(_stack())
+    for name, ids in (("send_rank_ids", send_ids), ("recv_rank_ids", recv_ids)):
+        real = [i for i in ids if i != -1]
+        if len(set(real)) != len(real):
+            raise ArgumentError(
+                f"ops.{prim.name}({name}={ids}){site}: a rank id appears twice; MindSpore "
+                f"exchanges one piece per pair of ranks.\nFix: name each neighbour once, "
+                f"-1 for the other directions.")
+    for side1, side2, corner in ((0, 2, 1), (2, 4, 3), (4, 6, 5), (6, 0, 7)):
+        sides = recv_ids[side1] != -1 and recv_ids[side2] != -1
+        if sides != (recv_ids[corner] != -1):
+            raise ArgumentError(
+                f"ops.{prim.name}(recv_rank_ids={recv_ids}){site}: the {_DIRECTIONS[corner]} "
+                f"corner (index {corner}) is received exactly when both its sides "
+                f"({_DIRECTIONS[side1]}, index {side1}; {_DIRECTIONS[side2]}, index "
+                f"{side2}) are, so that the output is a full rectangle.\nFix: "
+                + (f"set recv_rank_ids[{corner}] to the corner's rank." if sides else
+                   f"set recv_rank_ids[{corner}] to -1."))
+    fmt = prim.attrs.get("data_format")
+    if fmt != "NCHW":
+        raise ArgumentError(
+            f"ops.{prim.name}(data_format={fmt!r}){site}: MindSpore supports only 'NCHW'.\n"
+            "Fix: data_format='NCHW' (transpose the input to (N, C, H, W) first).")
+    if aval.ndim != 4:
+        raise ShapeError(
+            f"ops.{prim.name}{site} takes an (N, C, H, W) tensor; got {aval}.\nFix: "
+            "reshape it to 4 dimensions.")
+    for i, name in enumerate(("top", "bottom", "left", "right")):
+        size = aval.shape[2 if i < 2 else 3]
+        if isinstance(size, int) and send_lens[i] > size:
+            raise ArgumentError(
+                f"ops.{prim.name}(send_lens={send_lens}){site}: send_lens[{i}] ({name}) is "
+                f"{send_lens[i]}, more than the input's {'H' if i < 2 else 'W'} = {size} "
+                f"({aval}).\nFix: send at most {size}.")
+    return send_ids, send_lens, recv_ids, recv_lens
+
+
+def _piece(shape, lens, direction: int) -> tuple:
+    """``(begin, end)`` over (H, W) of the piece of an input of ``shape`` (N, C, H, W)
+    sent in ``direction`` with send ``lens`` [top, bottom, left, right]."""
+    rows, cols = _PIECE_SIDES[direction]
+    h, w = shape[2], shape[3]
+    r = (0, h) if rows is None else (0, lens[0]) if rows == 0 else (h - lens[1], h)
+    c = (0, w) if cols is None else (w - lens[3], w) if cols == 3 else (0, lens[2])
+    return r, c
+
+
+def _gather_now(names, job_mesh, values: np.ndarray) -> np.ndarray:
+    """Every rank's ``values`` (int32, the same length on every rank), gathered now,
+    while tracing: a compiled AllGather of its own, run before the traced program."""
+    with context.setting(context.trace, None):
+        out = _on_job_axes(names, job_mesh, lambda ns, v: C.all_gather(v, ns, axis=0),
+                           "exchanging the ranks' shapes", values)
+    return backend.to_numpy(out)
+
+
+@converts("NeighborExchangeV2")
+def _ms_neighbor_exchange_v2(prim, x):
+    aval = typeof(x)
+    send_ids, send_lens, recv_ids, recv_lens = _neighbor_v2_args(prim, aval)
+    if C.replica_axes():
+        raise _neighbor_refusal(
+            prim, "was traced inside fs.shard_map, whose body is one program for every "
+            "device, while its rank ids are each process's own; fshard does not trace it "
+            "there.")
+    if resolve_mesh().is_virtual:
+        raise _neighbor_refusal(
+            prim, "was traced in one process (no multi-process job): its rank ids name "
+            "processes of a job, and there are none to exchange with.")
+    names, job_mesh = _comm_axes(prim)
+    members = job_mesh.axis_group(names, distributed.rank())
+    n, me = len(members), members.index(distributed.rank())
+    site = _call_site(_stack())
+    for name, ids in (("send_rank_ids", send_ids), ("recv_rank_ids", recv_ids)):
+        if max(ids) >= n:
+            raise ArgumentError(
+                f"ops.{prim.name}({name}={ids}){site}: rank {max(ids)} is not in its group "
+                f"of {n} ranks.\nFix: use rank ids in [0, {n}) (-1 for none).")
+    if any(not isinstance(d, int) for d in aval.shape):
+        raise ShapeError(f"ops.{prim.name}{site} needs a static input shape; got {aval}.\n"
+                         "Fix: declare the input's shape without symbolic dimensions.")
+    # Every rank's shape and arguments, exchanged once while tracing: a mismatch then
+    # is an error on every rank, instead of an AllGather of unequal sizes (which
+    # corrupts or hangs the job), and each rank cuts exactly what its peer sends it.
+    code = zlib.crc32(str(aval.dtype).encode()) % (1 << 30)
+    mine = np.array(list(aval.shape) + [code] + send_ids + send_lens + recv_ids + recv_lens,
+                    np.int32)
+    table = _gather_now(names, job_mesh, mine).reshape(n, -1).tolist()
+    ranks = [dict(shape=tuple(t[:4]), code=t[4], send=t[5:13], send_lens=t[13:17],
+                  recv=t[17:25], recv_lens=t[25:29]) for t in table]
+    if any(r["shape"] != aval.shape or r["code"] != code for r in ranks):
+        shapes = ", ".join(f"rank {members[i]}: {r['shape']}" + (
+            "" if r["code"] == code else " (another dtype)") for i, r in enumerate(ranks))
+        raise ShapeError(
+            f"ops.{prim.name}{site}: the ranks' inputs differ ({shapes}; this rank's is "
+            f"{aval}). fshard exchanges the halos on CPU with one AllGather of the inputs, "
+            "which needs the same shape and dtype on every rank.\nFix: pad every rank's "
+            "input to the same (N, C, H, W).")
+    sources = {}  # direction -> (peer index, its piece's (rows, cols))
+    for a, ra in enumerate(ranks):
+        for d in range(8):
+            p = ra["recv"][d]
+            if p == -1:
+                continue
+            rp = ranks[p]
+            if a not in rp["send"]:
+                raise ArgumentError(
+                    f"ops.{prim.name}{site}: rank {members[a]} receives its "
+                    f"{_DIRECTIONS[d]} piece from rank {members[p]} (its recv_rank_ids "
+                    f"{ra['recv']}), but rank {members[p]} sends nothing to it (its "
+                    f"send_rank_ids {rp['send']}); MindSpore would wait forever.\nFix: "
+                    f"make each rank's recv_rank_ids mirror its neighbours' send_rank_ids.")
+            r, c = _piece(aval.shape, rp["send_lens"], rp["send"].index(a))
+            want = (ra["recv_lens"][_PIECE_SIDES[d][0]] if _PIECE_SIDES[d][0] is not None
+                    else aval.shape[2],
+                    ra["recv_lens"][_PIECE_SIDES[d][1]] if _PIECE_SIDES[d][1] is not None
+                    else aval.shape[3])
+            if (r[1] - r[0], c[1] - c[0]) != want:
+                raise ArgumentError(
+                    f"ops.{prim.name}{site}: rank {members[a]} receives its "
+                    f"{_DIRECTIONS[d]} piece from rank {members[p]} as {want[0]} x "
+                    f"{want[1]} (H x W; its recv_lens {ra['recv_lens']}), but rank "
+                    f"{members[p]} sends {r[1] - r[0]} x {c[1] - c[0]} (its send_lens "
+                    f"{rp['send_lens']}).\nFix: make recv_lens match the neighbours' "
+                    "send_lens (MindSpore requires it).")
+            if a == me:
+                sources[d] = (p, r, c)
+        for d in range(8):
+            q = ra["send"][d]
+            if q != -1 and a not in ranks[q]["recv"]:
+                raise ArgumentError(
+                    f"ops.{prim.name}{site}: rank {members[a]} sends its {_DIRECTIONS[d]} "
+                    f"piece to rank {members[q]} (its send_rank_ids {ra['send']}), but rank "
+                    f"{members[q]} receives nothing from it (its recv_rank_ids "
+                    f"{ranks[q]['recv']}).\nFix: make each rank's recv_rank_ids mirror its "
+                    "neighbours' send_rank_ids.")
+
+    def run(names, v):
+        g = C.all_gather(v, names, axis=0)  # (n, N, C, H, W), in group order
+
+        def cut(p, r, c):
+            block = fo.slice_array(g, [p, 0, 0, r[0], c[0]],
+                                   [p + 1, aval.shape[0], aval.shape[1], r[1], c[1]])
+            return fo.reshape(block, typeof(block).shape[1:])
+
+        # Even this rank's own block comes out of the gathered value: every rank's
+        # result then depends on the AllGather (and its gradient on the transposed
+        # collective), so each rank keeps the same collectives when it receives nothing.
+        pieces = {d: cut(*src) for d, src in sources.items()}
+        pieces["center"] = cut(me, (0, aval.shape[2]), (0, aval.shape[3]))
+        bands = []
+        for row in ((7, 0, 1), (6, "center", 2), (5, 4, 3)):
+            if row[1] in pieces:
+                band = [pieces[k] for k in row if k in pieces]
+                bands.append(band[0] if len(band) == 1 else fo.concat(band, 3))
+        return bands[0] if len(bands) == 1 else fo.concat(bands, 2)
+
+    return _communicate(prim, run, x)
+
+
+@converts("NeighborExchange")
 def _ms_neighbor_exchange(prim, *args):
-    raise UnsupportedOpError(
-        f"ops.{prim.name}{_call_site(_stack())} names its peers by rank ids that each "
-        "process computes for itself, which a function traced once for every device "
-        "cannot express; fshard does not trace it.\nFix: write the exchange with "
-        "fs.ppermute(x, axis_name, perm) (a list of (source, destination) device pairs "
-        "along a mesh axis), e.g. a halo: fs.ppermute(x[:, -1:], 'w', [(i, i + 1) for i "
-        "in range(n - 1)]); docs/collectives.md.")
+    raise _neighbor_refusal(
+        prim, "sends a tuple of tensors of per-rank shapes to peers named by rank ids "
+        "that each process computes for itself; fshard does not trace it.")
 
 
 # ---------------------------------------------------------------------------

@@ -1462,13 +1462,15 @@ def _ms_print(prim, *args):
     debug_callback_p.bind(*arrays, callback=ms_print)
 
 
-# -- NeighborExchangeV2 ---------------------------------------------------------------
+# -- NeighborExchange, NeighborExchangeV2 ------------------------------------------------
 #
-# MindSpore's halo exchange names its peers by rank ids that each process computes for
-# itself, so it is traced only where each process traces its own program: a job's
-# fs.jit outside any shard_map. On CPU it is emulated with one AllGather of the ranks'
-# inputs, from which each rank cuts what its neighbours send it (the pieces MindSpore's
-# own Ascend lowering, an AlltoAllv, would carry).
+# MindSpore's point-to-point exchanges name their peers by rank ids that each process
+# computes for itself, so they are traced only where each process traces its own
+# program: a job's fs.jit outside any shard_map. On CPU each is emulated with one
+# AllGather (of the ranks' inputs), from which each rank cuts what its peers send it
+# (the pieces MindSpore's own Ascend lowering, an AlltoAllv, would carry). The ranks'
+# shapes and arguments are exchanged first, while tracing, so that every rank knows
+# what every other sends and a mismatch is an error on every rank, not a hang.
 
 #: The 8 directions of send_rank_ids / recv_rank_ids, in MindSpore's order.
 _DIRECTIONS = ("top", "top-right", "right", "bottom-right", "bottom", "bottom-left",
@@ -1483,8 +1485,8 @@ def _neighbor_refusal(prim, why: str) -> UnsupportedOpError:
         f"ops.{prim.name}{_call_site(_stack())} {why}\nFix: inside fs.shard_map (or on a "
         "virtual mesh) write the exchange with fs.ppermute(x, axis_name, perm) (a list "
         "of (source, destination) device pairs along a mesh axis), e.g. a halo: "
-        "fs.ppermute(x[:, -1:], 'w', [(i, i + 1) for i in range(n - 1)]). "
-        "ops.NeighborExchangeV2 itself works in a multi-process job (python -m "
+        f"fs.ppermute(x[:, -1:], 'w', [(i, i + 1) for i in range(n - 1)]). "
+        f"ops.{prim.name} itself works in a multi-process job (python -m "
         "fshard.launch -n N script.py, or msrun), in a function compiled with fs.jit "
         "outside any shard_map; docs/collectives.md.")
 
@@ -1569,31 +1571,18 @@ def _gather_now(names, job_mesh, values: np.ndarray) -> np.ndarray:
 def _ms_neighbor_exchange_v2(prim, x):
     aval = typeof(x)
     send_ids, send_lens, recv_ids, recv_lens = _neighbor_v2_args(prim, aval)
-    if C.replica_axes():
-        raise _neighbor_refusal(
-            prim, "was traced inside fs.shard_map, whose body is one program for every "
-            "device, while its rank ids are each process's own; fshard does not trace it "
-            "there.")
-    if resolve_mesh().is_virtual:
-        raise _neighbor_refusal(
-            prim, "was traced in one process (no multi-process job): its rank ids name "
-            "processes of a job, and there are none to exchange with.")
-    names, job_mesh = _comm_axes(prim)
-    members = job_mesh.axis_group(names, distributed.rank())
-    n, me = len(members), members.index(distributed.rank())
+    names, job_mesh, members, me = _neighbor_job(prim)
+    n = len(members)
     site = _call_site(_stack())
-    for name, ids in (("send_rank_ids", send_ids), ("recv_rank_ids", recv_ids)):
-        if max(ids) >= n:
-            raise ArgumentError(
-                f"ops.{prim.name}({name}={ids}){site}: rank {max(ids)} is not in its group "
-                f"of {n} ranks.\nFix: use rank ids in [0, {n}) (-1 for none).")
+    _check_ids_in_group(prim, "send_rank_ids", send_ids, n)
+    _check_ids_in_group(prim, "recv_rank_ids", recv_ids, n)
     if any(not isinstance(d, int) for d in aval.shape):
         raise ShapeError(f"ops.{prim.name}{site} needs a static input shape; got {aval}.\n"
                          "Fix: declare the input's shape without symbolic dimensions.")
     # Every rank's shape and arguments, exchanged once while tracing: a mismatch then
     # is an error on every rank, instead of an AllGather of unequal sizes (which
     # corrupts or hangs the job), and each rank cuts exactly what its peer sends it.
-    code = zlib.crc32(str(aval.dtype).encode()) % (1 << 30)
+    code = _dtype_code(aval.dtype)
     mine = np.array(list(aval.shape) + [code] + send_ids + send_lens + recv_ids + recv_lens,
                     np.int32)
     table = _gather_now(names, job_mesh, mine).reshape(n, -1).tolist()
@@ -1669,11 +1658,157 @@ def _ms_neighbor_exchange_v2(prim, x):
     return _communicate(prim, run, x)
 
 
+def _dtype_code(dtype) -> int:
+    """A number naming ``dtype`` the same way in every process."""
+    return zlib.crc32(str(dtypes.canonical(dtype)).encode()) % (1 << 30)
+
+
+def _neighbor_job(prim):
+    """``(names, job_mesh, members, me)`` for a NeighborExchange(V2) traced in a job's
+    fs.jit; refused where one trace serves every device, or in one process."""
+    if C.replica_axes():
+        raise _neighbor_refusal(
+            prim, "was traced inside fs.shard_map, whose body is one program for every "
+            "device, while its rank ids are each process's own; fshard does not trace it "
+            "there.")
+    if resolve_mesh().is_virtual:
+        raise _neighbor_refusal(
+            prim, "was traced in one process (no multi-process job): its rank ids name "
+            "processes of a job, and there are none to exchange with.")
+    names, job_mesh = _comm_axes(prim)
+    members = job_mesh.axis_group(names, distributed.rank())
+    return names, job_mesh, members, members.index(distributed.rank())
+
+
+def _check_ids_in_group(prim, name: str, ids, n: int) -> None:
+    if ids and max(ids) >= n:
+        raise ArgumentError(
+            f"ops.{prim.name}({name}={list(ids)}){_call_site(_stack())}: rank {max(ids)} is "
+            f"not in its group of {n} ranks.\nFix: use rank ids in [0, {n}) (-1 for none).")
+
+
+def _shape_list(prim, name: str, value, count: int, ids_name: str) -> list:
+    ok = isinstance(value, (list, tuple)) and len(value) == count and all(
+        isinstance(s, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool)
+                                             and d >= 0 for d in s) for s in value)
+    if not ok:
+        raise ArgumentError(
+            f"ops.{prim.name}({name}={value!r}){_call_site(_stack())}: {name} must hold one "
+            f"shape (a list of ints >= 0) for each of the {count} rank(s) of {ids_name}.\n"
+            f"Fix: e.g. {name}=({', '.join(['[2, 2]'] * max(count, 1))},).")
+    return [tuple(s) for s in value]
+
+
 @converts("NeighborExchange")
-def _ms_neighbor_exchange(prim, *args):
-    raise _neighbor_refusal(
-        prim, "sends a tuple of tensors of per-rank shapes to peers named by rank ids "
-        "that each process computes for itself; fshard does not trace it.")
+def _ms_neighbor_exchange(prim, xs):
+    """MindSpore's ``NeighborExchange``: this rank's ``xs[i]`` goes to
+    ``send_rank_ids[i]``, and output ``j`` is what ``recv_rank_ids[j]`` sent it. On
+    CPU: one AllGather of each rank's tensors, flattened into one buffer."""
+    site = _call_site(_stack())
+    xs = list(xs) if isinstance(xs, (tuple, list)) else [xs]
+    ids = {}
+    for name in ("send_rank_ids", "recv_rank_ids"):
+        value = prim.attrs.get(name)
+        if not (isinstance(value, (list, tuple)) and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+                and len(set(value)) == len(value)):
+            raise ArgumentError(
+                f"ops.{prim.name}({name}={value!r}){site}: {name} must be a list of distinct "
+                f"rank ids >= 0.\nFix: e.g. {name}=[1].")
+        ids[name] = list(value)
+    send_ids, recv_ids = ids["send_rank_ids"], ids["recv_rank_ids"]
+    send_shapes = _shape_list(prim, "send_shapes", prim.attrs.get("send_shapes"),
+                              len(send_ids), "send_rank_ids")
+    recv_shapes = _shape_list(prim, "recv_shapes", prim.attrs.get("recv_shapes"),
+                              len(recv_ids), "recv_rank_ids")
+    recv_type = dtypes.canonical(prim.attrs.get("recv_type"))
+    avals = [typeof(x) for x in xs]
+    if len(xs) != len(send_ids) or any(a.shape != s for a, s in zip(avals, send_shapes)):
+        raise ShapeError(
+            f"ops.{prim.name}{site}: its input is one tensor per rank of send_rank_ids "
+            f"{send_ids}, shaped as send_shapes {[list(s) for s in send_shapes]}; got "
+            f"({', '.join(str(a) for a in avals)}).\nFix: pass a tuple of tensors of "
+            "those shapes.")
+    if any(a.dtype != recv_type for a in avals):
+        raise ArgumentError(
+            f"ops.{prim.name}(recv_type={recv_type}){site}: the tensors it sends are "
+            f"({', '.join(str(a) for a in avals)}), and every rank receives recv_type.\n"
+            f"Fix: cast the inputs to {recv_type}, or set recv_type to their dtype.")
+    names, job_mesh, members, me = _neighbor_job(prim)
+    n = len(members)
+    _check_ids_in_group(prim, "send_rank_ids", send_ids, n)
+    _check_ids_in_group(prim, "recv_rank_ids", recv_ids, n)
+    # Every rank's arguments, exchanged while tracing (their length first): each rank
+    # then knows where in a peer's buffer its piece lies, and a mismatch is an error on
+    # every rank rather than an exchange of unequal sizes.
+    mine = [_dtype_code(recv_type), len(send_ids), len(recv_ids)]
+    for i, s in list(zip(send_ids, send_shapes)) + list(zip(recv_ids, recv_shapes)):
+        mine += [i, len(s), *s]
+    width = int(_gather_now(names, job_mesh, np.array([len(mine)], np.int32)).max())
+    table = _gather_now(names, job_mesh, np.array(mine + [0] * (width - len(mine)), np.int32))
+    ranks = []
+    for row in table.reshape(n, width).tolist():
+        code, n_send, n_recv, rest = row[0], row[1], row[2], row[3:]
+        pairs = []
+        for _ in range(n_send + n_recv):
+            ndim = rest[1]
+            pairs.append((rest[0], tuple(rest[2:2 + ndim])))
+            rest = rest[2 + ndim:]
+        ranks.append(dict(code=code, send=pairs[:n_send], recv=pairs[n_send:]))
+    sizes = [sum(int(np.prod(s)) for _, s in r["send"]) for r in ranks]
+    for a, ra in enumerate(ranks):
+        for p, shape in ra["recv"]:
+            sent = dict(ranks[p]["send"])
+            problem = (f"rank {members[p]} sends nothing to it (its send_rank_ids "
+                       f"{[i for i, _ in ranks[p]['send']]})" if a not in sent else
+                       f"rank {members[p]} sends {list(sent[a])}" if sent[a] != shape else
+                       f"rank {members[p]} sends another dtype"
+                       if ranks[p]["code"] != ra["code"] else None)
+            if problem:
+                raise ArgumentError(
+                    f"ops.{prim.name}{site}: rank {members[a]} receives a {list(shape)} "
+                    f"tensor from rank {members[p]}, but {problem}; MindSpore would fail "
+                    f"or wait forever.\nFix: make each rank's recv_rank_ids, recv_shapes "
+                    f"and recv_type mirror what its peers send.")
+        for q, _ in ra["send"]:
+            if a not in dict(ranks[q]["recv"]):
+                raise ArgumentError(
+                    f"ops.{prim.name}{site}: rank {members[a]} sends a tensor to rank "
+                    f"{members[q]}, which receives nothing from it (its recv_rank_ids "
+                    f"{[i for i, _ in ranks[q]['recv']]}).\nFix: make each rank's "
+                    "recv_rank_ids mirror its peers' send_rank_ids.")
+    width = max(sizes)
+    if width == 0:
+        return tuple(fo.zeros(s, recv_type) for s in recv_shapes)  # (nothing is sent)
+    # The gathered buffer reaches a rank only through what it receives: a rank that
+    # receives nothing would drop the AllGather from its program while the others wait.
+    idle = [members[a] for a, r in enumerate(ranks) if not r["recv"]]
+    if idle:
+        raise UnsupportedOpError(
+            f"ops.{prim.name}{site}: rank(s) {idle} receive nothing while other ranks "
+            "exchange tensors; fshard's CPU emulation (one AllGather) needs every rank to "
+            "take part with a result it uses.\nFix: give every rank a peer, or write the "
+            "exchange with ops.NeighborExchangeV2 or fs.ppermute.")
+    flat = [fo.reshape(x, (int(np.prod(a.shape)),)) for x, a in zip(xs, avals)]
+    if sizes[me] < width:
+        flat.append(fo.zeros((width - sizes[me],), recv_type))
+    buffer = flat[0] if len(flat) == 1 else fo.concat(flat, 0)
+
+    def run(names, v):
+        g = C.all_gather(v, names, axis=0)  # (n, width), in group order
+        outs = []
+        for p, shape in zip(recv_ids, recv_shapes):
+            start = 0
+            for q, s in ranks[p]["send"]:
+                if q == me:
+                    break
+                start += int(np.prod(s))
+            size = int(np.prod(shape))
+            piece = fo.slice_array(g, [p, start], [p + 1, start + size])
+            outs.append(fo.reshape(piece, shape))
+        return tuple(outs)
+
+    return _communicate(prim, run, buffer)
 
 
 # ---------------------------------------------------------------------------

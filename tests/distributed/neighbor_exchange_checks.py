@@ -38,6 +38,14 @@ def grid_ids(rank: int) -> list:
             for di, dj in STEPS]
 
 
+def tensor_a(rank: int) -> np.ndarray:
+    return np.arange((rank + 1) * 2, dtype=np.float32).reshape(rank + 1, 2) + 10 * rank
+
+
+def tensor_b(rank: int) -> np.ndarray:
+    return np.array([rank, -rank, 0.5], np.float32)
+
+
 def weights(shape, rank: int) -> np.ndarray:
     return np.cos(np.arange(int(np.prod(shape)), dtype=np.float32) + rank).reshape(shape)
 
@@ -93,6 +101,24 @@ def main(out_dir: str) -> None:
             return self.exchange(v * 2)
     out["cell"] = fs.jit(Halo())(x).asnumpy().tolist()
 
+    # NeighborExchange: rank r sends A_r ((r + 1, 2)) to r + 1 and B_r ((3,)) to r + 2
+    # (mod 4), and receives A from r - 1 and B from r + 2
+    a, b = ms.Tensor(tensor_a(rank)), ms.Tensor(tensor_b(rank))
+    ring = ops.NeighborExchange(
+        send_rank_ids=[(rank + 1) % 4, (rank + 2) % 4],
+        recv_rank_ids=[(rank - 1) % 4, (rank + 2) % 4],
+        recv_shapes=([(rank - 1) % 4 + 1, 2], [3]), send_shapes=([rank + 1, 2], [3]),
+        recv_type=ms.float32)
+    got_a, got_b = fs.jit(lambda u, v: ring((u, v)))(a, b)
+    out["ring"] = [got_a.asnumpy().tolist(), got_b.asnumpy().tolist()]
+    wa, wb = (ms.Tensor(weights(s, rank)) for s in (tensor_a((rank - 1) % 4).shape, (3,)))
+
+    def ring_loss(u, v):
+        ra, rb = ring((u, v))
+        return (ra * wa).sum() + (rb * wb).sum()
+    grads = fs.jit(fs.grad(ring_loss, argnums=(0, 1)))(a, b)
+    out["ring_grad"] = [g.asnumpy().tolist() for g in grads]
+
     def error(fn, *args):
         try:
             fn(*args)
@@ -117,6 +143,18 @@ def main(out_dir: str) -> None:
     out["corner"] = error(fs.jit(ops.NeighborExchangeV2(
         send_rank_ids=[-1] * 8, send_lens=[0] * 4, recv_rank_ids=[-1] * 7 + [0],
         recv_lens=[1, 0, 1, 0], data_format="NCHW")), x)
+    # rank 2 expects a (3, 2) tensor from rank 1, which sends (2, 2)
+    bad = ops.NeighborExchange(
+        send_rank_ids=[(rank + 1) % 4], recv_rank_ids=[(rank - 1) % 4],
+        recv_shapes=([3 if rank == 2 else (rank - 1) % 4 + 1, 2],), send_shapes=([rank + 1, 2],),
+        recv_type=ms.float32)
+    out["ring_shapes_differ"] = error(fs.jit(lambda u: bad((u,))), a)
+    # only rank 0 sends (to rank 1): ranks 0, 2 and 3 receive nothing, refused on all
+    one_way = ops.NeighborExchange(
+        send_rank_ids=[1] if rank == 0 else [], recv_rank_ids=[0] if rank == 1 else [],
+        recv_shapes=([1, 2],) if rank == 1 else (), send_shapes=([1, 2],) if rank == 0 else (),
+        recv_type=ms.float32)
+    out["one_way"] = error(fs.jit(lambda u: one_way((u,) if rank == 0 else ())), tensor_a(0))
     # and the job still communicates correctly after the refusals
     out["after"] = fs.jit(halo)(x).asnumpy().tolist()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:

@@ -1,6 +1,6 @@
 """MindSpore's ops.NeighborExchangeV2 in a real 4-process job (a 2x2 grid of ranks),
 against a NumPy reference: each rank's output is its window of the global image,
-widened by the halos it receives. The refusals that need no job are in
+widened by the halos it receives; ops.NeighborExchange on a ring of the 4 ranks. The refusals that need no job are in
 tests/test_ms_collectives.py."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def _window(rank, recv_ids, recv_lens, H, W, G):
 
 
 def test_neighbor_exchange_v2_on_a_2x2_grid_of_ranks(tmp_path):
-    from neighbor_exchange_checks import C, G, H, N, RECV_LENS, W, block, grid_ids, weights
+    from neighbor_exchange_checks import (C, G, H, N, RECV_LENS, W, block, grid_ids,
+                                          tensor_a, tensor_b, weights)
 
     result = launch.run(os.path.join(HERE, "neighbor_exchange_checks.py"), 4,
                         [str(tmp_path)], timeout=600)
@@ -65,6 +66,19 @@ def test_neighbor_exchange_v2_on_a_2x2_grid_of_ranks(tmp_path):
     assert outs[0]["doc_example"] == [[[[1.0, 1.0], [1.0, 1.0], [2.0, 2.0]]]]
     assert outs[1]["doc_example"] == [[[[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]]]
     assert outs[2]["doc_example"] == [[[[3.0, 3.0], [3.0, 3.0]]]]
+    for r, out in enumerate(outs):  # NeighborExchange on a ring, and its gradients
+        np.testing.assert_array_equal(np.array(out["ring"][0]), tensor_a((r - 1) % 4))
+        np.testing.assert_array_equal(np.array(out["ring"][1]), tensor_b((r + 2) % 4))
+        # A_r went to r + 1, B_r to r + 2: their weights come back
+        np.testing.assert_array_equal(np.array(out["ring_grad"][0]),
+                                      weights(tensor_a(r).shape, (r + 1) % 4))
+        np.testing.assert_array_equal(np.array(out["ring_grad"][1]),
+                                      weights((3,), (r + 2) % 4))
+        assert out["ring_shapes_differ"].startswith("ArgumentError"), out["ring_shapes_differ"]
+        assert "rank 2 receives a [3, 2] tensor from rank 1, but rank 1 sends [2, 2]" in \
+            out["ring_shapes_differ"]
+        assert out["one_way"].startswith("UnsupportedOpError"), out["one_way"]
+        assert "rank(s) [0, 2, 3] receive nothing" in out["one_way"]
     for r, out in enumerate(outs):  # every rank raises the same error: no rank hangs
         assert out["shapes_differ"].startswith("ShapeError"), out["shapes_differ"]
         assert "rank 3: (1, 2, 5, 5)" in out["shapes_differ"]

@@ -1787,8 +1787,9 @@ def _ms_neighbor_exchange(prim, xs):
         raise UnsupportedOpError(
             f"ops.{prim.name}{site}: rank(s) {idle} receive nothing while other ranks "
             "exchange tensors; fshard's CPU emulation (one AllGather) needs every rank to "
-            "take part with a result it uses.\nFix: give every rank a peer, or write the "
-            "exchange with ops.NeighborExchangeV2 or fs.ppermute.")
+            "take part with a result it uses (under grad, the gradients travel back the "
+            "same way).\nFix: give every rank a peer to receive from (e.g. have each "
+            "receiver send a small tensor back).")
     flat = [fo.reshape(x, (int(np.prod(a.shape)),)) for x, a in zip(xs, avals)]
     if sizes[me] < width:
         flat.append(fo.zeros((width - sizes[me],), recv_type))

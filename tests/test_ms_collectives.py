@@ -160,17 +160,17 @@ def test_neighbor_exchange_is_refused_where_one_trace_serves_every_device():
 
 
 @pytest.mark.parametrize("kwargs,error,pattern", [
-    (dict(send_ids=(-1,) * 7), fs.errors.ArgumentError, r"send_rank_ids must be a list of 8"),
-    (dict(recv_lens=(0, -1, 0, 0)), fs.errors.ArgumentError, r"recv_lens must be a list of 4 "
-     r"ints \(lengths >= 0\)"),
-    (dict(send_ids=(0, -1, -1, -1, 0, -1, -1, -1)), fs.errors.ArgumentError,
+    ({"send_ids": (-1,) * 7}, fs.errors.ArgumentError, r"send_rank_ids must be a list of 8"),
+    ({"recv_lens": (0, -1, 0, 0)}, fs.errors.ArgumentError,
+     r"recv_lens must be a list of 4 ints \(lengths >= 0\)"),
+    ({"send_ids": (0, -1, -1, -1, 0, -1, -1, -1)}, fs.errors.ArgumentError,
      r"send_rank_ids=\[0, .*a rank id appears twice"),
-    (dict(send_lens=(5, 0, 0, 0)), fs.errors.ArgumentError, r"send_lens\[0\] \(top\) is 5, "
-     r"more than the input's H = 4.*Fix: send at most 4"),
-    (dict(data_format="NHWC"), fs.errors.ArgumentError, r"data_format='NHWC'.*only 'NCHW'"),
-    (dict(recv_ids=(-1,) * 7 + (0,)), fs.errors.ArgumentError, r"recv_rank_ids=.*top-left "
-     r"corner \(index 7\) is received exactly when both its sides.*Fix: set "
-     r"recv_rank_ids\[7\] to -1"),
+    ({"send_lens": (5, 0, 0, 0)}, fs.errors.ArgumentError,
+     r"send_lens\[0\] \(top\) is 5, more than the input's H = 4.*Fix: send at most 4"),
+    ({"data_format": "NHWC"}, fs.errors.ArgumentError, r"data_format='NHWC'.*only 'NCHW'"),
+    ({"recv_ids": (-1,) * 7 + (0,)}, fs.errors.ArgumentError,
+     (r"recv_rank_ids=.*top-left corner \(index 7\) is received exactly when both its "
+      r"sides.*Fix: set recv_rank_ids\[7\] to -1")),
 ])
 def test_neighbor_exchange_arguments_are_checked_before_communicating(kwargs, error, pattern):
     with pytest.raises(error, match="(?s)" + pattern):

@@ -1586,8 +1586,8 @@ def _ms_neighbor_exchange_v2(prim, x):
     mine = np.array(list(aval.shape) + [code] + send_ids + send_lens + recv_ids + recv_lens,
                     np.int32)
     table = _gather_now(names, job_mesh, mine).reshape(n, -1).tolist()
-    ranks = [dict(shape=tuple(t[:4]), code=t[4], send=t[5:13], send_lens=t[13:17],
-                  recv=t[17:25], recv_lens=t[25:29]) for t in table]
+    ranks = [{"shape": tuple(t[:4]), "code": t[4], "send": t[5:13], "send_lens": t[13:17],
+              "recv": t[17:25], "recv_lens": t[25:29]} for t in table]
     if any(r["shape"] != aval.shape or r["code"] != code for r in ranks):
         shapes = ", ".join(f"rank {members[i]}: {r['shape']}" + (
             "" if r["code"] == code else " (another dtype)") for i, r in enumerate(ranks))
@@ -1754,7 +1754,7 @@ def _ms_neighbor_exchange(prim, xs):
             ndim = rest[1]
             pairs.append((rest[0], tuple(rest[2:2 + ndim])))
             rest = rest[2 + ndim:]
-        ranks.append(dict(code=code, send=pairs[:n_send], recv=pairs[n_send:]))
+        ranks.append({"code": code, "send": pairs[:n_send], "recv": pairs[n_send:]})
     sizes = [sum(int(np.prod(s)) for _, s in r["send"]) for r in ranks]
     for a, ra in enumerate(ranks):
         for p, shape in ra["recv"]:

@@ -32,8 +32,19 @@ def _window(rank, recv_ids, recv_lens, H, W, G):
 
 
 def test_neighbor_exchange_v2_on_a_2x2_grid_of_ranks(tmp_path):
-    from neighbor_exchange_checks import (C, G, H, N, RECV_LENS, W, block, grid_ids,
-                                          tensor_a, tensor_b, weights)
+    from neighbor_exchange_checks import (
+        RECV_LENS,
+        C,
+        G,
+        H,
+        N,
+        W,
+        block,
+        grid_ids,
+        tensor_a,
+        tensor_b,
+        weights,
+    )
 
     result = launch.run(os.path.join(HERE, "neighbor_exchange_checks.py"), 4,
                         [str(tmp_path)], timeout=600)

@@ -1,8 +1,10 @@
 """MindSpore's collective op classes (ops.AllReduce, AllGather, ReduceScatter, Broadcast,
 AlltoAll) traced by fs.shard_map on a virtual mesh, against NumPy; their groups
 (world, a mesh axis name, fs.distributed.create_group rank lists) and ReduceOp variants;
-the errors for what fshard cannot trace. The same code in a launched job:
-tests/distributed/test_ms_collectives_multiprocess.py."""
+the errors for what fshard cannot trace (NeighborExchange(V2) under shard_map and in
+one process; their argument checks). The same code in a launched job:
+tests/distributed/test_ms_collectives_multiprocess.py and, for the neighbour exchanges,
+tests/distributed/test_neighbor_exchange_multiprocess.py."""
 
 from __future__ import annotations
 

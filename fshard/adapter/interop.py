@@ -1485,7 +1485,7 @@ def _neighbor_refusal(prim, why: str) -> UnsupportedOpError:
         f"ops.{prim.name}{_call_site(_stack())} {why}\nFix: inside fs.shard_map (or on a "
         "virtual mesh) write the exchange with fs.ppermute(x, axis_name, perm) (a list "
         "of (source, destination) device pairs along a mesh axis), e.g. a halo: "
-        f"fs.ppermute(x[:, -1:], 'w', [(i, i + 1) for i in range(n - 1)]). "
+        "fs.ppermute(x[:, -1:], 'w', [(i, i + 1) for i in range(n - 1)]). "
         f"ops.{prim.name} itself works in a multi-process job (python -m "
         "fshard.launch -n N script.py, or msrun), in a function compiled with fs.jit "
         "outside any shard_map; docs/collectives.md.")

@@ -1,8 +1,10 @@
 """MindSpore's collective op classes (ops.AllReduce, AllGather, ReduceScatter, Broadcast,
 AlltoAll) traced by fs.shard_map on a virtual mesh, against NumPy; their groups
 (world, a mesh axis name, fs.distributed.create_group rank lists) and ReduceOp variants;
-the errors for what fshard cannot trace. The same code in a launched job:
-tests/distributed/test_ms_collectives_multiprocess.py."""
+the errors for what fshard cannot trace (NeighborExchange(V2) under shard_map and in
+one process; their argument checks). The same code in a launched job:
+tests/distributed/test_ms_collectives_multiprocess.py and, for the neighbour exchanges,
+tests/distributed/test_neighbor_exchange_multiprocess.py."""
 
 from __future__ import annotations
 
@@ -128,9 +130,56 @@ def test_errors_name_the_op_and_the_fix():
         _run(ops.AlltoAll(2, 0, 0))
     with pytest.raises(fs.errors.ArgumentError, match=r"(?s)root_rank=7.*\[0, 4\)"):
         _run(lambda v: ops.Broadcast(7)((v,))[0])
-    with pytest.raises(fs.errors.UnsupportedOpError, match=r"(?s)NeighborExchangeV2.*fs\.ppermute"):
-        _run(ops.NeighborExchangeV2([-1] * 8, [0] * 4, [-1] * 8, [0] * 4, "NCHW"),
-             x=np.zeros((4, 1, 4, 4), np.float32), in_s=((4, 1, 1, 1),), out_s=(4, 1, 1, 1))
     with pytest.raises(fs.errors.DistributedError, match=r"already names ranks \[0, 1\]"):
         fs.distributed.create_group("seedapi_b2", [0, 1])
         fs.distributed.create_group("seedapi_b2", [2, 3])
+
+
+_NCHW = np.zeros((4, 1, 4, 4), np.float32)
+
+
+def _halo(send_ids=(-1,) * 8, send_lens=(0,) * 4, recv_ids=(-1,) * 8, recv_lens=(0,) * 4,
+          data_format="NCHW"):
+    return ops.NeighborExchangeV2(send_rank_ids=list(send_ids), send_lens=list(send_lens),
+                                  recv_rank_ids=list(recv_ids), recv_lens=list(recv_lens),
+                                  data_format=data_format)
+
+
+def test_neighbor_exchange_is_refused_where_one_trace_serves_every_device():
+    # NeighborExchangeV2 runs in a job's fs.jit (tests/distributed/
+    # test_neighbor_exchange_multiprocess.py); under shard_map and in one process the
+    # refusal says where it works and what to write instead
+    with pytest.raises(fs.errors.UnsupportedOpError, match=r"(?s)NeighborExchangeV2.*inside "
+                       r"fs\.shard_map.*Fix:.*fs\.ppermute.*works in a multi-process job"):
+        _run(_halo(), x=_NCHW, in_s=((4, 1, 1, 1),), out_s=(4, 1, 1, 1))
+    with pytest.raises(fs.errors.UnsupportedOpError, match=r"(?s)in one process.*Fix:.*"
+                       r"fs\.ppermute.*fshard\.launch -n N"):
+        fs.jit(_halo())(Tensor(_NCHW))
+    with pytest.raises(fs.errors.UnsupportedOpError, match=r"(?s)NeighborExchange \(.*in one "
+                       r"process.*Fix:.*fs\.ppermute.*ops\.NeighborExchange itself works"):
+        fs.jit(lambda v: ops.NeighborExchange([0], [0], ([4, 1, 4, 4],), ([4, 1, 4, 4],),
+                                              v.dtype)((v,)))(Tensor(_NCHW))
+
+
+@pytest.mark.parametrize("kwargs,error,pattern", [
+    ({"send_ids": (-1,) * 7}, fs.errors.ArgumentError, r"send_rank_ids must be a list of 8"),
+    ({"recv_lens": (0, -1, 0, 0)}, fs.errors.ArgumentError,
+     r"recv_lens must be a list of 4 ints \(lengths >= 0\)"),
+    ({"send_ids": (0, -1, -1, -1, 0, -1, -1, -1)}, fs.errors.ArgumentError,
+     r"send_rank_ids=\[0, .*a rank id appears twice"),
+    ({"send_lens": (5, 0, 0, 0)}, fs.errors.ArgumentError,
+     r"send_lens\[0\] \(top\) is 5, more than the input's H = 4.*Fix: send at most 4"),
+    ({"data_format": "NHWC"}, fs.errors.ArgumentError, r"data_format='NHWC'.*only 'NCHW'"),
+    ({"recv_ids": (-1,) * 7 + (0,)}, fs.errors.ArgumentError,
+     (r"recv_rank_ids=.*top-left corner \(index 7\) is received exactly when both its "
+      r"sides.*Fix: set recv_rank_ids\[7\] to -1")),
+])
+def test_neighbor_exchange_arguments_are_checked_before_communicating(kwargs, error, pattern):
+    with pytest.raises(error, match="(?s)" + pattern):
+        fs.jit(_halo(**kwargs))(Tensor(_NCHW))
+
+
+def test_neighbor_exchange_needs_nchw():
+    with pytest.raises(fs.errors.ShapeError, match=r"takes an \(N, C, H, W\) tensor; got "
+                       r"f32\[4,4\]"):
+        fs.jit(_halo())(Tensor(_NCHW[0, 0]))

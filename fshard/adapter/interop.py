@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import types
+import zlib
 from typing import Callable
 
 import numpy as np
@@ -1287,6 +1288,12 @@ def _communicate(prim, fn, *xs):
     names, job_mesh = _comm_axes(prim)
     if job_mesh is None:
         return fn(names, *xs)
+    return _on_job_axes(names, job_mesh, fn, f"running ops.{prim.name} on this rank:", *xs)
+
+
+def _on_job_axes(names, job_mesh, fn, what: str, *xs):
+    """``fn(names, *xs)`` staged with the job's mesh axes bound, each of its equations
+    then bound on this rank with the job's mesh."""
     out_tree = []
 
     def flat(*args):
@@ -1299,8 +1306,7 @@ def _communicate(prim, fn, *xs):
             stack.enter_context(C.named_axis(n, size))
         program, consts = stage(flat, [typeof(x) for x in xs])
     outs = walk(program, list(consts) + list(xs),
-                lambda eq, vals: bind_on_rank(eq, vals, job_mesh),
-                f"running ops.{prim.name} on this rank:")
+                lambda eq, vals: bind_on_rank(eq, vals, job_mesh), what)
     return tree.unflatten(out_tree[0], outs)
 
 
@@ -1456,15 +1462,354 @@ def _ms_print(prim, *args):
     debug_callback_p.bind(*arrays, callback=ms_print)
 
 
-@converts("NeighborExchange", "NeighborExchangeV2")
-def _ms_neighbor_exchange(prim, *args):
-    raise UnsupportedOpError(
-        f"ops.{prim.name}{_call_site(_stack())} names its peers by rank ids that each "
-        "process computes for itself, which a function traced once for every device "
-        "cannot express; fshard does not trace it.\nFix: write the exchange with "
-        "fs.ppermute(x, axis_name, perm) (a list of (source, destination) device pairs "
-        "along a mesh axis), e.g. a halo: fs.ppermute(x[:, -1:], 'w', [(i, i + 1) for i "
-        "in range(n - 1)]); docs/collectives.md.")
+# -- NeighborExchange, NeighborExchangeV2 ------------------------------------------------
+#
+# MindSpore's point-to-point exchanges name their peers by rank ids that each process
+# computes for itself, so they are traced only where each process traces its own
+# program: a job's fs.jit outside any shard_map. On CPU each is emulated with one
+# AllGather (of the ranks' inputs), from which each rank cuts what its peers send it
+# (the pieces MindSpore's own Ascend lowering, an AlltoAllv, would carry). The ranks'
+# shapes and arguments are exchanged first, while tracing, so that every rank knows
+# what every other sends and a mismatch is an error on every rank, not a hang.
+
+#: The 8 directions of send_rank_ids / recv_rank_ids, in MindSpore's order.
+_DIRECTIONS = ("top", "top-right", "right", "bottom-right", "bottom", "bottom-left",
+               "left", "top-left")
+#: The [top, bottom, left, right] lens that bound each direction's piece: (rows, cols);
+#: None means the whole height (rows) or width (cols).
+_PIECE_SIDES = ((0, None), (0, 3), (None, 3), (1, 3), (1, None), (1, 2), (None, 2), (0, 2))
+
+
+def _neighbor_refusal(prim, why: str) -> UnsupportedOpError:
+    return UnsupportedOpError(
+        f"ops.{prim.name}{_call_site(_stack())} {why}\nFix: inside fs.shard_map (or on a "
+        "virtual mesh) write the exchange with fs.ppermute(x, axis_name, perm) (a list "
+        "of (source, destination) device pairs along a mesh axis), e.g. a halo: "
+        "fs.ppermute(x[:, -1:], 'w', [(i, i + 1) for i in range(n - 1)]). "
+        f"ops.{prim.name} itself works in a multi-process job (python -m "
+        "fshard.launch -n N script.py, or msrun), in a function compiled with fs.jit "
+        "outside any shard_map; docs/collectives.md.")
+
+
+def _int_list(prim, name: str, size: int, low: int) -> list:
+    value = prim.attrs.get(name)
+    ok = (isinstance(value, (list, tuple)) and len(value) == size and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= low for v in value))
+    if not ok:
+        what = ("rank ids, -1 for none" if low < 0 else "lengths >= 0")
+        raise ArgumentError(
+            f"ops.{prim.name}({name}={value!r}){_call_site(_stack())}: {name} must be a list "
+            f"of {size} ints ({what}).\nFix: e.g. {name}="
+            f"{[-1] * size if low < 0 else [0] * size}.")
+    return list(value)
+
+
+def _neighbor_v2_args(prim, aval) -> tuple:
+    """MindSpore's checks of NeighborExchangeV2's arguments, as fshard errors naming
+    the argument: ``(send_ids, send_lens, recv_ids, recv_lens)``."""
+    send_ids = _int_list(prim, "send_rank_ids", 8, -1)
+    recv_ids = _int_list(prim, "recv_rank_ids", 8, -1)
+    send_lens = _int_list(prim, "send_lens", 4, 0)
+    recv_lens = _int_list(prim, "recv_lens", 4, 0)
+    site = _call_site(_stack())
+    for name, ids in (("send_rank_ids", send_ids), ("recv_rank_ids", recv_ids)):
+        real = [i for i in ids if i != -1]
+        if len(set(real)) != len(real):
+            raise ArgumentError(
+                f"ops.{prim.name}({name}={ids}){site}: a rank id appears twice; MindSpore "
+                f"exchanges one piece per pair of ranks.\nFix: name each neighbour once, "
+                f"-1 for the other directions.")
+    for side1, side2, corner in ((0, 2, 1), (2, 4, 3), (4, 6, 5), (6, 0, 7)):
+        sides = recv_ids[side1] != -1 and recv_ids[side2] != -1
+        if sides != (recv_ids[corner] != -1):
+            raise ArgumentError(
+                f"ops.{prim.name}(recv_rank_ids={recv_ids}){site}: the {_DIRECTIONS[corner]} "
+                f"corner (index {corner}) is received exactly when both its sides "
+                f"({_DIRECTIONS[side1]}, index {side1}; {_DIRECTIONS[side2]}, index "
+                f"{side2}) are, so that the output is a full rectangle.\nFix: "
+                + (f"set recv_rank_ids[{corner}] to the corner's rank." if sides else
+                   f"set recv_rank_ids[{corner}] to -1."))
+    fmt = prim.attrs.get("data_format")
+    if fmt != "NCHW":
+        raise ArgumentError(
+            f"ops.{prim.name}(data_format={fmt!r}){site}: MindSpore supports only 'NCHW'.\n"
+            "Fix: data_format='NCHW' (transpose the input to (N, C, H, W) first).")
+    if aval.ndim != 4:
+        raise ShapeError(
+            f"ops.{prim.name}{site} takes an (N, C, H, W) tensor; got {aval}.\nFix: "
+            "reshape it to 4 dimensions.")
+    for i, name in enumerate(("top", "bottom", "left", "right")):
+        size = aval.shape[2 if i < 2 else 3]
+        if isinstance(size, int) and send_lens[i] > size:
+            raise ArgumentError(
+                f"ops.{prim.name}(send_lens={send_lens}){site}: send_lens[{i}] ({name}) is "
+                f"{send_lens[i]}, more than the input's {'H' if i < 2 else 'W'} = {size} "
+                f"({aval}).\nFix: send at most {size}.")
+    return send_ids, send_lens, recv_ids, recv_lens
+
+
+def _piece(shape, lens, direction: int) -> tuple:
+    """``(begin, end)`` over (H, W) of the piece of an input of ``shape`` (N, C, H, W)
+    sent in ``direction`` with send ``lens`` [top, bottom, left, right]."""
+    rows, cols = _PIECE_SIDES[direction]
+    h, w = shape[2], shape[3]
+    r = (0, h) if rows is None else (0, lens[0]) if rows == 0 else (h - lens[1], h)
+    c = (0, w) if cols is None else (w - lens[3], w) if cols == 3 else (0, lens[2])
+    return r, c
+
+
+def _gather_now(names, job_mesh, values: np.ndarray) -> np.ndarray:
+    """Every rank's ``values`` (int32, the same length on every rank), gathered now,
+    while tracing: a compiled AllGather of its own, run before the traced program."""
+    with context.setting(context.trace, None):
+        out = _on_job_axes(names, job_mesh, lambda ns, v: C.all_gather(v, ns, axis=0),
+                           "exchanging the ranks' shapes", values)
+    return backend.to_numpy(out)
+
+
+@converts("NeighborExchangeV2")
+def _ms_neighbor_exchange_v2(prim, x):
+    aval = typeof(x)
+    send_ids, send_lens, recv_ids, recv_lens = _neighbor_v2_args(prim, aval)
+    names, job_mesh, members, me = _neighbor_job(prim)
+    n = len(members)
+    site = _call_site(_stack())
+    _check_ids_in_group(prim, "send_rank_ids", send_ids, n)
+    _check_ids_in_group(prim, "recv_rank_ids", recv_ids, n)
+    if any(not isinstance(d, int) for d in aval.shape):
+        raise ShapeError(f"ops.{prim.name}{site} needs a static input shape; got {aval}.\n"
+                         "Fix: declare the input's shape without symbolic dimensions.")
+    # Every rank's shape and arguments, exchanged once while tracing: a mismatch then
+    # is an error on every rank, instead of an AllGather of unequal sizes (which
+    # corrupts or hangs the job), and each rank cuts exactly what its peer sends it.
+    code = _dtype_code(aval.dtype)
+    mine = np.array(list(aval.shape) + [code] + send_ids + send_lens + recv_ids + recv_lens,
+                    np.int32)
+    table = _gather_now(names, job_mesh, mine).reshape(n, -1).tolist()
+    ranks = [{"shape": tuple(t[:4]), "code": t[4], "send": t[5:13], "send_lens": t[13:17],
+              "recv": t[17:25], "recv_lens": t[25:29]} for t in table]
+    if any(r["shape"] != aval.shape or r["code"] != code for r in ranks):
+        shapes = ", ".join(f"rank {members[i]}: {r['shape']}" + (
+            "" if r["code"] == code else " (another dtype)") for i, r in enumerate(ranks))
+        raise ShapeError(
+            f"ops.{prim.name}{site}: the ranks' inputs differ ({shapes}; this rank's is "
+            f"{aval}). fshard exchanges the halos on CPU with one AllGather of the inputs, "
+            "which needs the same shape and dtype on every rank.\nFix: pad every rank's "
+            "input to the same (N, C, H, W).")
+    sources = {}  # direction -> (peer index, its piece's (rows, cols))
+    for a, ra in enumerate(ranks):
+        for d in range(8):
+            p = ra["recv"][d]
+            if p == -1:
+                continue
+            rp = ranks[p]
+            if a not in rp["send"]:
+                raise ArgumentError(
+                    f"ops.{prim.name}{site}: rank {members[a]} receives its "
+                    f"{_DIRECTIONS[d]} piece from rank {members[p]} (its recv_rank_ids "
+                    f"{ra['recv']}), but rank {members[p]} sends nothing to it (its "
+                    f"send_rank_ids {rp['send']}); MindSpore would wait forever.\nFix: "
+                    f"make each rank's recv_rank_ids mirror its neighbours' send_rank_ids.")
+            r, c = _piece(aval.shape, rp["send_lens"], rp["send"].index(a))
+            want = (ra["recv_lens"][_PIECE_SIDES[d][0]] if _PIECE_SIDES[d][0] is not None
+                    else aval.shape[2],
+                    ra["recv_lens"][_PIECE_SIDES[d][1]] if _PIECE_SIDES[d][1] is not None
+                    else aval.shape[3])
+            if (r[1] - r[0], c[1] - c[0]) != want:
+                raise ArgumentError(
+                    f"ops.{prim.name}{site}: rank {members[a]} receives its "
+                    f"{_DIRECTIONS[d]} piece from rank {members[p]} as {want[0]} x "
+                    f"{want[1]} (H x W; its recv_lens {ra['recv_lens']}), but rank "
+                    f"{members[p]} sends {r[1] - r[0]} x {c[1] - c[0]} (its send_lens "
+                    f"{rp['send_lens']}).\nFix: make recv_lens match the neighbours' "
+                    "send_lens (MindSpore requires it).")
+            if a == me:
+                sources[d] = (p, r, c)
+        for d in range(8):
+            q = ra["send"][d]
+            if q != -1 and a not in ranks[q]["recv"]:
+                raise ArgumentError(
+                    f"ops.{prim.name}{site}: rank {members[a]} sends its {_DIRECTIONS[d]} "
+                    f"piece to rank {members[q]} (its send_rank_ids {ra['send']}), but rank "
+                    f"{members[q]} receives nothing from it (its recv_rank_ids "
+                    f"{ranks[q]['recv']}).\nFix: make each rank's recv_rank_ids mirror its "
+                    "neighbours' send_rank_ids.")
+
+    def run(names, v):
+        g = C.all_gather(v, names, axis=0)  # (n, N, C, H, W), in group order
+
+        def cut(p, r, c):
+            block = fo.slice_array(g, [p, 0, 0, r[0], c[0]],
+                                   [p + 1, aval.shape[0], aval.shape[1], r[1], c[1]])
+            return fo.reshape(block, typeof(block).shape[1:])
+
+        # Even this rank's own block comes out of the gathered value: every rank's
+        # result then depends on the AllGather (and its gradient on the transposed
+        # collective), so each rank keeps the same collectives when it receives nothing.
+        pieces = {d: cut(*src) for d, src in sources.items()}
+        pieces["center"] = cut(me, (0, aval.shape[2]), (0, aval.shape[3]))
+        bands = []
+        for row in ((7, 0, 1), (6, "center", 2), (5, 4, 3)):
+            if row[1] in pieces:
+                band = [pieces[k] for k in row if k in pieces]
+                bands.append(band[0] if len(band) == 1 else fo.concat(band, 3))
+        return bands[0] if len(bands) == 1 else fo.concat(bands, 2)
+
+    return _communicate(prim, run, x)
+
+
+def _dtype_code(dtype) -> int:
+    """A number naming ``dtype`` the same way in every process."""
+    return zlib.crc32(str(dtypes.canonical(dtype)).encode()) % (1 << 30)
+
+
+def _neighbor_job(prim):
+    """``(names, job_mesh, members, me)`` for a NeighborExchange(V2) traced in a job's
+    fs.jit; refused where one trace serves every device, or in one process."""
+    if C.replica_axes():
+        raise _neighbor_refusal(
+            prim, "was traced inside fs.shard_map, whose body is one program for every "
+            "device, while its rank ids are each process's own; fshard does not trace it "
+            "there.")
+    if resolve_mesh().is_virtual:
+        raise _neighbor_refusal(
+            prim, "was traced in one process (no multi-process job): its rank ids name "
+            "processes of a job, and there are none to exchange with.")
+    names, job_mesh = _comm_axes(prim)
+    members = job_mesh.axis_group(names, distributed.rank())
+    return names, job_mesh, members, members.index(distributed.rank())
+
+
+def _check_ids_in_group(prim, name: str, ids, n: int) -> None:
+    if ids and max(ids) >= n:
+        raise ArgumentError(
+            f"ops.{prim.name}({name}={list(ids)}){_call_site(_stack())}: rank {max(ids)} is "
+            f"not in its group of {n} ranks.\nFix: use rank ids in [0, {n}) (-1 for none).")
+
+
+def _shape_list(prim, name: str, value, count: int, ids_name: str) -> list:
+    ok = isinstance(value, (list, tuple)) and len(value) == count and all(
+        isinstance(s, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool)
+                                             and d >= 0 for d in s) for s in value)
+    if not ok:
+        raise ArgumentError(
+            f"ops.{prim.name}({name}={value!r}){_call_site(_stack())}: {name} must hold one "
+            f"shape (a list of ints >= 0) for each of the {count} rank(s) of {ids_name}.\n"
+            f"Fix: e.g. {name}=({', '.join(['[2, 2]'] * max(count, 1))},).")
+    return [tuple(s) for s in value]
+
+
+@converts("NeighborExchange")
+def _ms_neighbor_exchange(prim, xs):
+    """MindSpore's ``NeighborExchange``: this rank's ``xs[i]`` goes to
+    ``send_rank_ids[i]``, and output ``j`` is what ``recv_rank_ids[j]`` sent it. On
+    CPU: one AllGather of each rank's tensors, flattened into one buffer."""
+    site = _call_site(_stack())
+    xs = list(xs) if isinstance(xs, (tuple, list)) else [xs]
+    ids = {}
+    for name in ("send_rank_ids", "recv_rank_ids"):
+        value = prim.attrs.get(name)
+        if not (isinstance(value, (list, tuple)) and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+                and len(set(value)) == len(value)):
+            raise ArgumentError(
+                f"ops.{prim.name}({name}={value!r}){site}: {name} must be a list of distinct "
+                f"rank ids >= 0.\nFix: e.g. {name}=[1].")
+        ids[name] = list(value)
+    send_ids, recv_ids = ids["send_rank_ids"], ids["recv_rank_ids"]
+    send_shapes = _shape_list(prim, "send_shapes", prim.attrs.get("send_shapes"),
+                              len(send_ids), "send_rank_ids")
+    recv_shapes = _shape_list(prim, "recv_shapes", prim.attrs.get("recv_shapes"),
+                              len(recv_ids), "recv_rank_ids")
+    recv_type = dtypes.canonical(prim.attrs.get("recv_type"))
+    avals = [typeof(x) for x in xs]
+    if len(xs) != len(send_ids) or any(a.shape != s for a, s in zip(avals, send_shapes)):
+        raise ShapeError(
+            f"ops.{prim.name}{site}: its input is one tensor per rank of send_rank_ids "
+            f"{send_ids}, shaped as send_shapes {[list(s) for s in send_shapes]}; got "
+            f"({', '.join(str(a) for a in avals)}).\nFix: pass a tuple of tensors of "
+            "those shapes.")
+    if any(a.dtype != recv_type for a in avals):
+        raise ArgumentError(
+            f"ops.{prim.name}(recv_type={recv_type}){site}: the tensors it sends are "
+            f"({', '.join(str(a) for a in avals)}), and every rank receives recv_type.\n"
+            f"Fix: cast the inputs to {recv_type}, or set recv_type to their dtype.")
+    names, job_mesh, members, me = _neighbor_job(prim)
+    n = len(members)
+    _check_ids_in_group(prim, "send_rank_ids", send_ids, n)
+    _check_ids_in_group(prim, "recv_rank_ids", recv_ids, n)
+    # Every rank's arguments, exchanged while tracing (their length first): each rank
+    # then knows where in a peer's buffer its piece lies, and a mismatch is an error on
+    # every rank rather than an exchange of unequal sizes.
+    mine = [_dtype_code(recv_type), len(send_ids), len(recv_ids)]
+    for i, s in list(zip(send_ids, send_shapes)) + list(zip(recv_ids, recv_shapes)):
+        mine += [i, len(s), *s]
+    width = int(_gather_now(names, job_mesh, np.array([len(mine)], np.int32)).max())
+    table = _gather_now(names, job_mesh, np.array(mine + [0] * (width - len(mine)), np.int32))
+    ranks = []
+    for row in table.reshape(n, width).tolist():
+        code, n_send, n_recv, rest = row[0], row[1], row[2], row[3:]
+        pairs = []
+        for _ in range(n_send + n_recv):
+            ndim = rest[1]
+            pairs.append((rest[0], tuple(rest[2:2 + ndim])))
+            rest = rest[2 + ndim:]
+        ranks.append({"code": code, "send": pairs[:n_send], "recv": pairs[n_send:]})
+    sizes = [sum(int(np.prod(s)) for _, s in r["send"]) for r in ranks]
+    for a, ra in enumerate(ranks):
+        for p, shape in ra["recv"]:
+            sent = dict(ranks[p]["send"])
+            problem = (f"rank {members[p]} sends nothing to it (its send_rank_ids "
+                       f"{[i for i, _ in ranks[p]['send']]})" if a not in sent else
+                       f"rank {members[p]} sends {list(sent[a])}" if sent[a] != shape else
+                       f"rank {members[p]} sends another dtype"
+                       if ranks[p]["code"] != ra["code"] else None)
+            if problem:
+                raise ArgumentError(
+                    f"ops.{prim.name}{site}: rank {members[a]} receives a {list(shape)} "
+                    f"tensor from rank {members[p]}, but {problem}; MindSpore would fail "
+                    f"or wait forever.\nFix: make each rank's recv_rank_ids, recv_shapes "
+                    f"and recv_type mirror what its peers send.")
+        for q, _ in ra["send"]:
+            if a not in dict(ranks[q]["recv"]):
+                raise ArgumentError(
+                    f"ops.{prim.name}{site}: rank {members[a]} sends a tensor to rank "
+                    f"{members[q]}, which receives nothing from it (its recv_rank_ids "
+                    f"{[i for i, _ in ranks[q]['recv']]}).\nFix: make each rank's "
+                    "recv_rank_ids mirror its peers' send_rank_ids.")
+    width = max(sizes)
+    if width == 0:
+        return tuple(fo.zeros(s, recv_type) for s in recv_shapes)  # (nothing is sent)
+    # The gathered buffer reaches a rank only through what it receives: a rank that
+    # receives nothing would drop the AllGather from its program while the others wait.
+    idle = [members[a] for a, r in enumerate(ranks) if not r["recv"]]
+    if idle:
+        raise UnsupportedOpError(
+            f"ops.{prim.name}{site}: rank(s) {idle} receive nothing while other ranks "
+            "exchange tensors; fshard's CPU emulation (one AllGather) needs every rank to "
+            "take part with a result it uses (under grad, the gradients travel back the "
+            "same way).\nFix: give every rank a peer to receive from (e.g. have each "
+            "receiver send a small tensor back).")
+    flat = [fo.reshape(x, (int(np.prod(a.shape)),)) for x, a in zip(xs, avals)]
+    if sizes[me] < width:
+        flat.append(fo.zeros((width - sizes[me],), recv_type))
+    buffer = flat[0] if len(flat) == 1 else fo.concat(flat, 0)
+
+    def run(names, v):
+        g = C.all_gather(v, names, axis=0)  # (n, width), in group order
+        outs = []
+        for p, shape in zip(recv_ids, recv_shapes):
+            start = 0
+            for q, s in ranks[p]["send"]:
+                if q == me:
+                    break
+                start += int(np.prod(s))
+            size = int(np.prod(shape))
+            piece = fo.slice_array(g, [p, start], [p + 1, start + size])
+            outs.append(fo.reshape(piece, shape))
+        return tuple(outs)
+
+    return _communicate(prim, run, buffer)
 
 
 # ---------------------------------------------------------------------------

@@ -112,7 +112,8 @@ def _tree_bytes(tree) -> int:
                for x in fs.tree.leaves(tree) if hasattr(x, "shape"))
 
 
-def formula(cfg: dict, layers: int = gpt.LAYERS) -> dict:
+def formula(cfg: dict, layers: int = gpt.LAYERS, dim: int = gpt.DIM, ff: int = gpt.FF,
+            vocab: int = gpt.VOCAB) -> dict:
     """Megatron-LM's per-device bytes for the combination (float32, Adam): each layer's
     matrices split over tp, its norms whole, ``layers / pp`` layers per device; the
     embedding (tied to the head) split over tp by vocabulary, held by the first and the
@@ -123,7 +124,7 @@ def formula(cfg: dict, layers: int = gpt.LAYERS) -> dict:
     pipeline (1F1B) holds ``pp`` micro-batches of ``1 / M`` of the batch on its first
     stage, which ``1 / pp`` of the layers cancels."""
     dp, tp, pp = cfg.get("dp", 1), cfg.get("tp", 1), cfg.get("pp", 1)
-    d, f, v = gpt.DIM, gpt.FF, gpt.VOCAB
+    d, f, v = dim, ff, vocab
     per_layer = (4 * d * d + 3 * d * f) / tp + 2 * d
     params = (v * d / tp + per_layer * layers / pp + (d if pp == 1 else 0)) * F32
     return {"params": params, "grads": params, "optimizer_state": 2 * params}
@@ -178,14 +179,20 @@ def step_time(cfg: dict, runs: int) -> dict:
 
 def predicted_step(cfg: dict, *, batch: int = gpt.BATCH, seq: int = gpt.SEQ,
                    dim: int = gpt.DIM, ff: int = gpt.FF, vocab: int = gpt.VOCAB,
-                   layers: int = gpt.LAYERS, rates: dict | None = None) -> float:
+                   layers: int = gpt.LAYERS, rates: dict | None = None,
+                   zero: str | None = None) -> float:
     """Seconds per step on accelerators with ``rates`` (fshard's nominal GPU row of
     ``BACKEND_RATES``: 1e13 flops/s, 20 µs and 50 GB/s per collective), float32:
     compute ``3 x`` the forward flops split over every device, stretched by the
     pipeline's bubble ``(M + pp - 1) / M``; per layer and micro-batch four tensor-
     parallel all-reduces of the activations (two forward, two backward; sequence
     parallelism moves the same bytes); one boundary transfer per micro-batch each way;
-    one all-reduce of the gradients over dp."""
+    one all-reduce of the gradients over dp. ZeRO (``zero``, fshard's ``hsdp`` levels)
+    moves more bytes over dp, not fewer: level1 all-reduces the gradients whole and
+    all-gathers the updated parameters; level2 reduce-scatters the gradients instead
+    (with the all-gather, one all-reduce's bytes); level3 all-gathers the parameters
+    for the forward and again for the backward, and reduce-scatters the gradients. The
+    update itself (not counted) is split over dp."""
     r = rates or BACKEND_RATES["GPU"]
     dp, tp, pp = cfg.get("dp", 1), cfg.get("tp", 1), cfg.get("pp", 1)
     m = cfg.get("micro_batches") or pp
@@ -200,8 +207,16 @@ def predicted_step(cfg: dict, *, batch: int = gpt.BATCH, seq: int = gpt.SEQ,
 
     tp_comm = 4 * (layers // pp) * m * all_reduce(act, tp)
     pp_comm = 0.0 if pp == 1 else 2 * (m + pp - 1) * (lat + act / tp / bw)
-    grads = formula(cfg, layers)["grads"]
-    return compute + tp_comm + pp_comm + all_reduce(grads, dp)
+    grads = formula(cfg, layers, dim, ff, vocab)["grads"]
+
+    def half(nbytes, n):  # a reduce-scatter or an all-gather: half an all-reduce's bytes
+        return 0.0 if n == 1 else lat + (n - 1) / n * nbytes / bw
+
+    dp_comm = {None: all_reduce(grads, dp),
+               "level1": all_reduce(grads, dp) + half(grads, dp),
+               "level2": 2 * half(grads, dp),
+               "level3": 3 * half(grads, dp)}[zero]
+    return compute + tp_comm + pp_comm + dp_comm
 
 
 #: a GPT-2-XL-sized model (1.5B parameters) for the prediction at scale
@@ -647,10 +662,11 @@ def gpt_jobs(ctx):
                 wrong.append(f"{label}: losses {[r['losses'] for r in ranks]} against "
                              f"{ref_losses}")
             coll = ranks[0]["collectives"]
-            pred = "" if zero else (
+            pred = (
                 f"; predicted on {JOB_PROCESSES} accelerators: "
-                f"{predicted_step(cfg, layers=TIMED_LAYERS) * 1e6:.0f} µs (1: {one * 1e6:.0f}),"
-                f" a 1.5B model {predicted_step(cfg, **LARGE):.1f} s (1: {one_large:.1f})")
+                f"{predicted_step(cfg, layers=TIMED_LAYERS, zero=zero) * 1e6:.0f} µs (1: "
+                f"{one * 1e6:.0f}), a 1.5B model {predicted_step(cfg, zero=zero, **LARGE):.1f} s"
+                f" (1: {one_large:.1f})")
             note = (f"slowest rank {slow}: medians per rank "
                     f"{', '.join(f'{m * 1e3:.1f}' for m in medians)} ms; "
                     f"{medians[slow] / statistics.median(base):.2f}x fs.jit; first call "

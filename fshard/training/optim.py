@@ -322,13 +322,14 @@ def _fused_map(fn, *trees) -> tuple:
     copies would cost more than their kernels, and everything under ``fs.shard``
     (whose layouts a concatenation would mix) go leaf by leaf, except an
     ``fs.AutoParallel`` update whose parameters and state are all whole on every device
-    (``context.whole_updates``): one layout, nothing to mix."""
+    (``context.whole_updates``): one layout, nothing to mix. A pipeline splitting the
+    update by stage traces it leaf by leaf (``context.split_updates``)."""
     flat = [tree.leaves(t) for t in trees]
     treedef = tree.structure(trees[0])
     n = len(flat[0])
     results: list = [None] * n
     groups: dict = {}
-    if type(current_trace()) is not EvalTrace and (
+    if type(current_trace()) is not EvalTrace and not context.split_updates.get() and (
             not context.shard_depth.get() or context.whole_updates.get()):
         for i in range(n):
             avals = [typeof(leaves[i]) for leaves in flat]

@@ -721,7 +721,12 @@ class PipelinedStep:
         #: leaf split over its stage's devices (``_make_zero_finish``).
         self.zero = zero
         self._grad_vars: list = []
-        self.finish = self._make_finish() if zero is None else self._make_zero_finish(state)
+        #: The optimizer update split by stage (``StageUpdate``: each stage's devices
+        #: update only their own parameters and state), or why it runs whole on every
+        #: device (a string).
+        self.split = self._split(state)
+        self.finish = (None if isinstance(self.split, StageUpdate) else
+                       self._make_finish() if zero is None else self._make_zero_finish(state))
         #: With ``profile = True`` (pieces only) each computation is waited for and
         #: timed; ``stats`` then holds, per device of this process, the busy seconds
         #: and the peak number and bytes of kept stage inputs of the last step.
@@ -936,10 +941,47 @@ class PipelinedStep:
         if loss is None:
             loss = np.zeros((), loss_dtype)
         scale = np.asarray(self.loss_scale, loss_dtype)
+        if isinstance(self.split, StageUpdate):  # each stage updates its own leaves
+            o_leaves, o_tree = tree.flatten(state.opt_state)
+            new_p, new_o, step, out = self.split(p_leaves, grads, o_leaves, state.step,
+                                                 loss, scale)
+            return (self.runner.state_cls(tree.unflatten(p_tree, new_p),
+                                          tree.unflatten(o_tree, new_o), step), out)
         new_p, new_o, step, out, *norms = self.finish(
             state.params, state.opt_state, state.step, tree.unflatten(p_tree, grads), loss,
             scale)
         return (self.runner.state_cls(new_p, new_o, step), out, *norms)
+
+    def _split(self, state):
+        """The optimizer update split by stage (``split_update``, shared by every
+        pipeline with the same optimizer, state and stages), or why each device runs
+        the whole update."""
+        ap = self.runner.ap
+        if self.rank is not None:
+            return ("in a multi-process job every process runs the whole update and keeps "
+                    "the whole trained state")
+        if self.zero is not None:
+            return ("hsdp(...) splits every stage's state over the devices of every stage "
+                    "(the update traced whole)")
+        if ap.options.local_norm:
+            return "device-local norms are taken over the whole gradient"
+        stage_of = {i: c % self.S for c, owned in enumerate(self.plan.chunk_params)
+                    for i in owned}
+        opt_update = ap.step_optimizer().update
+        frozen = ap._frozen()
+        key = ("stages", self.S, tuple(sorted(stage_of.items())), tuple(sorted(frozen)),
+               tree.structure((state.params, state.opt_state)),
+               tuple((tuple(typeof(x).shape), typeof(x).dtype)
+                     for x in tree.leaves((state.params, state.opt_state))))
+        try:
+            per_opt = _FINISHES.setdefault(opt_update, {})
+        except TypeError:  # not weak-referenceable: split for this step alone
+            per_opt = {}
+        hit = per_opt.get(key)
+        if hit is None:
+            hit = per_opt[key] = split_update(opt_update, state, stage_of, self.S, frozen,
+                                              self.plan.name)
+        return hit
 
     def _finish_zero(self, devices, state, p_leaves, loss_dtype):
         """The finish with ZeRO (a virtual mesh): each parameter's gradient goes in as
@@ -1065,10 +1107,13 @@ class PipelinedStep:
         return out
 
     def memory_report(self, state) -> dict:
-        """Bytes per device of the trained state as the finish lays it out: in total
-        (every device keeps every stage's state, the way the optimizer runs) and, in
+        """Bytes per device of the trained state as the finish lays it out, and, in
         ``"stages"``, of each stage's own parameters (and the optimizer-state leaves
-        that copy them). Without ZeRO every leaf is whole."""
+        that copy them). With the update split by stage (``"update": "per_stage"``) a
+        device keeps its own stage's state and the leaves no stage owns (Adam's step
+        count): the totals are the most any device keeps of each. Otherwise
+        (``"update": "whole"``, ``"whole_because"`` says why) every device keeps every
+        stage's state, whole, or with ZeRO split over its stage's devices."""
         p_leaves = tree.leaves(state.params)
         o_leaves = tree.leaves(state.opt_state)
         stage_of = {i: c % self.S for c, owned in enumerate(self.plan.chunk_params)
@@ -1101,8 +1146,14 @@ class PipelinedStep:
                    "grads": sum(b for i, b in enumerate(g_b) if stage_of.get(i, 0) == s),
                    "optimizer_state": sum(b for k, b in enumerate(o_b) if o_stage[k] == s)}
                   for s in range(self.S)]
+        if isinstance(self.split, StageUpdate):
+            shared = sum(o_b[k] for k in self.split.o_idx[None])
+            return {"params": max(st["params"] for st in stages),
+                    "grads": max(st["grads"] for st in stages),
+                    "optimizer_state": max(st["optimizer_state"] for st in stages) + shared,
+                    "stages": stages, "update": "per_stage"}
         return {"params": sum(p_b), "grads": sum(g_b), "optimizer_state": sum(o_b),
-                "stages": stages}
+                "stages": stages, "update": "whole", "whole_because": self.split}
 
     def _make_finish(self):
         ap, cfg = self.runner.ap, self.runner.cfg
@@ -1162,6 +1213,152 @@ class PipelinedStep:
         finish.__name__ = f"pipeline_finish_{plan.name}"
         fn = per_opt[key] = jit(finish)
         return fn
+
+
+# ---------------------------------------------------------------------------
+# The optimizer update split by stage
+# ---------------------------------------------------------------------------
+
+
+class StageUpdate:
+    """The optimizer update cut into one program per stage, each reading and writing
+    only its stage's parameters, gradients and optimizer state (and the state leaves
+    no parameter owns, such as Adam's step count, which every stage reads), plus a
+    ``shared`` program for those unowned leaves, the step count and the loss: what
+    MindSpore's and Megatron-LM's stages each run on their own state.
+
+    Found by tracing the update once leaf by leaf (``context.split_updates``) and
+    following each output back to the inputs it reads: each stage's program is the
+    equations its outputs need, the very operations of the whole update. An update
+    whose outputs read several stages' inputs (a global-norm clip, a loss scale that
+    skips non-finite steps) does not split: ``split_update`` says why."""
+
+    def __init__(self, traced, owner_in: list, owner_out: list, n_p: int, n_o: int,
+                 S: int, name: str):
+        prog = traced.program
+        self.S, self.n_p, self.n_o = S, n_p, n_o
+        n_c = prog.n_consts
+        consts = list(traced.consts)
+        const_vars = prog.inputs[:n_c]
+        ins = prog.inputs[n_c:]   # grads (n_p), opt state (n_o), params (n_p)
+        producer = {}
+        for i, eq in enumerate(prog.equations):
+            for v in eq.outputs:
+                producer[v] = i
+        # per stage (and None: the shared leaves): outputs, inputs, equations
+        self.out_idx = {s: [j for j, o in enumerate(owner_out) if o == s]
+                        for s in list(range(S)) + [None]}
+        self.p_idx = {s: [i for i in range(n_p) if owner_in[i] == s] for s in range(S)}
+        self.o_idx = {s: [k for k in range(n_o) if owner_in[n_p + k] == s]
+                      for s in list(range(S)) + [None]}
+        self.fns = {}
+        for s in list(range(S)) + [None]:
+            if s is not None and not self.out_idx[s]:
+                continue  # (a stage without trained parameters has nothing to update)
+            need, todo = set(), [prog.outputs[j] for j in self.out_idx[s]]
+            while todo:
+                v = todo.pop()
+                i = producer.get(v) if isinstance(v, Var) else None
+                if i is None or i in need:
+                    continue
+                need.add(i)
+                todo.extend(a for a in prog.equations[i].inputs if isinstance(a, Var))
+            eqs = [eq for i, eq in enumerate(prog.equations) if i in need]
+            self.fns[s] = self._compile(s, eqs, prog, const_vars, consts, ins, name)
+
+    def _compile(self, s, eqs, prog, const_vars, consts, ins, name):
+        n_p, n_o = self.n_p, self.n_o
+        outs = [prog.outputs[j] for j in self.out_idx[s]]
+        shared_o = self.o_idx[None]
+        if s is None:
+            in_vars = [ins[n_p + k] for k in shared_o]
+
+            def run(o_shared, step, loss_sum, scale):
+                env = dict(zip(const_vars, consts))
+                env.update(zip(in_vars, o_shared))
+                read = walk_equations(eqs, env, bind_equation, "the shared optimizer update:")
+                return [read(v) for v in outs], step + 1, loss_sum * scale
+
+            run.__name__ = f"pipeline_finish_{name}_shared"
+            return jit(run)
+        p_idx, o_idx = self.p_idx[s], self.o_idx[s]
+        in_vars = ([ins[i] for i in p_idx] + [ins[n_p + k] for k in o_idx]
+                   + [ins[n_p + k] for k in shared_o] + [ins[n_p + n_o + i] for i in p_idx])
+        n_up = sum(1 for j in self.out_idx[s] if j < n_p)
+
+        def run(grads, opt, o_shared, params):
+            env = dict(zip(const_vars, consts))
+            env.update(zip(in_vars, list(grads) + list(opt) + list(o_shared) + list(params)))
+            read = walk_equations(eqs, env, bind_equation,
+                                  f"the optimizer update of pipeline stage {s}:")
+            got = [read(v) for v in outs]
+            return apply_updates(list(params), got[:n_up]), got[n_up:]
+
+        run.__name__ = f"pipeline_finish_{name}_stage{s}"
+        return jit(run)
+
+    def __call__(self, params: list, grads: list, opt: list, step, loss_sum, scale):
+        """The new parameter and optimizer-state leaves, step and loss: each stage's
+        program on its own leaves, the shared one once."""
+        n_p = self.n_p
+        o_shared = [opt[k] for k in self.o_idx[None]]
+        new_p, new_o = list(params), list(opt)
+        for s in range(self.S):
+            if s not in self.fns:
+                continue
+            p_s, o_s = self.p_idx[s], self.o_idx[s]
+            got_p, got_o = self.fns[s]([grads[i] for i in p_s], [opt[k] for k in o_s],
+                                       o_shared, [params[i] for i in p_s])
+            for i, x in zip(p_s, got_p):
+                new_p[i] = x
+            for k, x in zip(o_s, got_o):
+                new_o[k] = x
+        got, step, loss = self.fns[None](o_shared, step, loss_sum, scale)
+        for j, x in zip(self.out_idx[None], got):
+            new_o[j - n_p] = x
+        return new_p, new_o, step, loss
+
+
+def split_update(opt_update, state, stage_of: dict, S: int, frozen: set, name: str):
+    """``opt_update`` (``(grads, opt_state, params) -> (updates, new_state)``) split by
+    stage (a ``StageUpdate``), or the reason it does not split (a string): the first
+    output that reads the inputs of a stage other than its own."""
+    p_leaves, p_tree = tree.flatten(state.params)
+    o_leaves, o_tree = tree.flatten(state.opt_state)
+    n_p, n_o = len(p_leaves), len(o_leaves)
+    in_tree = tree.structure(((state.params, state.opt_state, state.params), {}))
+    avals = [typeof(x) for x in p_leaves + o_leaves + p_leaves]
+    with context.setting(context.split_updates, True):
+        traced = trace_fun(lambda g, o, p: opt_update(g, o, p), in_tree, avals)
+    if traced.out_tree != tree.structure((state.params, state.opt_state)):
+        return ("its updates and new state do not have the structure of the parameters "
+                "and the optimizer state")
+    o_stage = _copies_stage(state, stage_of, frozen)
+    p_stage = [stage_of.get(i, 0) for i in range(n_p)]
+    owner_in = p_stage + o_stage + p_stage
+    owner_out = p_stage + o_stage
+    prog = traced.program
+    n_c = prog.n_consts
+    reads: dict = {}   # Var -> the stages of the inputs it depends on
+    for v, o in zip(prog.inputs[n_c:], owner_in):
+        reads[v] = frozenset(() if o is None else (o,))
+    for eq in prog.equations:
+        got = frozenset().union(*(reads.get(a, frozenset()) for a in eq.inputs
+                                  if isinstance(a, Var)))
+        for v in eq.outputs:
+            reads[v] = got
+    o_paths = [tree.keystr(p) for p in tree.flatten_with_path(state.opt_state)[0]]
+    p_paths = [tree.keystr(p) for p in tree.flatten_with_path(state.params)[0]]
+    for j, (v, o) in enumerate(zip(prog.outputs, owner_out)):
+        got = reads.get(v, frozenset()) if isinstance(v, Var) else frozenset()
+        if got <= frozenset(() if o is None else (o,)):
+            continue
+        what = (f"the update of parameter {p_paths[j] or '0'}" if j < n_p else
+                f"the optimizer-state leaf {o_paths[j - n_p] or '0'}")
+        where = "no stage's own" if o is None else f"stage {o}'s"
+        return (f"{what} ({where}) reads the gradients, parameters or state of stage"
+                f"{'s' if len(got) > 1 else ''} {sorted(got)}")
+    return StageUpdate(traced, owner_in, owner_out, n_p, n_o, S, name)
 
 
 def _local_norms(norms, fixed, params: dict, grads: dict) -> tuple:

@@ -110,6 +110,16 @@ def test_memory_report_splits_each_stage_over_its_devices(level, fracs):
     state = ap.init(params)
     report = ap.memory_report(state, *batches[0])
     assert report["stages"] == _stage_bytes(params, *fracs)
+    if level is None:
+        # Adam splits by stage: a device keeps its own stage's state (stage 0's, w1 and
+        # b1, the larger) and the step count
+        assert report["update"] == "per_stage"
+        own = params["w1"].nbytes + params["b1"].nbytes
+        assert (report["params"], report["grads"], report["optimizer_state"]) == (
+            own, own, 2 * own + 4)
+        return
+    # with ZeRO every device keeps every stage's state, split over its stage's devices
+    assert report["update"] == "whole" and "hsdp" in report["whole_because"]
     total = sum(x.nbytes for x in params.values())
     assert report["params"] == total // fracs[0]
     assert report["grads"] == total // fracs[1]

@@ -1,0 +1,198 @@
+"""A pipeline's optimizer update split by stage on a virtual mesh: with an update that
+reads each parameter's own gradient and state (Adam, SGD, AdamW, frozen parameters),
+each stage's devices update only their own parameters and optimizer state and keep
+only those (``memory_report``), the numbers those of the unpipelined run; an update
+that couples the stages (a global-norm clip, an optimizer reading another stage's
+gradient, a state leaf summarising every gradient) runs whole on every device, exact,
+and ``memory_report`` says why."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fshard as fs
+from fshard.training.parallel import pipeline as pipeline_mod
+
+STEPS = 3
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(0, 0.1, (16, 32)).astype(np.float32),
+              "b1": np.zeros(32, np.float32),
+              "w2": rng.normal(0, 0.1, (32, 16)).astype(np.float32),
+              "b2": np.zeros(16, np.float32)}
+    batches = [(rng.normal(size=(16, 16)).astype(np.float32), rng.integers(0, 16, 16))
+               for _ in range(STEPS)]
+    return params, batches
+
+
+def _loss(p, x, y):
+    h = fs.ops.relu(x @ p["w1"] + p["b1"])
+    h = fs.pipeline_split(h)
+    return fs.ops.softmax_cross_entropy(h @ p["w2"] + p["b2"], y)
+
+
+def _train(ap, params, batches):
+    state = ap.init(params)
+    losses = []
+    for x, y in batches:
+        state, l = ap(state, x, y)
+        losses.append(float(l.asnumpy()))
+    return state, np.array(losses)
+
+
+def _close(got, want):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(want))))
+
+
+def _check_like_unpipelined(opt, loss=_loss, params=None, batches=None):
+    """Trains pipelined (2 stages x 2 devices) and unpipelined; returns the pipelined
+    AutoParallel, its state and the first batch."""
+    if params is None:
+        params, batches = _data()
+    ref_state, ref_losses = _train(fs.AutoParallel(loss, opt, mesh=4), params, batches)
+    ap = fs.AutoParallel(loss, opt, mesh=4).pipeline(stages=2, micro_batches=2)
+    state, losses = _train(ap, params, batches)
+    _close(losses, ref_losses)
+    for k in ref_state.params:
+        _close(state.params[k].asnumpy(), ref_state.params[k].asnumpy())
+    for got, want in zip(fs.tree.leaves(state.opt_state), fs.tree.leaves(ref_state.opt_state)):
+        _close(np.asarray(got.asnumpy()), np.asarray(want.asnumpy()))
+    return ap, state, batches[0]
+
+
+def _step(ap):
+    return next(iter(ap._pipeline._steps.values()))
+
+
+def test_adam_updates_each_stage_on_its_own():
+    params, _ = _data()
+    ap, state, batch = _check_like_unpipelined(fs.optim.adam(1e-2))
+    split = _step(ap).split
+    assert isinstance(split, pipeline_mod.StageUpdate)
+    names = sorted(params)  # (the leaves' order: b1, b2, w1, w2)
+    assert [[names[i] for i in split.p_idx[s]] for s in (0, 1)] == [["b1", "w1"],
+                                                                     ["b2", "w2"]]
+    # each stage's program reads its two parameters' moments (Adam's mu and nu); the
+    # step count is every stage's
+    assert [len(split.o_idx[s]) for s in (0, 1)] == [4, 4] and len(split.o_idx[None]) == 1
+    report = ap.memory_report(state, *batch)
+    own = [sum(params[k].nbytes for k in ks) for ks in (("w1", "b1"), ("w2", "b2"))]
+    assert report["update"] == "per_stage" and "whole_because" not in report
+    assert report["stages"] == [{"params": b, "grads": b, "optimizer_state": 2 * b}
+                                for b in own]
+    # the most a device keeps: stage 0's state (the larger) and the step count
+    assert (report["params"], report["grads"], report["optimizer_state"]) == (
+        own[0], own[0], 2 * own[0] + 4)
+
+
+def test_stage_programs_read_only_their_own_leaves():
+    """Each stage's compiled update takes its own leaves alone: a program of stage 0
+    called with stage 1's parameters would not even have their shapes."""
+    ap, state, batch = _check_like_unpipelined(fs.optim.sgd(0.1, momentum=0.9))
+    split = _step(ap).split
+    p_leaves = fs.tree.leaves(state.params)
+    for s in (0, 1):
+        shapes = {tuple(p_leaves[i].shape) for i in split.p_idx[s]}
+        assert shapes == ({(16, 32), (32,)} if s == 0 else {(32, 16), (16,)})
+
+
+def test_split_update_runs_as_pieces(monkeypatch):
+    """A step too large to compile whole calls each stage's update program."""
+    monkeypatch.setattr(pipeline_mod, "FUSE_LIMIT", 0)
+    ap, _, _ = _check_like_unpipelined(fs.optim.adamw(1e-2, weight_decay=0.1))
+    assert not _step(ap).fused
+    assert isinstance(_step(ap).split, pipeline_mod.StageUpdate)
+
+
+def test_global_norm_clip_stays_whole_and_exact():
+    """The clip's norm sums every stage's gradients: split by stage, each stage would
+    clip by its own norm. The update runs whole, and the report says why."""
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(0.05), fs.optim.adam(1e-2))
+    ap, state, batch = _check_like_unpipelined(opt)
+    report = ap.memory_report(state, *batch)
+    assert report["update"] == "whole"
+    assert "reads the gradients, parameters or state of stages [0, 1]" in \
+        report["whole_because"]
+    total = sum(x.nbytes for x in _data()[0].values())
+    assert report["params"] == total
+
+
+def test_an_optimizer_reading_another_stage_stays_exact():
+    """A hand-written update whose stage-1 updates read stage 0's gradient."""
+    def init(params):
+        return ()
+
+    def update(grads, state, params=None):
+        pull = fs.ops.reduce_sum(grads["w1"]) * 0.01
+        return {k: g * -0.1 - (pull if k.endswith("2") else 0.0)
+                for k, g in grads.items()}, state
+
+    ap, state, batch = _check_like_unpipelined(fs.optim.Optimizer(init, update))
+    why = ap.memory_report(state, *batch)["whole_because"]
+    assert "parameter ['b2'] (stage 1's) reads" in why and "[0, 1]" in why
+
+
+def test_a_state_leaf_summarising_every_gradient_stays_whole():
+    """A state scalar no parameter owns, updated from every stage's gradients (a
+    running gradient norm): no stage owns it, so the update cannot split."""
+    def init(params):
+        return (np.zeros((), np.float32),)
+
+    def update(grads, state, params=None):
+        sq = sum(fs.ops.reduce_sum(g * g) for g in fs.tree.leaves(grads))
+        return {k: g * -0.1 for k, g in grads.items()}, (state[0] * 0.5 + sq,)
+
+    ap, state, batch = _check_like_unpipelined(fs.optim.Optimizer(init, update))
+    report = ap.memory_report(state, *batch)
+    assert report["update"] == "whole"
+    assert "optimizer-state leaf [0] (no stage's own)" in report["whole_because"]
+
+
+def test_a_stage_without_parameters_and_a_frozen_one():
+    """Stage 1 computes the loss from its input alone (nothing to update); a frozen
+    parameter of stage 0 stays as it was."""
+    import mindspore as ms
+    from mindspore import nn
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.d1 = nn.Dense(8, 8)
+            self.scale = ms.Parameter(ms.Tensor(np.arange(1, 9, dtype=np.float32)),
+                                      name="scale", requires_grad=False)
+
+        def construct(self, x, y):
+            h = fs.pipeline_split(self.d1(x) * self.scale)
+            return ((h - y) ** 2).mean()
+
+    rng = np.random.default_rng(1)
+    x, y = (rng.normal(size=(16, 8)).astype(np.float32) for _ in range(2))
+    net = Net()
+    piped = fs.AutoParallel(net, fs.optim.adam(0.1), mesh=4).pipeline(stages=2,
+                                                                      micro_batches=2)
+    plain = fs.AutoParallel(net, fs.optim.adam(0.1), mesh=4)
+    s1, s2 = piped.init(), plain.init()
+    for _ in range(2):
+        s1, l1 = piped(s1, x, y)
+        s2, l2 = plain(s2, x, y)
+    _close(l1.asnumpy(), l2.asnumpy())
+    for k in s2.params:
+        _close(s1.params[k].asnumpy(), s2.params[k].asnumpy())
+    np.testing.assert_array_equal(s1.params["scale"].asnumpy(), np.arange(1, 9))
+    report = piped.memory_report(s1, x, y)
+    assert report["update"] == "per_stage"
+    assert report["stages"][1] == {"params": 0, "grads": 0, "optimizer_state": 0}
+    assert report["stages"][0]["params"] == (8 * 8 + 8 + 8) * 4
+
+
+@pytest.mark.full  # ~10 s: two more configurations compiled
+def test_loss_scaling_and_gradient_accumulation_stay_exact():
+    """Skipping non-finite steps reads every stage's gradients (whole update);
+    multi_steps' accumulation is per leaf. Both train as unpipelined."""
+    scaled = fs.amp.loss_scaled(fs.optim.adam(1e-2), fs.amp.DynamicLossScale(2.0 ** 4))
+    ap, state, batch = _check_like_unpipelined(scaled)
+    assert ap.memory_report(state, *batch)["update"] == "whole"
+    _check_like_unpipelined(fs.optim.multi_steps(fs.optim.adam(1e-2), 2))

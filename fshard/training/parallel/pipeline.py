@@ -55,7 +55,7 @@ import numpy as np
 
 from fshard.core import context, dtypes, tree
 from fshard.meshes import distributed
-from fshard.core.tracing import ArrayType, Tracer, typeof
+from fshard.core.tracing import ArrayType, Tracer, bind, typeof
 from fshard.core.dims import planning_size
 from fshard.errors import ArgumentError, FshardError, PipelineBalanceWarning
 from fshard.adapter.interop import check_context_mode
@@ -72,7 +72,8 @@ from fshard.primitives.passes import reduce_in_float32
 from fshard.training.parallel.options import ParallelMode
 from fshard.training.parallel.schedule import Event, Schedule, check_config
 from fshard.primitives import collectives as C
-from fshard.primitives.elementwise import cast
+from fshard.primitives.base import add_p
+from fshard.primitives.elementwise import cast, maximum_p, minimum_p
 from fshard.primitives.pipeline import pipeline_split_p
 from fshard.primitives.spmd import layout_constraint_p
 from fshard.primitives.structural import concat, reshape
@@ -1220,100 +1221,174 @@ class PipelinedStep:
 # ---------------------------------------------------------------------------
 
 
+#: Operations whose operands may come from several stages: associative and
+#: commutative, so each stage can reduce its own terms and the stages' partial results
+#: combine (a psum or pmax over the pipeline: a global norm's sum of squares and the
+#: largest magnitude it scales by).
+_REDUCIBLE = (add_p, maximum_p, minimum_p)
+
+
+class _Reduction:
+    """A reduction over several stages' values, pending until something else reads it:
+    its operation and, per stage, the terms that stage holds; ``rep`` the terms every
+    stage holds (counted once)."""
+
+    def __init__(self, prim, params):
+        self.prim, self.params = prim, params
+        self.terms: dict = {}   # stage -> [its terms, in program order]
+        self.rep: list = []
+
+    def absorb(self, label, atom):
+        if isinstance(label, _Reduction):
+            for s, ts in label.terms.items():
+                self.terms.setdefault(s, []).extend(ts)
+            self.rep.extend(label.rep)
+        elif label is None:
+            self.rep.append(atom)
+        else:
+            self.terms.setdefault(label, []).append(atom)
+
+
+def _fold(prim, params, values):
+    out = values[0]
+    for v in values[1:]:
+        out = bind(prim, out, v, **params)
+    return out
+
+
 class StageUpdate:
-    """The optimizer update cut into one program per stage, each reading and writing
-    only its stage's parameters, gradients and optimizer state (and the state leaves
-    no parameter owns, such as Adam's step count, which every stage reads), plus a
-    ``shared`` program for those unowned leaves, the step count and the loss: what
+    """The optimizer update cut into programs per stage, each reading and writing only
+    its stage's parameters, gradients and optimizer state (and the state leaves no
+    parameter owns, such as Adam's step count, which every stage holds), plus
+    ``shared`` programs for those unowned leaves, the step count and the loss: what
     MindSpore's and Megatron-LM's stages each run on their own state.
 
     Found by tracing the update once leaf by leaf (``context.split_updates``) and
-    following each output back to the inputs it reads: each stage's program is the
-    equations its outputs need, the very operations of the whole update. An update
-    whose outputs read several stages' inputs (a global-norm clip, a loss scale that
-    skips non-finite steps) does not split: ``split_update`` says why."""
+    labelling every value with the stage whose inputs it reads (``None``: no stage's,
+    every stage computes it). A sum, maximum or minimum of several stages' values (a
+    global norm's sum of squares, the largest magnitude it scales by) is a cross-stage
+    reduction: each stage reduces its own terms, the partial results combine (what a
+    psum or pmax over the pipeline does), and every stage holds the result. So the
+    update runs in phases: per reduction, each stage's partial and their combination;
+    then each stage's outputs. Every program is made of the update's own operations;
+    a reduction's terms are regrouped by stage, so a float sum may round differently.
+    Any other operation reading several stages' values does not split: ``split_update``
+    says which."""
 
-    def __init__(self, traced, owner_in: list, owner_out: list, n_p: int, n_o: int,
-                 S: int, name: str):
+    def __init__(self, traced, owner_in: list, owner_out: list, roots: list, n_p: int,
+                 n_o: int, S: int, name: str):
         prog = traced.program
         self.S, self.n_p, self.n_o = S, n_p, n_o
-        n_c = prog.n_consts
-        consts = list(traced.consts)
-        const_vars = prog.inputs[:n_c]
-        ins = prog.inputs[n_c:]   # grads (n_p), opt state (n_o), params (n_p)
-        producer = {}
-        for i, eq in enumerate(prog.equations):
-            for v in eq.outputs:
-                producer[v] = i
-        # per stage (and None: the shared leaves): outputs, inputs, equations
+        self._prog, self._consts = prog, list(traced.consts)
+        ins = prog.inputs[prog.n_consts:]   # grads (n_p), opt state (n_o), params (n_p)
+        self._producer = {v: i for i, eq in enumerate(prog.equations) for v in eq.outputs}
         self.out_idx = {s: [j for j, o in enumerate(owner_out) if o == s]
                         for s in list(range(S)) + [None]}
         self.p_idx = {s: [i for i in range(n_p) if owner_in[i] == s] for s in range(S)}
         self.o_idx = {s: [k for k in range(n_o) if owner_in[n_p + k] == s]
                       for s in list(range(S)) + [None]}
+        #: The cross-stage reductions, in the order they are needed: (the value, its
+        #: ``_Reduction``).
+        self.reductions = roots
+        shared_in = [ins[n_p + k] for k in self.o_idx[None]]
+        root_vars = [v for v, _ in roots]
+
+        def own_in(s):
+            p, o = self.p_idx[s], self.o_idx[s]
+            return ([ins[i] for i in p] + [ins[n_p + k] for k in o] + shared_in
+                    + [ins[n_p + n_o + i] for i in p])
+
+        # per reduction: each stage's partial, then their combination
+        self.partials, self.combines = [], []
+        for k, (_, red) in enumerate(roots):
+            fold = (lambda red: lambda got: [_fold(red.prim, red.params, got)])(red)
+            self.partials.append({s: self._compile(
+                own_in(s) + root_vars[:k], ts, fold, f"{name}_stage{s}_partial{k}")
+                for s, ts in sorted(red.terms.items())})
+            n_parts = len(red.terms)
+
+            def combine(got, red=red, n_parts=n_parts):
+                return [_fold(red.prim, red.params, list(got[-n_parts:]) + got[:-n_parts])]
+
+            self.combines.append(self._compile(
+                shared_in + root_vars[:k], red.rep, combine, f"{name}_combine{k}",
+                extra=(None,) * n_parts))
         self.fns = {}
-        for s in list(range(S)) + [None]:
-            if s is not None and not self.out_idx[s]:
+        for s in range(S):
+            outs = [prog.outputs[j] for j in self.out_idx[s]]
+            if not outs:
                 continue  # (a stage without trained parameters has nothing to update)
-            need, todo = set(), [prog.outputs[j] for j in self.out_idx[s]]
-            while todo:
-                v = todo.pop()
-                i = producer.get(v) if isinstance(v, Var) else None
-                if i is None or i in need:
-                    continue
-                need.add(i)
-                todo.extend(a for a in prog.equations[i].inputs if isinstance(a, Var))
-            eqs = [eq for i, eq in enumerate(prog.equations) if i in need]
-            self.fns[s] = self._compile(s, eqs, prog, const_vars, consts, ins, name)
+            n_up, n_out = sum(1 for j in self.out_idx[s] if j < n_p), len(outs)
 
-    def _compile(self, s, eqs, prog, const_vars, consts, ins, name):
-        n_p, n_o = self.n_p, self.n_o
-        outs = [prog.outputs[j] for j in self.out_idx[s]]
-        shared_o = self.o_idx[None]
-        if s is None:
-            in_vars = [ins[n_p + k] for k in shared_o]
+            def finish(got, n_up=n_up, n_out=n_out):  # (got: outputs, then parameters)
+                return apply_updates(got[n_out:], got[:n_up]), got[n_up:n_out]
 
-            def run(o_shared, step, loss_sum, scale):
-                env = dict(zip(const_vars, consts))
-                env.update(zip(in_vars, o_shared))
-                read = walk_equations(eqs, env, bind_equation, "the shared optimizer update:")
-                return [read(v) for v in outs], step + 1, loss_sum * scale
+            params = [ins[n_p + n_o + i] for i in self.p_idx[s]]
+            self.fns[s] = self._compile(own_in(s) + root_vars, outs + params, finish,
+                                        f"{name}_stage{s}")
+        shared_outs = [prog.outputs[j] for j in self.out_idx[None]]
 
-            run.__name__ = f"pipeline_finish_{name}_shared"
-            return jit(run)
-        p_idx, o_idx = self.p_idx[s], self.o_idx[s]
-        in_vars = ([ins[i] for i in p_idx] + [ins[n_p + k] for k in o_idx]
-                   + [ins[n_p + k] for k in shared_o] + [ins[n_p + n_o + i] for i in p_idx])
-        n_up = sum(1 for j in self.out_idx[s] if j < n_p)
+        def shared(got, n=len(shared_outs)):  # (got: outputs, then step, loss sum, scale)
+            step, loss_sum, scale = got[n:]
+            return got[:n], step + 1, loss_sum * scale
 
-        def run(grads, opt, o_shared, params):
+        self.fns[None] = self._compile(shared_in + root_vars, shared_outs, shared,
+                                       f"{name}_shared", extra=(None,) * 3)
+
+    def _compile(self, in_vars: list, targets: list, post, name: str, extra=()):
+        """A compiled ``values -> post([targets])``: the update's equations that the
+        ``targets`` need, given ``in_vars`` (the constants the trace captured are
+        bound too); ``extra``: how many further values (one ``None`` each) come after
+        those of ``in_vars`` and are appended to what ``post`` gets."""
+        prog, producer = self._prog, self._producer
+        given = set(in_vars)
+        need, todo = set(), [t for t in targets if isinstance(t, Var)]
+        while todo:
+            v = todo.pop()
+            i = None if v in given else producer.get(v)
+            if i is None or i in need:
+                continue
+            need.add(i)
+            todo.extend(a for a in prog.equations[i].inputs if isinstance(a, Var))
+        eqs = [eq for i, eq in enumerate(prog.equations) if i in need]
+        const_vars, consts = prog.inputs[:prog.n_consts], self._consts
+        n_in = len(in_vars)
+
+        def run(values):
             env = dict(zip(const_vars, consts))
-            env.update(zip(in_vars, list(grads) + list(opt) + list(o_shared) + list(params)))
-            read = walk_equations(eqs, env, bind_equation,
-                                  f"the optimizer update of pipeline stage {s}:")
-            got = [read(v) for v in outs]
-            return apply_updates(list(params), got[:n_up]), got[n_up:]
+            env.update(zip(in_vars, values[:n_in]))
+            read = walk_equations(eqs, env, bind_equation, f"the optimizer update ({name}):")
+            return post([read(t) for t in targets] + list(values[n_in:n_in + len(extra)]))
 
-        run.__name__ = f"pipeline_finish_{name}_stage{s}"
+        run.__name__ = f"pipeline_finish_{name}"
         return jit(run)
 
     def __call__(self, params: list, grads: list, opt: list, step, loss_sum, scale):
-        """The new parameter and optimizer-state leaves, step and loss: each stage's
-        program on its own leaves, the shared one once."""
+        """The new parameter and optimizer-state leaves, step and loss: the
+        reductions' partials and combinations, then each stage's program on its own
+        leaves, the shared one once."""
         n_p = self.n_p
-        o_shared = [opt[k] for k in self.o_idx[None]]
+        shared = [opt[k] for k in self.o_idx[None]]
+
+        def own(s):
+            p, o = self.p_idx[s], self.o_idx[s]
+            return ([grads[i] for i in p] + [opt[k] for k in o] + shared
+                    + [params[i] for i in p])
+
+        roots: list = []
+        for partials, combine in zip(self.partials, self.combines):
+            got = [fn(own(s) + roots)[0] for s, fn in partials.items()]
+            roots.append(combine(shared + roots + got)[0])
         new_p, new_o = list(params), list(opt)
         for s in range(self.S):
             if s not in self.fns:
                 continue
-            p_s, o_s = self.p_idx[s], self.o_idx[s]
-            got_p, got_o = self.fns[s]([grads[i] for i in p_s], [opt[k] for k in o_s],
-                                       o_shared, [params[i] for i in p_s])
-            for i, x in zip(p_s, got_p):
-                new_p[i] = x
-            for k, x in zip(o_s, got_o):
+            got_p, got_o = self.fns[s](own(s) + roots)
+            for i, u in zip(self.p_idx[s], got_p):
+                new_p[i] = u
+            for k, x in zip(self.o_idx[s], got_o):
                 new_o[k] = x
-        got, step, loss = self.fns[None](o_shared, step, loss_sum, scale)
+        got, step, loss = self.fns[None](shared + roots + [step, loss_sum, scale])
         for j, x in zip(self.out_idx[None], got):
             new_o[j - n_p] = x
         return new_p, new_o, step, loss
@@ -1322,9 +1397,10 @@ class StageUpdate:
 def split_update(opt_update, state, stage_of: dict, S: int, frozen: set, name: str):
     """``opt_update`` (``(grads, opt_state, params) -> (updates, new_state)``) split by
     stage (a ``StageUpdate``), or the reason it does not split (a string): the first
-    output that reads the inputs of a stage other than its own."""
-    p_leaves, p_tree = tree.flatten(state.params)
-    o_leaves, o_tree = tree.flatten(state.opt_state)
+    operation that reads several stages' values other than by a cross-stage sum,
+    maximum or minimum, or an output that reads a stage other than its own."""
+    p_leaves = tree.leaves(state.params)
+    o_leaves = tree.leaves(state.opt_state)
     n_p, n_o = len(p_leaves), len(o_leaves)
     in_tree = tree.structure(((state.params, state.opt_state, state.params), {}))
     avals = [typeof(x) for x in p_leaves + o_leaves + p_leaves]
@@ -1338,27 +1414,52 @@ def split_update(opt_update, state, stage_of: dict, S: int, frozen: set, name: s
     owner_in = p_stage + o_stage + p_stage
     owner_out = p_stage + o_stage
     prog = traced.program
-    n_c = prog.n_consts
-    reads: dict = {}   # Var -> the stages of the inputs it depends on
-    for v, o in zip(prog.inputs[n_c:], owner_in):
-        reads[v] = frozenset(() if o is None else (o,))
+    # each value's label: the stage whose inputs it reads, None (no stage's: every
+    # stage computes it) or a pending cross-stage _Reduction
+    label: dict = dict(zip(prog.inputs[prog.n_consts:], owner_in))
+    roots: list = []   # the reductions read by something else, in that order
+
+    def read(a):
+        got = label.get(a) if isinstance(a, Var) else None
+        if isinstance(got, _Reduction):  # combined here: every stage holds the result
+            roots.append((a, got))
+            label[a] = got = None
+        return got
+
     for eq in prog.equations:
-        got = frozenset().union(*(reads.get(a, frozenset()) for a in eq.inputs
-                                  if isinstance(a, Var)))
+        ls = [label.get(a) if isinstance(a, Var) else None for a in eq.inputs]
+        staged = {x for x in ls if isinstance(x, int)}
+        pending = [x for x in ls if isinstance(x, _Reduction)]
+        out = eq.outputs[0].aval if len(eq.outputs) == 1 else None
+        if eq.prim in _REDUCIBLE and out is not None and (len(staged) > 1 or pending) \
+                and all(tuple(a.aval.shape) == tuple(out.shape) and a.aval.dtype == out.dtype
+                        for a in eq.inputs) \
+                and all(r.prim is eq.prim and _exact(r.params) == _exact(eq.params)
+                        for r in pending):
+            red = _Reduction(eq.prim, eq.params)
+            for a, x in zip(eq.inputs, ls):
+                red.absorb(x, a)
+            label[eq.outputs[0]] = red
+            continue
+        staged = {x for x in (read(a) for a in eq.inputs) if x is not None}
+        if len(staged) > 1:
+            at = f" (at {eq.source})" if eq.source else ""
+            return (f"an operation ({eq.prim.name}{at}) reads the gradients, parameters "
+                    f"or state of stages {sorted(staged)}, other than by a sum, maximum "
+                    "or minimum over them")
         for v in eq.outputs:
-            reads[v] = got
+            label[v] = staged.pop() if staged else None
     o_paths = [tree.keystr(p) for p in tree.flatten_with_path(state.opt_state)[0]]
     p_paths = [tree.keystr(p) for p in tree.flatten_with_path(state.params)[0]]
     for j, (v, o) in enumerate(zip(prog.outputs, owner_out)):
-        got = reads.get(v, frozenset()) if isinstance(v, Var) else frozenset()
-        if got <= frozenset(() if o is None else (o,)):
+        got = read(v)
+        if got is None or got == o:
             continue
         what = (f"the update of parameter {p_paths[j] or '0'}" if j < n_p else
                 f"the optimizer-state leaf {o_paths[j - n_p] or '0'}")
         where = "no stage's own" if o is None else f"stage {o}'s"
-        return (f"{what} ({where}) reads the gradients, parameters or state of stage"
-                f"{'s' if len(got) > 1 else ''} {sorted(got)}")
-    return StageUpdate(traced, owner_in, owner_out, n_p, n_o, S, name)
+        return f"{what} ({where}) reads the gradients, parameters or state of stage {got}"
+    return StageUpdate(traced, owner_in, owner_out, roots, n_p, n_o, S, name)
 
 
 def _local_norms(norms, fixed, params: dict, grads: dict) -> tuple:

@@ -1346,10 +1346,13 @@ class AutoParallel:
         level1, whose update slices it; split like the optimizer state from level2).
 
         With a pipeline: the state as the step's final program (the optimizer update)
-        lays it out, every device holding every stage's state (ZeRO splits each leaf
-        over its stage's devices), and ``"stages"``, one entry per stage: the bytes per
-        device of that stage's own parameters, their gradients and the optimizer
-        state that copies them."""
+        lays it out, and ``"stages"``, one entry per stage: the bytes per device of
+        that stage's own parameters, their gradients and the optimizer state that
+        copies them. ``"update"`` says how the update runs: ``"per_stage"`` (each
+        device keeps and updates its own stage's state and the leaves no stage owns;
+        the totals are the most any device keeps) or ``"whole"`` (every device keeps
+        every stage's state, ZeRO splitting each leaf over its stage's devices;
+        ``"whole_because"`` says why)."""
         self._check_state(state, ".memory_report(state, *batch)")
         if self._pipeline is not None:
             return self._pipeline.step_for(state, *batch).memory_report(state)

@@ -24,7 +24,10 @@ train step into a pipelined one:
    last chunk seeding ``1 / (M * dp)`` for a loss that is a mean over the examples and
    ``1`` for a sum over them divided by a constant (``loss_combination`` tells them
    apart on the first step and refuses any other loss), and the optimizer runs once:
-   exactly the gradient of the full batch's loss.
+   exactly the gradient of the full batch's loss. On a virtual mesh without ZeRO the
+   update is split by stage when it can be (``StageUpdate``): each stage's devices
+   update only their own parameters and optimizer state, a sum or maximum over
+   several stages' values (a global norm) combining the stages' partial results.
 
 Where it runs:
 

@@ -1304,18 +1304,18 @@ class StageUpdate:
         # per reduction: each stage's partial, then their combination
         self.partials, self.combines = [], []
         for k, (_, red) in enumerate(roots):
-            fold = (lambda red: lambda got: [_fold(red.prim, red.params, got)])(red)
+            def partial(got, red=red):  # (got: the stage's terms)
+                return [_fold(red.prim, red.params, got)]
+
+            def combine(got, red=red, n=len(red.terms)):  # (got: rep terms, partials)
+                return [_fold(red.prim, red.params, list(got[-n:]) + got[:-n])]
+
             self.partials.append({s: self._compile(
-                own_in(s) + root_vars[:k], ts, fold, f"{name}_stage{s}_partial{k}")
+                own_in(s) + root_vars[:k], ts, partial, f"{name}_stage{s}_partial{k}")
                 for s, ts in sorted(red.terms.items())})
-            n_parts = len(red.terms)
-
-            def combine(got, red=red, n_parts=n_parts):
-                return [_fold(red.prim, red.params, list(got[-n_parts:]) + got[:-n_parts])]
-
             self.combines.append(self._compile(
                 shared_in + root_vars[:k], red.rep, combine, f"{name}_combine{k}",
-                extra=(None,) * n_parts))
+                n_extra=len(red.terms)))
         self.fns = {}
         for s in range(S):
             outs = [prog.outputs[j] for j in self.out_idx[s]]
@@ -1336,13 +1336,13 @@ class StageUpdate:
             return got[:n], step + 1, loss_sum * scale
 
         self.fns[None] = self._compile(shared_in + root_vars, shared_outs, shared,
-                                       f"{name}_shared", extra=(None,) * 3)
+                                       f"{name}_shared", n_extra=3)
 
-    def _compile(self, in_vars: list, targets: list, post, name: str, extra=()):
+    def _compile(self, in_vars: list, targets: list, post, name: str, n_extra: int = 0):
         """A compiled ``values -> post([targets])``: the update's equations that the
         ``targets`` need, given ``in_vars`` (the constants the trace captured are
-        bound too); ``extra``: how many further values (one ``None`` each) come after
-        those of ``in_vars`` and are appended to what ``post`` gets."""
+        bound too); the ``n_extra`` values after those of ``in_vars`` are appended to
+        what ``post`` gets."""
         prog, producer = self._prog, self._producer
         given = set(in_vars)
         need, todo = set(), [t for t in targets if isinstance(t, Var)]
@@ -1361,7 +1361,7 @@ class StageUpdate:
             env = dict(zip(const_vars, consts))
             env.update(zip(in_vars, values[:n_in]))
             read = walk_equations(eqs, env, bind_equation, f"the optimizer update ({name}):")
-            return post([read(t) for t in targets] + list(values[n_in:n_in + len(extra)]))
+            return post([read(t) for t in targets] + list(values[n_in:n_in + n_extra]))
 
         run.__name__ = f"pipeline_finish_{name}"
         return jit(run)
@@ -1437,8 +1437,8 @@ def split_update(opt_update, state, stage_of: dict, S: int, frozen: set, name: s
         if eq.prim in _REDUCIBLE and out is not None and (len(staged) > 1 or pending) \
                 and all(tuple(a.aval.shape) == tuple(out.shape) and a.aval.dtype == out.dtype
                         for a in eq.inputs) \
-                and all(r.prim is eq.prim and _exact(r.params) == _exact(eq.params)
-                        for r in pending):
+                and all(r.prim is eq.prim and _exact(eq.params) is not None
+                        and _exact(r.params) == _exact(eq.params) for r in pending):
             red = _Reduction(eq.prim, eq.params)
             for a, x in zip(eq.inputs, ls):
                 red.absorb(x, a)

@@ -964,19 +964,18 @@ class PipelinedStep:
         if self.rank is not None:
             return ("in a multi-process job every process runs the whole update and keeps "
                     "the whole trained state")
-        if self.zero is not None:
-            return ("hsdp(...) splits every stage's state over the devices of every stage "
-                    "(the update traced whole)")
         if ap.options.local_norm:
             return "device-local norms are taken over the whole gradient"
         stage_of = {i: c % self.S for c, owned in enumerate(self.plan.chunk_params)
                     for i in owned}
         opt_update = ap.step_optimizer().update
         frozen = ap._frozen()
+        zero = None if self.zero is None else (self.dp, self.groups, *self.zero, self.fp32)
         key = ("stages", self.S, tuple(sorted(stage_of.items())), tuple(sorted(frozen)),
                tree.structure((state.params, state.opt_state)),
                tuple((tuple(typeof(x).shape), typeof(x).dtype)
-                     for x in tree.leaves((state.params, state.opt_state))))
+                     for x in tree.leaves((state.params, state.opt_state))),
+               None if zero is None else _exact(zero))
         try:
             per_opt = _FINISHES.setdefault(opt_update, {})
         except TypeError:  # not weak-referenceable: split for this step alone
@@ -984,7 +983,7 @@ class PipelinedStep:
         hit = per_opt.get(key)
         if hit is None:
             hit = per_opt[key] = split_update(opt_update, state, stage_of, self.S, frozen,
-                                              self.plan.name)
+                                              self.plan.name, zero)
         return hit
 
     def _finish_zero(self, devices, state, p_leaves, loss_dtype):
@@ -1008,6 +1007,13 @@ class PipelinedStep:
         elif self.fp32:
             loss = cast(loss, loss_dtype)
         scale = np.asarray(self.loss_scale, loss_dtype)
+        if isinstance(self.split, StageUpdate):  # each stage updates its own leaves
+            p_leaves, p_tree = tree.flatten(state.params)
+            o_leaves, o_tree = tree.flatten(state.opt_state)
+            new_p, new_o, step, out = self.split(p_leaves, parts, o_leaves, state.step,
+                                                 loss, scale)
+            return (self.runner.state_cls(tree.unflatten(p_tree, new_p),
+                                          tree.unflatten(o_tree, new_o), step), out)
         new_p, new_o, step, out, *norms = self.finish(
             state.params, state.opt_state, state.step, parts, loss, scale)
         return (self.runner.state_cls(new_p, new_o, step), out, *norms)
@@ -1106,7 +1112,13 @@ class PipelinedStep:
                 "backward": bwd.strategies(pv, carry, batch, ct, pv)})
         out = {"format": "fshard-pipeline-operator-strategy", "devices": ap.n_devices,
                "stages": stages}
-        if self.zero is not None:
+        if isinstance(self.split, StageUpdate) and self.zero is not None:
+            # each stage's own update program (over its devices)
+            for s, st in enumerate(stages):
+                fn = self.split.fns.get(s)
+                if fn is not None:
+                    st["finish"] = fn.sharded.strategies(fn.in_avals)
+        elif self.zero is not None:
             out["finish"] = self.finish_sharded.strategies(*self.finish_args(state))
         return out
 
@@ -1131,6 +1143,16 @@ class PipelinedStep:
             p_b = [nbytes(x) for x in p_leaves]
             g_b = list(p_b)
             o_b = [nbytes(x) for x in o_leaves]
+        elif isinstance(self.split, StageUpdate):
+            # each stage's programs take their leaves split by ZeRO's counts over the
+            # stage's devices (fs.shard's in_strategy), a gradient as its level says
+            def split(x, counts):
+                return nbytes(x) // (math.prod(counts) if counts else 1)
+
+            p_counts, g_counts, o_counts = self.zero
+            p_b = [split(x, c) for x, c in zip(p_leaves, p_counts)]
+            g_b = [split(x, c) for x, c in zip(p_leaves, g_counts)]
+            o_b = [split(x, c) for x, c in zip(o_leaves, o_counts)]
         else:
             args = self.finish_args(state)
             part = self.finish_sharded.partitioned(*args)
@@ -1279,11 +1301,26 @@ class StageUpdate:
     says which."""
 
     def __init__(self, traced, owner_in: list, owner_out: list, roots: list, n_p: int,
-                 n_o: int, S: int, name: str):
+                 n_o: int, S: int, name: str, zero=None):
         prog = traced.program
         self.S, self.n_p, self.n_o = S, n_p, n_o
         self._prog, self._consts = prog, list(traced.consts)
         ins = prog.inputs[prog.n_consts:]   # grads (n_p), opt state (n_o), params (n_p)
+        #: ZeRO inside the stages: ``(dp, replicas, param, grad, state counts, fp32)``;
+        #: each program then runs through ``fs.shard`` on its stage's ``dp`` devices,
+        #: its gradients coming in as the replicas' sums stacked (``_finish_zero``).
+        self.zero = zero
+        self._layout: dict = {}   # input Var -> its split counts (ZeRO)
+        if zero is not None:
+            dp, groups, p_counts, g_counts, o_counts, _ = zero
+            for i in range(n_p):
+                nd = ins[i].aval.ndim
+                self._layout[ins[i]] = (groups,) + (1,) * nd   # (stacked)
+                self._layout[ins[n_p + n_o + i]] = p_counts[i] or (1,) * nd
+            for k in range(n_o):
+                self._layout[ins[n_p + k]] = o_counts[k] or (1,) * ins[n_p + k].aval.ndim
+            self._grads = {ins[i]: g_counts[i] or (1,) * ins[i].aval.ndim
+                           for i in range(n_p)}
         self._producer = {v: i for i, eq in enumerate(prog.equations) for v in eq.outputs}
         self.out_idx = {s: [j for j, o in enumerate(owner_out) if o == s]
                         for s in list(range(S)) + [None]}
@@ -1303,19 +1340,20 @@ class StageUpdate:
 
         # per reduction: each stage's partial, then their combination
         self.partials, self.combines = [], []
-        for k, (_, red) in enumerate(roots):
+        for k, (root, red) in enumerate(roots):
             def partial(got, red=red):  # (got: the stage's terms)
                 return [_fold(red.prim, red.params, got)]
 
             def combine(got, red=red, n=len(red.terms)):  # (got: rep terms, partials)
                 return [_fold(red.prim, red.params, list(got[-n:]) + got[:-n])]
 
+            whole = (1,) * root.aval.ndim
             self.partials.append({s: self._compile(
-                own_in(s) + root_vars[:k], ts, partial, f"{name}_stage{s}_partial{k}")
-                for s, ts in sorted(red.terms.items())})
+                own_in(s) + root_vars[:k], ts, partial, f"{name}_stage{s}_partial{k}",
+                out=[whole]) for s, ts in sorted(red.terms.items())})
             self.combines.append(self._compile(
                 shared_in + root_vars[:k], red.rep, combine, f"{name}_combine{k}",
-                n_extra=len(red.terms)))
+                extra=[whole] * len(red.terms), out=[whole]))
         self.fns = {}
         for s in range(S):
             outs = [prog.outputs[j] for j in self.out_idx[s]]
@@ -1327,22 +1365,28 @@ class StageUpdate:
                 return apply_updates(got[n_out:], got[:n_up]), got[n_up:n_out]
 
             params = [ins[n_p + n_o + i] for i in self.p_idx[s]]
+            out = ([self._layout.get(v) for v in params],
+                   [self._layout.get(ins[n_p + k]) for k in self.o_idx[s]])
             self.fns[s] = self._compile(own_in(s) + root_vars, outs + params, finish,
-                                        f"{name}_stage{s}")
+                                        f"{name}_stage{s}", out=out)
         shared_outs = [prog.outputs[j] for j in self.out_idx[None]]
 
         def shared(got, n=len(shared_outs)):  # (got: outputs, then step, loss sum, scale)
             step, loss_sum, scale = got[n:]
             return got[:n], step + 1, loss_sum * scale
 
+        out = ([self._layout.get(ins[n_p + k]) for k in self.o_idx[None]], (), ())
         self.fns[None] = self._compile(shared_in + root_vars, shared_outs, shared,
-                                       f"{name}_shared", n_extra=3)
+                                       f"{name}_shared", extra=[(), (), ()], out=out)
 
-    def _compile(self, in_vars: list, targets: list, post, name: str, n_extra: int = 0):
+    def _compile(self, in_vars: list, targets: list, post, name: str, extra=(), out=None):
         """A compiled ``values -> post([targets])``: the update's equations that the
         ``targets`` need, given ``in_vars`` (the constants the trace captured are
-        bound too); the ``n_extra`` values after those of ``in_vars`` are appended to
-        what ``post`` gets."""
+        bound too); the ``len(extra)`` values after those of ``in_vars`` are appended
+        to what ``post`` gets. With ZeRO the program runs through ``fs.shard`` on a
+        stage's devices: the inputs laid out by their split counts (``extra`` and
+        values computed by other programs whole: the counts ``extra`` holds), each
+        stacked gradient summed into its own layout, the outputs as ``out`` says."""
         prog, producer = self._prog, self._producer
         given = set(in_vars)
         need, todo = set(), [t for t in targets if isinstance(t, Var)]
@@ -1355,16 +1399,35 @@ class StageUpdate:
             todo.extend(a for a in prog.equations[i].inputs if isinstance(a, Var))
         eqs = [eq for i, eq in enumerate(prog.equations) if i in need]
         const_vars, consts = prog.inputs[:prog.n_consts], self._consts
-        n_in = len(in_vars)
+        n_in, n_extra, zero = len(in_vars), len(extra), self.zero is not None
+        grads = self._grads if zero else {}
 
         def run(values):
             env = dict(zip(const_vars, consts))
-            env.update(zip(in_vars, values[:n_in]))
+            for v, x in zip(in_vars, values[:n_in]):
+                # (ZeRO: a gradient's replicas summed, laid out as the level says: whole
+                # at level1, an AllReduce; split from level2, a reduce-scatter)
+                env[v] = (with_sharding_constraint(x.sum(axis=0), grads[v]) if v in grads
+                          else x)
             read = walk_equations(eqs, env, bind_equation, f"the optimizer update ({name}):")
             return post([read(t) for t in targets] + list(values[n_in:n_in + n_extra]))
 
         run.__name__ = f"pipeline_finish_{name}"
-        return jit(run)
+        if not zero:
+            return jit(run)
+        strategies = [self._layout.get(v, (1,) * v.aval.ndim) for v in in_vars] + list(extra)
+        s = shard(run, in_strategy=(strategies,), out_strategy=out,
+                  mesh=Mesh(self.zero[0], "stage", virtual=True), level=2, search=False,
+                  dataset_strategy="full_batch")
+        s.search = "follow_inputs"  # (the layouts are given: no search)
+        if self.zero[-1]:
+            s.passes = (reduce_in_float32,)
+        fn = jit(s)
+        # (its operator strategies, on these input types: operator_strategies)
+        fn.sharded = s
+        fn.in_avals = [ArrayType((self.zero[1],) + tuple(v.aval.shape), v.aval.dtype)
+                       if v in grads else v.aval for v in in_vars]
+        return fn
 
     def __call__(self, params: list, grads: list, opt: list, step, loss_sum, scale):
         """The new parameter and optimizer-state leaves, step and loss: the
@@ -1397,7 +1460,8 @@ class StageUpdate:
         return new_p, new_o, step, loss
 
 
-def split_update(opt_update, state, stage_of: dict, S: int, frozen: set, name: str):
+def split_update(opt_update, state, stage_of: dict, S: int, frozen: set, name: str,
+                 zero=None):
     """``opt_update`` (``(grads, opt_state, params) -> (updates, new_state)``) split by
     stage (a ``StageUpdate``), or the reason it does not split (a string): the first
     operation that reads several stages' values other than by a cross-stage sum,
@@ -1462,7 +1526,7 @@ def split_update(opt_update, state, stage_of: dict, S: int, frozen: set, name: s
                 f"the optimizer-state leaf {o_paths[j - n_p] or '0'}")
         where = "no stage's own" if o is None else f"stage {o}'s"
         return f"{what} ({where}) reads the gradients, parameters or state of stage {got}"
-    return StageUpdate(traced, owner_in, owner_out, roots, n_p, n_o, S, name)
+    return StageUpdate(traced, owner_in, owner_out, roots, n_p, n_o, S, name, zero)
 
 
 def _local_norms(norms, fixed, params: dict, grads: dict) -> tuple:

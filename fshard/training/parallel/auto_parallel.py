@@ -1506,8 +1506,9 @@ class AutoParallel:
         file) to ``file_path``; with ``file_path`` alone (MindSpore's form), when the step is
         first compiled. With a pipeline whose stages are sharded (``parameter_plan`` or
         strategies in the loss): one section per stage, each chunk's forward and
-        backward programs' strategies (``"stages"``), and with ZeRO the final
-        program's (``"finish"``)."""
+        backward programs' strategies (``"stages"``), and with ZeRO each stage's update
+        program's (its ``"finish"``; one ``"finish"`` over every device when the
+        update runs whole)."""
         if state is None:
             return self._defer("operator", "save_operator_strategy_file", file_path, batch)
         self._check_state(state, ".save_operator_strategy_file(file_path, state, *batch)")

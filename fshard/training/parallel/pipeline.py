@@ -24,10 +24,11 @@ train step into a pipelined one:
    last chunk seeding ``1 / (M * dp)`` for a loss that is a mean over the examples and
    ``1`` for a sum over them divided by a constant (``loss_combination`` tells them
    apart on the first step and refuses any other loss), and the optimizer runs once:
-   exactly the gradient of the full batch's loss. On a virtual mesh without ZeRO the
-   update is split by stage when it can be (``StageUpdate``): each stage's devices
-   update only their own parameters and optimizer state, a sum or maximum over
-   several stages' values (a global norm) combining the stages' partial results.
+   exactly the gradient of the full batch's loss. On a virtual mesh the update is
+   split by stage when it can be (``StageUpdate``): each stage's devices update only
+   their own parameters and optimizer state (with ZeRO, split over the stage's
+   devices), a sum or maximum over several stages' values (a global norm) combining
+   the stages' partial results.
 
 Where it runs:
 
@@ -1083,7 +1084,8 @@ class PipelinedStep:
     def operator_strategies(self, state) -> dict:
         """The operator strategies of the step's sharded programs: per stage, each of its
         chunks' forward and backward (``fs.shard``'s strategies, over the stage's
-        devices), and, with ZeRO, the final program's (over all the devices). Refused
+        devices), and, with ZeRO, its update program's (``"finish"``; one ``"finish"``
+        over all the devices when the update runs whole). Refused
         when the stages are data parallel (their programs have no strategies)."""
         ap, plan = self.runner.ap, self.plan
         if self.sharding is None:

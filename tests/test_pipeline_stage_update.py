@@ -1,9 +1,10 @@
 """A pipeline's optimizer update split by stage on a virtual mesh: each stage's devices
 update only their own parameters and optimizer state and keep only those
 (``memory_report``), with the numbers of the unpipelined run: Adam, SGD, AdamW, frozen
-parameters, and a global-norm clip, whose norm sums the stages' partial sums. An
-update that couples the stages otherwise (one stage's update reading another's
-gradient) runs whole on every device, exact, and ``memory_report`` says why."""
+parameters, a global-norm clip, whose norm sums the stages' partial sums, and loss
+scaling, whose finiteness test does. An update that couples the stages otherwise (one
+stage's update reading another's gradient) runs whole on every device, exact, also
+with ZeRO, and ``memory_report`` says why."""
 
 from __future__ import annotations
 

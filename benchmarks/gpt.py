@@ -20,10 +20,10 @@ cores show the job's cost, not a speedup.
 
 What "measured" means here (``measure_memory``):
 
-- parameters, gradients, optimizer state without a pipeline: ``ap.memory_report``,
-  the bytes each device holds in the step's plan;
-- with a pipeline: fshard keeps the whole train state on every device and gives every
-  device every gradient (docs/pipeline.md, "How a step runs"), so the whole model;
+- parameters, gradients, optimizer state: ``ap.memory_report``, the bytes each device
+  holds in the step's plan; with a pipeline whose update splits by stage (Adam's does)
+  a device's own stage's state, the most any stage holds (docs/pipeline.md, "The
+  optimizer update, stage by stage");
 - activations without a pipeline: the forward values the backward pass reads (the
   residuals), summed over the per-device program of the step (``residual_bytes``:
   values the loss depends on that a computation outside the forward reads);
@@ -107,11 +107,6 @@ def _np_dtype(dtype):
     return dtypes.to_numpy(dtype)
 
 
-def _tree_bytes(tree) -> int:
-    return sum(int(np.prod(x.shape)) * np.dtype(x.asnumpy().dtype).itemsize
-               for x in fs.tree.leaves(tree) if hasattr(x, "shape"))
-
-
 def formula(cfg: dict, layers: int = gpt.LAYERS, dim: int = gpt.DIM, ff: int = gpt.FF,
             vocab: int = gpt.VOCAB) -> dict:
     """Megatron-LM's per-device bytes for the combination (float32, Adam): each layer's
@@ -148,15 +143,16 @@ def measure_memory(label: str, cfg: dict, residuals_1: float | None = None,
     step.profile = True          # run as pieces: the stage inputs kept are counted
     ap(state, *batch)
     kept = max(s["peak_saved_bytes"] for s in step.stats)
-    whole = _tree_bytes(state.params)
+    report = ap.memory_report(state, *batch)
     same = dict(cfg)
     same.pop("pp")
     same["dp"] = same.get("dp", 1)
     key = (same.get("dp", 1), same.get("tp", 1), same.get("sp", False))
     base = (tp_residuals or {}).get(key)
     stage = 0.0 if base is None else base / (pp * step.M)
-    return {"params": whole, "grads": whole, "optimizer_state": _tree_bytes(state.opt_state),
-            "activations": kept + stage, "kept_inputs": kept}
+    return {"params": report["params"], "grads": report["grads"],
+            "optimizer_state": report["optimizer_state"], "activations": kept + stage,
+            "kept_inputs": kept, "update": report["update"]}
 
 
 def step_time(cfg: dict, runs: int) -> dict:
@@ -464,13 +460,10 @@ def gpt_parallel(ctx):
             continue
         first = time.perf_counter() - t0
         np.testing.assert_allclose(loss0, jit_losses[0], rtol=1e-4)
+        rep = ap.memory_report(holder["state"], *batch)
         if cfg.get("pp", 1) == 1:
-            rep = ap.memory_report(holder["state"], *batch)
             kinds = _collective_kinds(ap.partitioned(holder["state"], *batch))
         else:
-            # fshard's pipeline updates whole parameters on every device (pipeline.md)
-            rep = {"params": _tree_bytes(holder["state"].params), "grads": whole,
-                   "optimizer_state": _tree_bytes(holder["state"].opt_state)}
             kinds = {"stage transfer rounds": _transfer_rounds(ap)}
 
         def run(ap=ap, holder=holder):

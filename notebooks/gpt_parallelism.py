@@ -59,8 +59,9 @@ print("largest relative difference:",
 # For each combination on 8 devices (and one device), the bytes device 0 holds, measured
 # as `benchmarks/gpt.py` measures them (its docstring): parameters, gradients and Adam's
 # state from the step's plan, activations as the forward values the backward pass
-# reads. In a pipeline fshard keeps the whole train state on every device, so the
-# first three bars do not shrink with pp; its activations are the stage inputs kept
+# reads. In a pipeline each device keeps its own stage's train state, so the first
+# three bars shrink with pp (not with a tensor-parallel split inside a stage, whose
+# update runs on whole parameters); its activations are the stage inputs kept
 # between a micro-batch's forward and backward, plus one stage's recomputation.
 
 # %%

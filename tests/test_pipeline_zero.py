@@ -1,7 +1,8 @@
 """ZeRO (``hsdp``) inside pipeline stages on a virtual mesh of 8 devices = 2 stages x 4
-data-parallel: every level trains to the numbers of the unpipelined run without ZeRO,
-``memory_report`` gives each stage's state split over its 4 devices, and the
-combinations that stay refused say why and the fix."""
+data-parallel: every level trains to the numbers of the unpipelined run without ZeRO
+(each stage updating its own state over its 4 devices), ``memory_report`` gives each
+stage's state split over its 4 devices, and the combinations that stay refused say
+why and the fix."""
 
 from __future__ import annotations
 
@@ -68,7 +69,13 @@ def _zero_ap(level, **hsdp):
                                    pytest.param("level3", marks=pytest.mark.full)])
 def test_zero_inside_stages_trains_as_unpipelined(level, reference):
     params, batches = _data()
-    state, losses, trained = _train(_zero_ap(level), params, batches)
+    ap = _zero_ap(level)
+    state, losses, trained = _train(ap, params, batches)
+    # each stage updates its own state over its 4 devices; the clip's norm combines
+    # the stages' largest magnitudes and sums of squares
+    split = next(iter(ap._pipeline._steps.values())).split
+    assert isinstance(split, pipeline_mod.StageUpdate) and split.zero is not None
+    assert [r.prim.name for _, r in split.reductions] == ["maximum", "add"]
     _, ref_losses, ref_params = reference
     _close(losses, ref_losses)
     for k in ref_params:
@@ -110,11 +117,13 @@ def test_memory_report_splits_each_stage_over_its_devices(level, fracs):
     state = ap.init(params)
     report = ap.memory_report(state, *batches[0])
     assert report["stages"] == _stage_bytes(params, *fracs)
-    total = sum(x.nbytes for x in params.values())
-    assert report["params"] == total // fracs[0]
-    assert report["grads"] == total // fracs[1]
-    # (Adam's step count, an int32 scalar, is whole on every device)
-    assert report["optimizer_state"] == 2 * total // fracs[2] + 4
+    # Adam splits by stage: a device keeps its own stage's state (stage 0's, w1 and b1,
+    # the larger), split over the stage's 4 devices as the level says, and the step
+    # count (an int32 scalar, whole on every device)
+    assert report["update"] == "per_stage"
+    own = params["w1"].nbytes + params["b1"].nbytes
+    assert (report["params"], report["grads"], report["optimizer_state"]) == (
+        own // fracs[0], own // fracs[1], 2 * own // fracs[2] + 4)
 
 
 def test_zero_threshold_and_shard_size_inside_stages():
@@ -181,7 +190,7 @@ def test_operator_strategy_file_with_data_parallel_stages_says_why_and_the_fix(t
 
 def test_operator_strategy_file_has_a_section_per_stage(tmp_path):
     """Sharded stages (parameter_plan): each stage's chunks' forward and backward
-    strategies over its 2 devices; with ZeRO also the final program's over all 4."""
+    strategies over its 2 devices; with ZeRO also its update program's."""
     import json
 
     params, batches = _data()
@@ -200,12 +209,16 @@ def test_operator_strategy_file_has_a_section_per_stage(tmp_path):
         assert fwd["inputs"][1]["strategy"] == counts
         assert any(e["primitive"] == "matmul" for e in fwd["equations"])
         assert data["stages"][st]["chunks"][0]["backward"]["equations"]
-    # the finish (ZeRO level1): the parameters (b1, b2, w1, w2) whole; Adam's moments of
-    # the biases split 2 ways over a stage, of the weights whole (parameter_plan's 2-way
-    # split leaves them a data-parallel group of 1 device; the update runs whole)
-    strategies = [i["strategy"] for i in data["finish"]["inputs"]]
-    assert strategies[:4] == [[1], [1], [1, 1], [1, 1]]
-    assert strategies[5:9] == [[2], [2], [1, 1], [1, 1]]
+    # each stage's update (ZeRO level1) over its 2 devices: its gradients (bias,
+    # weight) as the replicas' sums stacked, one replica per device of the sharded
+    # stage; Adam's moments of the bias split 2 ways, of the weight whole
+    # (parameter_plan's 2-way split leaves it a data-parallel group of 1 device); the
+    # step count; the parameters whole
+    assert "finish" not in data
+    for st in (0, 1):
+        strategies = [i["strategy"] for i in data["stages"][st]["finish"]["inputs"]]
+        assert strategies == [[1, 1], [1, 1, 1], [2], [1, 1], [2], [1, 1], [], [1],
+                              [1, 1]]
 
 
 def test_loading_an_operator_strategy_file_with_a_pipeline_is_refused(tmp_path):

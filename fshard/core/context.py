@@ -39,6 +39,10 @@ shard_annotations: ContextVar[int] = ContextVar("fshard_shard_annotations", defa
 #: there (one concatenation cannot mix layouts that are all the same), as under
 #: ``fs.jit``; elsewhere inside ``fs.shard`` it updates them leaf by leaf.
 whole_updates: ContextVar[bool] = ContextVar("fshard_whole_updates", default=False)
+#: Tracing an optimizer update that a pipeline splits by stage (each stage updating
+#: only its own parameters and optimizer state): ``fs.optim`` updates leaf by leaf
+#: there, so that no concatenation ties one stage's leaves to another's.
+split_updates: ContextVar[bool] = ContextVar("fshard_split_updates", default=False)
 #: How many ``shard_map`` bodies are being staged or run around the running code.
 shard_map_depth: ContextVar[int] = ContextVar("fshard_shard_map_depth", default=0)
 #: Mesh axis names of the ``shard_map`` bodies being staged (innermost last).

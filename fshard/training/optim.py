@@ -323,13 +323,14 @@ def _fused_map(fn, *trees) -> tuple:
     copies would cost more than their kernels, and everything under ``fs.shard``
     (whose layouts a concatenation would mix) go leaf by leaf, except an
     ``fs.AutoParallel`` update whose parameters and state are all whole on every device
-    (``context.whole_updates``): one layout, nothing to mix."""
+    (``context.whole_updates``): one layout, nothing to mix. A pipeline splitting the
+    update by stage traces it leaf by leaf (``context.split_updates``)."""
     flat = [tree.leaves(t) for t in trees]
     treedef = tree.structure(trees[0])
     n = len(flat[0])
     results: list = [None] * n
     groups: dict = {}
-    if type(current_trace()) is not EvalTrace and (
+    if type(current_trace()) is not EvalTrace and not context.split_updates.get() and (
             not context.shard_depth.get() or context.whole_updates.get()):
         for i in range(n):
             avals = [typeof(leaves[i]) for leaves in flat]
@@ -366,9 +367,11 @@ def _adam_map(leaf, rate, mu, nu, grads, b1, b2, eps) -> tuple:
              and adam_fusable(typeof(flat[0][i]))
              and 0 < math.prod(typeof(flat[0][i]).shape) <= _FUSE_MAX]
     results: list = [None] * n
-    if context.shard_depth.get() and not context.whole_updates.get():
+    if context.split_updates.get() or (context.shard_depth.get()
+                                       and not context.whole_updates.get()):
         # under fs.shard the leaves' layouts differ: each is planned on its own (the
-        # kernel's equation, whose leaves share nothing, would be planned as one)
+        # kernel's equation, whose leaves share nothing, would be planned as one); a
+        # pipeline splitting the update by stage needs each leaf's own operations
         small = []
     lr = rate(dtypes.float32) if len(small) >= 2 else None
     if lr is not None and typeof(lr).shape == () and typeof(lr).dtype == dtypes.float32:

@@ -1346,10 +1346,13 @@ class AutoParallel:
         level1, whose update slices it; split like the optimizer state from level2).
 
         With a pipeline: the state as the step's final program (the optimizer update)
-        lays it out, every device holding every stage's state (ZeRO splits each leaf
-        over its stage's devices), and ``"stages"``, one entry per stage: the bytes per
-        device of that stage's own parameters, their gradients and the optimizer
-        state that copies them."""
+        lays it out, and ``"stages"``, one entry per stage: the bytes per device of
+        that stage's own parameters, their gradients and the optimizer state that
+        copies them. ``"update"`` says how the update runs: ``"per_stage"`` (each
+        device keeps and updates its own stage's state and the leaves no stage owns;
+        the totals are the most any device keeps) or ``"whole"`` (every device keeps
+        every stage's state, ZeRO splitting each leaf over its stage's devices;
+        ``"whole_because"`` says why)."""
         self._check_state(state, ".memory_report(state, *batch)")
         if self._pipeline is not None:
             return self._pipeline.step_for(state, *batch).memory_report(state)
@@ -1503,8 +1506,9 @@ class AutoParallel:
         file) to ``file_path``; with ``file_path`` alone (MindSpore's form), when the step is
         first compiled. With a pipeline whose stages are sharded (``parameter_plan`` or
         strategies in the loss): one section per stage, each chunk's forward and
-        backward programs' strategies (``"stages"``), and with ZeRO the final
-        program's (``"finish"``)."""
+        backward programs' strategies (``"stages"``), and with ZeRO each stage's update
+        program's (its ``"finish"``; one ``"finish"`` over every device when the
+        update runs whole)."""
         if state is None:
             return self._defer("operator", "save_operator_strategy_file", file_path, batch)
         self._check_state(state, ".save_operator_strategy_file(file_path, state, *batch)")

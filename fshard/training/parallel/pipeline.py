@@ -24,7 +24,11 @@ train step into a pipelined one:
    last chunk seeding ``1 / (M * dp)`` for a loss that is a mean over the examples and
    ``1`` for a sum over them divided by a constant (``loss_combination`` tells them
    apart on the first step and refuses any other loss), and the optimizer runs once:
-   exactly the gradient of the full batch's loss.
+   exactly the gradient of the full batch's loss. On a virtual mesh the update is
+   split by stage when it can be (``StageUpdate``): each stage's devices update only
+   their own parameters and optimizer state (with ZeRO, split over the stage's
+   devices), a sum or maximum over several stages' values (a global norm) combining
+   the stages' partial results.
 
 Where it runs:
 
@@ -55,7 +59,7 @@ import numpy as np
 
 from fshard.core import context, dtypes, tree
 from fshard.meshes import distributed
-from fshard.core.tracing import ArrayType, Tracer, typeof
+from fshard.core.tracing import ArrayType, Tracer, bind, typeof
 from fshard.core.dims import planning_size
 from fshard.errors import ArgumentError, FshardError, PipelineBalanceWarning
 from fshard.adapter.interop import check_context_mode
@@ -72,7 +76,8 @@ from fshard.primitives.passes import reduce_in_float32
 from fshard.training.parallel.options import ParallelMode
 from fshard.training.parallel.schedule import Event, Schedule, check_config
 from fshard.primitives import collectives as C
-from fshard.primitives.elementwise import cast
+from fshard.primitives.base import add_p
+from fshard.primitives.elementwise import cast, maximum_p, minimum_p
 from fshard.primitives.pipeline import pipeline_split_p
 from fshard.primitives.spmd import layout_constraint_p
 from fshard.primitives.structural import concat, reshape
@@ -721,7 +726,12 @@ class PipelinedStep:
         #: leaf split over its stage's devices (``_make_zero_finish``).
         self.zero = zero
         self._grad_vars: list = []
-        self.finish = self._make_finish() if zero is None else self._make_zero_finish(state)
+        #: The optimizer update split by stage (``StageUpdate``: each stage's devices
+        #: update only their own parameters and state), or why it runs whole on every
+        #: device (a string).
+        self.split = self._split(state)
+        self.finish = (None if isinstance(self.split, StageUpdate) else
+                       self._make_finish() if zero is None else self._make_zero_finish(state))
         #: With ``profile = True`` (pieces only) each computation is waited for and
         #: timed; ``stats`` then holds, per device of this process, the busy seconds
         #: and the peak number and bytes of kept stage inputs of the last step.
@@ -936,10 +946,46 @@ class PipelinedStep:
         if loss is None:
             loss = np.zeros((), loss_dtype)
         scale = np.asarray(self.loss_scale, loss_dtype)
+        if isinstance(self.split, StageUpdate):  # each stage updates its own leaves
+            o_leaves, o_tree = tree.flatten(state.opt_state)
+            new_p, new_o, step, out = self.split(p_leaves, grads, o_leaves, state.step,
+                                                 loss, scale)
+            return (self.runner.state_cls(tree.unflatten(p_tree, new_p),
+                                          tree.unflatten(o_tree, new_o), step), out)
         new_p, new_o, step, out, *norms = self.finish(
             state.params, state.opt_state, state.step, tree.unflatten(p_tree, grads), loss,
             scale)
         return (self.runner.state_cls(new_p, new_o, step), out, *norms)
+
+    def _split(self, state):
+        """The optimizer update split by stage (``split_update``, shared by every
+        pipeline with the same optimizer, state and stages), or why each device runs
+        the whole update."""
+        ap = self.runner.ap
+        if self.rank is not None:
+            return ("in a multi-process job every process runs the whole update and keeps "
+                    "the whole trained state")
+        if ap.options.local_norm:
+            return "device-local norms are taken over the whole gradient"
+        stage_of = {i: c % self.S for c, owned in enumerate(self.plan.chunk_params)
+                    for i in owned}
+        opt_update = ap.step_optimizer().update
+        frozen = ap._frozen()
+        zero = None if self.zero is None else (self.dp, self.groups, *self.zero, self.fp32)
+        key = ("stages", self.S, tuple(sorted(stage_of.items())), tuple(sorted(frozen)),
+               tree.structure((state.params, state.opt_state)),
+               tuple((tuple(typeof(x).shape), typeof(x).dtype)
+                     for x in tree.leaves((state.params, state.opt_state))),
+               None if zero is None else _exact(zero))
+        try:
+            per_opt = _FINISHES.setdefault(opt_update, {})
+        except TypeError:  # not weak-referenceable: split for this step alone
+            per_opt = {}
+        hit = per_opt.get(key)
+        if hit is None:
+            hit = per_opt[key] = split_update(opt_update, state, stage_of, self.S, frozen,
+                                              self.plan.name, zero)
+        return hit
 
     def _finish_zero(self, devices, state, p_leaves, loss_dtype):
         """The finish with ZeRO (a virtual mesh): each parameter's gradient goes in as
@@ -962,6 +1008,13 @@ class PipelinedStep:
         elif self.fp32:
             loss = cast(loss, loss_dtype)
         scale = np.asarray(self.loss_scale, loss_dtype)
+        if isinstance(self.split, StageUpdate):  # each stage updates its own leaves
+            p_leaves, p_tree = tree.flatten(state.params)
+            o_leaves, o_tree = tree.flatten(state.opt_state)
+            new_p, new_o, step, out = self.split(p_leaves, parts, o_leaves, state.step,
+                                                 loss, scale)
+            return (self.runner.state_cls(tree.unflatten(p_tree, new_p),
+                                          tree.unflatten(o_tree, new_o), step), out)
         new_p, new_o, step, out, *norms = self.finish(
             state.params, state.opt_state, state.step, parts, loss, scale)
         return (self.runner.state_cls(new_p, new_o, step), out, *norms)
@@ -1031,7 +1084,8 @@ class PipelinedStep:
     def operator_strategies(self, state) -> dict:
         """The operator strategies of the step's sharded programs: per stage, each of its
         chunks' forward and backward (``fs.shard``'s strategies, over the stage's
-        devices), and, with ZeRO, the final program's (over all the devices). Refused
+        devices), and, with ZeRO, its update program's (``"finish"``; one ``"finish"``
+        over all the devices when the update runs whole). Refused
         when the stages are data parallel (their programs have no strategies)."""
         ap, plan = self.runner.ap, self.plan
         if self.sharding is None:
@@ -1060,15 +1114,24 @@ class PipelinedStep:
                 "backward": bwd.strategies(pv, carry, batch, ct, pv)})
         out = {"format": "fshard-pipeline-operator-strategy", "devices": ap.n_devices,
                "stages": stages}
-        if self.zero is not None:
+        if isinstance(self.split, StageUpdate) and self.zero is not None:
+            # each stage's own update program (over its devices)
+            for s, st in enumerate(stages):
+                fn = self.split.fns.get(s)
+                if fn is not None:
+                    st["finish"] = fn.sharded.strategies(fn.in_avals)
+        elif self.zero is not None:
             out["finish"] = self.finish_sharded.strategies(*self.finish_args(state))
         return out
 
     def memory_report(self, state) -> dict:
-        """Bytes per device of the trained state as the finish lays it out: in total
-        (every device keeps every stage's state, the way the optimizer runs) and, in
+        """Bytes per device of the trained state as the finish lays it out, and, in
         ``"stages"``, of each stage's own parameters (and the optimizer-state leaves
-        that copy them). Without ZeRO every leaf is whole."""
+        that copy them). With the update split by stage (``"update": "per_stage"``) a
+        device keeps its own stage's state and the leaves no stage owns (Adam's step
+        count): the totals are the most any device keeps of each. Otherwise
+        (``"update": "whole"``, ``"whole_because"`` says why) every device keeps every
+        stage's state, whole, or with ZeRO split over its stage's devices."""
         p_leaves = tree.leaves(state.params)
         o_leaves = tree.leaves(state.opt_state)
         stage_of = {i: c % self.S for c, owned in enumerate(self.plan.chunk_params)
@@ -1082,6 +1145,16 @@ class PipelinedStep:
             p_b = [nbytes(x) for x in p_leaves]
             g_b = list(p_b)
             o_b = [nbytes(x) for x in o_leaves]
+        elif isinstance(self.split, StageUpdate):
+            # each stage's programs take their leaves split by ZeRO's counts over the
+            # stage's devices (fs.shard's in_strategy), a gradient as its level says
+            def split(x, counts):
+                return nbytes(x) // (math.prod(counts) if counts else 1)
+
+            p_counts, g_counts, o_counts = self.zero
+            p_b = [split(x, c) for x, c in zip(p_leaves, p_counts)]
+            g_b = [split(x, c) for x, c in zip(p_leaves, g_counts)]
+            o_b = [split(x, c) for x, c in zip(o_leaves, o_counts)]
         else:
             args = self.finish_args(state)
             part = self.finish_sharded.partitioned(*args)
@@ -1101,8 +1174,14 @@ class PipelinedStep:
                    "grads": sum(b for i, b in enumerate(g_b) if stage_of.get(i, 0) == s),
                    "optimizer_state": sum(b for k, b in enumerate(o_b) if o_stage[k] == s)}
                   for s in range(self.S)]
+        if isinstance(self.split, StageUpdate):
+            shared = sum(o_b[k] for k in self.split.o_idx[None])
+            return {"params": max(st["params"] for st in stages),
+                    "grads": max(st["grads"] for st in stages),
+                    "optimizer_state": max(st["optimizer_state"] for st in stages) + shared,
+                    "stages": stages, "update": "per_stage"}
         return {"params": sum(p_b), "grads": sum(g_b), "optimizer_state": sum(o_b),
-                "stages": stages}
+                "stages": stages, "update": "whole", "whole_because": self.split}
 
     def _make_finish(self):
         ap, cfg = self.runner.ap, self.runner.cfg
@@ -1162,6 +1241,294 @@ class PipelinedStep:
         finish.__name__ = f"pipeline_finish_{plan.name}"
         fn = per_opt[key] = jit(finish)
         return fn
+
+
+# ---------------------------------------------------------------------------
+# The optimizer update split by stage
+# ---------------------------------------------------------------------------
+
+
+#: Operations whose operands may come from several stages: associative and
+#: commutative, so each stage can reduce its own terms and the stages' partial results
+#: combine (a psum or pmax over the pipeline: a global norm's sum of squares and the
+#: largest magnitude it scales by).
+_REDUCIBLE = (add_p, maximum_p, minimum_p)
+
+
+class _Reduction:
+    """A reduction over several stages' values, pending until something else reads it:
+    its operation and, per stage, the terms that stage holds; ``rep`` the terms every
+    stage holds (counted once)."""
+
+    def __init__(self, prim, params):
+        self.prim, self.params = prim, params
+        self.terms: dict = {}   # stage -> [its terms, in program order]
+        self.rep: list = []
+
+    def absorb(self, label, atom):
+        if isinstance(label, _Reduction):
+            for s, ts in label.terms.items():
+                self.terms.setdefault(s, []).extend(ts)
+            self.rep.extend(label.rep)
+        elif label is None:
+            self.rep.append(atom)
+        else:
+            self.terms.setdefault(label, []).append(atom)
+
+
+def _fold(prim, params, values):
+    out = values[0]
+    for v in values[1:]:
+        out = bind(prim, out, v, **params)
+    return out
+
+
+class StageUpdate:
+    """The optimizer update cut into programs per stage, each reading and writing only
+    its stage's parameters, gradients and optimizer state (and the state leaves no
+    parameter owns, such as Adam's step count, which every stage holds), plus
+    ``shared`` programs for those unowned leaves, the step count and the loss: what
+    MindSpore's and Megatron-LM's stages each run on their own state.
+
+    Found by tracing the update once leaf by leaf (``context.split_updates``) and
+    labelling every value with the stage whose inputs it reads (``None``: no stage's,
+    every stage computes it). A sum, maximum or minimum of several stages' values (a
+    global norm's sum of squares, the largest magnitude it scales by) is a cross-stage
+    reduction: each stage reduces its own terms, the partial results combine (what a
+    psum or pmax over the pipeline does), and every stage holds the result. So the
+    update runs in phases: per reduction, each stage's partial and their combination;
+    then each stage's outputs. Every program is made of the update's own operations;
+    a reduction's terms are regrouped by stage, so a float sum may round differently.
+    Any other operation reading several stages' values does not split: ``split_update``
+    says which."""
+
+    def __init__(self, traced, owner_in: list, owner_out: list, roots: list, n_p: int,
+                 n_o: int, S: int, name: str, zero=None):
+        prog = traced.program
+        self.S, self.n_p, self.n_o = S, n_p, n_o
+        self._prog, self._consts = prog, list(traced.consts)
+        ins = prog.inputs[prog.n_consts:]   # grads (n_p), opt state (n_o), params (n_p)
+        #: ZeRO inside the stages: ``(dp, replicas, param, grad, state counts, fp32)``;
+        #: each program then runs through ``fs.shard`` on its stage's ``dp`` devices,
+        #: its gradients coming in as the replicas' sums stacked (``_finish_zero``).
+        self.zero = zero
+        self._layout: dict = {}   # input Var -> its split counts (ZeRO)
+        if zero is not None:
+            dp, groups, p_counts, g_counts, o_counts, _ = zero
+            for i in range(n_p):
+                nd = ins[i].aval.ndim
+                self._layout[ins[i]] = (groups,) + (1,) * nd   # (stacked)
+                self._layout[ins[n_p + n_o + i]] = p_counts[i] or (1,) * nd
+            for k in range(n_o):
+                self._layout[ins[n_p + k]] = o_counts[k] or (1,) * ins[n_p + k].aval.ndim
+            self._grads = {ins[i]: g_counts[i] or (1,) * ins[i].aval.ndim
+                           for i in range(n_p)}
+        self._producer = {v: i for i, eq in enumerate(prog.equations) for v in eq.outputs}
+        self.out_idx = {s: [j for j, o in enumerate(owner_out) if o == s]
+                        for s in list(range(S)) + [None]}
+        self.p_idx = {s: [i for i in range(n_p) if owner_in[i] == s] for s in range(S)}
+        self.o_idx = {s: [k for k in range(n_o) if owner_in[n_p + k] == s]
+                      for s in list(range(S)) + [None]}
+        #: The cross-stage reductions, in the order they are needed: (the value, its
+        #: ``_Reduction``).
+        self.reductions = roots
+        shared_in = [ins[n_p + k] for k in self.o_idx[None]]
+        root_vars = [v for v, _ in roots]
+
+        def own_in(s):
+            p, o = self.p_idx[s], self.o_idx[s]
+            return ([ins[i] for i in p] + [ins[n_p + k] for k in o] + shared_in
+                    + [ins[n_p + n_o + i] for i in p])
+
+        # per reduction: each stage's partial, then their combination
+        self.partials, self.combines = [], []
+        for k, (root, red) in enumerate(roots):
+            def partial(got, red=red):  # (got: the stage's terms)
+                return [_fold(red.prim, red.params, got)]
+
+            def combine(got, red=red, n=len(red.terms)):  # (got: rep terms, partials)
+                return [_fold(red.prim, red.params, list(got[-n:]) + got[:-n])]
+
+            whole = (1,) * root.aval.ndim
+            self.partials.append({s: self._compile(
+                own_in(s) + root_vars[:k], ts, partial, f"{name}_stage{s}_partial{k}",
+                out=[whole]) for s, ts in sorted(red.terms.items())})
+            self.combines.append(self._compile(
+                shared_in + root_vars[:k], red.rep, combine, f"{name}_combine{k}",
+                extra=[whole] * len(red.terms), out=[whole]))
+        self.fns = {}
+        for s in range(S):
+            outs = [prog.outputs[j] for j in self.out_idx[s]]
+            if not outs:
+                continue  # (a stage without trained parameters has nothing to update)
+            n_up, n_out = sum(1 for j in self.out_idx[s] if j < n_p), len(outs)
+
+            def finish(got, n_up=n_up, n_out=n_out):  # (got: outputs, then parameters)
+                return apply_updates(got[n_out:], got[:n_up]), got[n_up:n_out]
+
+            params = [ins[n_p + n_o + i] for i in self.p_idx[s]]
+            out = ([self._layout.get(v) for v in params],
+                   [self._layout.get(ins[n_p + k]) for k in self.o_idx[s]])
+            self.fns[s] = self._compile(own_in(s) + root_vars, outs + params, finish,
+                                        f"{name}_stage{s}", out=out)
+        shared_outs = [prog.outputs[j] for j in self.out_idx[None]]
+
+        def shared(got, n=len(shared_outs)):  # (got: outputs, then step, loss sum, scale)
+            step, loss_sum, scale = got[n:]
+            return got[:n], step + 1, loss_sum * scale
+
+        out = ([self._layout.get(ins[n_p + k]) for k in self.o_idx[None]], (), ())
+        self.fns[None] = self._compile(shared_in + root_vars, shared_outs, shared,
+                                       f"{name}_shared", extra=[(), (), ()], out=out)
+
+    def _compile(self, in_vars: list, targets: list, post, name: str, extra=(), out=None):
+        """A compiled ``values -> post([targets])``: the update's equations that the
+        ``targets`` need, given ``in_vars`` (the constants the trace captured are
+        bound too); the ``len(extra)`` values after those of ``in_vars`` are appended
+        to what ``post`` gets. With ZeRO the program runs through ``fs.shard`` on a
+        stage's devices: the inputs laid out by their split counts (``extra`` and
+        values computed by other programs whole: the counts ``extra`` holds), each
+        stacked gradient summed into its own layout, the outputs as ``out`` says."""
+        prog, producer = self._prog, self._producer
+        given = set(in_vars)
+        need, todo = set(), [t for t in targets if isinstance(t, Var)]
+        while todo:
+            v = todo.pop()
+            i = None if v in given else producer.get(v)
+            if i is None or i in need:
+                continue
+            need.add(i)
+            todo.extend(a for a in prog.equations[i].inputs if isinstance(a, Var))
+        eqs = [eq for i, eq in enumerate(prog.equations) if i in need]
+        const_vars, consts = prog.inputs[:prog.n_consts], self._consts
+        n_in, n_extra, zero = len(in_vars), len(extra), self.zero is not None
+        grads = self._grads if zero else {}
+
+        def run(values):
+            env = dict(zip(const_vars, consts))
+            for v, x in zip(in_vars, values[:n_in]):
+                # (ZeRO: a gradient's replicas summed, laid out as the level says: whole
+                # at level1, an AllReduce; split from level2, a reduce-scatter)
+                env[v] = (with_sharding_constraint(x.sum(axis=0), grads[v]) if v in grads
+                          else x)
+            read = walk_equations(eqs, env, bind_equation, f"the optimizer update ({name}):")
+            return post([read(t) for t in targets] + list(values[n_in:n_in + n_extra]))
+
+        run.__name__ = f"pipeline_finish_{name}"
+        if not zero:
+            return jit(run)
+        strategies = [self._layout.get(v, (1,) * v.aval.ndim) for v in in_vars] + list(extra)
+        s = shard(run, in_strategy=(strategies,), out_strategy=out,
+                  mesh=Mesh(self.zero[0], "stage", virtual=True), level=2, search=False,
+                  dataset_strategy="full_batch")
+        s.search = "follow_inputs"  # (the layouts are given: no search)
+        if self.zero[-1]:
+            s.passes = (reduce_in_float32,)
+        fn = jit(s)
+        # (its operator strategies, on these input types: operator_strategies)
+        fn.sharded = s
+        fn.in_avals = [ArrayType((self.zero[1],) + tuple(v.aval.shape), v.aval.dtype)
+                       if v in grads else v.aval for v in in_vars]
+        return fn
+
+    def __call__(self, params: list, grads: list, opt: list, step, loss_sum, scale):
+        """The new parameter and optimizer-state leaves, step and loss: the
+        reductions' partials and combinations, then each stage's program on its own
+        leaves, the shared one once."""
+        n_p = self.n_p
+        shared = [opt[k] for k in self.o_idx[None]]
+
+        def own(s):
+            p, o = self.p_idx[s], self.o_idx[s]
+            return ([grads[i] for i in p] + [opt[k] for k in o] + shared
+                    + [params[i] for i in p])
+
+        roots: list = []
+        for partials, combine in zip(self.partials, self.combines):
+            got = [fn(own(s) + roots)[0] for s, fn in partials.items()]
+            roots.append(combine(shared + roots + got)[0])
+        new_p, new_o = list(params), list(opt)
+        for s in range(self.S):
+            if s not in self.fns:
+                continue
+            got_p, got_o = self.fns[s](own(s) + roots)
+            for i, u in zip(self.p_idx[s], got_p):
+                new_p[i] = u
+            for k, x in zip(self.o_idx[s], got_o):
+                new_o[k] = x
+        got, step, loss = self.fns[None](shared + roots + [step, loss_sum, scale])
+        for j, x in zip(self.out_idx[None], got):
+            new_o[j - n_p] = x
+        return new_p, new_o, step, loss
+
+
+def split_update(opt_update, state, stage_of: dict, S: int, frozen: set, name: str,
+                 zero=None):
+    """``opt_update`` (``(grads, opt_state, params) -> (updates, new_state)``) split by
+    stage (a ``StageUpdate``), or the reason it does not split (a string): the first
+    operation that reads several stages' values other than by a cross-stage sum,
+    maximum or minimum, or an output that reads a stage other than its own."""
+    p_leaves = tree.leaves(state.params)
+    o_leaves = tree.leaves(state.opt_state)
+    n_p, n_o = len(p_leaves), len(o_leaves)
+    in_tree = tree.structure(((state.params, state.opt_state, state.params), {}))
+    avals = [typeof(x) for x in p_leaves + o_leaves + p_leaves]
+    with context.setting(context.split_updates, True):
+        traced = trace_fun(lambda g, o, p: opt_update(g, o, p), in_tree, avals)
+    if traced.out_tree != tree.structure((state.params, state.opt_state)):
+        return ("its updates and new state do not have the structure of the parameters "
+                "and the optimizer state")
+    o_stage = _copies_stage(state, stage_of, frozen)
+    p_stage = [stage_of.get(i, 0) for i in range(n_p)]
+    owner_in = p_stage + o_stage + p_stage
+    owner_out = p_stage + o_stage
+    prog = traced.program
+    # each value's label: the stage whose inputs it reads, None (no stage's: every
+    # stage computes it) or a pending cross-stage _Reduction
+    label: dict = dict(zip(prog.inputs[prog.n_consts:], owner_in))
+    roots: list = []   # the reductions read by something else, in that order
+
+    def read(a):
+        got = label.get(a) if isinstance(a, Var) else None
+        if isinstance(got, _Reduction):  # combined here: every stage holds the result
+            roots.append((a, got))
+            label[a] = got = None
+        return got
+
+    for eq in prog.equations:
+        ls = [label.get(a) if isinstance(a, Var) else None for a in eq.inputs]
+        staged = {x for x in ls if isinstance(x, int)}
+        pending = [x for x in ls if isinstance(x, _Reduction)]
+        out = eq.outputs[0].aval if len(eq.outputs) == 1 else None
+        if eq.prim in _REDUCIBLE and out is not None and (len(staged) > 1 or pending) \
+                and all(tuple(a.aval.shape) == tuple(out.shape) and a.aval.dtype == out.dtype
+                        for a in eq.inputs) \
+                and all(r.prim is eq.prim and _exact(eq.params) is not None
+                        and _exact(r.params) == _exact(eq.params) for r in pending):
+            red = _Reduction(eq.prim, eq.params)
+            for a, x in zip(eq.inputs, ls):
+                red.absorb(x, a)
+            label[eq.outputs[0]] = red
+            continue
+        staged = {x for x in (read(a) for a in eq.inputs) if x is not None}
+        if len(staged) > 1:
+            at = f" (at {eq.source})" if eq.source else ""
+            return (f"an operation ({eq.prim.name}{at}) reads the gradients, parameters "
+                    f"or state of stages {sorted(staged)}, other than by a sum, maximum "
+                    "or minimum over them")
+        for v in eq.outputs:
+            label[v] = staged.pop() if staged else None
+    o_paths = [tree.keystr(p) for p in tree.flatten_with_path(state.opt_state)[0]]
+    p_paths = [tree.keystr(p) for p in tree.flatten_with_path(state.params)[0]]
+    for j, (v, o) in enumerate(zip(prog.outputs, owner_out)):
+        got = read(v)
+        if got is None or got == o:
+            continue
+        what = (f"the update of parameter {p_paths[j] or '0'}" if j < n_p else
+                f"the optimizer-state leaf {o_paths[j - n_p] or '0'}")
+        where = "no stage's own" if o is None else f"stage {o}'s"
+        return f"{what} ({where}) reads the gradients, parameters or state of stage {got}"
+    return StageUpdate(traced, owner_in, owner_out, roots, n_p, n_o, S, name, zero)
 
 
 def _local_norms(norms, fixed, params: dict, grads: dict) -> tuple:

@@ -367,12 +367,6 @@ def _adam_map(leaf, rate, mu, nu, grads, b1, b2, eps) -> tuple:
              and adam_fusable(typeof(flat[0][i]))
              and 0 < math.prod(typeof(flat[0][i]).shape) <= _FUSE_MAX]
     results: list = [None] * n
-    if context.split_updates.get() or (context.shard_depth.get()
-                                       and not context.whole_updates.get()):
-        # under fs.shard the leaves' layouts differ: each is planned on its own (the
-        # kernel's equation, whose leaves share nothing, would be planned as one); a
-        # pipeline splitting the update by stage needs each leaf's own operations
-        small = []
     lr = rate(dtypes.float32) if len(small) >= 2 else None
     if lr is not None and typeof(lr).shape == () and typeof(lr).dtype == dtypes.float32:
         outs = adam_update(*([leaves[i] for i in small] for leaves in flat), lr, b1=b1,
@@ -474,10 +468,12 @@ def _adam(fn, lr, b1, b2, eps, weight_decay, bias_correction, mask) -> Optimizer
             d = ops.div(m, ops.add(ops.sqrt(v), eps))
             return m, v, (d if weight_decay else _scaled(d, rate))
 
-        if not bias_correction:
+        if not bias_correction or context.shard_depth.get() or context.split_updates.get():
             # adamw stays elementwise: nn.AdamWeightDecay rounds its moments without the
             # fused multiply-add of the Adam kernel (within 2e-5 of it over 5 steps; 8e-5
-            # with the kernel)
+            # with the kernel). So does every update under fs.shard (AutoParallel's
+            # plans, pipelines): its leaves are laid out and split each its own way, and
+            # one rounding for every plan keeps them equal to one another
             mu, nu, updates = _fused_map(leaf, state.mu, state.nu, grads)
         else:
             mu, nu, updates = _adam_map(leaf, rate, state.mu, state.nu, grads, b1, b2, eps)

@@ -226,10 +226,7 @@ def test_the_4_process_checkpoint_resumes_elsewhere(jobs, where):
             np.testing.assert_allclose(rep["resume"]["losses"], tail, rtol=1e-6)
         return
     ap = example.make() if where == "1 process" else example.make(mp=2, mesh=8)
-    # One process updates the whole state on Adam's fused kernel (each moment rounded
-    # with a fused multiply-add), the split runs elementwise: a few ulps per step apart
-    # (2.2e-6 after the 10 steps, measured)
-    np.testing.assert_allclose(_resume(out, ap), tail, rtol=1e-5)
+    np.testing.assert_allclose(_resume(out, ap), tail, rtol=1e-6)
 
 
 def test_two_processes_save_their_blocks_and_survive_a_killed_save(jobs):

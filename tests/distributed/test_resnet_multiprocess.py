@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(EXAMPLE))
 import train_resnet as example  # noqa: E402
 
 # 2 steps: training ResNet-18 from random weights amplifies rounding differences from
-# step 3 on, whatever the input size, batch or learning rate (tests/test_train_cnn.py
+# step 3 on, at every input size, batch and learning rate tried (tests/test_train_cnn.py
 # has the measurements)
 STEPS, BATCH, SIZE = 2, 8, 32
 

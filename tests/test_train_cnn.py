@@ -201,23 +201,25 @@ def test_small_cnn_data_parallel_on_8_devices_equals_one_device(small_runs):
 #   64 x 64, batch 16, lr 0.01                   2e-7 3e-4 7e-3 4e-2, 149%
 #   64 x 64, batch 16, lr 0.002                  2e-7 5e-5 7e-3 8e-2, 30%
 # So larger inputs (the last stage 2 x 2 instead of 1 x 1) do not help, nor a 10x
-# smaller learning rate. The jump at step 2 comes mostly from the first convolution: on these
-# images (8 x 8 digits repeated into blocks of equal pixels) its gradient differs by
-# 3.6e-3 of its largest value between the two runs at the first step, every other
-# parameter's by at most 1.5e-5. Digits upsampled bilinearly (or with noise added, or
-# random normal images) bring it to 1.5e-5 too, but only delay the divergence:
+# smaller learning rate. The jump at step 2 comes mostly from the first convolution:
+# on these images (8 x 8 digits repeated into blocks of equal pixels) its gradient
+# differs by 3.6e-3 of its largest value between the two runs at the first step, every
+# other parameter's by at most 1.5e-5. Digits upsampled bilinearly (or with noise
+# added, or random normal images) bring its difference to 1.5e-5 too, but only delay
+# the divergence:
 #   bilinear, 32 x 32, batch 16, lr 0.01         4e-7 4e-6 1e-2 7e-2, 90%
 #   bilinear, 32 x 32, batch 16, lr 0.002        4e-7 3e-7 2e-5 6e-4, 113% (1e-2 at 5)
 #   bilinear, 32 x 32, batch 32, lr 0.01         6e-7 7e-6 3e-3 2e-2 (6 steps run)
 #   bilinear + noise 0.1, batch 16, lr 0.01      4e-7 5e-6 1e-3 3e-2 (6 steps run)
 # (this training from random weights multiplied a difference by 15 to 2500 per step
-# in these runs). fshard's losses (a different summation order)
-# stay within 1.2e-5 of MindSpore's for the first 4 steps at lr 0.002 and then diverge
-# as the perturbed run does, so the comparisons cover those steps (the data-parallel
-# step sums the devices' partial gradients: another summation order, amplified the
-# same way). With the native BatchNorm (its own summation order) step 3 was already
-# 2.5e-2 apart on a fresh machine, so the comparisons cover the first 2 steps (within
-# 1e-6 measured).
+# in these runs). fshard's losses (a different summation order, a smaller difference
+# than the perturbation) stay within 1.2e-5 of MindSpore's for the first 4 steps at lr
+# 0.002 (3e-7 1e-6 1e-5 1.2e-5) and then diverge as the perturbed run does (2.5e-2 at
+# step 5, up to 51% over 20 steps; on the bilinear images 4e-7 4e-7 4e-6 8.5e-4, 7e-3
+# at step 5), so the comparisons cover those steps (the data-parallel step sums the
+# devices' partial gradients: another summation order, amplified the same way). With
+# the native BatchNorm (its own summation order) step 3 was already 2.5e-2 apart on a
+# fresh machine, so the comparisons cover the first 2 steps (within 1e-6 measured).
 
 RESNET_LR, RESNET_STEPS = 0.002, 2
 # The weights after those steps are not compared: the last step's gradients are

@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.dirname(EXAMPLE))
 
 import train_resnet as example  # noqa: E402
 
-# 2 steps: ResNet-18 at 32 x 32 amplifies rounding differences from step 3 on
-# (tests/test_train_cnn.py says why)
+# 2 steps: training ResNet-18 from random weights amplifies rounding differences from
+# step 3 on, at every input size, batch and learning rate tried (tests/test_train_cnn.py
+# has the measurements)
 STEPS, BATCH, SIZE = 2, 8, 32
 
 

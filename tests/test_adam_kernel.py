@@ -104,8 +104,11 @@ def test_steps_match_nn_adam():
     ms_opt = nn.Adam(net.trainable_params(), learning_rate=0.05)
     opt = fs.optim.adam(0.05)
     state = opt.init(params)
-    step = fs.jit(lambda p, s, g: (lambda u, s: (fs.optim.apply_updates(p, u), s))(
-        *opt.update(g, s, p)))
+    @fs.jit
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return fs.optim.apply_updates(p, u), s
+
     p = params
     for t in range(6):
         g = {"w": rng.standard_normal((6, 5)).astype(np.float32),
@@ -133,7 +136,7 @@ def test_vmap_over_an_ensemble_with_its_own_step_counts():
 
     got_u, got_s = fs.jit(fs.vmap(one))(grads, states)
     for i in range(3):
-        s_i = fs.tree.map(lambda x: x[i], states)
+        s_i = fs.tree.map(lambda x, i=i: x[i], states)
         u, s = one({"w": grads["w"][i]}, s_i)
         np.testing.assert_allclose(got_u["w"].asnumpy()[i], u["w"].asnumpy(), rtol=1e-6,
                                    atol=1e-9)

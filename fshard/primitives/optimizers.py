@@ -172,14 +172,16 @@ def _lower(ctx, *xs, b1, b2, eps):
     # moments are assigned in, updated, and split out (new buffers: no output aliases
     # them).
     sm, sv = (r(_scratch(sum(pieces)), "adam_scratch") for _ in range(2))
-    const = lambda c: r(_f32(c), "adam_const")  # noqa: E731
+    def const(c):
+        return r(_f32(c), "adam_const")
+
     name = f"fshard_adam_update_{len(ctx.helpers)}"
     split = r(_SPLIT, "SplitWithSize")
+    kernel_args = _kernel_args(sm, sv, f"{cat}(({flat[2]},))", args[-1], b1, b2, eps, const)
     lines = [f"def {name}({', '.join(args)}):",
              f"    {r(_ASSIGN, 'Assign')}({sm}, {cat}(({flat[0]},)))",
              f"    {r(_ASSIGN, 'Assign')}({sv}, {cat}(({flat[1]},)))",
-             f"    u = {r(_ADAM, 'AdamNoUpdateParam')}("
-             f"{', '.join(_kernel_args(sm, sv, f'{cat}(({flat[2]},))', args[-1], b1, b2, eps, const))})"]
+             f"    u = {r(_ADAM, 'AdamNoUpdateParam')}({', '.join(kernel_args)})"]
     outs = []
     for k, whole in enumerate((sm, sv, "u")):
         lines.append(f"    o{k} = {split}({whole}, {ctx.param(pieces)}, 0)")
@@ -206,8 +208,8 @@ def _lower_formulas(ctx, xs, b1, b2, eps):
     for i in range(n):
         m, v, g = args[i], args[n + i], args[2 * n + i]
         lines += [f"    m{i} = {add_}({mul_}({m}, {b1!r}), {mul_}({g}, {1.0 - b1!r}))",
-                  f"    v{i} = {add_}({mul_}({v}, {b2!r}), {mul_}({mul_}({g}, {g}), "
-                  f"{1.0 - b2!r}))",
+                  (f"    v{i} = {add_}({mul_}({v}, {b2!r}), {mul_}({mul_}({g}, {g}), "
+                   f"{1.0 - b2!r}))"),
                   f"    u{i} = {div_}({mul_}(nlr, m{i}), {add_}({sqrt_}(v{i}), {eps!r}))"]
     outs = [f"{k}{i}" for k in "mvu" for i in range(n)]
     lines.append(f"    return ({', '.join(outs)},)")

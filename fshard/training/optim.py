@@ -468,12 +468,13 @@ def _adam(fn, lr, b1, b2, eps, weight_decay, bias_correction, mask) -> Optimizer
             d = ops.div(m, ops.add(ops.sqrt(v), eps))
             return m, v, (d if weight_decay else _scaled(d, rate))
 
-        if not bias_correction or context.shard_depth.get() or context.split_updates.get():
+        if not bias_correction or context.plan_updates.get() or context.shard_depth.get() \
+                or context.split_updates.get():
             # adamw stays elementwise: nn.AdamWeightDecay rounds its moments without the
             # fused multiply-add of the Adam kernel (within 2e-5 of it over 5 steps; 8e-5
-            # with the kernel). So does every update under fs.shard (AutoParallel's
-            # plans, pipelines): its leaves are laid out and split each its own way, and
-            # one rounding for every plan keeps them equal to one another
+            # with the kernel). So does every update of fs.AutoParallel and under fs.shard
+            # (plans, pipelines, jobs): its leaves are laid out and split each its own
+            # way, and one rounding for every plan keeps them equal to one another
             mu, nu, updates = _fused_map(leaf, state.mu, state.nu, grads)
         else:
             mu, nu, updates = _adam_map(leaf, rate, state.mu, state.nu, grads, b1, b2, eps)

@@ -121,6 +121,18 @@ def _signature(x) -> tuple:
     return tuple(a.shape), a.dtype
 
 
+
+@functools.lru_cache(maxsize=None)
+def _planned(update):
+    """``update`` run with ``context.plan_updates`` set (one function per ``update``:
+    the pipelines share their update programs by it)."""
+    def planned(*args, **kwargs):
+        with context.setting(context.plan_updates, True):
+            return update(*args, **kwargs)
+
+    planned.__name__ = getattr(update, "__name__", "update")
+    return planned
+
 class AutoParallel:
     """A training step, sharded and compiled (MindSpore's ``AutoParallel``).
 
@@ -643,7 +655,7 @@ class AutoParallel:
         the frozen ones unchanged (the pipeline's update uses it)."""
         fixed = self._frozen()
         if not fixed:
-            return self.optimizer
+            return Optimizer(self.optimizer.init, _planned(self.optimizer.update))
         hit = self._frozen_opt
         if hit is not None and hit[0] == fixed and hit[1] is self.optimizer:
             return hit[2]
@@ -658,7 +670,7 @@ class AutoParallel:
             zero = {k: g * 0 for k, g in grads.items() if k in fixed}
             return {k: updates[k] if k in updates else zero[k] for k in grads}, state
 
-        opt = Optimizer(init, update)
+        opt = Optimizer(init, _planned(update))
         self._frozen_opt = (fixed, inner, opt)
         return opt
 
@@ -945,7 +957,8 @@ class AutoParallel:
             with context.counted(context.shard_annotations):
                 out, grads = self._value_and_grad(loss_of, trainable, batch)
             grad_vars[:] = [getattr(g, "ir_var", None) for g in tree.leaves(grads)]
-            with context.setting(context.whole_updates, whole):
+            with context.setting(context.whole_updates, whole), \
+                    context.setting(context.plan_updates, True):
                 updates, new_opt_state = opt.update(grads, opt_state, trainable)
             new_t = apply_updates(trainable, updates)
             new_p = {k: new_t.get(k, v) for k, v in params.items()} if fixed else new_t

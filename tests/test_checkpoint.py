@@ -9,7 +9,6 @@ import os
 import re
 import struct
 import threading
-import time
 
 import mindspore as ms
 import numpy as np
@@ -450,10 +449,11 @@ def test_a_save_that_loses_the_race_for_its_step_is_an_error_and_removes_its_fil
 
 
 def test_clean_leaves_a_background_save_alone(tmp_path, monkeypatch):
-    release = threading.Event()
+    release, writing = threading.Event(), threading.Event()
     write = ckpt._write_safetensors_durably
 
     def slow(*args, **kwargs):
+        writing.set()  # the save holds its directory's lock while it writes
         assert release.wait(30)
         return write(*args, **kwargs)
 
@@ -465,11 +465,11 @@ def test_clean_leaves_a_background_save_alone(tmp_path, monkeypatch):
     state = {"w": np.arange(4, dtype=np.float32)}
     handle = ckpt.save(tmp_path, state, step=9, wait=False)
     try:
-        for _ in range(3000):  # the thread has made its directory and taken its lock
-            live = [d for d in _leftovers(tmp_path) if d.startswith(".tmp-9-")]
-            if live and os.path.exists(tmp_path / live[0] / ".lock"):
-                break
-            time.sleep(0.01)
+        # the thread has made its directory and taken its lock (the lock file alone
+        # exists a moment before the lock is held: a clean() then may remove it, and
+        # the save makes a new directory)
+        assert writing.wait(30)
+        live = [d for d in _leftovers(tmp_path) if d.startswith(".tmp-9-")]
         assert live
         assert ckpt.clean(tmp_path) == [str(tmp_path / ".tmp-7-123-0"), str(dead)]
         assert _leftovers(tmp_path) == live

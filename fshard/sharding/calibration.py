@@ -7,13 +7,19 @@ What is measured (each time the median of several calls of a compiled program, e
 rate a least-squares line through several sizes, so a busy machine moves the numbers
 little):
 
-- ``op_s``: the fixed cost of one more kernel in a compiled program (a chain of 1 and of
-  65 small adds);
-- ``call_s``: the fixed cost of calling a compiled program (the intercept of that chain);
-- ``flops_per_s``: a matmul's flops (``2·m·k·n`` per device) per second, batched over
-  the devices as a virtual mesh runs it, over four thin and wide block shapes, with the
-  right operand per device and shared;
-- ``point_s``: the seconds per element of an elementwise op (an add over three sizes);
+- ``op_s``: the fixed cost of one more kernel in a compiled program (chains of 128 to
+  1024 small adds, as long as a training step's graph);
+- ``call_s``: the fixed cost of calling a compiled program (the intercept of chains of 1
+  and 65 small adds);
+- ``arg_s``: what each more value passed in or out of the call adds (programs of 1, 17
+  and 33 inputs and outputs): a training step's state crosses the call leaf by leaf;
+- ``matmul_c``, ``matmul_p``: a matmul kernel's seconds, ``c·flops**p`` (its flops,
+  ``2·m·k·n`` per device times the devices it is batched over, as a virtual mesh runs
+  it), over thin, wide and square block shapes with the right operand per device and
+  shared: a small matmul runs far below a large one's rate; ``flops_per_s``, the rate
+  at 1 Gflop;
+- ``point_s``: the seconds per element of an elementwise op (chains of adds,
+  multiplies and subtractions over four sizes);
 - per collective (``all_reduce``, ``all_gather``) and group size ``n``:
   ``(fixed seconds, seconds per byte of each device's block)`` of the virtual mesh's
   collective over an axis of ``n`` devices of a mesh of ``devices``, three block sizes.
@@ -39,7 +45,7 @@ from fshard.backend import mindspore as backend
 from fshard.core.tracing import ArrayType
 from fshard.errors import ShardingError
 from fshard.primitives import collectives as C
-from fshard.primitives.elementwise import add
+from fshard.primitives.elementwise import add, mul, sub
 from fshard.primitives.linalg import matmul
 from fshard.sharding.rates import (FORMAT, cache_path, check_devices, default_devices,
                                    load_cache_clear)
@@ -84,10 +90,16 @@ def _times(items, runs: int, rounds: int = 3) -> list[float]:
     return best
 
 
-def _fit(xs, ts) -> tuple[float, float]:
-    """Least squares ``t = a + b·x`` (both kept >= 0: a noisy machine can tilt a line)."""
-    b, a = np.polyfit(np.asarray(xs, float), np.asarray(ts, float), 1)
-    return max(float(a), 0.0), max(float(b), 1e-15)
+def _fit(xs, ts, clip: bool = True) -> tuple[float, float]:
+    """A line ``t = a + b·x`` through the measurements, robustly (Theil-Sen: the median
+    of the slopes between every two sizes, then the median intercept), so one call that
+    another process slowed cannot tilt it; both kept >= 0 unless ``clip`` is False."""
+    xs, ts = np.asarray(xs, float), np.asarray(ts, float)
+    i, j = np.triu_indices(len(xs), 1)
+    keep = xs[j] != xs[i]
+    b = float(np.median((ts[j] - ts[i])[keep] / (xs[j] - xs[i])[keep]))
+    a = float(np.median(ts - b * xs))
+    return (max(a, 0.0), max(b, 1e-15)) if clip else (a, b)
 
 
 def _tensor(shape, seed=0):
@@ -120,29 +132,76 @@ def _batched_matmul(m: int, k: int, n: int, devices: int, both: bool) -> tuple:
             [_tensor((devices, m, k)), _tensor(b_lead + (k, n), 1)])
 
 
+def _chain2(k: int):
+    """``k`` elementwise ops in a chain, adds, multiplies and subtractions in turn (a
+    chain of one kind alone runs faster than a step's mix)."""
+    kinds = (add, mul, sub)
+
+    def fn(x, y):
+        for i in range(k):
+            x = kinds[i % 3](x, y)
+        return [x]
+    return fn
+
+
+def _many(k: int):
+    def fn(*xs):
+        return [add(x, x) for x in xs]
+    return fn
+
+
 def _measure_compute(runs: int, devices: int) -> dict:
     x = _tensor((64,))
     # The first calls of a process pay one-off costs: warm up on a program of its own.
     _times([(_compile(_chain(2), [_f32((64,))]), [x])], 3, 1)
     ks = (1, 65)
     ts = _times([(_compile(_chain(k), [_f32((64,))]), [x]) for k in ks], runs)
-    call_s, op_s = _fit(ks, ts)
+    call_s, small_op_s = _fit(ks, ts)
+    # MindSpore's CPU runtime launches each kernel of a graph of more than about 100 at
+    # a higher cost (2-3 us below, 4-5 us above, on 2 cores): a training step is above,
+    # so one kernel's cost is measured on chains of 128 to 1024: the median of their
+    # times per kernel (steadier than a line's slope, which the jumps between lengths
+    # tilt).
+    ks = (128, 256, 512, 1024)
+    ts = _times([(_compile(_chain(k), [_f32((64,))]), [x]) for k in ks], runs)
+    op_s = float(np.median([max(t - call_s, 0.0) / k for k, t in zip(ks, ts)]))
+    ks = (1, 17, 33)
+    ts = _times([(_compile(_many(k), [_f32((64,))] * k),
+                  [_tensor((64,), i) for i in range(k)]) for k in ks], runs)
+    # Each more k: one input, one output and one add.
+    arg_s = max(_fit(ks, ts)[1] - small_op_s, 0.0) / 2
     # Matmuls as a virtual mesh runs them: each device's block, batched over the devices,
     # the right operand batched too (a weight gradient's) or shared (a replicated weight);
-    # the thin and wide shapes of split activations, not a square peak-rate kernel.
-    shapes = ((32, 64, 512), (64, 512, 32), (32, 512, 512), (512, 32, 512))
+    # the thin and wide shapes of split activations and a larger square-ish one, so the
+    # line's slope is the rate of large kernels and its intercept what a small one adds.
+    shapes = ((32, 64, 512), (64, 512, 32), (32, 512, 512), (512, 32, 512),
+              (256, 64, 512), (256, 512, 512))
     items, flops = [], []
     for both in (True, False):
         for m, k, n in shapes:
             items.append(_batched_matmul(m, k, n, devices, both))
             flops.append(2.0 * devices * m * k * n)
-    _, s_per_flop = _fit(flops, _times(items, runs))
-    sizes = (1 << 16, 1 << 20, 1 << 22)
-    items = [(_compile(lambda a, b: [add(a, b)], [_f32((size,)), _f32((size,))]),
-              [_tensor((size,)), _tensor((size,), 1)]) for size in sizes]
-    _, point_s = _fit(sizes, _times(items, runs))
-    return {"call_s": call_s, "op_s": op_s, "flops_per_s": 1.0 / s_per_flop,
-            "point_s": point_s}
+    ts = _times(items, runs)
+    # The rate rises with the kernel's size (8.4 Mflop run at half the rate of 1 Gflop):
+    # a power law ``t = c·flops**p`` through the kernels' own times (the call's taken
+    # out), fitted as a line in logarithms; flops_per_s is the rate it gives at 1 Gflop.
+    kernel = [max(t - call_s - op_s, 1e-7) for t in ts]
+    log_c, p = _fit(np.log(flops), np.log(kernel), clip=False)
+    # An add's seconds per element: the extra time of 16 more ops in a chain over
+    # each size, so the call and the one-off copies fall out; the sizes of the blocks
+    # and weights of a step (16K-1M elements, mostly in cache), not of memory-bound
+    # giants.
+    sizes, items = (1 << 14, 1 << 16, 1 << 18, 1 << 20), []
+    for size in sizes:
+        for k in (1, 17):
+            items.append((_compile(_chain2(k), [_f32((size,))] * 2),
+                          [_tensor((size,)), _tensor((size,), 1)]))
+    ts = _times(items, runs)
+    _, point_s = _fit(sizes, [max(ts[2 * i + 1] - ts[2 * i], 1e-8) / 16
+                              for i in range(len(sizes))])
+    return {"call_s": call_s, "op_s": op_s, "arg_s": arg_s,
+            "flops_per_s": 1e9 / (np.exp(log_c) * 1e9 ** p), "matmul_c": float(np.exp(log_c)),
+            "matmul_p": float(p), "point_s": point_s}
 
 
 def _measure_collective(kind: str, n: int, devices: int, runs: int) -> tuple[float, float]:
@@ -162,9 +221,12 @@ def _measure_collective(kind: str, n: int, devices: int, runs: int) -> tuple[flo
         split = frozenset(a for a, _ in axes)
         lead = tuple(s for _, s in axes)
 
+        # The result is the same on the group's devices: a plan's next equation takes it
+        # unbatched over "g" (not copied out to every device, which would be priced too).
         def whole(blocks):
             return run_batched(inner, list(inner_consts) + [blocks],
-                               [frozenset()] * len(inner_consts) + [split], [split], axes)
+                               [frozenset()] * len(inner_consts) + [split],
+                               [split - {"g"}], axes)
 
         items.append((_compile(whole, [_f32(lead + (elems,))]), [_tensor(lead + (elems,))]))
     return _fit([4.0 * e for e in sizes], _times(items, runs))

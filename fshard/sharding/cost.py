@@ -134,16 +134,21 @@ def backend_rates(devices: int | None = None) -> dict:
 
 def rates_from_table(table: dict) -> dict:
     """The rates of a calibration table (fshard/sharding/calibration.py): a row like
-    ``BACKEND_RATES``' plus ``op_s`` (one kernel's fixed cost), ``point_s`` (an
-    elementwise op's seconds per element), ``call_s`` (calling the compiled program),
+    ``BACKEND_RATES``' plus ``op_s`` (one kernel's fixed cost), ``matmul_c`` and
+    ``matmul_p`` (a matmul kernel's seconds, ``c·flops**p``; absent from tables of
+    earlier versions, which price flops at ``flops_per_s``), ``point_s`` (an
+    elementwise op's seconds per element),
+    ``call_s`` (calling the compiled program), ``arg_s`` (each value passed in or out),
     ``lanes`` (the virtual devices one process computes for) and ``groups`` (per
     collective, per group size, ``(fixed s, s per byte of a device's block)`` as the
     virtual mesh runs it)."""
     groups = {op: {int(n): tuple(v) for n, v in table[op].items()}
               for op in ("all_reduce", "all_gather")}
     row = {"flops_per_s": table["flops_per_s"], "point_s": table["point_s"],
-           "op_s": table["op_s"], "call_s": table["call_s"], "lanes": table["devices"],
-           "groups": groups}
+           "op_s": table["op_s"], "call_s": table["call_s"],
+           "arg_s": table.get("arg_s", 0.0), "matmul_c": table.get("matmul_c"),
+           "matmul_p": table.get("matmul_p", 1.0),
+           "lanes": table["devices"], "groups": groups}
     # The byte-rate view of the largest group, for what prices bytes alone (propagation).
     for op, per_n in groups.items():
         a, b = per_n[max(per_n)] if per_n else (0.0, 1e-12)
@@ -171,15 +176,23 @@ def compute_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: d
     """Seconds equation ``spec`` takes run as ``cand`` with a calibration table's rates
     (``rates_from_table``): one kernel's fixed cost, plus its work (a contraction's flops
     at the matmul rate, else its elements at the elementwise rate) times the devices the
-    process computes for (a virtual mesh runs every device's block)."""
+    process computes it for. A virtual mesh batches an equation over the mesh axes its
+    values differ along (the axes that split a factor or carry a pending sum) and runs
+    it once for the rest (``run_batched``: a replicated value is not batched), so a
+    replicated equation costs its work once, not once per device."""
     flops = compute_cost(spec, cand, mesh)
     if not flops:
         return rates["op_s"]
+    varying = {a for _, axes in cand.assign for a in axes} | set(cand.carry)
+    lanes = mesh.count(tuple(sorted(varying)))
+    if contracts(spec) and rates.get("matmul_c") is not None:
+        # One batched kernel over the lanes: its rate depends on its whole size.
+        return rates["op_s"] + rates["matmul_c"] * (lanes * flops) ** rates["matmul_p"]
     if contracts(spec):
         work = flops / rates["flops_per_s"]
     else:
         work = flops / (spec.flops_per_point or 1.0) * rates["point_s"]
-    return rates["op_s"] + mesh.size * work
+    return rates["op_s"] + lanes * work
 
 
 def step_op(kind: str, n: int, world: bool, native: dict) -> str | None:
@@ -288,6 +301,11 @@ class CostModel:
     def call_s(self) -> float:
         """The fixed cost of calling the compiled program (measured tables only)."""
         return self.rates.get("call_s", 0.0)
+
+    def call_seconds(self, values: int) -> float:
+        """Calling the compiled program with ``values`` inputs and outputs in all
+        (measured tables only; the fixed cost was measured with one of each)."""
+        return self.call_s + self.rates.get("arg_s", 0.0) * max(values - 2, 0)
 
     def compute(self, spec: FactorSpec, cand: Candidate, mesh: ShardMesh) -> float:
         """The compute of ``spec`` as ``cand``, in flops: ``compute_cost``, or at level 2

@@ -47,7 +47,8 @@ class Explanation:
     rows: list = field(default_factory=list)
     output_comm_s: float = 0.0
     output_collectives: int = 0
-    # The fixed cost of calling the compiled program (a measured table's ``call_s``).
+    # Calling the compiled program: a measured table's ``call_s``, and its ``arg_s``
+    # for each value passed in or out.
     call_s: float = 0.0
 
     @property
@@ -123,7 +124,8 @@ def explain(prop, name: str = "f", runner_up: bool = True) -> Explanation:
                       else prop.in_shardings, prop.out_shardings, 2, model=model)
     layouts = dict(zip(prop.program.inputs, prop.in_shardings, strict=True))
     st = problem.initial(layouts)
-    out = Explanation(name, prop.mesh.size, call_s=model.call_s)
+    out = Explanation(name, prop.mesh.size, call_s=model.call_seconds(
+        len(prop.program.inputs) + len(prop.program.outputs)))
     for i, (_, cand) in enumerate(prop.choice):
         inputs = tuple((x, layouts[x]) for x in problem.free_at[i])
         before_t, before_n = st.ctime, st.ncoll

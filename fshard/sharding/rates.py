@@ -65,6 +65,8 @@ def calibrated(devices: int) -> dict | None:
 
 
 _NUMBERS = ("call_s", "op_s", "flops_per_s", "point_s")
+#: Measured by later fshard versions; a table without them prices as before them.
+_LATER_NUMBERS = ("arg_s", "matmul_c", "matmul_p")
 
 
 @functools.lru_cache(maxsize=16)  # one read per file version: planning asks often
@@ -73,7 +75,10 @@ def _load(path: str, mtime: int) -> dict | None:
         table = json.loads(Path(path).read_text())
         ok = (isinstance(table, dict) and table.get("format") == FORMAT
               and all(isinstance(table.get(k), (int, float)) and table[k] >= 0
-                      for k in _NUMBERS) and table["flops_per_s"] > 0
+                      for k in _NUMBERS)
+              and all(isinstance(table.get(k, 0.0), (int, float)) and table.get(k, 0.0) >= 0
+                      for k in _LATER_NUMBERS)
+              and table["flops_per_s"] > 0
               and isinstance(table.get("devices"), int) and table["devices"] >= 1
               and all(isinstance(table.get(k), dict) and all(
                   isinstance(n, str) and n.isdigit() and isinstance(v, list) and len(v) == 2

@@ -59,6 +59,8 @@ def test_calibrate_measures_and_caches_the_table(measured):
     assert saved == table
     assert table["devices"] == 2 and table["lanes"] is True
     assert table["flops_per_s"] > 0 and table["point_s"] > 0
+    assert table["op_s"] >= 0 and table["arg_s"] >= 0
+    assert table["matmul_c"] > 0 and 0 < table["matmul_p"] < 2
     assert set(table["all_reduce"]) == set(table["all_gather"]) == {"2"}
     for op in ("all_reduce", "all_gather"):
         a, b = table[op]["2"]
@@ -113,15 +115,45 @@ def test_compute_seconds_matmul_per_flop_elementwise_per_element_times_lanes():
     ew = FactorSpec([("a",), ("a",)], [("a",)], {"a": 4096})
     assert contracts(mm) and not contracts(ew)
     whole = Candidate(())
-    # every one of the 8 virtual devices computes the whole product: 8 times its flops
+    # A replicated equation is not batched over the virtual devices: computed once.
     assert compute_seconds(mm, whole, mesh, row) == pytest.approx(
-        5e-6 + 8 * 2.0 * 64 * 32 * 16 / 2e10)
-    assert compute_seconds(ew, whole, mesh, row) == pytest.approx(5e-6 + 8 * 4096 * 1e-9)
+        5e-6 + 2.0 * 64 * 32 * 16 / 2e10)
+    assert compute_seconds(ew, whole, mesh, row) == pytest.approx(5e-6 + 4096 * 1e-9)
+    # Split over 8 devices: each computes an eighth, and the virtual mesh runs all 8.
+    every = (0, 1, 2)  # the mesh's prime axes, 2 x 2 x 2
+    split = Candidate((("a", every),))
+    assert compute_seconds(ew, split, mesh, row) == pytest.approx(5e-6 + 4096 * 1e-9)
+    # A pending sum carried through varies over its axes: batched over them.
+    carried = Candidate((), carry=frozenset(every), carry_ops=(0,))
+    assert compute_seconds(ew, carried, mesh, row) == pytest.approx(
+        5e-6 + 8 * 4096 * 1e-9)
     model = CostModel(level=2, rates=row)
     assert model.compute(ew, whole, mesh) / model.flops_per_s == pytest.approx(
         compute_seconds(ew, whole, mesh, row))
     # levels 0 and 1 keep MindSpore's flop counts
     assert CostModel(level=0, rates=row).compute(ew, whole, mesh) == 4096.0
+
+
+def test_a_matmul_is_priced_by_the_power_law_of_its_whole_batched_size():
+    row = rates_from_table(_table(8, matmul_c=1e-10, matmul_p=0.8))
+    mesh = ShardMesh.for_devices(8)
+    mm = FactorSpec([("m", "k"), ("k", "n")], [("m", "n")], {"m": 64, "k": 32, "n": 16},
+                    reduce=frozenset({"k"}), flops_per_point=2.0)
+    flops = 2.0 * 64 * 32 * 16
+    assert compute_seconds(mm, Candidate(()), mesh, row) == pytest.approx(
+        5e-6 + 1e-10 * flops ** 0.8)
+    # split rows over the 8 devices: one batched kernel of the same total flops
+    split = Candidate((("m", (0, 1, 2)),))
+    assert compute_seconds(mm, split, mesh, row) == pytest.approx(
+        5e-6 + 1e-10 * flops ** 0.8)
+
+
+def test_calling_costs_each_value_passed_in_or_out():
+    model = CostModel(level=2, rates=rates_from_table(_table(8, arg_s=2e-6)))
+    assert model.call_seconds(2) == pytest.approx(3e-4)
+    assert model.call_seconds(12) == pytest.approx(3e-4 + 10 * 2e-6)
+    # a table of an earlier version (no arg_s) prices the call alone
+    assert CostModel(level=2, rates=rates_from_table(_table(8))).call_seconds(12) == 3e-4
 
 
 def _mlp_loss(w, v, x):

@@ -10,6 +10,8 @@ additions on a virtual mesh):
 
 - ``fold_structural``: reshape/broadcast/transpose chains collapse into one
   operation; reshapes, broadcasts, transposes and casts that change nothing vanish.
+- ``fold_view_chains``: reshapes and transposes in turn collapse into at most one
+  transpose between two reshapes.
 - ``cse``: an equation equal to an earlier one (same primitive, operands and
   parameters) reuses its outputs.
 - ``sink_neg``: a negation moves past a sum or into a subtraction (exact).
@@ -113,6 +115,158 @@ def fold_structural(program: Program) -> Program:
         for v in eq.outputs:
             producer[v] = eq
     return _rebuild(program, out, alias)
+
+
+# ---------------------------------------------------------------------------
+# fold_view_chains: reshapes and transposes in turn become one transpose
+# ---------------------------------------------------------------------------
+
+#: The most dimensions a folded transpose may have (MindSpore's Transpose takes 8).
+_MAX_VIEW_RANK = 8
+
+
+def compose_views(shape: tuple, ops: list) -> tuple | None:
+    """What a chain of ``("reshape", shape)`` / ``("transpose", perm)`` does to an array
+    of ``shape``, as at most one transpose between two reshapes: ``(view, perm, out)``,
+    ``view`` the input's shape split into the pieces the chain moves, ``perm`` their
+    new order and ``out`` the result's shape; None when a reshape mixes pieces that
+    no such split separates (then the chain stays as it is).
+
+    Each input dimension is cut into "atoms" (its row-major factors) as finely as a
+    reshape along the chain needs; a transpose reorders dimensions, each a run of
+    atoms; the atoms' order at the end against their order in the input is the perm.
+
+    >>> compose_views((4, 6), [("reshape", (2, 2, 6)), ("transpose", (1, 0, 2)),
+    ...                        ("reshape", (2, 12))])
+    ((2, 2, 6), (1, 0, 2), (2, 12))
+    """
+    if 0 in shape:
+        return None
+    sizes, order, dims = {}, [], []
+    for n in shape:
+        if n != 1:
+            sizes[len(sizes)] = n
+            order.append(len(sizes) - 1)
+        dims.append([len(sizes) - 1] if n != 1 else [])
+    fresh = [len(sizes)]
+
+    def split(a: int, hi: int) -> tuple[int, int]:
+        h, lo = fresh[0], fresh[0] + 1
+        fresh[0] += 2
+        sizes[h], sizes[lo] = hi, sizes.pop(a) // hi
+        i = order.index(a)
+        order[i:i + 1] = [h, lo]
+        for d in dims:
+            if a in d:
+                j = d.index(a)
+                d[j:j + 1] = [h, lo]
+        return h, lo
+
+    for kind, arg in ops:
+        if kind == "transpose":
+            dims = [dims[p] for p in arg]
+            continue
+        flat = [a for d in dims for a in d]
+        new, k = [], 0
+        for t in arg:
+            cur, acc = [], 1
+            while acc < t:
+                if k >= len(flat):
+                    return None
+                a = flat[k]
+                if acc * sizes[a] <= t:
+                    if t % (acc * sizes[a]):
+                        return None
+                    cur.append(a)
+                    acc *= sizes[a]
+                    k += 1
+                elif t % acc == 0 and sizes[a] % (t // acc) == 0:
+                    h, lo = split(a, t // acc)
+                    flat[k] = lo
+                    cur.append(h)
+                    acc = t
+                else:
+                    return None
+            new.append(cur)
+        if k != len(flat):
+            return None
+        dims = new
+    final = [a for d in dims for a in d]
+    # Merge atoms that stay neighbours in the same order: the fewest dimensions.
+    groups = []
+    for a in final:
+        if groups and order.index(a) == order.index(groups[-1][-1]) + 1:
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    by_input = sorted(groups, key=lambda g: order.index(g[0]))
+    view = tuple(int(np.prod([sizes[a] for a in g])) for g in by_input)
+    perm = tuple(by_input.index(g) for g in groups)
+    out = tuple(int(np.prod([sizes[a] for a in d])) if d else 1 for d in dims)
+    return view, perm, out
+
+
+def _view_op(eq: Equation) -> tuple | None:
+    if eq.prim is reshape_p:
+        return ("reshape", tuple(eq.params["shape"]))
+    if eq.prim is transpose_p:
+        return ("transpose", tuple(eq.params["perm"]))
+    return None
+
+
+def _views(x: Var, ops: list, out: Var, source) -> list | None:
+    """The equations of ``compose_views`` from ``x`` to ``out`` (None: not foldable)."""
+    folded = compose_views(tuple(x.aval.shape), ops)
+    if folded is None:
+        return None
+    view, perm, shape = folded
+    if len(view) > _MAX_VIEW_RANK:
+        return None
+    eqs, cur = [], x
+    if perm != tuple(range(len(perm))):
+        if view != tuple(x.aval.shape):
+            v = Var(ArrayType(view, x.aval.dtype))
+            eqs.append(Equation(reshape_p, [cur], {"shape": view}, [v], source))
+            cur = v
+        moved = tuple(view[p] for p in perm)
+        v = Var(ArrayType(moved, x.aval.dtype))
+        eqs.append(Equation(transpose_p, [cur], {"perm": perm}, [v], source))
+        cur = v
+    if tuple(cur.aval.shape) != shape or not eqs:
+        eqs.append(Equation(reshape_p, [cur], {"shape": shape}, [out], source))
+    else:
+        eqs[-1] = Equation(eqs[-1].prim, eqs[-1].inputs, eqs[-1].params, [out], source)
+    return eqs
+
+
+def fold_view_chains(program: Program) -> Program:
+    """A chain of reshapes and transposes (each link read by the next alone) becomes at
+    most one transpose between two reshapes, when that has fewer transposes or fewer
+    equations: a virtual mesh's batching moves device axes back and forth this way,
+    each move a copy of the whole value."""
+    uses = _uses(program)
+    chains: dict = {}   # output of a view equation -> (chain's input, its ops, transposes)
+    out = []
+    for eq in program.equations:
+        op = _view_op(eq)
+        x = eq.inputs[0] if op is not None else None
+        if op is None or not isinstance(x, Var) or not _static(x.aval.shape) \
+                or not _static(eq.outputs[0].aval.shape):
+            out.append(eq)
+            continue
+        src, ops, moves = x, [], 0
+        if x in chains and uses.get(x, 0) == 1:
+            src, ops, moves = chains[x]
+        ops = ops + [op]
+        moves += op[0] == "transpose"
+        chains[eq.outputs[0]] = (src, ops, moves)
+        folded = _views(src, ops, eq.outputs[0], eq.source) if len(ops) > 1 else None
+        if folded is not None and (
+                sum(e.prim is transpose_p for e in folded), len(folded)) < (moves, len(ops)):
+            out.extend(folded)
+        else:
+            out.append(eq)
+    return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)
 
 
 # ---------------------------------------------------------------------------
@@ -306,6 +460,7 @@ def dce(program: Program) -> Program:
 
 PASSES: list[tuple[str, PassFn]] = [
     ("fold_structural", fold_structural),
+    ("fold_view_chains", fold_view_chains),
     ("cse", cse),
     ("sink_neg", sink_neg),
     ("merge_lane_sums", merge_lane_sums),

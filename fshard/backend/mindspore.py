@@ -755,6 +755,20 @@ def comm_initialized() -> bool:
     return comm is not None and bool(comm.GlobalComm.INITED)
 
 
+def world_collective(kind: str):
+    """A compiled call of MindSpore's own ``kind`` (``"all_reduce"``, a sum, or
+    ``"all_gather"``, along dimension 0) over every rank of the job: what a job's plan
+    runs, for ``fs.sharding.calibrate`` to time."""
+    from mindspore import ops
+
+    op = ops.AllReduce() if kind == "all_reduce" else ops.AllGather()
+
+    def collective(v):
+        return op(v)
+
+    return ms.jit(collective)
+
+
 def sync_pynative() -> None:
     """Wait for the queued PyNative work (and its collectives) to finish."""
     from mindspore.common.api import _pynative_executor

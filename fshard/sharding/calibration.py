@@ -28,8 +28,12 @@ A virtual mesh runs every device in this process, batched over the device axis, 
 per-device computation costs ``devices`` times its work (``lanes``); a collective's time
 is measured as it runs there. The cache file is per backend, MindSpore version and device
 count, in ``$FSHARD_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fshard`` or ``~/.cache/fshard``).
-A multi-process job keeps the default table (``benchmarks/cost_rates.py`` measured it
-between processes): measuring a job's collectives needs the job.
+In a rank of a multi-process job, ``calibrate()`` (called on every rank) measures the
+job instead: each process's compute as one device, and MindSpore's AllReduce and
+AllGather over the job's processes; every rank keeps rank 0's numbers, in a table of its
+own (``cache_path(n, job=True)``), which the ranks of later jobs of ``n`` processes plan
+with. Without one a job prices with ``cost.BACKEND_RATES`` (``benchmarks/cost_rates.py``
+measured it between 2 processes).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from fshard.core import dtypes
 from fshard.backend import mindspore as backend
 from fshard.core.tracing import ArrayType
 from fshard.errors import ShardingError
+from fshard.meshes import distributed
 from fshard.primitives import collectives as C
 from fshard.primitives.elementwise import add, mul, sub
 from fshard.primitives.linalg import matmul
@@ -232,9 +237,62 @@ def _measure_collective(kind: str, n: int, devices: int, runs: int) -> tuple[flo
     return _fit([4.0 * e for e in sizes], _times(items, runs))
 
 
+def _measure_job(devices: int, runs: int) -> dict:
+    """A job's table, measured by every rank at once (as a step runs): each process's
+    compute (one device each, nothing batched) and MindSpore's AllReduce and AllGather
+    over the job, each call after a barrier (the ranks meet at each collective of a
+    step). Every rank returns rank 0's numbers: the ranks must plan alike."""
+    world = distributed.world_size()
+    if devices != world:
+        raise ShardingError(
+            f"fs.sharding.calibrate(devices={devices}) in a job of {world} processes: a "
+            f"job's table is for its own processes.\nFix: call fs.sharding.calibrate() "
+            f"(or devices={world}) on every rank.")
+    t0 = time.perf_counter()
+    table = {"format": FORMAT, "backend": backend.device_target(),
+             "mindspore": backend.ms_version(), "devices": devices, "lanes": False}
+    compute = _measure_compute(runs, 1)
+    table.update(compute)
+    reduce = backend.world_collective("all_reduce")
+    token = _tensor((1,))
+    for kind in ("all_reduce", "all_gather"):
+        fn = backend.world_collective(kind)
+        sizes, ts = (1 << 8, 1 << 14, 1 << 17), []
+        for elems in sizes:
+            x = _tensor((elems,))
+            backend.to_numpy(fn(x))
+            calls = []
+            for _ in range(3 * runs):
+                backend.to_numpy(reduce(token))
+                start = time.perf_counter()
+                backend.to_numpy(fn(x))
+                calls.append(time.perf_counter() - start)
+            ts.append(float(np.median(calls)))
+        a, b = _fit([4.0 * e for e in sizes], ts)
+        table[kind] = {str(world): [max(a - compute["call_s"], 0.0), b]}
+    keys = [k for k in _NUMBERS if k in table]
+    numbers = [table[k] for k in keys] + table["all_reduce"][str(world)] \
+        + table["all_gather"][str(world)]
+    mine = np.asarray(numbers, np.float32) * (distributed.rank() == 0)
+    shared = [float(v) for v in backend.to_numpy(reduce(backend.as_tensor(mine)))]
+    table.update(zip(keys, shared))
+    table["all_reduce"] = {str(world): shared[len(keys):len(keys) + 2]}
+    table["all_gather"] = {str(world): shared[len(keys) + 2:]}
+    table["seconds"] = time.perf_counter() - t0
+    table["loadavg"] = list(os.getloadavg())
+    return table
+
+
+#: A table's measured numbers (all but the collectives).
+_NUMBERS = ("call_s", "op_s", "arg_s", "flops_per_s", "matmul_c", "matmul_p", "point_s")
+
+
 def measure(devices: int, runs: int = 7) -> dict:
-    """A fresh table for ``devices`` virtual devices (not saved)."""
+    """A fresh table for ``devices`` virtual devices, or in a rank of a multi-process job
+    for the job's processes (not saved)."""
     devices = check_devices(devices)
+    if backend.comm_initialized():
+        return _measure_job(devices, runs)
     t0 = time.perf_counter()
     table = {"format": FORMAT, "backend": backend.device_target(),
              "mindspore": backend.ms_version(), "devices": devices, "lanes": True}
@@ -261,19 +319,24 @@ def calibrate(devices: int | None = None, *, runs: int = 7) -> dict:
     ``FSHARD_DEVICES``, else 8) and cache them on disk (``cache_path(devices)``); the
     planner prices plans with them from now on (and in later processes). Returns the
     table. A few seconds; re-run it after a change of machine, backend or MindSpore
-    version (each has its own file) or to measure again.
+    version (each has its own file) or to measure again. In a multi-process job, call
+    it on every rank: it measures the job's processes (``devices`` defaults to, and
+    must be, their number) and caches that table for later jobs of as many.
 
     >>> import fshard as fs
     >>> table = fs.sharding.calibrate(devices=2, runs=3)   # doctest: +SKIP
     >>> sorted(table["all_reduce"])                        # doctest: +SKIP
     ['2']
     """
-    devices = check_devices(default_devices() if devices is None else devices)
+    job = backend.comm_initialized()
+    if devices is None:
+        devices = distributed.world_size() if job else default_devices()
+    devices = check_devices(devices)
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise ShardingError(f"fs.sharding.calibrate: runs must be a positive int (calls "
                             f"timed per measurement); got {runs!r}.\nFix: pass e.g. runs=7.")
     table = measure(devices, runs)
-    path = cache_path(devices)
+    path = cache_path(devices, job)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -122,11 +122,11 @@ BACKEND_RATES: dict = {
 
 def backend_rates(devices: int | None = None) -> dict:
     """The rates the planner prices with: the table ``fs.sharding.calibrate()`` measured
-    on this machine for a virtual mesh of ``devices`` when there is one (and this process
-    is not a rank of a multi-process job, whose collectives are another matter), else the
+    on this machine for a virtual mesh of ``devices`` when there is one, or in a rank of
+    a multi-process job the table it measured in a job of ``devices`` processes; else the
     row of ``BACKEND_RATES`` for the device target (CPU's for another)."""
-    if devices is not None and not comm_initialized():
-        table = calibrated(devices)
+    if devices is not None:
+        table = calibrated(devices, job=comm_initialized())
         if table is not None:
             return rates_from_table(table)
     return BACKEND_RATES.get(device_target(), BACKEND_RATES["CPU"])
@@ -148,7 +148,7 @@ def rates_from_table(table: dict) -> dict:
            "op_s": table["op_s"], "call_s": table["call_s"],
            "arg_s": table.get("arg_s", 0.0), "matmul_c": table.get("matmul_c"),
            "matmul_p": table.get("matmul_p", 1.0),
-           "lanes": table["devices"], "groups": groups}
+           "lanes": table["devices"] if table.get("lanes", True) else 1, "groups": groups}
     # The byte-rate view of the largest group, for what prices bytes alone (propagation).
     for op, per_n in groups.items():
         a, b = per_n[max(per_n)] if per_n else (0.0, 1e-12)
@@ -184,7 +184,8 @@ def compute_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: d
     if not flops:
         return rates["op_s"]
     varying = {a for _, axes in cand.assign for a in axes} | set(cand.carry)
-    lanes = mesh.count(tuple(sorted(varying)))
+    # (a job's table: each process computes its own block alone)
+    lanes = mesh.count(tuple(sorted(varying))) if rates.get("lanes", 1) > 1 else 1
     if contracts(spec) and rates.get("matmul_c") is not None:
         # One batched kernel over the lanes: its rate depends on its whole size.
         return rates["op_s"] + rates["matmul_c"] * (lanes * flops) ** rates["matmul_p"]

@@ -30,10 +30,12 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "fshard"
 
 
-def cache_path(devices: int) -> Path:
-    """The file of the table for ``devices`` virtual devices on this backend."""
+def cache_path(devices: int, job: bool = False) -> Path:
+    """The file of the table for ``devices`` virtual devices on this backend, or with
+    ``job`` for a multi-process job of ``devices`` processes."""
     version = ms_version()
-    return cache_dir() / f"calibration-{device_target()}-ms{version}-{devices}.json"
+    kind = "job" if job else ""
+    return cache_dir() / f"calibration-{device_target()}-ms{version}-{kind}{devices}.json"
 
 
 def check_devices(devices) -> int:
@@ -53,10 +55,11 @@ def default_devices() -> int:
     return max(n, 1)
 
 
-def calibrated(devices: int) -> dict | None:
-    """The cached table for ``devices`` virtual devices on this backend, or None when
-    this machine has not been calibrated for them."""
-    path = cache_path(devices)
+def calibrated(devices: int, job: bool = False) -> dict | None:
+    """The cached table for ``devices`` virtual devices on this backend (with ``job``:
+    for a job of ``devices`` processes), or None when this machine has not been
+    calibrated for them."""
+    path = cache_path(devices, job)
     try:
         mtime = path.stat().st_mtime_ns
     except OSError:

@@ -1,0 +1,43 @@
+"""``fs.sharding.calibrate()`` in a real 2-process job: every rank measures the job's
+compute and MindSpore's collectives between the processes, keeps rank 0's numbers (the
+ranks must plan alike), caches a job table of its own, and the job's plans are priced
+with it (``explain``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from fshard import launch
+
+pytestmark = pytest.mark.full  # a launched job
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NUMBERS = ("call_s", "op_s", "arg_s", "flops_per_s", "matmul_c", "matmul_p", "point_s")
+
+
+def test_calibrate_in_a_job_measures_the_job_and_every_rank_keeps_one_table(tmp_path):
+    result = launch.run(os.path.join(HERE, "calibration_checks.py"), 2, [str(tmp_path)],
+                        timeout=600)
+    assert result.ok, result.message + "\n" + "\n".join(result.output(r)[-3000:]
+                                                        for r in range(2))
+    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for out in outs:
+        assert "devices=3" in out["refused"] and "job of 2 processes" in out["refused"]
+        assert "Fix:" in out["refused"]
+        table = out["table"]
+        assert table["devices"] == 2 and table["lanes"] is False
+        assert set(table["all_reduce"]) == set(table["all_gather"]) == {"2"}
+        assert table["flops_per_s"] > 0 and table["point_s"] > 0 and table["op_s"] >= 0
+        assert out["saved"].endswith("-job2.json") and out["exists"]
+        # priced with the job's table: the call's own cost counts (the default rates
+        # have none)
+        assert out["default_call_s"] == 0.0 and out["call_s"] > 0.0
+        assert out["predicted_s"] > 0 and out["measured_s"] > 0
+    a, b = (o["table"] for o in outs)
+    for k in NUMBERS:
+        assert a[k] == b[k], k
+    assert a["all_reduce"] == b["all_reduce"] and a["all_gather"] == b["all_gather"]
+    print("predicted / measured step:", [o["predicted_s"] / o["measured_s"] for o in outs])

@@ -105,6 +105,85 @@ def _auto_plans():
     return out
 
 
+def _job_plans(n: int):
+    """``{label: (fs.shard-ed function, args)}`` of a job of ``n`` processes: the MLP's
+    hand plans, each rank holding the global inputs."""
+    import mindspore as ms
+
+    import fshard as fs
+    from benchmarks.planning import _loss
+
+    rng = np.random.default_rng(1)
+    p = {k: ms.Tensor(v) for k, v in _mlp_params((64, 512, 512, 10)).items()}
+    x = ms.Tensor(rng.standard_normal((256, 64)).astype(np.float32))
+    y = ms.Tensor(rng.integers(0, 10, 256).astype(np.int32))
+    vg = fs.value_and_grad(_loss)
+    rep = {k: (1,) * v.ndim for k, v in p.items()}
+    megatron = dict(rep, w0=(1, n), b0=(n,), w1=(n, 1))
+    a = ms.Tensor(rng.standard_normal((512, 256)).astype(np.float32))
+    b = ms.Tensor(rng.standard_normal((256, 256)).astype(np.float32))
+
+    def chain(a, b, c):
+        return ms.ops.matmul(ms.ops.matmul(a, b), c)
+
+    return {
+        "MLP vg: data parallel (hand)": (fs.shard(vg, in_strategy=(rep, (n, 1), (n,))),
+                                         (p, x, y)),
+        "MLP vg: Megatron column-row (hand)": (fs.shard(vg, in_strategy=(
+            megatron, (1, 1), (1,))), (p, x, y)),
+        "MLP vg: replicated (hand)": (fs.shard(vg, in_strategy=(rep, (1, 1), (1,))),
+                                      (p, x, y)),
+        f"MatMul (({n},1),(1,1)) then MatMul": (fs.shard(
+            chain, in_strategy=((n, 1), (1, 1), None)), (a, b, b)),
+        f"MatMul ((1,{n}),({n},1)) then MatMul": (fs.shard(
+            chain, in_strategy=((1, n), (n, 1), None)), (a, b, b)),
+    }
+
+
+def job_worker(out_dir: str) -> None:
+    """One rank of ``--job N``: calibrate the job, then time every plan interleaved
+    (each call after a barrier), rank 0 writing the rows."""
+    import json
+
+    import fshard as fs
+    from fshard.backend.mindspore import world_collective
+
+    fs.distributed.init()
+    n = fs.distributed.world_size()
+    t0 = time.perf_counter()
+    fs.sharding.calibrate()
+    seconds = time.perf_counter() - t0
+    reduce = world_collective("all_reduce")
+    token = np.zeros(1, np.float32)
+    import mindspore as ms
+
+    token = ms.Tensor(token)
+    ps = {}
+    for label, (f, args) in _job_plans(n).items():
+        jitted = fs.jit(f)
+        ps[label] = (lambda f=jitted, args=args: _wait(f(*args)), f.explain(*args),
+                     f.partitioned(*args).collectives())
+    rows = _timed(ps, 10, 4, barrier=lambda: reduce(token).asnumpy())
+    if fs.distributed.rank() == 0:
+        with open(os.path.join(out_dir, "rows.json"), "w") as fh:
+            json.dump({"rows": rows, "calibrated_s": seconds}, fh)
+
+
+def measure_job(n: int = 2) -> tuple[list[dict], float]:
+    """``--job N``: the job's rows (as ``measure``'s) and its calibration's seconds."""
+    import json
+    import tempfile
+
+    from fshard import launch
+
+    out = tempfile.mkdtemp(prefix="fshard-bench-prediction-")
+    launch.run("benchmarks.prediction", n, ["--worker", out], timeout=1200,
+               module=True).check()
+    with open(os.path.join(out, "rows.json")) as fh:
+        got = json.load(fh)
+    return got["rows"], got["calibrated_s"]
+
+
 def _wait(out):
     import fshard as fs
 
@@ -128,7 +207,10 @@ def plans():
 def measure(runs: int = 10, rounds: int = 4) -> list[dict]:
     """One dict per plan: label, predicted, best, median (seconds), ratio (predicted over
     best), collectives; plus the load averages before and after."""
-    ps = plans()
+    return _timed(plans(), runs, rounds)
+
+
+def _timed(ps: dict, runs: int, rounds: int, barrier=None) -> list[dict]:
     for call, _, _ in ps.values():
         call()
         call()
@@ -139,6 +221,8 @@ def measure(runs: int = 10, rounds: int = 4) -> list[dict]:
         for k, (call, _, _) in ps.items():
             ts = []
             for _ in range(runs):
+                if barrier is not None:
+                    barrier()
                 t0 = time.perf_counter()
                 call()
                 ts.append(time.perf_counter() - t0)
@@ -172,6 +256,16 @@ if __name__ == "__main__":  # pragma: no cover
 
     import fshard as fs
 
+    if "--worker" in sys.argv:
+        job_worker(sys.argv[sys.argv.index("--worker") + 1])
+        sys.exit(0)
+    if "--job" in sys.argv:
+        n = int(sys.argv[sys.argv.index("--job") + 1])
+        print(f"uptime: {os.popen('uptime').read().strip()}")
+        rows, seconds = measure_job(n)
+        print(f"a job of {n} processes, calibrated in {seconds:.1f} s")
+        print(table(rows))
+        sys.exit(0)
     if "--calibrate" in sys.argv:
         t0 = time.perf_counter()
         fs.sharding.calibrate(DEVICES)

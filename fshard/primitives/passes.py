@@ -251,7 +251,8 @@ def fold_view_chains(program: Program) -> Program:
         op = _view_op(eq)
         x = eq.inputs[0] if op is not None else None
         if op is None or not isinstance(x, Var) or not _static(x.aval.shape) \
-                or not _static(eq.outputs[0].aval.shape):
+                or not _static(eq.outputs[0].aval.shape) \
+                or (op[0] == "reshape" and not _static(op[1])):
             out.append(eq)
             continue
         src, ops, moves = x, [], 0

@@ -18,12 +18,16 @@ Rule signatures (x: operands, t: tangents, ct: cotangents, d: batch dims):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Generic, TypeVar
+from typing import Callable, Generic, Protocol, TypeVar
 
 from fshard.errors import MissingRuleError
 
-if TYPE_CHECKING:  # rules sits below core: primitives are only looked up here
-    from fshard.core.tracing import Primitive
+
+class Primitive(Protocol):
+    """What the rule tables need of a primitive: its name (``fshard.core.tracing``'s
+    ``Primitive``, which sits above; rules only files primitives and looks them up)."""
+
+    name: str
 
 R = TypeVar("R", bound=Callable)
 

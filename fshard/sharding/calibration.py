@@ -190,8 +190,13 @@ def _measure_compute(runs: int, devices: int) -> dict:
     # The rate rises with the kernel's size (8.4 Mflop run at half the rate of 1 Gflop):
     # a power law ``t = c·flops**p`` through the kernels' own times (the call's taken
     # out), fitted as a line in logarithms; flops_per_s is the rate it gives at 1 Gflop.
-    kernel = [max(t - call_s - op_s, 1e-7) for t in ts]
-    log_c, p = _fit(np.log(flops), np.log(kernel), clip=False)
+    kernel = np.log([max(t - call_s - op_s, 1e-7) for t in ts])
+    _, p = _fit(np.log(flops), kernel, clip=False)
+    # A kernel's time grows at most as its flops and at least as their square root: a
+    # busy machine that slowed one size can tilt the line past either, so the exponent
+    # is kept in between and the factor fitted to it.
+    p = min(max(p, 0.5), 1.0)
+    log_c = float(np.median(kernel - p * np.log(flops)))
     # An add's seconds per element: the extra time of 16 more ops in a chain over
     # each size, so the call and the one-off copies fall out; the sizes of the blocks
     # and weights of a step (16K-1M elements, mostly in cache), not of memory-bound

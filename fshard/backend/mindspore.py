@@ -398,6 +398,10 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
     outs = walk(program, [names[v] for v in program.inputs], rule, "lowering", literal)
     if ctx.effect is not None:  # the outputs wait for the last effect: none is pruned
         outs = [ctx.call(depend, o, ctx.effect) for o in outs]
+        if not outs and not always_tuple:
+            # a program with no outputs returns its last effect (its caller discards it):
+            # MindSpore would otherwise prune the whole graph
+            outs = [ctx.effect]
     ctx.token, ctx.dims, ctx.effect = saved_token, saved_dims, saved_effect
     ctx.sequenced, ctx.effectful = saved_flags
     if len(outs) == 1 and not always_tuple:

@@ -27,6 +27,10 @@ where those names are bound: inside ``fs.shard_map`` (the mesh axes) or
   the same Program; ranks differ only by baked-in constants, so every rank issues the
   same sequence of collectives.
 
+``after`` and ``keep`` keep a collective in the program of a rank whose result does
+not read it (in a job, where each rank traces its own program: MindSpore's
+NeighborExchange), so that the rank still takes part, also in the backward pass.
+
 The boundary primitives of a multi-process ``shard_map`` (``shard_in``: this rank's
 block of a global value; ``shard_out``: the global value from the blocks) live here
 too, with the same lowering helpers. This module imports no transform at import time.

@@ -207,5 +207,32 @@ def main(out_dir: str) -> None:
         json.dump(out, fh)
 
 
+def one_way_grad() -> None:
+    """2 ranks: rank 0 sends a tensor to rank 1 and receives nothing, and both ranks
+    differentiate: refused on rank 0 (its gradient is rank 1's cotangent), which stops
+    the job."""
+    import mindspore as ms
+    from mindspore import ops
+    from mindspore.communication import get_rank
+
+    import fshard as fs
+
+    fs.distributed.init()
+    rank = get_rank()
+    one_way = ops.NeighborExchange(
+        send_rank_ids=[1] if rank == 0 else [], recv_rank_ids=[0] if rank == 1 else [],
+        recv_shapes=([1, 2],) if rank == 1 else (), send_shapes=([1, 2],) if rank == 0 else (),
+        recv_type=ms.float32)
+
+    def loss(u):
+        got = one_way((u * 3,) if rank == 0 else ())
+        return (u * u).sum() + (0 if got is None else got[0].sum())
+
+    fs.jit(fs.grad(loss))(ms.Tensor(tensor_a(0)))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "one_way_grad":
+        one_way_grad()
+    else:
+        main(sys.argv[1])

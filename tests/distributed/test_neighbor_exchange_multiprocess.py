@@ -1,6 +1,8 @@
 """MindSpore's ops.NeighborExchangeV2 in a real 4-process job (a 2x2 grid of ranks),
 against a NumPy reference: each rank's output is its window of the global image,
-widened by the halos it receives; ops.NeighborExchange on a ring of the 4 ranks. The refusals that need no job are in
+widened by the halos it receives; ops.NeighborExchange on a ring of the 4 ranks; ranks
+that receive nothing (they still take part), asymmetric sends, uneven blocks, and the
+errors raised on every rank. The refusals that need no job are in
 tests/test_ms_collectives.py."""
 
 from __future__ import annotations
@@ -139,3 +141,13 @@ def test_neighbor_exchange_v2_on_a_2x2_grid_of_ranks(tmp_path):
         assert "rank 1 sends nothing to it" in out["no_sender"]
         assert out["corner"].startswith("ArgumentError"), out["corner"]
         assert "top-left corner (index 7)" in out["corner"]
+
+
+def test_differentiating_a_neighbor_exchange_on_a_rank_that_only_sends_is_refused():
+    result = launch.run(os.path.join(HERE, "neighbor_exchange_checks.py"), 2,
+                        ["one_way_grad"], timeout=300)
+    assert not result.ok
+    text = result.output(0)
+    assert "UnsupportedOpError: ops.NeighborExchange" in text, text[-3000:]
+    assert "differentiating it on rank 0, which sends tensors but receives nothing" in text
+    assert "Fix: have each sending rank receive a tensor too" in text

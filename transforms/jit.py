@@ -534,7 +534,8 @@ class Jitted:
             local = None if not sig and not any(out_info) else (program, out_info)
             program, consts, params = lift_parameters(program, traced.consts)
             src, globals_, n_out = backend.lower_program(passes.implicit_broadcasts(program),
-                                                         consts, traced.name)
+                                                         consts, traced.name,
+                                                         return_effect=True)
             lowered = Lowered(traced, src, globals_, n_out, _last_computed(program), local,
                               program, params)
             self._cache[key] = lowered

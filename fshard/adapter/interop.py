@@ -1834,20 +1834,31 @@ def _ms_neighbor_exchange(prim, xs):
         # tangent under grad wherever the sent tensors have one
         flat.append(C.after_p.bind(pad, xs[0]) if xs else pad)
     buffer = flat[0] if len(flat) == 1 else fo.concat(flat, 0)
+    # Under grad each rank transposes the AllGather where its buffer has a tangent. A
+    # rank that sends nothing has none (nothing of it is differentiated), and a rank
+    # that receives nothing has no cotangent to start from: the others' transposed
+    # AllGather would wait for them. Refused where a tangent meets it (C.keep's jvp):
+    # an error on the differentiating ranks, which stops the job.
+    mute = [members[a] for a, r in enumerate(ranks) if not r["send"]]
     refusal = (
-        f"ops.{prim.name}{site}: differentiating it on rank {members[me]}, which sends "
-        f"tensors but receives nothing: their gradients are the receivers' cotangents, "
-        "which fshard's per-rank differentiation does not bring back to a rank whose "
-        "result holds no part of the exchange; the job stops.\nFix: "
-        "have each sending rank receive a tensor too (e.g. a small one from the ranks it "
-        "sends to), or stop the gradient of what it sends (ops.stop_gradient).")
+        f"ops.{prim.name}{site}: differentiating it on rank {members[me]}, "
+        + (f"which sends tensors but receives nothing: their gradients are the receivers' "
+           "cotangents, which fshard's per-rank differentiation does not bring back to a "
+           "rank whose result holds no part of the exchange" if not recv_ids else
+           f"while rank(s) {mute} send nothing: fshard differentiates each rank's "
+           "program on its own, and theirs would not take part in the transposed "
+           "exchange that brings the cotangents back")
+        + "; the job stops.\nFix: have every rank send and receive a tensor (e.g. a "
+        "small one back to the ranks it receives from), or stop the gradient of what "
+        "is sent (ops.stop_gradient).")
 
     def run(names, v):
         g = C.all_gather(v, names, axis=0)  # (n, width), in group order
-        if not recv_ids:
-            # this rank keeps the AllGather that the others wait in (an effect: its
-            # program has no value that could depend on it)
+        if not recv_ids or mute:
+            # this rank keeps the AllGather that the others wait in (an effect: with
+            # no recv_rank_ids its program has no value that could depend on it)
             C.keep_p.bind(g, refusal=refusal)
+        if not recv_ids:
             return ()
         outs = []
         for p, shape in zip(recv_ids, recv_shapes):

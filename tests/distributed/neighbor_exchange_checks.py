@@ -210,7 +210,7 @@ def main(out_dir: str) -> None:
 def one_way_grad() -> None:
     """2 ranks: rank 0 sends a tensor to rank 1 and receives nothing, and both ranks
     differentiate: refused on rank 0 (its gradient is rank 1's cotangent), which stops
-    the job."""
+    the job. (tests/distributed/test_neighbor_exchange_multiprocess.py)"""
     import mindspore as ms
     from mindspore import ops
     from mindspore.communication import get_rank
@@ -231,8 +231,34 @@ def one_way_grad() -> None:
     fs.jit(fs.grad(loss))(ms.Tensor(tensor_a(0)))
 
 
+def mute_grad() -> None:
+    """3 ranks: ranks 0 and 1 swap tensors, rank 2 receives one from rank 0 and sends
+    nothing; all differentiate: refused on ranks 0 and 1 (rank 2 would not take part
+    in the transposed exchange), which stops the job."""
+    import mindspore as ms
+    from mindspore import ops
+    from mindspore.communication import get_rank
+
+    import fshard as fs
+
+    fs.distributed.init()
+    rank = get_rank()
+    send, recv = {0: ([1, 2], [1]), 1: ([0], [0]), 2: ([], [0])}[rank]
+    swap = ops.NeighborExchange(send_rank_ids=send, recv_rank_ids=recv,
+                                recv_shapes=([1, 2],) * len(recv),
+                                send_shapes=([1, 2],) * len(send), recv_type=ms.float32)
+
+    def loss(u):
+        got = swap(tuple(u * (k + 1) for k in range(len(send))))
+        return (u * u).sum() + got[0].sum()
+
+    fs.jit(fs.grad(loss))(ms.Tensor(tensor_a(0)))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "one_way_grad":
         one_way_grad()
+    elif sys.argv[1] == "mute_grad":
+        mute_grad()
     else:
         main(sys.argv[1])

@@ -143,11 +143,22 @@ def test_neighbor_exchange_v2_on_a_2x2_grid_of_ranks(tmp_path):
         assert "top-left corner (index 7)" in out["corner"]
 
 
-def test_differentiating_a_neighbor_exchange_on_a_rank_that_only_sends_is_refused():
-    result = launch.run(os.path.join(HERE, "neighbor_exchange_checks.py"), 2,
-                        ["one_way_grad"], timeout=300)
+@pytest.mark.parametrize("mode, n, refused, why", [
+    ("one_way_grad", 2, [0], "differentiating it on rank 0, which sends tensors but "
+     "receives nothing"),
+    ("mute_grad", 3, [0, 1], "while rank(s) [2] send nothing"),
+])
+def test_differentiating_a_neighbor_exchange_that_could_not_come_back_is_refused(
+        mode, n, refused, why):
+    # (the ranks that differentiate it refuse; the launcher stops the others, which
+    # would otherwise wait in the exchange)
+    result = launch.run(os.path.join(HERE, "neighbor_exchange_checks.py"), n, [mode],
+                        timeout=300)
     assert not result.ok
-    text = result.output(0)
-    assert "UnsupportedOpError: ops.NeighborExchange" in text, text[-3000:]
-    assert "differentiating it on rank 0, which sends tensors but receives nothing" in text
-    assert "Fix: have each sending rank receive a tensor too" in text
+    # the first rank to refuse stops the job, perhaps before another one refuses
+    texts = {r: result.output(r) for r in refused}
+    said = [r for r, t in texts.items() if "UnsupportedOpError: ops.NeighborExchange" in t]
+    assert said, "\n".join(t[-3000:] for t in texts.values())
+    for r in said:
+        assert why.replace("rank 0", f"rank {r}") in texts[r], texts[r][-3000:]
+        assert "Fix: have every rank send and receive a tensor" in texts[r]

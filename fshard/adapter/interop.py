@@ -1592,13 +1592,13 @@ def _ms_neighbor_exchange_v2(prim, x):
     table = _gather_now(names, job_mesh, mine).reshape(n, -1).tolist()
     ranks = [{"shape": tuple(t[:4]), "code": t[4], "send": t[5:13], "send_lens": t[13:17],
               "recv": t[17:25], "recv_lens": t[25:29]} for t in table]
-    if any(r["code"] != code for r in ranks):
-        others = [members[i] for i, r in enumerate(ranks) if r["code"] != code]
+    if any(r["code"] != ranks[0]["code"] for r in ranks):
+        others = [members[i] for i, r in enumerate(ranks) if r["code"] != ranks[0]["code"]]
         raise ArgumentError(
-            f"ops.{prim.name}{site}: rank(s) {others} hold another dtype than this rank's "
-            f"input ({aval}). fshard exchanges the halos on CPU with one AllGather, which "
-            "needs one dtype on every rank of the group.\nFix: cast every rank's input to "
-            "the same dtype.")
+            f"ops.{prim.name}{site}: the ranks' inputs differ in dtype: rank(s) {others} "
+            f"hold another than rank {members[0]} (this rank's input: {aval}). fshard "
+            "exchanges the halos on CPU with one AllGather, which needs one dtype on every "
+            "rank of the group.\nFix: cast every rank's input to the same dtype.")
     # What each rank sends, in its buffer: (peer index, direction, rows, cols) in
     # direction order, each piece flattened, every buffer padded to the longest.
     pieces = []

@@ -129,6 +129,10 @@ def main(out_dir: str) -> None:
     # rank 3's input is taller: every rank raises (no AllGather of unequal sizes)
     taller = ms.Tensor(np.zeros((N, C, H + (rank == 3), W), np.float32))
     out["shapes_differ"] = error(fs.jit(halo), taller)
+    # rank 3's input is float16, rank 1's has 3 channels: every rank raises
+    out["dtype_differ"] = error(fs.jit(halo), x.astype(ms.float16) if rank == 3 else x)
+    wide = ms.Tensor(np.zeros((N, C + (rank == 1), H, W), np.float32))
+    out["channels_differ"] = error(fs.jit(halo), wide)
     # rank 0 expects 1 row from its bottom neighbour, which sends 1 (its send_lens top)
     wrong = ops.NeighborExchangeV2(send_rank_ids=ids, send_lens=SEND_LENS, recv_rank_ids=ids,
                                    recv_lens=[1, 2, 2, 1] if rank == 0 else RECV_LENS,

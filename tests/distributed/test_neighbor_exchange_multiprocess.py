@@ -135,6 +135,12 @@ def test_neighbor_exchange_v2_on_a_2x2_grid_of_ranks(tmp_path):
         assert ("rank 2 receives its right piece from rank 3 as 4 x 1 (H x W; its recv_lens "
                 "[2, 1, 2, 1]), but rank 3 sends 5 x 1 (its send_lens [1, 2, 1, 2], input "
                 "(1, 2, 5, 5))") in out["shapes_differ"]
+        assert out["dtype_differ"].startswith("ArgumentError"), out["dtype_differ"]
+        assert "the ranks' inputs differ in dtype: rank(s) [3] hold another than rank 0" in \
+            out["dtype_differ"]
+        assert out["channels_differ"].startswith("ShapeError"), out["channels_differ"]
+        assert ("rank 0 (input (1, 2, 4, 5)) receives its right piece from rank 1 (input "
+                "(1, 3, 4, 5)), whose N and C differ") in out["channels_differ"]
         assert out["lens_differ"].startswith("ArgumentError"), out["lens_differ"]
         assert "rank 0 receives its bottom-right piece from rank 3 as 2 x 1" in out["lens_differ"]
         assert out["no_sender"].startswith("ArgumentError"), out["no_sender"]

@@ -467,8 +467,8 @@ def _lower_keep(ctx, dep, *, refusal):
 
 
 def _keep_jvp(primals, tangents, *, refusal):
-    # reached only with a tangent: this rank's sent values are differentiated, and their
-    # cotangents are the receivers', which nothing on this rank asks for
+    # reached only with a tangent: the collective is differentiated on this rank, where
+    # its transpose could not be matched on every rank (``refusal`` says why and the fix)
     raise UnsupportedOpError(refusal)
 
 

@@ -6,6 +6,8 @@ its neighbours, as a MindSpore user writes it: per-rank rank ids under ``fs.jit`
 rank writes its results to ``OUT_DIR/rank<k>.json`` for
 tests/distributed/test_neighbor_exchange_multiprocess.py to compare with NumPy; the
 error cases record their messages (they must be raised on every rank, not hang).
+``... neighbor_exchange_checks.py one_way_grad`` (2 ranks) and ``mute_grad`` (3 ranks)
+run the refused differentiations, each of which stops its job.
 """
 
 from __future__ import annotations

@@ -1462,6 +1462,38 @@ def _debug_batching(spec, sample):
         np.testing.assert_array_equal(yi, y)
 
 
+# after(x, dep): x, once dep is computed; linear in both, dep's cotangent an
+# instantiated zero. keep(dep): no outputs, an effect; differentiating it is refused.
+
+
+def _after(rng, dt):
+    return [Sample((values(rng, shape, dt), values(rng, (2, 1), dt)), {})
+            for shape in ((), (3,), (2, 3))]
+
+
+def _keep(rng, dt):
+    return [Sample((values(rng, (2, 3), dt),), {"refusal": "refused here.\nFix: none."})]
+
+
+def _keep_jit(spec, sample):
+    f = fs.jit(lambda x: (K.keep_p.bind(x, **sample.params), x + x)[1])
+    x = sample.args[0]
+    np.testing.assert_array_equal(f(x).asnumpy(), np.asarray(x + x))
+    assert "keep" in str(fs.make_ir(lambda x: (K.keep_p.bind(x, **sample.params), x)[1])(
+        *sample.args))
+
+
+def _keep_batching(spec, sample):
+    with pytest.raises(fs.errors.FshardError, match="never batched"):
+        fs.vmap(lambda x: (K.keep_p.bind(x, **sample.params), x)[1])(sample.args[0])
+
+
+def _keep_jvp(spec, sample):
+    x = sample.args[0].astype(np.float32)
+    with pytest.raises(fs.errors.UnsupportedOpError, match="refused here"):
+        fs.jvp(lambda v: (K.keep_p.bind(v, **sample.params), v)[1], (x,), (x,))
+
+
 def _specs() -> list[PrimitiveSpec]:
     def float_unary(prim, kind="any", **kw):
         return PrimitiveSpec(prim, unary(kind), **kw)
@@ -1611,6 +1643,9 @@ def _specs() -> list[PrimitiveSpec]:
                                          ((3,), *TWO, {"root": 2})]),
         _collective_spec(K.axis_index_p, [(None, *ONE, {}), (None, ("i", "j"), (2, 3), {})],
                          linear=False, differentiable=False),
+        PrimitiveSpec(K.after_p, _after, DATA, diff_argnums=(0, 1), linear_groups=(ALL,)),
+        PrimitiveSpec(K.keep_p, _keep, DATA, diff_argnums=(), custom_checks={
+            "jit": _keep_jit, "batching": _keep_batching, "jvp": _keep_jvp}),
         _marker_spec(K.replica_sum_p),
         _marker_spec(K.replica_split_p),
         _boundary_spec(K.shard_in_p),

@@ -568,6 +568,8 @@ REFERENCES = {
     **{name: _one_device(name) for name in LANES},
     # cotangent markers of shard_map bodies: one device's view where `like` is split
     # (tests/primitive_specs.py checks the replicated case on a virtual mesh)
+    "after": lambda x, dep: x,
+    "keep": lambda dep, *, refusal: [],  # no outputs: it keeps a collective
     "replica_sum": lambda ct, like, **_: ct,
     "replica_split": lambda ct, like, **_: ct,
     # boundary of a multi-process shard_map: rank 0's view (tests/primitive_specs.py

@@ -65,6 +65,7 @@ class Lowered:
             self._compiled = Compiled(fn, self.n_out, self.traced.out_tree, self.wait,
                                       [v.aval for v in prog.inputs[prog.n_consts:]],
                                       run.out_avals, self.traced.name, self.params)
+            self._compiled.effectful = any(eq.prim.effect for eq in run.equations)
             if self.local is not None:
                 self._compiled.local = (self.local[1], prog.out_avals)
             if fn.dynamic:  # the same source, compiled for the sizes of one call
@@ -91,7 +92,7 @@ class Compiled:
 
     __slots__ = ("fn", "n_out", "out_tree", "_bare", "_wait", "in_avals", "out_avals", "name",
                  "_checked", "specialize", "_calls", "static", "local", "params",
-                 "_param_types")
+                 "_param_types", "effectful")
 
     def __init__(self, fn, n_out: int, out_tree, wait: int | None = None, in_avals=(),
                  out_avals=(), name: str = "f", params=()):
@@ -104,6 +105,10 @@ class Compiled:
         # a function returning one array needs no unflattening
         self._bare = n_out == 1 and out_tree.is_leaf()
         self._wait = wait if n_out > 1 else None
+        # a program with no outputs still runs for its effects (a debug callback, a
+        # collective other ranks wait in): its lowering then returns the last effect,
+        # and the call waits for it
+        self.effectful = False
         self._checked: set = set()  # Symbol bindings whose output shapes were checked
         self.specialize = None      # () -> a GraphFunction for static shapes (dynamic only)
         self._calls: dict = {}      # binding -> calls so far
@@ -138,10 +143,12 @@ class Compiled:
         return list(self.params)
 
     def call_flat(self, leaves, fn=None) -> list:
-        if self.n_out == 0:
-            return []
         if self.params:
             leaves = self.param_values() + list(leaves)
+        if self.n_out == 0:
+            if self.effectful:
+                backend.synchronize([(fn or self.fn)(*leaves)])
+            return []
         out = (fn or self.fn)(*leaves)
         if self._wait is not None:
             out[self._wait].asnumpy()
@@ -160,6 +167,8 @@ class Compiled:
         if self._bare:
             return self.fn(*args)
         if self.n_out == 0:
+            if self.effectful:  # nothing to wait on but the call: it returns when done
+                backend.synchronize([self.fn(*args)])
             return tree.unflatten(self.out_tree, ())
         out = self.fn(*args)
         if self._wait is not None:
@@ -525,7 +534,8 @@ class Jitted:
             local = None if not sig and not any(out_info) else (program, out_info)
             program, consts, params = lift_parameters(program, traced.consts)
             src, globals_, n_out = backend.lower_program(passes.implicit_broadcasts(program),
-                                                         consts, traced.name)
+                                                         consts, traced.name,
+                                                         return_effect=True)
             lowered = Lowered(traced, src, globals_, n_out, _last_computed(program), local,
                               program, params)
             self._cache[key] = lowered

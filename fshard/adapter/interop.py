@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import operator
 import os
 import sys
@@ -1467,10 +1468,13 @@ def _ms_print(prim, *args):
 # MindSpore's point-to-point exchanges name their peers by rank ids that each process
 # computes for itself, so they are traced only where each process traces its own
 # program: a job's fs.jit outside any shard_map. On CPU each is emulated with one
-# AllGather (of the ranks' inputs), from which each rank cuts what its peers send it
-# (the pieces MindSpore's own Ascend lowering, an AlltoAllv, would carry). The ranks'
-# shapes and arguments are exchanged first, while tracing, so that every rank knows
-# what every other sends and a mismatch is an error on every rank, not a hang.
+# AllGather of the pieces each rank sends (NeighborExchangeV2: the halos of its
+# border; NeighborExchange: its tensors), flattened into one buffer padded to the
+# longest rank's, from which each rank cuts what its peers send it (the pieces
+# MindSpore's own Ascend lowering, an AlltoAllv, would carry). The ranks' shapes and
+# arguments are exchanged first, while tracing, so that every rank knows what every
+# other sends and a mismatch is an error on every rank, not a hang. A rank that
+# receives nothing still takes part: it keeps the AllGather (C.after, C.keep).
 
 #: The 8 directions of send_rank_ids / recv_rank_ids, in MindSpore's order.
 _DIRECTIONS = ("top", "top-right", "right", "bottom-right", "bottom", "bottom-left",
@@ -1588,15 +1592,24 @@ def _ms_neighbor_exchange_v2(prim, x):
     table = _gather_now(names, job_mesh, mine).reshape(n, -1).tolist()
     ranks = [{"shape": tuple(t[:4]), "code": t[4], "send": t[5:13], "send_lens": t[13:17],
               "recv": t[17:25], "recv_lens": t[25:29]} for t in table]
-    if any(r["shape"] != aval.shape or r["code"] != code for r in ranks):
-        shapes = ", ".join(f"rank {members[i]}: {r['shape']}" + (
-            "" if r["code"] == code else " (another dtype)") for i, r in enumerate(ranks))
-        raise ShapeError(
-            f"ops.{prim.name}{site}: the ranks' inputs differ ({shapes}; this rank's is "
-            f"{aval}). fshard exchanges the halos on CPU with one AllGather of the inputs, "
-            "which needs the same shape and dtype on every rank.\nFix: pad every rank's "
-            "input to the same (N, C, H, W).")
-    sources = {}  # direction -> (peer index, its piece's (rows, cols))
+    if any(r["code"] != ranks[0]["code"] for r in ranks):
+        others = [members[i] for i, r in enumerate(ranks) if r["code"] != ranks[0]["code"]]
+        raise ArgumentError(
+            f"ops.{prim.name}{site}: the ranks' inputs differ in dtype: rank(s) {others} "
+            f"hold another than rank {members[0]} (this rank's input: {aval}). fshard "
+            "exchanges the halos on CPU with one AllGather, which needs one dtype on every "
+            "rank of the group.\nFix: cast every rank's input to the same dtype.")
+    # What each rank sends, in its buffer: (peer index, direction, rows, cols) in
+    # direction order, each piece flattened, every buffer padded to the longest.
+    pieces = []
+    for rq in ranks:
+        sent = []
+        for d, q in enumerate(rq["send"]):
+            if q != -1:
+                r, c = _piece(rq["shape"], rq["send_lens"], d)
+                sent.append((q, d, r, c))
+        pieces.append(sent)
+    sources = {}  # direction -> (peer index, offset in its buffer, piece shape)
     for a, ra in enumerate(ranks):
         for d in range(8):
             p = ra["recv"][d]
@@ -1610,21 +1623,34 @@ def _ms_neighbor_exchange_v2(prim, x):
                     f"{ra['recv']}), but rank {members[p]} sends nothing to it (its "
                     f"send_rank_ids {rp['send']}); MindSpore would wait forever.\nFix: "
                     f"make each rank's recv_rank_ids mirror its neighbours' send_rank_ids.")
-            r, c = _piece(aval.shape, rp["send_lens"], rp["send"].index(a))
+            if rp["shape"][:2] != ra["shape"][:2]:
+                raise ShapeError(
+                    f"ops.{prim.name}{site}: rank {members[a]} (input {ra['shape']}) "
+                    f"receives its {_DIRECTIONS[d]} piece from rank {members[p]} (input "
+                    f"{rp['shape']}), whose N and C differ from its own.\nFix: give "
+                    "neighbours inputs of the same N and C (MindSpore requires it).")
+            r, c = _piece(rp["shape"], rp["send_lens"], rp["send"].index(a))
             want = (ra["recv_lens"][_PIECE_SIDES[d][0]] if _PIECE_SIDES[d][0] is not None
-                    else aval.shape[2],
+                    else ra["shape"][2],
                     ra["recv_lens"][_PIECE_SIDES[d][1]] if _PIECE_SIDES[d][1] is not None
-                    else aval.shape[3])
+                    else ra["shape"][3])
             if (r[1] - r[0], c[1] - c[0]) != want:
                 raise ArgumentError(
                     f"ops.{prim.name}{site}: rank {members[a]} receives its "
                     f"{_DIRECTIONS[d]} piece from rank {members[p]} as {want[0]} x "
                     f"{want[1]} (H x W; its recv_lens {ra['recv_lens']}), but rank "
                     f"{members[p]} sends {r[1] - r[0]} x {c[1] - c[0]} (its send_lens "
-                    f"{rp['send_lens']}).\nFix: make recv_lens match the neighbours' "
-                    "send_lens (MindSpore requires it).")
+                    f"{rp['send_lens']}{'' if rp['shape'] == ra['shape'] else ', input '}"
+                    f"{'' if rp['shape'] == ra['shape'] else rp['shape']}).\nFix: make "
+                    "recv_lens match the neighbours' send_lens, and the neighbours' "
+                    "inputs fit (MindSpore requires it).")
             if a == me:
-                sources[d] = (p, r, c)
+                offset = 0
+                for q, _, pr, pc in pieces[p]:
+                    if q == a:
+                        break
+                    offset += _piece_size(rp["shape"], pr, pc)
+                sources[d] = (p, offset, (*ra["shape"][:2], *want))
         for d in range(8):
             q = ra["send"][d]
             if q != -1 and a not in ranks[q]["recv"]:
@@ -1634,28 +1660,46 @@ def _ms_neighbor_exchange_v2(prim, x):
                     f"{members[q]} receives nothing from it (its recv_rank_ids "
                     f"{ranks[q]['recv']}).\nFix: make each rank's recv_rank_ids mirror its "
                     "neighbours' send_rank_ids.")
+    sizes = [sum(_piece_size(rq["shape"], r, c) for _, _, r, c in sent)
+             for rq, sent in zip(ranks, pieces)]
+    width = max(sizes)
 
-    def run(names, v):
-        g = C.all_gather(v, names, axis=0)  # (n, N, C, H, W), in group order
-
-        def cut(p, r, c):
-            block = fo.slice_array(g, [p, 0, 0, r[0], c[0]],
-                                   [p + 1, aval.shape[0], aval.shape[1], r[1], c[1]])
-            return fo.reshape(block, typeof(block).shape[1:])
-
-        # Even this rank's own block comes out of the gathered value: every rank's
-        # result then depends on the AllGather (and its gradient on the transposed
-        # collective), so each rank keeps the same collectives when it receives nothing.
-        pieces = {d: cut(*src) for d, src in sources.items()}
-        pieces["center"] = cut(me, (0, aval.shape[2]), (0, aval.shape[3]))
+    def widen(got, x):
+        """This rank's input with the received pieces around it (MindSpore's layout)."""
+        got = dict(got, center=x)
         bands = []
         for row in ((7, 0, 1), (6, "center", 2), (5, 4, 3)):
-            if row[1] in pieces:
-                band = [pieces[k] for k in row if k in pieces]
+            if row[1] in got:
+                band = [got[k] for k in row if k in got]
                 bands.append(band[0] if len(band) == 1 else fo.concat(band, 3))
         return bands[0] if len(bands) == 1 else fo.concat(bands, 2)
 
-    return _communicate(prim, run, x)
+    if width == 0:  # nothing is sent on any rank (only empty pieces): no collective
+        return widen({d: fo.zeros(shape, aval.dtype) for d, (_, _, shape) in sources.items()},
+                     x)
+    # Only the pieces this rank sends travel, padded to the longest rank's: the
+    # AllGather moves (n-1) x the largest rank's pieces to each rank, not whole inputs.
+    flat = [fo.reshape(fo.slice_array(x, [0, 0, r[0], c[0]], [*aval.shape[:2], r[1], c[1]]),
+                       (_piece_size(aval.shape, r, c),)) for _, _, r, c in pieces[me]]
+    if sizes[me] < width:
+        # the padding depends on the input (C.after): under grad the buffer then has a
+        # tangent on every rank, and every rank transposes the AllGather alike
+        flat.append(C.after_p.bind(fo.zeros((width - sizes[me],), aval.dtype), x))
+    buffer = flat[0] if len(flat) == 1 else fo.concat(flat, 0)
+
+    def run(names, v, x):
+        g = C.all_gather(v, names, axis=0)  # (n, width), in group order
+        got = {d: fo.reshape(fo.slice_array(g, [p, start], [p + 1, start + math.prod(shape)]),
+                             shape) for d, (p, start, shape) in sources.items()}
+        # a rank that receives nothing keeps the AllGather (the others wait in it), and
+        # under grad transposes it as they do
+        return widen(got, x) if got else C.after_p.bind(x, g)
+
+    return _communicate(prim, run, buffer, x)
+
+
+def _piece_size(shape, rows, cols) -> int:
+    return shape[0] * shape[1] * (rows[1] - rows[0]) * (cols[1] - cols[0])
 
 
 def _dtype_code(dtype) -> int:
@@ -1702,8 +1746,9 @@ def _shape_list(prim, name: str, value, count: int, ids_name: str) -> list:
 @converts("NeighborExchange")
 def _ms_neighbor_exchange(prim, xs):
     """MindSpore's ``NeighborExchange``: this rank's ``xs[i]`` goes to
-    ``send_rank_ids[i]``, and output ``j`` is what ``recv_rank_ids[j]`` sent it. On
-    CPU: one AllGather of each rank's tensors, flattened into one buffer."""
+    ``send_rank_ids[i]``, and output ``j`` is what ``recv_rank_ids[j]`` sent it (None
+    where recv_rank_ids is empty). On CPU: one AllGather of each rank's tensors,
+    flattened into one buffer."""
     site = _call_site(_stack())
     xs = list(xs) if isinstance(xs, (tuple, list)) else [xs]
     ids = {}
@@ -1778,25 +1823,43 @@ def _ms_neighbor_exchange(prim, xs):
                     f"{[i for i, _ in ranks[q]['recv']]}).\nFix: make each rank's "
                     "recv_rank_ids mirror its peers' send_rank_ids.")
     width = max(sizes)
-    if width == 0:
-        return tuple(fo.zeros(s, recv_type) for s in recv_shapes)  # (nothing is sent)
-    # The gathered buffer reaches a rank only through what it receives: a rank that
-    # receives nothing would drop the AllGather from its program while the others wait.
-    idle = [members[a] for a, r in enumerate(ranks) if not r["recv"]]
-    if idle:
-        raise UnsupportedOpError(
-            f"ops.{prim.name}{site}: rank(s) {idle} receive nothing while other ranks "
-            "exchange tensors; fshard's CPU emulation (one AllGather) needs every rank to "
-            "take part with a result it uses (under grad, the gradients travel back the "
-            "same way).\nFix: give every rank a peer to receive from (e.g. have each "
-            "receiver send a small tensor back).")
+    # A rank with no recv_rank_ids gets None: MindSpore's shape inference gives an
+    # exchange with no recv_shapes no value (not an empty tuple).
+    if width == 0:  # nothing is sent on any rank (or only empty tensors): no collective
+        return tuple(fo.zeros(s, recv_type) for s in recv_shapes) if recv_ids else None
     flat = [fo.reshape(x, (int(np.prod(a.shape)),)) for x, a in zip(xs, avals)]
     if sizes[me] < width:
-        flat.append(fo.zeros((width - sizes[me],), recv_type))
+        pad = fo.zeros((width - sizes[me],), recv_type)
+        # depending on what this rank sends (C.after), the padding gives the buffer a
+        # tangent under grad wherever the sent tensors have one
+        flat.append(C.after_p.bind(pad, xs[0]) if xs else pad)
     buffer = flat[0] if len(flat) == 1 else fo.concat(flat, 0)
+    # Under grad each rank transposes the AllGather where its buffer has a tangent. A
+    # rank that sends nothing has none (nothing of it is differentiated), and a rank
+    # that receives nothing has no cotangent to start from: the others' transposed
+    # AllGather would wait for them. Refused where a tangent meets it (C.keep's jvp):
+    # an error on the differentiating ranks, which stops the job.
+    mute = [members[a] for a, r in enumerate(ranks) if not r["send"]]
+    refusal = (
+        f"ops.{prim.name}{site}: differentiating it on rank {members[me]}, "
+        + (f"which sends tensors but receives nothing: their gradients are the receivers' "
+           "cotangents, which fshard's per-rank differentiation does not bring back to a "
+           "rank whose result holds no part of the exchange" if not recv_ids else
+           f"while rank(s) {mute} send nothing: fshard differentiates each rank's "
+           "program on its own, and theirs would not take part in the transposed "
+           "exchange that brings the cotangents back")
+        + "; the job stops.\nFix: have every rank send and receive a tensor (e.g. a "
+        "small one back to the ranks it receives from), or stop the gradient of what "
+        "is sent (ops.stop_gradient).")
 
     def run(names, v):
         g = C.all_gather(v, names, axis=0)  # (n, width), in group order
+        if not recv_ids or mute:
+            # this rank keeps the AllGather that the others wait in (an effect: with
+            # no recv_rank_ids its program has no value that could depend on it)
+            C.keep_p.bind(g, refusal=refusal)
+        if not recv_ids:
+            return ()
         outs = []
         for p, shape in zip(recv_ids, recv_shapes):
             start = 0
@@ -1809,7 +1872,8 @@ def _ms_neighbor_exchange(prim, xs):
             outs.append(fo.reshape(piece, shape))
         return tuple(outs)
 
-    return _communicate(prim, run, buffer)
+    out = _communicate(prim, run, buffer)
+    return out if recv_ids else None
 
 
 # ---------------------------------------------------------------------------

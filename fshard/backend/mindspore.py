@@ -331,21 +331,25 @@ def _py_name(s: str) -> str:
 
 
 def lower_program(program: Program, consts: list, name: str = "fn",
-                  rank: int | None = None, mesh=None) -> tuple[str, dict, int]:
+                  rank: int | None = None, mesh=None,
+                  return_effect: bool = False) -> tuple[str, dict, int]:
     """Source of a function computing ``program`` (consts baked in as globals).
 
     Returns ``(source, globals, n_outputs)``; the function takes the non-constant
-    inputs positionally and returns one value or a tuple.
+    inputs positionally and returns one value or a tuple. ``return_effect``: a program
+    with no outputs but effects returns its last effect (to be waited for and
+    discarded; ``n_outputs`` stays 0), so that MindSpore does not prune it whole.
     """
     ctx = LoweringContext(rank=rank, mesh=mesh)
-    src = _function_source(ctx, program, consts, _py_name(f"fshard_{name}"))
+    src = _function_source(ctx, program, consts, _py_name(f"fshard_{name}"),
+                           return_effect=return_effect)
     # the entry function comes first: compile_source takes the first `def`
     src = "\n\n".join([src] + ctx.helpers)
     return src, ctx.globals, len(program.outputs)
 
 
 def _function_source(ctx: LoweringContext, program: Program, consts: list, fname: str,
-                     always_tuple: bool = False) -> str:
+                     always_tuple: bool = False, return_effect: bool = False) -> str:
     """Source of one generated function computing ``program``."""
     names: dict = {}
     counter = itertools.count()
@@ -398,6 +402,8 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
     outs = walk(program, [names[v] for v in program.inputs], rule, "lowering", literal)
     if ctx.effect is not None:  # the outputs wait for the last effect: none is pruned
         outs = [ctx.call(depend, o, ctx.effect) for o in outs]
+        if not outs and return_effect:
+            outs = [ctx.effect]
     ctx.token, ctx.dims, ctx.effect = saved_token, saved_dims, saved_effect
     ctx.sequenced, ctx.effectful = saved_flags
     if len(outs) == 1 and not always_tuple:

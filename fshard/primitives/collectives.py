@@ -27,6 +27,10 @@ where those names are bound: inside ``fs.shard_map`` (the mesh axes) or
   the same Program; ranks differ only by baked-in constants, so every rank issues the
   same sequence of collectives.
 
+``after`` and ``keep`` keep a collective in the program of a rank whose result does
+not read it (in a job, where each rank traces its own program: MindSpore's
+NeighborExchange), so that the rank still takes part, also in the backward pass.
+
 The boundary primitives of a multi-process ``shard_map`` (``shard_in``: this rank's
 block of a global value; ``shard_out``: the global value from the blocks) live here
 too, with the same lowering helpers. This module imports no transform at import time.
@@ -44,11 +48,13 @@ from fshard.core import context, dtypes
 from fshard.core.array_types import Array, ArrayTree, Int32, Shaped
 from fshard.core.tracing import ArrayType, Primitive, typeof
 from fshard.core.dims import dim_multiple_of
-from fshard.errors import ArgumentError, AxisNameError, ProgramTypeError, ShapeError
+from fshard.errors import (ArgumentError, AxisNameError, ProgramTypeError, ShapeError,
+                           UnsupportedOpError)
+from fshard.backend import mindspore as backend
 from fshard.backend.collectives import Comm, local_slice, this_rank
 from fshard.core.interpret import AxisData, batch_program, current_axis
-from fshard.primitives.base import (Zero, batch_to_front, def_primitive, deflinear, instantiate,
-                                    lane_sum, move_axis)
+from fshard.primitives.base import (UndefinedPrimal, Zero, batch_to_front, def_primitive,
+                                    deflinear, instantiate, lane_sum, move_axis, zeros)
 from fshard.core.rules import abstract_eval, batching, jvp, transpose, unsupported
 
 FAMILY = "collectives"
@@ -420,6 +426,60 @@ def _all_gather_transpose(ct, x, *, axis_name, axis_sizes, axis, **params):
 all_gather_p = _declare("all_gather", _all_gather_type, _lower_all_gather)
 batching.set(all_gather_p, _all_gather_batching)
 deflinear(all_gather_p, _all_gather_transpose)
+
+# ---------------------------------------------------------------------------
+# after, keep: a collective's value kept on a rank whose result does not use it
+# ---------------------------------------------------------------------------
+#
+# In a job each rank traces its own program (MindSpore's NeighborExchange names its
+# peers per rank), and a rank whose result does not read a collective would drop it
+# (dce, MindSpore's pruning) while the other ranks wait in it. ``after(x, dep)`` is
+# ``x``, computed once ``dep`` is: whatever reads ``x`` keeps the collective. It is
+# linear in both operands, and its transpose gives ``dep`` a zero cotangent that is
+# instantiated, not symbolic, so the collective's own transpose runs on this rank as
+# it does on the others. ``keep(dep)`` is the same with no value to hang ``dep`` on:
+# an effect (never dropped; the program's outputs wait for it).
+
+
+def _lower_after(ctx, x, dep):
+    return ctx.call(backend.depend, x, dep)
+
+
+def _after_transpose(ct, x, dep):
+    # dep's zeros are computed from ct: a constant would let a collective transposed
+    # from it run eagerly, while tracing, on this rank alone
+    zero = after_p.bind(zeros(dep.aval.shape, dep.aval.dtype), ct)
+    return [ct if isinstance(x, UndefinedPrimal) else None,
+            zero if isinstance(dep, UndefinedPrimal) else None]
+
+
+after_p = def_primitive("after", FAMILY, lambda x, dep: x, lower=_lower_after,
+                        eager=lambda x, dep: [x])
+deflinear(after_p, _after_transpose)
+batching.set(after_p, lambda args, dims: ([after_p.bind(*args)], [dims[0]]))
+unsupported(after_p, "sharding", "it orders a job's per-rank collectives; fs.shard does not "
+            "partition it")
+
+
+def _lower_keep(ctx, dep, *, refusal):
+    ctx.effectful = True  # the effect chain (backend/mindspore.py) keeps and orders it
+    return dep
+
+
+def _keep_jvp(primals, tangents, *, refusal):
+    # reached only with a tangent: the collective is differentiated on this rank, where
+    # its transpose could not be matched on every rank (``refusal`` says why and the fix)
+    raise UnsupportedOpError(refusal)
+
+
+keep_p = def_primitive("keep", FAMILY, lambda dep, *, refusal: [], multiple_results=True,
+                       lower=_lower_keep, eager=lambda dep, *, refusal: [], effect=True,
+                       show=lambda params: "keep")
+jvp.set(keep_p, _keep_jvp)
+unsupported(keep_p, "batching", "it keeps a job's per-rank collective, which is never batched")
+unsupported(keep_p, "transpose", "its differentiation is refused (its jvp rule)")
+unsupported(keep_p, "sharding", "it keeps a job's per-rank collective; fs.shard does not "
+            "partition it")
 
 # ---------------------------------------------------------------------------
 # psum_scatter (tiled): sum over devices, each keeps its block of one dimension

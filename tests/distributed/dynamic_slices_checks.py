@@ -31,6 +31,13 @@ def rows_of(counts, n):
     return tuple(counts[r] if r < len(counts) else counts[0] for r in range(n))
 
 
+def compiled(ap) -> str:
+    """How many step programs ``ap`` planned and how often they compiled, in all."""
+    programs = [jitted for _, jitted in ap._steps.values()]
+    return (f"{len(programs)} programs traced {sum(j.trace_count for j in programs)} "
+            f"compiled {sum(j.compile_count for j in programs)}")
+
+
 def main() -> None:
     import mindspore as ms
     from mindspore import Tensor
@@ -75,17 +82,13 @@ def main() -> None:
     for i, counts in enumerate(STEPS):
         x, y = step(i, counts)
         if i == 2:  # equal slices of 3 sizes
-            _, jitted = ap.sharded(state, x, y)
-            print(f"CHECK equal slices compiled {jitted.trace_count} "
-                  f"{jitted.compile_count} for 3 slice sizes ok", flush=True)
+            print(f"CHECK equal slices of 3 sizes: {compiled(ap)} ok", flush=True)
     _, jitted = ap.sharded(state, x, y)
-    print(f"CHECK compiled {jitted.trace_count} {jitted.compile_count} "
-          f"for {len(set(STEPS))} slice sizes ok", flush=True)
+    print(f"CHECK {len(set(STEPS))} slice sizes: {compiled(ap)}, the step traced "
+          f"{jitted.trace_count} compiled {jitted.compile_count} ok", flush=True)
     for i, counts in enumerate(OTHER, len(STEPS)):
         step(i, counts)
-    programs = [j for _, j in ap._steps.values()]  # every step program planned
-    print(f"CHECK uneven global batch of another size: {len(programs)} programs compiled "
-          f"{sum(j.compile_count for j in programs)} times ok", flush=True)
+    print(f"CHECK uneven global batch of another size: {compiled(ap)} ok", flush=True)
     # a slice the declaration refuses, on one process only: every process raises
     bad = 5 if rank == n - 1 else 8
     try:

@@ -28,10 +28,12 @@ def test_one_program_for_every_slice_size_in_a_job(tmp_path):
         assert out.count(" loss ok") == 9, out
         assert out.count(" parameter ") == 27, out
         # one trace and one compile for every slice size (it compiled once per size)
-        assert "CHECK equal slices compiled 1 1 for 3 slice sizes ok" in out, out
-        assert "CHECK compiled 1 1 for 4 slice sizes ok" in out, out
+        # (over every program the AutoParallel planned)
+        assert "CHECK equal slices of 3 sizes: 1 programs traced 1 compiled 1 ok" in out, out
+        assert ("CHECK 4 slice sizes: 1 programs traced 1 compiled 1, the step traced 1 "
+                "compiled 1 ok") in out, out
         # a global batch the declaration refuses (16 + 8 rows): planned and compiled
         # for its size, once
-        assert "CHECK uneven global batch of another size: 2 programs compiled 2 times ok" \
-            in out, out
+        assert ("CHECK uneven global batch of another size: 2 programs traced 2 compiled 2 "
+                "ok") in out, out
         assert "CHECK a refused slice on one process raises on every process ok" in out, out

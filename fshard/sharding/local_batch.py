@@ -44,6 +44,8 @@ from fshard.sharding.local import ShardedArray
 def global_type(x, n: int) -> ArrayType:
     """The global type of a batch slice split ``n`` ways along its first dimension."""
     a = typeof(x)
+    if a.ndim == 0:  # (no batch dimension: the plan refuses it, naming the input)
+        return a
     return ArrayType((a.shape[0] * n,) + tuple(a.shape[1:]), a.dtype)
 
 
@@ -52,7 +54,7 @@ def _signature(shapes, dtypes) -> list[float]:
     on CPU): the first slice's rows, the number of slices, and 48 bits of a digest of
     every shape, then 48 bits of a digest of the rest (every shape but its rows, the
     dtypes), in 16-bit parts."""
-    rows = shapes[0][0] if shapes else 0
+    rows = shapes[0][0] if shapes and shapes[0] else 0
     return [float(rows), float(len(shapes))] + _digest(shapes) + _digest(
         ([sh[1:] for sh in shapes], [str(d) for d in dtypes]))
 
@@ -94,7 +96,8 @@ def slice_rows(shapes, what: str, dtypes=()) -> list[tuple[int, ...]] | None:
     if (got[:, 1] == got[0, 1]).all() and (got[:, 5:] == got[0, 5:]).all():
         # only the rows differ: a second AllGather (every process takes this branch)
         # of each slice's rows, as many on every process
-        every = _all_gather_rows(np.asarray([sh[0] for sh in shapes], np.float32))
+        every = _all_gather_rows(np.asarray([sh[0] if sh else 1 for sh in shapes],
+                                            np.float32))
         return [tuple(int(v) for v in row) for row in every]
     detail = ", ".join(f"rank {r}" for r in range(n) if not (got[r] == sig).all())
     raise ArgumentError(
@@ -157,10 +160,11 @@ def rebalance(slices, rows, what: str) -> list[np.ndarray]:
                 f"processes rows that add up to a multiple of {n} (or drop the last, "
                 "incomplete batch).")
         a = x.asnumpy() if hasattr(x, "asnumpy") else np.asarray(x)
+        width = int(np.prod(a.shape[1:], dtype=np.int64))
         if a.dtype == np.float32:
-            flat = a.reshape(a.shape[0], -1)
+            flat = a.reshape(a.shape[0], width)
         else:  # byte by byte: exact for every dtype
-            flat = np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[0], -1)
+            flat = np.ascontiguousarray(a).reshape(a.shape[0], width).view(np.uint8)
             flat = flat.astype(np.float32)
         longest = max(counts)
         mine = np.zeros((longest, flat.shape[1]), np.float32)

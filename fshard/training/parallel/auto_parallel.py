@@ -1347,8 +1347,8 @@ class AutoParallel:
                     self._check_declared_slices(tree.unflatten(spec, [
                         ArrayType((c,) + tuple(typeof(x).shape[1:]), typeof(x).dtype)
                         for c, x in zip(counts, leaves)]), f" (rank {r})")
-        if rows is None:
-            return batch
+        if rows is None or any(typeof(x).ndim == 0 for x in leaves):
+            return batch  # (a batch input without rows: the plan refuses it, naming it)
         if any(isinstance(x, Tracer) for x in leaves):  # traced: no values to move
             raise rows_differ_error(what, rows, distributed.world_size())
         return tree.unflatten(spec, [as_tensor(x) for x in rebalance(leaves, rows, what)])

@@ -142,9 +142,9 @@ def rebalance(slices, rows, what: str) -> list[np.ndarray]:
     each batch input's global value is every process's rows in rank order, and process
     ``r`` of ``N`` takes its rows ``[r * G / N, (r + 1) * G / N)``, as if every process
     had passed an equal slice of the same global batch. One AllGather per batch input
-    (of the slices padded to the longest, as float32: a float32 input as it is, any
-    other dtype byte by byte, so every value arrives exactly). A global batch of ``G``
-    rows not divisible by ``N`` raises on every process."""
+    (of the slices padded to a power of two of rows, as float32: a float32 input as it
+    is, any other dtype byte by byte, so every value arrives exactly). A global batch
+    of ``G`` rows not divisible by ``N`` raises on every process."""
     n, rank = distributed.world_size(), distributed.rank()
     out = []
     for j, x in enumerate(slices):
@@ -166,7 +166,9 @@ def rebalance(slices, rows, what: str) -> list[np.ndarray]:
         else:  # byte by byte: exact for every dtype
             flat = np.ascontiguousarray(a).reshape(a.shape[0], width).view(np.uint8)
             flat = flat.astype(np.float32)
-        longest = max(counts)
+        # padded to a power of two: the AllGather, compiled once per block shape, serves
+        # every batch of up to that many rows
+        longest = 1 << max(0, max(counts) - 1).bit_length()
         mine = np.zeros((longest, flat.shape[1]), np.float32)
         mine[:flat.shape[0]] = flat
         every = _all_gather_rows(mine.reshape(-1)).reshape(n, longest, flat.shape[1])

@@ -70,3 +70,38 @@ def test_a_program_whose_input_is_a_block_of_a_symbolic_dimension_reads_its_size
         out = f(ms.Tensor(x))
         out = out[0] if isinstance(out, (tuple, list)) else out
         np.testing.assert_array_equal(out.asnumpy(), x.reshape(2 * k, 4))
+
+
+def _mlp_loss(params, x, y):
+    h = ops.relu(ops.matmul(ops.reshape(x, (-1, 16)), params["w1"]))
+    return ops.mean((ops.matmul(h, params["w2"]) - y) ** 2)
+
+
+def test_a_declared_batch_accumulates_gradients_in_one_program():
+    # what a job's declared slices make of the global batch: gradient_accumulation
+    # splits a symbolic batch into micro-batches when the split is provable
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(0, 0.3, (16, 8)).astype(np.float32),
+              "w2": rng.normal(0, 0.3, (8, 2)).astype(np.float32)}
+    x = rng.normal(size=(48, 16)).astype(np.float32)
+    y = rng.normal(size=(48, 2)).astype(np.float32)
+    g = fs.Symbol(divisor=16, min=2)
+    ap = fs.AutoParallel(_mlp_loss, fs.optim.sgd(0.1), mesh=2, in_shapes=(
+        fs.ArrayType((g, 16), ms.float32), fs.ArrayType((g, 2), ms.float32)))
+    ap.gradient_accumulation(4)
+    ref = fs.AutoParallel(_mlp_loss, fs.optim.sgd(0.1), mesh=2).gradient_accumulation(4)
+    state, want_state = ap.init(params), ref.init(params)
+    for b in (16, 48, 32):
+        state, loss = ap(state, x[:b], y[:b])
+        want_state, want = ref(want_state, x[:b], y[:b])
+        np.testing.assert_allclose(loss.asnumpy(), want.asnumpy(), rtol=1e-5)
+    for k in params:
+        got, w = state.params[k].asnumpy(), want_state.params[k].asnumpy()
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+    _, jitted = ap.sharded(state, x[:16], y[:16])
+    assert (jitted.trace_count, jitted.compile_count) == (1, 1)
+    bad = fs.AutoParallel(_mlp_loss, fs.optim.sgd(0.1), mesh=2, in_shapes=(
+        fs.ArrayType((fs.Symbol(divisor=4), 16), ms.float32), None)).gradient_accumulation(4)
+    with np.testing.assert_raises_regex(fs.ArgumentError, r"(?s)gradient_accumulation\(4\): "
+                                        r"a batch input is f32\[s\d+,16\].*multiple of 8"):
+        bad(bad.init(params), x[:16], y[:16])

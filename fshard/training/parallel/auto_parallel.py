@@ -56,7 +56,7 @@ from fshard.meshes import distributed
 from fshard.backend.mindspore import Tensor, as_tensor, auto_parallel_settings
 from fshard.adapter.cells import frozen, functional, is_cell, pipeline_wrapper, segmented
 from fshard.core.tracing import ArrayType, Symbol, Tracer, typeof
-from fshard.core.dims import dim_multiple_of
+from fshard.core.dims import dim_div, dim_multiple_of
 from fshard.errors import ArgumentError, ShapeError, ShardingError
 from fshard.adapter.interop import check_context_mode, context_dataset_strategy, context_mesh
 from fshard.core.ir import Program
@@ -611,7 +611,7 @@ class AutoParallel:
         dimension 0 into, so each device keeps its own rows (no communication)."""
         a = typeof(x)
         b = a.shape[0] if a.ndim else None
-        if not isinstance(b, int) or b % (n * k):
+        if b is None or not dim_multiple_of(b, n * k):  # (a declared Symbol: provably)
             raise ArgumentError(
                 f"AutoParallel({self.name}).gradient_accumulation({k}): a batch input is "
                 f"{a}, but its dimension 0 must split into {k} micro-batches"
@@ -619,9 +619,9 @@ class AutoParallel:
                 + f" (a multiple of {n * k}).\nFix: use a batch size divisible by {n * k}, "
                 "or another k.")
         rest = tuple(a.shape[1:])
-        x = x.reshape((n, k, b // (n * k)) + rest)
+        x = x.reshape((n, k, dim_div(b, n * k)) + rest)
         x = x.transpose((1, 0, 2) + tuple(range(3, 3 + len(rest))))
-        return x.reshape((k, b // k) + rest)
+        return x.reshape((k, dim_div(b, k)) + rest)
 
     # -- the train state -----------------------------------------------------------
     def init(self, params=None) -> TrainState:

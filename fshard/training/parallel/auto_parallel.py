@@ -1123,9 +1123,9 @@ class AutoParallel:
         """The global batch that equal slices ``batch`` make: its declared types when
         the slices are declared (one plan and one program for every slice size), unless
         the global batch is not one the declaration accepts (the even blocks of an uneven
-        last batch, e.g. 24 + 8 rows on 2 processes declared ``Symbol(divisor=8)``:
-        global ``Symbol(divisor=16)`` refuses the 32, it is planned for its size);
-        else the global types of these slices."""
+        last batch: 16 + 8 rows on 2 processes declared ``Symbol(divisor=8)`` make 24,
+        which the global ``Symbol(divisor=16)`` refuses: planned for its size); else
+        the global types of these slices."""
         n = self.n_devices
         glob = tuple(tree.map(lambda x: global_type(x, n), b) for b in batch)
         specs = self._global_specs()

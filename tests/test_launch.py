@@ -30,9 +30,10 @@ def test_two_rank_job_runs_collectives(tmp_path):
         assert result.ranks[rank].status == "ok" and result.ranks[rank].returncode == 0
         log = (tmp_path / f"rank_{rank}.log").read_text()
         assert "ALL CHECKS PASSED" in log
-        for check in ("AutoParallel: slices of different row counts refused on every rank",
+        for check in ("AutoParallel: a global batch of 2N+1 rows refused on every rank",
                       "shard: slices of different row counts refused on every rank",
                       "and keep the parameters one process gets",
+                      "AutoParallel: slices of different row counts train as one process",
                       "fs.shard with equal slices returns this process's rows"):
             assert f"CHECK {check} ok" in out, out
     # every communicating graph a rank entered was reported, the same number on each

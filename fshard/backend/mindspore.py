@@ -367,6 +367,15 @@ def _function_source(ctx: LoweringContext, program: Program, consts: list, fname
         for d, size in enumerate(var.aval.shape):
             if isinstance(size, Symbol):
                 ctx.dims.setdefault(size, f"{names[var]}.shape[{d}]")
+    # A Symbol that no input has whole but one has as a block of it (``s0/2``: a
+    # process's rows of a global batch it does not hold) is that size times its count.
+    for var in program.inputs[program.n_consts:]:
+        for d, size in enumerate(var.aval.shape):
+            if isinstance(size, DimExpr) and len(size.factors) == 1 and \
+                    size.factors[0][1] == 1 and size.factors[0][0] not in ctx.dims:
+                num, den = size.coeff.numerator, size.coeff.denominator
+                src = f"{names[var]}.shape[{d}]" + (f" * {den}" if den != 1 else "")
+                ctx.dims[size.factors[0][0]] = f"({src}) // {num}" if num != 1 else src
 
     def literal(a) -> str:
         # NB: MindSpore's Tensor takes a NumPy bfloat16 array but not a bfloat16 scalar

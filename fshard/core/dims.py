@@ -8,6 +8,7 @@ This module imports nothing of fshard but its errors.
 from __future__ import annotations
 
 import itertools
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -190,7 +191,11 @@ def dim_multiple_of(d, k: int) -> bool:
     if isinstance(d, int):
         return d % k == 0
     coeff, factors = _monomial(d)
-    if any(s.remainder for s in factors):  # only the coefficient is known
+    if len(factors) == 1 and list(factors.values()) == [1]:
+        # c * (divisor * N + remainder) for every N: c * gcd(divisor, remainder) divides it
+        (s,) = factors
+        whole = coeff * math.gcd(s.divisor, s.remainder)
+    elif any(s.remainder for s in factors):  # only the coefficient is known
         whole = coeff
     else:
         whole = coeff * int(np.prod([s.divisor ** p for s, p in factors.items()]))

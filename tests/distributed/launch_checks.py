@@ -101,18 +101,23 @@ def check_slices_of_different_shapes(fs, r: int, n: int) -> None:
     y_all = np.ones((3 * n, 1), np.float32)
     rows = 3 if r == n - 1 else 2  # the last rank passes one row more
     counts = ", ".join(f"{3 if k == n - 1 else 2} rows (rank {k})" for k in range(n))
-    for name, call in (
-            ("AutoParallel", lambda: ap(state, x_all[:rows], y_all[:rows])),
-            ("shard", lambda: fs.shard(lambda x: x * 2.0, in_strategy=(None,),
-                                       dataset_strategy="data_parallel")(x_all[:rows]))):
-        try:
-            call()
-            check(f"{name}: slices of different row counts refused", False, "accepted")
-        except fs.ArgumentError as e:
-            msg = str(e)
-            check(f"{name}: slices of different row counts refused on every rank",
-                  f"the first batch input has {counts}" in msg and "data_parallel" in msg
-                  and "Fix: give every process the same number of rows" in msg, msg)
+    try:  # fs.shard returns each process its rows of the output: equal slices only
+        fs.shard(lambda x: x * 2.0, in_strategy=(None,),
+                 dataset_strategy="data_parallel")(x_all[:rows])
+        check("shard: slices of different row counts refused", False, "accepted")
+    except fs.ArgumentError as e:
+        msg = str(e)
+        check("shard: slices of different row counts refused on every rank",
+              f"the first batch input has {counts}" in msg and "data_parallel" in msg
+              and "Fix: give every process the same number of rows" in msg, msg)
+    try:  # AutoParallel: rows that make a global batch the devices cannot split evenly
+        ap(state, x_all[:rows], y_all[:rows])
+        check("AutoParallel: a global batch of 2N+1 rows refused", False, "accepted")
+    except fs.ArgumentError as e:
+        msg = str(e)
+        check("AutoParallel: a global batch of 2N+1 rows refused on every rank",
+              f"batch input 0 has {counts}: {2 * n + 1} rows, not divisible by {n}" in msg
+              and "Fix: give the processes rows that add up to a multiple" in msg, msg)
     # still in step: 3 equal steps train as one process on the whole batch would
     b = 2
     mine = slice(r * b, (r + 1) * b)
@@ -128,6 +133,18 @@ def check_slices_of_different_shapes(fs, r: int, n: int) -> None:
     params = fs.gather_sharded(state.params)["w"]
     check("and keep the parameters one process gets",
           np.allclose(params.asnumpy(), w, rtol=1e-5, atol=1e-6), (params, w))
+    # slices of different row counts (an uneven last batch: 1 row, the last rank
+    # n + 1): the step of one process on their rows in rank order, the mean over every row
+    uneven = slice(r, r + 1) if r < n - 1 else slice(n - 1, 2 * n)
+    state, got = ap(state, x_all[uneven], y_all[uneven])
+    xs, ys = x_all[:2 * n].astype(np.float64), y_all[:2 * n]
+    err = xs @ w - ys
+    want = float((err ** 2).mean())
+    w = w - 0.1 * 2 * xs.T @ err / (2 * n)
+    params = fs.gather_sharded(state.params)["w"]
+    check("AutoParallel: slices of different row counts train as one process",
+          np.isclose(float(got.asnumpy()), want, rtol=1e-5)
+          and np.allclose(params.asnumpy(), w, rtol=1e-5, atol=1e-6), (got, want, params, w))
     twice = fs.shard(lambda x: x * 2.0, in_strategy=(None,),
                      dataset_strategy="data_parallel")(x_all[mine])
     check("fs.shard with equal slices returns this process's rows",

@@ -55,9 +55,9 @@ from fshard.core import context, tree
 from fshard.meshes import distributed
 from fshard.backend.mindspore import Tensor, as_tensor, auto_parallel_settings
 from fshard.adapter.cells import frozen, functional, is_cell, pipeline_wrapper, segmented
-from fshard.core.tracing import Tracer, typeof
-from fshard.core.dims import dim_multiple_of
-from fshard.errors import ArgumentError, ShardingError
+from fshard.core.tracing import ArrayType, Symbol, Tracer, typeof
+from fshard.core.dims import dim_div, dim_multiple_of
+from fshard.errors import ArgumentError, ShapeError, ShardingError
 from fshard.adapter.interop import check_context_mode, context_dataset_strategy, context_mesh
 from fshard.core.ir import Program
 from fshard.meshes.layout import block_index as strategy_block
@@ -81,8 +81,9 @@ from fshard.core.staging import fun_name
 from fshard.transforms.ad import value_and_grad
 from fshard.transforms.control_flow import scan
 from fshard.transforms.jit import bind_declared, declared_types, jit
-from fshard.sharding.local_batch import (block_index, check_same_slices, global_type,
-                                          to_global)
+from fshard.sharding.local_batch import (block_index, global_declared, global_type,
+                                         rebalance, rows_differ_error, slice_rows,
+                                         to_global)
 from fshard.transforms.shard import cell_parameter_plans, cells_with_parameter_plans, shard
 from fshard.sharding.user_layouts import with_sharding_constraint
 
@@ -610,7 +611,7 @@ class AutoParallel:
         dimension 0 into, so each device keeps its own rows (no communication)."""
         a = typeof(x)
         b = a.shape[0] if a.ndim else None
-        if not isinstance(b, int) or b % (n * k):
+        if b is None or not dim_multiple_of(b, n * k):  # (a declared Symbol: provably)
             raise ArgumentError(
                 f"AutoParallel({self.name}).gradient_accumulation({k}): a batch input is "
                 f"{a}, but its dimension 0 must split into {k} micro-batches"
@@ -618,9 +619,9 @@ class AutoParallel:
                 + f" (a multiple of {n * k}).\nFix: use a batch size divisible by {n * k}, "
                 "or another k.")
         rest = tuple(a.shape[1:])
-        x = x.reshape((n, k, b // (n * k)) + rest)
+        x = x.reshape((n, k, dim_div(b, n * k)) + rest)
         x = x.transpose((1, 0, 2) + tuple(range(3, 3 + len(rest))))
-        return x.reshape((k, b // k) + rest)
+        return x.reshape((k, dim_div(b, k)) + rest)
 
     # -- the train state -----------------------------------------------------------
     def init(self, params=None) -> TrainState:
@@ -1116,8 +1117,45 @@ class AutoParallel:
             return batch if self._batch_specs is None else self._declared_batch(batch)
         if self._batch_specs is not None:
             self._check_declared_slices(batch)
+        return self._global_batch(batch)
+
+    def _global_batch(self, batch) -> tuple:
+        """The global batch that equal slices ``batch`` make: its declared types when
+        the slices are declared (one plan and one program for every slice size), unless
+        the global batch is not one the declaration accepts (the even blocks of an uneven
+        last batch: 16 + 8 rows on 2 processes declared ``Symbol(divisor=8)`` make 24,
+        which the global ``Symbol(divisor=16)`` refuses: planned for its size); else
+        the global types of these slices."""
         n = self.n_devices
-        return tuple(tree.map(lambda x: global_type(x, n), b) for b in batch)
+        glob = tuple(tree.map(lambda x: global_type(x, n), b) for b in batch)
+        specs = self._global_specs()
+        if specs is not None and len(specs) <= len(batch):
+            avals, values = [], []
+            for spec, g in zip(specs, glob):
+                if spec is not None:
+                    avals += tree.leaves(spec)
+                    values += tree.leaves(g)
+            try:
+                bind_declared(f"AutoParallel({self.name})", "global batch array", avals,
+                              values)
+            except ShapeError:
+                return glob
+            return self._declared_batch(glob, specs)
+        return glob
+
+    def _global_specs(self) -> tuple | None:
+        """The declared types of the global batch when each process passes its declared
+        slice (None: no declaration, or one whose first dimension's Symbol is also
+        another dimension; ``local_batch.global_declared``), made once per device count
+        so that its Symbols are the same objects at every call."""
+        if self._batch_specs is None or not self._feeds_slices():
+            return None
+        n = self.n_devices
+        cached = getattr(self, "_global_specs_for", None)
+        if cached is None or cached[0] is not self._batch_specs or cached[1] != n:
+            cached = self._global_specs_for = (
+                self._batch_specs, n, global_declared(self._batch_specs, n))
+        return cached[2]
 
     def sharded(self, state: TrainState, *batch):
         """The ``fs.shard``-ed step for these arguments (``partitioned(...)`` shows the
@@ -1185,8 +1223,14 @@ class AutoParallel:
         operator_file = getattr(self, "_operator_file", None)
         if operator_file is not None:
             s.load_strategies(operator_file)
-        entry = (s, jit(s) if self._batch_specs is None or self._feeds_slices() else
-                 jit(s, in_shapes=(None, None, None) + tuple(self._batch_specs)))
+        # a declared batch: one program for every size its Symbols accept (with slices,
+        # the global batch's declaration, unless this batch is not one it accepts)
+        specs = self._global_specs() if self._feeds_slices() else self._batch_specs
+        if specs is not None and self._feeds_slices() and not any(
+                isinstance(d, Symbol) for a in tree.leaves(batch) for d in a.shape):
+            specs = None
+        entry = (s, jit(s) if specs is None else
+                 jit(s, in_shapes=(None, None, None) + tuple(specs)))
         self._steps[key] = entry
         return entry
 
@@ -1225,14 +1269,17 @@ class AutoParallel:
             step, key = None, None
         if step is None:
             in_job = self._in_job()
+            if self._feeds_slices():
+                batch = self._even_slices(batch)
             if in_job:
                 state = self._place_state(state, batch)
             if self._feeds_slices():
-                check_same_slices([typeof(x).shape for x in tree.leaves(batch)],
-                                  f"AutoParallel({self.name})")
+                plan_batch = self._global_batch(batch)
                 batch = self._place_slices(state, batch)
-            _, step = self._sharded(state, batch if self._batch_specs is None or
-                                    self._feeds_slices() else self._declared_batch(batch))
+            else:
+                plan_batch = batch if self._batch_specs is None else \
+                    self._declared_batch(batch)
+            _, step = self._sharded(state, plan_batch)
             if key is not None and not in_job:
                 self._calls[key] = step
         result = step(state.params, state.opt_state, state.step, *batch)
@@ -1247,17 +1294,19 @@ class AutoParallel:
         is global already and comes back as it is."""
         return gather_sharded(state)
 
-    def _declared_batch(self, batch) -> tuple:
-        """The batch with each declared input replaced by its declared type."""
-        if len(self._batch_specs) > len(batch):
+    def _declared_batch(self, batch, specs=None) -> tuple:
+        """The batch with each declared input replaced by its declared type (``specs``:
+        the declaration, ``set_inputs``'s unless given)."""
+        specs = self._batch_specs if specs is None else specs
+        if len(specs) > len(batch):
             raise ArgumentError(
-                f"AutoParallel({self.name}) declares {len(self._batch_specs)} batch inputs "
+                f"AutoParallel({self.name}) declares {len(specs)} batch inputs "
                 f"with set_inputs, but the step got {len(batch)}.\nFix: pass every "
                 "declared batch input.")
-        specs = list(self._batch_specs) + [None] * (len(batch) - len(self._batch_specs))
+        specs = list(specs) + [None] * (len(batch) - len(specs))
         return tuple(b if sp is None else sp for b, sp in zip(batch, specs))
 
-    def _check_declared_slices(self, batch) -> None:
+    def _check_declared_slices(self, batch, rank: str = "") -> None:
         """With ``dataset_strategy('data_parallel')`` in a multi-process job the
         declaration is of what each process passes, its slice (MindSpore's
         ``set_inputs`` declares the dataset's per-device batch there): each call's
@@ -1276,8 +1325,33 @@ class AutoParallel:
                     "structure that was declared.")
             avals += a_leaves
             values += b_leaves
-        bind_declared(f"AutoParallel({self.name}) (set_inputs: each process's slice)",
+        bind_declared(f"AutoParallel({self.name}) (set_inputs: each process's slice{rank})",
                       "batch input array", avals, values)
+
+    def _even_slices(self, batch) -> tuple:
+        """This process's slices, checked against the declaration and against the other
+        processes' (an AllGather of their shapes, every call); slices of different row
+        counts (an uneven last batch) become this process's even block of the global
+        batch they make (``local_batch.rebalance``): the step then trains as one
+        process would on the processes' rows in rank order, the mean loss over every
+        row."""
+        leaves, spec = tree.flatten(tuple(batch))
+        what = f"AutoParallel({self.name})"
+        rows = slice_rows([typeof(x).shape for x in leaves], what,
+                          [typeof(x).dtype for x in leaves])
+        if self._batch_specs is not None:
+            if rows is None:
+                self._check_declared_slices(batch)
+            else:  # every process checks every process's slices: all raise together
+                for r, counts in enumerate(rows):
+                    self._check_declared_slices(tree.unflatten(spec, [
+                        ArrayType((c,) + tuple(typeof(x).shape[1:]), typeof(x).dtype)
+                        for c, x in zip(counts, leaves)]), f" (rank {r})")
+        if rows is None or any(typeof(x).ndim == 0 for x in leaves):
+            return batch  # (a batch input without rows: the plan refuses it, naming it)
+        if any(isinstance(x, Tracer) for x in leaves):  # traced: no values to move
+            raise rows_differ_error(what, rows, distributed.world_size())
+        return tree.unflatten(spec, [as_tensor(x) for x in rebalance(leaves, rows, what)])
 
     def _place_state(self, state: TrainState, batch) -> TrainState:
         """In a job, ``state`` with each whole leaf that the plan splits (the state of
@@ -1286,7 +1360,7 @@ class AutoParallel:
         then runs the program of every later step, instead of compiling a second one
         for whole inputs whose memory the process would keep."""
         leaves, spec = tree.flatten(state)
-        gbatch = self._plan_batch(batch)
+        gbatch = self._global_batch(batch) if self._feeds_slices() else self._plan_batch(batch)
         s, _ = self._sharded(state, gbatch)
         key = (spec, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves))
         split = s.state_splits.get(key)
@@ -1310,15 +1384,20 @@ class AutoParallel:
         of a global-shaped value."""
         leaves, spec = tree.flatten(tuple(batch))
         key = (spec, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves))
-        gbatch = self._plan_batch(batch)
+        gbatch = self._global_batch(batch)
         s, _ = self._sharded(state, gbatch)
         places = s.batch_places.get(key)
         if places is None:  # once per plan: this process's block of each batch input
             part = s.partitioned(state.params, state.opt_state, state.step, *gbatch)
             shs = _arg_shardings(part, (state, gbatch))[len(tree.leaves(state)):]
             rank = distributed.rank()
-            places = [(block_index(sh, part.prop.mesh, rank), Sharding(sh.dims),
-                       part.prop.mesh, typeof(g)) for sh, g in zip(shs, tree.leaves(gbatch))]
+            places = []
+            for x, sh in zip(leaves, shs, strict=True):
+                where = block_index(sh, part.prop.mesh, rank)
+                # the global type of this slice (a declared batch's is symbolic)
+                g = ArrayType(tuple(d * k for d, (_, k) in zip(typeof(x).shape, where)),
+                              typeof(x).dtype)
+                places.append((where, Sharding(sh.dims), part.prop.mesh, g))
             s.batch_places[key] = places
         rank = distributed.rank()
         out = []

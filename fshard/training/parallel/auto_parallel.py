@@ -522,8 +522,9 @@ class AutoParallel:
     def gather_params(self, state: TrainState):
         """The trained parameters, whole, on every process (a collective: every process
         calls it): in a multi-process job a split parameter is each process's block
-        (``fs.ShardedArray``); this collects them. With a pipeline every process holds
-        them whole already."""
+        (``fs.ShardedArray``); this collects them. With a pipeline whose update is split
+        by stage each process keeps its own stage's (the others are ``fs.RemoteArray``):
+        this brings every stage's to every process."""
         if self._pipeline is None:
             return gather_sharded(state.params)
         return self._pipeline.gather_params(state)
@@ -1244,7 +1245,11 @@ class AutoParallel:
         """``state`` with every ``fs.ShardedArray`` leaf (in a multi-process job, a
         process's block of a split parameter or optimizer state) replaced by its global
         value: a collective, so every process must call it. On a virtual mesh the state
-        is global already and comes back as it is."""
+        is global already and comes back as it is. With a pipeline in a job whose update
+        is split by stage, every stage's leaves (``fs.RemoteArray`` on the processes of
+        other stages) come to every process."""
+        if self._pipeline is not None:
+            return self._pipeline.gather(state)
         return gather_sharded(state)
 
     def _declared_batch(self, batch) -> tuple:

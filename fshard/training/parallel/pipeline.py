@@ -24,11 +24,10 @@ train step into a pipelined one:
    last chunk seeding ``1 / (M * dp)`` for a loss that is a mean over the examples and
    ``1`` for a sum over them divided by a constant (``loss_combination`` tells them
    apart on the first step and refuses any other loss), and the optimizer runs once:
-   exactly the gradient of the full batch's loss. On a virtual mesh the update is
-   split by stage when it can be (``StageUpdate``): each stage's devices update only
-   their own parameters and optimizer state (with ZeRO, split over the stage's
-   devices), a sum or maximum over several stages' values (a global norm) combining
-   the stages' partial results.
+   exactly the gradient of the full batch's loss. The update is split by stage when
+   it can be (``StageUpdate``): each stage's devices update only their own parameters
+   and optimizer state (with ZeRO, split over the stage's devices), a sum or maximum
+   over several stages' values (a global norm) combining the stages' partial results.
 
 Where it runs:
 
@@ -40,11 +39,14 @@ Where it runs:
   ``fs.ppermute`` over the ``pp`` axis (MindSpore's CPU backend has no Send/Receive in
   graphs: the verified emulation is a one-hot slot buffer summed over the pipeline
   group), the carried values flattened into one float32 buffer padded to the largest
-  boundary; every rank of a pipeline group runs the same rounds. The gradients are
-  summed over the whole job with one ``fs.psum`` each (a process holds zeros for the
-  other stages' parameters), so every process runs the whole optimizer on the whole
-  gradient: an optimizer coupling the parameters (a global-norm clip) is exact, and
-  every process's state is the trained state.
+  boundary; every rank of a pipeline group runs the same rounds. With the update split
+  by stage, each process sums its stage's gradients over the stage's processes, combines
+  the cross-stage reductions' partial results with one collective over ``pp`` each, and
+  updates its stage's leaves alone: the state it returns holds the other stages' leaves
+  as ``fs.RemoteArray``\ s (``PipelineRunner.gather`` brings them back). An update that
+  does not split has the gradients summed over the whole job with one ``fs.psum`` each
+  (a process holds zeros for the other stages' parameters), so every process runs the
+  whole optimizer and keeps the whole state.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -80,7 +79,8 @@ def optimizer(name: str):
     raise ValueError(name)
 
 
-# (name, optimizer, loss, micro_batches, scheduler, output_broadcast)
+# (name, optimizer, loss, micro_batches, scheduler, output_broadcast); every process
+# passes its data-parallel slice of each batch
 CONFIGS = [("adam", "adam", "loss", 4, "1f1b", False),
            ("clipped", "clipped", "loss", 2, "gpipe", True),
            ("loss_scaled_nan", "loss_scaled", "nan_loss", 2, "1f1b", True),
@@ -119,14 +119,12 @@ def train(name, opt, loss_name, micro, sched, bcast, rank, world):
     ap = fs.AutoParallel(LOSSES[loss_name], optimizer(opt))
     ap.pipeline(stages=2, micro_batches=micro, scheduler=sched, output_broadcast=bcast)
     state = ap.init(params)
-    losses, times = [], []
+    losses = []
     for batch in batches[:STEPS]:
-        t0 = time.perf_counter()
         state, l = ap(state, *_slice(batch, rank, dp))
         v = float(l.asnumpy())
-        times.append(time.perf_counter() - t0)
         losses.append(None if np.isnan(v) else v)
-    return ap, state, losses, times, batches
+    return ap, state, losses, batches
 
 
 def main(out_dir: str) -> None:
@@ -137,7 +135,7 @@ def main(out_dir: str) -> None:
     dp = world // 2
     results: dict = {"rank": rank, "world": world, "configs": {}, "errors": {}}
     for name, opt, loss_name, micro, sched, bcast in CONFIGS:
-        ap, state, losses, times, batches = train(name, opt, loss_name, micro, sched,
+        ap, state, losses, batches = train(name, opt, loss_name, micro, sched,
                                                   bcast, rank, world)
         batch = _slice(batches[0], rank, dp)
         report = ap.memory_report(state, *batch)

@@ -1608,8 +1608,8 @@ class StageUpdate:
                 if stage != last:
                     loss = loss * np.float32(np.nan)  # there is no loss on this stage
                 if broadcast:
-                    mine = loss if stage == last else np.zeros((), np.float32)
-                    loss = C.psum_p.bind(mine, axis_name=("pp",), mesh=mesh)
+                    given = loss if stage == last else np.zeros((), np.float32)
+                    loss = C.psum_p.bind(given, axis_name=("pp",), mesh=mesh)
             n_own = len(own_outs)
             return (apply_updates(list(params), got[:n_up]), got[n_up:n_own], got[n_own:],
                     step + 1, loss)
@@ -2043,13 +2043,13 @@ class PipelineRunner:
 
     def gather(self, state, params_only: bool = False):
         """``state`` with every stage's leaves (``params_only``: its parameters) on
-        every process. On a virtual mesh, and
-        in a job whose update runs whole on every process, the state is whole already.
-        In a job whose update is split by stage each process keeps its own stage's
-        leaves (the others are ``fs.RemoteArray``\\ s): one compiled program sums each
-        stage-owned leaf over the job, the lowest process of its stage giving its
-        value and every other process zeros (a collective: every process calls it, in
-        the same order). The step that made ``state`` says which leaves are whose."""
+        every process. On a virtual mesh, and in a job whose update runs whole on every
+        process, the state is whole already. In a job whose update is split by stage
+        each process keeps its own stage's leaves (the others are
+        ``fs.RemoteArray``\\ s): one compiled program sums each stage-owned leaf over
+        the job, the lowest process of its stage giving its value and every other
+        process zeros (a collective: every process calls it, in the same order). The
+        step that made ``state`` says which leaves are whose."""
         if self.virtual:
             return state
         steps = [st for key, st in self._steps.items()

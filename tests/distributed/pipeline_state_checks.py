@@ -201,6 +201,15 @@ def _misuse(ap, state, batches, rank, dp, out_dir) -> dict:
     s2, l2 = ap(split, *nxt)
     s3, l3 = ap(whole, *nxt)
     out["resume_losses"] = [float(v.asnumpy()) for v in (l1, l2, l3)]
+    # a batch of another shape (half the rows) on the split state: the combination of
+    # the micro-batch losses found at the first step holds; the same as from the whole
+    half = [v[:len(v) // 2] for v in nxt]
+    s4, l4 = ap(s1, *half)
+    s5, l5 = ap(ap.gather(s1), *half)
+    out["half_losses"] = [float(v.asnumpy()) for v in (l4, l5)]
+    g4, g5 = ap.gather_params(s4), ap.gather_params(s5)
+    out["half_equal"] = all(np.array_equal(g4[k].asnumpy(), g5[k].asnumpy()) for k in params)
+    out["half_kept"] = {k: not isinstance(v, fs.RemoteArray) for k, v in s4.params.items()}
     g1, g2, g3 = (ap.gather_params(s) for s in (s1, s2, s3))
     out["resume_equal"] = all(np.array_equal(g1[k].asnumpy(), g[k].asnumpy())
                               for g in (g2, g3) for k in params)

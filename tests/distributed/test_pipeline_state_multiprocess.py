@@ -174,3 +174,17 @@ def test_a_checkpoint_of_the_gathered_state_loads_split_and_whole(job):
         l1, l2, l3 = e["resume_losses"]
         if r // dp == 1:  # (stage 0 has no loss without output_broadcast)
             assert l1 == l2 == l3
+
+
+def test_a_batch_of_another_shape_takes_the_split_state(job):
+    """A smaller last batch after the first step: the split state trains on it (the
+    micro-batch losses combine as the first step found), as the whole state does."""
+    n, ranks = job
+    dp = n // 2
+    for r, res in enumerate(ranks):
+        e = res["errors"]
+        assert e["half_equal"] and e["half_kept"] == {k: STAGE_OF[k] == r // dp
+                                                      for k in STAGE_OF}
+        if r // dp == 1:
+            a, b = e["half_losses"]
+            assert a == b and np.isfinite(a)

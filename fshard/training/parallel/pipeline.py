@@ -630,11 +630,11 @@ def loss_combination(loss_fn, name: str, params, batch, rows: int, devices: int 
     remote = [x for x in p_leaves if isinstance(x, RemoteArray)]
     if remote:
         raise ArgumentError(
-            f"AutoParallel({name}).pipeline: the first step of a pipeline on a batch of "
-            "these shapes evaluates the loss once on the whole parameters, to learn how "
+            f"AutoParallel({name}).pipeline: the first step of a pipeline evaluates the "
+            "loss once on the whole parameters, to learn how "
             f"micro-batch losses combine; this process holds only its stage's ("
-            f"{remote[0]!r}).\nFix: pass the whole state to the first step of each batch "
-            "shape: ap.init(params), fs.checkpoint.load(path, like=ap.init(params)), or "
+            f"{remote[0]!r}).\nFix: pass the whole state to the first step: "
+            "ap.init(params), fs.checkpoint.load(path, like=ap.init(params)), or "
             "ap.gather(state) (a collective).")
     B = typeof(b_leaves[0]).shape[0]
     first = [x[:rows] for x in b_leaves]
@@ -1864,6 +1864,8 @@ class PipelineRunner:
         self.ap, self.cfg, self.state_cls = ap, cfg, state_cls
         self._steps: dict = {}
         self.plan: Stages | None = None
+        #: How the micro-batch losses combine (``loss_combination``), once found.
+        self.combine: str | None = None
 
     @property
     def sliced(self) -> bool:
@@ -1924,9 +1926,16 @@ class PipelineRunner:
         plan.check_balance(cfg.stages, cfg.max_imbalance)
         self.plan = plan
         sched = Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, v)
-        combine = loss_combination(ap.loss_fn, ap.name, state.params, batch,
-                                   plan.batch_vars[0].aval.shape[0],
-                                   dp if sharding is not None else 1)
+        if self.combine is not None and any(
+                isinstance(x, RemoteArray) for x in tree.leaves(state.params)):
+            # a job's split state on a new batch shape: the loss cannot be evaluated
+            # here, and how its micro-batch losses combine is the loss's own
+            combine = self.combine
+        else:
+            combine = loss_combination(ap.loss_fn, ap.name, state.params, batch,
+                                       plan.batch_vars[0].aval.shape[0],
+                                       dp if sharding is not None else 1)
+        self.combine = combine
         zero = ap._pipeline_zero(state)
         if zero is not None and not self.virtual:
             hsdp = ap.options.hsdp

@@ -206,7 +206,7 @@ class RemoteArray(_ValuesElsewhere):
     """A leaf of a pipelined train state that other processes of the job keep: in a
     multi-process job with ``ap.pipeline(stages=S)`` each process keeps and updates only
     its own stage's parameters and optimizer state; the other stages' leaves of the state
-    it gets back are ``RemoteArray``\ s, which hold no values (only the global type).
+    it gets back are ``RemoteArray`` leaves, which hold no values (only the global type).
 
     Attributes:
         shape, dtype: the leaf's (``fs.typeof(x)`` is its ``ArrayType``).

@@ -43,7 +43,7 @@ Where it runs:
   by stage, each process sums its stage's gradients over the stage's processes, combines
   the cross-stage reductions' partial results with one collective over ``pp`` each, and
   updates its stage's leaves alone: the state it returns holds the other stages' leaves
-  as ``fs.RemoteArray``\ s (``PipelineRunner.gather`` brings them back). An update that
+  as ``fs.RemoteArray`` leaves (``PipelineRunner.gather`` brings them back). An update that
   does not split has the gradients summed over the whole job with one ``fs.psum`` each
   (a process holds zeros for the other stages' parameters), so every process runs the
   whole optimizer and keeps the whole state.
@@ -1017,7 +1017,7 @@ class PipelinedStep:
         """The update split by stage in a multi-process job: this process's program
         (``StageUpdate.job_program``) takes its stage's gradients, parameters and
         optimizer state and the leaves no stage owns, and returns their new values; the
-        other stages' leaves of the new state are ``fs.RemoteArray``\\ s (their
+        other stages' leaves of the new state are ``fs.RemoteArray`` leaves (their
         processes keep them)."""
         up, dp, cfg = self.split, self.dp, self.runner.cfg
         stage = self.rank // dp
@@ -2055,7 +2055,7 @@ class PipelineRunner:
         every process. On a virtual mesh, and in a job whose update runs whole on every
         process, the state is whole already. In a job whose update is split by stage
         each process keeps its own stage's leaves (the others are
-        ``fs.RemoteArray``\\ s): one compiled program sums each stage-owned leaf over
+        ``fs.RemoteArray`` leaves): one compiled program sums each stage-owned leaf over
         the job, the lowest process of its stage giving its value and every other
         process zeros (a collective: every process calls it, in the same order). The
         step that made ``state`` says which leaves are whose."""

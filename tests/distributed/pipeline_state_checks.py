@@ -174,7 +174,9 @@ def _misuse(ap, state, batches, rank, dp, out_dir) -> dict:
                        ("gather_sharded", lambda: fs.gather_sharded(state.params)),
                        ("save", lambda: fs.checkpoint.save(
                            os.path.join(out_dir, "refused"), state)),
-                       ("fresh_ap", lambda: _fresh(state, batches, rank, dp))):
+                       ("fresh_ap", lambda: _fresh(state, batches, rank, dp)),
+                       ("own_remote", lambda: ap(_without_own(state, mine, rank, dp),
+                                                 *_slice(batches[0], rank, dp)))):
         try:
             call()
             out[what] = None
@@ -214,6 +216,17 @@ def _misuse(ap, state, batches, rank, dp, out_dir) -> dict:
     out["resume_equal"] = all(np.array_equal(g1[k].asnumpy(), g[k].asnumpy())
                               for g in (g2, g3) for k in params)
     return out
+
+
+def _without_own(state, mine, rank, dp):
+    """``state`` with this process's own weight ``mine`` as an fs.RemoteArray (as if
+    another process's state), on every process alike."""
+    import fshard as fs
+
+    s = rank // dp
+    x = state.params[mine]
+    lost = fs.RemoteArray(x.shape, fs.typeof(x).dtype, s, range(s * dp, (s + 1) * dp), rank)
+    return state._replace(params={**state.params, mine: lost})
 
 
 def _fresh(state, batches, rank, dp):

@@ -159,6 +159,15 @@ def test_refused_calls_say_the_fix(job):
         assert e["fresh_ap"].startswith("ArgumentError: ") and "Fix: pass the whole state " \
             "to the first step" in e["fresh_ap"]
         assert e["repr"].startswith("RemoteArray(f32[")
+        mine = "w1" if r // dp == 0 else "w2"
+        assert e["own_remote"] == (
+            f"ArgumentError: AutoParallel(loss)(state, *batch): state.params['{mine}'] is "
+            f"an fs.RemoteArray (kept by stage {r // dp}'s processes "
+            f"{list(range(r // dp * dp, (r // dp + 1) * dp))}), but this process (rank "
+            f"{r}) is stage {r // dp}'s, which keeps and updates that leaf.\nFix: pass "
+            "each process the state its own previous step returned (or the whole state: "
+            "ap.init(params), ap.gather(state)).\nSee docs/errors.md#argumenterror"), \
+            e["own_remote"]
 
 
 def test_a_checkpoint_of_the_gathered_state_loads_split_and_whole(job):

@@ -782,6 +782,8 @@ class PipelinedStep:
 
     def _run(self, state, *batch):
         plan, S, M, dp, groups = self.plan, self.S, self.M, self.dp, self.groups
+        if self.rank is not None and isinstance(self.split, StageUpdate):
+            self._check_kept(state)
         p_leaves, p_tree = tree.flatten(state.params)
         b_leaves = tree.leaves(list(batch))
         sliced = self.sliced
@@ -1013,19 +1015,18 @@ class PipelinedStep:
             tree.unflatten(o_tree, [leaves[("o", k)] for k in range(len(o_leaves))]),
             state.step)
 
-    def _finish_job(self, state, grads, loss, scale):
-        """The update split by stage in a multi-process job: this process's program
-        (``StageUpdate.job_program``) takes its stage's gradients, parameters and
-        optimizer state and the leaves no stage owns, and returns their new values; the
-        other stages' leaves of the new state are ``fs.RemoteArray`` leaves (their
-        processes keep them)."""
-        up, dp, cfg = self.split, self.dp, self.runner.cfg
-        stage = self.rank // dp
-        p_paths, p_leaves, p_tree = tree.flatten_with_path(state.params)
-        o_paths, o_leaves, o_tree = tree.flatten_with_path(state.opt_state)
-        mine_p, mine_o, shared = up.p_idx[stage], up.o_idx[stage], up.o_idx[None]
-        for what, paths, leaves, idx in (("params", p_paths, p_leaves, mine_p),
-                                         ("opt_state", o_paths, o_leaves, mine_o + shared)):
+    def _check_kept(self, state) -> None:
+        """In a job whose update is split by stage: this process's stage's leaves and
+        the unowned ones must be here (not ``fs.RemoteArray``). Checked before the
+        step's first computation, so that processes given such a state all stop there
+        instead of some waiting in a collective."""
+        up = self.split
+        stage = self.rank // self.dp
+        p_paths, p_leaves, _ = tree.flatten_with_path(state.params)
+        o_paths, o_leaves, _ = tree.flatten_with_path(state.opt_state)
+        for what, paths, leaves, idx in (
+                ("params", p_paths, p_leaves, up.p_idx[stage]),
+                ("opt_state", o_paths, o_leaves, up.o_idx[stage] + up.o_idx[None])):
             for i in idx:
                 x = leaves[i]
                 if isinstance(x, RemoteArray):
@@ -1037,6 +1038,18 @@ class PipelinedStep:
                         "updates that leaf.\nFix: pass each process the state its own "
                         "previous step returned (or the whole state: ap.init(params), "
                         "ap.gather(state)).")
+
+    def _finish_job(self, state, grads, loss, scale):
+        """The update split by stage in a multi-process job: this process's program
+        (``StageUpdate.job_program``) takes its stage's gradients, parameters and
+        optimizer state and the leaves no stage owns, and returns their new values; the
+        other stages' leaves of the new state are ``fs.RemoteArray`` leaves (their
+        processes keep them)."""
+        up, dp, cfg = self.split, self.dp, self.runner.cfg
+        stage = self.rank // dp
+        p_leaves, p_tree = tree.flatten(state.params)
+        o_leaves, o_tree = tree.flatten(state.opt_state)
+        mine_p, mine_o, shared = up.p_idx[stage], up.o_idx[stage], up.o_idx[None]
         last = (self.plan.n_chunks - 1) % self.S
         fn = up.job_program(stage, dp, last, cfg.output_broadcast, self.groups > 1,
                             self.fp32, self.plan.name)

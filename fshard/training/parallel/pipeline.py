@@ -1338,12 +1338,11 @@ class PipelinedStep:
             g_leaves, g_tree = tree.flatten(grads)
             with C.named_axis("pp", S), C.named_axis("dp", dp):
                 if mesh is not None:
-                    # Every process gets every gradient: its stage's replicas' sums (each
-                    # process holds zeros for the other stages' parameters) summed over
-                    # the job. Every process then runs the whole optimizer, so one that
-                    # couples the parameters (a global-norm clip) sees the whole
-                    # gradient, and every process's state is the trained state (what a
-                    # checkpoint of any process holds).
+                    # (an update that does not split by stage, in a job) Every process
+                    # gets every gradient: its stage's replicas' sums (each process
+                    # holds zeros for the other stages' parameters) summed over the
+                    # job. Every process then runs the whole optimizer, exact for any
+                    # coupling of the parameters, and keeps the whole trained state.
                     axes = ("pp", "dp") if reduce_dp else ("pp",)
                     g_leaves = [_reduce(g, axes, mesh, fp32) for g in g_leaves]
                     if reduce_dp and stage == last:

@@ -1367,8 +1367,9 @@ class AutoParallel:
         lays it out, and ``"stages"``, one entry per stage: the bytes per device of
         that stage's own parameters, their gradients and the optimizer state that
         copies them. ``"update"`` says how the update runs: ``"per_stage"`` (each
-        device keeps and updates its own stage's state and the leaves no stage owns;
-        the totals are the most any device keeps) or ``"whole"`` (every device keeps
+        device, in a multi-process job each process, keeps and updates its own stage's
+        state and the leaves no stage owns; the totals are the most any device keeps)
+        or ``"whole"`` (every device keeps
         every stage's state, ZeRO splitting each leaf over its stage's devices;
         ``"whole_because"`` says why)."""
         self._check_state(state, ".memory_report(state, *batch)")

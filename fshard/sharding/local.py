@@ -90,13 +90,13 @@ class _ValuesElsewhere(ProcessLocalValue):
         self.refuse("assigning x[...] = v")
 
     # Eager operators and Tensor methods would compute on the block as if it were the
-    # whole array (or fail inside MindSpore): refused with the fix. `==` and `!=` stay
+    # whole array (or fail inside MindSpore; a RemoteArray has no values at all):
+    # refused with the fix. `==` and `!=` stay
     # identity (containers and caches compare values with them).
     def __getattr__(self, name: str):
         if not name.startswith("_") and hasattr(_tensor_class(), name):
             self.refuse(f"the Tensor method .{name}")
         raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
-
 
 
 class ShardedArray(_ValuesElsewhere):

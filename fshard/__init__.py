@@ -47,6 +47,7 @@ from fshard.errors import (  # noqa: F401
 from fshard.core.ir import verify as verify
 from fshard.meshes.layout import Layout as Layout
 from fshard.meshes.mesh import Mesh as Mesh
+from fshard.sharding.local import RemoteArray as RemoteArray
 from fshard.sharding.local import ShardedArray as ShardedArray
 from fshard.sharding.local import gather_sharded as gather_sharded
 from fshard.sharding.placement import block_until_ready as block_until_ready

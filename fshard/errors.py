@@ -73,10 +73,11 @@ class ShardingError(FshardError, ValueError):
 
 
 class ProcessLocalError(ShardingError, TypeError, AttributeError):
-    """An ``fs.ShardedArray`` (of which this process holds only its block) was read or
-    computed with eagerly: ``.asnumpy()``, ``x + 1``, ``x.sum()``. Also a ``TypeError``
-    (an unsupported operand) and an ``AttributeError`` (a Tensor method it lacks), so
-    ``hasattr`` probes stay False."""
+    """An ``fs.ShardedArray`` (of which this process holds only its block) or an
+    ``fs.RemoteArray`` (another pipeline stage's leaf, of which it holds nothing) was
+    read or computed with eagerly: ``.asnumpy()``, ``x + 1``, ``x.sum()``. Also a
+    ``TypeError`` (an unsupported operand) and an ``AttributeError`` (a Tensor method it
+    lacks), so ``hasattr`` probes stay False."""
 
 
 class CompositionError(FshardError, ValueError):

@@ -46,7 +46,60 @@ def block_bounds(sharding: Sharding, mesh: ShardMesh, rank: int, shape) -> tuple
     return tuple(out)
 
 
-class ShardedArray(ProcessLocalValue):
+class _ValuesElsewhere(ProcessLocalValue):
+    """What ``fs.ShardedArray`` and ``fs.RemoteArray`` refuse alike: every way of reading
+    or computing with their values eagerly (``refuse`` says what this process holds and
+    the fix)."""
+
+    __slots__ = ()
+
+    def asnumpy(self):
+        self.refuse(".asnumpy()")
+
+    def __array__(self, *args, **kwargs):
+        self.refuse("numpy.asarray()")
+
+    def item(self):
+        self.refuse(".item()")
+
+    def tolist(self):
+        self.refuse(".tolist()")
+
+    def __float__(self):
+        self.refuse("float()")
+
+    def __int__(self):
+        self.refuse("int()")
+
+    def __bool__(self):
+        self.refuse("bool()")
+
+    def __index__(self):
+        self.refuse("operator.index()")
+
+    def __len__(self):
+        self.refuse("len()")
+
+    def __iter__(self):
+        self.refuse("iteration")
+
+    def __getitem__(self, index):
+        self.refuse("indexing x[...]")
+
+    def __setitem__(self, index, value):
+        self.refuse("assigning x[...] = v")
+
+    # Eager operators and Tensor methods would compute on the block as if it were the
+    # whole array (or fail inside MindSpore; a RemoteArray has no values at all):
+    # refused with the fix. `==` and `!=` stay
+    # identity (containers and caches compare values with them).
+    def __getattr__(self, name: str):
+        if not name.startswith("_") and hasattr(_tensor_class(), name):
+            self.refuse(f"the Tensor method .{name}")
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+
+
+class ShardedArray(_ValuesElsewhere):
     """A global array laid out over the processes of a job; this process holds its
     block (``block``, a MindSpore Tensor).
 
@@ -132,51 +185,6 @@ class ShardedArray(ProcessLocalValue):
             "a collective; or compute inside fs.jit / fs.shard, which take the array as "
             "it is; x.block is this process's block.")
 
-    def asnumpy(self):
-        self.refuse(".asnumpy()")
-
-    def __array__(self, *args, **kwargs):
-        self.refuse("numpy.asarray()")
-
-    def item(self):
-        self.refuse(".item()")
-
-    def tolist(self):
-        self.refuse(".tolist()")
-
-    def __float__(self):
-        self.refuse("float()")
-
-    def __int__(self):
-        self.refuse("int()")
-
-    def __bool__(self):
-        self.refuse("bool()")
-
-    def __index__(self):
-        self.refuse("operator.index()")
-
-    def __len__(self):
-        self.refuse("len()")
-
-    def __iter__(self):
-        self.refuse("iteration")
-
-    def __getitem__(self, index):
-        self.refuse("indexing x[...]")
-
-    def __setitem__(self, index, value):
-        self.refuse("assigning x[...] = v")
-
-    # Eager operators and Tensor methods would compute on the block as if it were the
-    # whole array (or fail inside MindSpore): refused with the fix. `==` and `!=` stay
-    # identity (containers and caches compare values with them).
-    def __getattr__(self, name: str):
-        if not name.startswith("_") and hasattr(_tensor_class(), name):
-            self.refuse(f"the Tensor method .{name}")
-        raise AttributeError(f"'ShardedArray' object has no attribute {name!r}")
-
-
     # -- making one ---------------------------------------------------------------------
     @staticmethod
     def cut(x, strategy, mesh: ShardMesh, rank: int) -> "ShardedArray":
@@ -194,6 +202,56 @@ class ShardedArray(ProcessLocalValue):
         return ShardedArray(as_tensor(block), a.shape, a.dtype, sh, mesh, rank)
 
 
+class RemoteArray(_ValuesElsewhere):
+    """A leaf of a pipelined train state that other processes of the job keep: in a
+    multi-process job with ``ap.pipeline(stages=S)`` each process keeps and updates only
+    its own stage's parameters and optimizer state; the other stages' leaves of the state
+    it gets back are ``RemoteArray`` leaves, which hold no values (only the global type).
+
+    Attributes:
+        shape, dtype: the leaf's (``fs.typeof(x)`` is its ``ArrayType``).
+        stage: the pipeline stage that keeps it.
+        holders: the ranks of that stage's processes (each keeps the whole leaf).
+        rank: this process.
+
+    Reading its values is an ``fs.ProcessLocalError`` with the fix:
+    ``ap.gather_params(state)`` / ``ap.gather(state)`` (a collective every process
+    calls) bring every stage's leaves to every process. The step takes it back as it is.
+    """
+
+    __slots__ = ("shape", "dtype", "stage", "holders", "rank")
+
+    def __init__(self, shape, dtype, stage: int, holders, rank: int):
+        self.shape, self.dtype = tuple(shape), dtype
+        self.stage, self.holders, self.rank = stage, tuple(holders), rank
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def aval(self) -> ArrayType:
+        return ArrayType(self.shape, self.dtype)
+
+    def __repr__(self) -> str:
+        return (f"RemoteArray({self.aval}, kept by pipeline stage {self.stage}: processes "
+                f"{list(self.holders)}; process {self.rank} holds none of it)")
+
+    def refuse(self, what: str):
+        raise ProcessLocalError(
+            f"{what} needs the values of a {self.aval} array, but process {self.rank} "
+            f"holds none of it: it is pipeline stage {self.stage}'s parameter or "
+            "optimizer state, which only that stage's processes "
+            f"{list(self.holders)} keep (an fs.RemoteArray).\nFix: call "
+            "ap.gather_params(state) (the parameters) or ap.gather(state) (the whole "
+            "state) in every process first: a collective that brings every stage's "
+            f"leaves to every process; or read it on processes {list(self.holders)}.")
+
+
 _OPERATORS = {
     "add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%",
     "pow": "**", "matmul": "@", "and": "&", "or": "|", "xor": "^", "lshift": "<<",
@@ -208,11 +266,11 @@ def _refusing(what: str):
 
 for _name, _sym in _OPERATORS.items():
     for _dunder in (f"__{_name}__", f"__r{_name}__", f"__i{_name}__"):
-        setattr(ShardedArray, _dunder, _refusing(f"the eager operator {_sym!r}"))
+        setattr(_ValuesElsewhere, _dunder, _refusing(f"the eager operator {_sym!r}"))
 for _name, _sym in {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "neg": "unary -",
                     "pos": "unary +", "abs": "abs()", "invert": "~", "round": "round()"
                     }.items():
-    setattr(ShardedArray, f"__{_name}__", _refusing(f"the eager operator {_sym!r}"))
+    setattr(_ValuesElsewhere, f"__{_name}__", _refusing(f"the eager operator {_sym!r}"))
 
 
 def _tensor_class():
@@ -246,4 +304,9 @@ def gather_sharded(tree_):
     """
     from fshard.core import tree
 
-    return tree.map(lambda x: x.gather() if isinstance(x, ShardedArray) else x, tree_)
+    def one(x):
+        if isinstance(x, RemoteArray):  # (only its stage's processes can give it)
+            x.refuse("fs.gather_sharded")
+        return x.gather() if isinstance(x, ShardedArray) else x
+
+    return tree.map(one, tree_)

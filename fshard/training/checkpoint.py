@@ -46,7 +46,7 @@ from fshard.core.tracing import typeof
 from fshard.errors import ArgumentError, CheckpointError, FshardError
 from fshard.meshes.layout import as_layout, block_owners, shard_slices
 from fshard.sharding.layouts import ShardMesh
-from fshard.sharding.local import ShardedArray, block_bounds
+from fshard.sharding.local import RemoteArray, ShardedArray, block_bounds
 from fshard.sharding.placement import device_put, placed_strategy
 from fshard.sharding.strategy import parse_strategy
 
@@ -353,6 +353,14 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
     mine: dict[str, np.ndarray] = {}
     entries = []
     for i, (p, x, spec) in enumerate(zip(leaves_paths, leaves, specs)):
+        if isinstance(x, RemoteArray):
+            raise CheckpointError(
+                f"fs.checkpoint.save: leaf {tree.keystr(p)} is an fs.RemoteArray: "
+                f"pipeline stage {x.stage}'s, which only its processes "
+                f"{list(x.holders)} keep (a pipelined job whose update is split by "
+                f"stage), so process {rank} cannot write it.\nFix: save "
+                "ap.gather(state) (a collective that brings every stage's leaves to every "
+                "process; call it in every process).")
         if isinstance(x, ShardedArray):  # this process's block: its own layout
             entries.append(_local_entry(i, p, x, nproc, rank, mine))
             continue
@@ -493,6 +501,8 @@ def _lock_tmp(tmp: str) -> int:
 
 def _host_copy(x):
     """A copy in host memory of a leaf (of a ShardedArray: of its block)."""
+    if isinstance(x, RemoteArray):  # (refused by save, with the fix)
+        return x
     if isinstance(x, ShardedArray):
         return ShardedArray(np.array(_numpy(x.block), copy=True), x.shape, x.dtype,
                             x.sharding, x.mesh, x.rank)
@@ -624,7 +634,9 @@ def load(path, like, *, layouts=None, mesh=None, verify: bool = True):
     this process reads only the saved blocks overlapping its own block. ``layouts``
     (in a job: a pytree prefix of ``like`` holding split counts, ``fs.Layout`` views or
     None, e.g. ``ap.state_strategies(like, *batch)``) asks the same for the leaves it
-    splits. Every other leaf comes back whole, as a MindSpore Tensor.
+    splits. A leaf of ``like`` that is an ``fs.RemoteArray`` (another pipeline stage's,
+    in a job whose update is split by stage) comes back as it is: that stage's processes
+    load it. Every other leaf comes back whole, as a MindSpore Tensor.
 
     ``mesh`` (an ``fs.Mesh`` or a device count) is the mesh ``layouts`` refer to, as
     the script that trains on it writes it: in a job it must be the job's world (one
@@ -663,13 +675,11 @@ def load(path, like, *, layouts=None, mesh=None, verify: bool = True):
         for w, x, target in zip(wanted, likes, targets):
             e = saved[w]
             a = typeof(x)
-            expect = np.dtype(dtypes.to_numpy(a.dtype))
-            if tuple(e["shape"]) != tuple(a.shape) or np.dtype(e["dtype"]) != expect:
-                raise CheckpointError(
-                    f"fs.checkpoint.load: leaf {w} was saved as {e['dtype']}{e['shape']}, "
-                    f"like has {expect.name}{list(a.shape)}.\nFix: load into a like "
-                    "built as the saved state was (same shapes and dtypes), or convert "
-                    "after loading.")
+            if isinstance(x, RemoteArray):  # another stage's processes load it
+                _check_saved_type(e, w, a)
+                out.append(x)
+                continue
+            _check_saved_type(e, w, a)
             # the region of the leaf this process needs: its block, or all of it
             want = target.bounds if target is not None else tuple((0, d) for d in e["shape"])
             value = np.empty([t - s for s, t in want], np.dtype(e["dtype"]))
@@ -692,6 +702,16 @@ def load(path, like, *, layouts=None, mesh=None, verify: bool = True):
     if mesh is not None and _virtual(mesh):
         out = _place_on(mesh, out, like, likes, layouts, [saved[w] for w in wanted], wanted)
     return tree.unflatten(spec, out)
+
+
+def _check_saved_type(e: dict, w: str, a) -> None:
+    expect = np.dtype(dtypes.to_numpy(a.dtype))
+    if tuple(e["shape"]) != tuple(a.shape) or np.dtype(e["dtype"]) != expect:
+        raise CheckpointError(
+            f"fs.checkpoint.load: leaf {w} was saved as {e['dtype']}{e['shape']}, "
+            f"like has {expect.name}{list(a.shape)}.\nFix: load into a like "
+            "built as the saved state was (same shapes and dtypes), or convert "
+            "after loading.")
 
 
 def _virtual(mesh) -> bool:

@@ -85,7 +85,46 @@ def run_ok() -> None:
     except fs.DistributedError as e:
         check("group_for refuses a group without this rank", "not in the group" in str(e))
     check_slices_of_different_shapes(fs, r, n)
+    if n == 2:
+        check_pipelined_state(fs, r)
     print("ALL CHECKS PASSED", flush=True)
+
+
+def check_pipelined_state(fs, r: int) -> None:
+    """A 2-stage pipeline, one process per stage, clipped by the global norm: each
+    process keeps its own stage's weight (the other's is an fs.RemoteArray), and the
+    losses and gathered weights are those of the unpipelined clipped SGD (NumPy)."""
+    import numpy as np
+
+    def loss(p, x, y):
+        return ((fs.pipeline_split(x @ p["w1"]) @ p["w2"] - y) ** 2).mean()
+
+    rng = np.random.default_rng(0)
+    w1, w2 = rng.normal(0, 0.5, (3, 4)), rng.normal(0, 0.5, (4, 1))
+    x, y = rng.normal(size=(4, 3)), rng.normal(size=(4, 1))
+    f32 = np.float32
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(0.1), fs.optim.sgd(0.1))
+    ap = fs.AutoParallel(loss, opt).pipeline(stages=2, micro_batches=2,
+                                             output_broadcast=True)
+    state = ap.init({"w1": w1.astype(f32), "w2": w2.astype(f32)})
+    for _ in range(2):
+        state, got = ap(state, x.astype(f32), y.astype(f32))
+        h = x @ w1
+        e = h @ w2 - y
+        want = float((e ** 2).mean())
+        g1, g2 = x.T @ (2 * e @ w2.T / len(x)), h.T @ (2 * e / len(x))
+        clip = 0.1 / max(np.sqrt((g1 ** 2).sum() + (g2 ** 2).sum()), 0.1)
+        w1, w2 = w1 - 0.1 * clip * g1, w2 - 0.1 * clip * g2
+        check("pipelined job: the clipped loss of one process",
+              np.isclose(float(got.asnumpy()), want, rtol=1e-5), (got, want))
+    mine, other = ("w1", "w2") if r == 0 else ("w2", "w1")
+    check("pipelined job: each process keeps its own stage's weight only",
+          not isinstance(state.params[mine], fs.RemoteArray)
+          and isinstance(state.params[other], fs.RemoteArray), state.params)
+    params = ap.gather_params(state)
+    check("pipelined job: and gathers the clipped weights of one process",
+          np.allclose(params["w1"].asnumpy(), w1, rtol=1e-5, atol=1e-6)
+          and np.allclose(params["w2"].asnumpy(), w2, rtol=1e-5, atol=1e-6), params)
 
 
 def check_slices_of_different_shapes(fs, r: int, n: int) -> None:

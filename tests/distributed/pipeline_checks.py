@@ -3,8 +3,9 @@
 ``python -m fshard.launch -n N tests/distributed/pipeline_checks.py OUT_DIR`` (N = 2 or
 4). Every rank trains the pipelined models of ``CONFIGS[N]`` (examples/train_pipeline.py)
 for ``STEPS`` steps on the job's world, and writes ``OUT_DIR/rank<k>.json``: per
-configuration the losses, its stage, the parameters it owns after the last step, the
-parameters gathered on every rank, and the lowered source of one transfer program;
+configuration the losses, its stage, the parameters it owns after the last step (the
+only ones its state keeps), the parameters and optimizer state gathered on every rank,
+and the lowered source of one transfer program;
 tests/distributed/test_pipeline_multiprocess.py compares them with one process's
 unpipelined training. All configurations share one launch (~15 s of start-up).
 """
@@ -71,14 +72,17 @@ def main(out_dir: str) -> None:
         owned = sorted({k for c in range(step.plan.n_chunks) if c % stages == step.rank //
                         step.dp for k in _names(state.params, step.plan.chunk_params[c])})
         gathered = ap.gather_params(state)
+        whole = ap.gather(state)  # (every stage's leaves, the optimizer's included)
         entry = {
             "stage": rank // (world // stages),
             "losses": [None if np.isnan(v) else v for v in losses],
             "owned": {k: np.asarray(state.params[k].asnumpy()).tolist() for k in owned},
-            # every process holds the trained state, the optimizer's included
-            "params": {k: np.asarray(v.asnumpy()).tolist() for k, v in state.params.items()},
+            # each process keeps its own stage's parameters only
+            "kept": sorted(k for k, v in state.params.items()
+                           if not isinstance(v, fs.RemoteArray)),
+            "params": {k: np.asarray(v.asnumpy()).tolist() for k, v in whole.params.items()},
             "opt_state": [np.asarray(x.asnumpy(), np.float64).ravel().tolist()
-                          for x in fs.tree.leaves(state.opt_state)],
+                          for x in fs.tree.leaves(whole.opt_state)],
             "gathered": {k: np.asarray(v.asnumpy()).tolist() for k, v in gathered.items()},
             "rounds": len(step.schedule.timeline().rounds()),
             "stage_collectives": _stage_collectives(step, state) if mp else None,

@@ -523,8 +523,9 @@ class AutoParallel:
     def gather_params(self, state: TrainState):
         """The trained parameters, whole, on every process (a collective: every process
         calls it): in a multi-process job a split parameter is each process's block
-        (``fs.ShardedArray``); this collects them. With a pipeline every process holds
-        them whole already."""
+        (``fs.ShardedArray``); this collects them. With a pipeline whose update is split
+        by stage each process keeps its own stage's (the others are ``fs.RemoteArray``):
+        this brings every stage's to every process."""
         if self._pipeline is None:
             return gather_sharded(state.params)
         return self._pipeline.gather_params(state)
@@ -1291,7 +1292,11 @@ class AutoParallel:
         """``state`` with every ``fs.ShardedArray`` leaf (in a multi-process job, a
         process's block of a split parameter or optimizer state) replaced by its global
         value: a collective, so every process must call it. On a virtual mesh the state
-        is global already and comes back as it is."""
+        is global already and comes back as it is. With a pipeline in a job whose update
+        is split by stage, every stage's leaves (``fs.RemoteArray`` on the processes of
+        other stages) come to every process."""
+        if self._pipeline is not None:
+            return self._pipeline.gather(state)
         return gather_sharded(state)
 
     def _declared_batch(self, batch, specs=None) -> tuple:
@@ -1441,8 +1446,9 @@ class AutoParallel:
         lays it out, and ``"stages"``, one entry per stage: the bytes per device of
         that stage's own parameters, their gradients and the optimizer state that
         copies them. ``"update"`` says how the update runs: ``"per_stage"`` (each
-        device keeps and updates its own stage's state and the leaves no stage owns;
-        the totals are the most any device keeps) or ``"whole"`` (every device keeps
+        device, in a multi-process job each process, keeps and updates its own stage's
+        state and the leaves no stage owns; the totals are the most any device keeps)
+        or ``"whole"`` (every device keeps
         every stage's state, ZeRO splitting each leaf over its stage's devices;
         ``"whole_because"`` says why)."""
         self._check_state(state, ".memory_report(state, *batch)")

@@ -24,11 +24,10 @@ train step into a pipelined one:
    last chunk seeding ``1 / (M * dp)`` for a loss that is a mean over the examples and
    ``1`` for a sum over them divided by a constant (``loss_combination`` tells them
    apart on the first step and refuses any other loss), and the optimizer runs once:
-   exactly the gradient of the full batch's loss. On a virtual mesh the update is
-   split by stage when it can be (``StageUpdate``): each stage's devices update only
-   their own parameters and optimizer state (with ZeRO, split over the stage's
-   devices), a sum or maximum over several stages' values (a global norm) combining
-   the stages' partial results.
+   exactly the gradient of the full batch's loss. The update is split by stage when
+   it can be (``StageUpdate``): each stage's devices update only their own parameters
+   and optimizer state (with ZeRO, split over the stage's devices), a sum or maximum
+   over several stages' values (a global norm) combining the stages' partial results.
 
 Where it runs:
 
@@ -40,11 +39,14 @@ Where it runs:
   ``fs.ppermute`` over the ``pp`` axis (MindSpore's CPU backend has no Send/Receive in
   graphs: the verified emulation is a one-hot slot buffer summed over the pipeline
   group), the carried values flattened into one float32 buffer padded to the largest
-  boundary; every rank of a pipeline group runs the same rounds. The gradients are
-  summed over the whole job with one ``fs.psum`` each (a process holds zeros for the
-  other stages' parameters), so every process runs the whole optimizer on the whole
-  gradient: an optimizer coupling the parameters (a global-norm clip) is exact, and
-  every process's state is the trained state.
+  boundary; every rank of a pipeline group runs the same rounds. With the update split
+  by stage, each process sums its stage's gradients over the stage's processes, combines
+  the cross-stage reductions' partial results with one collective over ``pp`` each, and
+  updates its stage's leaves alone: the state it returns holds the other stages' leaves
+  as ``fs.RemoteArray`` leaves (``PipelineRunner.gather`` brings them back). An update that
+  does not split has the gradients summed over the whole job with one ``fs.psum`` each
+  (a process holds zeros for the other stages' parameters), so every process runs the
+  whole optimizer and keeps the whole state.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from fshard.meshes.layout import Layout
 from fshard.meshes.mesh import Mesh, resolve_mesh
 from fshard.training.optim import apply_updates
 from fshard.sharding.cost import local_bytes
+from fshard.sharding.local import RemoteArray
 from fshard.sharding.layouts import Sharding
 from fshard.sharding.user_layouts import with_sharding_constraint
 from fshard.primitives.passes import reduce_in_float32
@@ -624,6 +627,15 @@ def loss_combination(loss_fn, name: str, params, batch, rows: int, devices: int 
             "concrete values to learn how micro-batch losses combine; it was called on "
             "traced values (inside fs.jit or a transform).\nFix: call the AutoParallel "
             "step directly (it is compiled already).")
+    remote = [x for x in p_leaves if isinstance(x, RemoteArray)]
+    if remote:
+        raise ArgumentError(
+            f"AutoParallel({name}).pipeline: the first step of a pipeline evaluates the "
+            "loss once on the whole parameters, to learn how "
+            f"micro-batch losses combine; this process holds only its stage's ("
+            f"{remote[0]!r}).\nFix: pass the whole state to the first step: "
+            "ap.init(params), fs.checkpoint.load(path, like=ap.init(params)), or "
+            "ap.gather(state) (a collective).")
     B = typeof(b_leaves[0]).shape[0]
     first = [x[:rows] for x in b_leaves]
     second = [x[rows:2 * rows] for x in b_leaves] if B >= 2 * rows else first
@@ -720,6 +732,7 @@ class PipelinedStep:
         self.mesh = None if rank is None else Mesh((self.S, self.dp), ("pp", "dp"))
         self._transfers: dict = {}
         self._gather = None  # the batch from the processes' slices (sharded stages)
+        self._gather_all = None  # (types, program): gather's (a job's split state)
         self._whole = None
         #: ZeRO inside the stages (``AutoParallel._pipeline_zero``'s split counts), or
         #: None: the finishing program is then sharded over the devices, each state
@@ -769,6 +782,8 @@ class PipelinedStep:
 
     def _run(self, state, *batch):
         plan, S, M, dp, groups = self.plan, self.S, self.M, self.dp, self.groups
+        if self.rank is not None and isinstance(self.split, StageUpdate):
+            self._check_kept(state)
         p_leaves, p_tree = tree.flatten(state.params)
         b_leaves = tree.leaves(list(batch))
         sliced = self.sliced
@@ -939,13 +954,18 @@ class PipelinedStep:
             grads = [g if g is None else cast(g, typeof(x).dtype)
                      for g, x in zip(grads, p_leaves)]
             loss = None if loss is None else cast(loss, loss_dtype)
-        # (in a job, the parameters of other stages get their gradients from them)
-        grads = [g if g is not None else np.zeros(typeof(x).shape,
-                                                   dtypes.to_numpy(typeof(x).dtype))
-                 for g, x in zip(grads, p_leaves)]
+        job_split = self.rank is not None and isinstance(self.split, StageUpdate)
+        # (in a job, the parameters of other stages get their gradients from them; with
+        # the update split by stage this process needs its own stage's alone)
+        own = set(self.split.p_idx[self.rank // self.dp]) if job_split else None
+        for i, x in enumerate(p_leaves):
+            if grads[i] is None and (own is None or i in own):
+                grads[i] = np.zeros(typeof(x).shape, dtypes.to_numpy(typeof(x).dtype))
         if loss is None:
             loss = np.zeros((), loss_dtype)
         scale = np.asarray(self.loss_scale, loss_dtype)
+        if job_split:  # this process updates its own stage's leaves only
+            return self._finish_job(state, grads, loss, scale)
         if isinstance(self.split, StageUpdate):  # each stage updates its own leaves
             o_leaves, o_tree = tree.flatten(state.opt_state)
             new_p, new_o, step, out = self.split(p_leaves, grads, o_leaves, state.step,
@@ -957,14 +977,115 @@ class PipelinedStep:
             scale)
         return (self.runner.state_cls(new_p, new_o, step), out, *norms)
 
+    def gather(self, state, params_only: bool = False):
+        """``state`` (of this step's structure) with every stage's leaves (or its
+        parameters) on every process: ``PipelineRunner.gather``."""
+        up, dp = self.split, self.dp
+        stage = self.rank // dp
+        p_leaves, p_tree = tree.flatten(state.params)
+        o_leaves, o_tree = tree.flatten(state.opt_state)
+        owner = {("p", i): s for s, idx in up.p_idx.items() for i in idx}
+        if not params_only:
+            owner.update({("o", k): s for s, idx in up.o_idx.items() if s is not None
+                          for k in idx})
+        keys = sorted(owner)  # (the same order on every process)
+        leaves = {("p", i): x for i, x in enumerate(p_leaves)}
+        leaves.update({("o", k): x for k, x in enumerate(o_leaves)})
+        avals = [typeof(leaves[k]) for k in keys]
+        if self._gather_all is None or self._gather_all[0] != avals:
+            mesh = Mesh((self.S, dp), ("pp", "dp"))
+
+            def gather_state(values):
+                return [C.psum_p.bind(v, axis_name=("pp", "dp"), mesh=mesh) for v in values]
+
+            gather_state.__name__ = f"pipeline_gather_{self.plan.name}"
+            self._gather_all = (avals, jit(gather_state))
+        values = []
+        for k, a in zip(keys, avals):
+            x = leaves[k]
+            give = owner[k] == stage and self.rank == stage * dp
+            if give and isinstance(x, RemoteArray):
+                x.refuse(f"AutoParallel({self.runner.ap.name}).gather(state)")
+            values.append(x if give else np.zeros(a.shape, dtypes.to_numpy(a.dtype)))
+        got = self._gather_all[1](values) if values else []
+        for k, x in zip(keys, got):
+            leaves[k] = x
+        return self.runner.state_cls(
+            tree.unflatten(p_tree, [leaves[("p", i)] for i in range(len(p_leaves))]),
+            tree.unflatten(o_tree, [leaves[("o", k)] for k in range(len(o_leaves))]),
+            state.step)
+
+    def _check_kept(self, state) -> None:
+        """In a job whose update is split by stage: this process's stage's leaves and
+        the unowned ones must be here (not ``fs.RemoteArray``). Checked before the
+        step's first computation, so that processes given such a state all stop there
+        instead of some waiting in a collective."""
+        up = self.split
+        stage = self.rank // self.dp
+        p_paths, p_leaves, _ = tree.flatten_with_path(state.params)
+        o_paths, o_leaves, _ = tree.flatten_with_path(state.opt_state)
+        for what, paths, leaves, idx in (
+                ("params", p_paths, p_leaves, up.p_idx[stage]),
+                ("opt_state", o_paths, o_leaves, up.o_idx[stage] + up.o_idx[None])):
+            for i in idx:
+                x = leaves[i]
+                if isinstance(x, RemoteArray):
+                    raise ArgumentError(
+                        f"AutoParallel({self.runner.ap.name})(state, *batch): "
+                        f"state.{what}{tree.keystr(paths[i])} is an fs.RemoteArray (kept "
+                        f"by stage {x.stage}'s processes {list(x.holders)}), but this "
+                        f"process (rank {self.rank}) is stage {stage}'s, which keeps and "
+                        "updates that leaf.\nFix: pass each process the state its own "
+                        "previous step returned (or the whole state: ap.init(params), "
+                        "ap.gather(state)).")
+
+    def _finish_job(self, state, grads, loss, scale):
+        """The update split by stage in a multi-process job: this process's program
+        (``StageUpdate.job_program``) takes its stage's gradients, parameters and
+        optimizer state and the leaves no stage owns, and returns their new values; the
+        other stages' leaves of the new state are ``fs.RemoteArray`` leaves (their
+        processes keep them)."""
+        up, dp, cfg = self.split, self.dp, self.runner.cfg
+        stage = self.rank // dp
+        p_leaves, p_tree = tree.flatten(state.params)
+        o_leaves, o_tree = tree.flatten(state.opt_state)
+        mine_p, mine_o, shared = up.p_idx[stage], up.o_idx[stage], up.o_idx[None]
+        last = (self.plan.n_chunks - 1) % self.S
+        fn = up.job_program(stage, dp, last, cfg.output_broadcast, self.groups > 1,
+                            self.fp32, self.plan.name)
+        new_p, new_o, new_shared, step, out = fn(
+            [grads[i] for i in mine_p], [o_leaves[k] for k in mine_o],
+            [o_leaves[k] for k in shared], [p_leaves[i] for i in mine_p], state.step,
+            loss, scale)
+
+        def remote(x, s):  # (a leaf of stage s: its processes keep it)
+            if isinstance(x, RemoteArray) and x.stage == s:
+                return x
+            a = typeof(x)
+            return RemoteArray(a.shape, a.dtype, s, range(s * dp, (s + 1) * dp), self.rank)
+
+        p_out = [None] * len(p_leaves)
+        o_out = [None] * len(o_leaves)
+        for s, idx in up.p_idx.items():
+            for i in idx:
+                p_out[i] = remote(p_leaves[i], s)
+        for s, idx in up.o_idx.items():
+            for k in idx:
+                o_out[k] = o_leaves[k] if s is None else remote(o_leaves[k], s)
+        for i, x in zip(mine_p, new_p):
+            p_out[i] = x
+        for k, x in zip(mine_o, new_o):
+            o_out[k] = x
+        for k, x in zip(shared, new_shared):
+            o_out[k] = x
+        return (self.runner.state_cls(tree.unflatten(p_tree, p_out),
+                                      tree.unflatten(o_tree, o_out), step), out)
+
     def _split(self, state):
         """The optimizer update split by stage (``split_update``, shared by every
         pipeline with the same optimizer, state and stages), or why each device runs
         the whole update."""
         ap = self.runner.ap
-        if self.rank is not None:
-            return ("in a multi-process job every process runs the whole update and keeps "
-                    "the whole trained state")
         if ap.options.local_norm:
             return "device-local norms are taken over the whole gradient"
         stage_of = {i: c % self.S for c, owned in enumerate(self.plan.chunk_params)
@@ -1217,12 +1338,11 @@ class PipelinedStep:
             g_leaves, g_tree = tree.flatten(grads)
             with C.named_axis("pp", S), C.named_axis("dp", dp):
                 if mesh is not None:
-                    # Every process gets every gradient: its stage's replicas' sums (each
-                    # process holds zeros for the other stages' parameters) summed over
-                    # the job. Every process then runs the whole optimizer, so one that
-                    # couples the parameters (a global-norm clip) sees the whole
-                    # gradient, and every process's state is the trained state (what a
-                    # checkpoint of any process holds).
+                    # (an update that does not split by stage, in a job) Every process
+                    # gets every gradient: its stage's replicas' sums (each process
+                    # holds zeros for the other stages' parameters) summed over the
+                    # job. Every process then runs the whole optimizer, exact for any
+                    # coupling of the parameters, and keeps the whole trained state.
                     axes = ("pp", "dp") if reduce_dp else ("pp",)
                     g_leaves = [_reduce(g, axes, mesh, fp32) for g in g_leaves]
                     if reduce_dp and stage == last:
@@ -1324,6 +1444,7 @@ class StageUpdate:
             self._grads = {ins[i]: g_counts[i] or (1,) * ins[i].aval.ndim
                            for i in range(n_p)}
         self._producer = {v: i for i, eq in enumerate(prog.equations) for v in eq.outputs}
+        self._jobs: dict = {}     # a job's programs, by stage and configuration
         self.out_idx = {s: [j for j, o in enumerate(owner_out) if o == s]
                         for s in list(range(S)) + [None]}
         self.p_idx = {s: [i for i in range(n_p) if owner_in[i] == s] for s in range(S)}
@@ -1429,6 +1550,84 @@ class StageUpdate:
         fn.sharded = s
         fn.in_avals = [ArrayType((self.zero[1],) + tuple(v.aval.shape), v.aval.dtype)
                        if v in grads else v.aval for v in in_vars]
+        return fn
+
+    def _walk(self, env: dict, targets: list, name: str) -> list:
+        """The values of ``targets`` (variables or literals): the update's equations
+        they need beyond what ``env`` binds, run under the current trace (``env`` keeps
+        what they compute)."""
+        prog, producer = self._prog, self._producer
+        need, todo = set(), [t for t in targets if isinstance(t, Var)]
+        while todo:
+            v = todo.pop()
+            i = None if v in env else producer.get(v)
+            if i is None or i in need:
+                continue
+            need.add(i)
+            todo.extend(a for a in prog.equations[i].inputs if isinstance(a, Var))
+        eqs = [eq for i, eq in enumerate(prog.equations) if i in need]
+        read = walk_equations(eqs, env, bind_equation, f"the optimizer update ({name}):")
+        return [read(t) for t in targets]
+
+    def job_program(self, stage: int, dp: int, last: int, broadcast: bool,
+                    reduce_dp: bool, fp32: bool, name: str):
+        """The update of a multi-process job's process of ``stage`` (one compiled
+        program): ``(grads, own state, shared state, params, step, loss sum, scale) ->
+        (new params, new own state, new shared state, step + 1, loss)``, over its
+        stage's leaves (``p_idx[stage]``, ``o_idx[stage]``) and the unowned ones
+        (``o_idx[None]``). Its gradients are summed over the stage's processes
+        (``reduce_dp``); each cross-stage reduction's partial results are combined by
+        one collective over the pipeline group (a one-hot slot per stage summed, so
+        every process folds the same partials, in stage order, as the virtual mesh
+        does); the loss is the last stage's (NaN elsewhere, or summed over the
+        pipeline with ``broadcast``)."""
+        key = (stage, dp, last, broadcast, reduce_dp, fp32)
+        hit = self._jobs.get(key)
+        if hit is not None:
+            return hit
+        prog, S, n_p, n_o = self._prog, self.S, self.n_p, self.n_o
+        ins = prog.inputs[prog.n_consts:]
+        mesh = Mesh((S, dp), ("pp", "dp"))
+        p, o, sh = self.p_idx[stage], self.o_idx[stage], self.o_idx[None]
+        in_vars = ([ins[i] for i in p] + [ins[n_p + k] for k in o]
+                   + [ins[n_p + k] for k in sh] + [ins[n_p + n_o + i] for i in p])
+        own_outs = [prog.outputs[j] for j in self.out_idx[stage]]
+        shared_outs = [prog.outputs[j] for j in self.out_idx[None]]
+        n_up = sum(1 for j in self.out_idx[stage] if j < n_p)
+        const_vars, consts = prog.inputs[:prog.n_consts], self._consts
+        what = f"{name}_stage{stage}"
+
+        def finish(grads, own_opt, shared_opt, params, step, loss_sum, scale):
+            with C.named_axis("pp", S), C.named_axis("dp", dp):
+                if reduce_dp:  # (the stage's data-parallel replicas' gradients)
+                    grads = [_reduce(g, ("dp",), mesh, fp32) for g in grads]
+                    if stage == last:
+                        loss_sum = _reduce(loss_sum, ("dp",), mesh, fp32)
+                env = dict(zip(const_vars, consts))
+                env.update(zip(in_vars, list(grads) + list(own_opt) + list(shared_opt)
+                               + list(params)))
+                for root, red in self.reductions:
+                    mine = red.terms.get(stage)
+                    part = (_fold(red.prim, red.params, self._walk(env, mine, what))
+                            if mine else np.zeros(root.aval.shape,
+                                                  dtypes.to_numpy(root.aval.dtype)))
+                    every = _from_every_stage(part, stage, S, mesh)
+                    env[root] = _fold(red.prim, red.params,
+                                      [every[t] for t in sorted(red.terms)]
+                                      + self._walk(env, red.rep, what))
+                got = self._walk(env, own_outs + shared_outs, what)
+                loss = loss_sum * scale
+                if stage != last:
+                    loss = loss * np.float32(np.nan)  # there is no loss on this stage
+                if broadcast:
+                    given = loss if stage == last else np.zeros((), np.float32)
+                    loss = C.psum_p.bind(given, axis_name=("pp",), mesh=mesh)
+            n_own = len(own_outs)
+            return (apply_updates(list(params), got[:n_up]), got[n_up:n_own], got[n_own:],
+                    step + 1, loss)
+
+        finish.__name__ = f"pipeline_finish_{what}"
+        fn = self._jobs[key] = jit(finish)
         return fn
 
     def __call__(self, params: list, grads: list, opt: list, step, loss_sum, scale):
@@ -1606,6 +1805,23 @@ def _reduce(x, axes, mesh, fp32: bool):
                 dtypes.float16)
 
 
+def _from_every_stage(x, stage: int, S: int, mesh):
+    """Every stage's ``x`` (this process's is ``stage``'s), on every process of the
+    pipeline group: a slot per stage, this one's holding ``x`` and the others zeros,
+    summed over ``pp`` (one AllReduce). Adding zeros leaves each value as it is (a
+    NaN or an infinity included); a bool goes as float32 and comes back."""
+    a = typeof(x)
+    is_bool = a.dtype == dtypes.bool_
+    if is_bool:
+        x = cast(x, dtypes.float32)
+    dt = dtypes.to_numpy(dtypes.float32 if is_bool else a.dtype)
+    slots = [reshape(x, (1,) + tuple(a.shape)) if t == stage else
+             np.zeros((1,) + tuple(a.shape), dt) for t in range(S)]
+    total = C.psum_p.bind(concat(slots, 0), axis_name=("pp",), mesh=mesh)
+    out = [reshape(total[t:t + 1], tuple(a.shape)) for t in range(S)]
+    return [cast(v, dtypes.bool_) for v in out] if is_bool else out
+
+
 def _saved_bytes(saved: dict, micro, j) -> int:
     """Bytes a device keeps between forwards and backwards: each chunk input (for the
     first chunk, its micro-batch rows)."""
@@ -1660,6 +1876,8 @@ class PipelineRunner:
         self.ap, self.cfg, self.state_cls = ap, cfg, state_cls
         self._steps: dict = {}
         self.plan: Stages | None = None
+        #: How the micro-batch losses combine (``loss_combination``), once found.
+        self.combine: str | None = None
 
     @property
     def sliced(self) -> bool:
@@ -1720,9 +1938,16 @@ class PipelineRunner:
         plan.check_balance(cfg.stages, cfg.max_imbalance)
         self.plan = plan
         sched = Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, v)
-        combine = loss_combination(ap.loss_fn, ap.name, state.params, batch,
-                                   plan.batch_vars[0].aval.shape[0],
-                                   dp if sharding is not None else 1)
+        if self.combine is not None and any(
+                isinstance(x, RemoteArray) for x in tree.leaves(state.params)):
+            # a job's split state on a new batch shape: the loss cannot be evaluated
+            # here, and how its micro-batch losses combine is the loss's own
+            combine = self.combine
+        else:
+            combine = loss_combination(ap.loss_fn, ap.name, state.params, batch,
+                                       plan.batch_vars[0].aval.shape[0],
+                                       dp if sharding is not None else 1)
+        self.combine = combine
         zero = ap._pipeline_zero(state)
         if zero is not None and not self.virtual:
             hsdp = ap.options.hsdp
@@ -1730,7 +1955,8 @@ class PipelineRunner:
                 f"AutoParallel({ap.name}).hsdp(optimizer_level={hsdp.level!r}) with "
                 f"pipeline(stages={cfg.stages}) in a multi-process job: ZeRO inside the "
                 f"stages (each stage's {dp} devices splitting its state) runs on a virtual "
-                "mesh only; in a job every process keeps the whole trained state.\nFix: "
+                "mesh only; in a job a stage's processes each keep the whole of its "
+                "state.\nFix: "
                 "drop hsdp(...), or give each stage one process "
                 f"(pipeline(stages={ap.n_devices})), or raise hsdp's threshold above the "
                 "parameters' size (nothing split).")
@@ -1836,7 +2062,35 @@ class PipelineRunner:
                     "virtual_stages=v.")
         return Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, virtual_stages)
 
+    def gather(self, state, params_only: bool = False):
+        """``state`` with every stage's leaves (``params_only``: its parameters) on
+        every process. On a virtual mesh, and in a job whose update runs whole on every
+        process, the state is whole already. In a job whose update is split by stage
+        each process keeps its own stage's leaves (the others are
+        ``fs.RemoteArray`` leaves): one compiled program sums each stage-owned leaf over
+        the job, the lowest process of its stage giving its value and every other
+        process zeros (a collective: every process calls it, in the same order). The
+        step that made ``state`` says which leaves are whose."""
+        if self.virtual:
+            return state
+        steps = [st for key, st in self._steps.items()
+                 if key[0] == tree.structure(state) and key[1][:len(tree.leaves(state))]
+                 == tuple((tuple(typeof(x).shape), typeof(x).dtype)
+                          for x in tree.leaves(state))]
+        split = [st for st in steps if isinstance(st.split, StageUpdate)]
+        if not split:
+            remote = [x for x in tree.leaves(state) if isinstance(x, RemoteArray)]
+            if remote:  # (a state from another AutoParallel or configuration)
+                raise ArgumentError(
+                    f"AutoParallel({self.ap.name}).gather(state): state holds "
+                    f"fs.RemoteArray leaves ({remote[0]!r}) but no step of this "
+                    "AutoParallel made a state of its structure and types, so which "
+                    "process keeps which leaf is not known here.\nFix: gather with the "
+                    "AutoParallel whose steps returned this state.")
+            return state
+        return split[0].gather(state, params_only)
+
     def gather_params(self, state):
-        """``state.params``: every process holds every trained parameter (each step
-        hands every gradient to every process), in a job as on a virtual mesh."""
-        return state.params
+        """``state.params`` with every stage's parameters on every process
+        (``gather``; a collective in a job whose update is split by stage)."""
+        return self.gather(state, params_only=True).params

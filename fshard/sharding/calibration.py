@@ -10,7 +10,7 @@ little):
 - ``op_s``: the fixed cost of one more kernel in a compiled program (chains of 128 to
   1024 small adds, as long as a training step's graph);
 - ``call_s``: the fixed cost of calling a compiled program (the intercept of chains of 1
-  and 65 small adds);
+  to 65 small adds);
 - ``arg_s``: what each more value passed in or out of the call adds (programs of 1, 17
   and 33 inputs and outputs): a training step's state crosses the call leaf by leaf;
 - ``matmul_c``, ``matmul_p``: a matmul kernel's seconds, ``c·flops**p`` (its flops,
@@ -159,7 +159,7 @@ def _measure_compute(runs: int, devices: int) -> dict:
     x = _tensor((64,))
     # The first calls of a process pay one-off costs: warm up on a program of its own.
     _times([(_compile(_chain(2), [_f32((64,))]), [x])], 3, 1)
-    ks = (1, 65)
+    ks = (1, 9, 17, 33, 65)
     ts = _times([(_compile(_chain(k), [_f32((64,))]), [x]) for k in ks], runs)
     call_s, small_op_s = _fit(ks, ts)
     # MindSpore's CPU runtime launches each kernel of a graph of more than about 100 at

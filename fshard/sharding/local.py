@@ -53,6 +53,19 @@ class _ValuesElsewhere(ProcessLocalValue):
 
     __slots__ = ()
 
+    # (a subclass has ``shape`` and ``dtype``)
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def aval(self) -> ArrayType:
+        return ArrayType(self.shape, self.dtype)
+
     def asnumpy(self):
         self.refuse(".asnumpy()")
 
@@ -140,18 +153,6 @@ class ShardedArray(_ValuesElsewhere):
 
     # -- what it is ------------------------------------------------------------------
     @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def aval(self) -> ArrayType:
-        return ArrayType(self.shape, self.dtype)
-
-    @property
     def local_shape(self) -> tuple:
         return self.sharding.local_shape(self.shape, self.mesh)
 
@@ -224,18 +225,6 @@ class RemoteArray(_ValuesElsewhere):
     def __init__(self, shape, dtype, stage: int, holders, rank: int):
         self.shape, self.dtype = tuple(shape), dtype
         self.stage, self.holders, self.rank = stage, tuple(holders), rank
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def aval(self) -> ArrayType:
-        return ArrayType(self.shape, self.dtype)
 
     def __repr__(self) -> str:
         return (f"RemoteArray({self.aval}, kept by pipeline stage {self.stage}: processes "

@@ -37,10 +37,10 @@ def _mlp_params(sizes, seed=0):
     return p
 
 
-def _shard_plans():
-    """``{label: (fs.shard-ed function, args)}``: hand plans and searched plans."""
+def _mlp_vg(n: int):
+    """The MLP 64-512-512-10's ``value_and_grad`` on a batch of 256: ``(rng, vg, (params,
+    x, labels), every input replicated, Megatron's split over n)``."""
     import mindspore as ms
-    from mindspore import ops
 
     import fshard as fs
     from benchmarks.planning import _loss
@@ -49,9 +49,19 @@ def _shard_plans():
     p = {k: ms.Tensor(v) for k, v in _mlp_params((64, 512, 512, 10)).items()}
     x = ms.Tensor(rng.standard_normal((256, 64)).astype(np.float32))
     y = ms.Tensor(rng.integers(0, 10, 256).astype(np.int32))
-    vg = fs.value_and_grad(_loss)
     rep = {k: (1,) * v.ndim for k, v in p.items()}
-    megatron = dict(rep, w0=(1, DEVICES), b0=(DEVICES,), w1=(DEVICES, 1))
+    megatron = dict(rep, w0=(1, n), b0=(n,), w1=(n, 1))
+    return rng, fs.value_and_grad(_loss), (p, x, y), rep, megatron
+
+
+def _shard_plans():
+    """``{label: (fs.shard-ed function, args)}``: hand plans and searched plans."""
+    import mindspore as ms
+    from mindspore import ops
+
+    import fshard as fs
+
+    rng, vg, (p, x, y), rep, megatron = _mlp_vg(DEVICES)
     plans = {
         "MLP vg: data parallel (hand)": (fs.shard(vg, in_strategy=(rep, (DEVICES, 1), (
             DEVICES,)), mesh=DEVICES), (p, x, y)),
@@ -111,15 +121,8 @@ def _job_plans(n: int):
     import mindspore as ms
 
     import fshard as fs
-    from benchmarks.planning import _loss
 
-    rng = np.random.default_rng(1)
-    p = {k: ms.Tensor(v) for k, v in _mlp_params((64, 512, 512, 10)).items()}
-    x = ms.Tensor(rng.standard_normal((256, 64)).astype(np.float32))
-    y = ms.Tensor(rng.integers(0, 10, 256).astype(np.int32))
-    vg = fs.value_and_grad(_loss)
-    rep = {k: (1,) * v.ndim for k, v in p.items()}
-    megatron = dict(rep, w0=(1, n), b0=(n,), w1=(n, 1))
+    rng, vg, (p, x, y), rep, megatron = _mlp_vg(n)
     a = ms.Tensor(rng.standard_normal((512, 256)).astype(np.float32))
     b = ms.Tensor(rng.standard_normal((256, 256)).astype(np.float32))
 

@@ -54,6 +54,9 @@ EXPECTED_UNSUPPORTED = {
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "axis_index",
     "all_to_all", "ppermute", "broadcast", "replica_sum", "replica_split", "shard_in",
     "shard_out", "block_slice", "shard_call",
+    # They keep a job's per-rank collective (MindSpore's NeighborExchange) on a rank
+    # whose result does not read it: per-rank programs, never partitioned.
+    "after", "keep",
 }
 
 # Valid operand layouts that a factor rule cannot claim, by primitive, with the reason.

@@ -71,7 +71,9 @@ def _lower(ctx, *xs, callback):
     fn = callback
 
     def call(*arrays):
-        fn(*[a.reshape(()) if s else a for a, s in zip(arrays, scalars)])
+        # MindSpore reuses the buffers it hands over at the next call: copies, so that a
+        # callback may keep what it is given
+        fn(*[np.array(a).reshape(()) if s else np.array(a) for a, s in zip(arrays, scalars)])
 
     if not xs:
         xs = (ctx.ref(backend.as_tensor(np.zeros((1,), np.float32)), "nothing"),)

@@ -78,6 +78,28 @@ def test_virtual_mesh_calls_once_per_device_with_its_block():
     assert [s.tolist() for s in seen] == [[0.0, 1.0], [2.0, 3.0]]
 
 
+def test_a_callback_may_keep_the_arrays_it_is_given():
+    """MindSpore hands a callback buffers it reuses at the next call: fshard copies them,
+    so arrays kept from earlier runs keep their values."""
+    seen = []
+
+    @fs.jit
+    def f(x):
+        fs.debug.callback(seen.append, x * 2.0)
+        return x + 1.0
+
+    for i in range(3):
+        fs.block_until_ready(f(np.full(4, float(i), np.float32)))
+    assert [s.tolist() for s in seen] == [[0.0] * 4, [2.0] * 4, [4.0] * 4]
+    kept = []
+    g = fs.jit(fs.shard_map(lambda x: (fs.debug.callback(kept.append, x), x + 1)[1],
+                            in_strategy=((2,),), out_strategy=(2,),
+                            mesh=fs.Mesh((2,), ("d",))))
+    for i in range(2):
+        fs.block_until_ready(g(Tensor(np.arange(4, dtype=np.float32) + 10 * i)))
+    assert [s.tolist() for s in kept] == [[0.0, 1.0], [2.0, 3.0], [10.0, 11.0], [12.0, 13.0]]
+
+
 def test_inside_a_loop_body_every_iteration():
     seen = []
 

@@ -188,12 +188,33 @@ def compute_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: d
     lanes = mesh.count(tuple(sorted(varying))) if rates.get("lanes", 1) > 1 else 1
     if contracts(spec) and rates.get("matmul_c") is not None:
         # One batched kernel over the lanes: its rate depends on its whole size.
-        return rates["op_s"] + rates["matmul_c"] * (lanes * flops) ** rates["matmul_p"]
+        kernel = rates["matmul_c"] * (lanes * flops) ** rates["matmul_p"]
+        return rates["op_s"] + kernel + _broadcast_seconds(spec, cand, mesh, rates, lanes)
     if contracts(spec):
         work = flops / rates["flops_per_s"]
     else:
         work = flops / (spec.flops_per_point or 1.0) * rates["point_s"]
     return rates["op_s"] + lanes * work
+
+
+def _broadcast_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: dict,
+                       lanes: int) -> float:
+    """A virtual mesh's batched contraction whose left operand is the same on devices
+    the equation differs over (a replicated activation times a weight's column blocks)
+    runs on that operand copied out to every device (``batch_to_front``'s broadcast: a
+    BatchMatMul takes both operands batched); an unbatched right operand folds into
+    the rows instead. That copy, at the elementwise rate."""
+    if lanes == 1:
+        return 0.0
+    left = spec.inputs[0]
+    own = {a for lab in left if lab is not None for a in cand.axes(lab)}
+    if 0 in cand.carry_ops:
+        own |= set(cand.carry)
+    if mesh.count(tuple(sorted(own))) == lanes:
+        return 0.0
+    sizes = [planning_size(spec.sizes[lab]) // mesh.count(cand.axes(lab))
+             for lab in left if lab is not None]
+    return lanes * math.prod(sizes) * rates["point_s"]
 
 
 def step_op(kind: str, n: int, world: bool, native: dict) -> str | None:

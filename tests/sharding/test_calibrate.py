@@ -148,6 +148,23 @@ def test_a_matmul_is_priced_by_the_power_law_of_its_whole_batched_size():
         5e-6 + 1e-10 * flops ** 0.8)
 
 
+def test_a_replicated_left_operand_of_a_split_matmul_is_copied_to_every_device():
+    """On a virtual mesh a matmul whose columns are split over the devices runs as one
+    BatchMatMul of the replicated left operand copied out to every device: that copy
+    is priced; split rows (the left operand batched itself) copy nothing."""
+    row = rates_from_table(_table(8, matmul_c=1e-10, matmul_p=0.8))
+    mesh = ShardMesh.for_devices(8)
+    mm = FactorSpec([("m", "k"), ("k", "n")], [("m", "n")], {"m": 64, "k": 32, "n": 16},
+                    reduce=frozenset({"k"}), flops_per_point=2.0)
+    flops = 2.0 * 64 * 32 * 16
+    kernel = 5e-6 + 1e-10 * flops ** 0.8
+    columns = Candidate((("n", (0, 1, 2)),))
+    assert compute_seconds(mm, columns, mesh, row) == pytest.approx(
+        kernel + 8 * 64 * 32 * 1e-9)
+    rows = Candidate((("m", (0, 1, 2)),))
+    assert compute_seconds(mm, rows, mesh, row) == pytest.approx(kernel)
+
+
 def test_calling_costs_each_value_passed_in_or_out():
     model = CostModel(level=2, rates=rates_from_table(_table(8, arg_s=2e-6)))
     assert model.call_seconds(2) == pytest.approx(3e-4)

@@ -1510,17 +1510,8 @@ class StageUpdate:
         stage's devices: the inputs laid out by their split counts (``extra`` and
         values computed by other programs whole: the counts ``extra`` holds), each
         stacked gradient summed into its own layout, the outputs as ``out`` says."""
-        prog, producer = self._prog, self._producer
-        given = set(in_vars)
-        need, todo = set(), [t for t in targets if isinstance(t, Var)]
-        while todo:
-            v = todo.pop()
-            i = None if v in given else producer.get(v)
-            if i is None or i in need:
-                continue
-            need.add(i)
-            todo.extend(a for a in prog.equations[i].inputs if isinstance(a, Var))
-        eqs = [eq for i, eq in enumerate(prog.equations) if i in need]
+        prog = self._prog
+        eqs = self._needed(targets, set(in_vars))
         const_vars, consts = prog.inputs[:prog.n_consts], self._consts
         n_in, n_extra, zero = len(in_vars), len(extra), self.zero is not None
         grads = self._grads if zero else {}
@@ -1556,18 +1547,23 @@ class StageUpdate:
         """The values of ``targets`` (variables or literals): the update's equations
         they need beyond what ``env`` binds, run under the current trace (``env`` keeps
         what they compute)."""
+        eqs = self._needed(targets, env)
+        read = walk_equations(eqs, env, bind_equation, f"the optimizer update ({name}):")
+        return [read(t) for t in targets]
+
+    def _needed(self, targets: list, known) -> list:
+        """The update's equations, in order, that ``targets`` need beyond the values in
+        ``known``."""
         prog, producer = self._prog, self._producer
         need, todo = set(), [t for t in targets if isinstance(t, Var)]
         while todo:
             v = todo.pop()
-            i = None if v in env else producer.get(v)
+            i = None if v in known else producer.get(v)
             if i is None or i in need:
                 continue
             need.add(i)
             todo.extend(a for a in prog.equations[i].inputs if isinstance(a, Var))
-        eqs = [eq for i, eq in enumerate(prog.equations) if i in need]
-        read = walk_equations(eqs, env, bind_equation, f"the optimizer update ({name}):")
-        return [read(t) for t in targets]
+        return [eq for i, eq in enumerate(prog.equations) if i in need]
 
     def job_program(self, stage: int, dp: int, last: int, broadcast: bool,
                     reduce_dp: bool, fp32: bool, name: str):

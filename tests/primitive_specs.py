@@ -265,6 +265,13 @@ def _gelu(rng, dt):
             for s, a in zip(SHAPES, itertools.cycle(["tanh", "none"]))]
 
 
+def _integer_pow(rng, dt):
+    # negative exponents on positive values (no division by zero); 2 is lowered as x * x
+    exps = [2, 3, -1, 2, 0, -2]
+    return [Sample((values(rng, s, dt, "positive" if n < 0 else "any"),), {"y": n})
+            for s, n in zip(SHAPES, itertools.cycle(exps))]
+
+
 def _running(rng, dt):
     cases = [((3,), 0, False), ((2, 3), 1, True), ((2, 3), 0, False), ((1, 4, 1), 1, True),
              ((2, 1, 3), 2, False), ((1,), 0, True)]
@@ -1553,6 +1560,8 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(E.mul_p, binary(), NUMERIC, (0, 1), ((0,), (1,))),
         PrimitiveSpec(E.div_p, binary("any", "positive"), (F32,), (0, 1), ((0,),)),
         PrimitiveSpec(E.pow_p, binary("positive", "unit"), (F32,), (0, 1)),
+        PrimitiveSpec(E.integer_pow_p, _integer_pow, (F32,), rule_samples=None,
+                      jit_samples=None),
         PrimitiveSpec(E.maximum_p, binary(), NUMERIC, (0, 1)),
         PrimitiveSpec(E.minimum_p, binary(), NUMERIC, (0, 1)),
     ]

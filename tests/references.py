@@ -502,6 +502,7 @@ REFERENCES = {
     "mul": np.multiply,
     "div": np.divide,
     "pow": np.power,
+    "integer_pow": lambda x, *, y: np.power(x, x.dtype.type(y)),
     "maximum": np.maximum,
     "minimum": np.minimum,
     "equal": np.equal,

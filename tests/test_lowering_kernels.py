@@ -103,11 +103,14 @@ def test_split_and_pad_lowered_equal_the_eager_ops(dtype):
 
     def f(a):
         # an empty piece off axis 0 takes ops.split (SplitWithSize fails on it compiled)
+        # one padded dimension (low, high or both) is concatenated zeros for floats
         return (structural.split(a, [2, 4], 1) + structural.split(a, [2, 0, 4], 1)
-                + (structural.pad(a, (1, 0), (2, 1)),))
+                + (structural.pad(a, (1, 0), (2, 1)), structural.pad(a, (0, 2), (0, 1)),
+                   structural.pad(a, (3, 0), (0, 0)), structural.pad(a, (0, 0), (0, 2))))
 
     got, want = fs.jit(f)(x), f(Tensor(x))
-    assert [p.shape for p in got] == [(4, 2), (4, 4), (4, 2), (4, 0), (4, 4), (7, 7)]
+    assert [p.shape for p in got] == [(4, 2), (4, 4), (4, 2), (4, 0), (4, 4), (7, 7),
+                                      (4, 9), (7, 6), (4, 8)]
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
         np.testing.assert_array_equal(g.asnumpy(), w.asnumpy())

@@ -28,6 +28,7 @@ from fshard.primitives.base import (  # noqa: F401  (add, broadcast_shapes: re-e
     def_primitive,
     defjvp,
     deflinear,
+    full,
     is_undefined,
     vectorized,
     zeros,
@@ -365,6 +366,39 @@ defjvp(pow_p,
        lambda t, ans, x, y: mul(t, mul(y, pow(x, sub(y, 1.0)))),
        lambda t, ans, x, y: mul(t, mul(ans, log(where(greater(x, 0.0), x, 1.0)))))
 unsupported(pow_p, "transpose", "not linear")
+
+
+# x ** n for a Python integer n (JAX's integer_pow). With the exponent a broadcast
+# tensor, MindSpore's Pow kernel costs 0.6 ms over 32K float32 elements against 0.07 ms
+# with a scalar exponent and 0.02 ms for x * x (GRAPH mode, measured): a squared error
+# and its derivative were two of the costliest kernels of a transformer's step. x * x
+# is the correctly rounded square, as Pow's; the derivative n * x ** (n - 1) keeps the
+# exponent static too (2 * x for a square).
+
+
+def _ms_integer_pow(x, y):
+    return ops.mul(x, x) if y == 2 else ops.pow(x, float(y))
+
+
+def _lower_integer_pow(ctx, x, *, y):
+    if y == 2:
+        return ctx.call(_ms_mul, x, x)
+    return ctx.call(_ms_pow, x, ctx.param(float(y)))
+
+
+def _integer_pow_type(x, *, y):
+    if not isinstance(y, int) or isinstance(y, bool):
+        raise ProgramTypeError(f"integer_pow: the exponent y must be a Python int, got {y!r}")
+    return _float_unary_type("integer_pow")(x)
+
+
+integer_pow_p = def_primitive("integer_pow", FAMILY, _integer_pow_type, _ms_integer_pow,
+                              lower=_lower_integer_pow)
+batching.set(integer_pow_p, vectorized(integer_pow_p))
+sharding.set(integer_pow_p, _elementwise_sharding)
+defjvp(integer_pow_p,
+       lambda t, ans, x, *, y: t if y == 1 else mul(t, mul(float(y), integer_pow(x, y - 1))))
+unsupported(integer_pow_p, "transpose", "not linear")
 
 
 def _minmax_jvp(pick_first):
@@ -776,8 +810,29 @@ def div(x: ArrayLike, y: ArrayLike) -> Shaped[Array, "..."]:
 
 def pow(x: ArrayLike, y: ArrayLike) -> Shaped[Array, "..."]:  # noqa: A001
     """``x ** y`` elementwise."""
+    if _static_int_exponent(y) and not _is_weak(x) and not isinstance(x, np.generic) \
+            and dtypes.is_float(typeof(x).dtype):
+        return integer_pow(x, int(y))
     x, y = promote(x, y)
     return pow_p.bind(x, y)
+
+
+def _static_int_exponent(y) -> bool:
+    """A Python (or NumPy) scalar with an integral value: ``x ** 2``, ``x ** 2.0``."""
+    if isinstance(y, (bool, np.bool_)) or not isinstance(y, (int, float, np.integer,
+                                                             np.floating)):
+        return False
+    # (this module's abs is the traced op)
+    return math.isfinite(y) and float(y).is_integer() and -2 ** 16 <= y <= 2 ** 16
+
+
+def integer_pow(x: Float[Array, "*shape"], y: int) -> Float[Array, "*shape"]:
+    """``x ** y`` for a static integer ``y`` (float ``x``): ``x * x`` for a square."""
+    if y == 1:
+        return x
+    if y == 0:
+        return ones_like(x)
+    return integer_pow_p.bind(x, y=y)
 
 
 def square(x: ArrayLike) -> Shaped[Array, "*shape"]:
@@ -827,8 +882,13 @@ def zeros_like(x: ArrayLike) -> Shaped[Array, "*shape"]:
     return zeros(a.shape, a.dtype)
 
 
+def ones_like(x: ArrayLike) -> Shaped[Array, "*shape"]:
+    a = typeof(x)
+    return full(a.shape, 1, a.dtype)
+
+
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
     "annotations", "math", "np", "ops", "dtypes", "ArrayType", "Tracer", "typeof",
     "ProgramTypeError", "broadcasting", "vectorized", "Zero", "is_undefined", "broadcast_to",
-    "zeros", "def_primitive", "defjvp", "deflinear", "batching", "transpose", "unsupported",
+    "zeros", "full", "def_primitive", "defjvp", "deflinear", "batching", "transpose", "unsupported",
     "FAMILY")]

@@ -24,6 +24,7 @@ from fshard.errors import ArgumentError, ProgramTypeError, ShapeError
 from fshard.core.factors import FactorSpec, elementwise_spec
 from fshard.primitives.base import (  # noqa: F401  (re-exported: the shape primitives)
     Zero,
+    _ms_full,
     _norm_axis,
     _shape_param,
     batch_size,
@@ -573,6 +574,23 @@ _PAD = ops.PadV3(mode="constant", paddings_contiguous=True)
 def _lower_pad(ctx, x, *, low, high, interior):
     if any(interior):
         return ctx.call(_ms_pad, x, low=low, high=high, interior=interior)
+    aval = ctx.in_avals[0]
+    padded = [ax for ax in range(len(low)) if low[ax] or high[ax]]
+    if len(padded) == 1 and dtypes.is_float(aval.dtype) and \
+            all(isinstance(d, int) for d in aval.shape):
+        # One padded dimension (a slice's transpose, as in a rotary embedding's
+        # backward): zero blocks concatenated around x. PadV3 took 34 us to 0.3 ms more
+        # per call on (4, 4, 64, 32) float32 (GRAPH mode, CPU, measured).
+        ax = padded[0]
+        parts = []
+        for width in (low[ax], None, high[ax]):
+            if width is None:
+                parts.append(x)
+            elif width:
+                shape = aval.shape[:ax] + (width,) + aval.shape[ax + 1:]
+                parts.append(ctx.call(_ms_full, ctx.param(shape), ctx.param(0.0),
+                                       ctx.param(aval.dtype)))
+        return ctx.call(_ms_concat, *parts, axis=ax)
     pads = ()
     for lo, hi in zip(low, high):
         pads = (lo, hi) + pads  # the last dimension first

@@ -26,6 +26,7 @@ from fshard.primitives.elementwise import (  # noqa: F401
     gelu as gelu,
     greater as greater,
     greater_equal as greater_equal,
+    integer_pow as integer_pow,
     less as less,
     less_equal as less_equal,
     log as log,

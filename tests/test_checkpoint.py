@@ -142,6 +142,17 @@ def test_a_process_that_never_finishes_leaves_the_previous_checkpoint(tmp_path, 
     good = ckpt.save(tmp_path, state, step=1)
     monkeypatch.setattr(ckpt, "_world", lambda: (0, 2))  # process 1 never writes
     monkeypatch.setenv("MS_SCHED_PORT", "1")
+    # process 1 never calls save: process 0 waits for it to say what it holds
+    with pytest.raises(fs.CheckpointError) as e:
+        ckpt.save(tmp_path, {"w": state["w"] + 1}, step=2, timeout=0.3)
+    assert str(e.value).startswith(
+        f"fs.checkpoint.save: process(es) [1] did not start saving "
+        f"{str(tmp_path / '2')!r} within 0 s; nothing was written, earlier checkpoints are "
+        "intact.\nFix: call fs.checkpoint.save in every process of the job")
+    assert not (tmp_path / "2").exists()
+    # process 1 said it holds what process 0 holds, then never wrote its part
+    monkeypatch.setattr(ckpt, "_exchange", lambda tmp, rank, nproc, attempt, kinds, *a: [
+        [k, k] for k in kinds])
     with pytest.raises(fs.CheckpointError, match=r"process\(es\) \[1\] did not finish"):
         ckpt.save(tmp_path, {"w": state["w"] + 1}, step=2, timeout=0.3)
     assert not (tmp_path / "2").exists()

@@ -12,7 +12,9 @@ True
 ([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], 7)
 
 A checkpoint is a directory: ``shard-<p>-of-<P>.safetensors`` per process ``p`` (the
-blocks of the leaves that process owns under ``layouts``) and ``index.json`` (each
+blocks of the leaves that process owns under ``layouts``, of its ``fs.ShardedArray``
+leaves, and of the pipeline stage leaves it holds in a job whose state is split by
+stage) and ``index.json`` (each
 leaf's key path, global shape, dtype, strategy, and which file holds which block, with
 every file's size and SHA-256). It is written under a temporary name and renamed when
 complete, index last, so a save that dies leaves the previous checkpoints intact and
@@ -316,7 +318,9 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
             ``ap.state_strategies(state, *batch)`` of an ``fs.AutoParallel``): each
             block is written once, by the process owning it, so the processes of a job
             write in parallel and nothing is written twice. Default: whole leaves,
-            written by process 0.
+            written by process 0. (An ``fs.ShardedArray`` leaf is written under its own
+            layout; a leaf only some processes hold, a pipeline stage's in a job whose
+            state is split by stage, by those processes: see below.)
         mesh: the devices the layouts refer to (a count or ``fs.Mesh``; default: the
             job's processes, or 1).
         timeout: seconds to wait for the other processes of a job to finish writing.
@@ -326,15 +330,25 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
             first completes).
 
     Every process of a job calls ``save`` with the same arguments; it returns when the
-    checkpoint is complete.
+    checkpoint is complete. A pipelined job's state split by stage (each process holding
+    its stage's leaves, ``fs.RemoteArray`` for the others) is saved as it is: each
+    stage's leaves are written by the stage's processes (in row blocks dealt out between
+    a stage's data-parallel processes), nothing is gathered; the processes first tell
+    each other which leaves they hold. A leaf no process holds, or processes saving
+    different states, is a ``CheckpointError`` on every process.
     """
     step = _check_step(step)
     if not wait:
         final = _new_checkpoint_dir(path, step)
         # A host copy now (the caller's arrays may change while the thread writes).
         snapshot = tree.map(_host_copy, state)
-        return SaveHandle(final, lambda: save(path, snapshot, step=step, layouts=layouts,
-                                              mesh=mesh, timeout=timeout))
+        attempt = _next_attempt(final)  # (taken in call order, as in the other processes)
+        return SaveHandle(final, lambda: _save(path, snapshot, step, layouts, mesh, timeout,
+                                               attempt))
+    return _save(path, state, step, layouts, mesh, timeout, None)
+
+
+def _save(path, state, step, layouts, mesh, timeout, attempt):
     leaves_paths, leaves, _ = tree.flatten_with_path(state)
     rank, nproc = _world()
     n_devices = _mesh_size(mesh, nproc)
@@ -344,25 +358,30 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
             f"must refer to its {nproc} devices, got a mesh of {n_devices}.")
     specs = _leaf_strategies(state, layouts, len(leaves))
     final = _new_checkpoint_dir(path, step)
+    if attempt is None:
+        attempt = _next_attempt(final)
     parent = os.path.dirname(os.path.abspath(final))
 
-    # Everything that can be refused is checked (and this process's blocks gathered)
-    # before anything is written.
+    # Everything this process can refuse alone is checked (and its ShardedArray blocks
+    # taken) before anything is written; what needs the other processes' leaves (who
+    # holds a pipeline stage's leaf) is settled before any array is written.
     process_of = (lambda device: device) if nproc > 1 else (lambda device: 0)
     fname = f"shard-{rank:05d}-of-{nproc:05d}.safetensors"
     mine: dict[str, np.ndarray] = {}
-    entries = []
-    for i, (p, x, spec) in enumerate(zip(leaves_paths, leaves, specs)):
+    entries: list = [None] * len(leaves)
+    arrays: dict[int, np.ndarray] = {}  # leaf -> its whole value, here
+    # per leaf, what this process holds: [kind, shape, dtype, stage, holders] (the stage
+    # and its processes of an fs.RemoteArray)
+    kinds = []
+    for i, (p, x) in enumerate(zip(leaves_paths, leaves)):
         if isinstance(x, RemoteArray):
-            raise CheckpointError(
-                f"fs.checkpoint.save: leaf {tree.keystr(p)} is an fs.RemoteArray: "
-                f"pipeline stage {x.stage}'s, which only its processes "
-                f"{list(x.holders)} keep (a pipelined job whose update is split by "
-                f"stage), so process {rank} cannot write it.\nFix: save "
-                "ap.gather(state) (a collective that brings every stage's leaves to every "
-                "process; call it in every process).")
+            dt = np.dtype(dtypes.to_numpy(x.dtype)).name
+            kinds.append(["remote", [int(d) for d in x.shape], dt, int(x.stage),
+                          [int(h) for h in x.holders]])
+            continue
         if isinstance(x, ShardedArray):  # this process's block: its own layout
-            entries.append(_local_entry(i, p, x, nproc, rank, mine))
+            entries[i] = _local_entry(i, p, x, nproc, rank, mine)
+            kinds.append(["sharded", entries[i]["shape"], entries[i]["dtype"], None, None])
             continue
         a = _numpy(x)
         try:
@@ -373,18 +392,10 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
             raise CheckpointError(
                 f"fs.checkpoint.save: leaf {tree.keystr(p)} has dtype {a.dtype}, which "
                 "fshard does not hold.")
-        blocks = []
-        for idx, bounds, owner in _blocks(a.shape, spec, n_devices):
-            key = f"{i}:{','.join(map(str, idx))}"
-            file = f"shard-{process_of(owner):05d}-of-{nproc:05d}.safetensors"
-            if process_of(owner) == rank:
-                mine[key] = a[tuple(slice(s, e) for s, e in bounds)]  # a view
-            blocks.append({"key": key, "file": file, "start": [s for s, _ in bounds],
-                           "stop": [e for _, e in bounds]})
-        entries.append({"path": tree.keystr(p), "name": _name(p), "shape": list(a.shape),
-                        "dtype": a.dtype.name, "layout": _spec_json(spec),
-                        "blocks": blocks})
-
+        arrays[i] = a
+        kinds.append(["value", [int(d) for d in a.shape], a.dtype.name, None, None])
+    if nproc == 1:
+        _holders_of(leaves_paths, [[k] for k in kinds], 1)
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
@@ -395,6 +406,44 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
     lock = _lock_tmp(tmp)
     mine_written = False
     try:
+        # Who holds each leaf's values: every process of the job, or (a pipelined job's
+        # state split by stage) only its stage's processes, which no single process can
+        # tell from its own state: each process says what it holds (a small file in the
+        # shared directory) and all derive the same writers from the same answers.
+        views = [[k] for k in kinds] if nproc == 1 else _exchange(
+            tmp, rank, nproc, attempt, kinds, str(tree.structure(state)), timeout, final)
+        held = _holders_of(leaves_paths, views, nproc)
+        for i, (p, spec) in enumerate(zip(leaves_paths, specs)):
+            if entries[i] is not None:  # a ShardedArray's, under its own layout
+                continue
+            shape, dt = kinds[i][1], kinds[i][2]
+            if len(held[i]) == nproc:  # every process holds it: layouts, or process 0
+                where = [(idx, bounds, process_of(owner))
+                         for idx, bounds, owner in _blocks(shape, spec, n_devices)]
+            else:  # a pipeline stage's leaf: dealt out between its processes
+                if spec is not None:
+                    raise CheckpointError(
+                        f"fs.checkpoint.save(..., layouts): layouts splits leaf "
+                        f"{tree.keystr(p)} as {_spec_json(spec)}, but only processes "
+                        f"{held[i]} of this job hold it (a pipeline stage's leaf, an "
+                        "fs.RemoteArray on the others): a stage's leaf is written by its "
+                        "own processes, in row blocks dealt out between them.\nFix: give "
+                        "None for the leaves of a pipelined state split by stage (or leave "
+                        "layouts out).")
+                where = _dealt(shape, held[i])
+            blocks = []
+            for idx, bounds, proc in where:
+                key = f"{i}:{','.join(map(str, idx))}"
+                if proc == rank:
+                    mine[key] = arrays[i][tuple(slice(s, e) for s, e in bounds)]  # a view
+                blocks.append({"key": key, "file": f"shard-{proc:05d}-of-{nproc:05d}"
+                               ".safetensors", "start": [s for s, _ in bounds],
+                               "stop": [e for _, e in bounds]})
+            entries[i] = {"path": tree.keystr(p), "name": _name(p), "shape": list(shape),
+                          "dtype": dt, "layout": _spec_json(spec), "blocks": blocks}
+            if len(held[i]) < nproc:
+                stage = next((v[3] for v in views[i] if v[0] == "remote"), None)
+                entries[i] |= {"stage": stage, "holders": held[i]}
         nbytes, head_sha256, block_sha256 = _write_safetensors_durably(
             os.path.join(tmp, fname), mine, {"format": FORMAT})
         mine_written = True
@@ -418,6 +467,9 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
                              json.dumps(index, indent=1).encode())
         for r in range(nproc):
             os.remove(os.path.join(tmp, f"done-{r}.json"))
+        for f in os.listdir(tmp):  # (every process has read them: it wrote its part)
+            if f.startswith(_HOLDS):
+                _remove_quietly(os.path.join(tmp, f))
         _fsync_dir(tmp)
         _publish(tmp, final)
         _fsync_dir(parent)
@@ -437,6 +489,107 @@ def save(path, state, *, step: int | None = None, layouts=None, mesh=None,
         raise
     finally:
         os.close(lock)
+
+
+# The processes of a job say what they hold in ``<tmp>/holds-<attempt>-<rank>.json``.
+# ``attempt`` counts this process's saves of the same checkpoint (every process makes
+# the same calls): the files of a failed attempt, which stay in the directory (another
+# process may still be reading them), are never taken for a later attempt's.
+_HOLDS = "holds-"
+_ATTEMPTS: dict[str, int] = {}
+_ATTEMPTS_LOCK = threading.Lock()
+
+
+def _next_attempt(final: str) -> int:
+    key = os.path.abspath(final)
+    with _ATTEMPTS_LOCK:
+        _ATTEMPTS[key] = _ATTEMPTS.get(key, 0) + 1
+        return _ATTEMPTS[key]
+
+
+def _exchange(tmp: str, rank: int, nproc: int, attempt: int, kinds: list, treedef: str,
+              timeout: float, final: str) -> list[list]:
+    """Write what this process holds of each leaf, wait for every process's, and return
+    per leaf the list over processes of ``[kind, shape, dtype, stage, holders]``."""
+    def file(r):
+        return os.path.join(tmp, f"{_HOLDS}{attempt}-{r}.json")
+
+    with open(file(rank) + ".part", "w") as fh:
+        json.dump({"treedef": treedef, "leaves": kinds}, fh)
+    os.rename(file(rank) + ".part", file(rank))
+    deadline = time.monotonic() + timeout
+    while missing := [r for r in range(nproc) if not os.path.exists(file(r))]:
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"fs.checkpoint.save: process(es) {missing} did not start saving "
+                f"{final!r} within {timeout:.0f} s; nothing was written, earlier "
+                "checkpoints are intact.\nFix: call fs.checkpoint.save in every process "
+                "of the job, with the same path and step.")
+        time.sleep(0.005)
+    said = []
+    for r in range(nproc):
+        with open(file(r)) as fh:
+            said.append(json.load(fh))
+    for r, got in enumerate(said):
+        if got["treedef"] != treedef or len(got["leaves"]) != len(kinds):
+            raise CheckpointError(
+                f"fs.checkpoint.save: the processes of this job save states of different "
+                f"structures: process {rank}'s has {len(kinds)} leaves ({treedef[:160]}), "
+                f"process {r}'s {len(got['leaves'])} ({got['treedef'][:160]}).\nFix: call "
+                "save in every process with the same state (each process's own step's "
+                "result).")
+    return [[got["leaves"][i] for got in said] for i in range(len(kinds))]
+
+
+def _what(kind: list) -> str:
+    return {"value": "an array", "sharded": "an fs.ShardedArray",
+            "remote": "an fs.RemoteArray"}[kind[0]] + f" {kind[2]}{kind[1]}"
+
+
+def _holders_of(paths, views: list, nproc: int) -> list:
+    """Per leaf, the processes holding its whole value (None for a ShardedArray leaf,
+    whose blocks its own layout places), from every process's ``views``; a leaf no
+    process holds, or that processes see differently, is refused."""
+    held = []
+    for p, per in zip(paths, views):
+        for r, k in enumerate(per):
+            if k[1:3] != per[0][1:3] or (k[0] == "sharded") != (per[0][0] == "sharded"):
+                raise CheckpointError(
+                    f"fs.checkpoint.save: the processes of this job save different "
+                    f"states: leaf {tree.keystr(p)} is {_what(per[0])} on process 0 and "
+                    f"{_what(k)} on process {r}.\nFix: call save in every process with "
+                    "the same state (each process's own step's result).")
+        if per[0][0] == "sharded":
+            held.append(None)
+            continue
+        h = [r for r, k in enumerate(per) if k[0] == "value"]
+        if not h:
+            _, _, _, stage, holders = per[0]
+            where = ("every process of this job" if nproc > 1 else
+                     "this process, which is not in a job with those processes")
+            raise CheckpointError(
+                f"fs.checkpoint.save: no process holds the values of leaf "
+                f"{tree.keystr(p)}: it is an fs.RemoteArray (pipeline stage {stage}'s, "
+                f"kept by processes {holders}) on {where}, so none can write it.\nFix: "
+                "call save in every process of the pipelined job, each with the state its "
+                f"own step returned (stage {stage}'s processes hold that leaf), or save "
+                "ap.gather(state) there (a collective).")
+        held.append(h)
+    return held
+
+
+def _dealt(shape, holders: list) -> list:
+    """``[(block index, (start, stop) per dim, process)]`` of a leaf that only
+    ``holders`` hold (a pipeline stage's, on each of its data-parallel processes): its
+    rows split into one block per holder, so that they write in parallel and each row
+    once (a 0-d leaf, or one with fewer rows than holders: whole, by the first)."""
+    k = len(holders)
+    rest = tuple((0, d) for d in shape[1:])
+    if k == 1 or not shape or shape[0] < k:
+        return [((0,) * len(shape), tuple((0, d) for d in shape), holders[0])]
+    n = shape[0]
+    return [((j,) + (0,) * len(rest), ((j * n // k, (j + 1) * n // k),) + rest, h)
+            for j, h in enumerate(holders)]
 
 
 def _remove_quietly(file: str) -> None:
@@ -501,7 +654,7 @@ def _lock_tmp(tmp: str) -> int:
 
 def _host_copy(x):
     """A copy in host memory of a leaf (of a ShardedArray: of its block)."""
-    if isinstance(x, RemoteArray):  # (refused by save, with the fix)
+    if isinstance(x, RemoteArray):  # (no values here: its stage's processes write it)
         return x
     if isinstance(x, ShardedArray):
         return ShardedArray(np.array(_numpy(x.block), copy=True), x.shape, x.dtype,

@@ -157,6 +157,8 @@ def main(out_dir: str) -> None:
         }
         if name == "adam":
             results["errors"] = _misuse(ap, state, batches, rank, dp, out_dir)
+            results["split_checkpoint"] = _split_checkpoint(ap, state, batches, rank, dp,
+                                                            out_dir)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(results, fh)
 
@@ -172,8 +174,6 @@ def _misuse(ap, state, batches, rank, dp, out_dir) -> dict:
     for what, call in (("asnumpy", lambda: state.params[other].asnumpy()),
                        ("eager", lambda: state.params[other] + 1),
                        ("gather_sharded", lambda: fs.gather_sharded(state.params)),
-                       ("save", lambda: fs.checkpoint.save(
-                           os.path.join(out_dir, "refused"), state)),
                        ("fresh_ap", lambda: _fresh(state, batches, rank, dp)),
                        ("own_remote", lambda: ap(_without_own(state, mine, rank, dp),
                                                  *_slice(batches[0], rank, dp)))):
@@ -215,6 +215,100 @@ def _misuse(ap, state, batches, rank, dp, out_dir) -> dict:
     g1, g2, g3 = (ap.gather_params(s) for s in (s1, s2, s3))
     out["resume_equal"] = all(np.array_equal(g1[k].asnumpy(), g[k].asnumpy())
                               for g in (g2, g3) for k in params)
+    return out
+
+
+def _split_checkpoint(ap, state, batches, rank, dp, out_dir) -> dict:
+    """The split state saved as it is (each process writes its own stage's leaves; the
+    calls that would gather other stages' leaves refuse to run meanwhile), loaded back
+    into it (recording the blocks each process reads) and into a fresh AutoParallel's
+    whole state; two more steps from each, and from the state itself; the refused
+    saves' messages; the time of the save and of gather-then-save."""
+    import time
+
+    import fshard as fs
+    from fshard.training import checkpoint as ckpt
+    from fshard.training.parallel.pipeline import PipelinedStep, PipelineRunner
+
+    out: dict = {}
+    mine = "w1" if rank // dp == 0 else "w2"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a gather ran during fs.checkpoint.save")
+
+    patched = [(cls, name, getattr(cls, name)) for cls, name in (
+        (PipelinedStep, "gather"), (PipelineRunner, "gather"),
+        (PipelineRunner, "gather_params"), (fs.ShardedArray, "gather"))]
+    for cls, name, _ in patched:
+        setattr(cls, name, refuse)
+    try:
+        t0 = time.perf_counter()
+        d = fs.checkpoint.save(os.path.join(out_dir, "split"), state, step=STEPS)
+        out["save_s"] = time.perf_counter() - t0
+    finally:
+        for cls, name, f in patched:
+            setattr(cls, name, f)
+    out["dir"] = d
+    t0 = time.perf_counter()
+    fs.checkpoint.save(os.path.join(out_dir, "gathered"), ap.gather(state), step=STEPS)
+    out["gather_save_s"] = time.perf_counter() - t0
+
+    def load_recording(like):
+        reads = []
+        block = ckpt._BlockReader.block
+
+        def recorded(self, b, leaf, dtype):
+            reads.append([b["file"], b["key"], leaf])
+            return block(self, b, leaf, dtype)
+
+        ckpt._BlockReader.block = recorded
+        try:
+            return fs.checkpoint.load(d, like=like), reads
+        finally:
+            ckpt._BlockReader.block = block
+
+    back, out["split_reads"] = load_recording(state)
+    out["split_kept"] = [not isinstance(x, fs.RemoteArray) for x in fs.tree.leaves(back)]
+    out["state_kept"] = [not isinstance(x, fs.RemoteArray) for x in fs.tree.leaves(state)]
+    out["split_equal"] = all(
+        (a is b) if isinstance(b, fs.RemoteArray) else
+        np.asarray(a.asnumpy()).tobytes() == np.asarray(b.asnumpy()).tobytes()
+        for a, b in zip(fs.tree.leaves(back), fs.tree.leaves(state)))
+    # Resuming: two more steps from the loaded split state, from a fresh AutoParallel's
+    # whole state loaded from the same checkpoint, and from the state itself.
+    nxt, after = _slice(batches[STEPS], rank, dp), _slice(batches[0], rank, dp)
+    params, _ = data()
+    fresh = fs.AutoParallel(loss, optimizer("adam"))
+    fresh.pipeline(stages=2, micro_batches=4, scheduler="1f1b", output_broadcast=False)
+    whole, out["whole_reads"] = load_recording(fresh.init(params))
+    runs = []
+    for step, s in ((ap, state), (ap, back), (fresh, whole)):
+        s, l1 = step(s, *nxt)
+        s, l2 = step(s, *after)
+        runs.append((step.gather(s), [float(l.asnumpy()) for l in (l1, l2)]))
+    out["resume_losses"] = [[None if np.isnan(v) else v for v in ls] for _, ls in runs]
+    out["resume_equal"] = all(
+        np.asarray(a.asnumpy()).tobytes() == np.asarray(b.asnumpy()).tobytes()
+        for g, _ in runs[1:] for a, b in zip(fs.tree.leaves(g), fs.tree.leaves(runs[0][0])))
+    # refused: a state no process holds a leaf of, processes saving different states,
+    # layouts for a stage's leaf
+    split_w1 = state._replace(params={k: (2, 1) if k == "w1" else None
+                                      for k in state.params}, opt_state=None, step=None)
+    for what, call in (
+            ("no_holder", lambda: fs.checkpoint.save(
+                os.path.join(out_dir, "refused"), _without_own(state, mine, rank, dp))),
+            ("mismatch", lambda: fs.checkpoint.save(
+                os.path.join(out_dir, "mismatch"),
+                {"x": np.zeros(4 if rank == 0 else 8, np.float32)})),
+            ("layouts", lambda: fs.checkpoint.save(
+                os.path.join(out_dir, "layouts"), state, layouts=split_w1))):
+        try:
+            call()
+            out[what] = None
+        except fs.FshardError as e:
+            out[what] = f"{type(e).__name__}: {e}"
+    # the refused checkpoint saved again (its directory holds the refused attempt's files)
+    out["retry"] = fs.checkpoint.save(os.path.join(out_dir, "refused"), state)
     return out
 
 

@@ -6,10 +6,14 @@ leaves no stage owns (Adam's step count, the loss scale), so it keeps the stage'
 gathered parameters and optimizer state equal one process's unpipelined run (Adam, a
 global-norm clip whose norm combines the stages' partial sums, loss scaling with a NaN
 gradient in stage 1 only, a state scalar summed over every stage); an update that
-mixes the stages otherwise keeps the whole state on every process; and the refused
-calls (reading another stage's leaf, saving the split state, a new AutoParallel's first
-step on it) say the fix. One launch per job size runs every check
-(tests/distributed/pipeline_state_checks.py)."""
+mixes the stages otherwise keeps the whole state on every process; the split state is
+saved as it is, each process writing its own stage's leaves (dealt out in row blocks
+between a stage's data-parallel processes), and loads back split (each process reading
+its stage's blocks), whole into a fresh AutoParallel and whole in one process (equal to
+``ap.gather(state)``), the runs resumed from it continuing the uninterrupted one; and
+the refused calls (reading another stage's leaf, saving a state no process holds a leaf
+of, a new AutoParallel's first step on a split state) say the fix. One launch per job
+size runs every check (tests/distributed/pipeline_state_checks.py)."""
 
 from __future__ import annotations
 
@@ -154,8 +158,6 @@ def test_refused_calls_say_the_fix(job):
                 f"only that stage's processes {holders} keep (an fs.RemoteArray)" in e[what]
             assert "Fix: call ap.gather_params(state)" in e[what]
         assert e["asnumpy"].startswith("ProcessLocalError: .asnumpy() needs the values")
-        assert e["save"].startswith("CheckpointError: fs.checkpoint.save: leaf ")
-        assert "is an fs.RemoteArray" in e["save"] and "Fix: save ap.gather(state)" in e["save"]
         assert e["fresh_ap"].startswith("ArgumentError: ") and "Fix: pass the whole state " \
             "to the first step" in e["fresh_ap"]
         assert e["repr"].startswith("RemoteArray(f32[")
@@ -197,3 +199,181 @@ def test_a_batch_of_another_shape_takes_the_split_state(job):
         if r // dp == 1:
             a, b = e["half_losses"]
             assert a == b and np.isfinite(a)
+
+
+# -- the split state's checkpoint ---------------------------------------------------------
+
+
+def _stage(path: str):
+    """The stage keeping a leaf of the adam state, by its key path (None: no stage's)."""
+    return next((s for k, s in STAGE_OF.items() if f"'{k}'" in path), None)
+
+
+def _index(res) -> dict:
+    with open(os.path.join(res["split_checkpoint"]["dir"], "index.json")) as fh:
+        return json.load(fh)
+
+
+def _like():
+    params, _ = checks.data()
+    return fs.AutoParallel(checks.loss, checks.optimizer("adam"), mesh=1).init(params)
+
+
+def test_the_split_state_is_saved_by_each_stages_processes(job):
+    """Each stage's leaves are written by that stage's processes only (a stage of two
+    processes deals each leaf's rows out between them), the leaves no stage owns by
+    process 0; every row is written once, with the values of ap.gather(state); no
+    gather ran during the save and the state stayed split."""
+    from safetensors.numpy import load_file
+
+    n, ranks = job
+    dp = n // 2
+    for res in ranks:  # (every process got the same directory)
+        assert res["split_checkpoint"]["dir"] == ranks[0]["split_checkpoint"]["dir"]
+    d = ranks[0]["split_checkpoint"]["dir"]
+    index = _index(ranks[0])
+    assert index["processes"] == n and sorted(index["files"]) == [
+        f"shard-{r:05d}-of-{n:05d}.safetensors" for r in range(n)]
+    assert not any(f.startswith(("holds-", "done-", ".lock")) for f in os.listdir(d))
+    gathered = fs.checkpoint.load(os.path.join(os.path.dirname(os.path.dirname(d)),
+                                               "gathered"), like=_like())
+    whole = dict(zip((e["path"] for e in index["leaves"]),
+                     (x.asnumpy() for x in fs.tree.leaves(gathered))))
+    files = {f: load_file(os.path.join(d, f)) for f in index["files"]}
+    written = {f: set() for f in files}
+    for e in index["leaves"]:
+        s = _stage(e["path"])
+        rows = e["shape"][0] if e["shape"] else None
+        if s is None:  # Adam's step count, the train step: process 0's, whole
+            assert "holders" not in e and len(e["blocks"]) == 1, e
+            assert e["blocks"][0]["file"] == f"shard-00000-of-{n:05d}.safetensors"
+        else:
+            holders = list(range(s * dp, (s + 1) * dp))
+            assert (e["stage"], e["holders"]) == (s, holders), e
+            assert [b["file"] for b in e["blocks"]] == [
+                f"shard-{r:05d}-of-{n:05d}.safetensors" for r in holders], e
+            assert [(b["start"][0], b["stop"][0]) for b in e["blocks"]] == [
+                (j * rows // dp, (j + 1) * rows // dp) for j in range(dp)], e
+        covered = 0
+        for b in e["blocks"]:
+            block = files[b["file"]][b["key"]]
+            want = whole[e["path"]][tuple(slice(a, z) for a, z in zip(b["start"], b["stop"]))]
+            assert block.dtype == want.dtype and block.tobytes() == want.tobytes(), b
+            written[b["file"]].add(b["key"])
+            covered += block.size
+        assert covered == whole[e["path"]].size, e  # every element once
+    for r in range(n):
+        f = f"shard-{r:05d}-of-{n:05d}.safetensors"
+        assert set(files[f]) == written[f]  # nothing else in the file
+        stages = {_stage(e["path"]) for e in index["leaves"]
+                  for b in e["blocks"] if b["file"] == f}
+        assert stages == ({r // dp, None} if r == 0 else {r // dp}), (r, stages)
+    for r, res in enumerate(ranks):
+        e = res["split_checkpoint"]
+        # the state is still split: its other stage's leaves hold nothing
+        assert e["state_kept"] == [_stage(p) in (None, r // dp)
+                                   for p in (x["path"] for x in index["leaves"])], r
+        assert e["save_s"] > 0 and e["gather_save_s"] > 0
+
+
+def test_the_split_checkpoint_loads_split_reading_only_the_stages_blocks(job):
+    n, ranks = job
+    dp = n // 2
+    index = _index(ranks[0])
+    paths = [e["path"] for e in index["leaves"]]
+    for r, res in enumerate(ranks):
+        e = res["split_checkpoint"]
+        own = [p for p in paths if _stage(p) in (None, r // dp)]
+        assert sorted({leaf for _, _, leaf in e["split_reads"]}) == sorted(own), r
+        files = {f for f, _, _ in e["split_reads"]}
+        assert files <= {f"shard-{q:05d}-of-{n:05d}.safetensors"
+                         for q in [0] + list(range(r // dp * dp, (r // dp + 1) * dp))}, r
+        assert e["split_kept"] == e["state_kept"] and e["split_equal"], r
+        # a fresh AutoParallel's whole state reads every leaf
+        assert sorted({leaf for _, _, leaf in e["whole_reads"]}) == sorted(paths)
+
+
+def test_resuming_from_the_split_checkpoint_continues_the_run(job):
+    """Two steps from the split state loaded back, and from a fresh AutoParallel's
+    whole state loaded from the same checkpoint, equal two steps from the state itself,
+    bit for bit (losses on the last stage; every gathered leaf)."""
+    n, ranks = job
+    dp = n // 2
+    for r, res in enumerate(ranks):
+        e = res["split_checkpoint"]
+        assert e["resume_equal"], r
+        if r // dp == 1:
+            own, split, fresh = e["resume_losses"]
+            assert own == split == fresh and all(np.isfinite(own)), e["resume_losses"]
+
+
+def test_the_split_checkpoint_loads_whole_in_one_process_and_on_a_virtual_mesh(job):
+    """Read by one process it is ap.gather(state): the checkpoint saved from the
+    gathered state, and the gathered parameters and optimizer state the job reported;
+    on a virtual mesh of 2 a pipelined AutoParallel resumes from it with the job's
+    losses."""
+    _, ranks = job
+    d = ranks[0]["split_checkpoint"]["dir"]
+    root = os.path.dirname(os.path.dirname(d))
+    like = _like()
+    back = fs.checkpoint.load(d, like=like)
+    gathered = fs.checkpoint.load(os.path.join(root, "gathered"), like=like)
+    for a, b in zip(fs.tree.leaves(back), fs.tree.leaves(gathered)):
+        assert a.asnumpy().dtype == b.asnumpy().dtype
+        assert a.asnumpy().tobytes() == b.asnumpy().tobytes()
+    reported = ranks[0]["configs"]["adam"]
+    for k, v in back.params.items():
+        np.testing.assert_array_equal(
+            v.asnumpy(), np.asarray(reported["gathered_params"][k], np.float32).reshape(
+                v.shape))
+    for got, want in zip(fs.tree.leaves(back.opt_state), reported["opt_state"]):
+        np.testing.assert_array_equal(np.asarray(got.asnumpy(), np.float64).ravel(), want)
+    assert int(back.step.asnumpy()) == checks.STEPS
+    on2 = fs.checkpoint.load(d, like=like, mesh=2)
+    for a, b in zip(fs.tree.leaves(on2), fs.tree.leaves(back)):
+        assert a.asnumpy().tobytes() == b.asnumpy().tobytes()
+    _, batches = checks.data()
+    ap = fs.AutoParallel(checks.loss, checks.optimizer("adam"), mesh=2)
+    ap.pipeline(stages=2, micro_batches=4, scheduler="1f1b")
+    state, l1 = ap(on2, *batches[checks.STEPS])
+    state, l2 = ap(state, *batches[0])
+    want = ranks[-1]["split_checkpoint"]["resume_losses"][0]  # (the last stage's)
+    _close([float(l1.asnumpy()), float(l2.asnumpy())], want, "virtual mesh resume")
+
+
+def test_refused_saves_of_a_split_state_say_the_fix(job):
+    """Every process refuses alike (they settle who holds what together): a leaf no
+    process holds, processes saving different states, layouts for a stage's leaf."""
+    n, ranks = job
+    dp = n // 2
+    stage0 = list(range(dp))
+    for res in ranks:
+        e = res["split_checkpoint"]
+        assert e["no_holder"] == (
+            "CheckpointError: fs.checkpoint.save: no process holds the values of leaf "
+            "[0]['w1']: it is an fs.RemoteArray (pipeline stage 0's, kept by processes "
+            f"{stage0}) on every process of this job, so none can write it.\nFix: call "
+            "save in every process of the pipelined job, each with the state its own step "
+            "returned (stage 0's processes hold that leaf), or save ap.gather(state) there "
+            "(a collective).\nSee docs/errors.md#checkpointerror"), e["no_holder"]
+        assert e["mismatch"] == (
+            "CheckpointError: fs.checkpoint.save: the processes of this job save different "
+            "states: leaf ['x'] is an array float32[4] on process 0 and an array "
+            "float32[8] on process 1.\nFix: call save in every process with the same state "
+            "(each process's own step's result).\nSee docs/errors.md#checkpointerror")
+        assert e["layouts"] == (
+            "CheckpointError: fs.checkpoint.save(..., layouts): layouts splits leaf "
+            f"[0]['w1'] as [2, 1], but only processes {stage0} of this job hold it (a "
+            "pipeline stage's leaf, an fs.RemoteArray on the others): a stage's leaf is "
+            "written by its own processes, in row blocks dealt out between them.\nFix: "
+            "give None for the leaves of a pipelined state split by stage (or leave "
+            "layouts out).\nSee docs/errors.md#checkpointerror")
+    # saved again after the refusal, with the state each process's step returned
+    retry = ranks[0]["split_checkpoint"]["retry"]
+    assert all(res["split_checkpoint"]["retry"] == retry for res in ranks)
+    assert not any(f.startswith("holds-") for f in os.listdir(retry))
+    like = _like()
+    for a, b in zip(fs.tree.leaves(fs.checkpoint.load(retry, like=like)),
+                    fs.tree.leaves(fs.checkpoint.load(ranks[0]["split_checkpoint"]["dir"],
+                                                      like=like))):
+        assert a.asnumpy().tobytes() == b.asnumpy().tobytes()

@@ -22,8 +22,9 @@ What "measured" means here (``measure_memory``):
 
 - parameters, gradients, optimizer state: ``ap.memory_report``, the bytes each device
   holds in the step's plan; with a pipeline whose update splits by stage (Adam's does)
-  a device's own stage's state, the most any stage holds (docs/pipeline.md, "The
-  optimizer update, stage by stage");
+  a device's own stage's state, the most any stage holds, in its tensor-parallel
+  blocks on a stage with tp (docs/pipeline.md, "The optimizer update, stage by
+  stage");
 - activations without a pipeline: the forward values the backward pass reads (the
   residuals), summed over the per-device program of the step (``residual_bytes``:
   values the loss depends on that a computation outside the forward reads);

@@ -60,8 +60,8 @@ print("largest relative difference:",
 # as `benchmarks/gpt.py` measures them (its docstring): parameters, gradients and Adam's
 # state from the step's plan, activations as the forward values the backward pass
 # reads. In a pipeline each device keeps its own stage's train state, so the first
-# three bars shrink with pp (not with a tensor-parallel split inside a stage, whose
-# update runs on whole parameters); its activations are the stage inputs kept
+# three bars shrink with pp, and with a tensor-parallel split inside a stage too (its
+# devices keep and update their blocks); its activations are the stage inputs kept
 # between a micro-batch's forward and backward, plus one stage's recomputation.
 
 # %%

@@ -211,14 +211,13 @@ def test_operator_strategy_file_has_a_section_per_stage(tmp_path):
         assert data["stages"][st]["chunks"][0]["backward"]["equations"]
     # each stage's update (ZeRO level1) over its 2 devices: its gradients (bias,
     # weight) as the replicas' sums stacked, one replica per device of the sharded
-    # stage; Adam's moments of the bias split 2 ways, of the weight whole
-    # (parameter_plan's 2-way split leaves it a data-parallel group of 1 device); the
-    # step count; the parameters whole
+    # stage; Adam's moments of the bias split 2 ways, of the weight in its
+    # tensor-parallel blocks (parameter_plan's 2-way split leaves it a data-parallel
+    # group of 1 device); the step count; the bias whole, the weight in its blocks
     assert "finish" not in data
-    for st in (0, 1):
+    for st, w in ((0, [1, 2]), (1, [2, 1])):
         strategies = [i["strategy"] for i in data["stages"][st]["finish"]["inputs"]]
-        assert strategies == [[1, 1], [1, 1, 1], [2], [1, 1], [2], [1, 1], [], [1],
-                              [1, 1]]
+        assert strategies == [[1, 1], [1, 1, 1], [2], w, [2], w, [], [1], w]
 
 
 def test_loading_an_operator_strategy_file_with_a_pipeline_is_refused(tmp_path):

@@ -716,23 +716,33 @@ class AutoParallel:
             return None
         return (base[0] * g,) + base[1:]
 
-    def _pipeline_zero(self, state: TrainState):
+    def _pipeline_zero(self, state: TrainState, blocks: bool = False):
         """ZeRO's split counts for a pipelined step (each over its stage's devices, see
-        ``_group``), or None if ZeRO splits nothing: per parameter leaf its own
-        (level3) and its gradient's (level2), per optimizer-state leaf its own
-        (level1); None for a leaf kept whole."""
-        if self._options.hsdp is None:
+        ``_group``), or None if nothing is split: per parameter leaf its own (level3)
+        and its gradient's (level2), per optimizer-state leaf its own (level1); None
+        for a leaf kept whole. ``blocks``: the stages are sharded (``parameter_plan``),
+        so a leaf ZeRO leaves alone keeps its tensor-parallel block, the split counts
+        of its parameter's strategy, as without a pipeline (a parameter, its gradient
+        and the state that copies it: Adam's moments)."""
+        if self._options.hsdp is None and not blocks:
             return None
+
+        def counts(x, level, base):
+            split = self._zero(x, level, base)
+            if split is None and blocks and base and any(c > 1 for c in base):
+                return tuple(base)
+            return split
+
         paths, leaves, _ = tree.flatten_with_path(state.params)
         bases = [self._base(p, x) for p, x in zip(paths, leaves)]
-        params = [None if b is None else self._zero(x, "level3", b)
+        params = [None if b is None else counts(x, "level3", b)
                   for b, x in zip(bases, leaves)]
-        grads = [None if b is None else self._zero(x, "level2", b)
+        grads = [None if b is None else counts(x, "level2", b)
                  for b, x in zip(bases, leaves)]
         fixed = self._frozen()
         trainable = _without(state.params, fixed)
         bases = self._state_bases(state.opt_state, trainable)
-        opt = [None if base is False else self._zero(x, "level1", base)
+        opt = [None if base is False else counts(x, "level1", base)
                for x, (base, _) in zip(tree.leaves(state.opt_state), bases, strict=True)]
         if not any(c is not None for c in params + grads + opt):
             return None
@@ -1450,7 +1460,10 @@ class AutoParallel:
         state and the leaves no stage owns; the totals are the most any device keeps)
         or ``"whole"`` (every device keeps
         every stage's state, ZeRO splitting each leaf over its stage's devices;
-        ``"whole_because"`` says why)."""
+        ``"whole_because"`` says why). With operator parallelism inside the stages,
+        ``"stage_state"`` says whether a stage's devices keep its state in the
+        ``parameter_plan`` blocks (``"blocks"``) or whole (``"whole"``,
+        ``"stage_state_because"`` says why)."""
         self._check_state(state, ".memory_report(state, *batch)")
         if self._pipeline is not None:
             return self._pipeline.step_for(state, *batch).memory_report(state)

@@ -26,8 +26,9 @@ train step into a pipelined one:
    apart on the first step and refuses any other loss), and the optimizer runs once:
    exactly the gradient of the full batch's loss. The update is split by stage when
    it can be (``StageUpdate``): each stage's devices update only their own parameters
-   and optimizer state (with ZeRO, split over the stage's devices), a sum or maximum
-   over several stages' values (a global norm) combining the stages' partial results.
+   and optimizer state (with ZeRO, split over the stage's devices; on sharded stages,
+   in their ``parameter_plan`` blocks), a sum or maximum over several stages' values
+   (a global norm) combining the stages' partial results.
 
 Where it runs:
 
@@ -446,7 +447,14 @@ class Stages:
             if sharding is None:
                 return jit(bwd)
             strategies = self._param_strategies(c, sharding)
-            return sharding.compile(bwd, strategies, (None, strategies))
+            # on a virtual mesh the gradient sums stay in the parameters' blocks from
+            # one micro-batch to the next (the update takes them so); in a job each
+            # process of a stage keeps them whole, as its state
+            blocks = sharding.groups is None and all(
+                isinstance(s, tuple) and all(isinstance(k, int) for k in s)
+                for s in strategies)
+            return sharding.compile(bwd, strategies, (None, strategies),
+                                    (strategies, None) if blocks else None)
 
         return self._shared("B", c, build, sharding)
 
@@ -477,13 +485,14 @@ class StageSharding(NamedTuple):
             return None
         return (self.devices, self.groups, self.search, self.fp32, tuple(parts))
 
-    def compile(self, fn, param_strategies: list, extra: tuple):
+    def compile(self, fn, param_strategies: list, extra: tuple, out=None):
         """``fn(params, carry, batch, *extra)`` compiled as ``fs.shard`` on the stage's
-        devices; ``extra``: the strategies of the further arguments."""
+        devices; ``extra``: the strategies of the further arguments; ``out``: of the
+        outputs (None: whole)."""
         mesh = (self.devices if self.groups is not None
                 else Mesh(self.devices, "stage", virtual=True))
         s = shard(fn, in_strategy=(param_strategies, None, list(self.batch)) + extra,
-                  mesh=mesh, level=2, search=self.search is True,
+                  out_strategy=out, mesh=mesh, level=2, search=self.search is True,
                   dataset_strategy="full_batch")
         s.search = self.search  # (semi_auto: "follow_inputs")
         s.process_groups = self.groups
@@ -734,17 +743,25 @@ class PipelinedStep:
         self._gather = None  # the batch from the processes' slices (sharded stages)
         self._gather_all = None  # (types, program): gather's (a job's split state)
         self._whole = None
-        #: ZeRO inside the stages (``AutoParallel._pipeline_zero``'s split counts), or
-        #: None: the finishing program is then sharded over the devices, each state
-        #: leaf split over its stage's devices (``_make_zero_finish``).
+        #: The split counts of the state inside the stages
+        #: (``AutoParallel._pipeline_zero``): ZeRO's, and a sharded stage's
+        #: tensor-parallel blocks; or None (every leaf whole). The update's programs
+        #: are then sharded over the stage's devices, each leaf split as its counts say
+        #: (``StageUpdate``; ``_make_zero_finish`` for an update that runs whole).
         self.zero = zero
         self._grad_vars: list = []
         #: The optimizer update split by stage (``StageUpdate``: each stage's devices
         #: update only their own parameters and state), or why it runs whole on every
         #: device (a string).
         self.split = self._split(state)
+        if not isinstance(self.split, StageUpdate) and runner.ap.options.hsdp is None:
+            # an update that runs whole runs on whole leaves (one program per optimizer
+            # shared by every pipeline): a sharded stage's blocks are kept by the
+            # stage-by-stage update only
+            self.zero = None
         self.finish = (None if isinstance(self.split, StageUpdate) else
-                       self._make_finish() if zero is None else self._make_zero_finish(state))
+                       self._make_finish() if self.zero is None
+                       else self._make_zero_finish(state))
         #: With ``profile = True`` (pieces only) each computation is waited for and
         #: timed; ``stats`` then holds, per device of this process, the busy seconds
         #: and the peak number and bytes of kept stage inputs of the last step.
@@ -1252,7 +1269,9 @@ class PipelinedStep:
         device keeps its own stage's state and the leaves no stage owns (Adam's step
         count): the totals are the most any device keeps of each. Otherwise
         (``"update": "whole"``, ``"whole_because"`` says why) every device keeps every
-        stage's state, whole, or with ZeRO split over its stage's devices."""
+        stage's state, whole, or with ZeRO split over its stage's devices. With sharded
+        stages, ``"stage_state"``: ``"blocks"`` (a stage's devices keep its leaves in
+        their strategies' blocks) or ``"whole"`` (``"stage_state_because"`` says why)."""
         p_leaves = tree.leaves(state.params)
         o_leaves = tree.leaves(state.opt_state)
         stage_of = {i: c % self.S for c, owned in enumerate(self.plan.chunk_params)
@@ -1295,14 +1314,35 @@ class PipelinedStep:
                    "grads": sum(b for i, b in enumerate(g_b) if stage_of.get(i, 0) == s),
                    "optimizer_state": sum(b for k, b in enumerate(o_b) if o_stage[k] == s)}
                   for s in range(self.S)]
+        blocks = {}
+        if self.sharding is not None:
+            # a sharded stage's state: in tensor-parallel blocks, or whole and why
+            why = self._whole_blocks_because(state)
+            blocks = ({"stage_state": "blocks"} if why is None else
+                      {"stage_state": "whole", "stage_state_because": why})
         if isinstance(self.split, StageUpdate):
             shared = sum(o_b[k] for k in self.split.o_idx[None])
             return {"params": max(st["params"] for st in stages),
                     "grads": max(st["grads"] for st in stages),
                     "optimizer_state": max(st["optimizer_state"] for st in stages) + shared,
-                    "stages": stages, "update": "per_stage"}
+                    "stages": stages, "update": "per_stage", **blocks}
         return {"params": sum(p_b), "grads": sum(g_b), "optimizer_state": sum(o_b),
-                "stages": stages, "update": "whole", "whole_because": self.split}
+                "stages": stages, "update": "whole", "whole_because": self.split, **blocks}
+
+    def _whole_blocks_because(self, state) -> str | None:
+        """Why a sharded stage's parameters and optimizer state are whole on each of its
+        devices between steps, or None when they are kept in tensor-parallel blocks
+        (some leaf split by its strategy)."""
+        if self.rank is not None:
+            return ("in a multi-process job each process of a stage keeps its stage's "
+                    "state whole")
+        if not isinstance(self.split, StageUpdate) and self.zero is None:
+            return f"the optimizer update runs whole on whole leaves: {self.split}"
+        counts = [] if self.zero is None else [c for cs in self.zero for c in cs]
+        if not any(c is not None and any(k > 1 for k in c) for c in counts):
+            return ("no parameter has split counts in parameter_plan (strategies derived "
+                    "inside the stage, or given as fs.Layout views, keep it whole)")
+        return None
 
     def _make_finish(self):
         ap, cfg = self.runner.ap, self.runner.cfg
@@ -1944,7 +1984,9 @@ class PipelineRunner:
                                        plan.batch_vars[0].aval.shape[0],
                                        dp if sharding is not None else 1)
         self.combine = combine
-        zero = ap._pipeline_zero(state)
+        # (on a virtual mesh a sharded stage keeps its state in tensor-parallel blocks;
+        # in a job each process of a stage keeps its stage's state whole)
+        zero = ap._pipeline_zero(state, blocks=sharding is not None and self.virtual)
         if zero is not None and not self.virtual:
             hsdp = ap.options.hsdp
             raise ArgumentError(

@@ -822,7 +822,7 @@ def _static_int_exponent(y) -> bool:
     if isinstance(y, (bool, np.bool_)) or not isinstance(y, (int, float, np.integer,
                                                              np.floating)):
         return False
-    # (this module's abs is the traced op)
+    # (a chained comparison, not abs(): this module's abs is the traced op)
     return math.isfinite(y) and float(y).is_integer() and -2 ** 16 <= y <= 2 ** 16
 
 

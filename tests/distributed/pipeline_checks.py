@@ -96,6 +96,7 @@ def main(out_dir: str) -> None:
             "state_bytes": {"params": _kept_bytes(state.params),
                             "opt_state": _kept_bytes(state.opt_state)} if mp else None,
             "report": step.memory_report(state) if mp else None,
+            "refused": _refused(fs, state) if mp else None,
             "split_checkpoint": _split_checkpoint(ap, state, whole, out_dir, name, rank)
             if mp else None,
             "stage_collectives": _stage_collectives(step, state) if mp else None,
@@ -116,6 +117,22 @@ def _kept_value(x) -> dict:
         return {"block": np.asarray(x.block.asnumpy()).tolist(),
                 "bounds": [list(b) for b in x.bounds]}
     return {"value": np.asarray(x.asnumpy()).tolist()}
+
+
+def _refused(fs, state) -> dict:
+    """The messages of reading a stage's block alone (no collective runs: every process
+    refuses alike)."""
+    block = next(x for x in fs.tree.leaves(state.params) if isinstance(x, fs.ShardedArray))
+    out = {}
+    for what, call in (("asnumpy", block.asnumpy), ("gather", block.gather),
+                       ("gather_sharded", lambda: fs.gather_sharded(
+                           {"x": block, "whole": np.zeros(2, np.float32)}))):
+        try:
+            call()
+            out[what] = None
+        except fs.FshardError as e:
+            out[what] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def _kept_bytes(t) -> int:

@@ -212,3 +212,20 @@ def test_the_tensor_parallel_split_state_saves_and_loads_as_it_is(job):
         gathered = fs.checkpoint.load(e0["gathered_dir"], like=like)
         for a, b in zip(fs.tree.leaves(split), fs.tree.leaves(gathered)):
             assert a.asnumpy().tobytes() == b.asnumpy().tobytes(), name
+
+
+def test_a_stages_block_read_alone_is_refused_with_the_fix(job):
+    """A tensor-parallel stage's block read as a value, or gathered over the job
+    (x.gather(), fs.gather_sharded) that only the stage's processes hold: an
+    fs.ProcessLocalError on every process, before any collective, saying to gather the
+    state with the AutoParallel."""
+    n, ranks = job
+    for name, *_ in _mp_configs(n):
+        for r, res in enumerate(ranks):
+            e = res["configs"][name]["refused"]
+            assert e["asnumpy"].startswith("ProcessLocalError: .asnumpy() needs the values")
+            for what, call in (("gather", "x.gather()"), ("gather_sharded", "fs.gather_sharded")):
+                assert e[what].startswith(f"ProcessLocalError: {call}: this f32["), e[what]
+                assert f"is split over 2 of the job's {n} processes only (a pipeline " \
+                    "stage's block" in e[what], e[what]
+                assert "Fix: call ap.gather(state) / ap.gather_params(state)" in e[what]

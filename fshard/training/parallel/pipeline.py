@@ -44,7 +44,10 @@ Where it runs:
   by stage, each process sums its stage's gradients over the stage's processes, combines
   the cross-stage reductions' partial results with one collective over ``pp`` each, and
   updates its stage's leaves alone: the state it returns holds the other stages' leaves
-  as ``fs.RemoteArray`` leaves (``PipelineRunner.gather`` brings them back). An update that
+  as ``fs.RemoteArray`` leaves (``PipelineRunner.gather`` brings them back); on a
+  sharded stage, its split leaves as this process's blocks (``fs.ShardedArray`` over
+  the stage's processes), the stage's update programs ``fs.shard``-ed over them (each
+  chunk's backward keeping its gradient sums in the blocks). An update that
   does not split has the gradients summed over the whole job with one ``fs.psum`` each
   (a process holds zeros for the other stages' parameters), so every process runs the
   whole optimizer and keeps the whole state.

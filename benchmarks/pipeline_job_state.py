@@ -2,13 +2,16 @@
 multi-process job"): the MLP ``MD -> MH -> MD`` (default 256 -> 1024 -> 256) cut into 2
 stages, Adam (``CLIP=1``: a global-norm clip before it), batch 64 (each process passing
 its data-parallel slice), ``M = 4``, 1F1B, ``output_broadcast``; ``STEPS`` steps
-(default 40), each waiting for its loss.
+(default 40), each waiting for its loss. ``TP=1``: tensor-parallel stages
+(``parameter_plan``: ``w1`` in column blocks, ``w2`` in row blocks over a stage's
+processes), whose state each process keeps in its blocks (``fs.ShardedArray``).
 
     python -m fshard.launch -n 2 benchmarks/pipeline_job_state.py OUT_DIR   # 2 x 1
     python -m fshard.launch -n 4 benchmarks/pipeline_job_state.py OUT_DIR   # 2 x 2
+    TP=1 python -m fshard.launch -n 4 benchmarks/pipeline_job_state.py OUT_DIR   # tp=2
 
 Each rank writes ``OUT_DIR/m<rank>.json``: the bytes of the parameters and optimizer
-state its state keeps (an ``fs.RemoteArray`` keeps none), the median and minimum step
+state its state keeps (an ``fs.RemoteArray`` keeps none, an ``fs.ShardedArray`` its block), the median and minimum step
 time after 5 warm-up steps, the load average, the last loss and ``memory_report``.
 """
 import json
@@ -38,6 +41,8 @@ def loss(p, x, y):
 opt = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adam(1e-3)) \
     if os.environ.get("CLIP") else fs.optim.adam(1e-3)
 ap = fs.AutoParallel(loss, opt).pipeline(stages=2, micro_batches=4, output_broadcast=True)
+if os.environ.get("TP"):
+    ap.parameter_plan({"w1": (1, dp), "w2": (dp, 1)})
 state = ap.init(params)
 j = rank % dp
 times = []
@@ -52,6 +57,8 @@ for i in range(int(os.environ.get("STEPS", "40"))):
 def nb(x):
     if type(x).__name__ == "RemoteArray":
         return 0
+    if isinstance(x, fs.ShardedArray):  # (this process's block)
+        x = x.block
     a = fs.typeof(x)
     return int(a.size * np.dtype(fs.dtypes.to_numpy(a.dtype)).itemsize)
 

@@ -121,7 +121,10 @@ class ShardedArray(_ValuesElsewhere):
         block: this process's block, a MindSpore Tensor of shape ``local_shape``.
         sharding: the mesh axes splitting each dimension
             (``fshard.sharding.layouts.Sharding`` over ``mesh``'s prime axes).
-        mesh: the job's devices as prime-sized axes (``ShardMesh``).
+        mesh: the job's devices as prime-sized axes (``ShardMesh``); for a pipeline
+            stage's block (``fs.AutoParallel`` with ``pipeline`` and tensor-parallel
+            stages in a job), the stage's processes, one of the job's equal groups
+            of consecutive ranks (a rank's coordinates are taken modulo the mesh).
         rank: the process whose block this is.
 
     ``strategy`` gives the split counts (MindSpore's view), ``bounds`` the block's
@@ -174,7 +177,24 @@ class ShardedArray(_ValuesElsewhere):
     def gather(self):
         """The global value as a MindSpore Tensor: an AllGather over the job, so every
         process must call it (in the same order)."""
+        self._check_job_wide("x.gather()")
         return _gather_fn(self.sharding, self.mesh, typeof(self.block))(self.block)
+
+    def _check_job_wide(self, what: str) -> None:
+        """A pipeline stage's block (over the stage's processes only) is refused: the
+        other stages' processes hold none of it, so no collective over the job can
+        assemble it alone."""
+        from fshard.meshes import distributed
+
+        world = distributed.world_size() if distributed.is_initialized() else 1
+        if self.mesh.size < world:
+            raise ProcessLocalError(
+                f"{what}: this {self.aval} array is split over {self.mesh.size} of the "
+                f"job's {world} processes only (a pipeline stage's block: the other "
+                "stages' processes hold none of it), so a collective over the job cannot "
+                "assemble it.\nFix: call ap.gather(state) / ap.gather_params(state) of the "
+                "fs.AutoParallel whose step returned it, in every process (a collective "
+                "that brings every stage's leaves to every process).")
 
     def refuse(self, what: str):
         raise ProcessLocalError(
@@ -212,7 +232,8 @@ class RemoteArray(_ValuesElsewhere):
     Attributes:
         shape, dtype: the leaf's (``fs.typeof(x)`` is its ``ArrayType``).
         stage: the pipeline stage that keeps it.
-        holders: the ranks of that stage's processes (each keeps the whole leaf).
+        holders: the ranks of that stage's processes (each keeps the whole leaf, or
+            on a tensor-parallel stage its block of it).
         rank: this process.
 
     Reading its values is an ``fs.ProcessLocalError`` with the fix:
@@ -293,9 +314,11 @@ def gather_sharded(tree_):
     """
     from fshard.core import tree
 
-    def one(x):
+    # (refused before any collective, so that every process stops alike)
+    for x in tree.leaves(tree_):
         if isinstance(x, RemoteArray):  # (only its stage's processes can give it)
             x.refuse("fs.gather_sharded")
-        return x.gather() if isinstance(x, ShardedArray) else x
-
-    return tree.map(one, tree_)
+    for x in tree.leaves(tree_):
+        if isinstance(x, ShardedArray):
+            x._check_job_wide("fs.gather_sharded")
+    return tree.map(lambda x: x.gather() if isinstance(x, ShardedArray) else x, tree_)

@@ -379,6 +379,15 @@ def _save(path, state, step, layouts, mesh, timeout, attempt):
             kinds.append(["remote", [int(d) for d in x.shape], dt, int(x.stage),
                           [int(h) for h in x.holders]])
             continue
+        if isinstance(x, ShardedArray) and x.mesh.size < nproc and nproc % x.mesh.size == 0:
+            # a block over a pipeline stage's processes (a tensor-parallel stage's
+            # leaf): the other stages' processes hold none of it (fs.RemoteArray), so
+            # the writers are settled with the other processes' answers
+            dt = np.dtype(dtypes.to_numpy(x.dtype)).name
+            kinds.append(["block", [int(d) for d in x.shape], dt, rank // x.mesh.size,
+                          [[int(a), int(b)] for a, b in x.bounds],
+                          [int(c) for c in x.strategy]])
+            continue
         if isinstance(x, ShardedArray):  # this process's block: its own layout
             entries[i] = _local_entry(i, p, x, nproc, rank, mine)
             kinds.append(["sharded", entries[i]["shape"], entries[i]["dtype"], None, None])
@@ -417,6 +426,17 @@ def _save(path, state, step, layouts, mesh, timeout, attempt):
             if entries[i] is not None:  # a ShardedArray's, under its own layout
                 continue
             shape, dt = kinds[i][1], kinds[i][2]
+            if isinstance(held[i], dict):  # a tensor-parallel stage's blocks
+                if spec is not None:
+                    raise CheckpointError(
+                        f"fs.checkpoint.save(..., layouts): layouts splits leaf "
+                        f"{tree.keystr(p)} as {_spec_json(spec)}, but it is a pipeline "
+                        f"stage's leaf kept in blocks by processes {held[i]['holders']} "
+                        "(an fs.ShardedArray there, an fs.RemoteArray on the others): it "
+                        "is written in its own blocks.\nFix: give None for the leaves of a "
+                        "pipelined state split by stage (or leave layouts out).")
+                entries[i] = _stage_blocks_entry(i, p, leaves[i], held[i], nproc, rank, mine)
+                continue
             if len(held[i]) == nproc:  # every process holds it: layouts, or process 0
                 where = [(idx, bounds, process_of(owner))
                          for idx, bounds, owner in _blocks(shape, spec, n_devices)]
@@ -543,7 +563,30 @@ def _exchange(tmp: str, rank: int, nproc: int, attempt: int, kinds: list, treede
 
 def _what(kind: list) -> str:
     return {"value": "an array", "sharded": "an fs.ShardedArray",
+            "block": "an fs.ShardedArray (a pipeline stage's block)",
             "remote": "an fs.RemoteArray"}[kind[0]] + f" {kind[2]}{kind[1]}"
+
+
+def _stage_blocks_entry(i: int, p, x, held: dict, nproc: int, rank: int,
+                        mine: dict) -> dict:
+    """The index entry of a pipeline stage's leaf kept in tensor-parallel blocks by the
+    stage's processes (``held``: each one's block bounds, from every process's answer):
+    each block written once, by the lowest process holding it; this process's goes
+    into ``mine``."""
+    owners: dict = {}
+    for r, bounds in held["bounds"]:
+        owners.setdefault(tuple(tuple(b) for b in bounds), r)
+    blocks = []
+    for bounds, owner in owners.items():
+        idx = tuple(s // max(e - s, 1) for s, e in bounds)
+        key = f"{i}:{','.join(map(str, idx))}"
+        if owner == rank:
+            mine[key] = _numpy(x.block)
+        blocks.append({"key": key, "file": f"shard-{owner:05d}-of-{nproc:05d}.safetensors",
+                       "start": [s for s, _ in bounds], "stop": [e for _, e in bounds]})
+    return {"path": tree.keystr(p), "name": _name(p), "shape": list(held["shape"]),
+            "dtype": held["dtype"], "layout": held["layout"], "blocks": blocks,
+            "stage": held["stage"], "holders": held["holders"]}
 
 
 def _holders_of(paths, views: list, nproc: int) -> list:
@@ -561,6 +604,22 @@ def _holders_of(paths, views: list, nproc: int) -> list:
                     "the same state (each process's own step's result).")
         if per[0][0] == "sharded":
             held.append(None)
+            continue
+        kept = [(r, k) for r, k in enumerate(per) if k[0] == "block"]
+        if kept:  # a pipeline stage's blocks: its processes', fs.RemoteArray elsewhere
+            other = next(((r, k) for r, k in enumerate(per)
+                          if k[0] not in ("block", "remote")), None)
+            if other is not None:
+                raise CheckpointError(
+                    f"fs.checkpoint.save: the processes of this job save different "
+                    f"states: leaf {tree.keystr(p)} is {_what(kept[0][1])} on process "
+                    f"{kept[0][0]} and {_what(other[1])} on process {other[0]}.\nFix: call "
+                    "save in every process with the same state (each process's own step's "
+                    "result).")
+            first = kept[0][1]
+            held.append({"shape": first[1], "dtype": first[2], "stage": first[3],
+                         "layout": first[5], "holders": [r for r, _ in kept],
+                         "bounds": [(r, k[4]) for r, k in kept]})
             continue
         h = [r for r, k in enumerate(per) if k[0] == "value"]
         if not h:
@@ -967,7 +1026,9 @@ def _local_targets(like, likes: list, layouts) -> list:
     out = []
     for k, (x, spec) in enumerate(zip(likes, specs)):
         if isinstance(x, ShardedArray):
-            if x.mesh.size != nproc:
+            # (a pipeline stage's block: over the stage's processes, one group of the
+            # job's equal consecutive groups)
+            if x.mesh.size > nproc or nproc % x.mesh.size:
                 raise CheckpointError(
                     f"fs.checkpoint.load: like leaf {k} is an fs.ShardedArray of a job of "
                     f"{x.mesh.size} processes, this job has {nproc}.\nFix: load into a "

@@ -5,9 +5,12 @@
 for ``STEPS`` steps on the job's world, and writes ``OUT_DIR/rank<k>.json``: per
 configuration the losses, its stage, the parameters it owns after the last step (the
 only ones its state keeps), the parameters and optimizer state gathered on every rank,
-and the lowered source of one transfer program;
-tests/distributed/test_pipeline_multiprocess.py compares them with one process's
-unpipelined training. All configurations share one launch (~15 s of start-up).
+and the lowered source of one transfer program; with tensor-parallel stages ("mp")
+also what each leaf it keeps is (its own stage's split leaves are its blocks), the
+bytes it keeps, ``memory_report`` and a checkpoint saved from the split state
+(``split_checkpoint``); tests/distributed/test_pipeline_multiprocess.py compares them
+with one process's unpipelined training. All configurations share one launch (~15 s
+of start-up).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def main(out_dir: str) -> None:
         entry = {
             "stage": rank // (world // stages),
             "losses": [None if np.isnan(v) else v for v in losses],
-            "owned": {k: np.asarray(state.params[k].asnumpy()).tolist() for k in owned},
+            # (a split leaf: this process's block of it, and where it lies)
+            "owned": {k: _kept_value(state.params[k]) for k in owned},
             # each process keeps its own stage's parameters only
             "kept": sorted(k for k, v in state.params.items()
                            if not isinstance(v, fs.RemoteArray)),
@@ -85,6 +89,16 @@ def main(out_dir: str) -> None:
                           for x in fs.tree.leaves(whole.opt_state)],
             "gathered": {k: np.asarray(v.asnumpy()).tolist() for k, v in gathered.items()},
             "rounds": len(step.schedule.timeline().rounds()),
+            "leaf_kinds": {"params": {k: type(v).__name__ for k, v in state.params.items()},
+                           "opt_state": [type(x).__name__
+                                         for x in fs.tree.leaves(state.opt_state)]}
+            if mp else None,
+            "state_bytes": {"params": _kept_bytes(state.params),
+                            "opt_state": _kept_bytes(state.opt_state)} if mp else None,
+            "report": step.memory_report(state) if mp else None,
+            "refused": _refused(fs, state) if mp else None,
+            "split_checkpoint": _split_checkpoint(ap, state, whole, out_dir, name, rank)
+            if mp else None,
             "stage_collectives": _stage_collectives(step, state) if mp else None,
             "transfer_programs": {f"{k[0]}:{k[1]}:{k[2]}": fn.lower(*_transfer_args(step, k))
                                   .as_text() for k, fn in step._transfers.items()},
@@ -92,6 +106,84 @@ def main(out_dir: str) -> None:
         results["configs"][name] = entry
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(results, fh)
+
+
+def _kept_value(x) -> dict:
+    """What this process keeps of a parameter: its value, or (an fs.ShardedArray) its
+    block and the block's bounds."""
+    import fshard as fs
+
+    if isinstance(x, fs.ShardedArray):
+        return {"block": np.asarray(x.block.asnumpy()).tolist(),
+                "bounds": [list(b) for b in x.bounds]}
+    return {"value": np.asarray(x.asnumpy()).tolist()}
+
+
+def _refused(fs, state) -> dict:
+    """The messages of reading a stage's block alone (no collective runs: every process
+    refuses alike)."""
+    block = next(x for x in fs.tree.leaves(state.params) if isinstance(x, fs.ShardedArray))
+    out = {}
+    for what, call in (("asnumpy", block.asnumpy), ("gather", block.gather),
+                       ("gather_sharded", lambda: fs.gather_sharded(
+                           {"x": block, "whole": np.zeros(2, np.float32)}))):
+        try:
+            call()
+            out[what] = None
+        except fs.FshardError as e:
+            out[what] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _kept_bytes(t) -> int:
+    """The bytes of ``t``'s leaves this process holds (a block's, none of a
+    RemoteArray's)."""
+    import fshard as fs
+
+    total = 0
+    for x in fs.tree.leaves(t):
+        if isinstance(x, fs.RemoteArray):
+            continue
+        a = x.block if isinstance(x, fs.ShardedArray) else x
+        total += int(np.asarray(a.asnumpy()).nbytes)
+    return total
+
+
+def _split_checkpoint(ap, state, whole, out_dir, name, rank) -> dict:
+    """The split state saved as it is (each tensor-parallel stage's blocks written by
+    its processes) and ap.gather(state) saved beside it; the split one loaded back into
+    the split state (each process reading its blocks) and one step from each."""
+    import fshard as fs
+    import train_pipeline as ex
+
+    root = os.path.join(out_dir, f"checkpoints_{name}")
+    split_dir = fs.checkpoint.save(os.path.join(root, "split"), state)
+    fs.checkpoint.save(os.path.join(root, "gathered"), whole)
+    back = fs.checkpoint.load(split_dir, like=state)
+    same = []
+    for a, b in zip(fs.tree.leaves(back), fs.tree.leaves(state)):
+        if isinstance(b, fs.ShardedArray):
+            same.append(isinstance(a, fs.ShardedArray) and a.bounds == b.bounds and
+                        a.block.asnumpy().tobytes() == b.block.asnumpy().tobytes())
+        elif isinstance(b, fs.RemoteArray):
+            same.append(isinstance(a, fs.RemoteArray))
+        else:
+            same.append(a.asnumpy().tobytes() == b.asnumpy().tobytes())
+    x, y = next(iter(ex.batches(1, ex.BATCH)))
+    if ap._dataset == "data_parallel":  # (this process's slice)
+        dp = ap.n_devices // ap._pipeline.cfg.stages
+        b, j = len(x) // dp, rank % dp
+        x, y = x[j * b:(j + 1) * b], y[j * b:(j + 1) * b]
+    s1, l1 = ap(state, x, y)
+    s2, l2 = ap(back, x, y)
+    g1, g2 = ap.gather(s1), ap.gather(s2)
+    return {"dir": split_dir, "gathered_dir": os.path.join(root, "gathered"),
+            "loaded_equal": same,
+            "resumed_equal": bool(float(l1.asnumpy()) == float(l2.asnumpy()) or (
+                np.isnan(float(l1.asnumpy())) and np.isnan(float(l2.asnumpy())))),
+            "resumed_state_equal": all(
+                a.asnumpy().tobytes() == c.asnumpy().tobytes()
+                for a, c in zip(fs.tree.leaves(g1), fs.tree.leaves(g2)))}
 
 
 def _names(params, leaf_indices) -> list:

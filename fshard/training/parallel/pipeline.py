@@ -44,7 +44,10 @@ Where it runs:
   by stage, each process sums its stage's gradients over the stage's processes, combines
   the cross-stage reductions' partial results with one collective over ``pp`` each, and
   updates its stage's leaves alone: the state it returns holds the other stages' leaves
-  as ``fs.RemoteArray`` leaves (``PipelineRunner.gather`` brings them back). An update that
+  as ``fs.RemoteArray`` leaves (``PipelineRunner.gather`` brings them back); on a
+  sharded stage, its split leaves as this process's blocks (``fs.ShardedArray`` over
+  the stage's processes), the stage's update programs ``fs.shard``-ed over them (each
+  chunk's backward keeping its gradient sums in the blocks). An update that
   does not split has the gradients summed over the whole job with one ``fs.psum`` each
   (a process holds zeros for the other stages' parameters), so every process runs the
   whole optimizer and keeps the whole state.
@@ -66,15 +69,16 @@ from fshard.core.tracing import ArrayType, Tracer, bind, typeof
 from fshard.core.dims import planning_size
 from fshard.errors import ArgumentError, FshardError, PipelineBalanceWarning
 from fshard.adapter.interop import check_context_mode
-from fshard.backend.mindspore import device_target
+from fshard.backend.mindspore import as_tensor, device_target
 from fshard.core.interpret import bind_equation, eval_program, walk_equations
 from fshard.core.ir import Program, Var
 from fshard.meshes.layout import Layout
 from fshard.meshes.mesh import Mesh, resolve_mesh
 from fshard.training.optim import apply_updates
 from fshard.sharding.cost import local_bytes
-from fshard.sharding.local import RemoteArray
-from fshard.sharding.layouts import Sharding
+from fshard.sharding.local import RemoteArray, ShardedArray, block_bounds
+from fshard.sharding.layouts import ShardMesh, Sharding
+from fshard.sharding.strategy import parse_strategy
 from fshard.sharding.user_layouts import with_sharding_constraint
 from fshard.primitives.passes import reduce_in_float32
 from fshard.training.parallel.options import ParallelMode
@@ -433,10 +437,13 @@ class Stages:
 
         return self._shared("F", c, build, sharding)
 
-    def backward_fn(self, c: int, sharding: "StageSharding | None" = None):
+    def backward_fn(self, c: int, sharding: "StageSharding | None" = None,
+                    blocks: bool = False):
         """``(params, carry_in, batch, ct, grad_sums) -> (grad_sums + grads, ct_in)`` of
         chunk ``c``, compiled. It recomputes the chunk's forward from its input (the
-        one activation kept per micro-batch between a forward and its backward)."""
+        one activation kept per micro-batch between a forward and its backward).
+        ``blocks``: in a job whose stages keep their state in tensor-parallel blocks,
+        the gradient sums are this process's blocks (``fs.ShardedArray``)."""
         def build():
             def bwd(pv, ci, bv, ct, sums):
                 _, pull = vjp(lambda p, i: self.run_chunk(c, p, i, bv), pv, ci)
@@ -447,16 +454,22 @@ class Stages:
             if sharding is None:
                 return jit(bwd)
             strategies = self._param_strategies(c, sharding)
-            # on a virtual mesh the gradient sums stay in the parameters' blocks from
-            # one micro-batch to the next (the update takes them so); in a job each
-            # process of a stage keeps them whole, as its state
-            blocks = sharding.groups is None and all(
-                isinstance(s, tuple) and all(isinstance(k, int) for k in s)
-                for s in strategies)
+            # the gradient sums stay in the parameters' blocks from one micro-batch to
+            # the next (the update takes them so): on a virtual mesh, and in a job
+            # whose stages keep their state in blocks (each process its own block);
+            # otherwise each process of a stage keeps them whole, as its state
+            split = (sharding.groups is None or blocks) and self.split_counts(c, sharding)
             return sharding.compile(bwd, strategies, (None, strategies),
-                                    (strategies, None) if blocks else None)
+                                    (strategies, None) if split else None,
+                                    gather_outputs=not blocks)
 
-        return self._shared("B", c, build, sharding)
+        return self._shared("B" if not blocks else "B blocks", c, build, sharding)
+
+    def split_counts(self, c: int, sharding: "StageSharding") -> bool:
+        """Whether every parameter of chunk ``c`` has split counts as its strategy (the
+        gradient sums can then be kept in its blocks)."""
+        return all(isinstance(s, tuple) and all(isinstance(k, int) for k in s)
+                   for s in self._param_strategies(c, sharding))
 
     def _param_strategies(self, c: int, sharding: "StageSharding") -> list:
         return [sharding.params[i] for i in self.chunk_params[c]]
@@ -485,10 +498,12 @@ class StageSharding(NamedTuple):
             return None
         return (self.devices, self.groups, self.search, self.fp32, tuple(parts))
 
-    def compile(self, fn, param_strategies: list, extra: tuple, out=None):
+    def compile(self, fn, param_strategies: list, extra: tuple, out=None,
+                gather_outputs: bool = True):
         """``fn(params, carry, batch, *extra)`` compiled as ``fs.shard`` on the stage's
         devices; ``extra``: the strategies of the further arguments; ``out``: of the
-        outputs (None: whole)."""
+        outputs (None: whole); ``gather_outputs=False``: in a job, a split output is
+        this process's block (``fs.ShardedArray``)."""
         mesh = (self.devices if self.groups is not None
                 else Mesh(self.devices, "stage", virtual=True))
         s = shard(fn, in_strategy=(param_strategies, None, list(self.batch)) + extra,
@@ -496,6 +511,7 @@ class StageSharding(NamedTuple):
                   dataset_strategy="full_batch")
         s.search = self.search  # (semi_auto: "follow_inputs")
         s.process_groups = self.groups
+        s.gather_outputs = gather_outputs
         if self.fp32:
             s.passes = (reduce_in_float32,)
         fn = jit(s)
@@ -762,6 +778,12 @@ class PipelinedStep:
         self.finish = (None if isinstance(self.split, StageUpdate) else
                        self._make_finish() if self.zero is None
                        else self._make_zero_finish(state))
+        #: In a job whose stages keep their state in tensor-parallel blocks: each split
+        #: parameter, gradient sum and optimizer-state leaf of this process's stage is
+        #: its block (an ``fs.ShardedArray`` over the stage's processes), which the
+        #: stage's programs take and return as it is.
+        self.blocks = (rank is not None and self.zero is not None
+                       and isinstance(self.split, StageUpdate))
         #: With ``profile = True`` (pieces only) each computation is waited for and
         #: timed; ``stats`` then holds, per device of this process, the busy seconds
         #: and the peak number and bytes of kept stage inputs of the last step.
@@ -801,6 +823,8 @@ class PipelinedStep:
         plan, S, M, dp, groups = self.plan, self.S, self.M, self.dp, self.groups
         if self.rank is not None and isinstance(self.split, StageUpdate):
             self._check_kept(state)
+        if self.blocks:  # (a whole leaf, as ap.init gives it: cut, no communication)
+            state = self._place_blocks(state)
         p_leaves, p_tree = tree.flatten(state.params)
         b_leaves = tree.leaves(list(batch))
         sliced = self.sliced
@@ -867,9 +891,12 @@ class PipelinedStep:
         ct = seed if last else d.inbox.pop(("B", c, m))
         sums = d.sums.get(c)
         if sums is None:
-            sums = [np.zeros(typeof(x).shape, dtypes.to_numpy(typeof(x).dtype)) for x in pv]
-        sums, g_carry = plan.backward_fn(c, self.sharding)(pv, d.saved.pop((c, m)),
-                                                           micro(m, d.j), ct, sums)
+            # (in blocks: each process's block of zeros, the layout the backward keeps)
+            split = self.blocks and plan.split_counts(c, self.sharding)
+            sums = [self._zeros(typeof(x), self.sharding.params[i] if split else None)
+                    for i, x in zip(plan.chunk_params[c], pv)]
+        sums, g_carry = plan.backward_fn(c, self.sharding, self.blocks)(
+            pv, d.saved.pop((c, m)), micro(m, d.j), ct, sums)
         d.sums[c] = list(sums)
         if c:
             self._send(d, "B", c - 1, m, list(g_carry))
@@ -958,8 +985,10 @@ class PipelinedStep:
         n_p = len(p_leaves)
         grads: list = [None] * n_p
         loss = None
-        wide = _widen if self.fp32 else (lambda x: x)
-        if self.zero is not None:
+        # (in a job one device: nothing to sum, and a block is not widened eagerly)
+        fp32 = self.fp32 and self.rank is None
+        wide = _widen if fp32 else (lambda x: x)
+        if self.zero is not None and self.rank is None:
             return self._finish_zero(devices, state, p_leaves, loss_dtype)
         for d in devices:  # (a virtual mesh: the data-parallel replicas summed here)
             for c, sums in d.sums.items():
@@ -967,7 +996,7 @@ class PipelinedStep:
                     grads[i] = wide(g) if grads[i] is None else grads[i] + wide(g)
             if d.loss is not None:
                 loss = wide(d.loss) if loss is None else loss + wide(d.loss)
-        if self.fp32:  # (summed in float32, rounded once)
+        if fp32:  # (summed in float32, rounded once)
             grads = [g if g is None else cast(g, typeof(x).dtype)
                      for g, x in zip(grads, p_leaves)]
             loss = None if loss is None else cast(loss, loss_dtype)
@@ -1020,6 +1049,11 @@ class PipelinedStep:
         values = []
         for k, a in zip(keys, avals):
             x = leaves[k]
+            if owner[k] == stage and isinstance(x, ShardedArray):
+                # a tensor-parallel stage's block: each block given once (by the lowest
+                # of the stage's processes holding it), in place in zeros
+                values.append(self._block_in_zeros(x))
+                continue
             give = owner[k] == stage and self.rank == stage * dp
             if give and isinstance(x, RemoteArray):
                 x.refuse(f"AutoParallel({self.runner.ap.name}).gather(state)")
@@ -1031,6 +1065,18 @@ class PipelinedStep:
             tree.unflatten(p_tree, [leaves[("p", i)] for i in range(len(p_leaves))]),
             tree.unflatten(o_tree, [leaves[("o", k)] for k in range(len(o_leaves))]),
             state.step)
+
+    def _block_in_zeros(self, x: ShardedArray):
+        """``x``'s global shape, zeros but for this process's block, if it is the
+        lowest of its stage's processes holding that block (all zeros otherwise): the
+        sum over the job of every process's is the global value."""
+        base = self.rank - self.rank % self.dp
+        first = next(r for r in range(base, base + self.dp)
+                     if block_bounds(x.sharding, x.mesh, r, x.shape) == x.bounds)
+        out = np.zeros(x.shape, dtypes.to_numpy(x.dtype))
+        if first == self.rank:
+            out[tuple(slice(s, e) for s, e in x.bounds)] = x.block.asnumpy()
+        return out
 
     def _check_kept(self, state) -> None:
         """In a job whose update is split by stage: this process's stage's leaves and
@@ -1068,8 +1114,11 @@ class PipelinedStep:
         o_leaves, o_tree = tree.flatten(state.opt_state)
         mine_p, mine_o, shared = up.p_idx[stage], up.o_idx[stage], up.o_idx[None]
         last = (self.plan.n_chunks - 1) % self.S
-        fn = up.job_program(stage, dp, last, cfg.output_broadcast, self.groups > 1,
-                            self.fp32, self.plan.name)
+        if self.blocks:  # (the stage's update on this process's blocks)
+            fn = up.job_blocks_program(stage, dp, last, cfg.output_broadcast, self.plan.name)
+        else:
+            fn = up.job_program(stage, dp, last, cfg.output_broadcast, self.groups > 1,
+                                self.fp32, self.plan.name)
         new_p, new_o, new_shared, step, out = fn(
             [grads[i] for i in mine_p], [o_leaves[k] for k in mine_o],
             [o_leaves[k] for k in shared], [p_leaves[i] for i in mine_p], state.step,
@@ -1097,6 +1146,39 @@ class PipelinedStep:
             o_out[k] = x
         return (self.runner.state_cls(tree.unflatten(p_tree, p_out),
                                       tree.unflatten(o_tree, o_out), step), out)
+
+    def _place_blocks(self, state):
+        """``state`` with each whole leaf of this process's stage that its counts split
+        cut to this process's block (``fs.ShardedArray.cut``: no communication), as the
+        steps return it, so the first step runs the programs of every later one."""
+        p_counts, _, o_counts = self.zero
+        stage = self.rank // self.dp
+        p_leaves, p_tree = tree.flatten(state.params)
+        o_leaves, o_tree = tree.flatten(state.opt_state)
+        p_leaves, o_leaves = list(p_leaves), list(o_leaves)
+        for i in self.split.p_idx[stage]:
+            p_leaves[i] = self._block(p_leaves[i], p_counts[i])
+        for k in self.split.o_idx[stage]:
+            o_leaves[k] = self._block(o_leaves[k], o_counts[k])
+        return self.runner.state_cls(tree.unflatten(p_tree, p_leaves),
+                                     tree.unflatten(o_tree, o_leaves), state.step)
+
+    def _block(self, x, counts):
+        if counts is None or math.prod(counts) == 1 or isinstance(
+                x, (ShardedArray, RemoteArray, Tracer)):
+            return x
+        return ShardedArray.cut(x, tuple(counts), ShardMesh.for_devices(self.dp), self.rank)
+
+    def _zeros(self, aval, counts):
+        """Zeros of type ``aval``: whole, or with split ``counts`` this process's block
+        of them (an ``fs.ShardedArray`` over its stage's processes)."""
+        dt = dtypes.to_numpy(aval.dtype)
+        if counts is None or math.prod(counts) == 1:
+            return np.zeros(aval.shape, dt)
+        mesh = ShardMesh.for_devices(self.dp)
+        sh = parse_strategy(tuple(counts), aval, mesh, "the gradient sums' strategy")
+        return ShardedArray(as_tensor(np.zeros(sh.local_shape(aval.shape, mesh), dt)),
+                            aval.shape, aval.dtype, sh, mesh, self.rank)
 
     def _split(self, state):
         """The optimizer update split by stage (``split_update``, shared by every
@@ -1333,9 +1415,6 @@ class PipelinedStep:
         """Why a sharded stage's parameters and optimizer state are whole on each of its
         devices between steps, or None when they are kept in tensor-parallel blocks
         (some leaf split by its strategy)."""
-        if self.rank is not None:
-            return ("in a multi-process job each process of a stage keeps its stage's "
-                    "state whole")
         if not isinstance(self.split, StageUpdate) and self.zero is None:
             return f"the optimizer update runs whole on whole leaves: {self.split}"
         counts = [] if self.zero is None else [c for cs in self.zero for c in cs]
@@ -1443,6 +1522,23 @@ def _fold(prim, params, values):
     return out
 
 
+def _partial_post(red: "_Reduction"):
+    """A stage's partial result of ``red``: its terms folded."""
+    def partial(got):
+        return [_fold(red.prim, red.params, got)]
+    return partial
+
+
+def _combine_post(red: "_Reduction"):
+    """``red``'s result: the stages' partial results (the last ones given, in stage
+    order) and the terms every stage holds, folded."""
+    n = len(red.terms)
+
+    def combine(got):  # (got: rep terms, then the partials)
+        return [_fold(red.prim, red.params, list(got[-n:]) + got[:-n])]
+    return combine
+
+
 class StageUpdate:
     """The optimizer update cut into programs per stage, each reading and writing only
     its stage's parameters, gradients and optimizer state (and the state leaves no
@@ -1493,82 +1589,114 @@ class StageUpdate:
         #: The cross-stage reductions, in the order they are needed: (the value, its
         #: ``_Reduction``).
         self.reductions = roots
-        shared_in = [ins[n_p + k] for k in self.o_idx[None]]
-        root_vars = [v for v, _ in roots]
-
-        def own_in(s):
-            p, o = self.p_idx[s], self.o_idx[s]
-            return ([ins[i] for i in p] + [ins[n_p + k] for k in o] + shared_in
-                    + [ins[n_p + n_o + i] for i in p])
+        self._ins = ins
+        self._shared_in = [ins[n_p + k] for k in self.o_idx[None]]
+        self._root_vars = [v for v, _ in roots]
+        shared_in, root_vars = self._shared_in, self._root_vars
 
         # per reduction: each stage's partial, then their combination
         self.partials, self.combines = [], []
         for k, (root, red) in enumerate(roots):
-            def partial(got, red=red):  # (got: the stage's terms)
-                return [_fold(red.prim, red.params, got)]
-
-            def combine(got, red=red, n=len(red.terms)):  # (got: rep terms, partials)
-                return [_fold(red.prim, red.params, list(got[-n:]) + got[:-n])]
-
             whole = (1,) * root.aval.ndim
             self.partials.append({s: self._compile(
-                own_in(s) + root_vars[:k], ts, partial, f"{name}_stage{s}_partial{k}",
-                out=[whole]) for s, ts in sorted(red.terms.items())})
+                self._own_in(s) + root_vars[:k], ts, _partial_post(red),
+                f"{name}_stage{s}_partial{k}", out=[whole])
+                for s, ts in sorted(red.terms.items())})
             self.combines.append(self._compile(
-                shared_in + root_vars[:k], red.rep, combine, f"{name}_combine{k}",
+                shared_in + root_vars[:k], red.rep, _combine_post(red), f"{name}_combine{k}",
                 extra=[whole] * len(red.terms), out=[whole]))
         self.fns = {}
         for s in range(S):
-            outs = [prog.outputs[j] for j in self.out_idx[s]]
-            if not outs:
-                continue  # (a stage without trained parameters has nothing to update)
-            n_up, n_out = sum(1 for j in self.out_idx[s] if j < n_p), len(outs)
+            fn = self._stage_program(s, name)
+            if fn is not None:  # (a stage without trained parameters has nothing to update)
+                self.fns[s] = fn
+        self.fns[None] = self._shared_program(name)
 
-            def finish(got, n_up=n_up, n_out=n_out):  # (got: outputs, then parameters)
-                return apply_updates(got[n_out:], got[:n_up]), got[n_up:n_out]
+    def _own_in(self, s: int) -> list:
+        """The inputs of stage ``s``'s programs: its gradients, its optimizer state,
+        the state no stage owns, its parameters."""
+        ins, n_p, n_o = self._ins, self.n_p, self.n_o
+        p, o = self.p_idx[s], self.o_idx[s]
+        return ([ins[i] for i in p] + [ins[n_p + k] for k in o] + self._shared_in
+                + [ins[n_p + n_o + i] for i in p])
 
-            params = [ins[n_p + n_o + i] for i in self.p_idx[s]]
-            out = ([self._layout.get(v) for v in params],
-                   [self._layout.get(ins[n_p + k]) for k in self.o_idx[s]])
-            self.fns[s] = self._compile(own_in(s) + root_vars, outs + params, finish,
-                                        f"{name}_stage{s}", out=out)
+    def _stage_program(self, s: int, name: str, job=None):
+        """Stage ``s``'s update (its new parameters and optimizer state), or None when
+        it has no trained parameters."""
+        prog, ins, n_p, n_o = self._prog, self._ins, self.n_p, self.n_o
+        outs = [prog.outputs[j] for j in self.out_idx[s]]
+        if not outs:
+            return None
+        n_up, n_out = sum(1 for j in self.out_idx[s] if j < n_p), len(outs)
+
+        def finish(got):  # (got: outputs, then parameters)
+            return apply_updates(got[n_out:], got[:n_up]), got[n_up:n_out]
+
+        params = [ins[n_p + n_o + i] for i in self.p_idx[s]]
+        out = ([self._layout.get(v) for v in params],
+               [self._layout.get(ins[n_p + k]) for k in self.o_idx[s]])
+        return self._compile(self._own_in(s) + self._root_vars, outs + params, finish,
+                             f"{name}_stage{s}", out=out, job=job)
+
+    def _shared_program(self, name: str, job=None):
+        """The update of the leaves no stage owns, the step count and the loss."""
+        prog, ins, n_p = self._prog, self._ins, self.n_p
         shared_outs = [prog.outputs[j] for j in self.out_idx[None]]
+        n = len(shared_outs)
 
-        def shared(got, n=len(shared_outs)):  # (got: outputs, then step, loss sum, scale)
+        def shared(got):  # (got: outputs, then step, loss sum, scale)
             step, loss_sum, scale = got[n:]
             return got[:n], step + 1, loss_sum * scale
 
         out = ([self._layout.get(ins[n_p + k]) for k in self.o_idx[None]], (), ())
-        self.fns[None] = self._compile(shared_in + root_vars, shared_outs, shared,
-                                       f"{name}_shared", extra=[(), (), ()], out=out)
+        return self._compile(self._shared_in + self._root_vars, shared_outs, shared,
+                             f"{name}_shared", extra=[(), (), ()], out=out, job=job)
 
-    def _compile(self, in_vars: list, targets: list, post, name: str, extra=(), out=None):
+    def _compile(self, in_vars: list, targets: list, post, name: str, extra=(), out=None,
+                 job=None):
         """A compiled ``values -> post([targets])``: the update's equations that the
         ``targets`` need, given ``in_vars`` (the constants the trace captured are
         bound too); the ``len(extra)`` values after those of ``in_vars`` are appended
         to what ``post`` gets. With ZeRO the program runs through ``fs.shard`` on a
         stage's devices: the inputs laid out by their split counts (``extra`` and
         values computed by other programs whole: the counts ``extra`` holds), each
-        stacked gradient summed into its own layout, the outputs as ``out`` says."""
+        stacked gradient summed into its own layout, the outputs as ``out`` says.
+        ``job = (S, dp)``: in a multi-process job, on the ``dp`` processes of this
+        process's stage (one of ``S`` groups), each gradient coming in as its stage's
+        sum in its own layout and each split input and output this process's block
+        (``fs.ShardedArray``); ``job = "whole"``: whole values, one process's program."""
         prog = self._prog
         eqs = self._needed(targets, set(in_vars))
         const_vars, consts = prog.inputs[:prog.n_consts], self._consts
         n_in, n_extra, zero = len(in_vars), len(extra), self.zero is not None
-        grads = self._grads if zero else {}
+        # (the replicas' stacked gradients: a virtual mesh's; a job's come summed)
+        stacked = self._grads if zero and job is None else {}
 
         def run(values):
             env = dict(zip(const_vars, consts))
             for v, x in zip(in_vars, values[:n_in]):
                 # (ZeRO: a gradient's replicas summed, laid out as the level says: whole
                 # at level1, an AllReduce; split from level2, a reduce-scatter)
-                env[v] = (with_sharding_constraint(x.sum(axis=0), grads[v]) if v in grads
-                          else x)
+                env[v] = (with_sharding_constraint(x.sum(axis=0), stacked[v])
+                          if v in stacked else x)
             read = walk_equations(eqs, env, bind_equation, f"the optimizer update ({name}):")
             return post([read(t) for t in targets] + list(values[n_in:n_in + n_extra]))
 
         run.__name__ = f"pipeline_finish_{name}"
-        if not zero:
+        if not zero or job == "whole":
             return jit(run)
+        if job is not None:
+            layouts = {**self._layout, **self._grads}
+            strategies = [layouts.get(v, (1,) * v.aval.ndim) for v in in_vars] + list(extra)
+            S, dp = job
+            s = shard(run, in_strategy=(strategies,), out_strategy=out, mesh=dp, level=2,
+                      search=False, dataset_strategy="full_batch")
+            s.search = "follow_inputs"  # (the layouts are given: no search)
+            s.process_groups = ("pp", S)  # (the stage's processes, one group of S)
+            s.gather_outputs = False  # (split outputs stay this process's blocks)
+            if self.zero[-1]:
+                s.passes = (reduce_in_float32,)
+            return jit(s)
         strategies = [self._layout.get(v, (1,) * v.aval.ndim) for v in in_vars] + list(extra)
         s = shard(run, in_strategy=(strategies,), out_strategy=out,
                   mesh=Mesh(self.zero[0], "stage", virtual=True), level=2, search=False,
@@ -1580,7 +1708,7 @@ class StageUpdate:
         # (its operator strategies, on these input types: operator_strategies)
         fn.sharded = s
         fn.in_avals = [ArrayType((self.zero[1],) + tuple(v.aval.shape), v.aval.dtype)
-                       if v in grads else v.aval for v in in_vars]
+                       if v in stacked else v.aval for v in in_vars]
         return fn
 
     def _walk(self, env: dict, targets: list, name: str) -> list:
@@ -1665,6 +1793,71 @@ class StageUpdate:
         finish.__name__ = f"pipeline_finish_{what}"
         fn = self._jobs[key] = jit(finish)
         return fn
+
+    def job_blocks_program(self, stage: int, dp: int, last: int, broadcast: bool,
+                           name: str):
+        """``job_program`` for a job whose stages keep their state in tensor-parallel
+        blocks (``zero``'s counts): the same inputs and outputs, each split leaf this
+        process's block (``fs.ShardedArray``). The update of the stage runs as the
+        virtual mesh's programs do, each ``fs.shard``-ed over the stage's ``dp``
+        processes (the blocks go in and come out as they are: no gather), and the
+        stage's partial result of each cross-stage reduction (whole on the stage's
+        processes: the plan sums over their blocks) is combined with the other stages'
+        by one collective over the pipeline group, as ``job_program`` does."""
+        key = ("blocks", stage, dp, last, broadcast)
+        hit = self._jobs.get(key)
+        if hit is not None:
+            return hit
+        S = self.S
+        mesh = Mesh((S, dp), ("pp", "dp"))
+        job = (S, dp)
+        own_in, shared_in, root_vars = self._own_in(stage), self._shared_in, self._root_vars
+        what = f"{name}_stage{stage}"
+        partials, combines = [], []
+        for k, (root, red) in enumerate(self.reductions):
+            mine = red.terms.get(stage)
+            partials.append(None if not mine else self._compile(
+                own_in + root_vars[:k], mine, _partial_post(red), f"{what}_partial{k}",
+                out=[(1,) * root.aval.ndim], job=job))
+            combines.append(self._compile(shared_in + root_vars[:k], red.rep,
+                                          _combine_post(red), f"{name}_combine{k}",
+                                          extra=[()] * len(red.terms), job="whole"))
+        own = self._stage_program(stage, name, job=job)
+        shared = self._shared_program(name, job="whole")
+
+        def exchange(part):
+            with C.named_axis("pp", S), C.named_axis("dp", dp):
+                return _from_every_stage(part, stage, S, mesh)
+
+        def last_loss(loss):
+            with C.named_axis("pp", S), C.named_axis("dp", dp):
+                if stage != last:
+                    loss = loss * np.float32(np.nan)  # there is no loss on this stage
+                if broadcast:
+                    given = loss if stage == last else np.zeros((), np.float32)
+                    loss = C.psum_p.bind(given, axis_name=("pp",), mesh=mesh)
+            return loss
+
+        exchange.__name__ = f"pipeline_finish_{what}_exchange"
+        last_loss.__name__ = f"pipeline_finish_{what}_loss"
+        exchange, last_loss = jit(exchange), jit(last_loss)
+
+        def run(grads, own_opt, shared_opt, params, step, loss_sum, scale):
+            values = list(grads) + list(own_opt) + list(shared_opt) + list(params)
+            roots: list = []
+            for (root, red), part_fn, combine in zip(self.reductions, partials, combines):
+                part = (part_fn(values + roots)[0] if part_fn is not None else
+                        np.zeros(root.aval.shape, dtypes.to_numpy(root.aval.dtype)))
+                every = exchange(part)
+                roots.append(combine(list(shared_opt) + roots
+                                     + [every[t] for t in sorted(red.terms)])[0])
+            new_p, new_o = (list(params), list(own_opt)) if own is None else own(
+                values + roots)
+            new_shared, step, loss = shared(list(shared_opt) + roots + [step, loss_sum, scale])
+            return list(new_p), list(new_o), list(new_shared), step, last_loss(loss)
+
+        self._jobs[key] = run
+        return run
 
     def __call__(self, params: list, grads: list, opt: list, step, loss_sum, scale):
         """The new parameter and optimizer-state leaves, step and loss: the
@@ -1975,7 +2168,7 @@ class PipelineRunner:
         self.plan = plan
         sched = Schedule(cfg.stages, cfg.micro_batches, cfg.scheduler, v)
         if self.combine is not None and any(
-                isinstance(x, RemoteArray) for x in tree.leaves(state.params)):
+                isinstance(x, (RemoteArray, ShardedArray)) for x in tree.leaves(state.params)):
             # a job's split state on a new batch shape: the loss cannot be evaluated
             # here, and how its micro-batch losses combine is the loss's own
             combine = self.combine
@@ -1984,10 +2177,10 @@ class PipelineRunner:
                                        plan.batch_vars[0].aval.shape[0],
                                        dp if sharding is not None else 1)
         self.combine = combine
-        # (on a virtual mesh a sharded stage keeps its state in tensor-parallel blocks;
-        # in a job each process of a stage keeps its stage's state whole)
-        zero = ap._pipeline_zero(state, blocks=sharding is not None and self.virtual)
-        if zero is not None and not self.virtual:
+        # (a sharded stage keeps its state in tensor-parallel blocks: on a virtual mesh,
+        # and in a job each process its own block)
+        zero = ap._pipeline_zero(state, blocks=sharding is not None)
+        if not self.virtual and ap._pipeline_zero(state) is not None:
             hsdp = ap.options.hsdp
             raise ArgumentError(
                 f"AutoParallel({ap.name}).hsdp(optimizer_level={hsdp.level!r}) with "

@@ -236,7 +236,9 @@ def _formula_bytes(dp, tp, pp):
     return (v * d // tp + per_layer * GPT_LAYERS // pp) * 4
 
 
-@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.full)])
+# the GPT decoder in the full matrix (the quick run's MLP tests cover the blocks)
+@pytest.mark.full
+@pytest.mark.parametrize("sp", [False, True])
 def test_gpt_dp2_tp2_pp2_state_is_the_formula_and_trains_as_one_device(sp, gpt_reference):
     ap = _gpt_ap(dp=2, tp=2, pp=2, sp=sp)
     state, losses = _gpt_train(ap)

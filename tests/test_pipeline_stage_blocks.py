@@ -20,6 +20,10 @@ import pytest
 import fshard as fs
 from fshard.training.parallel import pipeline as pipeline_mod
 
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tests/ is not a package
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pipeline_mlp  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 import train_gpt as gpt  # noqa: E402
@@ -29,20 +33,10 @@ PLAN = {"w1": (1, 2), "w2": (2, 1)}  # column-split, then row-split (Megatron's 
 
 
 def _data():
-    rng = np.random.default_rng(0)
-    params = {"w1": rng.normal(0, 0.1, (16, 32)).astype(np.float32),
-              "b1": np.zeros(32, np.float32),
-              "w2": rng.normal(0, 0.1, (32, 16)).astype(np.float32),
-              "b2": np.zeros(16, np.float32)}
-    batches = [(rng.normal(size=(16, 16)).astype(np.float32), rng.integers(0, 16, 16))
-               for _ in range(STEPS)]
-    return params, batches
+    return pipeline_mlp.data(16, STEPS)
 
 
-def _loss(p, x, y):
-    h = fs.ops.relu(x @ p["w1"] + p["b1"])
-    h = fs.pipeline_split(h)
-    return fs.ops.softmax_cross_entropy(h @ p["w2"] + p["b2"], y)
+_loss = pipeline_mlp.loss
 
 
 def _train(ap, params, batches, state=None):

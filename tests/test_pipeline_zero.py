@@ -6,31 +6,28 @@ why and the fix."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
 import fshard as fs
 from fshard.training.parallel import pipeline as pipeline_mod
 
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tests/ is not a package
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pipeline_mlp  # noqa: E402
+
 STEPS = 3
 N, S = 8, 2  # 2 stages of 4 devices
 
 
 def _data():
-    rng = np.random.default_rng(0)
-    params = {"w1": rng.normal(0, 0.1, (32, 64)).astype(np.float32),
-              "b1": np.zeros(64, np.float32),
-              "w2": rng.normal(0, 0.1, (64, 32)).astype(np.float32),
-              "b2": np.zeros(32, np.float32)}
-    batches = [(rng.normal(size=(32, 32)).astype(np.float32), rng.integers(0, 32, 32))
-               for _ in range(STEPS)]
-    return params, batches
+    return pipeline_mlp.data(32, STEPS)
 
 
-def _loss(p, x, y):
-    h = fs.ops.relu(x @ p["w1"] + p["b1"])
-    h = fs.pipeline_split(h)
-    return fs.ops.softmax_cross_entropy(h @ p["w2"] + p["b2"], y)
+_loss = pipeline_mlp.loss
 
 
 def _train(ap, params, batches):

@@ -23,3 +23,18 @@ def loss(p, x, y):
     h = fs.ops.relu(x @ p["w1"] + p["b1"])
     h = fs.pipeline_split(h)
     return fs.ops.softmax_cross_entropy(h @ p["w2"] + p["b2"], y)
+
+
+def mixing_optimizer():
+    """Momentum whose update of stage 1's weights (``w2``, ``b2``) reads a sum of stage
+    0's gradient (``w1``): an update that does not split by stage."""
+    def init(params):
+        return {k: np.zeros_like(v) for k, v in params.items()}
+
+    def update(grads, state, params=None):
+        pull = fs.ops.reduce_sum(grads["w1"]) * 0.01
+        mom = {k: state[k] * 0.5 + g for k, g in grads.items()}
+        return {k: m * -0.1 - (pull if k.endswith("2") else 0.0)
+                for k, m in mom.items()}, mom
+
+    return fs.optim.Optimizer(init, update)

@@ -137,16 +137,7 @@ def test_tp_stages_clip_by_the_global_norm_of_the_blocks(mlp_reference):
 def test_an_update_that_does_not_split_stays_whole_and_says_why(mlp_reference):
     """An update moving stage 1's weights by a sum of stage 0's gradient runs whole
     on every device, on whole leaves (as before), exact; memory_report names why."""
-    def init(params):
-        return {k: np.zeros_like(v) for k, v in params.items()}
-
-    def update(grads, state, params=None):
-        pull = fs.ops.reduce_sum(grads["w1"]) * 0.01
-        mom = {k: state[k] * 0.5 + g for k, g in grads.items()}
-        return {k: m * -0.1 - (pull if k.endswith("2") else 0.0)
-                for k, m in mom.items()}, mom
-
-    opt = fs.optim.Optimizer(init, update)
+    opt = pipeline_mlp.mixing_optimizer()
     params, batches = _data()
     ref_state, ref_losses = _train(fs.AutoParallel(_loss, opt, mesh=1), params, batches)
     ap = _tp_pipeline(opt)
@@ -158,7 +149,7 @@ def test_an_update_that_does_not_split_stays_whole_and_says_why(mlp_reference):
     assert report["update"] == report["stage_state"] == "whole"
     assert report["stage_state_because"].startswith(
         "the optimizer update runs whole on whole leaves: an operation (sub (at "
-        "test_pipeline_stage_blocks.py:")
+        "pipeline_mlp.py:")
     assert "reads the gradients, parameters or state of stages [0, 1]" in \
         report["stage_state_because"]
     total = sum(x.nbytes for x in params.values())

@@ -151,16 +151,7 @@ def test_an_optimizer_mixing_stages_otherwise_stays_whole_and_exact():
 def test_with_zero_an_update_that_does_not_split_runs_whole_and_exact():
     """hsdp level2 with the stage-mixing update: one program over every device, each
     stage's leaves split over its 2 devices, every device holding every stage's."""
-    def init(params):
-        return {k: np.zeros_like(v) for k, v in params.items()}
-
-    def update(grads, state, params=None):
-        pull = fs.ops.reduce_sum(grads["w1"]) * 0.01
-        mom = {k: state[k] * 0.5 + g for k, g in grads.items()}
-        return {k: m * -0.1 - (pull if k.endswith("2") else 0.0)
-                for k, m in mom.items()}, mom
-
-    opt = fs.optim.Optimizer(init, update)
+    opt = pipeline_mlp.mixing_optimizer()
     params, batches = _data()
     ref_state, ref_losses = _train(fs.AutoParallel(_loss, opt, mesh=4), params, batches)
     ap = fs.AutoParallel(_loss, opt, mesh=4).hsdp(threshold=0, optimizer_level="level2")

@@ -827,7 +827,13 @@ def _static_int_exponent(y) -> bool:
 
 
 def integer_pow(x: Float[Array, "*shape"], y: int) -> Float[Array, "*shape"]:
-    """``x ** y`` for a static integer ``y`` (float ``x``): ``x * x`` for a square."""
+    """``x ** y`` for a static integer ``y`` (float ``x``): ``x * x`` for a square.
+    ``x ** 2`` (or ``x ** 2.0``) on a float array traces to it.
+
+    >>> import numpy as np, fshard as fs
+    >>> fs.ops.integer_pow(np.array([1.5, -2.0], np.float32), 3).asnumpy().tolist()
+    [3.375, -8.0]
+    """
     if y == 1:
         return x
     if y == 0:

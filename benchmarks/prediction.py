@@ -207,7 +207,7 @@ def plans():
     return out
 
 
-def measure(runs: int = 10, rounds: int = 4) -> list[dict]:
+def measure(runs: int = 10, rounds: int = 8) -> list[dict]:
     """One dict per plan: label, predicted, best, median (seconds), ratio (predicted over
     best), collectives; plus the load averages before and after."""
     return _timed(plans(), runs, rounds)

@@ -7,8 +7,9 @@ What is measured (each time the median of several calls of a compiled program, e
 rate a least-squares line through several sizes, so a busy machine moves the numbers
 little):
 
-- ``op_s``: the fixed cost of one more kernel in a compiled program (chains of 128 to
-  1024 small adds, as long as a training step's graph);
+- ``op_s``: the fixed cost of one more kernel in a compiled program (graphs shaped like
+  a training step's, forward, backward and update, of 144 to 576 kernels on small
+  blocks);
 - ``call_s``: the fixed cost of calling a compiled program (the intercept of chains of 1
   to 65 small adds);
 - ``arg_s``: what each more value passed in or out of the call adds (programs of 1, 17
@@ -50,7 +51,7 @@ from fshard.core.tracing import ArrayType
 from fshard.errors import ShardingError
 from fshard.meshes import distributed
 from fshard.primitives import collectives as C
-from fshard.primitives.elementwise import add, mul, sub
+from fshard.primitives.elementwise import add, maximum, mul, sub
 from fshard.primitives.linalg import matmul
 from fshard.sharding.rates import (FORMAT, cache_path, check_devices, default_devices,
                                    load_cache_clear)
@@ -149,6 +150,25 @@ def _chain2(k: int):
     return fn
 
 
+def _step_shaped(layers: int):
+    """A graph shaped like a training step's, on small blocks: a forward chain through
+    ``layers`` weights, a backward chain that reads the saved activations back, and an
+    update of each weight on its own (``9·layers`` kernels). A kernel costs more in such a
+    graph than in a chain of one kind: values live long and are read by several kernels,
+    and kinds alternate."""
+    def fn(x, *ws):
+        hs = [x]
+        for w in ws:
+            hs.append(maximum(mul(hs[-1], w), 0.0))
+        g, grads = hs[-1], []
+        for w, h in zip(reversed(ws), reversed(hs[:-1])):
+            grads.append(mul(g, h))
+            g = mul(g, w)
+        return [sub(w, mul(mul(gr, 0.1), add(mul(gr, gr), 1e-8)))
+                for w, gr in zip(ws, reversed(grads))]
+    return fn
+
+
 def _many(k: int):
     def fn(*xs):
         return [add(x, x) for x in xs]
@@ -162,24 +182,29 @@ def _measure_compute(runs: int, devices: int) -> dict:
     ks = (1, 9, 17, 33, 65)
     ts = _times([(_compile(_chain(k), [_f32((64,))]), [x]) for k in ks], runs)
     call_s, small_op_s = _fit(ks, ts)
-    # MindSpore's CPU runtime launches each kernel of a graph of more than about 100 at
-    # a higher cost (2-3 us below, 4-5 us above, on 2 cores): a training step is above,
-    # so one kernel's cost is measured on chains of 128 to 1024: the median of their
-    # times per kernel (steadier than a line's slope, which the jumps between lengths
-    # tilt).
-    ks = (128, 256, 512, 1024)
-    ts = _times([(_compile(_chain(k), [_f32((64,))]), [x]) for k in ks], runs)
-    op_s = float(np.median([max(t - call_s, 0.0) / k for k, t in zip(ks, ts)]))
     ks = (1, 17, 33)
     ts = _times([(_compile(_many(k), [_f32((64,))] * k),
                   [_tensor((64,), i) for i in range(k)]) for k in ks], runs)
     # Each more k: one input, one output and one add.
     arg_s = max(_fit(ks, ts)[1] - small_op_s, 0.0) / 2
+    # MindSpore's CPU runtime launches each kernel of a graph of more than about 100 at
+    # a higher cost (2-3 us below, 4-5 us above in a chain of adds, on 2 cores), and a
+    # kernel of a step-shaped graph costs more again (5-8 us): one kernel's cost is
+    # measured on step-shaped graphs of 144 to 576 kernels (``_step_shaped``), the
+    # call and its values taken out: the median of their times per kernel (steadier
+    # than a line's slope, which the jumps between lengths tilt).
+    layers = (16, 32, 64)
+    ts = _times([(_compile(_step_shaped(n), [_f32((16, 16))] * (n + 1)),
+                  [_tensor((16, 16), i) for i in range(n + 1)]) for n in layers], runs)
+    op_s = float(np.median([max(t - call_s - arg_s * (2 * n - 1), 0.0) / (9 * n)
+                            for n, t in zip(layers, ts)]))
     # Matmuls as a virtual mesh runs them: each device's block, batched over the devices,
     # the right operand batched too (a weight gradient's) or shared (a replicated weight);
-    # the thin and wide shapes of split activations and a larger square-ish one, so the
-    # line's slope is the rate of large kernels and its intercept what a small one adds.
-    shapes = ((32, 64, 512), (64, 512, 32), (32, 512, 512), (512, 32, 512),
+    # the thin and wide shapes of split activations, small and larger square-ish ones,
+    # so the line's slope is the rate of large kernels and its intercept what a small one
+    # adds. (Each alone in its program: a step's matmuls are apart, between other kernels;
+    # the second of two matmuls in a row runs faster, its threads started.)
+    shapes = ((32, 64, 64), (32, 64, 512), (64, 512, 32), (32, 512, 512), (512, 32, 512),
               (256, 64, 512), (256, 512, 512))
     items, flops = [], []
     for both in (True, False):

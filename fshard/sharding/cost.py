@@ -237,9 +237,12 @@ def step_op(kind: str, n: int, world: bool, native: dict) -> str | None:
 
 
 def step_seconds(kind: str, local: float, n: int, world: bool, native: dict,
-                 rates: dict) -> float:
+                 rates: dict, share: float = 1.0) -> float:
     """Seconds one step takes on ``local`` bytes over ``n`` devices: the fixed cost of the
     collective the backend runs plus the bytes each device sends at its rate.
+    ``share``: the part of the mesh's devices whose blocks differ (a virtual mesh runs
+    the collective batched over those devices only; its rates were measured with a
+    block on every device).
 
     >>> rates = {"all_reduce": (1e-3, 1e8)}
     >>> round(step_seconds("psum", 1e6, 2, True, {"all_reduce_sum": "any"}, rates), 6)
@@ -251,7 +254,7 @@ def step_seconds(kind: str, local: float, n: int, world: bool, native: dict,
             return 0.0
         latency, per_byte = _group_rate(groups["all_gather" if kind == "all_gather"
                                                 else "all_reduce"], n)
-        return latency + per_byte * local
+        return latency + per_byte * local * share
     op = step_op(kind, n, world, native)
     if op is None:
         return 0.0
@@ -264,15 +267,23 @@ def redistribution_seconds(src: Sharding, dst: Sharding, shape, itemsize: int,
     """Seconds the move of ``redistribution`` takes, step by step."""
     steps = plan(src, dst, native_reduce_scatter(native)) if src != dst else []
     local_shape = list(src.local_shape(shape, mesh))
+    # The mesh axes the value's blocks differ along, step by step.
+    varying = set(src.used)
     total = 0.0
     for st in steps:
         n = mesh.count(st.axes)
         local = planning_prod(local_shape) * itemsize
-        total += step_seconds(st.kind, local, n, n == mesh.size, native, rates)
+        share = mesh.count(tuple(sorted(varying))) / mesh.size
+        total += step_seconds(st.kind, local, n, n == mesh.size, native, rates, share)
         if st.kind == "all_gather":
             local_shape[st.dim] *= n
         elif st.kind in ("psum_scatter", "slice"):
             local_shape[st.dim] //= n
+        # (a reduce-scatter's blocks differ along its axes before and after)
+        if st.kind in ("all_gather", "psum"):
+            varying -= set(st.axes)
+        elif st.kind == "slice":
+            varying |= set(st.axes)
     return total
 
 

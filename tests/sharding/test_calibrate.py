@@ -15,8 +15,9 @@ from fshard.errors import ShardingError
 from fshard.core.factors import FactorSpec
 from fshard.sharding import rates
 from fshard.sharding.cost import (BACKEND_RATES, CostModel, backend_rates, compute_seconds,
-                                  contracts, rates_from_table, step_seconds)
-from fshard.sharding.layouts import Candidate, ShardMesh
+                                  contracts, rates_from_table, redistribution_seconds,
+                                  step_seconds)
+from fshard.sharding.layouts import Candidate, ShardMesh, Sharding
 
 
 def _table(n, **kw):
@@ -105,6 +106,34 @@ def test_collective_seconds_per_group_size_from_the_table():
     # a group size not measured takes the nearest one measured
     assert step_seconds("psum", 1e6, 4, False, native, row) == pytest.approx(1e-5 + 1e-3)
     assert step_seconds("slice", 1e6, 8, True, native, row) == 0.0
+
+
+def test_a_virtual_collective_moves_only_the_blocks_that_differ():
+    """The table's per-byte rates were measured with a different block on every device
+    of the mesh; a value split over one axis of a 2 x 2 x 2 mesh differs over 2 of the 8
+    devices, and the virtual mesh gathers only those: a quarter of the bytes. A job
+    (one device per process) is unchanged."""
+    row = rates_from_table(_table(8))
+    mesh = ShardMesh.for_devices(8)
+    native = {"all_reduce_sum": "any", "all_gather": "world"}
+    one_axis = Sharding(((0,), ()))
+    every_axis = Sharding(((0, 1, 2), ()))
+    shape, itemsize = (64, 1000), 4
+    gather_one = redistribution_seconds(one_axis, Sharding.replicated(2), shape, itemsize,
+                                        mesh, native, row)
+    block = 32 * 1000 * 4
+    assert gather_one == pytest.approx(1e-5 + 3e-9 * block * 2 / 8)
+    gather_every = redistribution_seconds(every_axis, Sharding.replicated(2), shape,
+                                          itemsize, mesh, native, row)
+    assert gather_every == pytest.approx(4e-5 + 5e-9 * 8 * 1000 * 4)
+    # a pending sum over one axis of a value split over another: both axes differ
+    summed = Sharding(((1,), ()), partial=frozenset({0}))
+    psum = redistribution_seconds(summed, Sharding(((1,), ())), shape, itemsize, mesh,
+                                  native, row)
+    assert psum == pytest.approx(1e-5 + 1e-9 * 32 * 1000 * 4 * 4 / 8)
+    job = dict(BACKEND_RATES["CPU"])
+    assert step_seconds("all_gather", 1e6, 2, True, native, job, share=0.25) == \
+        step_seconds("all_gather", 1e6, 2, True, native, job)
 
 
 def test_compute_seconds_matmul_per_flop_elementwise_per_element_times_lanes():

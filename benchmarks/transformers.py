@@ -9,8 +9,9 @@ The two steps' losses are checked equal over three steps before timing; they are
 interleaved, each waiting for its loss (``.asnumpy()``). The first call (trace and
 compile) of each is timed on fresh objects, taking turns after one untimed compile of a
 tiny graph: ``fs.jit``'s step against the ``TrainOneStepCell``'s first GRAPH-mode call
-and against ``mindspore.jit`` of ``mindspore.value_and_grad`` of the same loss (no
-optimizer). The JAX rows
+against ``mindspore.jit`` of ``mindspore.value_and_grad`` of the same loss (no
+optimizer), and against ``mindspore.jit`` of the same training step (``value_and_grad``
+and ``nn.Adam``'s update, MindSpore's functional idiom). The JAX rows
 (``jax_baselines.py``) time the same block and Adam in plain JAX, from the same weights
 and batch (``model_specs.py``); its first three losses must equal fshard's.
 """
@@ -122,6 +123,22 @@ def ms_jit_value_and_grad():
     return ms.jit(ms.value_and_grad(net, None, net.trainable_params()))
 
 
+def ms_jit_train_step():
+    """MindSpore's functional training step (its tutorials' idiom): ``mindspore.jit`` of
+    ``value_and_grad`` and ``nn.Adam``'s update, one graph."""
+    net = MSELoss(LlamaBlock())
+    opt = nn.Adam(net.trainable_params(), LR)
+    grad_fn = ms.value_and_grad(net, None, opt.parameters)
+
+    @ms.jit
+    def train_step(x, y):
+        loss, grads = grad_fn(x, y)
+        opt(grads)
+        return loss
+
+    return train_step
+
+
 @benchmark("llama_step", title="Llama block training step (Adam): fs.jit vs MindSpore GRAPH mode",
            jax="llama_step")
 def llama_step(ctx):
@@ -146,9 +163,13 @@ def llama_step(ctx):
         f = ms_jit_value_and_grad()
         return lambda: f(x, y)[0].asnumpy()
 
+    def ms_jit_step_first():
+        f = ms_jit_train_step()
+        return lambda: f(x, y).asnumpy()
+
     warm_up_compiler()
-    first = ctx.measure_each_interleaved({"fs": fs_first, "ms": ms_first, "jit": ms_jit_first},
-                                         first_runs)
+    first = ctx.measure_each_interleaved({"fs": fs_first, "ms": ms_first, "jit": ms_jit_first,
+                                          "jit_step": ms_jit_step_first}, first_runs)
     first_fs, first_ms, first_jit = first["fs"], first["ms"], first["jit"]
 
     # steady state: the same losses first
@@ -184,6 +205,8 @@ def llama_step(ctx):
         row("mindspore", "TrainOneStepCell, GRAPH mode: first call", first_ms),
         row("mindspore", "mindspore.jit(value_and_grad): first call", first_jit,
             "no optimizer"),
+        row("mindspore", "mindspore.jit(value_and_grad + nn.Adam): first call",
+            first["jit_step"], "the same step as fshard's"),
         row("fshard", "fs.jit step: first call (trace + compile)", first_fs),
         *ctx.jax_rows("llama_step"),
     ]

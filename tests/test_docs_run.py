@@ -31,13 +31,12 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*$")
 _NO_RUN = re.compile(r"^[ \t]*<!--\s*no-run:\s*(?P<reason>.*?)\s*-->[ \t]*$")
 
-# Each page costs an interpreter start and MindSpore's import (about 4 s on two busy
-# cores) plus its examples. The quick run keeps the pages a newcomer reads first, about
-# 4-6 s each (~50 s together); the pages measured at 5-25 s (whole training loops,
-# pipelines, checkpoints, the seed's dynamic-shape example) run with --full.
-FULL_ONLY = {"README.md", "adding_a_primitive.md", "auto_parallel.md", "checkpoint.md",
-             "control_flow.md", "dynamic_shapes.md", "from_jax.md", "gpt.md", "optim.md",
-             "pipeline.md", "random.md"}
+# Each page costs an interpreter start and MindSpore's import (about 2-4 s on two
+# cores) plus its examples. The quick run keeps the pages a newcomer reads first (the
+# index and the four transforms, 2.5-4 s each, ~20 s together); every other page runs
+# with --full.
+QUICK = {"index.md", "jit.md", "vmap.md", "autodiff.md", "shard.md", "shard_map.md"}
+FULL_ONLY = {p.name for p in PAGES} - QUICK
 
 # Pages whose examples do not run as pasted yet, each xfailed strictly (it fails as
 # soon as the page runs, until it is removed from here). Every page runs now.

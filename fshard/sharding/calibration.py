@@ -8,7 +8,7 @@ rate a least-squares line through several sizes, so a busy machine moves the num
 little):
 
 - ``op_s``: the fixed cost of one more kernel in a compiled program (graphs shaped like
-  a training step's, forward, backward and update, of 144 to 576 kernels on small
+  a training step's, forward, backward and update, of 144 to 288 kernels on small
   blocks);
 - ``call_s``: the fixed cost of calling a compiled program (the intercept of chains of 1
   to 65 small adds);
@@ -190,10 +190,10 @@ def _measure_compute(runs: int, devices: int) -> dict:
     # MindSpore's CPU runtime launches each kernel of a graph of more than about 100 at
     # a higher cost (2-3 us below, 4-5 us above in a chain of adds, on 2 cores), and a
     # kernel of a step-shaped graph costs more again (5-8 us): one kernel's cost is
-    # measured on step-shaped graphs of 144 to 576 kernels (``_step_shaped``), the
+    # measured on step-shaped graphs of 144 to 288 kernels (``_step_shaped``), the
     # call and its values taken out: the median of their times per kernel (steadier
     # than a line's slope, which the jumps between lengths tilt).
-    layers = (16, 32, 64)
+    layers = (16, 24, 32)
     ts = _times([(_compile(_step_shaped(n), [_f32((16, 16))] * (n + 1)),
                   [_tensor((16, 16), i) for i in range(n + 1)]) for n in layers], runs)
     op_s = float(np.median([max(t - call_s - arg_s * (2 * n - 1), 0.0) / (9 * n)

@@ -122,7 +122,7 @@ FULL_ONLY = {
 }
 
 
-#: The files that take longest in the quick run (20-70 s each on two cores, measured),
+#: The files that take longest in the quick run (15-45 s each on two cores, measured),
 #: longest first. pytest-xdist hands whole files to its workers in collection order, so
 #: these go first: the run does not end on one worker finishing a long file while the
 #: other has nothing left.

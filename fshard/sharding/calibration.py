@@ -189,7 +189,7 @@ def _measure_compute(runs: int, devices: int) -> dict:
     arg_s = max(_fit(ks, ts)[1] - small_op_s, 0.0) / 2
     # MindSpore's CPU runtime launches each kernel of a graph of more than about 100 at
     # a higher cost (2-3 us below, 4-5 us above in a chain of adds, on 2 cores), and a
-    # kernel of a step-shaped graph costs more again (5-8 us): one kernel's cost is
+    # kernel of a step-shaped graph costs more again (5-12 us): one kernel's cost is
     # measured on step-shaped graphs of 144 to 288 kernels (``_step_shaped``), the
     # call and its values taken out: the median of their times per kernel (steadier
     # than a line's slope, which the jumps between lengths tilt).

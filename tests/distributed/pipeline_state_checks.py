@@ -17,6 +17,10 @@ import sys
 
 import numpy as np
 
+# The launcher runs this file as a script: the pipeline tests' shared MLP module
+# (tests/pipeline_mlp.py) is one folder up.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 STEPS = 4
 BATCH = 16
 
@@ -66,16 +70,9 @@ def optimizer(name: str):
 
         return fs.optim.Optimizer(init, update)
     if name == "mixing":  # stage 1's update reads stage 0's gradient: not split
-        def init(params):
-            return {k: np.zeros_like(v) for k, v in params.items()}
+        from pipeline_mlp import mixing_optimizer
 
-        def update(grads, state, params=None):
-            pull = fs.ops.reduce_sum(grads["w1"]) * 0.01
-            mom = {k: state[k] * 0.5 + g for k, g in grads.items()}
-            return {k: m * -0.1 - (pull if k.endswith("2") else 0.0)
-                    for k, m in mom.items()}, mom
-
-        return fs.optim.Optimizer(init, update)
+        return mixing_optimizer()
     raise ValueError(name)
 
 

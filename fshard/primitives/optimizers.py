@@ -153,7 +153,8 @@ def _lower(ctx, *xs, b1, b2, eps):
     n = (len(xs) - 1) // 3
     r = ctx.ref
     args = [f"x{i}" for i in range(len(xs))]
-    assign, kernel, copy = r(_ASSIGN, "Assign"), r(_ADAM, "AdamNoUpdateParam"), r(_COPY, "Identity")
+    assign, copy = r(_ASSIGN, "Assign"), r(_COPY, "Identity")
+    kernel = r(_ADAM, "AdamNoUpdateParam")
 
     def const(c):
         return r(_f32(c), "adam_const")
@@ -162,25 +163,27 @@ def _lower(ctx, *xs, b1, b2, eps):
     # its moments in place, and in a compiled graph only a Parameter is a buffer of its
     # own (MindSpore folds a computed operand made of constants, and merges equal ones:
     # m and v both zeros). MindSpore orders the Parameters' side effects: the moments
-    # are assigned in, updated, and copied out (``Identity``: no output aliases a
-    # Parameter that the next call overwrites). Per leaf rather than on one
+    # are assigned in, updated, and copied out (``Identity``: an output is never a
+    # Parameter that the next call overwrites, whatever MindSpore's executor does with
+    # a Parameter returned; the copy cost nothing measurable). Per leaf rather than on one
     # concatenation of all leaves: the concatenation's reshapes, split and slices cost
     # MindSpore's compiler 2-5 ms each (measured: the Llama block's update compiled in
     # 0.31-0.43 s so and in 0.07-0.10 s per leaf, and ran in 3.4-12 against 1.7-2.2 ms).
-    lines = [f"def {{name}}({', '.join(args)}):"]
+    name = f"fshard_adam_update_{len(ctx.helpers)}"
+    lines = [f"def {name}({', '.join(args)}):"]
     outs: list = [[], [], []]
     for i, a in enumerate(ctx.in_avals[:n]):
         shape, size = tuple(a.shape), math.prod(a.shape)
         pad = [r(t, "adam_pad") for t in _padding([size])]
         m, v, g = args[i], args[n + i], args[2 * n + i]
         if pad:  # flattened and padded to whole blocks of the kernel, and cut back after
-            flat = r(_RESHAPE, "Reshape")
-            m, v, g = (f"{r(_CONCAT, 'Concat')}(({flat}({x}, (-1,)), {pad[0]}))"
-                       for x in (m, v, g))
-        sm, sv = (r(_scratch(size + (-size % _LANES) if pad else shape), "adam_scratch")
-                  for _ in range(2))
+            flat, cat = r(_RESHAPE, "Reshape"), r(_CONCAT, "Concat")
+            m, v, g = (f"{cat}(({flat}({x}, (-1,)), {pad[0]}))" for x in (m, v, g))
+        buffer = (size + (-size % _LANES),) if pad else shape
+        sm, sv = (r(_scratch(buffer), "adam_scratch") for _ in range(2))
+        operands = ", ".join(_kernel_args(sm, sv, g, args[-1], b1, b2, eps, const))
         lines += [f"    {assign}({sm}, {m})", f"    {assign}({sv}, {v})",
-                  f"    u{i} = {kernel}({', '.join(_kernel_args(sm, sv, g, args[-1], b1, b2, eps, const))})"]
+                  f"    u{i} = {kernel}({operands})"]
         for k, whole in enumerate((sm, sv, f"u{i}")):
             if pad:
                 cut = f"{r(_SLICE, 'Slice')}({whole}, (0,), ({size},))"
@@ -188,8 +191,6 @@ def _lower(ctx, *xs, b1, b2, eps):
                                f"{r(_RESHAPE, 'Reshape')}({cut}, {ctx.param(shape)})")
             else:
                 outs[k].append(f"u{i}" if k == 2 else f"{copy}({whole})")
-    name = f"fshard_adam_update_{len(ctx.helpers)}"
-    lines[0] = lines[0].format(name=name)
     lines.append(f"    return ({', '.join(outs[0] + outs[1] + outs[2])},)")
     ctx.helpers.append("\n".join(lines) + "\n")
     return f"{name}({', '.join(xs)})"

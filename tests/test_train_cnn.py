@@ -209,6 +209,8 @@ def test_small_cnn_data_parallel_on_8_devices_equals_one_device(small_runs):
 # the divergence:
 #   bilinear, 32 x 32, batch 16, lr 0.01         4e-7 4e-6 1e-2 7e-2, 90%
 #   bilinear, 32 x 32, batch 16, lr 0.002        4e-7 3e-7 2e-5 6e-4, 113% (1e-2 at 5)
+#   bilinear, 32 x 32, batch 16, lr 0.0005       4e-7 1e-6 9e-6 4e-4, 68%
+#   bilinear, 32 x 32, batch 16, lr 0.0002       4e-7 7e-8 3e-3 2e-2, 29%
 #   bilinear, 32 x 32, batch 32, lr 0.01         6e-7 7e-6 3e-3 2e-2 (6 steps run)
 #   bilinear + noise 0.1, batch 16, lr 0.01      4e-7 5e-6 1e-3 3e-2 (6 steps run)
 # (this training from random weights multiplied a difference by 15 to 2500 per step

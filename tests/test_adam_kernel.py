@@ -107,12 +107,14 @@ class _Net(nn.Cell):
         self.b = ms.Parameter(ms.Tensor(params["b"]), name="b")
 
 
-def test_steps_match_nn_adam():
+@pytest.mark.parametrize("rows,cols", [(6, 5), (300, 256)])
+def test_steps_match_nn_adam(rows, cols):
     """MindSpore's nn.Adam runs the same kernel family: the parameters agree to a few
-    float32 ulps after several steps (the decomposed update drifted to 1e-5)."""
+    float32 ulps after several steps (the decomposed update drifted to 1e-5), a matrix
+    larger than 65,536 floats too."""
     rng = np.random.default_rng(3)
-    params = {"w": rng.standard_normal((6, 5)).astype(np.float32),
-              "b": rng.standard_normal(5).astype(np.float32)}
+    params = {"w": rng.standard_normal((rows, cols)).astype(np.float32),
+              "b": rng.standard_normal(cols).astype(np.float32)}
     net = _Net(params)
     ms_opt = nn.Adam(net.trainable_params(), learning_rate=0.05)
     opt = fs.optim.adam(0.05)
@@ -124,8 +126,8 @@ def test_steps_match_nn_adam():
 
     p = params
     for t in range(6):
-        g = {"w": rng.standard_normal((6, 5)).astype(np.float32),
-             "b": rng.standard_normal(5).astype(np.float32)}
+        g = {"w": rng.standard_normal((rows, cols)).astype(np.float32),
+             "b": rng.standard_normal(cols).astype(np.float32)}
         ms_opt((ms.Tensor(g["w"]), ms.Tensor(g["b"])))
         p, state = step(p, state, g)
     for k in ("w", "b"):

@@ -160,6 +160,28 @@ def test_a_process_that_never_finishes_leaves_the_previous_checkpoint(tmp_path, 
     same_bits(ckpt.load(tmp_path, state)["w"], state["w"])
 
 
+def test_a_retried_save_never_takes_a_part_of_the_timed_out_attempt(tmp_path, monkeypatch):
+    """Process 1 finishes its part of a timed-out attempt after process 0 gave up; the
+    retry must wait for process 1's new part, not publish the checkpoint with the old
+    one (whose file process 1 is about to rewrite)."""
+    state = {"w": np.arange(4, dtype=np.float32)}
+    monkeypatch.setattr(ckpt, "_world", lambda: (0, 2))
+    monkeypatch.setenv("MS_SCHED_PORT", "1")
+    monkeypatch.setattr(ckpt, "_exchange", lambda tmp, rank, nproc, attempt, kinds, *a: [
+        [k, k] for k in kinds])
+    with pytest.raises(fs.CheckpointError, match=r"process\(es\) \[1\] did not finish"):
+        ckpt.save(tmp_path, state, step=2, timeout=0.3)
+    (tmp,) = [p for p in tmp_path.iterdir() if p.name.startswith(ckpt._TMP_PREFIX)]
+    (mine,) = [p.name for p in tmp.iterdir() if re.fullmatch(r"done-\d+-0\.json", p.name)]
+    late = tmp / mine.replace("-0.json", "-1.json")  # process 1, late, for that attempt
+    late.write_text(json.dumps({"file": "shard-00001-of-00002.safetensors", "bytes": 8,
+                                "header_sha256": "0" * 64, "blocks": {}}))
+    with pytest.raises(fs.CheckpointError, match=r"process\(es\) \[1\] did not finish"):
+        ckpt.save(tmp_path, state, step=2, timeout=0.3)
+    assert not (tmp_path / "2").exists()
+    assert ckpt.latest(tmp_path) is None
+
+
 def _corrupt_setup(tmp_path):
     state = {"a": np.arange(64, dtype=np.float32), "b": np.ones((2, 2), np.int32)}
     d = ckpt.save(tmp_path, state, step=0, layouts={"a": (2,), "b": None}, mesh=2)

@@ -467,13 +467,13 @@ def _save(path, state, step, layouts, mesh, timeout, attempt):
         nbytes, head_sha256, block_sha256 = _write_safetensors_durably(
             os.path.join(tmp, fname), mine, {"format": FORMAT})
         mine_written = True
-        _mark_done(tmp, rank, {"file": fname, "bytes": nbytes, "header_sha256": head_sha256,
+        _mark_done(tmp, attempt, rank, {"file": fname, "bytes": nbytes, "header_sha256": head_sha256,
                                "blocks": block_sha256})
         if rank != 0:
             _wait_for(lambda: os.path.exists(os.path.join(final, INDEX)), timeout,
                       f"process 0 to complete the checkpoint {final!r}")
             return final
-        done = _wait_for_done(tmp, nproc, timeout, final)
+        done = _wait_for_done(tmp, attempt, nproc, timeout, final)
         digests = {d["file"]: d["blocks"] for d in done}
         for e in entries:
             for b in e["blocks"]:
@@ -485,10 +485,9 @@ def _save(path, state, step, layouts, mesh, timeout, attempt):
                  "leaves": entries}
         _write_bytes_durably(os.path.join(tmp, INDEX),
                              json.dumps(index, indent=1).encode())
-        for r in range(nproc):
-            os.remove(os.path.join(tmp, f"done-{r}.json"))
-        for f in os.listdir(tmp):  # (every process has read them: it wrote its part)
-            if f.startswith(_HOLDS):
+        for f in os.listdir(tmp):  # (every process has read them: it wrote its part;
+            # an earlier attempt's are stale)
+            if f.startswith((_HOLDS, _DONE)):
                 _remove_quietly(os.path.join(tmp, f))
         _fsync_dir(tmp)
         _publish(tmp, final)
@@ -500,7 +499,8 @@ def _save(path, state, step, layouts, mesh, timeout, attempt):
         elif not mine_written or not isinstance(e, CheckpointError):
             # In a job the directory is shared: this process removes its own part only
             # (a timed-out job's parts stay for clean(), as the message says).
-            for f in (fname, f"done-{rank}.json", f"done-{rank}.json.part"):
+            done = _done_path(tmp, attempt, rank)
+            for f in (fname, done, done + ".part"):
                 _remove_quietly(os.path.join(tmp, f))
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             raise CheckpointError(
@@ -759,8 +759,19 @@ def _mesh_size(mesh, nproc: int) -> int:
     return size
 
 
-def _mark_done(tmp: str, rank: int, info: dict) -> None:
-    final = os.path.join(tmp, f"done-{rank}.json")
+# Each process says it has written its part in ``<tmp>/done-<attempt>-<rank>.json``
+# (its file's size and digests), numbered like the ``holds-`` files: a part written by
+# an earlier, timed-out attempt (its file rewritten since, or being rewritten) is never
+# taken for this attempt's.
+_DONE = "done-"
+
+
+def _done_path(tmp: str, attempt: int, rank: int) -> str:
+    return os.path.join(tmp, f"{_DONE}{attempt}-{rank}.json")
+
+
+def _mark_done(tmp: str, attempt: int, rank: int, info: dict) -> None:
+    final = _done_path(tmp, attempt, rank)
     part = final + ".part"
     _write_bytes_durably(part, json.dumps(info).encode())
     os.rename(part, final)
@@ -775,10 +786,11 @@ def _wait_for(ready, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _wait_for_done(tmp: str, nproc: int, timeout: float, final: str) -> list[dict]:
+def _wait_for_done(tmp: str, attempt: int, nproc: int, timeout: float, final: str
+                   ) -> list[dict]:
     def missing():
         return [r for r in range(nproc)
-                if not os.path.exists(os.path.join(tmp, f"done-{r}.json"))]
+                if not os.path.exists(_done_path(tmp, attempt, r))]
 
     deadline = time.monotonic() + timeout
     while missing():
@@ -790,7 +802,7 @@ def _wait_for_done(tmp: str, nproc: int, timeout: float, final: str) -> list[dic
         time.sleep(0.05)
     out = []
     for r in range(nproc):
-        with open(os.path.join(tmp, f"done-{r}.json")) as fh:
+        with open(_done_path(tmp, attempt, r)) as fh:
             out.append(json.load(fh))
     return out
 

@@ -246,6 +246,12 @@ def _split_checkpoint(ap, state, batches, rank, dp, out_dir) -> dict:
         for cls, name, f in patched:
             setattr(cls, name, f)
     out["dir"] = d
+    # The same split state saved in the background while a step runs on it: the step
+    # returns a new state, the handle's files hold the values of its call.
+    handle = fs.checkpoint.save(os.path.join(out_dir, "split_async"), state, step=STEPS,
+                                wait=False)
+    ap(state, *_slice(batches[STEPS], rank, dp))
+    out["async_dir"] = handle.wait(timeout=120)
     t0 = time.perf_counter()
     fs.checkpoint.save(os.path.join(out_dir, "gathered"), ap.gather(state), step=STEPS)
     out["gather_save_s"] = time.perf_counter() - t0

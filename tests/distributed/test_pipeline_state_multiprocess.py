@@ -219,6 +219,30 @@ def _like():
     return fs.AutoParallel(checks.loss, checks.optimizer("adam"), mesh=1).init(params)
 
 
+def test_a_background_save_of_the_split_state_equals_the_saved_one(job):
+    """``save(wait=False)`` of the split state, a step running meanwhile: the same
+    files, block for block, as the synchronous save of the same state, and nothing of
+    the writing left in the directory."""
+    from safetensors.numpy import load_file
+
+    n, ranks = job
+    split = ranks[0]["split_checkpoint"]
+    for res in ranks:
+        assert res["split_checkpoint"]["async_dir"] == split["async_dir"]
+    d, a = split["dir"], split["async_dir"]
+    assert a != d and os.path.basename(a) == os.path.basename(d)
+    assert sorted(os.listdir(a)) == sorted(os.listdir(d))
+    for f in os.listdir(d):
+        if f.endswith(".safetensors"):
+            want, got = load_file(os.path.join(d, f)), load_file(os.path.join(a, f))
+            assert sorted(got) == sorted(want), f
+            for k in want:
+                assert got[k].dtype == want[k].dtype and got[k].tobytes() == \
+                    want[k].tobytes(), (f, k)
+    with open(os.path.join(a, "index.json")) as fh:
+        assert json.load(fh)["leaves"] == _index(ranks[0])["leaves"]
+
+
 def test_the_split_state_is_saved_by_each_stages_processes(job):
     """Each stage's leaves are written by that stage's processes only (a stage of two
     processes deals each leaf's rows out between them), the leaves no stage owns by

@@ -467,8 +467,9 @@ def _save(path, state, step, layouts, mesh, timeout, attempt):
         nbytes, head_sha256, block_sha256 = _write_safetensors_durably(
             os.path.join(tmp, fname), mine, {"format": FORMAT})
         mine_written = True
-        _mark_done(tmp, attempt, rank, {"file": fname, "bytes": nbytes, "header_sha256": head_sha256,
-                               "blocks": block_sha256})
+        _mark_done(tmp, attempt, rank, {"file": fname, "bytes": nbytes,
+                                        "header_sha256": head_sha256,
+                                        "blocks": block_sha256})
         if rank != 0:
             _wait_for(lambda: os.path.exists(os.path.join(final, INDEX)), timeout,
                       f"process 0 to complete the checkpoint {final!r}")
@@ -499,7 +500,7 @@ def _save(path, state, step, layouts, mesh, timeout, attempt):
         elif not mine_written or not isinstance(e, CheckpointError):
             # In a job the directory is shared: this process removes its own part only
             # (a timed-out job's parts stay for clean(), as the message says).
-            done = _done_path(tmp, attempt, rank)
+            done = _done_name(attempt, rank)
             for f in (fname, done, done + ".part"):
                 _remove_quietly(os.path.join(tmp, f))
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
@@ -766,8 +767,12 @@ def _mesh_size(mesh, nproc: int) -> int:
 _DONE = "done-"
 
 
+def _done_name(attempt: int, rank: int) -> str:
+    return f"{_DONE}{attempt}-{rank}.json"
+
+
 def _done_path(tmp: str, attempt: int, rank: int) -> str:
-    return os.path.join(tmp, f"{_DONE}{attempt}-{rank}.json")
+    return os.path.join(tmp, _done_name(attempt, rank))
 
 
 def _mark_done(tmp: str, attempt: int, rank: int, info: dict) -> None:

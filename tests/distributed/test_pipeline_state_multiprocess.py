@@ -225,7 +225,7 @@ def test_a_background_save_of_the_split_state_equals_the_saved_one(job):
     the writing left in the directory."""
     from safetensors.numpy import load_file
 
-    n, ranks = job
+    _, ranks = job
     split = ranks[0]["split_checkpoint"]
     for res in ranks:
         assert res["split_checkpoint"]["async_dir"] == split["async_dir"]

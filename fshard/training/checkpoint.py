@@ -500,7 +500,7 @@ def _save(path, state, step, layouts, mesh, timeout, attempt):
         elif not mine_written or not isinstance(e, CheckpointError):
             # In a job the directory is shared: this process removes its own part only
             # (a timed-out job's parts stay for clean(), as the message says).
-            done = _done_name(attempt, rank)
+            done = _attempt_file(_DONE, attempt, rank)
             for f in (fname, done, done + ".part"):
                 _remove_quietly(os.path.join(tmp, f))
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
@@ -516,7 +516,10 @@ def _save(path, state, step, layouts, mesh, timeout, attempt):
 # ``attempt`` counts this process's saves of the same checkpoint (every process makes
 # the same calls): the files of a failed attempt, which stay in the directory (another
 # process may still be reading them), are never taken for a later attempt's.
-_HOLDS = "holds-"
+# Each process also says it has written its part, in ``<tmp>/done-<attempt>-<rank>.json``
+# (its file's size and digests): a part written by an earlier, timed-out attempt (its
+# file rewritten since, or being rewritten) is never taken for this attempt's.
+_HOLDS, _DONE = "holds-", "done-"
 _ATTEMPTS: dict[str, int] = {}
 _ATTEMPTS_LOCK = threading.Lock()
 
@@ -533,7 +536,7 @@ def _exchange(tmp: str, rank: int, nproc: int, attempt: int, kinds: list, treede
     """Write what this process holds of each leaf, wait for every process's, and return
     per leaf the list over processes of ``[kind, shape, dtype, stage, holders]``."""
     def file(r):
-        return os.path.join(tmp, f"{_HOLDS}{attempt}-{r}.json")
+        return os.path.join(tmp, _attempt_file(_HOLDS, attempt, r))
 
     with open(file(rank) + ".part", "w") as fh:
         json.dump({"treedef": treedef, "leaves": kinds}, fh)
@@ -760,23 +763,13 @@ def _mesh_size(mesh, nproc: int) -> int:
     return size
 
 
-# Each process says it has written its part in ``<tmp>/done-<attempt>-<rank>.json``
-# (its file's size and digests), numbered like the ``holds-`` files: a part written by
-# an earlier, timed-out attempt (its file rewritten since, or being rewritten) is never
-# taken for this attempt's.
-_DONE = "done-"
-
-
-def _done_name(attempt: int, rank: int) -> str:
-    return f"{_DONE}{attempt}-{rank}.json"
-
-
-def _done_path(tmp: str, attempt: int, rank: int) -> str:
-    return os.path.join(tmp, _done_name(attempt, rank))
+def _attempt_file(kind: str, attempt: int, rank: int) -> str:
+    """The name of a process's ``holds-`` or ``done-`` file of one attempt."""
+    return f"{kind}{attempt}-{rank}.json"
 
 
 def _mark_done(tmp: str, attempt: int, rank: int, info: dict) -> None:
-    final = _done_path(tmp, attempt, rank)
+    final = os.path.join(tmp, _attempt_file(_DONE, attempt, rank))
     part = final + ".part"
     _write_bytes_durably(part, json.dumps(info).encode())
     os.rename(part, final)
@@ -793,9 +786,11 @@ def _wait_for(ready, timeout: float, what: str) -> None:
 
 def _wait_for_done(tmp: str, attempt: int, nproc: int, timeout: float, final: str
                    ) -> list[dict]:
+    def file(r):
+        return os.path.join(tmp, _attempt_file(_DONE, attempt, r))
+
     def missing():
-        return [r for r in range(nproc)
-                if not os.path.exists(_done_path(tmp, attempt, r))]
+        return [r for r in range(nproc) if not os.path.exists(file(r))]
 
     deadline = time.monotonic() + timeout
     while missing():
@@ -807,7 +802,7 @@ def _wait_for_done(tmp: str, attempt: int, nproc: int, timeout: float, final: st
         time.sleep(0.05)
     out = []
     for r in range(nproc):
-        with open(_done_path(tmp, attempt, r)) as fh:
+        with open(file(r)) as fh:
             out.append(json.load(fh))
     return out
 

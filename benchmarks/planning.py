@@ -182,7 +182,7 @@ def planning(ctx):
     for r in prediction.measure(runs=ctx.runs(10, 2), rounds=ctx.runs(4, 1)):
         notes.append(f"{r['plan']}: predicted {r['predicted_s'] * 1e3:.1f} ms, measured "
                      f"{r['best_s'] * 1e3:.1f} ms (best round; median "
-                     f"{r['median_s'] * 1e3:.1f} ms), predicted/measured {r['ratio']:.2f}, "
+                     f"{r['median_s'] * 1e3:.1f} ms), predicted/median {r['ratio']:.2f}, "
                      f"{r['collectives']}")
     for layers in (10, 100) if ctx.quick else (10, 100, 1000):
         n, cpu, colls = deep_planning(layers)

@@ -3,9 +3,9 @@ virtual mesh and the compute of the dominant primitives as fshard compiles them,
 caches the table on disk; the cost model (``fshard.sharding.cost``) prices plans with it
 when it is there, with ``cost.BACKEND_RATES`` otherwise.
 
-What is measured (each time the median of several calls of a compiled program, each
-rate a least-squares line through several sizes, so a busy machine moves the numbers
-little):
+What is measured (each time the median of every call of a compiled program over
+several rounds, each rate a robust line through several sizes, so a busy machine moves
+the numbers little):
 
 - ``op_s``: the fixed cost of one more kernel in a compiled program (graphs shaped like
   a training step's, forward, backward and update, of 144 to 288 kernels on small
@@ -14,11 +14,13 @@ little):
   to 65 small adds);
 - ``arg_s``: what each more value passed in or out of the call adds (programs of 1, 17
   and 33 inputs and outputs): a training step's state crosses the call leaf by leaf;
-- ``matmul_c``, ``matmul_p``: a matmul kernel's seconds, ``c·flops**p`` (its flops,
+- ``matmul_points``: a matmul kernel's seconds at each size measured (its flops,
   ``2·m·k·n`` per device times the devices it is batched over, as a virtual mesh runs
   it), over thin, wide and square block shapes with the right operand per device and
-  shared: a small matmul runs far below a large one's rate; ``flops_per_s``, the rate
-  at 1 Gflop;
+  shared: a small matmul runs far below a large one's rate. A size between two measured
+  is priced on the line between them in logarithms; ``matmul_c``, ``matmul_p``: the
+  power law ``c·flops**p`` through them all, for sizes outside; ``flops_per_s``, the
+  rate at 1 Gflop;
 - ``point_s``: the seconds per element of an elementwise op (chains of adds,
   multiplies and subtractions over four sizes);
 - per collective (``all_reduce``, ``all_gather``) and group size ``n``:
@@ -42,6 +44,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -79,21 +82,22 @@ def _call(compiled, args) -> None:
 
 
 def _times(items, runs: int, rounds: int = 3) -> list[float]:
-    """Seconds of one call of each ``(compiled, args)``: timed interleaved in ``rounds``,
-    each round's median of ``runs`` calls, the least round kept (another process's work
-    only ever adds time, and it comes and goes)."""
+    """Seconds of one call of each ``(compiled, args)``: the median of all its calls,
+    ``runs`` per round over ``rounds`` rounds, the items interleaved. On a shared machine
+    a program's round medians spread widely (two identical programs, timed interleaved,
+    4.2-8.0 ms a round), so the least of a few of them is a draw of its own; the median
+    of every call holds within a few percent between programs and processes, and is
+    what ``benchmarks/prediction.py`` compares the plans' predictions with."""
     for compiled, args in items:
         _call(compiled, args)
-    best = [float("inf")] * len(items)
+    calls: list[list[float]] = [[] for _ in items]
     for _ in range(rounds):
         for j, (compiled, args) in enumerate(items):
-            ts = []
             for _ in range(runs):
                 t0 = time.perf_counter()
                 _call(compiled, args)
-                ts.append(time.perf_counter() - t0)
-            best[j] = min(best[j], float(np.median(ts)))
-    return best
+                calls[j].append(time.perf_counter() - t0)
+    return [float(np.median(ts)) for ts in calls]
 
 
 def _fit(xs, ts, clip: bool = True) -> tuple[float, float]:
@@ -175,18 +179,24 @@ def _many(k: int):
     return fn
 
 
-def _measure_compute(runs: int, devices: int) -> dict:
+def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
+    """The compute's programs (``(compiled, args)``) and the function that makes the
+    table's compute numbers of their times."""
     x = _tensor((64,))
     # The first calls of a process pay one-off costs: warm up on a program of its own.
     _times([(_compile(_chain(2), [_f32((64,))]), [x])], 3, 1)
-    ks = (1, 9, 17, 33, 65)
-    ts = _times([(_compile(_chain(k), [_f32((64,))]), [x]) for k in ks], runs)
-    call_s, small_op_s = _fit(ks, ts)
-    ks = (1, 17, 33)
-    ts = _times([(_compile(_many(k), [_f32((64,))] * k),
-                  [_tensor((64,), i) for i in range(k)]) for k in ks], runs)
-    # Each more k: one input, one output and one add.
-    arg_s = max(_fit(ks, ts)[1] - small_op_s, 0.0) / 2
+    items: list = []
+
+    def add(group):
+        start = len(items)
+        items.extend(group)
+        return slice(start, len(items))
+
+    chain_ks = (1, 9, 17, 33, 65)
+    chains = add([(_compile(_chain(k), [_f32((64,))]), [x]) for k in chain_ks])
+    many_ks = (1, 17, 33)
+    many = add([(_compile(_many(k), [_f32((64,))] * k),
+                 [_tensor((64,), i) for i in range(k)]) for k in many_ks])
     # MindSpore's CPU runtime launches each kernel of a graph of more than about 100 at
     # a higher cost (2-3 us below, 4-5 us above in a chain of adds, on 2 cores), and a
     # kernel of a step-shaped graph costs more again (5-12 us): one kernel's cost is
@@ -194,54 +204,67 @@ def _measure_compute(runs: int, devices: int) -> dict:
     # call and its values taken out: the median of their times per kernel (steadier
     # than a line's slope, which the jumps between lengths tilt).
     layers = (16, 24, 32)
-    ts = _times([(_compile(_step_shaped(n), [_f32((16, 16))] * (n + 1)),
-                  [_tensor((16, 16), i) for i in range(n + 1)]) for n in layers], runs)
-    op_s = float(np.median([max(t - call_s - arg_s * (2 * n - 1), 0.0) / (9 * n)
-                            for n, t in zip(layers, ts)]))
+    steps = add([(_compile(_step_shaped(n), [_f32((16, 16))] * (n + 1)),
+                  [_tensor((16, 16), i) for i in range(n + 1)]) for n in layers])
     # Matmuls as a virtual mesh runs them: each device's block, batched over the devices,
     # the right operand batched too (a weight gradient's) or shared (a replicated weight);
-    # the thin and wide shapes of split activations, small and larger square-ish ones,
-    # so the line's slope is the rate of large kernels and its intercept what a small one
-    # adds. (Each alone in its program: a step's matmuls are apart, between other kernels;
+    # the thin and wide shapes of split activations, small and larger square-ish ones.
+    # (Each alone in its program: a step's matmuls are apart, between other kernels;
     # the second of two matmuls in a row runs faster, its threads started.)
-    shapes = ((32, 64, 64), (32, 64, 512), (64, 512, 32), (32, 512, 512), (512, 32, 512),
-              (256, 64, 512), (256, 512, 512))
-    items, flops = [], []
-    for both in (True, False):
-        for m, k, n in shapes:
-            items.append(_batched_matmul(m, k, n, devices, both))
-            flops.append(2.0 * devices * m * k * n)
-    ts = _times(items, runs)
-    # The rate rises with the kernel's size (8.4 Mflop run at half the rate of 1 Gflop):
-    # a power law ``t = c·flops**p`` through the kernels' own times (the call's taken
-    # out), fitted as a line in logarithms; flops_per_s is the rate it gives at 1 Gflop.
-    kernel = np.log([max(t - call_s - op_s, 1e-7) for t in ts])
-    _, p = _fit(np.log(flops), kernel, clip=False)
-    # A kernel's time grows at most as its flops and at least as their square root: a
-    # busy machine that slowed one size can tilt the line past either, so the exponent
-    # is kept in between and the factor fitted to it.
-    p = min(max(p, 0.5), 1.0)
-    log_c = float(np.median(kernel - p * np.log(flops)))
+    shapes = ((32, 64, 64), (32, 64, 512), (64, 512, 32), (64, 256, 256), (32, 512, 512),
+              (512, 32, 512), (256, 64, 512), (128, 512, 256), (256, 512, 512))
+    flops = [2.0 * devices * m * k * n for _ in (True, False) for m, k, n in shapes]
+    matmuls = add([_batched_matmul(m, k, n, devices, both)
+                   for both in (True, False) for m, k, n in shapes])
     # An add's seconds per element: the extra time of 16 more ops in a chain over
     # each size, so the call and the one-off copies fall out; the sizes of the blocks
     # and weights of a step (16K-1M elements, mostly in cache), not of memory-bound
     # giants.
-    sizes, items = (1 << 14, 1 << 16, 1 << 18, 1 << 20), []
-    for size in sizes:
-        for k in (1, 17):
-            items.append((_compile(_chain2(k), [_f32((size,))] * 2),
-                          [_tensor((size,)), _tensor((size,), 1)]))
-    ts = _times(items, runs)
-    _, point_s = _fit(sizes, [max(ts[2 * i + 1] - ts[2 * i], 1e-8) / 16
-                              for i in range(len(sizes))])
-    return {"call_s": call_s, "op_s": op_s, "arg_s": arg_s,
-            "flops_per_s": 1e9 / (np.exp(log_c) * 1e9 ** p), "matmul_c": float(np.exp(log_c)),
-            "matmul_p": float(p), "point_s": point_s}
+    sizes = (1 << 14, 1 << 16, 1 << 18, 1 << 20)
+    points = add([(_compile(_chain2(k), [_f32((size,))] * 2),
+                   [_tensor((size,)), _tensor((size,), 1)])
+                  for size in sizes for k in (1, 17)])
+
+    def fit(ts: list) -> dict:
+        call_s, small_op_s = _fit(chain_ks, ts[chains])
+        # Each more k: one input, one output and one add.
+        arg_s = max(_fit(many_ks, ts[many])[1] - small_op_s, 0.0) / 2
+        op_s = float(np.median([max(t - call_s - arg_s * (2 * n - 1), 0.0) / (9 * n)
+                                for n, t in zip(layers, ts[steps])]))
+        # The rate rises with the kernel's size (8.4 Mflop run at half the rate of 1
+        # Gflop): a power law ``t = c·flops**p`` through the kernels' own times (the
+        # call's taken out), fitted as a line in logarithms; flops_per_s is the rate it
+        # gives at 1 Gflop.
+        seconds = [max(t - call_s - op_s, 1e-7) for t in ts[matmuls]]
+        kernel = np.log(seconds)
+        _, p = _fit(np.log(flops), kernel, clip=False)
+        # A kernel's time grows at most as its flops and at least as their square root:
+        # a busy machine that slowed one size can tilt the line past either, so the
+        # exponent is kept in between and the factor fitted to it.
+        p = min(max(p, 0.5), 1.0)
+        log_c = float(np.median(kernel - p * np.log(flops)))
+        # The points themselves, for sizes between the least and the largest measured:
+        # a size's kernels are priced from the nearest sizes measured, not through a
+        # line that every other size tilts (its exponent moved between 0.6 and 0.97
+        # from process to process). Shapes of equal flops, and the two right operands,
+        # give their median.
+        mm = sorted((f, float(np.median([t for g, t in zip(flops, seconds) if g == f])))
+                    for f in set(flops))
+        chain = ts[points]
+        _, point_s = _fit(sizes, [max(chain[2 * i + 1] - chain[2 * i], 1e-8) / 16
+                                  for i in range(len(sizes))])
+        return {"call_s": call_s, "op_s": op_s, "arg_s": arg_s,
+                "flops_per_s": 1e9 / (np.exp(log_c) * 1e9 ** p),
+                "matmul_c": float(np.exp(log_c)), "matmul_p": float(p),
+                "matmul_points": [list(pt) for pt in mm], "point_s": point_s}
+
+    return items, fit
 
 
-def _measure_collective(kind: str, n: int, devices: int, runs: int) -> tuple[float, float]:
-    """``(fixed s, s per byte of a device's block)`` of ``kind`` over an axis of ``n``
-    devices of a virtual mesh of ``devices``, as ``fs.shard`` runs it (batched)."""
+def _collective_programs(kind: str, n: int, devices: int) -> tuple[list, Callable]:
+    """The programs of ``kind`` over an axis of ``n`` devices of a virtual mesh of
+    ``devices``, as ``fs.shard`` runs it (batched), and the function that makes their
+    times ``(fixed s, s per byte of a device's block)``."""
     axes = [("g", n)] + ([("r", devices // n)] if devices > n else [])
     sizes, items = (1 << 8, 1 << 14, 1 << 17), []
     for elems in sizes:
@@ -264,7 +287,40 @@ def _measure_collective(kind: str, n: int, devices: int, runs: int) -> tuple[flo
                                [split - {"g"}], axes)
 
         items.append((_compile(whole, [_f32(lead + (elems,))]), [_tensor(lead + (elems,))]))
-    return _fit([4.0 * e for e in sizes], _times(items, runs))
+    return items, lambda ts: _fit([4.0 * e for e in sizes], ts)
+
+
+def programs(devices: int) -> tuple[list, Callable[[list], dict]]:
+    """Every program the calibration of a virtual mesh of ``devices`` times, as
+    ``(compiled, args)`` pairs, and the function that makes the table (the rates, not
+    yet saved) of their times, one per program in seconds. ``measure`` times them all
+    interleaved, so every rate is measured over the same stretch of time (this
+    machine's speed moves up to 3x within 30 s)."""
+    devices = check_devices(devices)
+    items, fit_compute = _compute_programs(devices)
+    groups = []
+    for kind in ("all_reduce", "all_gather"):
+        ns = [n for n in GROUPS if n <= devices and devices % n == 0]
+        if devices > 1 and devices not in ns:
+            ns.append(devices)
+        for n in ns:
+            more, fit = _collective_programs(kind, n, devices)
+            groups.append((kind, n, slice(len(items), len(items) + len(more)), fit))
+            items = items + more
+
+    def fit(ts: list) -> dict:
+        table = {"format": FORMAT, "backend": backend.device_target(),
+                 "mindspore": backend.ms_version(), "devices": devices, "lanes": True}
+        compute = fit_compute(ts)
+        table.update(compute)
+        table.update({"all_reduce": {}, "all_gather": {}})
+        for kind, n, where, fit_group in groups:
+            a, b = fit_group(ts[where])
+            # The call's own fixed cost is in every program once, not per collective.
+            table[kind][str(n)] = [max(a - compute["call_s"], 0.0), b]
+        return table
+
+    return items, fit
 
 
 def _measure_job(devices: int, runs: int) -> dict:
@@ -281,7 +337,8 @@ def _measure_job(devices: int, runs: int) -> dict:
     t0 = time.perf_counter()
     table = {"format": FORMAT, "backend": backend.device_target(),
              "mindspore": backend.ms_version(), "devices": devices, "lanes": False}
-    compute = _measure_compute(runs, 1)
+    items, fit = _compute_programs(1)
+    compute = fit(_times(items, runs))
     table.update(compute)
     reduce = backend.world_collective("all_reduce")
     token = _tensor((1,))
@@ -301,13 +358,16 @@ def _measure_job(devices: int, runs: int) -> dict:
         a, b = _fit([4.0 * e for e in sizes], ts)
         table[kind] = {str(world): [max(a - compute["call_s"], 0.0), b]}
     keys = [k for k in _NUMBERS if k in table]
+    points = table["matmul_points"]  # the same sizes on every rank
     numbers = [table[k] for k in keys] + table["all_reduce"][str(world)] \
-        + table["all_gather"][str(world)]
+        + table["all_gather"][str(world)] + [t for _, t in points]
     mine = np.asarray(numbers, np.float32) * (distributed.rank() == 0)
     shared = [float(v) for v in backend.to_numpy(reduce(backend.as_tensor(mine)))]
     table.update(zip(keys, shared))
-    table["all_reduce"] = {str(world): shared[len(keys):len(keys) + 2]}
-    table["all_gather"] = {str(world): shared[len(keys) + 2:]}
+    k = len(keys)
+    table["all_reduce"] = {str(world): shared[k:k + 2]}
+    table["all_gather"] = {str(world): shared[k + 2:k + 4]}
+    table["matmul_points"] = [[f, t] for (f, _), t in zip(points, shared[k + 4:])]
     table["seconds"] = time.perf_counter() - t0
     table["loadavg"] = list(os.getloadavg())
     return table
@@ -324,21 +384,8 @@ def measure(devices: int, runs: int = 7) -> dict:
     if backend.comm_initialized():
         return _measure_job(devices, runs)
     t0 = time.perf_counter()
-    table = {"format": FORMAT, "backend": backend.device_target(),
-             "mindspore": backend.ms_version(), "devices": devices, "lanes": True}
-    compute = _measure_compute(runs, devices)
-    table.update(compute)
-    for kind in ("all_reduce", "all_gather"):
-        per_n = {}
-        for n in GROUPS:
-            if n <= devices and devices % n == 0:
-                a, b = _measure_collective(kind, n, devices, runs)
-                # The call's own fixed cost is in every program once, not per collective.
-                per_n[str(n)] = [max(a - compute["call_s"], 0.0), b]
-        if devices > 1 and str(devices) not in per_n:
-            a, b = _measure_collective(kind, devices, devices, runs)
-            per_n[str(devices)] = [max(a - compute["call_s"], 0.0), b]
-        table[kind] = per_n
+    items, fit = programs(devices)
+    table = fit(_times(items, runs))
     table["seconds"] = time.perf_counter() - t0
     table["loadavg"] = list(os.getloadavg())
     return table

@@ -5,6 +5,7 @@ partitioning and search all price with these functions.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass, field
@@ -148,6 +149,7 @@ def rates_from_table(table: dict) -> dict:
            "op_s": table["op_s"], "call_s": table["call_s"],
            "arg_s": table.get("arg_s", 0.0), "matmul_c": table.get("matmul_c"),
            "matmul_p": table.get("matmul_p", 1.0),
+           "matmul_points": tuple(map(tuple, table.get("matmul_points", ()))),
            "lanes": table["devices"] if table.get("lanes", True) else 1, "groups": groups}
     # The byte-rate view of the largest group, for what prices bytes alone (propagation).
     for op, per_n in groups.items():
@@ -188,13 +190,31 @@ def compute_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: d
     lanes = mesh.count(tuple(sorted(varying))) if rates.get("lanes", 1) > 1 else 1
     if contracts(spec) and rates.get("matmul_c") is not None:
         # One batched kernel over the lanes: its rate depends on its whole size.
-        kernel = rates["matmul_c"] * (lanes * flops) ** rates["matmul_p"]
+        kernel = matmul_seconds(lanes * flops, rates)
         return rates["op_s"] + kernel + _broadcast_seconds(spec, cand, mesh, rates, lanes)
     if contracts(spec):
         work = flops / rates["flops_per_s"]
     else:
         work = flops / (spec.flops_per_point or 1.0) * rates["point_s"]
     return rates["op_s"] + lanes * work
+
+
+def matmul_seconds(flops: float, rates: dict) -> float:
+    """A matmul kernel's seconds at ``flops`` (batched over the lanes): between two sizes
+    the table measured, on the line between them in logarithms; outside them, the power
+    law ``matmul_c·flops**matmul_p`` fitted through them all.
+
+    >>> rates = {"matmul_c": 1e-9, "matmul_p": 1.0, "matmul_points": ((1e6, 1e-3),
+    ...                                                               (1e8, 1e-2))}
+    >>> round(matmul_seconds(1e7, rates), 6), round(matmul_seconds(1e9, rates), 6)
+    (0.003162, 1.0)
+    """
+    points = rates.get("matmul_points") or ()
+    if len(points) >= 2 and points[0][0] <= flops <= points[-1][0]:
+        i = max(bisect.bisect_left(points, (flops,)), 1)
+        (f0, t0), (f1, t1) = points[i - 1], points[i]
+        return t0 * (t1 / t0) ** (math.log(flops / f0) / math.log(f1 / f0))
+    return rates["matmul_c"] * flops ** rates["matmul_p"]
 
 
 def _broadcast_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: dict,

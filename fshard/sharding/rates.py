@@ -69,7 +69,7 @@ def calibrated(devices: int, job: bool = False) -> dict | None:
 
 _NUMBERS = ("call_s", "op_s", "flops_per_s", "point_s")
 #: Measured by later fshard versions; a table without them prices as before them.
-_LATER_NUMBERS = ("arg_s", "matmul_c", "matmul_p")
+_LATER_NUMBERS = ("arg_s", "matmul_c", "matmul_p")  # (and the list "matmul_points")
 
 
 @functools.lru_cache(maxsize=16)  # one read per file version: planning asks often
@@ -86,7 +86,8 @@ def _load(path: str, mtime: int) -> dict | None:
               and all(isinstance(table.get(k), dict) and all(
                   isinstance(n, str) and n.isdigit() and isinstance(v, list) and len(v) == 2
                   and all(isinstance(t, (int, float)) for t in v) and min(v) >= 0
-                  for n, v in table[k].items()) for k in ("all_reduce", "all_gather")))
+                  for n, v in table[k].items()) for k in ("all_reduce", "all_gather"))
+              and _points_ok(table.get("matmul_points", [])))
     except (OSError, ValueError):
         ok = False
     if not ok:
@@ -96,6 +97,15 @@ def _load(path: str, mtime: int) -> dict | None:
             f"fs.sharding.calibrate() to measure again, or delete the file to plan with "
             f"the default rates.")
     return table
+
+
+def _points_ok(points) -> bool:
+    """``matmul_points``: ``[flops, seconds]`` pairs, flops rising, all positive."""
+    return (isinstance(points, list)
+            and all(isinstance(pt, list) and len(pt) == 2
+                    and all(isinstance(v, (int, float)) and v > 0 for v in pt)
+                    for pt in points)
+            and all(a[0] < b[0] for a, b in zip(points, points[1:])))
 
 
 def load_cache_clear() -> None:

@@ -15,8 +15,8 @@ from fshard.errors import ShardingError
 from fshard.core.factors import FactorSpec
 from fshard.sharding import rates
 from fshard.sharding.cost import (BACKEND_RATES, CostModel, backend_rates, compute_seconds,
-                                  contracts, rates_from_table, redistribution_seconds,
-                                  step_seconds)
+                                  contracts, matmul_seconds, rates_from_table,
+                                  redistribution_seconds, step_seconds)
 from fshard.sharding.layouts import Candidate, ShardMesh, Sharding
 
 
@@ -62,6 +62,9 @@ def test_calibrate_measures_and_caches_the_table(measured):
     assert table["flops_per_s"] > 0 and table["point_s"] > 0
     assert table["op_s"] >= 0 and table["arg_s"] >= 0
     assert table["matmul_c"] > 0 and 0.5 <= table["matmul_p"] <= 1.0
+    points = table["matmul_points"]
+    assert len(points) >= 2 and all(t > 0 for _, t in points)
+    assert [f for f, _ in points] == sorted({f for f, _ in points})
     assert set(table["all_reduce"]) == set(table["all_gather"]) == {"2"}
     for op in ("all_reduce", "all_gather"):
         a, b = table[op]["2"]
@@ -307,3 +310,34 @@ def test_a_calibrated_plan_that_gathers_updated_blocks_trains_like_one_device(ca
         w = r.params[k].asnumpy()
         np.testing.assert_allclose(s.params[k].asnumpy(), w, rtol=1e-4,
                                    atol=1e-5 * max(np.abs(w).max(), 1.0))
+
+
+def test_a_matmul_between_measured_sizes_is_priced_from_its_nearest_two():
+    """Inside the sizes the table measured, a matmul's kernel is on the line between the
+    two nearest in logarithms (a measured size exactly as measured); outside them, the
+    power law through them all."""
+    points = [[1e6, 2e-4], [1e7, 5e-4], [1e8, 4e-3]]
+    row = rates_from_table(_table(8, matmul_c=1e-10, matmul_p=0.8, matmul_points=points))
+    for f, t in points:
+        assert matmul_seconds(f, row) == pytest.approx(t)
+    assert matmul_seconds(np.sqrt(1e7 * 1e8), row) == pytest.approx(np.sqrt(5e-4 * 4e-3))
+    assert 5e-4 < matmul_seconds(3e7, row) < 4e-3
+    for f in (1e5, 1e9):
+        assert matmul_seconds(f, row) == pytest.approx(1e-10 * f ** 0.8)
+    mesh = ShardMesh.for_devices(8)
+    mm = FactorSpec([("m", "k"), ("k", "n")], [("m", "n")], {"m": 256, "k": 128, "n": 64},
+                    reduce=frozenset({"k"}), flops_per_point=2.0)
+    flops = 2.0 * 256 * 128 * 64
+    assert compute_seconds(mm, Candidate((("m", (0, 1, 2)),)), mesh, row) == \
+        pytest.approx(5e-6 + matmul_seconds(flops, row))
+    # a table without the points (an earlier fshard's) prices by the power law alone
+    old = rates_from_table(_table(8, matmul_c=1e-10, matmul_p=0.8))
+    assert matmul_seconds(3e7, old) == pytest.approx(1e-10 * 3e7 ** 0.8)
+
+
+@pytest.mark.parametrize("points", [[[1e6, 1e-4], [1e6, 2e-4]], [[1e7, 1e-4], [1e6, 1e-3]],
+                                    [[1e6, -1.0]], [[1e6]], "1e6", [["1e6", 1e-4]]])
+def test_a_table_with_broken_matmul_points_is_refused(cache, points):
+    _write(8, _table(8, matmul_points=points))
+    with pytest.raises(ShardingError, match="not one fs.sharding.calibrate"):
+        backend_rates(8)

@@ -81,18 +81,23 @@ def _call(compiled, args) -> None:
     backend.to_numpy(out[0] if isinstance(out, tuple) else out)
 
 
-def _times(items, runs: int, rounds: int = 3) -> list[float]:
+def _times(items, runs: int, rounds: int = 3, barrier=None) -> list[float]:
     """Seconds of one call of each ``(compiled, args)``: the median of all its calls,
     ``runs`` per round over ``rounds`` rounds, the items interleaved. On a shared machine
     a program's round medians spread widely (two identical programs, timed interleaved,
     4.2-8.0 ms a round), so the least of a few of them is a draw of its own; the median
     of every call holds within a few percent between programs and processes, and is
-    what ``benchmarks/prediction.py`` compares the plans' predictions with."""
+    what ``benchmarks/prediction.py`` compares the plans' predictions with.
+    ``barrier``: called before each program's calls in each round (in a job: every
+    rank runs the same program at the same time, as in a step, not one rank's small
+    programs beside the other's large ones)."""
     for compiled, args in items:
         _call(compiled, args)
     calls: list[list[float]] = [[] for _ in items]
     for _ in range(rounds):
         for j, (compiled, args) in enumerate(items):
+            if barrier is not None:
+                barrier()
             for _ in range(runs):
                 t0 = time.perf_counter()
                 _call(compiled, args)
@@ -337,11 +342,11 @@ def _measure_job(devices: int, runs: int) -> dict:
     t0 = time.perf_counter()
     table = {"format": FORMAT, "backend": backend.device_target(),
              "mindspore": backend.ms_version(), "devices": devices, "lanes": False}
-    items, fit = _compute_programs(1)
-    compute = fit(_times(items, runs))
-    table.update(compute)
     reduce = backend.world_collective("all_reduce")
     token = _tensor((1,))
+    items, fit = _compute_programs(1)
+    compute = fit(_times(items, runs, barrier=lambda: backend.to_numpy(reduce(token))))
+    table.update(compute)
     for kind in ("all_reduce", "all_gather"):
         fn = backend.world_collective(kind)
         sizes, ts = (1 << 8, 1 << 14, 1 << 17), []

@@ -135,10 +135,11 @@ def backend_rates(devices: int | None = None) -> dict:
 
 def rates_from_table(table: dict) -> dict:
     """The rates of a calibration table (fshard/sharding/calibration.py): a row like
-    ``BACKEND_RATES``' plus ``op_s`` (one kernel's fixed cost), ``matmul_c`` and
-    ``matmul_p`` (a matmul kernel's seconds, ``c·flops**p``; absent from tables of
-    earlier versions, which price flops at ``flops_per_s``), ``point_s`` (an
-    elementwise op's seconds per element),
+    ``BACKEND_RATES``' plus ``op_s`` (one kernel's fixed cost), ``matmul_points``
+    (a matmul kernel's seconds at the sizes measured), ``matmul_c`` and ``matmul_p``
+    (its power law ``c·flops**p``, for other sizes; see ``matmul_seconds``; absent
+    from tables of earlier versions, which price flops at ``flops_per_s``),
+    ``point_s`` (an elementwise op's seconds per element),
     ``call_s`` (calling the compiled program), ``arg_s`` (each value passed in or out),
     ``lanes`` (the virtual devices one process computes for) and ``groups`` (per
     collective, per group size, ``(fixed s, s per byte of a device's block)`` as the

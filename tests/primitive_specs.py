@@ -1514,6 +1514,7 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(E.relu_p, unary(), NUMERIC),
         float_unary(E.sqrt_p, "positive"),
         float_unary(E.rsqrt_p, "positive"),
+        float_unary(E.reciprocal_p, "positive"),
         PrimitiveSpec(E.abs_p, unary(), NUMERIC),
         float_unary(E.sin_p),
         float_unary(E.cos_p),

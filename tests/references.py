@@ -483,6 +483,7 @@ REFERENCES = {
     "relu": lambda x: np.maximum(x, 0).astype(x.dtype),
     "sqrt": np.sqrt,
     "rsqrt": _same_dtype(lambda x: 1.0 / np.sqrt(x)),
+    "reciprocal": _same_dtype(lambda x: 1.0 / x),
     "abs": np.abs,
     "sin": np.sin,
     "cos": np.cos,

@@ -16,7 +16,7 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import nn, ops
+from mindspore import Tensor, nn, ops
 
 import fshard as fs
 from fshard import launch
@@ -249,9 +249,23 @@ def test_floor_division_and_remainder_follow_python(op):
     np.testing.assert_array_equal(fs.jit(f)(a, b).asnumpy(), f(a, b))
 
 
-def test_an_operator_without_a_primitive_is_an_fshard_error():
-    with pytest.raises(fs.UnsupportedOpError, match="the operator ~"):
+def test_invert_of_a_number_is_refused_naming_both_meanings():
+    # MindSpore's ~ is a logical not, NumPy's a bitwise not: fshard does not guess
+    with pytest.raises(fs.UnsupportedOpError, match=r"(?s)the operator ~ on a traced "
+                       r"i32\[4\].*logical not.*bitwise not.*Fix: .*logical_not.*"
+                       r"bitwise_xor\(x, -1\)"):
         fs.jit(lambda a: ~a)(np.arange(4, dtype=np.int32))
+
+
+def test_invert_of_a_mask_is_its_logical_not():
+    x = Tensor(np.array([-1.0, 0.0, 2.0], np.float32))
+    got = fs.jit(lambda a: ~(a > 0))(x).asnumpy()
+    np.testing.assert_array_equal(got, (~(x > 0)).asnumpy())
+    np.testing.assert_array_equal(got, [True, True, False])
+    # and through vmap
+    xs = Tensor(np.array([[1.0, -1.0], [0.0, 3.0]], np.float32))
+    np.testing.assert_array_equal(fs.vmap(lambda a: ~(a > 0))(xs).asnumpy(),
+                                  [[False, True], [True, False]])
 
 
 @pytest.mark.parametrize("op", ["&", "|", "^", "<<", ">>"])

@@ -826,7 +826,14 @@ def _softplus_ext(prim, x, beta=1, threshold=20):
 
 @converts("ClampScalar", "ClampTensor")
 def _clamp(prim, x, min=None, max=None):  # noqa: A002
-    return fo.clamp(x, _scalar(min), _scalar(max))
+    return fo.clamp(x, _bound(min), _bound(max))
+
+
+def _bound(v):
+    """A clamp bound: a 1-element constant as a Python scalar, an array as itself."""
+    if hasattr(v, "asnumpy") and not isinstance(v, Tracer) and v.size != 1:
+        return v
+    return _scalar(v)
 
 
 @converts("functional.clamp", "functional.clip")

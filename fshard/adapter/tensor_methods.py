@@ -181,7 +181,10 @@ METHODS = {
     "__add__": ops.add, "__radd__": _r(ops.add),
     "__sub__": ops.sub, "__rsub__": _r(ops.sub),
     "__mul__": ops.mul, "__rmul__": _r(ops.mul),
-    "__truediv__": ops.div, "__rtruediv__": _r(ops.div),
+    # MindSpore's ``other / tensor`` is ``tensor.reciprocal() * other`` (Tensor's own
+    # __rtruediv__): the same, bit for bit, and 1 / -0.0 stays -inf.
+    "__truediv__": ops.div, "__rtruediv__": lambda self, other: ops.mul(
+        ops.reciprocal(self), other),
     "__pow__": ops.pow, "__rpow__": _r(ops.pow),
     "__matmul__": ops.matmul, "__rmatmul__": _r(ops.matmul),
     "__neg__": ops.neg, "__pos__": lambda self: self, "__abs__": ops.abs,
@@ -225,14 +228,17 @@ METHODS = {
 }
 
 def _clip(self, min=None, max=None):  # noqa: A002  (MindSpore's parameter names)
-    out = self
-    if min is not None:
-        out = ops.maximum(out, ops.cast(min, typeof(self).dtype) if isinstance(
-            min, (int, float)) else min)
-    if max is not None:
-        out = ops.minimum(out, ops.cast(max, typeof(self).dtype) if isinstance(
-            max, (int, float)) else max)
-    return out
+    if min is None and max is None:
+        return self
+
+    def bound(b):  # a Python number takes the value's dtype, as MindSpore's, but a
+        # float bound of an integer value makes the result float
+        if isinstance(b, float) and not dtypes.is_float(typeof(self).dtype):
+            return b
+        return ops.cast(b, typeof(self).dtype) if isinstance(b, (int, float)) else b
+
+    return ops.clamp(self, None if min is None else bound(min),
+                     None if max is None else bound(max))
 
 
 def _var(self, axis=None, ddof=0, keepdims=False, *, dtype=None, out=None):
@@ -338,19 +344,6 @@ def _refuse_tolist(self):
         "result.")
 
 
-def _refuse_operator(symbol: str):
-    def method(self, *args):
-        from fshard.errors import UnsupportedOpError
-
-        raise UnsupportedOpError(
-            f"the operator {symbol} on a traced value ({self}) has no fshard primitive "
-            "yet.\nFix: compute it outside the transformed function, or express it with "
-            "fs.ops (e.g. a - b * fs.ops.cast(fs.ops.cast(a / b, int32), a.dtype) for "
-            "a truncating remainder of positive numbers).")
-
-    return method
-
-
 METHODS.update({
     "__and__": ops.bitwise_and, "__rand__": _r(ops.bitwise_and),
     "__or__": ops.bitwise_or, "__ror__": _r(ops.bitwise_or),
@@ -362,7 +355,23 @@ METHODS.update({
     "__floordiv__": ops.floor_divide, "__rfloordiv__": _r(ops.floor_divide),
     "__mod__": ops.remainder, "__rmod__": _r(ops.remainder),
 })
-METHODS.setdefault("__invert__", _refuse_operator("~"))
+def _invert(self):
+    """``~``: a logical not of a bool value (MindSpore's and NumPy's ``~`` agree there).
+    Of a number they differ (MindSpore's is a logical not, NumPy's a bitwise one), so
+    which one is meant must be written out."""
+    if typeof(self).dtype == dtypes.bool_:
+        return ops.logical_not(self)
+    from fshard.errors import UnsupportedOpError
+
+    raise UnsupportedOpError(
+        f"the operator ~ on a traced {typeof(self)} value: MindSpore's Tensor computes it "
+        f"as a logical not (a bool result), NumPy as a bitwise not, so fshard does not "
+        f"guess.\nFix: write fs.ops.logical_not(x) (mindspore.ops.logical_not, "
+        f"MindSpore's ~), or fs.ops.bitwise_xor(x, -1) for NumPy's bitwise ~ of an "
+        f"integer.")
+
+
+METHODS["__invert__"] = _invert
 
 def _round(self, decimals=0, *, out=None):
     _no_out(out)
@@ -401,9 +410,26 @@ def _axis_kw(axis, kw, default=None):
     return default if axis is None and dim is None else (axis if dim is None else dim)
 
 
-def _running(fn):
+def _integers_as(wide):
+    """The dtype MindSpore's Tensor methods compute an integer or bool ``x`` in when no
+    dtype is given (``x.prod()``, ``x.cumprod()``: int64; ``x.cumsum()``: int32 for
+    those narrower than int32), or None to keep ``x``'s."""
+    def rule(x):
+        dt = typeof(x).dtype
+        if dtypes.is_float(dt):
+            return None
+        if wide == dtypes.int32 and dt in (dtypes.int32, dtypes.int64):
+            return None
+        return wide if dt != wide else None
+
+    return rule
+
+
+def _running(fn, default=None):
     def method(self, axis=None, dtype=None, **kw):
         axis = _axis_kw(axis, kw)
+        if dtype is None and default is not None:
+            dtype = default(self)
         x = self if dtype is None else ops.cast(self, dtype)
         if axis is None:  # over the flattened value (NumPy's rule)
             x, axis = ops.reshape(x, (-1,)), 0
@@ -428,11 +454,14 @@ def _topk(self, k, dim=None, largest=True, sorted=True):  # noqa: A002
 
 def _prod(self, axis=None, keep_dims=False, dtype=None, **kw):
     keep = kw.pop("keepdim", kw.pop("keepdims", keep_dims))
+    if dtype is None:
+        dtype = _integers_as(dtypes.int64)(self)
     return ops.prod(self, _axis_kw(axis, kw), keep, dtype)
 
 
 METHODS.update({
-    "cumsum": _running(ops.cumsum), "cumprod": _running(ops.cumprod),
+    "cumsum": _running(ops.cumsum, _integers_as(dtypes.int32)),
+    "cumprod": _running(ops.cumprod, _integers_as(dtypes.int64)),
     "sort": _sort, "argsort": _argsort, "topk": _topk, "prod": _prod,
     "flip": lambda self, dims: ops.flip(self, dims),
     "roll": lambda self, shifts, dims=None: ops.roll(self, shifts, dims),

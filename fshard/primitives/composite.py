@@ -9,6 +9,8 @@ against eager MindSpore in tests/test_native_ops.py.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from fshard.core import dtypes
@@ -29,6 +31,7 @@ from fshard.primitives.elementwise import (
     exp,
     expm1,
     greater,
+    greater_equal,
     less,
     less_equal,
     log,
@@ -63,6 +66,7 @@ from fshard.primitives.structural import (
     slice_array,
     split,
     squeeze,
+    stop_gradient,
 )
 
 # ---------------------------------------------------------------------------
@@ -76,6 +80,21 @@ def _float(x):
     return x if dtypes.is_float(typeof(x).dtype) else cast(x, dtypes.float32)
 
 
+def _half_in_float32(fn):
+    """``fn`` of a float16 or bfloat16 ``x`` computed in float32 and rounded once at the
+    end, as MindSpore's activation kernels compute a half-precision input. Its Log1p and
+    Expm1 kernels compute in the input's own precision: log1p(4.5e-5) is 0 in float16,
+    which made softplus(-10) 0 instead of 4.5e-5 and elu(-1e-3) 2% off."""
+    @functools.wraps(fn)
+    def wrapper(x, *args, **kwargs):
+        x = _float(x)
+        dtype = typeof(x).dtype
+        if dtype in (dtypes.float16, dtypes.bfloat16):
+            return cast(fn(cast(x, dtypes.float32), *args, **kwargs), dtype)
+        return fn(x, *args, **kwargs)
+    return wrapper
+
+
 def silu(x: ArrayLike) -> Float[Array, "*shape"]:
     """``x * sigmoid(x)`` (swish).
 
@@ -87,12 +106,14 @@ def silu(x: ArrayLike) -> Float[Array, "*shape"]:
     return mul(x, sigmoid(x))
 
 
+@_half_in_float32
 def elu(x: ArrayLike, alpha: float = 1.0) -> Float[Array, "*shape"]:
     """``x`` where ``x > 0``, else ``alpha * (exp(x) - 1)``."""
     x = _float(x)
     return where(greater(x, 0.0), x, mul(expm1(x), float(alpha)))
 
 
+@_half_in_float32
 def softplus(x: ArrayLike, beta: float = 1.0, threshold: float = 20.0) -> Float[Array, "*shape"]:
     """``log(1 + exp(beta * x)) / beta``, and ``x`` itself where ``beta * x >
     threshold`` (as ``mindspore.ops.softplus``)."""
@@ -105,6 +126,7 @@ def softplus(x: ArrayLike, beta: float = 1.0, threshold: float = 20.0) -> Float[
     return where(greater(bx, float(threshold)), x, soft)
 
 
+@_half_in_float32
 def mish(x: ArrayLike) -> Float[Array, "*shape"]:
     """``x * tanh(softplus(x))``."""
     x = _float(x)
@@ -112,32 +134,42 @@ def mish(x: ArrayLike) -> Float[Array, "*shape"]:
 
 
 def hardswish(x: ArrayLike) -> Float[Array, "*shape"]:
-    """``x * relu6(x + 3) / 6``."""
+    """``x * relu6(x + 3) / 6``; its derivative is MindSpore's: ``(2x + 3) / 6`` on
+    ``[-3, 3]``, ends included (-0.5 at -3, 1.5 at 3), 0 below and 1 above."""
     x = _float(x)
-    return mul(x, div(clamp(add(x, 3.0), 0.0, 6.0), 6.0))
+    inside = div(mul(x, add(x, 3.0)), 6.0)
+    return where(greater(x, 3.0), x, where(less(x, -3.0), 0.0, inside))
 
 
 def hardsigmoid(x: ArrayLike) -> Float[Array, "*shape"]:
-    """``relu6(x + 3) / 6``."""
-    return div(clamp(add(_float(x), 3.0), 0.0, 6.0), 6.0)
+    """``relu6(x + 3) / 6``; its derivative is MindSpore's: 1/6 strictly between -3 and
+    3, 0 at and beyond them."""
+    x = _float(x)
+    return where(less_equal(x, -3.0), 0.0,
+                 where(greater_equal(x, 3.0), 1.0, div(add(x, 3.0), 6.0)))
 
 
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 
 
+@_half_in_float32
 def selu(x: ArrayLike) -> Float[Array, "*shape"]:
     """``scale * (x if x > 0 else alpha * (exp(x) - 1))`` with SELU's constants."""
     return mul(elu(x, _SELU_ALPHA), _SELU_SCALE)
 
 
 def relu6(x: ArrayLike) -> Float[Array, "*shape"]:
-    """``min(max(x, 0), 6)``."""
-    return clamp(_float(x), 0.0, 6.0)
+    """``min(max(x, 0), 6)``; its derivative is MindSpore's: 1 on ``(0, 6]`` (0 at 0, as
+    relu's, and 1 at 6), else 0."""
+    x = _float(x)
+    inside = bitwise_and(greater(x, 0.0), less_equal(x, 6.0))
+    return where(inside, x, stop_gradient(_clamped(x, 0.0, 6.0)))
 
 
 def hardtanh(x: ArrayLike, min_val: float = -1.0, max_val: float = 1.0) -> Float[Array, "*shape"]:
-    """``x`` clamped to ``[min_val, max_val]``."""
-    return clamp(_float(x), float(min_val), float(max_val))
+    """``x`` clamped to ``[min_val, max_val]``: ``minimum(maximum(x, min_val), max_val)``,
+    whose derivative at either bound is 1/2, as MindSpore's hardtanh (unlike ``clamp``)."""
+    return _clamped(_float(x), float(min_val), float(max_val))
 
 
 def leaky_relu(x: ArrayLike, negative_slope: float = 0.01) -> Float[Array, "*shape"]:
@@ -152,6 +184,7 @@ def softsign(x: ArrayLike) -> Float[Array, "*shape"]:
     return div(x, add(abs(x), 1.0))
 
 
+@_half_in_float32
 def celu(x: ArrayLike, alpha: float = 1.0) -> Float[Array, "*shape"]:
     """``max(0, x) + min(0, alpha * (exp(x / alpha) - 1))``."""
     x = _float(x)
@@ -198,17 +231,33 @@ def prelu(x: ArrayLike, weight: ArrayLike) -> Float[Array, "*shape"]:
     return where(greater(x, 0.0), x, mul(weight, x))
 
 
+def _clamped(x, lo, hi):
+    out = x
+    if lo is not None:
+        out = maximum(out, lo)
+    if hi is not None:
+        out = minimum(out, hi)
+    return out
+
+
 def clamp(x: ArrayLike, min=None, max=None) -> Shaped[Array, "..."]:  # noqa: A002
     """``minimum(maximum(x, min), max)``; ``min``/``max`` are scalars, arrays or None
-    (as ``mindspore.ops.clamp``: where ``min > max`` the result is ``max``)."""
+    (as ``mindspore.ops.clamp``: where ``min > max`` the result is ``max``). Its
+    derivative is MindSpore's: 1 where ``min <= x <= max``, bounds included (not the
+    1/2 of maximum's and minimum's ties), 0 elsewhere."""
     if min is None and max is None:
         raise ArgumentError("clamp(x, min=None, max=None): give at least one bound.")
-    out = x
+    out = _clamped(x, min, max)
+    inside = None
     if min is not None:
-        out = maximum(out, min)
+        inside = greater_equal(x, min)
     if max is not None:
-        out = minimum(out, max)
-    return out
+        below = less_equal(x, max)
+        inside = below if inside is None else bitwise_and(inside, below)
+    if typeof(x).dtype != typeof(out).dtype:
+        x = cast(x, typeof(out).dtype)
+    # x itself where it lies within the bounds (there ``out`` equals it)
+    return where(inside, x, out)
 
 
 clip = clamp
@@ -293,11 +342,6 @@ def isclose(x: ArrayLike, y: ArrayLike, rtol: float = 1e-5, atol: float = 1e-8,
     if equal_nan:
         out = bitwise_or(out, bitwise_and(isnan(x), isnan(y)))
     return out
-
-
-def reciprocal(x: ArrayLike) -> Float[Array, "*shape"]:
-    """``1 / x`` (integers compute in float32)."""
-    return div(1.0, _float(x))
 
 
 # ---------------------------------------------------------------------------

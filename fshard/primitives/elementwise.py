@@ -175,6 +175,10 @@ def _ms_rsqrt(x):
     return ops.rsqrt(x)
 
 
+def _ms_reciprocal(x):
+    return ops.reciprocal(x)
+
+
 def _ms_abs(x):
     return ops.abs(x)
 
@@ -215,6 +219,10 @@ relu_p = def_unary("relu", _ms_relu,
 sqrt_p = def_unary("sqrt", _ms_sqrt, lambda t, ans, x: div(t, mul(2.0, ans)))
 rsqrt_p = def_unary("rsqrt", _ms_rsqrt,
                     lambda t, ans, x: mul(t, mul(-0.5, div(ans, x))))
+# Its own kernel, not 1 / x: MindSpore's Div kernel gives 1 / -0.0 as +inf (the sign of
+# a zero divisor is lost), its Reciprocal -inf, as IEEE and MindSpore's ``1 / x`` do.
+reciprocal_p = def_unary("reciprocal", _ms_reciprocal,
+                         lambda t, ans, x: mul(t, neg(mul(ans, ans))))
 abs_p = def_unary("abs", _ms_abs, lambda t, ans, x: mul(t, sign(x)), float_only=False)
 sin_p = def_unary("sin", _ms_sin, lambda t, ans, x: mul(t, cos(x)))
 cos_p = def_unary("cos", _ms_cos, lambda t, ans, x: mul(t, neg(sin(x))))
@@ -702,6 +710,7 @@ sigmoid = _float_un(sigmoid_p)
 relu = _un(relu_p)
 sqrt = _float_un(sqrt_p)
 rsqrt = _float_un(rsqrt_p)
+reciprocal = _float_un(reciprocal_p)
 abs = _un(abs_p)  # noqa: A001
 sign = _un(sign_p)
 

@@ -1,0 +1,121 @@
+"""Hostile checks against MindSpore run side by side: each case gave a number, a sign,
+a dtype or a gradient different from MindSpore's before its fix (float16 activations,
+division by -0.0, the integer dtypes of Tensor methods, derivatives at clamp bounds)."""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, nn, ops
+
+import fshard as fs
+
+NEG16 = np.array([-10.0, -7.5, -5.0, -1e-3, -5e-2, 0.0, 2.0], np.float16)
+
+
+@pytest.mark.parametrize("name", ["softplus", "mish", "elu", "celu", "selu"])
+def test_float16_activations_are_computed_in_float32_as_mindspore(name):
+    # log1p and expm1 in float16 lose small values (log1p(4.5e-5) is 0): softplus(-10)
+    # was 0 and mish(-10) -0 instead of 4.5e-5 and -4.5e-4
+    f = getattr(ops, name)
+    x = Tensor(NEG16)
+    got = fs.jit(f)(x)
+    want = f(x).asnumpy().astype(np.float64)
+    exact = f(Tensor(NEG16.astype(np.float32))).asnumpy().astype(np.float64)
+    assert got.dtype == ms.float16
+    got = got.asnumpy().astype(np.float64)
+    # within two float16 steps of MindSpore's and of the float32 value, scaled to each
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-7)
+    np.testing.assert_allclose(got, exact, rtol=2e-3, atol=1e-7)
+
+
+def test_division_by_negative_zero_keeps_its_sign():
+    # 1 / x was traced as div(1, x), and MindSpore's Div kernel loses the sign of a zero
+    # divisor; MindSpore's own 1 / x is x.reciprocal() * 1
+    z = Tensor(np.array([-0.0, 0.0, 2.0, -4.0], np.float32))
+    for f in (lambda x: 1 / x, lambda x: 3 / x, lambda x: -2.5 / x, ops.reciprocal,
+              lambda x: x.reciprocal()):
+        np.testing.assert_array_equal(fs.jit(f)(z).asnumpy(), f(z).asnumpy())
+        np.testing.assert_array_equal(fs.vmap(f)(z).asnumpy(), f(z).asnumpy())
+    assert fs.jit(lambda x: (1 / x) < 0)(z).asnumpy().tolist() == [True, False, False, True]
+    # the same bits as MindSpore's scalar / tensor (not the correctly rounded quotient)
+    x = Tensor(np.random.default_rng(0).uniform(0.1, 10, 4096).astype(np.float32))
+    np.testing.assert_array_equal(fs.jit(lambda v: 3 / v)(x).asnumpy(), (3 / x).asnumpy())
+    # and its derivative, -1 / x**2
+    g = fs.grad(lambda v: ops.reciprocal(v).sum())(Tensor(np.array([0.5, -2.0], np.float32)))
+    np.testing.assert_allclose(g.asnumpy(), [-4.0, -0.25], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.bool_])
+def test_integer_tensor_methods_have_mindspores_dtypes(dtype):
+    # x.prod() and x.cumprod() of integers are int64, x.cumsum() at least int32
+    x = Tensor(np.array([1, 2, 3, 1]).astype(dtype))
+    for f in (lambda v: v.prod(), lambda v: v.prod(0), lambda v: v.cumprod(0),
+              lambda v: v.cumsum(0), lambda v: ops.prod(v)):
+        got, want = fs.jit(f)(x), f(x)
+        assert got.dtype == want.dtype, (dtype, got.dtype, want.dtype)
+        np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+    # int8 values whose running sum leaves int8: computed in int32 as MindSpore
+    big = Tensor(np.array([100, 100, 100], np.int8))
+    np.testing.assert_array_equal(fs.jit(lambda v: v.cumsum(0))(big).asnumpy(), [100, 200, 300])
+
+
+AT_BOUNDS = np.array([-5.0, -3.0, 0.0, 1.0, 3.0, 6.0, 7.0], np.float32)
+KINKED = {
+    "ops.clamp": lambda v: ops.clamp(v, 0.0, 3.0),
+    "ops.clamp min": lambda v: ops.clamp(v, min=0.0),
+    "ops.clamp max": lambda v: ops.clamp(v, max=3.0),
+    "ops.clamp tensors": lambda v: ops.clamp(v, Tensor(0.0), Tensor(3.0)),
+    "ops.clip": lambda v: ops.clip(v, 0.0, 3.0),
+    "Tensor.clamp": lambda v: v.clamp(0.0, 3.0),
+    "ops.relu6": ops.relu6,
+    "nn.ReLU6": nn.ReLU6(),
+    "ops.hardswish": ops.hardswish,
+    "ops.hardsigmoid": ops.hardsigmoid,
+    # these two are maximum and minimum in MindSpore: 1/2 at a bound, as fshard's
+    "ops.hardtanh": lambda v: ops.hardtanh(v, 0.0, 3.0),
+    "ops.clip_by_value": lambda v: ops.clip_by_value(v, Tensor(0.0), Tensor(3.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(KINKED))
+def test_derivatives_at_the_bounds_are_mindspores(name):
+    # clamp's derivative at a bound was maximum's tie rule (1/2), MindSpore's is 1:
+    # clamp(x, min=0) of data with exact zeros halved their gradients
+    f = KINKED[name]
+
+    def loss(v):
+        return f(v).sum()
+
+    x = Tensor(AT_BOUNDS)
+    np.testing.assert_allclose(fs.grad(loss)(x).asnumpy(), ms.grad(loss)(x).asnumpy(),
+                               rtol=1e-6, atol=1e-7)
+    special = Tensor(np.array([np.nan, -np.inf, np.inf, -3.0, 3.0], np.float32))
+    np.testing.assert_array_equal(fs.jit(f)(special).asnumpy(), f(special).asnumpy())
+
+
+def test_clamp_by_array_bounds_and_their_gradient():
+    # a bound of more than one element was read as a scalar (a raw ValueError)
+    x = Tensor(np.array([-2.0, -0.5, 0.0, 0.5, 2.0], np.float32))
+    lo = Tensor(np.array([-1.0, -0.5, 0.0, 1.0, 1.0], np.float32))
+    hi = Tensor(np.array([1.0, 1.0, 0.0, 1.0, 3.0], np.float32))
+    f = lambda v, a, b: ops.clamp(v, a, b)  # noqa: E731
+    np.testing.assert_array_equal(fs.jit(f)(x, lo, hi).asnumpy(), f(x, lo, hi).asnumpy())
+    const = fs.jit(lambda v: ops.clamp(v, lo, hi))(x).asnumpy()
+    np.testing.assert_array_equal(const, f(x, lo, hi).asnumpy())
+    got = [g.asnumpy() for g in fs.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))(x, lo, hi)]
+    want = [g.asnumpy() for g in ms.grad(lambda *a: f(*a).sum(), grad_position=(0, 1, 2))(
+        x, lo, hi)]
+    np.testing.assert_allclose(got[0], want[0], atol=1e-7)
+    # where min == max and x lies outside, MindSpore gives neither bound a derivative;
+    # fshard splits it between them (maximum's and minimum's ties), so it is not lost
+    differ = lo.asnumpy() != hi.asnumpy()
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(g[differ], w[differ], atol=1e-7)
+    assert got[1][3] == got[2][3] == 0.5
+    # an integer value clamped by a float bound is float, as MindSpore's
+    i = Tensor(np.array([-5, 0, 2, 7], np.int32))
+    got, want = fs.jit(lambda v: v.clamp(0.5, 3))(i), i.clamp(0.5, 3)
+    assert got.dtype == want.dtype == ms.float32
+    np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())

@@ -27,7 +27,7 @@ from benchmarks import harness, jax_env  # noqa: E402
 
 MODULES = ["foundation", "vmap_grad", "collectives", "sharding", "search", "rng",
            "checkpointing", "control_flow", "dynamic_shapes", "training", "pipeline",
-           "cost_rates", "transformers", "planning", "conv", "resnet", "norms", "gpt"]
+           "cost_rates", "transformers", "planning", "conv", "resnet", "norms", "gpt", "activations"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "latest.json")
 

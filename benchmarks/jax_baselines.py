@@ -179,6 +179,23 @@ def random_normal(quick):
 
 
 @baseline
+def clamps(quick):
+    """relu6, clip, hard_swish, hard_sigmoid over 1M float32 values, forward and
+    gradient (benchmarks/activations.py)."""
+    x = jnp.asarray(np.random.default_rng(0).uniform(-8, 8, 1 << 20).astype(np.float32))
+    fns = {"relu6": jax.nn.relu6, "clamp(x, 0, 3)": lambda v: jnp.clip(v, 0.0, 3.0),
+           "hardswish": jax.nn.hard_swish, "hardsigmoid": jax.nn.hard_sigmoid}
+    out = {}
+    for name, f in fns.items():
+        for label, g in ((f"jax.jit({name})", jax.jit(f)),
+                         (f"jax.jit(jax.grad({name}))", jax.jit(jax.grad(lambda v, f=f: f(v).sum())))):
+            g(x).block_until_ready()
+            out[label] = timing.measure(lambda g=g: np.asarray(g(x)), runs=_runs(quick, 60, 6),
+                                        warmup=3)
+    return out
+
+
+@baseline
 def loops(quick):
     """fori_loop of x * 1.01 + 1 on 1,000 float32 values (benchmarks/control_flow.py)."""
     x = jnp.ones(1000, jnp.float32)

@@ -265,6 +265,31 @@ def _gelu(rng, dt):
             for s, a in zip(SHAPES, itertools.cycle(["tanh", "none"]))]
 
 
+def _wide(scale):
+    """Values over ``scale`` times the usual range: both sides of relu6's and the hard
+    activations' kinks (random values meet a kink with probability 0)."""
+    return lambda rng, dt: [Sample(((values(rng, s, dt) * scale).astype(dt),)) for s in SHAPES]
+
+
+def _tangent(scale):
+    """(t, x) of an activation's tangent, x on both sides of its kinks."""
+    return lambda rng, dt: [Sample((values(rng, s, dt), (values(rng, s, dt) * scale).astype(dt)))
+                            for s in SHAPES]
+
+
+def _clamp(rng, dt):
+    out = []
+    for s, bounds in zip(SHAPES, itertools.cycle(["both", "lo", "hi"])):
+        x = values(rng, s, dt)
+        lo, hi = values(rng, s, dt, "unit"), values(rng, s, dt, "unit")
+        if bounds == "both":  # lo < hi mostly, lo > hi (an empty range) sometimes
+            args = (x, np.minimum(lo, hi), np.maximum(lo, hi)) if len(out) % 4 else (x, lo, hi)
+        else:
+            args = (x, lo if bounds == "lo" else hi)
+        out.append(Sample(args, {"bounds": bounds}, diff_argnums=tuple(range(len(args)))))
+    return out
+
+
 def _integer_pow(rng, dt):
     # negative exponents on positive values (no division by zero); 2 is lowered as x * x
     exps = [2, 3, -1, 2, 0, -2]
@@ -1565,6 +1590,12 @@ def _specs() -> list[PrimitiveSpec]:
                       jit_samples=None),
         PrimitiveSpec(E.maximum_p, binary(), NUMERIC, (0, 1)),
         PrimitiveSpec(E.minimum_p, binary(), NUMERIC, (0, 1)),
+        PrimitiveSpec(E.clamp_p, _clamp, NUMERIC, (0, 1, 2)),
+        PrimitiveSpec(E.relu6_p, _wide(4.0)),
+        PrimitiveSpec(E.relu6_tangent_p, _tangent(4.0), (F32,), (0,), ((0,),)),
+        PrimitiveSpec(E.hardswish_tangent_p, _tangent(3.0), (F32,), (0, 1), ((0,),)),
+        PrimitiveSpec(E.hardsigmoid_p, _wide(3.0)),
+        PrimitiveSpec(E.hardswish_p, _wide(3.0)),
     ]
     for prim in (E.bitwise_and_p, E.bitwise_or_p, E.bitwise_xor_p):
         out.append(PrimitiveSpec(prim, binary(), (I32, np.uint32, BOOL), ()))

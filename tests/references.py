@@ -33,6 +33,12 @@ def erfc(x):
     return _erfc(x).astype(x.dtype)
 
 
+def clamp(x, *b, bounds):
+    lo = b[0] if bounds != "hi" else None
+    hi = b[-1] if bounds != "lo" else None
+    return np.clip(x, lo, hi) if lo is None or hi is None else np.minimum(np.maximum(x, lo), hi)
+
+
 def gelu(x, *, approximate):
     if approximate == "tanh":
         c = math.sqrt(2.0 / math.pi)
@@ -506,6 +512,13 @@ REFERENCES = {
     "integer_pow": lambda x, *, y: np.power(x, x.dtype.type(y)),
     "maximum": np.maximum,
     "minimum": np.minimum,
+    "clamp": clamp,
+    "relu6": lambda x: np.minimum(np.maximum(x, 0), 6).astype(x.dtype),
+    "relu6_tangent": lambda t, x: np.where((x > 0) & (x <= 6), t, 0).astype(t.dtype),
+    "hardswish_tangent": _same_dtype(
+        lambda t, x: t * np.where(x < -3, 0, np.where(x > 3, 1, (2 * x + 3) / 6))),
+    "hardsigmoid": _same_dtype(lambda x: np.minimum(np.maximum(x + 3, 0), 6) / 6),
+    "hardswish": _same_dtype(lambda x: x * np.minimum(np.maximum(x + 3, 0), 6) / 6),
     "equal": np.equal,
     "bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or,
     "bitwise_xor": np.bitwise_xor, "shift_left": np.left_shift,

@@ -1004,6 +1004,15 @@ def conv2d_backprop_filter_class():
     return _grad_ops.Conv2DBackpropFilter
 
 
+def hard_activation_grad_classes() -> tuple:
+    """MindSpore's ``ReLU6Grad`` and ``HSwishGrad`` primitive classes (their module,
+    ``_grad_ops``, is private): relu6's and hardswish's derivatives times ``dy``, each
+    in one kernel."""
+    from mindspore.ops.operations import _grad_ops
+
+    return _grad_ops.ReLU6Grad, _grad_ops.HSwishGrad
+
+
 def batch_norm_grad_class():
     """MindSpore's ``BatchNormGrad`` primitive class (generated into a private module):
     the fused gradient of a training-mode BatchNorm from its saved batch statistics."""

@@ -19,6 +19,7 @@ from fshard.core.tracing import Tracer, typeof
 from fshard.errors import ArgumentError, ShapeError, UnsupportedOpError
 from fshard.primitives.base import _norm_axis, broadcast_shapes, broadcast_to, reshape, transpose
 from fshard.primitives.elementwise import (
+    clamp_p,
     _is_weak,
     abs,
     add,
@@ -32,6 +33,8 @@ from fshard.primitives.elementwise import (
     expm1,
     greater,
     greater_equal,
+    hardsigmoid as _hardsigmoid,
+    hardswish as _hardswish,
     less,
     less_equal,
     log,
@@ -43,6 +46,7 @@ from fshard.primitives.elementwise import (
     not_equal,
     promote,
     relu,
+    relu6 as _relu6,
     sigmoid,
     sqrt,
     sub,
@@ -136,17 +140,13 @@ def mish(x: ArrayLike) -> Float[Array, "*shape"]:
 def hardswish(x: ArrayLike) -> Float[Array, "*shape"]:
     """``x * relu6(x + 3) / 6``; its derivative is MindSpore's: ``(2x + 3) / 6`` on
     ``[-3, 3]``, ends included (-0.5 at -3, 1.5 at 3), 0 below and 1 above."""
-    x = _float(x)
-    inside = div(mul(x, add(x, 3.0)), 6.0)
-    return where(greater(x, 3.0), x, where(less(x, -3.0), 0.0, inside))
+    return _hardswish(_float(x))
 
 
 def hardsigmoid(x: ArrayLike) -> Float[Array, "*shape"]:
     """``relu6(x + 3) / 6``; its derivative is MindSpore's: 1/6 strictly between -3 and
     3, 0 at and beyond them."""
-    x = _float(x)
-    return where(less_equal(x, -3.0), 0.0,
-                 where(greater_equal(x, 3.0), 1.0, div(add(x, 3.0), 6.0)))
+    return _hardsigmoid(_float(x))
 
 
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
@@ -161,9 +161,7 @@ def selu(x: ArrayLike) -> Float[Array, "*shape"]:
 def relu6(x: ArrayLike) -> Float[Array, "*shape"]:
     """``min(max(x, 0), 6)``; its derivative is MindSpore's: 1 on ``(0, 6]`` (0 at 0, as
     relu's, and 1 at 6), else 0."""
-    x = _float(x)
-    inside = bitwise_and(greater(x, 0.0), less_equal(x, 6.0))
-    return where(inside, x, stop_gradient(_clamped(x, 0.0, 6.0)))
+    return _relu6(_float(x))
 
 
 def hardtanh(x: ArrayLike, min_val: float = -1.0, max_val: float = 1.0) -> Float[Array, "*shape"]:
@@ -247,17 +245,9 @@ def clamp(x: ArrayLike, min=None, max=None) -> Shaped[Array, "..."]:  # noqa: A0
     1/2 of maximum's and minimum's ties), 0 elsewhere."""
     if min is None and max is None:
         raise ArgumentError("clamp(x, min=None, max=None): give at least one bound.")
-    out = _clamped(x, min, max)
-    inside = None
-    if min is not None:
-        inside = greater_equal(x, min)
-    if max is not None:
-        below = less_equal(x, max)
-        inside = below if inside is None else bitwise_and(inside, below)
-    if typeof(x).dtype != typeof(out).dtype:
-        x = cast(x, typeof(out).dtype)
-    # x itself where it lies within the bounds (there ``out`` equals it)
-    return where(inside, x, out)
+    bounds = "both" if min is not None and max is not None else "lo" if max is None else "hi"
+    return clamp_p.bind(*promote(*[v for v in (x, min, max) if v is not None]),
+                        bounds=bounds)
 
 
 clip = clamp

@@ -1,0 +1,75 @@
+"""The clamps: ``ops.relu6``, ``ops.clamp``, ``ops.hardswish`` and ``ops.hardsigmoid``
+over 1M float32 values in [-8, 8], forward and gradient, ``fs.jit`` against
+``mindspore.jit`` of the same function and ``jax.jit`` of its JAX counterpart.
+
+Each clamp is a primitive of fshard's with MindSpore's derivative at its bounds in its
+JVP rule, so the forward program runs MindSpore's kernels alone (``clamp``: Maximum
+and Minimum, which MindSpore's ClampScalar matches value for value). Every timed call
+reads its result back; the variants are timed interleaved.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import ops
+
+import fshard as fs
+from benchmarks.harness import Result, benchmark, row
+
+N = 1 << 20
+
+
+def relu6(x):
+    return ops.relu6(x)
+
+
+def clamp(x):
+    return ops.clamp(x, 0.0, 3.0)
+
+
+def hardswish(x):
+    return ops.hardswish(x)
+
+
+def hardsigmoid(x):
+    return ops.hardsigmoid(x)
+
+
+FUNCTIONS = {"relu6": relu6, "clamp(x, 0, 3)": clamp, "hardswish": hardswish,
+             "hardsigmoid": hardsigmoid}
+
+
+def _loss(f):
+    def loss(x):
+        return f(x).sum()
+
+    return loss
+
+
+@benchmark("clamps", title="relu6, clamp, hardswish, hardsigmoid: forward and gradient, "
+           "1M float32", jax="clamps")
+def clamps(ctx):
+    x = ms.Tensor(np.random.default_rng(0).uniform(-8, 8, N).astype(np.float32))
+    calls, agree = {}, []
+    for name, f in FUNCTIONS.items():
+        fwd_fs, fwd_ms = fs.jit(f), ms.jit(f)
+        grad_fs, grad_ms = fs.jit(fs.grad(_loss(f))), ms.jit(ms.grad(_loss(f)))
+        agree.append(np.array_equal(fwd_fs(x).asnumpy(), fwd_ms(x).asnumpy())
+                     and np.array_equal(grad_fs(x).asnumpy(), grad_ms(x).asnumpy()))
+        for key, g in ((f"fs {name}", fwd_fs), (f"ms {name}", fwd_ms),
+                       (f"fs grad {name}", grad_fs), (f"ms grad {name}", grad_ms)):
+            calls[key] = lambda g=g: g(x).asnumpy()
+    t = ctx.compare(calls, runs=ctx.runs(60, 6), warmup=3, rounds=5)
+    rows = []
+    for name in FUNCTIONS:
+        rows += [row("fshard", f"fs.jit({name})", t[f"fs {name}"]),
+                 row("mindspore", f"mindspore.jit({name})", t[f"ms {name}"]),
+                 row("fshard", f"fs.jit(fs.grad({name}))", t[f"fs grad {name}"]),
+                 row("mindspore", f"mindspore.jit(mindspore.grad({name}))",
+                     t[f"ms grad {name}"])]
+    rows += ctx.jax_rows("clamps")
+    return Result(rows, baseline="mindspore.jit(relu6)",
+                  target="each fshard row no slower than MindSpore's row below it",
+                  notes=["values and gradients equal to MindSpore's bit for bit: "
+                         f"{all(agree)}", "timed interleaved, 5 rounds"])

@@ -240,7 +240,8 @@ def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
         # Gflop): a power law ``t = c·flops**p`` through the kernels' own times (the
         # call's taken out), fitted as a line in logarithms; flops_per_s is the rate it
         # gives at 1 Gflop.
-        seconds = [max(t - call_s - op_s, 1e-7) for t in ts[matmuls]]
+        # (a matmul's program passes one value more than the call's: two in, one out)
+        seconds = [max(t - call_s - arg_s - op_s, 1e-7) for t in ts[matmuls]]
         kernel = np.log(seconds)
         _, p = _fit(np.log(flops), kernel, clip=False)
         # A kernel's time grows at most as its flops and at least as their square root:

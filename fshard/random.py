@@ -450,7 +450,7 @@ def _as(value, dtype):
 
 # jax.random.uniform computes ``u * (maxval - minval) + minval`` with XLA, which fuses
 # it into one multiply-add on CPU for float32 and float64 (one rounding of the exact
-# value) and rounds twice for float16. fshard reproduces the fused result exactly with
+# value) and computes float16 in float32, rounded once to float16. fshard reproduces the fused result exactly with
 # error-free transformations in float64 (Knuth's TwoSum, Dekker's TwoProduct), then
 # settles the one case a second rounding can get wrong: a tie whose exact value lies
 # off the midpoint.
@@ -523,7 +523,11 @@ def uniform(key: Key, shape=(), dtype=dtypes.float32, minval=0.0,
         ops.sub(hi, lo)
     u = _unit(key, shape, dtype)
     if dtype == dtypes.float16:
-        out = ops.add(ops.mul(u, span), lo)  # XLA rounds float16 after each operation
+        # XLA's CPU backend computes float16 arithmetic in float32 and rounds the result
+        # once (the product of two float16 values is exact in float32)
+        f32 = dtypes.float32
+        out = ops.cast(ops.add(ops.mul(ops.cast(u, f32), ops.cast(span, f32)),
+                               ops.cast(lo, f32)), dtype)
     else:
         out = _fused_affine(u, span, lo, dtype)
     return ops.broadcast_to(ops.maximum(lo, out), shape)

@@ -187,8 +187,8 @@ def clamps(quick):
            "hardswish": jax.nn.hard_swish, "hardsigmoid": jax.nn.hard_sigmoid}
     out = {}
     for name, f in fns.items():
-        for label, g in ((f"jax.jit({name})", jax.jit(f)),
-                         (f"jax.jit(jax.grad({name}))", jax.jit(jax.grad(lambda v, f=f: f(v).sum())))):
+        grad = jax.jit(jax.grad(lambda v, f=f: f(v).sum()))
+        for label, g in ((f"jax.jit({name})", jax.jit(f)), (f"jax.jit(jax.grad({name}))", grad)):
             g(x).block_until_ready()
             out[label] = timing.measure(lambda g=g: np.asarray(g(x)), runs=_runs(quick, 60, 6),
                                         warmup=3)

@@ -450,10 +450,10 @@ def _as(value, dtype):
 
 # jax.random.uniform computes ``u * (maxval - minval) + minval`` with XLA, which fuses
 # it into one multiply-add on CPU for float32 and float64 (one rounding of the exact
-# value) and computes float16 in float32, rounded once to float16. fshard reproduces the fused result exactly with
-# error-free transformations in float64 (Knuth's TwoSum, Dekker's TwoProduct), then
-# settles the one case a second rounding can get wrong: a tie whose exact value lies
-# off the midpoint.
+# value) and computes float16 in float32, rounded once to float16. fshard reproduces the
+# fused result exactly with error-free transformations in float64 (Knuth's TwoSum,
+# Dekker's TwoProduct), then settles the one case a second rounding can get wrong: a tie
+# whose exact value lies off the midpoint.
 
 
 def _two_sum(a, b):

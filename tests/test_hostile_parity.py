@@ -144,3 +144,28 @@ def test_clamp_by_array_bounds_and_their_gradient():
     got, want = fs.jit(lambda v: v.clamp(0.5, 3))(i), i.clamp(0.5, 3)
     assert got.dtype == want.dtype == ms.float32
     np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+
+
+_CLAMP_X = {"f16": np.float16, "f32": np.float32, "i32": np.int32}
+_CLAMP_BOUNDS = {
+    "ints": (0, 2), "floats": (0.0, 2.5), "int and float": (0, 2.5),
+    "f32 tensors": (Tensor(0.0), Tensor(2.5)),
+    "i32 tensors": (Tensor(np.int32(0)), Tensor(np.int32(2))),
+    "f16 tensors": (Tensor(np.float16(0)), Tensor(np.float16(2.5))), "max only": (None, 2),
+}
+
+
+@pytest.mark.parametrize("clamp", ["ops.clamp", "mint.clamp", "Tensor.clamp"])
+def test_clamp_result_dtype_is_mindspores_for_every_bound_kind(clamp):
+    # a 0-d Tensor bound was read as a Python number, so its dtype did not promote:
+    # float16 x clamped by float32 Tensors stayed float16 (MindSpore: float32)
+    from mindspore import mint
+
+    fn = {"ops.clamp": ops.clamp, "mint.clamp": mint.clamp,
+          "Tensor.clamp": lambda v, a, b: v.clamp(a, b)}[clamp]
+    for xn, dt in _CLAMP_X.items():
+        x = Tensor(np.array([-2, 0.5, 3]).astype(dt))
+        for bn, (lo, hi) in _CLAMP_BOUNDS.items():
+            got, want = fs.jit(lambda v: fn(v, lo, hi))(x), fn(x, lo, hi)
+            assert got.dtype == want.dtype, (xn, bn, got.dtype, want.dtype)
+            np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())

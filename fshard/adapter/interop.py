@@ -826,19 +826,14 @@ def _softplus_ext(prim, x, beta=1, threshold=20):
 
 @converts("ClampScalar", "ClampTensor")
 def _clamp(prim, x, min=None, max=None):  # noqa: A002
-    return fo.clamp(x, _bound(min), _bound(max))
-
-
-def _bound(v):
-    """A clamp bound: a 1-element constant as a Python scalar, an array as itself."""
-    if hasattr(v, "asnumpy") and not isinstance(v, Tracer) and v.size != 1:
-        return v
-    return _scalar(v)
+    # a Tensor bound, of any size, keeps its dtype in the promotion, as in MindSpore's
+    # ClampTensor (float16 x clamped by a float32 Tensor is float32)
+    return fo.clamp(x, min, max)
 
 
 @converts("functional.clamp", "functional.clip")
 def _f_clamp(prim, input, min=None, max=None):  # noqa: A002
-    return fo.clamp(input, _scalar(min), _scalar(max))
+    return fo.clamp(input, min, max)
 
 
 def _exclusive(x, out, axis: int, reverse: bool, identity):

@@ -56,7 +56,7 @@ from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.primitives.remat import nothing_saveable, remat_call
 from fshard.sharding.runtime import bind_on_rank
 from fshard.core.staging import register_user_code_hook, stage
-from fshard.adapter.tensor_methods import ms_mean, ms_sum, truthy_reduce
+from fshard.adapter.tensor_methods import ms_div, ms_mean, ms_mul, ms_sum, truthy_reduce
 from fshard.sharding.user_layouts import operator_call, operator_strategy
 
 # ---------------------------------------------------------------------------
@@ -144,7 +144,6 @@ for _names, _fn in (
     (("Sigmoid",), fo.sigmoid), (("ReLU",), fo.relu), (("Sqrt",), fo.sqrt),
     (("Rsqrt",), fo.rsqrt), (("Abs",), fo.abs), (("Sign",), fo.sign), (("Sin",), fo.sin),
     (("Cos",), fo.cos), (("Erf",), fo.erf), (("Square",), fo.square),
-    (("Mul", "Muls"), fo.mul), (("Div", "RealDiv", "Divs"), fo.div),
     (("Pow", "PowTensorScalar", "PowScalarTensor"), fo.pow),
     (("Maximum",), fo.maximum), (("Minimum",), fo.minimum),
     (("Greater",), fo.greater), (("GreaterEqual",), fo.greater_equal),
@@ -153,6 +152,25 @@ for _names, _fn in (
     (("Select",), fo.where),
 ):
     converts(*_names)(lambda prim, *args, _fn=_fn: _fn(*args))
+
+
+@converts("Mul", "Div", "RealDiv")
+def _ops_mul_div(prim, x, y):
+    """``ops.mul`` and ``ops.div`` pass a Python float to MindSpore's Mul and Div as a
+    float32 0-d tensor: a float16 array is multiplied in float32 and rounded once (the
+    Tensor operators and ``mint`` round the number to float16 first). With a float64
+    array fshard keeps the number exact, where MindSpore (every API) multiplies by its
+    float32 rounding (``x * 0.1`` by 0.10000000149)."""
+    fn = ms_mul if prim.name == "Mul" else ms_div
+    num, other = (x, y) if type(x) is float else (y, x)
+    if type(num) is float and typeof(other).dtype != dtypes.float64:
+        num = np.asarray(num, np.float32)
+        x, y = (num, other) if type(x) is float else (other, num)
+    return fn(x, y)
+
+
+_mul = converts("Muls")(lambda prim, x, y: ms_mul(x, y))
+_div = converts("Divs")(lambda prim, x, y: ms_div(x, y))
 
 
 def _scaled(y, alpha):
@@ -708,7 +726,7 @@ def _f_sub(prim, input, other, *, alpha=1):
 
 @converts("functional.mul")
 def _f_mul(prim, input, other):
-    return fo.mul(input, other)
+    return _mul(prim, input, other)
 
 
 @converts("functional.div")
@@ -717,7 +735,7 @@ def _f_div(prim, input, other, *, rounding_mode=None):
         raise UnsupportedOpError(
             f"div(rounding_mode={rounding_mode!r}) has no fshard converter; only true "
             "division traces.")
-    return fo.div(input, other)
+    return _div(prim, input, other)
 
 
 def _f_extremum(is_max: bool):
@@ -1885,12 +1903,12 @@ def _ms_neighbor_exchange(prim, xs):
 # MindSpore's C++ Tensor operators raise instead of returning NotImplemented, so
 # Python never reaches Tracer.__radd__: these replace Tensor's forward operators.
 _TENSOR_OPERATORS: dict[str, Callable] = {
-    "__add__": fo.add, "__sub__": fo.sub, "__mul__": fo.mul, "__truediv__": fo.div,
+    "__add__": fo.add, "__sub__": fo.sub, "__mul__": ms_mul, "__truediv__": ms_div,
     "__matmul__": fo.matmul, "__pow__": fo.pow,
     "__lt__": fo.less, "__le__": fo.less_equal, "__gt__": fo.greater,
     "__ge__": fo.greater_equal, "__eq__": fo.equal, "__ne__": fo.not_equal,
     # In-place operators become their functional form (``t += tracer`` rebinds ``t``).
-    "__iadd__": fo.add, "__isub__": fo.sub, "__imul__": fo.mul, "__itruediv__": fo.div,
+    "__iadd__": fo.add, "__isub__": fo.sub, "__imul__": ms_mul, "__itruediv__": ms_div,
     "__getitem__": fo.getitem,
     "__and__": fo.bitwise_and, "__or__": fo.bitwise_or, "__xor__": fo.bitwise_xor,
     "__floordiv__": fo.floor_divide, "__mod__": fo.remainder,

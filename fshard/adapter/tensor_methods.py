@@ -21,6 +21,33 @@ def _r(fn):
     return lambda self, other: fn(other, self)
 
 
+def _zero_d_kept(fn, kinds):
+    """MindSpore's Mul and Div (as PyTorch's): a 0-d tensor next to a tensor of more
+    dimensions, both of one of ``kinds`` (float; for Mul integer too), does not widen
+    the result: a float16 array times a float32 0-d tensor is float16 (Add, Sub and the
+    others widen it). The 0-d operand is cast to the array's dtype (float16 and
+    bfloat16 compute in float32) and the result rounded once to the array's dtype."""
+    def op(x, y):
+        if isinstance(x, (bool, int, float)) or isinstance(y, (bool, int, float)):
+            return fn(x, y)
+        ax, ay = typeof(x), typeof(y)
+        if (ax.ndim == 0) == (ay.ndim == 0):
+            return fn(x, y)
+        dt = (ax if ay.ndim == 0 else ay).dtype
+        small = (ay if ay.ndim == 0 else ax).dtype
+        if dt == small or not any(k(dt) and k(small) for k in kinds):
+            return fn(x, y)
+        math = dtypes.float32 if dt in (dtypes.float16, dtypes.bfloat16) else dt
+        out = fn(ops.cast(x, math), ops.cast(y, math))
+        return out if typeof(out).dtype == dt else ops.cast(out, dt)
+
+    return op
+
+
+ms_mul = _zero_d_kept(ops.mul, (dtypes.is_float, dtypes.is_int))
+ms_div = _zero_d_kept(ops.div, (dtypes.is_float,))
+
+
 def _getitem(self, idx):
     from fshard.primitives.structural import getitem
 
@@ -180,10 +207,10 @@ def _squeeze(self, *axis):
 METHODS = {
     "__add__": ops.add, "__radd__": _r(ops.add),
     "__sub__": ops.sub, "__rsub__": _r(ops.sub),
-    "__mul__": ops.mul, "__rmul__": _r(ops.mul),
+    "__mul__": ms_mul, "__rmul__": _r(ms_mul),
     # MindSpore's ``other / tensor`` is ``tensor.reciprocal() * other`` (Tensor's own
     # __rtruediv__): the same, bit for bit, and 1 / -0.0 stays -inf.
-    "__truediv__": ops.div, "__rtruediv__": lambda self, other: ops.mul(
+    "__truediv__": ms_div, "__rtruediv__": lambda self, other: ms_mul(
         ops.reciprocal(self), other),
     "__pow__": ops.pow, "__rpow__": _r(ops.pow),
     "__matmul__": ops.matmul, "__rmatmul__": _r(ops.matmul),

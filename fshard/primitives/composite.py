@@ -32,7 +32,6 @@ from fshard.primitives.elementwise import (
     exp,
     expm1,
     greater,
-    greater_equal,
     hardsigmoid as _hardsigmoid,
     hardswish as _hardswish,
     less,
@@ -70,7 +69,6 @@ from fshard.primitives.structural import (
     slice_array,
     split,
     squeeze,
-    stop_gradient,
 )
 
 # ---------------------------------------------------------------------------

@@ -536,7 +536,9 @@ def _clamp_jvp(primals, tangents, *, bounds):
     x, *b = primals
     lo = b[0] if bounds != "hi" else None
     hi = b[-1] if bounds != "lo" else None
-    t_x, t_lo, t_hi = tangents[0], tangents[1] if lo is not None else None, tangents[-1]
+    t_x, *t_b = tangents
+    t_lo = t_b[0] if lo is not None else None
+    t_hi = t_b[-1] if hi is not None else None
     ans = clamp_p.bind(*primals, bounds=bounds)
     if not dtypes.is_float(typeof(ans).dtype):
         return [ans], [Zero(typeof(ans))]

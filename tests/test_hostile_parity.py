@@ -232,3 +232,28 @@ def test_ops_mul_and_div_by_a_python_float_are_mindspores(dtype):
             np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=2e-8)
         else:
             np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+
+
+def test_eager_grad_of_a_generic_op_with_one_value_in_several_slots():
+    # eager GradOperation gave each slot holding the same Tensor the whole gradient, so
+    # fs.grad (not under jit) of cdist(a, a) was twice MindSpore's, addcmul(a, a, a) 3x
+    a = Tensor(np.array([[0.5, 1.0], [2.0, -1.0], [0.0, 3.0]], np.float32))
+    p = Tensor(np.array([[0.5, 1.0], [2.0, 1.5]], np.float32))
+    for f, x in ((lambda v: ops.cdist(v, v).sum(), a), (lambda v: ops.xlogy(v, v).sum(), p),
+                 (lambda v: ops.addcmul(v, v, v, Tensor(0.5)).sum(), p)):
+        want = ms.grad(f)(x).asnumpy()
+        for g in (fs.grad(f), fs.jit(fs.grad(f))):
+            np.testing.assert_allclose(g(x).asnumpy(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_tensor_max_with_numpy_keepdims_is_one_tensor():
+    # x.max(0, keepdims=True) is NumPy's form in MindSpore (one Tensor); fshard took
+    # the PyTorch form, (values, indices), so x - x.max(1, keepdims=True)[0] was silently
+    # x minus the first row's maxima
+    x = Tensor(np.array([[1., 5., 2.], [3., 2., 0.], [4., 4., 9.]], np.float32))
+    for f in (lambda v: v.max(0, keepdims=True), lambda v: v.min(1, keepdims=True),
+              lambda v: v.max(-1, keepdims=False), lambda v: v - v.max(1, keepdims=True)[0],
+              lambda v: v.max(1)[0], lambda v: v.max(1)[1]):
+        np.testing.assert_array_equal(fs.jit(f)(x).asnumpy(), f(x).asnumpy())
+    with pytest.raises(fs.errors.UnsupportedOpError, match="initial"):
+        fs.jit(lambda v: v.max(0, initial=4.0))(x)

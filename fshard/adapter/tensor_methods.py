@@ -15,6 +15,7 @@ import numpy as np
 from fshard.core import dtypes
 from fshard import ops
 from fshard.core.tracing import Tracer, typeof
+from fshard.errors import UnsupportedOpError
 
 
 def _r(fn):
@@ -161,10 +162,18 @@ def _no_out(out):
 
 
 def _extremum(reduce, arg):
-    def method(self, dim=None, keepdim=False, *, axis=None, keepdims=None, out=None):
+    def method(self, dim=None, keepdim=False, *, axis=None, keepdims=None, out=None,
+               **numpy_only):
         _no_out(out)
-        if dim is not None:  # max(dim[, keepdim]) -> (values, indices)
+        if numpy_only:
+            raise UnsupportedOpError(
+                f"Tensor.max/min({', '.join(f'{k}=' for k in numpy_only)}...) is not "
+                "traced by fshard.\nFix: reduce first, then combine: "
+                "ops.maximum(x.max(axis), initial), or x.masked_fill(~where, -inf).max(axis).")
+        if dim is not None and keepdims is None:  # max(dim[, keepdim]) -> (values, indices)
             return reduce(self, dim, keepdim), _index64(arg(self, dim, keepdim))
+        # NumPy's form (MindSpore picks it when keepdims= is given): one Tensor
+        axis = dim if dim is not None else axis
         return reduce(self, axis, keepdim if keepdims is None else keepdims)
 
     return method

@@ -242,8 +242,17 @@ class MsFunction:
         return sum({"vjp": 1, "jvp": 2}.get(k, 0) for k, _ in self.derivs)
 
     def __call__(self, *xs):
+        ts = list(map(backend.as_tensor, xs))
+        if self.derivs:
+            # Eager GradOperation gives one Tensor object in k operand slots the whole
+            # gradient in each (cdist(a, a)'s gradient came out 2x): a copy per repeat.
+            seen = set()
+            for i, t in enumerate(ts):
+                if id(t) in seen:
+                    ts[i] = ops.deepcopy(t)
+                seen.add(id(ts[i]))
         try:
-            out = self.graph_fn(*map(backend.as_tensor, xs))
+            out = self.graph_fn(*ts)
         except Exception as e:  # noqa: BLE001
             if not self.derivs:
                 raise

@@ -118,7 +118,7 @@ def _uses(trace) -> _KeyUses:
 
 def _record(key, name: str, stacklevel: int) -> None:
     """Record that ``name`` consumed the key tracer ``key``; warn if it was before."""
-    uses = _uses(key.trace)
+    uses = _uses(key.owner)
     before = uses.seen.get(id(key))
     if before is not None:
         warnings.warn(KeyReuseWarning(
@@ -138,7 +138,7 @@ class _LoopBody:
     def __init__(self, api: str, inputs, outer):
         self.api = api
         self.outer = outer  # the trace the loop itself is called in
-        self.trace = inputs[0].trace if inputs else None
+        self.trace = inputs[0].owner if inputs else None
         self.varying = {id(x.ir_var) for x in inputs if hasattr(x, "ir_var")}
         self.seen = 0  # equations of the trace already propagated
 
@@ -146,9 +146,9 @@ class _LoopBody:
         """Whether ``x`` changes between iterations: False for a constant or a value of
         the trace around the loop (closed over), None when it cannot be told (a value
         of a trace staged inside the body, e.g. a branch's operand)."""
-        if not isinstance(x, Tracer) or x.trace is self.outer:
+        if not isinstance(x, Tracer) or x.owner is self.outer:
             return False
-        if x.trace is not self.trace:
+        if x.owner is not self.trace:
             return None
         equations = self.trace.equations
         for eq in equations[self.seen:]:
@@ -217,7 +217,7 @@ def consumed_by(x) -> str | None:
     with it, and its caller records them on the keys it passed (``mark_consumed``)."""
     if not isinstance(x, Tracer):
         return None
-    hit = _uses(x.trace).seen.get(id(x))
+    hit = _uses(x.owner).seen.get(id(x))
     return None if hit is None else hit[1]
 
 

@@ -257,3 +257,13 @@ def test_tensor_max_with_numpy_keepdims_is_one_tensor():
         np.testing.assert_array_equal(fs.jit(f)(x).asnumpy(), f(x).asnumpy())
     with pytest.raises(fs.errors.UnsupportedOpError, match="initial"):
         fs.jit(lambda v: v.max(0, initial=4.0))(x)
+
+
+def test_tensor_method_keywords_of_pytorchs_form():
+    # x.trace() called the tracer's own trace (a StagingTrace); std/any refused dim=
+    x = Tensor(np.array([[1., 5., 2.], [3., 2., 0.], [4., 4., 9.]], np.float32))
+    for f in (lambda v: v.trace(), lambda v: v.std(dim=1, correction=0, keepdim=True),
+              lambda v: v.any(dim=1, keepdim=True), lambda v: v.all(dim=0)):
+        got, want = fs.jit(f)(x), f(x)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-6)

@@ -277,10 +277,17 @@ def _clip(self, min=None, max=None):  # noqa: A002  (MindSpore's parameter names
                      None if max is None else bound(max))
 
 
-def _var(self, axis=None, ddof=0, keepdims=False, *, dtype=None, out=None):
+def _var(self, axis=None, ddof=0, keepdims=False, *, dtype=None, out=None, dim=None,
+         correction=None, keepdim=None):
     """``Tensor.var``: the mean squared deviation (``ddof``: NumPy's delta degrees of
-    freedom), in the input's float dtype (``dtype``, ``out``: ``numpy.var(traced)``)."""
+    freedom), in the input's float dtype (``dtype``, ``out``: ``numpy.var(traced)``).
+    PyTorch's keywords (``dim``, ``correction``, default 1, ``keepdim``) pick its form,
+    as in MindSpore."""
     _no_out(out)
+    if dim is not None or correction is not None or keepdim is not None:
+        axis = dim if dim is not None else axis
+        ddof = 1 if correction is None else correction
+        keepdims = keepdims if keepdim is None else keepdim
     if dtype is not None:
         self = ops.cast(self, dtype)
     x = self if dtypes.is_float(typeof(self).dtype) else ops.cast(self, dtypes.float32)
@@ -302,14 +309,20 @@ def truthy_reduce(x, is_any: bool, axis=None, keepdims=False):
     return ops.greater(reduce(flags, axis, keepdims), 0)
 
 
-def _any(self, axis=None, keep_dims=False, *, keepdims=None, out=None):
+def _any(self, axis=None, keep_dims=False, *, keepdims=None, out=None, dim=None,
+         keepdim=None):
     _no_out(out)
-    return truthy_reduce(self, True, axis, keep_dims if keepdims is None else keepdims)
+    axis = dim if dim is not None else axis
+    keep = keepdims if keepdims is not None else keepdim if keepdim is not None else keep_dims
+    return truthy_reduce(self, True, axis, keep)
 
 
-def _all(self, axis=None, keep_dims=False, *, keepdims=None, out=None):
+def _all(self, axis=None, keep_dims=False, *, keepdims=None, out=None, dim=None,
+         keepdim=None):
     _no_out(out)
-    return truthy_reduce(self, False, axis, keep_dims if keepdims is None else keepdims)
+    axis = dim if dim is not None else axis
+    keep = keepdims if keepdims is not None else keepdim if keepdim is not None else keep_dims
+    return truthy_reduce(self, False, axis, keep)
 
 
 def _norm(self, ord=None, dim=None, keepdim=False, *, axis=None, keepdims=None):  # noqa: A002
@@ -344,7 +357,7 @@ def _setitem(self, idx, value):
     from fshard.core.staging import StagedTracer
 
     trace = current_trace()
-    if not isinstance(self, StagedTracer) or self.trace is not trace or not trace.active:
+    if not isinstance(self, StagedTracer) or self.owner is not trace or not trace.active:
         raise TracerConversionError(
             f"x[...] = value on a traced value {self} that belongs to an enclosing "
             "transform (a closed-over value, or one that escaped its transform): fshard can "
@@ -366,7 +379,7 @@ def _setitem(self, idx, value):
     new = index_update(self, idx, value)
     if new is self:
         return
-    if not isinstance(new, StagedTracer) or new.trace is not trace:  # an untraced update
+    if not isinstance(new, StagedTracer) or new.owner is not trace:  # an untraced update
         raise TracerConversionError(f"x[...] = value could not be traced for {self}.")
     self.ir_var = new.ir_var
 
@@ -558,8 +571,8 @@ def _marks_view(method):
     def view_method(self, *args, **kwargs):
         out = method(self, *args, **kwargs)
         var = getattr(out, "ir_var", None)
-        if var is not None and out is not self and out.trace is self.trace:
-            views = self.trace.__dict__.setdefault("view_vars", set())
+        if var is not None and out is not self and out.owner is self.owner:
+            views = self.owner.__dict__.setdefault("view_vars", set())
             views.add(var)
         return out
 

@@ -60,7 +60,7 @@ class StagingTrace(Trace):
         return StagedTracer(self, Var(aval))
 
     def to_atom(self, x):
-        if isinstance(x, StagedTracer) and x.trace is self:
+        if isinstance(x, StagedTracer) and x.owner is self:
             return x.ir_var
         if isinstance(x, (bool, int, float)):
             aval = typeof(x)
@@ -132,7 +132,7 @@ def stage(fn: Callable, in_avals: Sequence[ArrayType]) -> tuple[Program, list]:
 
 
 def check_leak(x) -> None:
-    if isinstance(x, Tracer) and not x.trace.active:
+    if isinstance(x, Tracer) and not x.owner.active:
         from fshard.errors import TracerLeakError
 
         raise TracerLeakError(f"the traced value {x} escaped the transform that created it.")

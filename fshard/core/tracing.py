@@ -128,11 +128,12 @@ class Tracer:
     has primitives for (they are attached by ``fshard.adapter.tensor_methods``).
     """
 
-    __slots__ = ("trace", "aval")
+    __slots__ = ("owner", "aval")
     __array_priority__ = 1000
 
     def __init__(self, trace: Trace, aval: ArrayType):
-        self.trace = trace
+        # (not ``trace``: that is a Tensor method, ``x.trace()``)
+        self.owner = trace
         self.aval = aval
 
     @property

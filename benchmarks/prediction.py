@@ -1,6 +1,7 @@
 """Predicted against measured step time, for plans of several programs, modes and hand
 plans on 8 virtual devices (part of ``python -m benchmarks --only planning``;
-``python -m benchmarks.prediction`` runs it alone and prints the table).
+``python -m benchmarks.prediction`` runs it alone and prints the table;
+``--profile`` prints each plan's kernels as MindSpore's profiler records them).
 
 The prediction is ``explain(...).total_s``: the cost model at level 2 with the rates
 ``fs.sharding.calibrate()`` measured on this machine (run it first: without a table the
@@ -244,6 +245,68 @@ def _timed(ps: dict, runs: int, rounds: int, barrier=None) -> list[dict]:
     return rows
 
 
+def profile(calls: int = 30) -> list[dict]:
+    """``--profile``: each plan's kernels as MindSpore's profiler records them (CPU op
+    timestamps), one dict per plan: label, predicted and equations (the explanation's),
+    kernels per step, busy (the kernels' own time per step), span (first kernel's start
+    to last one's end), and the kernel types that take the most time. The profiler adds
+    a few microseconds to each kernel: compare plans with each other, not with the
+    timed medians."""
+    import glob
+    import shutil
+    import tempfile
+
+    from mindspore import Profiler
+
+    rows = []
+    for label, (call, e, _) in plans().items():
+        call()
+        out = tempfile.mkdtemp(prefix="fshard-profile-")
+        prof = Profiler(output_path=out)
+        for _ in range(calls):
+            call()
+            time.sleep(0.002)  # a gap to tell the steps apart
+        prof.analyse()
+        events = []
+        for path in glob.glob(out + "/*/FRAMEWORK/cpu_op_execute_timestamp_*.txt"):
+            for line in open(path):
+                name, _, stamps = line.strip().partition(";HostCpuOps;")
+                kind = name.split("/")[-1].split("-op")[0]
+                for item in stamps.split():
+                    start, ms, _ = item.split(",")
+                    events.append((int(start) * 1e-9, float(ms) * 1e-3, kind))
+        shutil.rmtree(out, ignore_errors=True)
+        events.sort()
+        steps = [[events[0]]]
+        for ev in events[1:]:
+            last = steps[-1][-1]
+            (steps.append([ev]) if ev[0] - (last[0] + last[1]) > 1.5e-3
+             else steps[-1].append(ev))
+        by_kind: Counter = Counter()
+        for st in steps:
+            for _, s, kind in st:
+                by_kind[kind] += s / len(steps)
+        rows.append({"plan": label, "predicted_s": e.total_s, "equations": len(e.rows),
+                     "kernels": float(np.median([len(st) for st in steps])),
+                     "busy_s": float(np.median([sum(s for _, s, _ in st) for st in steps])),
+                     "span_s": float(np.median([st[-1][0] + st[-1][1] - st[0][0]
+                                                for st in steps])),
+                     "top": by_kind.most_common(3)})
+    return rows
+
+
+def profile_table(rows) -> str:
+    """The markdown table of ``profile``'s rows."""
+    lines = ["| plan | predicted | equations | kernels | busy | span | most time |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        top = ", ".join(f"{k} {s * 1e3:.2f}" for k, s in r["top"])
+        lines.append(f"| {r['plan']} | {r['predicted_s'] * 1e3:.2f} ms | {r['equations']} | "
+                     f"{r['kernels']:.0f} | {r['busy_s'] * 1e3:.2f} ms | "
+                     f"{r['span_s'] * 1e3:.2f} ms | {top} |")
+    return "\n".join(lines)
+
+
 def table(rows) -> str:
     """The markdown table of ``measure``'s rows."""
     lines = ["| plan | predicted | measured (best round) | measured (median) | "
@@ -271,6 +334,9 @@ if __name__ == "__main__":  # pragma: no cover
         rows, seconds = measure_job(n)
         print(f"a job of {n} processes, calibrated in {seconds:.1f} s")
         print(table(rows))
+        sys.exit(0)
+    if "--profile" in sys.argv:
+        print(profile_table(profile()))
         sys.exit(0)
     if "--calibrate" in sys.argv:
         t0 = time.perf_counter()

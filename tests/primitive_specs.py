@@ -450,7 +450,10 @@ def _matmul(rng, dt):
     cases = [((2, 3), (3, 4), False, False), ((3, 2), (3, 4), True, False),
              ((2, 3), (4, 3), False, True), ((3, 2), (4, 3), True, True),
              ((1, 1), (1, 1), False, False), ((2, 2, 3), (2, 3, 1), False, False),
-             ((1, 3, 2), (1, 4, 3), True, True)]
+             ((1, 3, 2), (1, 4, 3), True, True),
+             # batching folds a batched transposed left operand into the rows when
+             # m <= n, else copies the right one out: both sides of that
+             ((3, 5), (3, 2), True, False), ((3, 5), (2, 3), True, True)]
     return [Sample((values(rng, a, dt), values(rng, b, dt)),
                    {"transpose_a": ta, "transpose_b": tb}) for a, b, ta, tb in cases]
 

@@ -424,3 +424,36 @@ def test_batching_error_is_a_value_error():
 def test_vmap_rejects_a_non_callable():
     with pytest.raises(fs.BatchingError, match="vmap expects a function, got int"):
         fs.vmap(3)
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("m,n", [(3, 4), (8, 2)])
+def test_matmul_with_one_operand_shared(ta, tb, m, n):
+    """A matmul whose one operand is not batched folds the batch into rows or columns
+    where it can (no copy of the shared operand): every transpose flag, both operands
+    shared in turn, the batch at each axis, values and gradients against loop-and-stack."""
+    r, k = rng(), 5
+    x = r.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
+    for axis in (0, 1, 2):
+        shape = [n, k] if tb else [k, n]
+        shape.insert(axis, 6)
+        ys = r.standard_normal(shape).astype(np.float32)
+        each = np.moveaxis(ys, axis, 0)
+
+        def shared_left(y):
+            return ops.matmul(x, y, transpose_a=ta, transpose_b=tb)
+
+        got = fs.vmap(shared_left, in_axes=axis)(ys)
+        close(got, np.stack([(x.T if ta else x) @ (e.T if tb else e) for e in each]), 1e-4)
+        g = fs.jit(fs.grad(lambda y: (fs.vmap(shared_left, in_axes=axis)(y) ** 2).sum()))(ys)
+        ref = np.stack([np_(fs.grad(lambda e: (shared_left(e) ** 2).sum())(e)) for e in each])
+        close(g, np.moveaxis(ref, 0, axis), 1e-4)
+    w = r.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
+    xs = r.standard_normal((6,) + ((k, m) if ta else (m, k))).astype(np.float32)
+
+    def shared_right(a):
+        return ops.matmul(a, w, transpose_a=ta, transpose_b=tb)
+
+    close(fs.vmap(shared_right)(xs),
+          np.stack([(a.T if ta else a) @ (w.T if tb else w) for a in xs]), 1e-4)

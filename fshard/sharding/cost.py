@@ -224,10 +224,13 @@ def _broadcast_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates
     the equation differs over (a replicated activation times a weight's column blocks)
     runs on that operand copied out to every device (``batch_to_front``'s broadcast: a
     BatchMatMul takes both operands batched); an unbatched right operand folds into
-    the rows instead. That copy, at the elementwise rate."""
+    the rows instead, and so do a transposed right operand's blocks under an unbatched
+    rank-2 left one (``g @ W^T``: nothing copied). That copy, at the elementwise rate."""
     if lanes == 1:
         return 0.0
     left = spec.inputs[0]
+    if len(left) == 2 and spec.inputs[1][-1] in spec.reduce:  # transpose_b, rank 2
+        return 0.0
     own = {a for lab in left if lab is not None for a in cand.axes(lab)}
     if 0 in cand.carry_ops:
         own |= set(cand.carry)

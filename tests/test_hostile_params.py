@@ -262,3 +262,33 @@ def test_control_flow_bodies_closing_over_a_cell_read_it_at_each_call():
     new_weight(net, 10.0)
     close(c(X), net(X))
     close(s(X), net(X).sum(0))
+
+
+class _Masked(nn.Cell):
+    """Computes on its Parameter before meeting the input: with no traced operand,
+    MindSpore ran those ops eagerly while tracing and the program kept their result."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = ms.Parameter(Tensor(np.ones(3, np.float32)), name="weight")
+        self.mask = Tensor(np.array([1.0, 0.0, 1.0], np.float32))
+
+    def construct(self, x):
+        scale = self.weight * self.mask + ops.exp(self.weight) - self.weight.sum()
+        return x * scale + self.weight[0] * 2
+
+
+@pytest.mark.parametrize("wrap", ["jit", "jit_grad", "jit_vmap"])
+def test_values_computed_from_a_parameter_alone_are_read_at_each_call(wrap):
+    net = _Masked()
+    x = Tensor(np.array([[1.0, 2.0, 3.0], [-1.0, 0.5, 4.0]], np.float32))
+    f = {"jit": fs.jit(lambda x: net(x)),
+         "jit_grad": fs.jit(fs.grad(lambda x: (net(x) ** 2).sum())),
+         "jit_vmap": fs.jit(fs.vmap(lambda row: net(row)))}[wrap]
+    want = {"jit": lambda: net(x),
+            "jit_grad": lambda: ms.grad(lambda x: (net(x) ** 2).sum())(x),
+            "jit_vmap": lambda: ops.stack([net(row) for row in x])}[wrap]
+    for value in (1.0, 2.5, -0.5):
+        net.weight.set_data(Tensor(np.full(3, value, np.float32)))
+        np.testing.assert_allclose(f(x).asnumpy(), want().asnumpy(), rtol=1e-6, atol=1e-6)
+    assert f.trace_count == 1

@@ -267,3 +267,22 @@ def test_tensor_method_keywords_of_pytorchs_form():
         got, want = fs.jit(f)(x), f(x)
         assert got.shape == want.shape
         np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-6)
+
+
+def test_bool_tensor_plus_and_minus_are_logical_or_and_xor():
+    # MindSpore's Tensor + and - between bools are a logical or and xor (ops.add and
+    # ops.sub refuse bools); fshard refused them, with a message saying MindSpore had
+    # no bool add
+    b = Tensor(np.array([True, False, True, False]))
+    c = Tensor(np.array([True, True, False, False]))
+    for f in (lambda b, c: b + c, lambda b, c: b - c, lambda b, c: b + True,
+              lambda b, c: b - True, lambda b, c: True + b, lambda b, c: b + 1,
+              lambda b, c: b - c.astype(ms.int32)):
+        want = f(b, c)
+        for got in (fs.jit(f)(b, c), fs.vmap(f)(b, c)):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+    with pytest.raises(fs.errors.ProgramTypeError, match=r"ops\.logical_or\(x, y\)"):
+        fs.jit(ops.add)(b, c)
+    with pytest.raises(fs.errors.ProgramTypeError, match=r"logical xor"):
+        fs.jit(ops.sub)(b, c)

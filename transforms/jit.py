@@ -526,13 +526,17 @@ class Jitted:
             # the IR cleanup passes (fshard/primitives/passes.py) run on what is compiled only:
             # make_ir and .program show the staged Program as traced
             program = passes.simplify(traced.program)
+            # what reads only constants (never a Parameter) computed now, not by
+            # MindSpore's compiler, which does not finish on some such chains
+            program, consts = passes.fold_constants(
+                program, traced.consts, lambda c: not isinstance(c, backend.Parameter))
             # In a job: fs.ShardedArray inputs are taken as blocks, and shard calls asked
             # to keep their split outputs as blocks return them (transforms/shard_call.py).
             sig = local_signature(leaves)
             program, out_info = localize(program, {program.n_consts + k: v
                                                    for k, v in sig.items()})
             local = None if not sig and not any(out_info) else (program, out_info)
-            program, consts, params = lift_parameters(program, traced.consts)
+            program, consts, params = lift_parameters(program, consts)
             src, globals_, n_out = backend.lower_program(passes.implicit_broadcasts(program),
                                                          consts, traced.name,
                                                          return_effect=True)

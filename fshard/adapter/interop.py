@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import inspect
 import math
 import operator
 import os
@@ -56,7 +57,8 @@ from fshard.primitives.pipeline import check_not_in_vmap, pipeline_split_p
 from fshard.primitives.remat import nothing_saveable, remat_call
 from fshard.sharding.runtime import bind_on_rank
 from fshard.core.staging import register_user_code_hook, stage
-from fshard.adapter.tensor_methods import ms_div, ms_mean, ms_mul, ms_sum, truthy_reduce
+from fshard.adapter.tensor_methods import (METHODS, ms_add, ms_div, ms_mean, ms_mul, ms_sub,
+                                           ms_sum, truthy_reduce)
 from fshard.sharding.user_layouts import operator_call, operator_strategy
 
 # ---------------------------------------------------------------------------
@@ -1903,12 +1905,12 @@ def _ms_neighbor_exchange(prim, xs):
 # MindSpore's C++ Tensor operators raise instead of returning NotImplemented, so
 # Python never reaches Tracer.__radd__: these replace Tensor's forward operators.
 _TENSOR_OPERATORS: dict[str, Callable] = {
-    "__add__": fo.add, "__sub__": fo.sub, "__mul__": ms_mul, "__truediv__": ms_div,
+    "__add__": ms_add, "__sub__": ms_sub, "__mul__": ms_mul, "__truediv__": ms_div,
     "__matmul__": fo.matmul, "__pow__": fo.pow,
     "__lt__": fo.less, "__le__": fo.less_equal, "__gt__": fo.greater,
     "__ge__": fo.greater_equal, "__eq__": fo.equal, "__ne__": fo.not_equal,
     # In-place operators become their functional form (``t += tracer`` rebinds ``t``).
-    "__iadd__": fo.add, "__isub__": fo.sub, "__imul__": ms_mul, "__itruediv__": ms_div,
+    "__iadd__": ms_add, "__isub__": fo.sub, "__imul__": ms_mul, "__itruediv__": ms_div,
     "__getitem__": fo.getitem,
     "__and__": fo.bitwise_and, "__or__": fo.bitwise_or, "__xor__": fo.bitwise_xor,
     "__floordiv__": fo.floor_divide, "__mod__": fo.remainder,
@@ -2023,15 +2025,26 @@ def _convert(name: str, prim, args, kwargs, call=None):
     return operator_call(prim, args, kwargs, lambda *a, **k: conv(prim, *a, **k), user)
 
 
+def _staged_parameter(*args) -> bool:
+    """Whether an operand is a MindSpore Parameter and this thread is tracing (see
+    ``_has_tracer``)."""
+    return context.trace.get() is not None and any(
+        isinstance(a, backend.Parameter) for a in args)
+
+
 def _has_tracer(args) -> bool:
-    """Whether a call must be converted: an operand is traced, or a shape holds a
-    symbolic dimension (which exists only in a traced program)."""
+    """Whether a call must be converted: an operand is traced, a shape holds a
+    symbolic dimension (which exists only in a traced program), or, in the thread that
+    is tracing, an operand is a MindSpore Parameter: a Parameter is a variable the
+    compiled program reads at each call (``lift_parameters`` in transforms/jit.py), so
+    what is computed from it (``self.weight * self.mask`` in a Cell a traced function
+    closes over) must be traced too, not computed once now and kept as a constant."""
     for a in args:
-        if isinstance(a, Tracer) or is_symbolic(a):
+        if isinstance(a, Tracer) or is_symbolic(a) or _staged_parameter(a):
             return True
         if type(a) in (list, tuple):
             for b in a:
-                if isinstance(b, Tracer) or is_symbolic(b):
+                if isinstance(b, Tracer) or is_symbolic(b) or _staged_parameter(b):
                     return True
     return False
 
@@ -2303,13 +2316,38 @@ def _wrap_tensor_operator(name, orig, fn):
             return orig(self, other, *rest)
     else:
         def dunder(self, other):
-            if isinstance(other, Tracer) or (type(other) is tuple and _has_tracer(other)):
+            if isinstance(other, Tracer) or (type(other) is tuple and _has_tracer(other)) \
+                    or _staged_parameter(self, other):
                 return fn(self, other)
             return orig(self, other)
 
     dunder.__name__ = name
     dunder.__wrapped__ = orig
     return dunder
+
+
+def _parameter_methods() -> list[str]:
+    """The Tensor methods a traced value has (``METHODS``, not the operators, which
+    ``_TENSOR_OPERATORS`` and the primitives' entry points see) that a Parameter
+    inherits as methods: MindSpore runs some in C++ without reaching a primitive's
+    entry point (``weight.sum()``)."""
+    cls = backend.Parameter
+    return [name for name in METHODS if not name.startswith("__")
+            and callable(getattr(cls, name, None))
+            and not inspect.isdatadescriptor(inspect.getattr_static(cls, name))]
+
+
+def _wrap_parameter_method(orig, fn):
+    """A Parameter's method: traced in the thread that is tracing (see
+    ``_has_tracer``: what is computed from a Parameter is read at each call)."""
+    def method(self, *args, **kwargs):
+        if context.trace.get() is not None:
+            return fn(self, *args, **kwargs)
+        return orig(self, *args, **kwargs)
+
+    method.__name__ = getattr(orig, "__name__", "method")
+    method.__wrapped__ = orig
+    return method
 
 
 # ---------------------------------------------------------------------------
@@ -2453,6 +2491,9 @@ def _setup_classes() -> None:
     for name in _TENSOR_UNSUPPORTED:
         patches.append(_AttrPatch(
             Tensor, name, lambda orig, name=name: _wrap_tensor_operator(name, orig, None)))
+    patches += [_AttrPatch(backend.Parameter, name,
+                           lambda orig, name=name: _wrap_parameter_method(orig, METHODS[name]))
+                for name in _parameter_methods()]
     _attr_patches[:] = patches
 
 

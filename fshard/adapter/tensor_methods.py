@@ -49,6 +49,26 @@ ms_mul = _zero_d_kept(ops.mul, (dtypes.is_float, dtypes.is_int))
 ms_div = _zero_d_kept(ops.div, (dtypes.is_float,))
 
 
+def _both_bool(x, y) -> bool:
+    def is_bool(v):
+        if isinstance(v, (bool, np.bool_)):
+            return True
+        return not isinstance(v, (int, float, complex)) and typeof(v).dtype == dtypes.bool_
+    return is_bool(x) and is_bool(y)
+
+
+def ms_add(x, y):
+    """MindSpore's ``+`` (and ``+=``): between two bools a logical or (``ops.add`` has
+    no bool kernel and refuses them)."""
+    return ops.logical_or(x, y) if _both_bool(x, y) else ops.add(x, y)
+
+
+def ms_sub(x, y):
+    """MindSpore's ``-`` with a Tensor on the left: between two bools a logical xor
+    (``ops.sub``, ``-=`` and ``True - tensor`` refuse them)."""
+    return ops.logical_xor(x, y) if _both_bool(x, y) else ops.sub(x, y)
+
+
 def _getitem(self, idx):
     from fshard.primitives.structural import getitem
 
@@ -214,8 +234,8 @@ def _squeeze(self, *axis):
 
 
 METHODS = {
-    "__add__": ops.add, "__radd__": _r(ops.add),
-    "__sub__": ops.sub, "__rsub__": _r(ops.sub),
+    "__add__": ms_add, "__radd__": _r(ms_add),
+    "__sub__": ms_sub, "__rsub__": _r(ops.sub),
     "__mul__": ms_mul, "__rmul__": _r(ms_mul),
     # MindSpore's ``other / tensor`` is ``tensor.reciprocal() * other`` (Tensor's own
     # __rtruediv__): the same, bit for bit, and 1 / -0.0 stays -inf.

@@ -69,6 +69,8 @@ def def_primitive(name: str, family: str, type_rule: Callable, ms_fn: Callable |
     prim = Primitive(name, multiple_results, show, effect)
     # the declaring module: the caller's (named in the errors of a missing rule)
     register_primitive(prim, family, sys._getframe(1).f_globals.get("__name__"))
+    if ms_fn is not None:
+        _KERNEL_PRIMITIVES.add(name)
     if multiple_results:
         abstract_eval.set(prim, lambda *a, **p: list(type_rule(*a, **p)))
     else:
@@ -81,6 +83,18 @@ def def_primitive(name: str, family: str, type_rule: Callable, ms_fn: Callable |
         impl.set(prim, lambda *xs, **p: [_run_eager(ms_fn, xs, p)])
     lowering.set(prim, lower or (lambda ctx, *xs, **p: ctx.call(ms_fn, *xs, **p)))
     return prim
+
+
+#: The primitives declared with one MindSpore function (``ms_fn``): what they compute
+#: depends on their operands and parameters alone. The others (a collective, a sharded
+#: or pipelined call) also depend on where they run.
+_KERNEL_PRIMITIVES: set = set()
+
+
+def is_kernel(prim: Primitive) -> bool:
+    """Whether ``prim`` was declared with one MindSpore function (``def_primitive``'s
+    ``ms_fn``): its value depends on its operands and parameters alone."""
+    return prim.name in _KERNEL_PRIMITIVES
 
 
 def _run_eager(ms_fn: Callable, xs, params):
@@ -601,13 +615,23 @@ def _binary_type(name):
 
 
 def _numeric_binary_type(name):
-    """add and sub: MindSpore has no bool kernels for them (it raises from C++)."""
+    """add, sub and the others MindSpore has no bool kernel for (it raises from C++).
+    Tensor's ``+`` and ``-`` between bools are a logical or and xor."""
+    operator = {"add": ("+", "or"), "sub": ("-", "xor")}.get(name)
+
     def rule(x, y, **_):
         out = _same_types(name, x, y)
         if out.dtype == dtypes.bool_:
+            if operator is None:
+                why, fix = f"MindSpore has no bool {name}", ""
+            else:
+                why = (f"MindSpore's {name} kernel has no bool version (ops.{name} refuses "
+                       f"them; the Tensor operator {operator[0]} between two bool Tensors "
+                       f"is a logical {operator[1]})")
+                fix = f"use ops.logical_{operator[1]}(x, y), or "
             raise ProgramTypeError(
-                f"{name} of bool operands ({x}, {y}) is not supported: MindSpore has no bool "
-                f"{name}.\nFix: cast the operands to an integer dtype first "
+                f"{name} of bool operands ({x}, {y}) is not supported: {why}.\nFix: "
+                f"{fix}cast the operands to an integer dtype first "
                 "(x.astype(mindspore.int32)).")
         return out
 

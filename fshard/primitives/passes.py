@@ -35,9 +35,11 @@ from typing import Callable
 import numpy as np
 
 from fshard.core import dtypes
-from fshard.core.tracing import ArrayType
+from fshard.core.tracing import ArrayType, EvalTrace, current_trace
+from fshard.core.interpret import bind_equation
 from fshard.core.ir import Equation, Literal, Program, Var
-from fshard.primitives.base import add_p, lane_sum_p, reduce_sum_p
+from fshard.core.rules import family_of
+from fshard.primitives.base import add_p, is_kernel, lane_sum_p, reduce_sum_p
 from fshard.primitives.collectives import all_gather_p, pmean_p, psum_p, psum_scatter_p
 from fshard.primitives.elementwise import (cast_p, div_p, equal_p, greater_equal_p, greater_p,
                                            less_equal_p, less_p, maximum_p, minimum_p, mul_p,
@@ -498,6 +500,86 @@ def simplify(program: Program, max_rounds: int = 4) -> Program:
         if len(program.equations) == n:
             break
     return program
+
+
+# ---------------------------------------------------------------------------
+# fold_constants: for lowering only
+# ---------------------------------------------------------------------------
+
+#: The most elements an output folded into a constant may have, unless a constant it
+#: is computed from is as large (folding never multiplies a program's constant memory).
+FOLD_ELEMENTS = 1 << 16
+
+
+def _foldable(eq: Equation) -> bool:
+    # one MindSpore function of the operands alone: not a collective, a sharded or a
+    # pipelined call (a psum of constants still sums over the devices)
+    if not is_kernel(eq.prim) or family_of(eq.prim) in ("collectives", "spmd", "pipeline"):
+        return False
+    if eq.prim.effect or getattr(eq.params.get("fn"), "has_effect", False):
+        return False
+    for v in eq.params.values():  # a loop, a cond, a shard call: left to the compiler
+        if isinstance(v, Program) or (isinstance(v, tuple) and any(
+                isinstance(b, Program) for b in v)):
+            return False
+    return all(_static(v.aval.shape) for v in eq.outputs)
+
+
+def _elements(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64))
+
+
+def fold_constants(program: Program, consts: list, frozen=lambda c: True
+                   ) -> tuple[Program, list]:
+    """``(program, consts)`` with every equation that reads only constants (and
+    literals) computed now, its outputs new constants: MindSpore's graph compiler can
+    take unbounded time and memory folding some constant chains itself (the gradient
+    of a linear ``ops.interpolate`` times a constant does not depend on the input: its
+    chain of constants ending in an UnsortedSegmentSum never finished compiling). Only
+    constants ``frozen(value)`` accepts are read (not a MindSpore Parameter, which
+    changes between calls); an equation whose output would be larger than
+    ``FOLD_ELEMENTS`` and than every constant it reads stays, as does one that fails
+    to run eagerly (its error is the compiled program's to raise). The new constants
+    go after the old ones; the other inputs keep their order.
+
+    >>> import numpy as np, fshard as fs
+    >>> c = np.arange(3, dtype=np.float32)
+    >>> ir = fs.make_ir(lambda x: x + fs.ops.exp(c) * 2)(np.ones(3, np.float32))
+    >>> program, consts = fold_constants(ir.program, list(ir.consts))
+    >>> print(program)
+    { lambda b:f32[3] c:f32[3]; a:f32[3] .
+        d:f32[3] = add a c
+      in (d) }
+    """
+    if type(current_trace()) is not EvalTrace:  # bind would stage, not compute
+        return program, consts
+    n = program.n_consts
+    known = {v: c for v, c in zip(program.inputs[:n], consts) if frozen(c)}
+    folded_vars, folded_values, kept = [], [], []
+    for eq in program.equations:
+        ins = [a for a in eq.inputs if not isinstance(a, Literal)]
+        if all(a in known for a in ins) and _foldable(eq):
+            limit = max([FOLD_ELEMENTS] + [_elements(a.aval) for a in ins])
+            if all(_elements(v.aval) <= limit for v in eq.outputs):
+                try:
+                    outs = bind_equation(eq, [a.value if isinstance(a, Literal) else known[a]
+                                              for a in eq.inputs])
+                except Exception:  # noqa: BLE001 - left for the compiled program to raise
+                    outs = None
+                if outs is not None:
+                    known.update(zip(eq.outputs, outs))
+                    folded_vars.extend(eq.outputs)
+                    folded_values.extend(outs)
+                    continue
+        kept.append(eq)
+    # (of a folded chain, only the values something left reads)
+    read = {a for eq in kept for a in eq.inputs} | set(program.outputs)
+    new = [(v, c) for v, c in zip(folded_vars, folded_values) if v in read]
+    if not folded_vars:
+        return program, consts
+    inputs = list(program.inputs[:n]) + [v for v, _ in new] + list(program.inputs[n:])
+    return (Program(inputs, kept, program.outputs, n + len(new), program.meta),
+            list(consts) + [c for _, c in new])
 
 
 # ---------------------------------------------------------------------------

@@ -192,8 +192,11 @@ def _extremum(reduce, arg):
                 "ops.maximum(x.max(axis), initial), or x.masked_fill(~where, -inf).max(axis).")
         if dim is not None and keepdims is None:  # max(dim[, keepdim]) -> (values, indices)
             return reduce(self, dim, keepdim), _index64(arg(self, dim, keepdim))
-        # NumPy's form (MindSpore picks it when keepdims= is given): one Tensor
+        # NumPy's form (MindSpore picks it when keepdims= is given): one Tensor; over
+        # every axis MindSpore keeps none, even with keepdims=True (a 0-d result)
         axis = dim if dim is not None else axis
+        if axis is None:
+            return reduce(self, None, False)
         return reduce(self, axis, keepdim if keepdims is None else keepdims)
 
     return method
@@ -559,6 +562,39 @@ def _mindspore_function(name):
     method.__name__ = name
     return method
 
+
+def _median(self, axis=-1, keepdims=False, *, dim=None, keepdim=None):
+    """MindSpore's two overloads, ``(axis, keepdims)`` and ``(dim, keepdim)``: the
+    median along one axis and its index."""
+    return mindspore.ops.median(self, axis if dim is None else dim,
+                                keepdims if keepdim is None else keepdim)
+
+
+def _count_nonzero(self, axis=(), keep_dims=False, dtype=None):
+    return mindspore.ops.count_nonzero(self, axis=axis, keep_dims=keep_dims,
+                                       dtype=mindspore.int32 if dtype is None else dtype)
+
+
+def _new_full(fill):
+    def method(self, size, dtype=None):
+        return ops.full(tuple(size) if isinstance(size, (list, tuple)) else (size,), fill,
+                        self.dtype if dtype is None else dtype)
+    return method
+
+
+# Methods that are MindSpore's functions with the Tensor first (``Tensor.<name>``'s
+# signature as MindSpore 2.10 dispatches it, checked in tests/test_hostile_parity.py).
+METHODS.update({
+    "median": _median,
+    "nansum": lambda self, axis=(), keepdims=False, *, dtype=None: mindspore.ops.nansum(
+        self, None if axis == () else axis, keepdims, dtype=dtype),
+    "logsumexp": lambda self, dim, keepdim=False: mindspore.ops.logsumexp(self, dim,
+                                                                          keepdim),
+    "index_select": lambda self, axis, index: mindspore.ops.index_select(self, axis, index),
+    "unbind": lambda self, dim=0: mindspore.ops.unbind(self, dim),
+    "count_nonzero": _count_nonzero,
+    "new_zeros": _new_full(0), "new_ones": _new_full(1),
+})
 
 # nn.MultiheadAttention splits its packed projection with ``tensor_split``.
 METHODS.update({name: _mindspore_function(name) for name in ("split", "tensor_split", "chunk")})

@@ -1864,7 +1864,7 @@ def _ms_neighbor_exchange(prim, xs):
     mute = [members[a] for a, r in enumerate(ranks) if not r["send"]]
     refusal = (
         f"ops.{prim.name}{site}: differentiating it on rank {members[me]}, "
-        + (f"which sends tensors but receives nothing: their gradients are the receivers' "
+        + ("which sends tensors but receives nothing: their gradients are the receivers' "
            "cotangents, which fshard's per-rank differentiation does not bring back to a "
            "rank whose result holds no part of the exchange" if not recv_ids else
            f"while rank(s) {mute} send nothing: fshard differentiates each rank's "

@@ -139,7 +139,6 @@ def ms_sum(x, axis=None, keepdims=False, dtype=None):
 
 def ms_mean(x, axis=None, keepdims=False, dtype=None, where=""):
     """``Tensor.mean`` / ``ops.mean`` / ``mint.mean`` with MindSpore's result dtype."""
-    from fshard.errors import UnsupportedOpError
 
     if dtype is not None:
         x = ops.cast(x, dtype)
@@ -350,7 +349,6 @@ def _all(self, axis=None, keep_dims=False, *, keepdims=None, out=None, dim=None,
 
 def _norm(self, ord=None, dim=None, keepdim=False, *, axis=None, keepdims=None):  # noqa: A002
     if ord not in (None, 2, "fro"):
-        from fshard.errors import UnsupportedOpError
 
         raise UnsupportedOpError(
             f"a traced value's norm(ord={ord!r}) is not supported (only the 2-norm / "
@@ -388,7 +386,6 @@ def _setitem(self, idx, value):
             "an argument, or assign into a copy made here: y = x + 0; y[...] = value "
             "(or use fs.ops.index_update(x, idx, value)).")
     if self.ir_var in trace.__dict__.get("view_vars", ()):
-        from fshard.errors import UnsupportedOpError
 
         raise UnsupportedOpError(
             f"x[...] = value on {self}, which was made from another traced value by "
@@ -433,7 +430,6 @@ def _invert(self):
     which one is meant must be written out."""
     if typeof(self).dtype == dtypes.bool_:
         return ops.logical_not(self)
-    from fshard.errors import UnsupportedOpError
 
     raise UnsupportedOpError(
         f"the operator ~ on a traced {typeof(self)} value: MindSpore's Tensor computes it "
@@ -448,7 +444,6 @@ METHODS["__invert__"] = _invert
 def _round(self, decimals=0, *, out=None):
     _no_out(out)
     if decimals != 0:
-        from fshard.errors import UnsupportedOpError
 
         raise UnsupportedOpError(
             f"a traced value's round(decimals={decimals!r}) is not supported (only "
@@ -664,7 +659,6 @@ def _missing_method(self, name):
     if name.startswith("_") or not hasattr(Tensor, name) or caller.split(".")[0] in (
             "mindspore", "fshard", "numpy", "optree", "builtins"):
         raise AttributeError(f"a traced value has no attribute {name!r}")
-    from fshard.errors import UnsupportedOpError
 
     raise UnsupportedOpError(
         f"fshard cannot trace the Tensor method {name!r} on a traced value {self}.\nFix: "

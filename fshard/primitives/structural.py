@@ -1007,8 +1007,10 @@ def _is_array_index(e) -> bool:
 
 
 def getitem(x: Shaped[Array, "..."], idx) -> Shaped[Array, "..."]:
-    """``x[idx]`` with NumPy semantics for ints, slices (any step), ``None``, ``...``
-    and one integer-array index (a ``gather``; negative entries count from the end).
+    """``x[idx]`` with NumPy semantics for ints, slices (any step), ``None``, ``...``,
+    concrete 1-D boolean masks and integer-array indices (a ``gather``; negative
+    entries count from the end; several broadcast together, as NumPy's advanced
+    indexing).
 
     >>> import numpy as np, fshard as fs
     >>> x = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -1021,7 +1023,10 @@ def getitem(x: Shaped[Array, "..."], idx) -> Shaped[Array, "..."]:
     """
     a = typeof(x)
     idx = idx if isinstance(idx, tuple) else (idx,)
-    # A concrete 1-D boolean mask selects a known number of entries: its positions.
+    # A concrete 1-D boolean mask (a list of bools too) selects a known number of
+    # entries: its positions.
+    idx = tuple(np.asarray(e) if type(e) is list and e and all(
+        isinstance(v, (bool, np.bool_)) for v in e) else e for e in idx)
     idx = tuple(np.nonzero(np.asarray(_concrete_index(e)))[0] if (
         not isinstance(e, Tracer) and getattr(e, "ndim", 0) == 1
         and typeof(e).dtype == dtypes.bool_) else e for e in idx)
@@ -1034,11 +1039,6 @@ def getitem(x: Shaped[Array, "..."], idx) -> Shaped[Array, "..."]:
     if n_ellipsis > 1:
         raise ArgumentError(f"x[...]: an index can hold at most one Ellipsis, got {idx!r}.")
     n_arrays = sum(_is_array_index(e) for e in idx)
-    if n_arrays > 1:
-        raise ArgumentError(
-            f"x[...] with {n_arrays} integer-array indices: fshard supports one array "
-            "index per indexing expression.\nFix: index in steps, e.g. x[i][:, j], or use "
-            "fs.ops.gather.")
     consumed = sum(e is not None and e is not Ellipsis for e in idx)
     if consumed > a.ndim:
         raise ArgumentError(
@@ -1050,6 +1050,9 @@ def getitem(x: Shaped[Array, "..."], idx) -> Shaped[Array, "..."]:
         idx = idx[:k] + fill + idx[k + 1:]
     else:
         idx = idx + fill
+    if n_arrays > 1:
+        x, idx = _one_array_index(x, idx, a)
+        a, n_arrays = typeof(x), 1
 
     dim = 0
     for pos, e in enumerate(idx):  # an int index into a symbolic dimension: a gather
@@ -1123,6 +1126,50 @@ def getitem(x: Shaped[Array, "..."], idx) -> Shaped[Array, "..."]:
         moved = list(range(array_axis, array_axis + k))
         y = transpose(y, tuple(moved + [i for i in range(nd) if i not in moved]))
     return y
+
+
+def _one_array_index(x, idx: tuple, a: ArrayType) -> tuple:
+    """``x[idx]`` with several integer-array indices as ``x2[idx2]`` with one: the
+    indexed dimensions moved together and merged into one, indexed by the flat
+    position of each broadcast combination (NumPy's rule for where the broadcast
+    dimensions land: at the first array's place when the advanced indices, arrays and
+    ints, are adjacent; first otherwise). ``idx`` has no Ellipsis."""
+    from fshard.primitives.elementwise import add, mul
+
+    dims, d = [], 0
+    for e in idx:
+        dims.append(None if e is None else d)
+        d += e is not None
+    arrays = [p for p, e in enumerate(idx) if _is_array_index(e)]
+    advanced = [p for p, e in enumerate(idx)
+                if _is_array_index(e) or isinstance(e, (int, np.integer))]
+    adjacent = advanced == list(range(advanced[0], advanced[-1] + 1))
+    sizes = [a.shape[dims[p]] for p in arrays]
+    if not all(isinstance(n, int) for n in sizes):
+        raise ArgumentError(
+            f"x[...] with {len(arrays)} integer-array indices into a dimension of symbolic "
+            f"size ({a}): fshard merges the indexed dimensions, which needs their sizes."
+            "\nFix: index in steps, e.g. x[i][:, j], or use fs.ops.gather.")
+    indices = [_normalized_index(idx[p], n, dims[p], a) for p, n in zip(arrays, sizes)]
+    shape = np.broadcast_shapes(*[tuple(typeof(i).shape) for i in indices])
+    flat = None
+    for i, n in zip(indices, sizes):
+        i = np.broadcast_to(i, shape) if isinstance(i, np.ndarray) else broadcast_to(i, shape)
+        flat = i if flat is None else add(mul(flat, n), i)
+    rest = [p for p in range(len(idx)) if p not in arrays]
+    if adjacent:  # the merged dimension at the first array's place
+        order = [q for p in range(len(idx)) if idx[p] is not None and p not in arrays[1:]
+                 for q in ([dims[r] for r in arrays] if p == arrays[0] else [dims[p]])]
+        new_idx = tuple(flat if p == arrays[0] else idx[p] for p in range(len(idx))
+                        if p not in arrays[1:])
+    else:  # NumPy puts the broadcast dimensions first
+        order = [dims[p] for p in arrays] + [dims[p] for p in rest if dims[p] is not None]
+        new_idx = (flat,) + tuple(idx[p] for p in rest)
+    at = order.index(dims[arrays[0]])
+    y = transpose(x, tuple(order))
+    merged = tuple(a.shape[q] for q in order)
+    y = reshape(y, merged[:at] + (int(np.prod(sizes)),) + merged[at + len(arrays):])
+    return y, new_idx
 
 
 def _symbolic_int_index(x, idx: tuple, pos: int, dim: int, i: int, n_arrays: int):

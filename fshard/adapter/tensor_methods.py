@@ -139,7 +139,6 @@ def ms_sum(x, axis=None, keepdims=False, dtype=None):
 
 def ms_mean(x, axis=None, keepdims=False, dtype=None, where=""):
     """``Tensor.mean`` / ``ops.mean`` / ``mint.mean`` with MindSpore's result dtype."""
-
     if dtype is not None:
         x = ops.cast(x, dtype)
     dt = typeof(x).dtype
@@ -349,7 +348,6 @@ def _all(self, axis=None, keep_dims=False, *, keepdims=None, out=None, dim=None,
 
 def _norm(self, ord=None, dim=None, keepdim=False, *, axis=None, keepdims=None):  # noqa: A002
     if ord not in (None, 2, "fro"):
-
         raise UnsupportedOpError(
             f"a traced value's norm(ord={ord!r}) is not supported (only the 2-norm / "
             "Frobenius norm).\nFix: write it with fs.ops, e.g. abs(x).max() for ord=inf.")
@@ -386,7 +384,6 @@ def _setitem(self, idx, value):
             "an argument, or assign into a copy made here: y = x + 0; y[...] = value "
             "(or use fs.ops.index_update(x, idx, value)).")
     if self.ir_var in trace.__dict__.get("view_vars", ()):
-
         raise UnsupportedOpError(
             f"x[...] = value on {self}, which was made from another traced value by "
             "indexing or a view method (x[...], reshape, view, transpose, squeeze, ...). In "
@@ -444,7 +441,6 @@ METHODS["__invert__"] = _invert
 def _round(self, decimals=0, *, out=None):
     _no_out(out)
     if decimals != 0:
-
         raise UnsupportedOpError(
             f"a traced value's round(decimals={decimals!r}) is not supported (only "
             "decimals=0).\nFix: scale first, e.g. fs.ops.round(x * 100) / 100.")

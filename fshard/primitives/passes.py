@@ -572,11 +572,11 @@ def fold_constants(program: Program, consts: list, frozen=lambda c: True
                     folded_values.extend(outs)
                     continue
         kept.append(eq)
+    if not folded_vars:
+        return program, consts
     # (of a folded chain, only the values something left reads)
     read = {a for eq in kept for a in eq.inputs} | set(program.outputs)
     new = [(v, c) for v, c in zip(folded_vars, folded_values) if v in read]
-    if not folded_vars:
-        return program, consts
     inputs = list(program.inputs[:n]) + [v for v, _ in new] + list(program.inputs[n:])
     return (Program(inputs, kept, program.outputs, n + len(new), program.meta),
             list(consts) + [c for _, c in new])

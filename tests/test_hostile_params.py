@@ -292,3 +292,14 @@ def test_values_computed_from_a_parameter_alone_are_read_at_each_call(wrap):
         net.weight.set_data(Tensor(np.full(3, value, np.float32)))
         np.testing.assert_allclose(f(x).asnumpy(), want().asnumpy(), rtol=1e-6, atol=1e-6)
     assert f.trace_count == 1
+
+
+def test_cells_that_take_views_of_their_parameters_trace():
+    # nn.LSTM and nn.BiDense call view methods (view, transpose) on their Parameters:
+    # traced while tracing, those views must be recorded like a traced value's
+    lstm, bidense = nn.LSTM(4, 5, batch_first=True), nn.BiDense(4, 4, 3)
+    x = Tensor(RNG.standard_normal((2, 3, 4)).astype(np.float32))
+    a = Tensor(RNG.standard_normal((2, 4)).astype(np.float32))
+    for f, args in ((lambda x: lstm(x)[0], (x,)), (lambda a: bidense(a, a), (a,))):
+        np.testing.assert_allclose(fs.jit(f)(*args).asnumpy(), f(*args).asnumpy(),
+                                   rtol=1e-6, atol=1e-6)

@@ -618,8 +618,10 @@ def _marks_view(method):
     def view_method(self, *args, **kwargs):
         out = method(self, *args, **kwargs)
         var = getattr(out, "ir_var", None)
-        if var is not None and out is not self and out.owner is self.owner:
-            views = self.owner.__dict__.setdefault("view_vars", set())
+        # (``self`` a Parameter, traced while tracing: its view is one too)
+        if var is not None and out is not self and (
+                not isinstance(self, Tracer) or out.owner is self.owner):
+            views = out.owner.__dict__.setdefault("view_vars", set())
             views.add(var)
         return out
 

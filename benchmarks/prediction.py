@@ -245,13 +245,14 @@ def _timed(ps: dict, runs: int, rounds: int, barrier=None) -> list[dict]:
     return rows
 
 
-def profile(calls: int = 30) -> list[dict]:
+def profile(calls: int = 30, only: str = "") -> list[dict]:
     """``--profile``: each plan's kernels as MindSpore's profiler records them (CPU op
     timestamps), one dict per plan: label, predicted and equations (the explanation's),
     kernels per step, busy (the kernels' own time per step), span (first kernel's start
-    to last one's end), and the kernel types that take the most time. The profiler adds
-    a few microseconds to each kernel: compare plans with each other, not with the
-    timed medians."""
+    to last one's end), the kernel types that take the most time, and ``counts``, the
+    kernels per step by type (``only``: the plans whose label contains it; default all).
+    The profiler adds a few microseconds to each kernel: compare plans with each other,
+    not with the timed medians."""
     import glob
     import shutil
     import tempfile
@@ -260,6 +261,8 @@ def profile(calls: int = 30) -> list[dict]:
 
     rows = []
     for label, (call, e, _) in plans().items():
+        if only not in label:
+            continue
         call()
         out = tempfile.mkdtemp(prefix="fshard-profile-")
         prof = Profiler(output_path=out)
@@ -283,15 +286,18 @@ def profile(calls: int = 30) -> list[dict]:
             (steps.append([ev]) if ev[0] - (last[0] + last[1]) > 1.5e-3
              else steps[-1].append(ev))
         by_kind: Counter = Counter()
+        count: Counter = Counter()
         for st in steps:
             for _, s, kind in st:
                 by_kind[kind] += s / len(steps)
+                count[kind] += 1 / len(steps)
         rows.append({"plan": label, "predicted_s": e.total_s, "equations": len(e.rows),
                      "kernels": float(np.median([len(st) for st in steps])),
                      "busy_s": float(np.median([sum(s for _, s, _ in st) for st in steps])),
                      "span_s": float(np.median([st[-1][0] + st[-1][1] - st[0][0]
                                                 for st in steps])),
-                     "top": by_kind.most_common(3)})
+                     "top": by_kind.most_common(3),
+                     "counts": {k: round(n, 1) for k, n in count.most_common()}})
     return rows
 
 
@@ -335,8 +341,9 @@ if __name__ == "__main__":  # pragma: no cover
         print(f"a job of {n} processes, calibrated in {seconds:.1f} s")
         print(table(rows))
         sys.exit(0)
-    if "--profile" in sys.argv:
-        print(profile_table(profile()))
+    if "--profile" in sys.argv:  # [substring of the plans' labels]
+        at = sys.argv.index("--profile") + 1
+        print(profile_table(profile(only=sys.argv[at] if at < len(sys.argv) else "")))
         sys.exit(0)
     if "--calibrate" in sys.argv:
         t0 = time.perf_counter()

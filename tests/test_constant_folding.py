@@ -74,3 +74,28 @@ def test_folded_values_equal_the_compiled_ones():
     assert [eq.prim.name for eq in program.equations] == ["add"]
     np.testing.assert_array_equal(folded(np.zeros(4, np.float32)).asnumpy(),
                                   fs.jit(chain)(c).asnumpy())
+
+
+def test_the_cost_model_prices_exactly_the_equations_lowering_runs():
+    # passes.lowered_away names what fold_constants and implicit_broadcasts remove,
+    # which the planner prices at nothing: an Adam update's scalar broadcasts
+    from fshard.primitives.passes import implicit_broadcasts, lowered_away
+
+    def adam_like(w, g, m, v):
+        m = m * 0.9 + g * 0.1
+        v = v * 0.999 + g * g * 0.001
+        lr = 1e-3 * ops.sqrt(ms.Tensor(1 - 0.999 ** 3)) / (1 - 0.9 ** 3)
+        return w - lr * m / (ops.sqrt(v) + 1e-8), m, v
+
+    xs = [np.full((4, 8), k, np.float32) for k in (1.0, 0.5, 0.0, 0.0)]
+    ir = fs.make_ir(adam_like)(*xs)
+    away = lowered_away(ir.program)
+    assert away, ir.program
+    folded, consts = fold_constants(ir.program, list(ir.consts))
+    lowered = implicit_broadcasts(folded)
+    assert len(lowered.equations) == len(ir.program.equations) - len(away), (
+        ir.program, lowered)
+    # and the explanation of a plan charges those equations no compute
+    e = fs.shard(adam_like, in_strategy=((2, 1),) * 4, mesh=2).explain(*xs)
+    assert [r.compute_s == 0 for r in e.rows] == [
+        i in away for i in range(len(ir.program.equations))]

@@ -259,6 +259,81 @@ def test_tensor_max_with_numpy_keepdims_is_one_tensor():
         fs.jit(lambda v: v.max(0, initial=4.0))(x)
 
 
+_TIED = np.array([[1., 3., 3., 0.], [2., 2., 2., 2.], [0., 0., -1., 0.]], np.float32)
+_ONE_AXIS_EXTREMA = {
+    "ops.max(x, 1)": lambda x: ops.max(x, 1)[0],
+    "ops.max(x, 0, keepdims)": lambda x: ops.max(x, 0, keepdims=True)[0],
+    "ops.min(x, 1)": lambda x: ops.min(x, 1)[0],
+    "mint.max(x, 1)": lambda x: ms.mint.max(x, 1)[0],
+    "mint.min(x, -1)": lambda x: ms.mint.min(x, -1)[0],
+    "x.max(axis=1)": lambda x: x.max(axis=1),
+    "x.min(axis=0, keepdims)": lambda x: x.min(axis=0, keepdims=True),
+    "x.max(1)": lambda x: x.max(1)[0],
+    "x.max(axis=1, return_indices)": lambda x: x.max(axis=1, return_indices=True)[0],
+    "ArgMaxWithValue": lambda x: ops.ArgMaxWithValue(1)(x)[1],
+    "ArgMinWithValue": lambda x: ops.ArgMinWithValue(0)(x)[1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ONE_AXIS_EXTREMA))
+def test_one_axis_max_and_min_give_ties_derivative_to_the_index(name):
+    # MindSpore's ArgMaxWithValue reads the value at the index: at ties, the whole
+    # derivative goes to the first of them. fshard shared it among the ties (as
+    # reduce_max does): a silently different gradient, e.g. of a max over ReLU zeros.
+    f = _ONE_AXIS_EXTREMA[name]
+    x = Tensor(_TIED)
+
+    def loss(v):
+        out = f(v)
+        n = int(np.prod(out.shape))
+        return (out * Tensor(np.arange(1, n + 1, dtype=np.float32).reshape(out.shape))).sum()
+
+    want = ms.grad(loss)(x).asnumpy()
+    np.testing.assert_array_equal(fs.grad(loss)(x).asnumpy(), want)
+    np.testing.assert_array_equal(fs.jit(fs.grad(loss))(x).asnumpy(), want)
+    np.testing.assert_array_equal(fs.jit(f)(x).asnumpy(), f(x).asnumpy())
+    # per example, as a loop of MindSpore's
+    xs = Tensor(np.stack([_TIED, _TIED[::-1].copy(), -_TIED]))
+    got = fs.vmap(fs.grad(loss))(xs).asnumpy()
+    np.testing.assert_array_equal(got, np.stack([ms.grad(loss)(xs[i]).asnumpy()
+                                                 for i in range(3)]))
+
+
+def test_one_axis_max_values_and_indices_with_nan_inf_and_signed_zero():
+    x = np.array([[np.nan, 1., 2.], [-np.inf, -np.inf, -np.inf], [-0.0, -1., -2.],
+                  [np.inf, 1., np.inf], [3., np.nan, 3.]], np.float32)
+    for f in (lambda v: ops.max(v, 1), lambda v: ops.min(v, 1), lambda v: v.max(axis=1),
+              lambda v: ops.ArgMaxWithValue(1)(v)):
+        want, got = f(Tensor(x)), fs.jit(f)(Tensor(x))
+        want = want if isinstance(want, tuple) else (want,)
+        got = got if isinstance(got, tuple) else (got,)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_array_equal(g.asnumpy(), w.asnumpy())
+            if w.dtype == ms.float32:
+                assert (np.signbit(g.asnumpy()) == np.signbit(w.asnumpy())).all()
+    ints = Tensor(np.array([[3, 7, 7], [-1, -5, 0]], np.int32))
+    for f in (lambda v: ops.max(v, 1), lambda v: v.min(axis=0)):
+        for g, w in zip(*(r if isinstance(r, tuple) else (r,) for r in (
+                fs.jit(f)(ints), f(ints)))):
+            assert g.dtype == w.dtype
+            np.testing.assert_array_equal(g.asnumpy(), w.asnumpy())
+    with pytest.raises(fs.errors.UnsupportedOpError, match="one int axis"):
+        fs.jit(lambda v: v.max(axis=(0, 1), return_indices=True))(Tensor(x))
+
+
+def test_one_axis_max_gradient_sharded_over_the_reduced_axis():
+    x = Tensor(np.tile(_TIED, (2, 2)))
+
+    def loss(v):
+        return (ops.max(v, 1)[0] * ops.arange(1, 7).astype(ms.float32)).sum()
+
+    want = ms.grad(loss)(x).asnumpy()
+    for strategy in ((1, 4), (2, 2), (2, 1)):
+        got = fs.shard(fs.grad(loss), in_strategy=(strategy,), mesh=4)(x)
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_tensor_method_keywords_of_pytorchs_form():
     # x.trace() called the tracer's own trace (a StagingTrace); std/any refused dim=
     x = Tensor(np.array([[1., 5., 2.], [3., 2., 0.], [4., 4., 9.]], np.float32))

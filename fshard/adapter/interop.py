@@ -50,6 +50,7 @@ from fshard.debug import debug_callback_p
 from fshard.core.interpret import walk
 from fshard.meshes.mesh import Mesh, resolve_mesh
 from fshard.primitives import collectives as C
+from fshard.primitives.composite import extremum_with_index
 from fshard.primitives.conv import same_padding
 from fshard.primitives.generic import assign, ms_call
 from fshard.primitives.nn import batch_norm_parts, group_norm_parts
@@ -513,9 +514,10 @@ def _argmax_ext(prim, x, dim=None, keepdim=False):
 
 @converts("ArgMaxWithValue", "ArgMinWithValue")
 def _arg_with_value(prim, x, axis=0, keep_dims=False):
-    is_max = prim.name == "ArgMaxWithValue"
-    values = (fo.reduce_max if is_max else fo.reduce_min)(x, int(axis), bool(keep_dims))
-    return _arg(is_max, x, axis, keep_dims), values  # MindSpore's order: (index, value)
+    # (the value read at the index: its gradient goes there alone, as MindSpore's at ties)
+    values, index = extremum_with_index(x, int(axis), bool(keep_dims),
+                                        prim.name == "ArgMaxWithValue")
+    return fo.cast(index, dtypes.int64), values  # MindSpore's order: (index, value)
 
 
 # -- shape ops ---------------------------------------------------------------

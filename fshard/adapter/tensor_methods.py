@@ -15,6 +15,7 @@ import numpy as np
 from fshard.core import dtypes
 from fshard import ops
 from fshard.core.tracing import Tracer, typeof
+from fshard.primitives.composite import extremum_with_index
 from fshard.errors import UnsupportedOpError
 
 
@@ -179,9 +180,11 @@ def _no_out(out):
             "pure).\nFix: drop out= and use the returned value, e.g. m = numpy.max(x).")
 
 
-def _extremum(reduce, arg):
+def _extremum(largest: bool):
+    reduce = ops.reduce_max if largest else ops.reduce_min
+
     def method(self, dim=None, keepdim=False, *, axis=None, keepdims=None, out=None,
-               **numpy_only):
+               return_indices=False, **numpy_only):
         _no_out(out)
         if numpy_only:
             raise UnsupportedOpError(
@@ -189,13 +192,25 @@ def _extremum(reduce, arg):
                 "traced by fshard.\nFix: reduce first, then combine: "
                 "ops.maximum(x.max(axis), initial), or x.masked_fill(~where, -inf).max(axis).")
         if dim is not None and keepdims is None:  # max(dim[, keepdim]) -> (values, indices)
-            return reduce(self, dim, keepdim), _index64(arg(self, dim, keepdim))
+            values, index = extremum_with_index(self, dim, keepdim, largest)
+            return values, _index64(index)
         # NumPy's form (MindSpore picks it when keepdims= is given): one Tensor; over
-        # every axis MindSpore keeps none, even with keepdims=True (a 0-d result)
+        # every axis MindSpore keeps none, even with keepdims=True (a 0-d result). Over
+        # one axis it is ArgMaxWithValue's value (its gradient goes to the index, not
+        # shared among ties), over several a ReduceMax.
         axis = dim if dim is not None else axis
+        keep = keepdim if keepdims is None else keepdims
+        if isinstance(axis, (int, np.integer)):
+            values, index = extremum_with_index(self, int(axis), keep, largest)
+            return (values, _index64(index)) if return_indices else values
+        if return_indices:
+            raise UnsupportedOpError(
+                f"Tensor.max/min(axis={axis!r}, return_indices=True) is not traced by "
+                "fshard: indices come with one axis.\nFix: pass one int axis, or reshape "
+                "the axes into one first.")
         if axis is None:
             return reduce(self, None, False)
-        return reduce(self, axis, keepdim if keepdims is None else keepdims)
+        return reduce(self, axis, keep)
 
     return method
 
@@ -250,8 +265,8 @@ METHODS = {
     "__eq__": ops.equal, "__ne__": ops.not_equal,
     "__getitem__": _getitem,
     "sum": _sum, "mean": _mean,
-    "max": _extremum(ops.reduce_max, ops.argmax),
-    "min": _extremum(ops.reduce_min, ops.argmin),
+    "max": _extremum(True),
+    "min": _extremum(False),
     "argmax": _argmax,
     "reshape": _reshape, "view": _view,
     "transpose": _torch_transpose, "permute": _transpose,

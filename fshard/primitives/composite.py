@@ -53,7 +53,8 @@ from fshard.primitives.elementwise import (
     where,
 )
 from fshard.primitives.linalg import matmul
-from fshard.primitives.reductions import _axes, mean, reduce_sum
+from fshard.primitives.reductions import (_axes, argmax, argmin, mean, reduce_max, reduce_min,
+                                          reduce_sum)
 from fshard.primitives.scans import cumprod, sort
 from fshard.primitives.structural import (
     _concrete_index,
@@ -74,6 +75,38 @@ from fshard.primitives.structural import (
 # ---------------------------------------------------------------------------
 # Activations
 # ---------------------------------------------------------------------------
+
+
+def extremum_with_index(x: ArrayLike, axis: int, keepdims: bool = False,
+                        largest: bool = True) -> tuple:
+    """``(values, indices)``: the largest (``largest``) or least element along ``axis`` and
+    its index, as MindSpore's ``ArgMaxWithValue`` / ``ArgMinWithValue`` (``ops.max(x,
+    axis)``, ``Tensor.max(axis)``) compute them. A float value is read at its index, so
+    its gradient goes to that one element, as MindSpore's does where several elements
+    tie (a ``reduce_max``'s, ``ops.amax``'s, is shared among them).
+
+    >>> import numpy as np, fshard as fs
+    >>> x = np.array([[1.0, 3.0, 3.0]], np.float32)
+    >>> fs.grad(lambda x: extremum_with_index(x, 1)[0].sum())(x)
+    Tensor(shape=[1, 3], dtype=Float32, value=
+    [[ 0.00000000e+00,  1.00000000e+00,  0.00000000e+00]])
+    """
+    a = typeof(x)
+    axis = _norm_axis(axis, a.ndim)
+    index = (argmax if largest else argmin)(x, axis, keepdims)
+    n = a.shape[axis]
+    if not dtypes.is_float(a.dtype) or type(n) is not int:  # no gradient to route
+        return (reduce_max if largest else reduce_min)(x, axis, keepdims), index
+    at = index if keepdims else expand_dims(index, axis)
+    positions = np.arange(n, dtype=np.int32).reshape([-1 if d == axis else 1
+                                                       for d in range(a.ndim)])
+    hit = equal(broadcast_to(at, a.shape), broadcast_to(positions, a.shape))
+    # The one element left, exactly (a -0.0, an inf, a NaN): a sum would start from +0.0.
+    # Only where the extremum is the fill itself (a row all -inf, for a max) do the
+    # others tie with it, and the derivative is shared as reduce_max's.
+    reduce, fill = (reduce_max, -np.inf) if largest else (reduce_min, np.inf)
+    return reduce(where(hit, x, fill), axis, keepdims), index
+
 
 
 def _float(x):

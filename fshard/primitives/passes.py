@@ -631,6 +631,34 @@ def implicit_broadcasts(program: Program) -> Program:
     return dce(Program(program.inputs, out, program.outputs, program.n_consts, program.meta))
 
 
+def lowered_away(program: Program) -> frozenset:
+    """The indices of ``program``'s equations that lowering runs no kernel for: those
+    ``fold_constants`` computes before compiling because they read only literals
+    (and the values of others such), and the ``broadcast_to`` equations
+    ``implicit_broadcasts`` drops. The cost model prices them at nothing: an Adam
+    step's ``m * 0.9`` broadcasts its scalar in the kernel, not as a kernel of its own.
+
+    >>> import numpy as np, fshard as fs
+    >>> ir = fs.make_ir(lambda x: x * 0.9 + fs.ops.exp(fs.ops.zeros((3,))))(
+    ...     np.ones(3, np.float32))
+    >>> sorted(lowered_away(ir.program)), len(ir.program.equations)
+    ([0, 2, 3], 5)
+    """
+    folded: set = set()
+    away = set()
+    for i, eq in enumerate(program.equations):
+        if all(isinstance(a, Literal) or a in folded for a in eq.inputs) and _foldable(
+                eq) and all(_elements(v.aval) <= FOLD_ELEMENTS for v in eq.outputs):
+            folded.update(eq.outputs)
+            away.add(i)
+    lowered = implicit_broadcasts(program)
+    if lowered is not program:
+        computed = {v for eq in lowered.equations for v in eq.outputs}
+        away.update(i for i, eq in enumerate(program.equations)
+                    if eq.prim is broadcast_to_p and eq.outputs[0] not in computed)
+    return frozenset(away)
+
+
 # ---------------------------------------------------------------------------
 # fuse_allreduces: bucket independent AllReduces into few large ones
 # ---------------------------------------------------------------------------

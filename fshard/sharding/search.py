@@ -37,6 +37,7 @@ from fshard.core import dtypes
 from fshard.core.dims import planning_prod
 from fshard.core.factors import linear_groups
 from fshard.core.ir import Literal, Program, Var
+from fshard.primitives.passes import lowered_away
 from fshard.sharding.cost import (CostModel, backend_rates, redistribution,
                                   redistribution_seconds)
 from fshard.sharding.layouts import (
@@ -219,6 +220,9 @@ class Problem:
             self._skeys = [spec_key(sp) for sp in self.specs]
             self._cands = SpecCache(mesh, self.model.compute)
             self.base = base_candidates(program, self.specs, mesh)  # fixed layouts: one
+        # Equations lowering runs no kernel for (folded, or broadcast in the kernel of
+        # their reader) compute nothing, whatever their layout.
+        self.away = lowered_away(program)
         # Mesh axes the fixed layouts mention (for the symmetry of the others).
         self.fixed_axes = frozenset(a for sh in list(self.given.values()) + [
             o for o in self.out_shardings if o is not None] for a in sh.used)
@@ -243,7 +247,7 @@ class Problem:
         out = [0.0] * (self.n + 1)
         least: dict = {}  # (spec key, base candidates) -> least compute
         for i in reversed(range(self.n)):
-            k = (self._skeys[i], tuple(self.base[i]))
+            k = (self._skeys[i], tuple(self.base[i]), i in self.away)
             m = least.get(k) if self._skeys[i] is not None else None
             if m is None:
                 m = least[k] = min(self.shardings(i, c)[2] for c in self.base[i])
@@ -252,7 +256,8 @@ class Problem:
 
     def shardings(self, i: int, cand: Candidate) -> tuple:
         """``(operand layouts, output layouts, compute)`` of equation ``i`` as ``cand``."""
-        return self._cands.get(self.specs[i], self._skeys[i], cand)
+        got = self._cands.get(self.specs[i], self._skeys[i], cand)
+        return (got[0], got[1], 0.0) if i in self.away else got
 
     @staticmethod
     def from_propagated(prop) -> "Problem":

@@ -439,3 +439,28 @@ def test_several_traced_integer_array_indices_under_vmap():
     j = np.array([[4, 0], [1, 2], [3, 3]], np.int32)
     got = fs.vmap(lambda x, i, j: x[i, j])(_X4, Tensor(i), Tensor(j))
     np.testing.assert_array_equal(got.asnumpy(), np.stack([_X4[b][i[b], j[b]] for b in range(3)]))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("eps", [1e-12, 0.5, 0.0])
+def test_lp_norm_and_dist_derivatives_at_zero_and_below_eps_are_mindspores(p, eps):
+    # ops.dist(x, x) (LpNorm of zeros) had a NaN gradient where MindSpore's is 0:
+    # LpNorm differentiates as x|x|^(p-2) / max(norm, eps)^(p-1)
+    x = np.array([[0., 0.], [3., 4.], [0., -2.], [0.03, 0.04], [1e-3, 0.]], np.float32)
+    for axis, keep in ((1, False), (0, True), ((0, 1), False)):
+        def f(v):
+            return ops.LpNorm(axis=axis, p=p, epsilon=eps, keep_dims=keep)(v)
+
+        def loss(v):
+            return (f(v) * 1.5).sum()
+
+        np.testing.assert_allclose(fs.jit(f)(Tensor(x)).asnumpy(), f(Tensor(x)).asnumpy(),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(fs.jit(fs.grad(loss))(Tensor(x)).asnumpy(),
+                                   ms.grad(loss)(Tensor(x)).asnumpy(), rtol=1e-4,
+                                   atol=1e-6, equal_nan=True)
+    if p == 2 and eps:
+        y = Tensor(x)
+        for want, got in zip(ms.grad(ops.dist, (0, 1))(y, y * 1),
+                             fs.grad(ops.dist, (0, 1))(y, y * 1)):
+            np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())

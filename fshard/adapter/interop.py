@@ -1021,8 +1021,23 @@ def _std_var(prim, x, dim=None, correction=1, keepdim=False):
 
 @converts("LpNorm")
 def _lp_norm(prim, x):
-    return fo.norm(x, float(_attr(prim, "p", 2)), _axis(_attr(prim, "axis", None)),
-                   bool(_attr(prim, "keep_dims", False)), float(_attr(prim, "epsilon", 0.0)))
+    # MindSpore's LpNorm (ops.dist's) differentiates as x|x|^(p-2) / max(norm, eps)^(p-1):
+    # 0 where the norm is 0 (but for p = 2 with eps = 0: NaN, as fs.ops.norm's and
+    # ops.norm's). So a block that is all zeros takes its norm of ones, replaced by 0
+    # after, and below eps the value is eps with that derivative.
+    p, axis = float(_attr(prim, "p", 2)), _axis(_attr(prim, "axis", None))
+    keep, eps = bool(_attr(prim, "keep_dims", False)), float(_attr(prim, "epsilon", 0.0))
+    if not eps and p == 2:
+        return fo.norm(x, p, axis, keep)
+    x = fo.cast(x, dtypes.float32) if not dtypes.is_float(typeof(x).dtype) else x
+    nonzero = fo.not_equal(fo.reduce_sum(fo.abs(x), axis, True), 0)  # (a NaN counts)
+    out = fo.norm(fo.where(fo.broadcast_to(nonzero, typeof(x).shape), x, 1.0), p, axis, keep)
+    out = fo.where(fo.reshape(nonzero, typeof(out).shape), out, 0.0)
+    if not eps:
+        return out
+    scale = fo.stop_gradient(fo.pow(fo.div(out, eps), p - 1.0))
+    below = fo.add(fo.mul(fo.sub(out, fo.stop_gradient(out)), scale), eps)
+    return fo.where(fo.less(out, eps), below, out)
 
 
 @converts("Slice")

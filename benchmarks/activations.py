@@ -73,3 +73,47 @@ def clamps(ctx):
                   target="each fshard row no slower than MindSpore's row below it",
                   notes=["values and gradients equal to MindSpore's bit for bit: "
                          f"{all(agree)}", "timed interleaved, 5 rounds"])
+
+
+def max_over_rows(x):
+    return ops.max(x, 1)
+
+
+def max_shared_at_ties(x):
+    # fshard's composition before one-axis maxima read their value at the index: the
+    # derivative shared among ties, unlike MindSpore's
+    return fs.ops.reduce_max(x, 1), fs.ops.argmax(x, 1)
+
+
+@benchmark("extrema", title="ops.max(x, 1) with its indices: forward and gradient, "
+           "1024 x 1024 float32 with ties")
+def extrema(ctx):
+    # ReLU outputs: half of each row 0, the maxima mostly unique, the zeros tied
+    rng = np.random.default_rng(0)
+    x = ms.Tensor(np.maximum(rng.normal(size=(1024, 1024)), 0).astype(np.float32))
+    xz = ms.Tensor(np.zeros((1024, 1024), np.float32))  # every row one tie
+
+    def loss(f):
+        return lambda v: f(v)[0].sum()
+
+    calls, agree = {}, []
+    for key, f, jit, grad in (("fs", max_over_rows, fs.jit, fs.grad),
+                              ("ms", max_over_rows, ms.jit, ms.grad),
+                              ("fs shared", max_shared_at_ties, fs.jit, fs.grad)):
+        fwd, g = jit(f), jit(grad(loss(f)))
+        calls[key] = lambda fwd=fwd: fwd(x)[0].asnumpy()
+        calls[f"{key} grad"] = lambda g=g: g(x).asnumpy()
+        agree.append((g(x).asnumpy(), g(xz).asnumpy()))
+    t = ctx.compare(calls, runs=ctx.runs(40, 6), warmup=3, rounds=5)
+    same = all(np.array_equal(a, b) for a, b in zip(agree[0], agree[1]))
+    return Result([
+        row("fshard", "fs.jit(ops.max(x, 1))", t["fs"]),
+        row("mindspore", "mindspore.jit(ops.max(x, 1))", t["ms"]),
+        row("fshard", "fs.jit: reduce_max and argmax (shared at ties)", t["fs shared"]),
+        row("fshard", "fs.jit(fs.grad(ops.max(x, 1)[0].sum()))", t["fs grad"]),
+        row("mindspore", "mindspore.jit(mindspore.grad(...))", t["ms grad"]),
+        row("fshard", "fs.jit(fs.grad(...)): reduce_max (shared at ties)", t["fs shared grad"]),
+    ], baseline="mindspore.jit(ops.max(x, 1))",
+        target="fshard's derivative at ties MindSpore's, at MindSpore's speed",
+        notes=[f"gradients equal to MindSpore's on ReLU outputs and on zeros: {same}",
+               "timed interleaved, 5 rounds"])

@@ -493,6 +493,13 @@ def _arg(rng, dt):
     return [Sample((values(rng, a, dt),), {"axis": ax}) for a, ax in cases]
 
 
+def _with_index(rng, dt):
+    cases = [((2, 3), 1, True), ((3,), 0, False), ((1, 4, 1), 1, True), ((2, 1, 3), 2, False),
+             ((4, 3), 0, True)]
+    return [Sample((values(rng, a, dt),), {"axis": ax, "largest": big})
+            for a, ax, big in cases]
+
+
 def _dim_size(rng, dt):
     cases = [((2, 3), (1,)), ((3,), (0,)), ((2, 1, 4), (0, 2)), ((2, 3), ())]
     return [Sample((values(rng, a, dt),), {"axes": ax, "dtype": dtypes.float32})
@@ -1632,6 +1639,7 @@ def _specs() -> list[PrimitiveSpec]:
         PrimitiveSpec(R.reduce_min_p, _reduce, NUMERIC),
         PrimitiveSpec(R.argmax_p, _arg, (F32,), zero_derivative=True),
         PrimitiveSpec(R.argmin_p, _arg, (F32,), zero_derivative=True),
+        PrimitiveSpec(SC.extremum_with_index_p, _with_index, (F32, I32)),
         PrimitiveSpec(R.dim_size_p, _dim_size, (F32,), zero_derivative=True),
         PrimitiveSpec(N.bias_add_p, _bias_add, (F32,), (0, 1), ((0, 1),)),
         PrimitiveSpec(N.softmax_p, _softmax, tol=(1e-5, 1e-5)),

@@ -554,6 +554,9 @@ REFERENCES = {
     "reduce_max": _reduce(np.max),
     "reduce_min": _reduce(np.min),
     "argmax": lambda x, *, axis: np.argmax(x, axis=axis),
+    "extremum_with_index": lambda x, *, axis, largest: (
+        (np.max if largest else np.min)(x, axis=axis),
+        (np.argmax if largest else np.argmin)(x, axis=axis).astype(np.int32)),
     "dim_size": lambda x, *, axes, dtype: np.asarray(
         np.prod([x.shape[a] for a in axes], dtype=np.int64), dtypes.to_numpy(dtype)),
     "argmin": lambda x, *, axis: np.argmin(x, axis=axis),

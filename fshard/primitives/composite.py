@@ -55,7 +55,7 @@ from fshard.primitives.elementwise import (
 from fshard.primitives.linalg import matmul
 from fshard.primitives.reductions import (_axes, argmax, argmin, mean, reduce_max, reduce_min,
                                           reduce_sum)
-from fshard.primitives.scans import cumprod, sort
+from fshard.primitives.scans import cumprod, extremum_with_index_p, sort
 from fshard.primitives.structural import (
     _concrete_index,
     _index_array,
@@ -81,9 +81,9 @@ def extremum_with_index(x: ArrayLike, axis: int, keepdims: bool = False,
                         largest: bool = True) -> tuple:
     """``(values, indices)``: the largest (``largest``) or least element along ``axis`` and
     its index, as MindSpore's ``ArgMaxWithValue`` / ``ArgMinWithValue`` (``ops.max(x,
-    axis)``, ``Tensor.max(axis)``) compute them. A float value is read at its index, so
-    its gradient goes to that one element, as MindSpore's does where several elements
-    tie (a ``reduce_max``'s, ``ops.amax``'s, is shared among them).
+    axis)``, ``Tensor.max(axis)``) compute them, with that kernel. Its derivative goes to
+    the element at the index alone, as MindSpore's does where several elements tie (a
+    ``reduce_max``'s, ``ops.amax``'s, is shared among them).
 
     >>> import numpy as np, fshard as fs
     >>> x = np.array([[1.0, 3.0, 3.0]], np.float32)
@@ -93,20 +93,14 @@ def extremum_with_index(x: ArrayLike, axis: int, keepdims: bool = False,
     """
     a = typeof(x)
     axis = _norm_axis(axis, a.ndim)
-    index = (argmax if largest else argmin)(x, axis, keepdims)
-    n = a.shape[axis]
-    if not dtypes.is_float(a.dtype) or type(n) is not int:  # no gradient to route
-        return (reduce_max if largest else reduce_min)(x, axis, keepdims), index
-    at = index if keepdims else expand_dims(index, axis)
-    positions = np.arange(n, dtype=np.int32).reshape([-1 if d == axis else 1
-                                                       for d in range(a.ndim)])
-    hit = equal(broadcast_to(at, a.shape), broadcast_to(positions, a.shape))
-    # The one element left, exactly (a -0.0, an inf, a NaN): a sum would start from +0.0.
-    # Only where the extremum is the fill itself (a row all -inf, for a max) do the
-    # others tie with it, and the derivative is shared as reduce_max's.
-    reduce, fill = (reduce_max, -np.inf) if largest else (reduce_min, np.inf)
-    return reduce(where(hit, x, fill), axis, keepdims), index
-
+    if type(a.shape[axis]) is not int:  # a size known at run time only
+        return ((reduce_max if largest else reduce_min)(x, axis, keepdims),
+                (argmax if largest else argmin)(x, axis, keepdims))
+    values, index = extremum_with_index_p.bind(x, axis=axis, largest=largest)
+    if keepdims:
+        kept = tuple(1 if i == axis else d for i, d in enumerate(a.shape))
+        values, index = reshape(values, kept), reshape(index, kept)
+    return values, index
 
 
 def _float(x):

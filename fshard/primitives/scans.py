@@ -190,6 +190,56 @@ unsupported(sort_p, "transpose", "not linear")
 
 
 # ---------------------------------------------------------------------------
+# extremum_with_index: the largest (``largest``; else least) element along an axis and
+# its index, one ArgMaxWithValue (ArgMinWithValue) kernel, MindSpore's ops.max(x, axis).
+# Its derivative goes to the element at the index alone (MindSpore's at ties; a
+# reduce_max's is shared among them).
+# ---------------------------------------------------------------------------
+
+
+def _ms_extremum_with_index(x, axis, largest):
+    values, index = (ops.max if largest else ops.min)(x, axis)
+    return values, index.astype(mstype.int32)
+
+
+def _with_index_type(x, *, axis, largest):
+    _check_axis("extremum_with_index", x, axis)
+    kept = tuple(d for i, d in enumerate(x.shape) if i != axis)
+    return [ArrayType(kept, x.dtype), ArrayType(kept, dtypes.int32)]
+
+
+def _with_index_batching(args, dims, *, axis, largest):
+    (x,), (d,) = args, dims
+    out = d - (axis < d)
+    return extremum_with_index_p.bind(x, axis=axis + (axis >= d), largest=largest), [out, out]
+
+
+def _with_index_sharding(x, *, axis, largest):
+    spec = _axis_sharding(x, axis=axis)
+    kept = tuple(lab for lab in spec.inputs[0] if lab is not None)
+    return FactorSpec(spec.inputs, [kept, kept], spec.sizes, flops_per_point=1.0)
+
+
+def _with_index_jvp(primals, tangents, *, axis, largest):
+    (x,), (t,) = primals, tangents
+    values, index = extremum_with_index_p.bind(x, axis=axis, largest=largest)
+    if isinstance(t, Zero):
+        return [values, index], [Zero(typeof(values)), Zero(typeof(index))]
+    kept = tuple(1 if i == axis else n for i, n in enumerate(typeof(x).shape))
+    # one gather of the tangent at the indices: its transpose a scatter, not a mask
+    picked = take_along_axis(t, reshape(index, kept), axis)
+    return [values, index], [reshape(picked, typeof(values).shape), Zero(typeof(index))]
+
+
+extremum_with_index_p = def_primitive("extremum_with_index", FAMILY, _with_index_type,
+                                      _ms_extremum_with_index, multiple_results=True)
+batching.set(extremum_with_index_p, _with_index_batching)
+sharding.set(extremum_with_index_p, _with_index_sharding)
+jvp.set(extremum_with_index_p, _with_index_jvp)
+unsupported(extremum_with_index_p, "transpose", "not linear")
+
+
+# ---------------------------------------------------------------------------
 # Op functions
 # ---------------------------------------------------------------------------
 

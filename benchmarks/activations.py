@@ -79,14 +79,18 @@ def max_over_rows(x):
     return ops.max(x, 1)
 
 
+def amax_over_rows(x):
+    return ops.amax(x, 1)
+
+
 def max_shared_at_ties(x):
     # fshard's composition before one-axis maxima read their value at the index: the
     # derivative shared among ties, unlike MindSpore's
     return fs.ops.reduce_max(x, 1), fs.ops.argmax(x, 1)
 
 
-@benchmark("extrema", title="ops.max(x, 1) with its indices: forward and gradient, "
-           "1024 x 1024 float32 with ties")
+@benchmark("extrema", title="ops.max(x, 1) with its indices, forward and gradient, and "
+           "ops.amax(x, 1): 1024 x 1024 float32 with ties")
 def extrema(ctx):
     # ReLU outputs: half of each row 0, the maxima mostly unique, the zeros tied
     rng = np.random.default_rng(0)
@@ -104,6 +108,8 @@ def extrema(ctx):
         calls[key] = lambda fwd=fwd: fwd(x)[0].asnumpy()
         calls[f"{key} grad"] = lambda g=g: g(x).asnumpy()
         agree.append((g(x).asnumpy(), g(xz).asnumpy()))
+    for key, jit in (("fs amax", fs.jit), ("ms amax", ms.jit)):
+        calls[key] = lambda f=jit(amax_over_rows): f(x).asnumpy()
     t = ctx.compare(calls, runs=ctx.runs(40, 6), warmup=3, rounds=5)
     same = all(np.array_equal(a, b) for a, b in zip(agree[0], agree[1]))
     return Result([
@@ -113,6 +119,8 @@ def extrema(ctx):
         row("fshard", "fs.jit(fs.grad(ops.max(x, 1)[0].sum()))", t["fs grad"]),
         row("mindspore", "mindspore.jit(mindspore.grad(...))", t["ms grad"]),
         row("fshard", "fs.jit(fs.grad(...)): reduce_max (shared at ties)", t["fs shared grad"]),
+        row("fshard", "fs.jit(ops.amax(x, 1)): ArgMaxWithValue's values", t["fs amax"]),
+        row("mindspore", "mindspore.jit(ops.amax(x, 1)): ReduceMax", t["ms amax"]),
     ], baseline="mindspore.jit(ops.max(x, 1))",
         target="fshard's derivative at ties MindSpore's, at MindSpore's speed",
         notes=[f"gradients equal to MindSpore's on ReLU outputs and on zeros: {same}",

@@ -464,3 +464,22 @@ def test_lp_norm_and_dist_derivatives_at_zero_and_below_eps_are_mindspores(p, ep
         for want, got in zip(ms.grad(ops.dist, (0, 1))(y, y * 1),
                              fs.grad(ops.dist, (0, 1))(y, y * 1)):
             np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.uint8])
+def test_one_axis_amax_and_amin_are_reducemaxs_values(dtype):
+    # fshard lowers a max (min) over one axis to ArgMaxWithValue, faster than ReduceMax
+    # on CPU: its values must be ReduceMax's, NaNs and signed zeros included
+    rng = np.random.default_rng(0)
+    for shape, axis in (((4, 33, 3), 1), ((5, 7), 0), ((3, 1, 6), -1), ((2, 3, 4), (0, 2))):
+        if np.issubdtype(dtype, np.floating):
+            x = rng.choice(np.array([0., -0., 1., -1., 2., np.nan, np.inf, -np.inf]),
+                           size=shape).astype(dtype)
+        else:
+            x = rng.integers(0, 9, size=shape).astype(dtype)
+        for f in (lambda v: ops.amax(v, axis), lambda v: ops.amin(v, axis),
+                  lambda v: v.amax(axis, keepdims=True)):
+            want, got = f(Tensor(x)).asnumpy(), fs.jit(f)(Tensor(x)).asnumpy()
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+            assert (np.signbit(got) == np.signbit(want)).all()

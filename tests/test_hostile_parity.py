@@ -483,3 +483,17 @@ def test_one_axis_amax_and_amin_are_reducemaxs_values(dtype):
             assert got.dtype == want.dtype and got.shape == want.shape
             np.testing.assert_array_equal(got, want)
             assert (np.signbit(got) == np.signbit(want)).all()
+
+
+def test_one_axis_max_gradient_with_a_batch_size_known_at_run_time():
+    # the index's gather needs static sizes: a symbolic batch takes reduce_max and argmax
+    # (it failed with a raw TypeError)
+    x = Tensor(np.array([[1., 3., 2.], [0., 5., 1.]], np.float32))
+
+    def loss(v):
+        return ops.max(v, 1)[0].sum()
+
+    b = fs.Symbol()
+    for spec in (fs.ArrayType((b, 3), ms.float32), fs.ArrayType((2, b), ms.float32)):
+        got = fs.jit(fs.grad(loss), in_shapes=(spec,))(x).asnumpy()
+        np.testing.assert_array_equal(got, ms.grad(loss)(x).asnumpy())

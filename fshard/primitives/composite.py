@@ -93,7 +93,9 @@ def extremum_with_index(x: ArrayLike, axis: int, keepdims: bool = False,
     """
     a = typeof(x)
     axis = _norm_axis(axis, a.ndim)
-    if type(a.shape[axis]) is not int:  # a size known at run time only
+    # A size known at run time only: the derivative's gather needs every size (its
+    # flat offsets), so reduce_max and argmax, whose derivative is shared among ties.
+    if not all(type(d) is int for d in a.shape):
         return ((reduce_max if largest else reduce_min)(x, axis, keepdims),
                 (argmax if largest else argmin)(x, axis, keepdims))
     values, index = extremum_with_index_p.bind(x, axis=axis, largest=largest)

@@ -1,19 +1,24 @@
 """Predicted against measured step time, for plans of several programs, modes and hand
 plans on 8 virtual devices (part of ``python -m benchmarks --only planning``;
 ``python -m benchmarks.prediction`` runs it alone and prints the table;
-``--profile`` prints each plan's kernels as MindSpore's profiler records them).
+``--calibrate`` calibrates four times during the run; ``--profile`` prints each plan's
+kernels as MindSpore's profiler records them).
 
 The prediction is ``explain(...).total_s``: the cost model at level 2 with the rates
-``fs.sharding.calibrate()`` measured on this machine (run it first: without a table the
-default rates, for a multi-process job, price a virtual mesh's step far too low). The
-measurement times the compiled step as it runs: ``rounds`` rounds of ``runs`` calls,
-every plan timed interleaved with the others in each round, each waiting for its
-result; ``median`` is the median of all calls, ``best`` the least round median. The
-prediction is compared with ``median``, the number the calibration keeps too (the median
-of every call of its programs): on a shared machine a plan's round medians spread
-widely (the same program 4.2-8.0 ms a round), so the least of a few rounds is a draw of
-its own, while the median of every call holds within a few percent between identical
-programs and processes. The load average is recorded next to the numbers.
+``fs.sharding.calibrate()`` measured on this machine (without a table the default
+rates, for a multi-process job, price a virtual mesh's step far too low). The
+measurement times the compiled step as a training loop runs it: every plan is first
+called ``WARMUP_CALLS`` times (past MindSpore's choice of threads for the graph, as the
+calibration's programs are), then ``rounds`` rounds, every plan in each round running
+untimed for ``WARM_S`` and then timed for ``runs`` calls, each waiting for its result;
+``median`` is the median of all calls, ``best`` the least round median. The prediction
+is compared with ``median``, the number the calibration keeps too (the median of every
+call of its programs): a plan's round medians spread widely (the same program 4.2-8.0
+ms a round), the median of every call holds within a few percent between identical
+programs. With ``--calibrate`` the rounds are split into four blocks, each after a
+calibration, and the prediction is the median of the four prices: this machine's speed
+moves 1.5-2x from minute to minute, so a table measured minutes before the steps are
+timed prices them at another speed. The load average is recorded next to the numbers.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from collections import Counter
 import numpy as np
 
 DEVICES = 8
+#: Seconds each plan runs untimed before its timed calls, in every round.
+WARM_S = 0.2
 
 
 def _collectives(names) -> str:
@@ -102,7 +109,8 @@ def _shard_plans():
 
 
 def _auto_plans():
-    """``{label: (call, explanation, collectives)}`` of AutoParallel's steps."""
+    """``{label: (call, explain, collectives)}`` of AutoParallel's steps (``explain()``:
+    the plan's explanation, priced with the table as it is now)."""
     import fshard as fs
     from benchmarks import planning as P
 
@@ -110,10 +118,12 @@ def _auto_plans():
     for name, (params, x, labels) in P.programs().items():
         short = name.split(" ")[0]
         for mode in P.MODES:
-            ap, state, _, _, e, colls = P.plan_mode(mode, params, x, labels)
+            ap, state, _, _, _, colls = P.plan_mode(mode, params, x, labels)
             out[f"{short} Adam step: {mode}"] = (
                 lambda ap=ap, state=state, x=x, labels=labels:
-                ap(state, x, labels)[1].asnumpy(), e, colls)
+                ap(state, x, labels)[1].asnumpy(),
+                lambda ap=ap, state=state, x=x, labels=labels: ap.explain(state, x, labels),
+                colls)
     del fs
     return out
 
@@ -167,9 +177,11 @@ def job_worker(out_dir: str) -> None:
     ps = {}
     for label, (f, args) in _job_plans(n).items():
         jitted = fs.jit(f)
-        ps[label] = (lambda f=jitted, args=args: _wait(f(*args)), f.explain(*args),
+        ps[label] = (lambda f=jitted, args=args: _wait(f(*args)),
+                     lambda f=f, args=args: f.explain(*args),
                      f.partitioned(*args).collectives())
-    rows = _timed(ps, 10, 8, barrier=lambda: reduce(token).asnumpy())
+    # (no warm-up in time: the ranks would disagree on its number of calls)
+    rows = _timed(ps, 10, 8, barrier=lambda: reduce(token).asnumpy(), warm_s=0.0)
     if fs.distributed.rank() == 0:
         with open(os.path.join(out_dir, "rows.json"), "w") as fh:
             json.dump({"rows": rows, "calibrated_s": seconds}, fh)
@@ -197,49 +209,78 @@ def _wait(out):
 
 
 def plans():
-    """``{label: (call, explanation, collectives)}`` of every plan measured (an
-    ``fs.shard`` plan runs under ``fs.jit``, as a training step would)."""
+    """``{label: (call, explain, collectives)}`` of every plan measured (an ``fs.shard``
+    plan runs under ``fs.jit``, as a training step would; ``explain()`` prices the plan
+    with the table as it is when called)."""
     import fshard as fs
 
     out = _auto_plans()
     for label, (f, args) in _shard_plans().items():
-        e = f.explain(*args)
         colls = f.partitioned(*args).collectives()
         jitted = fs.jit(f)
-        out[label] = (lambda f=jitted, args=args: _wait(f(*args)), e, colls)
+        out[label] = (lambda f=jitted, args=args: _wait(f(*args)),
+                      lambda f=f, args=args: f.explain(*args), colls)
     return out
 
 
-def measure(runs: int = 10, rounds: int = 16) -> list[dict]:
+def measure(runs: int = 10, rounds: int = 16, calibrations: int = 0,
+            warm_s: float = WARM_S) -> list[dict]:
     """One dict per plan: label, predicted, best, median (seconds), ratio (predicted over
-    median), collectives; plus the load averages before and after."""
-    return _timed(plans(), runs, rounds)
+    median), collectives; plus the load averages before and after. ``calibrations``: 0
+    prices every plan with the table on disk; n > 0 runs ``fs.sharding.calibrate`` n
+    times, each followed by ``rounds // n`` of the rounds, and the prediction is the
+    median of the n prices (so the rates and the steps are measured over the same
+    minute, not minutes apart: this machine's speed moves 1.5-2x from minute to minute).
+    """
+    return _timed(plans(), runs, rounds, calibrations=calibrations, warm_s=warm_s)
 
 
-def _timed(ps: dict, runs: int, rounds: int, barrier=None) -> list[dict]:
+def _timed(ps: dict, runs: int, rounds: int, barrier=None, calibrations: int = 0,
+           warm_s: float = WARM_S) -> list[dict]:
+    import fshard as fs
+    from fshard.sharding.calibration import WARMUP_CALLS
+
     for call, _, _ in ps.values():
-        call()
-        call()
+        for _ in range(WARMUP_CALLS):  # past MindSpore's choice of threads (calibration.py)
+            if barrier is not None:
+                barrier()
+            call()
     load0 = os.getloadavg()
     times = {k: [] for k in ps}
     best = {k: float("inf") for k in ps}
-    for _ in range(rounds):
-        for k, (call, _, _) in ps.items():
-            ts = []
-            for _ in range(runs):
-                if barrier is not None:
-                    barrier()
-                t0 = time.perf_counter()
-                call()
-                ts.append(time.perf_counter() - t0)
-            times[k] += ts
-            best[k] = min(best[k], float(np.median(ts)))
+    prices: dict = {k: [] for k in ps}
+    for block in np.array_split(np.arange(rounds), max(calibrations, 1)):
+        if calibrations:
+            fs.sharding.calibrate(DEVICES)
+        for k, (_, explain, _) in ps.items():
+            prices[k].append(explain().total_s)
+        for _ in block:
+            for k, (call, _, _) in ps.items():
+                # The plan runs on its own first, as a training loop's step runs after
+                # the previous step: a small step called right after another program
+                # runs up to 2x slower for its next 10-50 calls.
+                end = time.perf_counter() + warm_s
+                while time.perf_counter() < end:
+                    if barrier is not None:
+                        barrier()
+                    call()
+                ts = []
+                for _ in range(runs):
+                    if barrier is not None:
+                        barrier()
+                    t0 = time.perf_counter()
+                    call()
+                    ts.append(time.perf_counter() - t0)
+                times[k] += ts
+                best[k] = min(best[k], float(np.median(ts)))
     load1 = os.getloadavg()
     rows = []
-    for k, (_, e, colls) in ps.items():
-        rows.append({"plan": k, "predicted_s": e.total_s, "best_s": best[k],
+    for k, (_, _, colls) in ps.items():
+        predicted = float(np.median(prices[k]))
+        rows.append({"plan": k, "predicted_s": predicted, "prices_s": prices[k],
+                     "best_s": best[k],
                      "median_s": float(np.median(times[k])),
-                     "ratio": e.total_s / float(np.median(times[k])),
+                     "ratio": predicted / float(np.median(times[k])),
                      "collectives": _collectives(colls),
                      "load": (load0[0], load1[0])})
     return rows
@@ -260,9 +301,10 @@ def profile(calls: int = 30, only: str = "") -> list[dict]:
     from mindspore import Profiler
 
     rows = []
-    for label, (call, e, _) in plans().items():
+    for label, (call, explain, _) in plans().items():
         if only not in label:
             continue
+        e = explain()
         call()
         out = tempfile.mkdtemp(prefix="fshard-profile-")
         prof = Profiler(output_path=out)
@@ -329,8 +371,6 @@ def table(rows) -> str:
 if __name__ == "__main__":  # pragma: no cover
     import sys
 
-    import fshard as fs
-
     if "--worker" in sys.argv:
         job_worker(sys.argv[sys.argv.index("--worker") + 1])
         sys.exit(0)
@@ -345,12 +385,12 @@ if __name__ == "__main__":  # pragma: no cover
         at = sys.argv.index("--profile") + 1
         print(profile_table(profile(only=sys.argv[at] if at < len(sys.argv) else "")))
         sys.exit(0)
-    if "--calibrate" in sys.argv:
-        t0 = time.perf_counter()
-        fs.sharding.calibrate(DEVICES)
-        print(f"calibrated in {time.perf_counter() - t0:.1f} s")
+    calibrations = 4 if "--calibrate" in sys.argv else 0
     print(f"uptime: {os.popen('uptime').read().strip()}")
-    rows = measure()
+    t0 = time.perf_counter()
+    rows = measure(calibrations=calibrations)
+    print(f"measured in {time.perf_counter() - t0:.0f} s "
+          f"({calibrations or 'no'} calibrations)")
     print(table(rows))
     inside = sum(abs(r["ratio"] - 1) <= 0.25 for r in rows)
     print(f"within 25%: {inside} of {len(rows)}")

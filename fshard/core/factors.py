@@ -49,6 +49,9 @@ class FactorSpec:
     # labels (a loop whose accumulator carries alone hold a pending sum). None: every
     # reduce factor leaves every output partial.
     partial_outputs: dict | None = None
+    # Kernels the lowering runs for the equation (the cost model's fixed cost is per
+    # kernel): MindSpore's CPU backend cuts a split into one slice per piece.
+    kernels: int = 1
 
     def splittable(self) -> list[str]:
         labels = []

@@ -368,7 +368,7 @@ def _split_sharding(x, *, sizes, axis):
     labels = tuple(None if i == axis else f"d{i}" for i in range(x.ndim))
     return FactorSpec([labels], [labels] * len(sizes),
                       {lab: x.shape[i] for i, lab in enumerate(labels) if lab},
-                      flops_per_point=0.0, linear=((0,),))
+                      flops_per_point=0.0, linear=((0,),), kernels=len(sizes))
 
 
 sharding.set(split_p, _split_sharding)

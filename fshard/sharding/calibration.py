@@ -4,8 +4,8 @@ caches the table on disk; the cost model (``fshard.sharding.cost``) prices plans
 when it is there, with ``cost.BACKEND_RATES`` otherwise.
 
 What is measured (each time the median of every call of a compiled program over
-several rounds, each rate a robust line through several sizes, so a busy machine moves
-the numbers little):
+several rounds, after ``WARMUP_CALLS`` untimed calls, each rate a robust line through
+several sizes, so a busy machine moves the numbers little):
 
 - ``op_s``: the fixed cost of one more kernel in a compiled program (graphs shaped like
   a training step's, forward, backward and update, of 144 to 288 kernels on small
@@ -64,6 +64,12 @@ from fshard.core.staging import stage
 #: Group sizes measured (those dividing the device count).
 GROUPS = (2, 4, 8)
 
+#: Calls of a program before it is timed. MindSpore's runtime runs a graph of at most
+#: 100 kernels on several threads for its first 40 calls, times calls 31-40 and then
+#: 41-50 on one thread, and keeps the faster way from call 51 on: a step's graph is
+#: timed in the way it keeps, so a calibration's programs are too.
+WARMUP_CALLS = 50
+
 
 # ---------------------------------------------------------------------------
 # Measuring
@@ -92,7 +98,8 @@ def _times(items, runs: int, rounds: int = 3, barrier=None) -> list[float]:
     rank runs the same program at the same time, as in a step, not one rank's small
     programs beside the other's large ones)."""
     for compiled, args in items:
-        _call(compiled, args)
+        for _ in range(WARMUP_CALLS):
+            _call(compiled, args)
     calls: list[list[float]] = [[] for _ in items]
     for _ in range(rounds):
         for j, (compiled, args) in enumerate(items):

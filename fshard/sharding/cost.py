@@ -177,27 +177,28 @@ def contracts(spec: FactorSpec) -> bool:
 def compute_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: dict
                     ) -> float:
     """Seconds equation ``spec`` takes run as ``cand`` with a calibration table's rates
-    (``rates_from_table``): one kernel's fixed cost, plus its work (a contraction's flops
+    (``rates_from_table``): each kernel's fixed cost (``spec.kernels``), plus its work (a contraction's flops
     at the matmul rate, else its elements at the elementwise rate) times the devices the
     process computes it for. A virtual mesh batches an equation over the mesh axes its
     values differ along (the axes that split a factor or carry a pending sum) and runs
     it once for the rest (``run_batched``: a replicated value is not batched), so a
     replicated equation costs its work once, not once per device."""
     flops = compute_cost(spec, cand, mesh)
+    fixed = rates["op_s"] * spec.kernels
     if not flops:
-        return rates["op_s"]
+        return fixed
     varying = {a for _, axes in cand.assign for a in axes} | set(cand.carry)
     # (a job's table: each process computes its own block alone)
     lanes = mesh.count(tuple(sorted(varying))) if rates.get("lanes", 1) > 1 else 1
     if contracts(spec) and rates.get("matmul_c") is not None:
         # One batched kernel over the lanes: its rate depends on its whole size.
         kernel = matmul_seconds(lanes * flops, rates)
-        return rates["op_s"] + kernel + _broadcast_seconds(spec, cand, mesh, rates, lanes)
+        return fixed + kernel + _broadcast_seconds(spec, cand, mesh, rates, lanes)
     if contracts(spec):
         work = flops / rates["flops_per_s"]
     else:
         work = flops / (spec.flops_per_point or 1.0) * rates["point_s"]
-    return rates["op_s"] + lanes * work
+    return fixed + lanes * work
 
 
 def matmul_seconds(flops: float, rates: dict) -> float:

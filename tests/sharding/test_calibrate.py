@@ -166,6 +166,24 @@ def test_compute_seconds_matmul_per_flop_elementwise_per_element_times_lanes():
     assert CostModel(level=0, rates=row).compute(ew, whole, mesh) == 4096.0
 
 
+def test_a_split_pays_one_kernel_per_piece():
+    # MindSpore's CPU backend cuts a split into a slice per piece: an Adam step that
+    # concatenates four leaves and splits them back runs four kernels, not one.
+    from fshard.core import dtypes
+    from fshard.core.rules import sharding
+    from fshard.core.tracing import ArrayType
+    from fshard.primitives.structural import split_p
+
+    row = rates_from_table(_table(8))
+    mesh = ShardMesh.for_devices(8)
+    aval = ArrayType((12, 3), dtypes.float32)
+    for pieces in ((12,), (4, 8), (3, 3, 3, 3)):
+        spec = sharding.get(split_p)(aval, sizes=pieces, axis=0)
+        assert spec.kernels == len(pieces)
+        assert compute_seconds(spec, Candidate(()), mesh, row) == pytest.approx(
+            5e-6 * len(pieces))
+
+
 def test_a_matmul_is_priced_by_the_power_law_of_its_whole_batched_size():
     row = rates_from_table(_table(8, matmul_c=1e-10, matmul_p=0.8))
     mesh = ShardMesh.for_devices(8)
@@ -341,3 +359,18 @@ def test_a_table_with_broken_matmul_points_is_refused(cache, points):
     _write(8, _table(8, matmul_points=points))
     with pytest.raises(ShardingError, match="not one fs.sharding.calibrate"):
         backend_rates(8)
+
+
+def test_each_program_runs_past_mindspores_choice_of_threads_before_it_is_timed(
+        monkeypatch):
+    # MindSpore's runtime settles how it runs a small graph (one thread or several) at
+    # its 50th call: the calibration times the way a step keeps, after WARMUP_CALLS.
+    from fshard.sharding import calibration
+
+    calls = []
+    monkeypatch.setattr(calibration, "_call", lambda compiled, args: calls.append(compiled))
+    ts = calibration._times([("a", []), ("b", [])], runs=3, rounds=2)
+    assert len(ts) == 2 and calibration.WARMUP_CALLS >= 50
+    warm = 2 * calibration.WARMUP_CALLS
+    assert calls[:warm] == ["a"] * calibration.WARMUP_CALLS + ["b"] * calibration.WARMUP_CALLS
+    assert calls[warm:] == (["a"] * 3 + ["b"] * 3) * 2

@@ -225,8 +225,9 @@ def plans():
 
 def measure(runs: int = 10, rounds: int = 16, calibrations: int = 0,
             warm_s: float = WARM_S) -> list[dict]:
-    """One dict per plan: label, predicted, best, median (seconds), ratio (predicted over
-    median), collectives; plus the load averages before and after. ``calibrations``: 0
+    """One dict per plan: label, predicted (and ``prices_s``, each calibration's price),
+    best, median (seconds), ratio (predicted over median), collectives; plus the load
+    averages before and after. ``calibrations``: 0
     prices every plan with the table on disk; n > 0 runs ``fs.sharding.calibrate`` n
     times, each followed by ``rounds // n`` of the rounds, and the prediction is the
     median of the n prices (so the rates and the steps are measured over the same

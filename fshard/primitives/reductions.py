@@ -31,17 +31,15 @@ from fshard.core.factors import FactorSpec
 FAMILY = "reductions"
 
 
-# _ONE_AXIS: over one axis, MindSpore's ArgMaxWithValue (ArgMinWithValue) kernel gives
-# ReduceMax's (ReduceMin's) values, NaNs and signed zeros included, in 0.5-0.8 of its
-# time on CPU (docs/performance.md, "One-axis maxima").
-
-
 def _ms_reduce_max(x, axes):
     if len(axes) == 0:
         return x
     if x.dtype == mstype.bool_:  # MindSpore's CPU ReduceMax has no bool kernel
         return ops.amax(x.astype(mstype.int32), axes, False) > 0
-    if len(axes) == 1:  # (one axis: see _ONE_AXIS)
+    if len(axes) == 1:
+        # Over one axis, ArgMaxWithValue's values are ReduceMax's, NaNs and signed
+        # zeros included, in 0.5-0.8 of its time on CPU (docs/performance.md,
+        # "One-axis maxima").
         return ops.max(x, axes[0])[0]
     return ops.amax(x, axes, False)
 
@@ -51,7 +49,7 @@ def _ms_reduce_min(x, axes):
         return x
     if x.dtype == mstype.bool_:
         return ops.amin(x.astype(mstype.int32), axes, False) > 0
-    if len(axes) == 1:  # (one axis: see _ONE_AXIS)
+    if len(axes) == 1:  # ArgMinWithValue's values: as in _ms_reduce_max
         return ops.min(x, axes[0])[0]
     return ops.amin(x, axes, False)
 

@@ -179,10 +179,11 @@ def compute_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: d
     """Seconds equation ``spec`` takes run as ``cand`` with a calibration table's rates
     (``rates_from_table``): each kernel's fixed cost (``spec.kernels`` of them), plus its
     work (a contraction's flops at the matmul rate, else its elements at the elementwise
-    rate) times the devices the process computes it for. A virtual mesh batches an equation over the mesh axes its
-    values differ along (the axes that split a factor or carry a pending sum) and runs
-    it once for the rest (``run_batched``: a replicated value is not batched), so a
-    replicated equation costs its work once, not once per device."""
+    rate) times the devices the process computes it for. A virtual mesh batches an
+    equation over the mesh axes its values differ along (the axes that split a factor or
+    carry a pending sum) and runs it once for the rest (``run_batched``: a replicated
+    value is not batched), so a replicated equation costs its work once, not once per
+    device."""
     flops = compute_cost(spec, cand, mesh)
     fixed = rates["op_s"] * spec.kernels
     if not flops:

@@ -17,12 +17,14 @@ several sizes, so a busy machine moves the numbers little):
 - ``matmul_points``: a matmul kernel's seconds at each size measured (its flops,
   ``2·m·k·n`` per device times the devices it is batched over, as a virtual mesh runs
   it), over thin, wide and square block shapes with the right operand per device and
-  shared: a small matmul runs far below a large one's rate. A size between two measured
-  is priced on the line between them in logarithms; ``matmul_c``, ``matmul_p``: the
-  power law ``c·flops**p`` through them all, for sizes outside; ``flops_per_s``, the
-  rate at 1 Gflop;
-- ``point_s``: the seconds per element of an elementwise op (chains of adds,
-  multiplies and subtractions over four sizes);
+  shared: a small matmul runs far below a large one's rate. Below ``CHAINED_FLOPS`` a
+  matmul is timed as it runs between a step's other kernels (the extra time of more
+  matmuls and relus in a chain), above it alone in its program. A size between two
+  measured is priced on the line between them in logarithms; ``matmul_c``,
+  ``matmul_p``: the power law ``c·flops**p`` through them all, for sizes outside;
+  ``flops_per_s``, the rate at 1 Gflop;
+- ``point_s``: the seconds per element of an elementwise op as a step runs it
+  (step-shaped graphs of 90 kernels over blocks of three sizes);
 - per collective (``all_reduce``, ``all_gather``) and group size ``n``:
   ``(fixed seconds, seconds per byte of each device's block)`` of the virtual mesh's
   collective over an axis of ``n`` devices of a mesh of ``devices``, three block sizes.
@@ -69,6 +71,13 @@ GROUPS = (2, 4, 8)
 #: 41-50 on one thread, and keeps the faster way from call 51 on: a step's graph is
 #: timed in the way it keeps, so a calibration's programs are too.
 WARMUP_CALLS = 50
+
+#: Matmuls below this size (flops, batched over the devices) are timed in chains of
+#: ``PAIRS[0]`` and ``PAIRS[1]`` pairs, larger ones alone (``_compute_programs``).
+CHAINED_FLOPS = 5e7
+PAIRS = (1, 3)
+#: Layers of the step-shaped graphs an element's price is measured on.
+POINT_LAYERS = 10
 
 
 # ---------------------------------------------------------------------------
@@ -124,9 +133,9 @@ def _fit(xs, ts, clip: bool = True) -> tuple[float, float]:
     return (max(a, 0.0), max(b, 1e-15)) if clip else (a, b)
 
 
-def _tensor(shape, seed=0):
+def _tensor(shape, seed=0, scale=1.0):
     rng = np.random.default_rng(seed)
-    return backend.as_tensor(rng.standard_normal(shape).astype(np.float32))
+    return backend.as_tensor((scale * rng.standard_normal(shape)).astype(np.float32))
 
 
 def _f32(shape) -> ArrayType:
@@ -141,29 +150,35 @@ def _chain(k: int):
     return fn
 
 
-def _batched_matmul(m: int, k: int, n: int, devices: int, both: bool) -> tuple:
-    inner, consts = stage(lambda a, b: [matmul(a, b)], [_f32((m, k)), _f32((k, n))])
+def _batched_matmul(m: int, k: int, n: int, devices: int, both: bool, pairs: int = 0
+                    ) -> tuple:
+    """A matmul ``(m, k) @ (k, n)`` as a virtual mesh runs it, batched over ``devices``,
+    the right operand batched too (``both``) or shared; ``pairs`` > 0: a chain of that
+    many pairs ``relu(relu(x @ w1) @ w2)``, ``w2`` of shape ``(n, k)`` (two matmuls of
+    the same flops, each followed by a kernel of another kind, as in a step)."""
+    def per_device(a, w1, w2=None):
+        if not pairs:
+            return [matmul(a, w1)]
+        h = a
+        for _ in range(pairs):
+            h = maximum(matmul(maximum(matmul(h, w1), 0.0), w2), 0.0)
+        return [h]
+
+    shapes = [(m, k), (k, n)] + ([(n, k)] if pairs else [])
+    inner, consts = stage(per_device, [_f32(s) for s in shapes])
     axes, lanes = [("g", devices)], frozenset({"g"})
+    right = lanes if both else frozenset()
     b_lead = (devices,) if both else ()
 
-    def whole(a, b):
-        return run_batched(inner, list(consts) + [a, b], [frozenset()] * len(consts) + [
-            lanes, lanes if both else frozenset()], [lanes], axes)
+    def whole(*xs):
+        return run_batched(inner, list(consts) + list(xs), [frozenset()] * len(consts) + [
+            lanes] + [right] * (len(xs) - 1), [lanes], axes)
 
-    return (_compile(whole, [_f32((devices, m, k)), _f32(b_lead + (k, n))]),
-            [_tensor((devices, m, k)), _tensor(b_lead + (k, n), 1)])
-
-
-def _chain2(k: int):
-    """``k`` elementwise ops in a chain, adds, multiplies and subtractions in turn (a
-    chain of one kind alone runs faster than a step's mix)."""
-    kinds = (add, mul, sub)
-
-    def fn(x, y):
-        for i in range(k):
-            x = kinds[i % 3](x, y)
-        return [x]
-    return fn
+    avals = [(devices, m, k)] + [b_lead + s for s in shapes[1:]]
+    # (weights of variance 2/fan-in: a chain's values keep their size through the relus)
+    args = [_tensor(avals[0])] + [_tensor(a, i + 1, np.sqrt(2.0 / a[-2]))
+                                  for i, a in enumerate(avals[1:])]
+    return _compile(whole, [_f32(a) for a in avals]), args
 
 
 def _step_shaped(layers: int):
@@ -183,6 +198,22 @@ def _step_shaped(layers: int):
         return [sub(w, mul(mul(gr, 0.1), add(mul(gr, gr), 1e-8)))
                 for w, gr in zip(ws, reversed(grads))]
     return fn
+
+
+def _chained_kernel_s(short_s: float, long_s: float, relu_elements: int, op_s: float,
+                      point_s: float) -> float:
+    """One matmul kernel's seconds from the chains of ``PAIRS[0]`` and ``PAIRS[1]`` pairs
+    (``_batched_matmul``): each more pair runs two matmuls and two relus, each kernel
+    at ``op_s`` plus its work (the relus' ``relu_elements``, both outputs of a pair
+    over every device, at ``point_s``).
+
+    >>> more = PAIRS[1] - PAIRS[0]       # 20 us a matmul, 3 us a kernel, 100K elements
+    >>> long = 1e-3 + more * (2 * 20e-6 + 4 * 3e-6 + 1e5 * 1e-10)
+    >>> round(_chained_kernel_s(1e-3, long, 100_000, 3e-6, 1e-10) * 1e6, 3)
+    20.0
+    """
+    per_pair = (long_s - short_s) / (PAIRS[1] - PAIRS[0])
+    return max(per_pair - 4 * op_s - point_s * relu_elements, 4e-7) / 2
 
 
 def _many(k: int):
@@ -221,21 +252,32 @@ def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
     # Matmuls as a virtual mesh runs them: each device's block, batched over the devices,
     # the right operand batched too (a weight gradient's) or shared (a replicated weight);
     # the thin and wide shapes of split activations, small and larger square-ish ones.
-    # (Each alone in its program: a step's matmuls are apart, between other kernels;
-    # the second of two matmuls in a row runs faster, its threads started.)
-    shapes = ((32, 64, 64), (32, 64, 512), (64, 512, 32), (64, 256, 256), (32, 512, 512),
-              (512, 32, 512), (256, 64, 512), (128, 512, 256), (256, 512, 512))
-    flops = [2.0 * devices * m * k * n for _ in (True, False) for m, k, n in shapes]
-    matmuls = add([_batched_matmul(m, k, n, devices, both)
-                   for both in (True, False) for m, k, n in shapes])
-    # An add's seconds per element: the extra time of 16 more ops in a chain over
-    # each size, so the call and the one-off copies fall out; the sizes of the blocks
-    # and weights of a step (16K-1M elements, mostly in cache), not of memory-bound
-    # giants.
-    sizes = (1 << 14, 1 << 16, 1 << 18, 1 << 20)
-    points = add([(_compile(_chain2(k), [_f32((size,))] * 2),
-                   [_tensor((size,)), _tensor((size,), 1)])
-                  for size in sizes for k in (1, 17)])
+    # A small one is priced as it runs inside a step: the extra time of ``PAIRS[1] -
+    # PAIRS[0]`` more pairs of matmuls in a chain (each followed by a relu), so the call
+    # falls out. Alone in a program, a 2-Mflop matmul took 35-73 us, in a chain 18-24 us
+    # (its kernel in a step, profiled: 15-18 us); from 50 Mflop on, the two mostly agree
+    # within 20% and a large one is timed alone (a chain of them would take seconds).
+    shapes = ((8, 128, 16), (8, 64, 128), (32, 64, 64), (32, 64, 512), (64, 512, 32),
+              (64, 256, 256), (32, 512, 512), (512, 32, 512), (256, 64, 512),
+              (128, 512, 256), (256, 512, 512))
+    sized = [(both, (m, k, n), 2.0 * devices * m * k * n)
+             for both in (True, False) for m, k, n in shapes]
+    chained = [(both, s, f) for both, s, f in sized if f < CHAINED_FLOPS]
+    alone = [(both, s, f) for both, s, f in sized if f >= CHAINED_FLOPS]
+    flops = [f for _, _, f in chained] + [f for _, _, f in alone]
+    chains_mm = add([_batched_matmul(*s, devices, both, pairs)
+                     for both, s, _ in chained for pairs in PAIRS])
+    matmuls = add([_batched_matmul(*s, devices, both) for both, s, _ in alone])
+    # An elementwise op's seconds per element as it runs in a step: the extra time of
+    # step-shaped graphs of ``POINT_LAYERS`` layers (90 kernels, as many as most steps
+    # run) over larger blocks, so the call and the kernels' fixed costs fall out. (In
+    # a chain of adds over values in cache, an element cost half as much: 85-140 ps,
+    # against 160-280 ps in a step, where values live long and are read by several
+    # kernels.) The sizes of a step's blocks and weights, 16K-256K elements.
+    sizes = (1 << 14, 1 << 16, 1 << 18)
+    points = add([(_compile(_step_shaped(POINT_LAYERS), [_f32((size,))] * (POINT_LAYERS + 1)),
+                   [_tensor((size,), i) for i in range(POINT_LAYERS + 1)])
+                  for size in sizes])
 
     def fit(ts: list) -> dict:
         call_s, small_op_s = _fit(chain_ks, ts[chains])
@@ -243,12 +285,17 @@ def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
         arg_s = max(_fit(many_ks, ts[many])[1] - small_op_s, 0.0) / 2
         op_s = float(np.median([max(t - call_s - arg_s * (2 * n - 1), 0.0) / (9 * n)
                                 for n, t in zip(layers, ts[steps])]))
+        _, point_s = _fit(sizes, [t / (9 * POINT_LAYERS) for t in ts[points]])
+        # A matmul kernel's own seconds (alone in its program, it passes one value more
+        # than the call's: two in, one out).
+        chain_t = ts[chains_mm]
+        seconds = [_chained_kernel_s(chain_t[2 * i], chain_t[2 * i + 1], m * (n + k) * devices,
+                                     op_s, point_s)
+                   for i, (_, (m, k, n), _) in enumerate(chained)]
+        seconds += [max(t - call_s - arg_s - op_s, 1e-7) for t in ts[matmuls]]
         # The rate rises with the kernel's size (8.4 Mflop run at half the rate of 1
-        # Gflop): a power law ``t = c·flops**p`` through the kernels' own times (the
-        # call's taken out), fitted as a line in logarithms; flops_per_s is the rate it
-        # gives at 1 Gflop.
-        # (a matmul's program passes one value more than the call's: two in, one out)
-        seconds = [max(t - call_s - arg_s - op_s, 1e-7) for t in ts[matmuls]]
+        # Gflop): a power law ``t = c·flops**p`` through the kernels' own times, fitted
+        # as a line in logarithms; flops_per_s is the rate it gives at 1 Gflop.
         kernel = np.log(seconds)
         _, p = _fit(np.log(flops), kernel, clip=False)
         # A kernel's time grows at most as its flops and at least as their square root:
@@ -263,9 +310,6 @@ def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
         # give their median.
         mm = sorted((f, float(np.median([t for g, t in zip(flops, seconds) if g == f])))
                     for f in set(flops))
-        chain = ts[points]
-        _, point_s = _fit(sizes, [max(chain[2 * i + 1] - chain[2 * i], 1e-8) / 16
-                                  for i in range(len(sizes))])
         return {"call_s": call_s, "op_s": op_s, "arg_s": arg_s,
                 "flops_per_s": 1e9 / (np.exp(log_c) * 1e9 ** p),
                 "matmul_c": float(np.exp(log_c)), "matmul_p": float(p),

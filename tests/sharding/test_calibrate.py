@@ -374,3 +374,43 @@ def test_each_program_runs_past_mindspores_choice_of_threads_before_it_is_timed(
     warm = 2 * calibration.WARMUP_CALLS
     assert calls[:warm] == ["a"] * calibration.WARMUP_CALLS + ["b"] * calibration.WARMUP_CALLS
     assert calls[warm:] == (["a"] * 3 + ["b"] * 3) * 2
+
+
+@pytest.mark.parametrize("both", [False, True])
+def test_a_small_matmul_is_timed_in_a_chain_that_computes_what_it_says(both):
+    # The calibration prices a small matmul by the extra time of more pairs in a chain
+    # relu(relu(x @ w1) @ w2): the program must run exactly that, batched over the
+    # devices, the weights per device (a gradient's) or shared.
+    from fshard.backend import mindspore as backend
+    from fshard.sharding import calibration
+
+    devices, (m, k, n) = 2, (4, 8, 16)
+    compiled, args = calibration._batched_matmul(m, k, n, devices, both, pairs=2)
+    x, w1, w2 = (backend.to_numpy(a) for a in args)
+    assert x.shape == (devices, m, k)
+    assert w1.shape == ((devices,) if both else ()) + (k, n)
+    assert w2.shape == ((devices,) if both else ()) + (n, k)
+    want = []
+    for d in range(devices):
+        a, b = (w1[d], w2[d]) if both else (w1, w2)
+        h = x[d]
+        for _ in range(2):
+            h = np.maximum(np.maximum(h @ a, 0) @ b, 0)
+        want.append(h)
+    got = compiled(*args)
+    got = backend.to_numpy(got[0] if isinstance(got, (tuple, list)) else got)
+    scale = float(np.abs(np.stack(want)).max())
+    np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_a_chained_matmul_s_price_takes_the_relus_and_fixed_costs_out():
+    from fshard.sharding import calibration
+
+    more = calibration.PAIRS[1] - calibration.PAIRS[0]
+    kernel, op_s, point_s, elements = 30e-6, 4e-6, 2e-10, 50_000
+    short = 1e-3
+    long = short + more * (2 * kernel + 4 * op_s + point_s * elements)
+    assert calibration._chained_kernel_s(short, long, elements, op_s, point_s) == \
+        pytest.approx(kernel, rel=1e-9)
+    # a slower long chain than short one never prices a kernel at zero or less
+    assert calibration._chained_kernel_s(short, short * 0.9, elements, op_s, point_s) > 0

@@ -254,7 +254,7 @@ def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
     # the thin and wide shapes of split activations, small and larger square-ish ones.
     # A small one is priced as it runs inside a step: the extra time of ``PAIRS[1] -
     # PAIRS[0]`` more pairs of matmuls in a chain (each followed by a relu), so the call
-    # falls out. Alone in a program, a 2-Mflop matmul took 35-73 us, in a chain 18-24 us
+    # falls out. Alone in a program, a 2-Mflop matmul took 35-73 us, in a chain 18-30 us
     # (its kernel in a step, profiled: 15-18 us); from 50 Mflop on, the two mostly agree
     # within 20% and a large one is timed alone (a chain of them would take seconds).
     shapes = ((8, 128, 16), (8, 64, 128), (32, 64, 64), (32, 64, 512), (64, 512, 32),
@@ -271,9 +271,9 @@ def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
     # An elementwise op's seconds per element as it runs in a step: the extra time of
     # step-shaped graphs of ``POINT_LAYERS`` layers (90 kernels, as many as most steps
     # run) over larger blocks, so the call and the kernels' fixed costs fall out. (In
-    # a chain of adds over values in cache, an element cost half as much: 85-140 ps,
-    # against 160-280 ps in a step, where values live long and are read by several
-    # kernels.) The sizes of a step's blocks and weights, 16K-256K elements.
+    # a chain of adds over values in cache, an element cost about half as much: 85-140
+    # ps, against 120-300 ps in a step-shaped graph, where values live long and are
+    # read by several kernels.) The sizes of a step's blocks and weights, 16K-256K elements.
     sizes = (1 << 14, 1 << 16, 1 << 18)
     points = add([(_compile(_step_shaped(POINT_LAYERS), [_f32((size,))] * (POINT_LAYERS + 1)),
                    [_tensor((size,), i) for i in range(POINT_LAYERS + 1)])

@@ -139,3 +139,35 @@ def test_splits_into_different_numbers_of_pieces_compile_in_one_program():
     want = np.split(x, [2], 1) + np.split(x, [1, 3], 1)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.asnumpy(), w)
+
+
+@pytest.mark.parametrize("index", [
+    (slice(1, 3), slice(None)),            # unit strides: a Slice kernel
+    (slice(None), slice(2, 7)),
+    (slice(0, 4, 2), slice(1, 8, 3)),      # strided: StridedSlice
+    (slice(2, 2), slice(None)),            # an empty piece: StridedSlice
+])
+def test_a_static_slice_lowers_to_slice_where_it_can_and_gives_the_eager_numbers(index):
+    # On CPU a StridedSlice kernel stalls 2-4 ms a call in spells in some graphs, where
+    # Slice does not (docs/performance.md): unit-stride, non-empty slices use Slice.
+    from fshard.backend import mindspore as backend
+    from fshard.core import dtypes
+    from fshard.core.staging import stage
+    from fshard.core.tracing import ArrayType
+
+    x = RNG.standard_normal((5, 9)).astype(np.float32)
+    start = tuple(s.start or 0 for s in index)
+    limit = tuple(x.shape[i] if s.stop is None else s.stop for i, s in enumerate(index))
+    strides = tuple(s.step or 1 for s in index)
+
+    def fn(v):
+        return [structural.slice_array(ops.mul(v, 2.0), start, limit, strides)]
+
+    program, consts = stage(fn, [ArrayType(x.shape, dtypes.float32)])
+    src, globals_, _ = backend.lower_program(program, consts, "sliced")
+    unit = strides == (1, 1) and all(hi > lo for lo, hi in zip(start, limit))
+    assert bool(re.search(r"ms_slice_\d+\(", src)) == unit, src
+    assert bool(re.search(r"ms_strided_slice_\d+\(", src)) == (not unit), src
+    out = backend.compile_source(src, globals_, "sliced")(Tensor(x))
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    np.testing.assert_array_equal(out.asnumpy(), (2.0 * x)[index])

@@ -21,7 +21,7 @@ from mindspore import ops
 
 from fshard.core import dtypes
 from fshard.backend.mindspore import (COLLECTIVE_DTYPES, NATIVE_COLLECTIVES, Tensor,
-                                      device_target, gather_any_rank)
+                                      device_target, gather_any_rank, lower_slice)
 from fshard.core.tracing import ArrayType
 from fshard.core.dims import dims_equal
 from fshard.errors import ArgumentError, AxisNameError
@@ -191,8 +191,8 @@ class Comm:
         block = shape[dim] // self.n
         begin, end = [0] * len(shape), list(shape)
         begin[dim], end[dim] = self.index * block, (self.index + 1) * block
-        return self.ctx.call(_ms_slice, self.all_reduce(x, dtype=aval.dtype),
-                             begin=tuple(begin), end=tuple(end), strides=(1,) * len(shape))
+        return lower_slice(self.ctx, self.all_reduce(x, dtype=aval.dtype), begin, end,
+                           (1,) * len(shape))
 
     def all_to_all(self, x: str, aval: ArrayType, split: int, concat: int) -> str:
         if self.n == 1:
@@ -203,8 +203,7 @@ class Comm:
         full = (self.n,) + tuple(shape)
         begin, end = [0] * len(full), list(full)
         begin[split + 1], end[split + 1] = self.index * chunk, (self.index + 1) * chunk
-        mine = self.ctx.call(_ms_slice, stacked, begin=tuple(begin), end=tuple(end),
-                             strides=(1,) * len(full))
+        mine = lower_slice(self.ctx, stacked, begin, end, (1,) * len(full))
         local = list(shape)
         local[split] = chunk
         return self.ctx.call(_ms_lanes_into_dim, mine, **_merge_params(local, self.n, concat))
@@ -247,7 +246,7 @@ def local_slice(ctx, x: str, shape, begin, end) -> str:
     """This rank's block ``[begin, end)`` of a value it holds whole (no communication)."""
     if list(begin) == [0] * len(shape) and all(dims_equal(e, d) for e, d in zip(end, shape)):
         return x
-    return ctx.call(_ms_slice, x, begin=tuple(begin), end=tuple(end), strides=(1,) * len(shape))
+    return lower_slice(ctx, x, begin, end, (1,) * len(shape))
 
 
 def _merge_params(shape, n: int, axis: int) -> dict:
@@ -341,10 +340,6 @@ def _ms_lanes_into_dim(x, perm, shape):
 
 def _ms_transpose(x, perm):
     return ops.transpose(x, perm)
-
-
-def _ms_slice(x, begin, end, strides):
-    return ops.strided_slice(x, begin, end, strides)
 
 
 def _ms_reduce_max0(x):

@@ -11,8 +11,8 @@ Its transpose is a tiled ``all_gather`` (the blocks are disjoint).
 from __future__ import annotations
 
 import numpy as np
-from mindspore import ops
 
+from fshard.backend.mindspore import lower_slice
 from fshard.core.tracing import ArrayType, typeof
 from fshard.core.dims import dim_multiple_of
 from fshard.errors import AxisNameError
@@ -38,10 +38,6 @@ def _impl(x, *, axis_name, dim, sizes):
         "enclosing fs.shard/fs.shard_map binds those axes.")
 
 
-def _ms_strided_slice(x, begin, end, strides):
-    return ops.strided_slice(x, begin, end, strides)
-
-
 def _lower(ctx, x, *, axis_name, dim, sizes):
     if not hasattr(ctx, "axis_coords"):
         # Only a multi-process lowering knows this rank's coordinates; fs.shard's
@@ -56,8 +52,7 @@ def _lower(ctx, x, *, axis_name, dim, sizes):
     begin = [0] * len(shape)
     end = list(shape)
     begin[dim], end[dim] = index * block, (index + 1) * block
-    return ctx.call(_ms_strided_slice, x, begin=tuple(begin), end=tuple(end),
-                    strides=(1,) * len(shape))
+    return lower_slice(ctx, x, begin, end, (1,) * len(shape))
 
 
 block_slice_p = def_primitive("block_slice", FAMILY, _type, _impl, lower=_lower)

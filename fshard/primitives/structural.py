@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 from mindspore import ops
 
-from fshard.backend.mindspore import (Tensor, as_tensor, gather_any_rank,
+from fshard.backend.mindspore import (Tensor, as_tensor, gather_any_rank, lower_slice,
                                       split_with_size_class)
 from fshard.core import dtypes
 from fshard.core.array_types import Array, ArrayLike, Int, Shaped
@@ -447,7 +447,11 @@ def _slice_type(x, *, start, limit, strides):
                            for n, a in zip(x.shape, zip(start, limit, strides))), x.dtype)
 
 
-slice_p = def_primitive("slice", FAMILY, _slice_type, _ms_slice)
+def _lower_slice(ctx, x, *, start, limit, strides):
+    return lower_slice(ctx, x, start, limit, strides)
+
+
+slice_p = def_primitive("slice", FAMILY, _slice_type, _ms_slice, lower=_lower_slice)
 
 
 def _slice_batching(args, dims, *, start, limit, strides):

@@ -351,6 +351,7 @@ def test_float16_and_bfloat16_psum_in_a_two_process_job(tmp_path):
         for name in ("float16", "bfloat16"):
             assert out[name]["dtype"] == {"float16": "Float16", "bfloat16": "BFloat16"}[name]
             np.testing.assert_allclose(out[name]["psum"], 3 * x, rtol=2 ** -8)
+            np.testing.assert_allclose(out[name]["blocks"], x[:4] + x[4:], rtol=2 ** -8)
 
 
 def test_bfloat16_leaves_checkpoint_and_restore_exactly(tmp_path):

@@ -9,6 +9,7 @@ import types
 
 import numpy as np
 import pytest
+import mindspore as ms
 from mindspore import Tensor, ops
 from mindspore.ops import Primitive
 
@@ -171,3 +172,11 @@ def test_a_static_slice_lowers_to_slice_where_it_can_and_gives_the_eager_numbers
     out = backend.compile_source(src, globals_, "sliced")(Tensor(x))
     out = out[0] if isinstance(out, (tuple, list)) else out
     np.testing.assert_array_equal(out.asnumpy(), (2.0 * x)[index])
+    # eagerly on the same kernel, bfloat16 included where it is a Slice
+    eager = structural.slice_array(Tensor(2.0 * x), start, limit, strides)
+    np.testing.assert_array_equal(eager.asnumpy(), (2.0 * x)[index])
+    if unit:
+        rounded = Tensor(2.0 * x).astype(ms.bfloat16)
+        half = structural.slice_array(rounded, start, limit, strides)
+        np.testing.assert_array_equal(half.astype(ms.float32).asnumpy(),
+                                      rounded.astype(ms.float32).asnumpy()[index])

@@ -885,18 +885,35 @@ def ms_strided_slice(x, begin, end, strides):
     return ms.ops.strided_slice(x, begin, end, strides)
 
 
+def _unit_slice_sizes(begin, end, strides) -> tuple | None:
+    """The sizes of a static slice ``x[begin:end:strides]`` that a ``Slice`` kernel can
+    take (every stride 1, no piece empty), else None (``StridedSlice``). Why not always
+    ``StridedSlice``: on CPU it stalls for 2-4 ms a call in spells in some graphs (four
+    16x16 slices, each feeding one of the graph's outputs: 8-12 ms a call in spells, 0.14
+    ms between them; one added to a step-shaped graph of 90 kernels: 3.3-4.0 ms against
+    0.35-0.48), where ``Slice`` ran without a stall in the same tests; and ``Slice`` has a
+    bfloat16 kernel on CPU, ``StridedSlice`` none."""
+    if all(isinstance(v, (int, np.integer)) for v in (*begin, *end, *strides)) and \
+            all(s == 1 for s in strides) and all(e > b for b, e in zip(begin, end)):
+        return tuple(int(e - b) for b, e in zip(begin, end))
+    return None
+
+
+def slice_tensor(x, begin, end, strides):
+    """``x[begin:end:strides]`` of a Tensor, eagerly, on the kernel ``lower_slice``
+    gives the same slice in a compiled program."""
+    sizes = _unit_slice_sizes(begin, end, strides)
+    if sizes is not None:
+        return ms_slice(x, tuple(int(b) for b in begin), sizes)
+    return ms_strided_slice(x, tuple(begin), tuple(end), tuple(strides))
+
+
 def lower_slice(ctx, x: str, begin, end, strides) -> str:
-    """A static slice ``x[begin:end:strides]`` in a lowered program, as a ``Slice``
-    kernel where every stride is 1 and no piece is empty, ``StridedSlice`` otherwise.
-    Why: on CPU, a ``StridedSlice`` stalls for 2-4 ms a call in spells in some graphs
-    (four 16x16 slices, each feeding one of the graph's outputs: 8-12 ms a call in
-    spells, 0.14 ms between them; one added to a step-shaped graph of 90 kernels: 3.3-4.0
-    ms against 0.35-0.48), where ``Slice`` ran without a stall in the same tests; and
-    ``Slice`` has a bfloat16 kernel on CPU, ``StridedSlice`` none."""
-    static = all(isinstance(v, (int, np.integer)) for v in (*begin, *end, *strides))
-    if static and all(s == 1 for s in strides) and all(e > b for b, e in zip(begin, end)):
-        return ctx.call(ms_slice, x, begin=tuple(int(b) for b in begin),
-                        size=tuple(int(e - b) for b, e in zip(begin, end)))
+    """A static slice ``x[begin:end:strides]`` in a lowered program: a ``Slice`` kernel
+    where ``_unit_slice_sizes`` allows it, ``StridedSlice`` otherwise."""
+    sizes = _unit_slice_sizes(begin, end, strides)
+    if sizes is not None:
+        return ctx.call(ms_slice, x, begin=tuple(int(b) for b in begin), size=sizes)
     return ctx.call(ms_strided_slice, x, begin=tuple(begin), end=tuple(end),
                     strides=tuple(strides))
 

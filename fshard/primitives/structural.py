@@ -15,7 +15,7 @@ import numpy as np
 from mindspore import ops
 
 from fshard.backend.mindspore import (Tensor, as_tensor, gather_any_rank, lower_slice,
-                                      split_with_size_class)
+                                      slice_tensor, split_with_size_class)
 from fshard.core import dtypes
 from fshard.core.array_types import Array, ArrayLike, Int, Shaped
 from fshard.core.tracing import ArrayType, Symbol, Tracer, dims_equal, is_symbolic, typeof
@@ -417,7 +417,7 @@ def split(x: Shaped[Array, "..."], split_size_or_sections, axis: int = 0) -> tup
 
 
 def _ms_slice(x, start, limit, strides):
-    return ops.strided_slice(x, start, limit, strides)
+    return slice_tensor(x, start, limit, strides)
 
 
 def _sliced_size(start: int, limit: int, stride: int) -> int:

@@ -497,3 +497,24 @@ def test_one_axis_max_gradient_with_a_batch_size_known_at_run_time():
     for spec in (fs.ArrayType((b, 3), ms.float32), fs.ArrayType((2, b), ms.float32)):
         got = fs.jit(fs.grad(loss), in_shapes=(spec,))(x).asnumpy()
         np.testing.assert_array_equal(got, ms.grad(loss)(x).asnumpy())
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_pow_exponent_derivative_at_zero_and_negative_bases_is_mindspores(dtype):
+    # d/dy x ** y = x ** y * log(x): it was 0 for a negative base (NaN in MindSpore and
+    # JAX: no real logarithm) and NaN at x = 0, y < 0 (MindSpore gives the limit, -inf)
+    x = Tensor(np.array([0, 0, 0, 2, -2, 0, -0.5], dtype))
+    y = Tensor(np.array([-1, 2, 0, 0.5, 2, 0.5, -3], dtype))
+
+    def f(x, y):
+        return ops.pow(x, y).sum()
+
+    want = [g.asnumpy() for g in ms.grad(f, grad_position=(0, 1))(x, y)]
+    assert np.isneginf(want[1][0]) and np.isnan(want[1][4])   # what is pinned down
+    for grad in (fs.grad(f, argnums=(0, 1)), fs.jit(fs.grad(f, argnums=(0, 1)))):
+        got = [g.asnumpy() for g in grad(x, y)]
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            np.testing.assert_allclose(g, w, rtol=4e-3 if dtype == np.float16 else 1e-5)
+    per = fs.vmap(fs.grad(lambda a, b: ops.pow(a, b), argnums=1))(x, y).asnumpy()
+    np.testing.assert_allclose(per, want[1], rtol=4e-3 if dtype == np.float16 else 1e-5)

@@ -446,9 +446,21 @@ transpose.set(div_p, _div_transpose)
 pow_p = def_primitive("pow", FAMILY, _binary_type("pow"), _ms_pow)
 batching.set(pow_p, broadcasting(pow_p))
 sharding.set(pow_p, _elementwise_sharding)
+
+
+def _pow_jvp_exponent(t, ans, x, y):
+    # d/dy x ** y = x ** y * log(x). At x == 0 that product is 0 * -inf or inf * -inf:
+    # MindSpore's Pow gradient gives its limit there, 0 for y >= 0 and -inf for y < 0.
+    # A negative base has no real logarithm: NaN, as in MindSpore and JAX.
+    zero = equal(x, 0.0)
+    a = typeof(ans)
+    at_zero = where(less(y, 0.0), full(a.shape, -np.inf, a.dtype), zeros_like(ans))
+    return mul(t, where(zero, at_zero, mul(ans, log(where(zero, 1.0, x)))))
+
+
 defjvp(pow_p,
        lambda t, ans, x, y: mul(t, mul(y, pow(x, sub(y, 1.0)))),
-       lambda t, ans, x, y: mul(t, mul(ans, log(where(greater(x, 0.0), x, 1.0)))))
+       _pow_jvp_exponent)
 unsupported(pow_p, "transpose", "not linear")
 
 

@@ -338,7 +338,7 @@ def _collective_programs(kind: str, n: int, devices: int) -> tuple[list, Callabl
 
         # The result is the same on the group's devices: a plan's next equation takes it
         # unbatched over "g" (not copied out to every device, which would be priced too).
-        def whole(blocks):
+        def whole(blocks, inner=inner, inner_consts=inner_consts, split=split):
             return run_batched(inner, list(inner_consts) + [blocks],
                                [frozenset()] * len(inner_consts) + [split],
                                [split - {"g"}], axes)

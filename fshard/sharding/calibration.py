@@ -103,18 +103,19 @@ def _times(items, runs: int, rounds: int = 3, barrier=None) -> list[float]:
     4.2-8.0 ms a round), so the least of a few of them is a draw of its own; the median
     of every call holds within a few percent between programs and processes, and is
     what ``benchmarks/prediction.py`` compares the plans' predictions with.
-    ``barrier``: called before each program's calls in each round (in a job: every
-    rank runs the same program at the same time, as in a step, not one rank's small
-    programs beside the other's large ones)."""
+    ``barrier``: called before each call, untimed (in a job: every rank runs the same
+    program at the same time, as in a step, whose collectives keep the ranks in step;
+    ranks that drift apart run their kernels beside the other's idle moments, faster
+    than a step does)."""
     for compiled, args in items:
         for _ in range(WARMUP_CALLS):
             _call(compiled, args)
     calls: list[list[float]] = [[] for _ in items]
     for _ in range(rounds):
         for j, (compiled, args) in enumerate(items):
-            if barrier is not None:
-                barrier()
             for _ in range(runs):
+                if barrier is not None:
+                    barrier()
                 t0 = time.perf_counter()
                 _call(compiled, args)
                 calls[j].append(time.perf_counter() - t0)

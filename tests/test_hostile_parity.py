@@ -518,3 +518,79 @@ def test_pow_exponent_derivative_at_zero_and_negative_bases_is_mindspores(dtype)
             np.testing.assert_allclose(g, w, rtol=4e-3 if dtype == np.float16 else 1e-5)
     per = fs.vmap(fs.grad(lambda a, b: ops.pow(a, b), argnums=1))(x, y).asnumpy()
     np.testing.assert_allclose(per, want[1], rtol=4e-3 if dtype == np.float16 else 1e-5)
+
+
+def _tensors(*values, dtype=np.float32):
+    return [Tensor(np.asarray(v, dtype)) for v in values]
+
+
+# (label, function of tensors to a tensor, its inputs): each was a silent wrong number
+# (fshard's derivative or value against MindSpore's, which is right in each of these)
+EDGE_CASES = [
+    # relu(z) + log1p(exp(-|z|)) has derivative 0 at z = 0 (relu's and abs's), not 1/2
+    ("softplus at 0", ops.softplus, [[0.0, -0.0, 1.0, -30.0, 30.0]]),
+    ("softplus beta 2 at 0", lambda x: ops.softplus(x, 2, 5), [[0.0, -0.0, 2.6, 3.0]]),
+    # exp(x) of the branch not taken is inf: its derivative 0 * inf was NaN
+    ("elu at large x", ops.elu, [[89.0, 100.0, -100.0, 0.5]]),
+    ("celu at large x", lambda x: ops.celu(x, 0.5), [[45.0, 100.0, 0.5]]),
+    ("prelu weight with inf", lambda x, w: ops.prelu(x, w), [[-1.0, 2.0, np.inf], [0.25]]),
+    # LpNorm's eps (1e-12) is 0 in float16: every derivative was NaN
+    ("norm p=3 float16", lambda x: ops.norm(x, 3, dim=-1), [[[0.5, 0.25], [1, 1]]]),
+    ("cosine_similarity float16", lambda a, b: ops.cosine_similarity(a, b, 1),
+     [[[1.0, 0.5]], [[0.5, 1.0]]]),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("label,f,values", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
+def test_derivatives_at_edge_points_are_mindspores(label, f, values, dtype):
+    args = _tensors(*values, dtype=dtype)
+    argnums = tuple(range(len(args)))
+
+    def total(*a):
+        return f(*a).sum()
+
+    want = ms.grad(total, grad_position=argnums)(*args)
+    want = [w.asnumpy() for w in (want if isinstance(want, tuple) else (want,))]
+    rtol = 4e-3 if dtype == np.float16 else 1e-5
+    for grad in (fs.grad(total, argnums=argnums), fs.jit(fs.grad(total, argnums=argnums))):
+        got = [g.asnumpy() for g in grad(*args)]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * 1e-3, err_msg=label)
+    np.testing.assert_allclose(fs.jit(f)(*args).asnumpy(), f(*args).asnumpy(), rtol=rtol,
+                               atol=rtol * 1e-3, err_msg=label)
+    if len(args) == 1:  # per row (per element of a vector)
+        per = fs.vmap(fs.grad(total))(*args).asnumpy()
+        np.testing.assert_allclose(per, want[0], rtol=rtol, atol=rtol * 1e-3, err_msg=label)
+
+
+def test_gelu_tanh_derivative_where_tanh_rounds_to_one():
+    # 1 - tanh(u)^2 is 0 in float32 from u = 9 on: the derivative was exactly 1 from x = 4
+    # (1.000335 in float64); and x ** 3 overflowed float16 (NaN at x = 1e4)
+    x = np.array([-5, -3, -1, 0, 0.5, 1, 3, 4, 5, 10], np.float64)
+    c = np.sqrt(2 / np.pi)
+    t = np.tanh(c * (x + 0.044715 * x ** 3))
+    exact = 0.5 * (1 + t) + 0.5 * x * (1 - t ** 2) * c * (1 + 3 * 0.044715 * x ** 2)
+
+    def f(v):
+        return ops.gelu(v, approximate="tanh").sum()
+
+    for grad in (fs.grad(f), fs.jit(fs.grad(f))):
+        np.testing.assert_allclose(grad(Tensor(x.astype(np.float32))).asnumpy(), exact,
+                                   rtol=2e-6, atol=1e-7)
+    h = Tensor(np.array([1e4, -1e4, 3.0, 0.5], np.float16))
+    np.testing.assert_allclose(fs.grad(f)(h).asnumpy(), ms.grad(f)(h).asnumpy(), rtol=4e-3)
+
+
+def test_float16_products_and_norms_do_not_overflow_midway():
+    # a running product of float16 overflowed (300 * 300) where the product does not,
+    # and 100 ** 3 in a float16 3-norm under vmap; MindSpore computes both in float32
+    x = Tensor(np.array([[300, 300, 0.5, 0.5], [100, -100, 50, 0], [1, 2, 3, 4]], np.float16))
+    for f in (lambda a: ops.prod(a, -1), lambda a: a.prod(-1),
+              lambda a: ops.norm(a, 3, dim=-1)):
+        want = f(x).asnumpy().astype(np.float64)
+        assert np.isfinite(want).all()
+        for g in (fs.jit(f), fs.vmap(f)):
+            got = g(x)
+            assert got.dtype == ms.float16
+            np.testing.assert_allclose(got.asnumpy().astype(np.float64), want, rtol=2e-3)

@@ -1024,20 +1024,29 @@ def _lp_norm(prim, x):
     # MindSpore's LpNorm (ops.dist's) differentiates as x|x|^(p-2) / max(norm, eps)^(p-1):
     # 0 where the norm is 0 (but for p = 2 with eps = 0: NaN, as fs.ops.norm's and
     # ops.norm's). So a block that is all zeros takes its norm of ones, replaced by 0
-    # after, and below eps the value is eps with that derivative.
+    # after, and below eps the value is eps with that derivative. A half-precision
+    # input is normed in float32, as MindSpore's kernel does: its eps (1e-12) is 0 in
+    # float16, and 100 ** 3 overflows it.
     p, axis = float(_attr(prim, "p", 2)), _axis(_attr(prim, "axis", None))
     keep, eps = bool(_attr(prim, "keep_dims", False)), float(_attr(prim, "epsilon", 0.0))
+    dtype = typeof(x).dtype
+    half = dtype in (dtypes.float16, dtypes.bfloat16)
+    if half or not dtypes.is_float(dtype):
+        x = fo.cast(x, dtypes.float32)
     if not eps and p == 2:
-        return fo.norm(x, p, axis, keep)
-    x = fo.cast(x, dtypes.float32) if not dtypes.is_float(typeof(x).dtype) else x
+        out = fo.norm(x, p, axis, keep)
+        return fo.cast(out, dtype) if half else out
     nonzero = fo.not_equal(fo.reduce_sum(fo.abs(x), axis, True), 0)  # (a NaN counts)
     out = fo.norm(fo.where(fo.broadcast_to(nonzero, typeof(x).shape), x, 1.0), p, axis, keep)
     out = fo.where(fo.reshape(nonzero, typeof(out).shape), out, 0.0)
-    if not eps:
-        return out
-    scale = fo.stop_gradient(fo.pow(fo.div(out, eps), p - 1.0))
-    below = fo.add(fo.mul(fo.sub(out, fo.stop_gradient(out)), scale), eps)
-    return fo.where(fo.less(out, eps), below, out)
+    if eps:
+        small = fo.less(out, eps)
+        # (out / eps) ** (p - 1) where out < eps, else 1: at a norm far above eps the
+        # power overflows, and the branch not taken must stay finite for the derivative
+        scale = fo.stop_gradient(fo.pow(fo.div(fo.where(small, out, eps), eps), p - 1.0))
+        below = fo.add(fo.mul(fo.sub(out, fo.stop_gradient(out)), scale), eps)
+        out = fo.where(small, below, out)
+    return fo.cast(out, dtype) if half else out
 
 
 @converts("Slice")

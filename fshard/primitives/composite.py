@@ -141,7 +141,10 @@ def silu(x: ArrayLike) -> Float[Array, "*shape"]:
 def elu(x: ArrayLike, alpha: float = 1.0) -> Float[Array, "*shape"]:
     """``x`` where ``x > 0``, else ``alpha * (exp(x) - 1)``."""
     x = _float(x)
-    return where(greater(x, 0.0), x, mul(expm1(x), float(alpha)))
+    pos = greater(x, 0.0)
+    # expm1 of the negative part only: exp(x) of a large x is inf, and the branch not
+    # taken would make the derivative 0 * inf = NaN
+    return where(pos, x, mul(expm1(where(pos, 0.0, x)), float(alpha)))
 
 
 @_half_in_float32
@@ -150,8 +153,13 @@ def softplus(x: ArrayLike, beta: float = 1.0, threshold: float = 20.0) -> Float[
     threshold`` (as ``mindspore.ops.softplus``)."""
     x = _float(x)
     bx = mul(x, float(beta))
-    # log(1 + e^z) = max(z, 0) + log1p(e^-|z|): no overflow for large z.
-    soft = add(relu(bx), log1p(exp(neg(abs(bx)))))
+    # log(1 + e^z) as z + log1p(e^-z) above 0 and log1p(e^z) at and below it: no
+    # overflow for large |z|, each branch fed only its own side (the other's exp would
+    # be inf, and 0 * inf a NaN derivative), and the derivative at 0 sigmoid(0) = 1/2
+    # (relu(z) + log1p(e^-|z|) has 0 there: relu's and abs's derivatives at 0 are 0).
+    pos = greater(bx, 0.0)
+    above, below = where(pos, bx, 0.0), where(pos, 0.0, bx)
+    soft = where(pos, add(above, log1p(exp(neg(above)))), log1p(exp(below)))
     if beta != 1:
         soft = div(soft, float(beta))
     return where(greater(bx, float(threshold)), x, soft)
@@ -214,7 +222,8 @@ def celu(x: ArrayLike, alpha: float = 1.0) -> Float[Array, "*shape"]:
     """``max(0, x) + min(0, alpha * (exp(x / alpha) - 1))``."""
     x = _float(x)
     alpha = float(alpha)
-    return where(greater(x, 0.0), x, mul(expm1(div(x, alpha)), alpha))
+    pos = greater(x, 0.0)
+    return where(pos, x, mul(expm1(div(where(pos, 0.0, x), alpha)), alpha))  # (as elu's)
 
 
 def softshrink(x: ArrayLike, lambd: float = 0.5) -> Float[Array, "*shape"]:
@@ -253,7 +262,10 @@ def prelu(x: ArrayLike, weight: ArrayLike) -> Float[Array, "*shape"]:
         weight = reshape(weight, (1, n) + (1,) * (a.ndim - 2))
     elif w.ndim:
         weight = reshape(weight, (n,) if a.ndim == 1 else ())
-    return where(greater(x, 0.0), x, mul(weight, x))
+    pos = greater(x, 0.0)
+    # the weight multiplies the negative part only: weight * inf in the branch not taken
+    # would give the weight's derivative inf * 0 = NaN
+    return where(pos, x, mul(weight, where(pos, 0.0, x)))
 
 
 def _clamped(x, lo, hi):
@@ -383,6 +395,11 @@ def prod(x: ArrayLike, axis=None, keepdims: bool = False, dtype=None) -> Shaped[
     flat = reshape(transpose(x, perm) if perm != tuple(range(a.ndim)) else x, kept + (n,))
     if n == 0:
         out = broadcast_to(np.ones((), dtypes.to_numpy(a.dtype)), kept)
+    elif a.dtype in (dtypes.float16, dtypes.bfloat16):
+        # multiplied in float32 and rounded once, as MindSpore's ReduceProd: a running
+        # product of float16 overflows (300 * 300) where the whole product does not
+        wide = cumprod(cast(flat, dtypes.float32), len(kept))
+        out = cast(reshape(_slice_axis(wide, len(kept), n - 1, n), kept), a.dtype)
     else:
         out = reshape(_slice_axis(cumprod(flat, len(kept)), len(kept), n - 1, n), kept)
     if keepdims:

@@ -342,12 +342,20 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 def _gelu_jvp(t, ans, x, *, approximate):
     if approximate == "tanh":
-        x2 = mul(x, x)
-        th = tanh(mul(_GELU_C, add(x, mul(0.044715, mul(x2, x)))))
-        left = mul(0.5, add(1.0, th))
+        # d/dx 0.5 x (1 + tanh(u)) = 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) u', with
+        # 0.5 (1 + tanh(u)) = sigmoid(2u) and 1 - tanh(u)^2 = 4 sigmoid(2u) sigmoid(-2u):
+        # 1 - tanh(u)^2 is 0 in float32 from u = 9 on (and MindSpore's Tanh is 1e-5 off
+        # above 4), where the derivative still differs from 1. A half-precision x is
+        # differentiated in float32: x ** 3 overflows float16 from x = 41.
+        dtype = typeof(x).dtype
+        half = dtype in (dtypes.float16, dtypes.bfloat16)
+        xf = cast(x, dtypes.float32) if half else x
+        x2 = mul(xf, xf)
+        u2 = mul(2 * _GELU_C, add(xf, mul(0.044715, mul(x2, xf))))
+        up, down = sigmoid(u2), sigmoid(neg(u2))
         du = mul(_GELU_C, add(1.0, mul(3 * 0.044715, x2)))
-        right = mul(mul(0.5, x), mul(sub(1.0, mul(th, th)), du))
-        return mul(t, add(left, right))
+        d = add(up, mul(mul(2.0, xf), mul(mul(up, down), du)))
+        return mul(t, cast(d, dtype) if half else d)
     cdf = mul(0.5, add(1.0, erf(mul(x, 1.0 / math.sqrt(2.0)))))
     pdf = mul(1.0 / math.sqrt(2.0 * math.pi), exp(mul(-0.5, mul(x, x))))
     return mul(t, add(cdf, mul(x, pdf)))

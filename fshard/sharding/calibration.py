@@ -27,7 +27,10 @@ several sizes, so a busy machine moves the numbers little):
   (step-shaped graphs of 90 kernels over blocks of three sizes);
 - per collective (``all_reduce``, ``all_gather``) and group size ``n``:
   ``(fixed seconds, seconds per byte of each device's block)`` of the virtual mesh's
-  collective over an axis of ``n`` devices of a mesh of ``devices``, three block sizes.
+  collective over an axis of ``n`` devices of a mesh of ``devices``, three block sizes;
+  ``slice``: the same for a relayout's local slice (each device taking its block of a
+  value the same on the axis's devices), per byte of the value as the process holds it
+  (a virtual mesh runs it as a transpose; a job's rank as a Slice of its own value).
 
 A virtual mesh runs every device in this process, batched over the device axis, so a
 per-device computation costs ``devices`` times its work (``lanes``); a collective's time
@@ -44,6 +47,7 @@ measured it between 2 processes).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -58,6 +62,7 @@ from fshard.meshes import distributed
 from fshard.primitives import collectives as C
 from fshard.primitives.elementwise import add, maximum, mul, sub
 from fshard.primitives.linalg import matmul
+from fshard.primitives.spmd import block_slice
 from fshard.sharding.rates import (FORMAT, cache_path, check_devices, default_devices,
                                    load_cache_clear)
 from fshard.sharding.runtime import run_batched
@@ -322,30 +327,39 @@ def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
 def _collective_programs(kind: str, n: int, devices: int) -> tuple[list, Callable]:
     """The programs of ``kind`` over an axis of ``n`` devices of a virtual mesh of
     ``devices``, as ``fs.shard`` runs it (batched), and the function that makes their
-    times ``(fixed s, s per byte of a device's block)``."""
+    times ``(fixed s, s per byte of a device's block)``; for ``"slice"`` (each device
+    taking its block of a value the same on the axis's devices: a relayout's step that
+    sends nothing, which a virtual mesh runs as a transpose of the value), per byte of
+    the value as the process holds it (one block per device it differs on)."""
     axes = [("g", n)] + ([("r", devices // n)] if devices > n else [])
     sizes, items = (1 << 8, 1 << 14, 1 << 17), []
+    every = frozenset(a for a, _ in axes)
+    # (a slice's value is the same on the devices of "g" and differs along the others)
+    split = every - {"g"} if kind == "slice" else every
+    lead = tuple(s for a, s in axes if a in split)
     for elems in sizes:
         local = _f32((elems,))
 
         def per_device(x):
             if kind == "all_reduce":
                 return [C.psum_p.bind(x, axis_name=("g",))]
+            if kind == "slice":
+                return [block_slice(x, ("g",), 0, (n,))]
             return [C.all_gather_p.bind(x, axis_name=("g",), axis_sizes=(n,), axis=0)]
 
         inner, inner_consts = stage(per_device, [local])
-        split = frozenset(a for a, _ in axes)
-        lead = tuple(s for _, s in axes)
+        # The result of a reduction or gather is the same on the group's devices: a
+        # plan's next equation takes it unbatched over "g" (not copied out to every
+        # device, which would be priced too); a slice's differs on them.
+        out = every if kind == "slice" else every - {"g"}
 
-        # The result is the same on the group's devices: a plan's next equation takes it
-        # unbatched over "g" (not copied out to every device, which would be priced too).
-        def whole(blocks, inner=inner, inner_consts=inner_consts, split=split):
+        def whole(blocks, inner=inner, inner_consts=inner_consts, out=out):
             return run_batched(inner, list(inner_consts) + [blocks],
-                               [frozenset()] * len(inner_consts) + [split],
-                               [split - {"g"}], axes)
+                               [frozenset()] * len(inner_consts) + [split], [out], axes)
 
         items.append((_compile(whole, [_f32(lead + (elems,))]), [_tensor(lead + (elems,))]))
-    return items, lambda ts: _fit([4.0 * e for e in sizes], ts)
+    held = math.prod(lead) if kind == "slice" else 1
+    return items, lambda ts: _fit([4.0 * e * held for e in sizes], ts)
 
 
 def programs(devices: int) -> tuple[list, Callable[[list], dict]]:
@@ -357,7 +371,7 @@ def programs(devices: int) -> tuple[list, Callable[[list], dict]]:
     devices = check_devices(devices)
     items, fit_compute = _compute_programs(devices)
     groups = []
-    for kind in ("all_reduce", "all_gather"):
+    for kind in ("all_reduce", "all_gather", "slice"):
         ns = [n for n in GROUPS if n <= devices and devices % n == 0]
         if devices > 1 and devices not in ns:
             ns.append(devices)
@@ -371,7 +385,7 @@ def programs(devices: int) -> tuple[list, Callable[[list], dict]]:
                  "mindspore": backend.ms_version(), "devices": devices, "lanes": True}
         compute = fit_compute(ts)
         table.update(compute)
-        table.update({"all_reduce": {}, "all_gather": {}})
+        table.update({"all_reduce": {}, "all_gather": {}, "slice": {}})
         for kind, n, where, fit_group in groups:
             a, b = fit_group(ts[where])
             # The call's own fixed cost is in every program once, not per collective.

@@ -145,7 +145,7 @@ def rates_from_table(table: dict) -> dict:
     collective, per group size, ``(fixed s, s per byte of a device's block)`` as the
     virtual mesh runs it)."""
     groups = {op: {int(n): tuple(v) for n, v in table[op].items()}
-              for op in ("all_reduce", "all_gather")}
+              for op in ("all_reduce", "all_gather", "slice") if op in table}
     row = {"flops_per_s": table["flops_per_s"], "point_s": table["point_s"],
            "op_s": table["op_s"], "call_s": table["call_s"],
            "arg_s": table.get("arg_s", 0.0), "matmul_c": table.get("matmul_c"),
@@ -153,7 +153,8 @@ def rates_from_table(table: dict) -> dict:
            "matmul_points": tuple(map(tuple, table.get("matmul_points", ()))),
            "lanes": table["devices"] if table.get("lanes", True) else 1, "groups": groups}
     # The byte-rate view of the largest group, for what prices bytes alone (propagation).
-    for op, per_n in groups.items():
+    for op in ("all_reduce", "all_gather"):
+        per_n = groups[op]
         a, b = per_n[max(per_n)] if per_n else (0.0, 1e-12)
         row[op] = (a, 1.0 / max(b, 1e-15))
     row["reduce_scatter"], row["broadcast"] = row["all_reduce"], row["all_gather"]
@@ -276,8 +277,15 @@ def step_seconds(kind: str, local: float, n: int, world: bool, native: dict,
     """
     groups = rates.get("groups")
     if groups is not None:  # measured on a virtual mesh, as its batched run does it
-        if kind == "slice" or n == 1:
+        if n == 1:
             return 0.0
+        if kind == "slice":
+            # A transpose of the value the process holds: one block for each device it
+            # differs on (tables from before it was measured price it at nothing).
+            if not groups.get("slice"):
+                return 0.0
+            latency, per_byte = _group_rate(groups["slice"], n)
+            return latency + per_byte * local * share * rates.get("lanes", 1)
         latency, per_byte = _group_rate(groups["all_gather" if kind == "all_gather"
                                                 else "all_reduce"], n)
         return latency + per_byte * local * share

@@ -86,7 +86,8 @@ def _load(path: str, mtime: int) -> dict | None:
               and all(isinstance(table.get(k), dict) and all(
                   isinstance(n, str) and n.isdigit() and isinstance(v, list) and len(v) == 2
                   and all(isinstance(t, (int, float)) for t in v) and min(v) >= 0
-                  for n, v in table[k].items()) for k in ("all_reduce", "all_gather"))
+                  for n, v in table[k].items())
+                  for k in ("all_reduce", "all_gather") + (("slice",) if "slice" in table else ()))
               and _points_ok(table.get("matmul_points", [])))
     except (OSError, ValueError):
         ok = False

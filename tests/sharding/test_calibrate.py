@@ -65,12 +65,13 @@ def test_calibrate_measures_and_caches_the_table(measured):
     points = table["matmul_points"]
     assert len(points) >= 2 and all(t > 0 for _, t in points)
     assert [f for f, _ in points] == sorted({f for f, _ in points})
-    assert set(table["all_reduce"]) == set(table["all_gather"]) == {"2"}
-    for op in ("all_reduce", "all_gather"):
+    assert set(table["all_reduce"]) == set(table["all_gather"]) == set(table["slice"]) == {"2"}
+    for op in ("all_reduce", "all_gather", "slice"):
         a, b = table[op]["2"]
         assert a >= 0 and b > 0
     row = rates_from_table(table)
     assert row["groups"]["all_reduce"][2] == tuple(table["all_reduce"]["2"])
+    assert row["groups"]["slice"][2] == tuple(table["slice"]["2"])
 
 
 def test_cache_path_is_per_backend_version_and_devices(cache, monkeypatch):
@@ -108,7 +109,26 @@ def test_collective_seconds_per_group_size_from_the_table():
         4e-5 + 5e-3)
     # a group size not measured takes the nearest one measured
     assert step_seconds("psum", 1e6, 4, False, native, row) == pytest.approx(1e-5 + 1e-3)
-    assert step_seconds("slice", 1e6, 8, True, native, row) == 0.0
+    assert step_seconds("slice", 1e6, 8, True, native, row) == 0.0  # (not measured)
+
+
+def test_a_virtual_slice_is_priced_per_byte_of_the_value_the_process_holds():
+    """A relayout's local slice sends nothing, but a virtual mesh runs it as a
+    transpose of the value as the process holds it: one block per device it differs on
+    (a job's rank slices its own block, a kernel of its own: no step cost)."""
+    row = rates_from_table(_table(8, slice={"2": [2e-6, 1e-10], "8": [3e-6, 2e-10]}))
+    native = {"all_reduce_sum": "any", "all_gather": "world"}
+    # replicated (one block held) or differing on a quarter of the 8 devices (2 held)
+    assert step_seconds("slice", 1e6, 2, False, native, row, share=1 / 8) == \
+        pytest.approx(2e-6 + 1e-10 * 1e6)
+    assert step_seconds("slice", 1e6, 8, True, native, row, share=2 / 8) == \
+        pytest.approx(3e-6 + 2e-10 * 1e6 * 2)
+    mesh = ShardMesh.for_devices(8)
+    split = redistribution_seconds(Sharding.replicated(2), Sharding(((0,), ())), (64, 1000),
+                                   4, mesh, native, row)
+    assert split == pytest.approx(2e-6 + 1e-10 * 64 * 1000 * 4)
+    job = dict(BACKEND_RATES["CPU"])
+    assert step_seconds("slice", 1e6, 2, True, native, job) == 0.0
 
 
 def test_a_virtual_collective_moves_only_the_blocks_that_differ():
@@ -268,6 +288,7 @@ def test_calibrate_refuses_bad_runs(runs):
                                      json.dumps(_table(8, all_reduce={"2": [1.0]})),
                                      json.dumps(_table(8, all_gather={"two": [1.0, 1.0]})),
                                      json.dumps(_table(8, all_gather={"2": ["a", 1.0]})),
+                                     json.dumps(_table(8, slice={"2": [1.0, -1.0]})),
                                      json.dumps(_table(8, devices="8")), "[]"])
 def test_a_corrupt_table_is_an_error_naming_the_file_and_the_fix(cache, content):
     path = rates.cache_path(8)

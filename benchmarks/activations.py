@@ -125,3 +125,47 @@ def extrema(ctx):
         target="fshard's derivative at ties MindSpore's, at MindSpore's speed",
         notes=[f"gradients equal to MindSpore's on ReLU outputs and on zeros: {same}",
                "timed interleaved, 5 rounds"])
+
+
+def elu(x):
+    return ops.elu(x)
+
+
+def selu(x):
+    return ops.selu(x)
+
+
+def softplus(x):
+    return ops.softplus(x)
+
+
+def gelu_tanh(x):
+    return ops.gelu(x, approximate="tanh")
+
+
+SMOOTH = {"elu": elu, "selu": selu, "softplus": softplus, "gelu(tanh)": gelu_tanh}
+
+
+@benchmark("smooth", title="elu, selu, softplus, gelu(tanh): forward and gradient, "
+           "1M float32")
+def smooth(ctx):
+    """fshard's elu and selu build on an expm1 that keeps its digits below |x| = 0.5
+    (MindSpore's Expm1 kernel is exp(x) - 1), softplus on selects with the right
+    derivative at 0, gelu's derivative on sigmoids: what those cost against
+    MindSpore's single kernels."""
+    x = ms.Tensor(np.random.default_rng(0).uniform(-8, 8, N).astype(np.float32))
+    calls = {}
+    for name, f in SMOOTH.items():
+        for key, g in ((f"fs {name}", fs.jit(f)), (f"ms {name}", ms.jit(f)),
+                       (f"fs grad {name}", fs.jit(fs.grad(_loss(f)))),
+                       (f"ms grad {name}", ms.jit(ms.grad(_loss(f))))):
+            calls[key] = lambda g=g: g(x).asnumpy()
+    t = ctx.compare(calls, runs=ctx.runs(40, 6), warmup=3, rounds=5)
+    rows = []
+    for name in SMOOTH:
+        rows += [row("fshard", f"fs.jit({name})", t[f"fs {name}"]),
+                 row("mindspore", f"mindspore.jit({name})", t[f"ms {name}"]),
+                 row("fshard", f"fs.jit(fs.grad({name}))", t[f"fs grad {name}"]),
+                 row("mindspore", f"mindspore.jit(mindspore.grad({name}))",
+                     t[f"ms grad {name}"])]
+    return Result(rows, baseline="mindspore.jit(elu)", notes=["timed interleaved, 5 rounds"])

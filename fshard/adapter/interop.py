@@ -1030,7 +1030,7 @@ def _lp_norm(prim, x):
     p, axis = float(_attr(prim, "p", 2)), _axis(_attr(prim, "axis", None))
     keep, eps = bool(_attr(prim, "keep_dims", False)), float(_attr(prim, "epsilon", 0.0))
     dtype = typeof(x).dtype
-    half = dtype in (dtypes.float16, dtypes.bfloat16)
+    half = dtypes.is_half(dtype)
     if half or not dtypes.is_float(dtype):
         x = fo.cast(x, dtypes.float32)
     if not eps and p == 2:

@@ -39,7 +39,7 @@ def _zero_d_kept(fn, kinds):
         small = (ay if ay.ndim == 0 else ax).dtype
         if dt == small or not any(k(dt) and k(small) for k in kinds):
             return fn(x, y)
-        math = dtypes.float32 if dt in (dtypes.float16, dtypes.bfloat16) else dt
+        math = dtypes.float32 if dtypes.is_half(dt) else dt
         out = fn(ops.cast(x, math), ops.cast(y, math))
         return out if typeof(out).dtype == dt else ops.cast(out, dt)
 

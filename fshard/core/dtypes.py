@@ -94,6 +94,11 @@ def is_float(dtype) -> bool:
     return dtype in (mstype.float16, mstype.bfloat16, mstype.float32, mstype.float64)
 
 
+def is_half(dtype) -> bool:
+    """float16 or bfloat16: what MindSpore's kernels widen to float32 inside."""
+    return dtype in (mstype.float16, mstype.bfloat16)
+
+
 def is_int(dtype) -> bool:
     return dtype in (mstype.int8, mstype.int16, mstype.int32, mstype.int64, mstype.uint8,
                      mstype.uint32)

@@ -120,7 +120,7 @@ def _half_in_float32(fn):
     def wrapper(x, *args, **kwargs):
         x = _float(x)
         dtype = typeof(x).dtype
-        if dtype in (dtypes.float16, dtypes.bfloat16):
+        if dtypes.is_half(dtype):
             return cast(fn(cast(x, dtypes.float32), *args, **kwargs), dtype)
         return fn(x, *args, **kwargs)
     return wrapper
@@ -153,13 +153,11 @@ def softplus(x: ArrayLike, beta: float = 1.0, threshold: float = 20.0) -> Float[
     threshold`` (as ``mindspore.ops.softplus``)."""
     x = _float(x)
     bx = mul(x, float(beta))
-    # log(1 + e^z) as z + log1p(e^-z) above 0 and log1p(e^z) at and below it: no
-    # overflow for large |z|, each branch fed only its own side (the other's exp would
-    # be inf, and 0 * inf a NaN derivative), and the derivative at 0 sigmoid(0) = 1/2
-    # (relu(z) + log1p(e^-|z|) has 0 there: relu's and abs's derivatives at 0 are 0).
+    # log(1 + e^z) = max(z, 0) + log1p(e^-|z|): no overflow for large |z|. Both made of
+    # selects, so that at z = 0 -|z| is z itself: the derivative there is sigmoid(0) =
+    # 1/2 (relu's and abs's derivatives at 0 are 0, which gave 0).
     pos = greater(bx, 0.0)
-    above, below = where(pos, bx, 0.0), where(pos, 0.0, bx)
-    soft = where(pos, add(above, log1p(exp(neg(above)))), log1p(exp(below)))
+    soft = add(where(pos, bx, 0.0), log1p(exp(where(pos, neg(bx), bx))))
     if beta != 1:
         soft = div(soft, float(beta))
     return where(greater(bx, float(threshold)), x, soft)
@@ -395,7 +393,7 @@ def prod(x: ArrayLike, axis=None, keepdims: bool = False, dtype=None) -> Shaped[
     flat = reshape(transpose(x, perm) if perm != tuple(range(a.ndim)) else x, kept + (n,))
     if n == 0:
         out = broadcast_to(np.ones((), dtypes.to_numpy(a.dtype)), kept)
-    elif a.dtype in (dtypes.float16, dtypes.bfloat16):
+    elif dtypes.is_half(a.dtype):
         # multiplied in float32 and rounded once, as MindSpore's ReduceProd: a running
         # product of float16 overflows (300 * 300) where the whole product does not
         wide = cumprod(cast(flat, dtypes.float32), len(kept))

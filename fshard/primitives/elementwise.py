@@ -348,7 +348,7 @@ def _gelu_jvp(t, ans, x, *, approximate):
         # above 4), where the derivative still differs from 1. A half-precision x is
         # differentiated in float32: x ** 3 overflows float16 from x = 41.
         dtype = typeof(x).dtype
-        half = dtype in (dtypes.float16, dtypes.bfloat16)
+        half = dtypes.is_half(dtype)
         xf = cast(x, dtypes.float32) if half else x
         x2 = mul(xf, xf)
         u2 = mul(2 * _GELU_C, add(xf, mul(0.044715, mul(x2, xf))))

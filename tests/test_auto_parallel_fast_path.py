@@ -119,3 +119,27 @@ def test_a_changed_configuration_plans_again(monkeypatch):
     ap.set_inputs(fs.ArrayType((fs.Symbol(divisor=4), 8), ms.float32), None)
     with pytest.raises(fs.FshardError):
         ap(state, x[:6], y[:6])  # the declaration is checked on every call
+
+
+def test_a_parameter_the_loss_reads_changing_shape_traces_again():
+    # The hot path runs the compiled step directly; a Parameter the loss closes over
+    # that changed shape since (set_data) makes it trace the step again, as fs.jit does.
+    params, x, y = data()
+    scale = ms.Parameter(ms.Tensor(np.ones(4, np.float32)), name="scale",
+                         requires_grad=False)
+
+    def scaled_loss(p, x, y):
+        return fs.ops.softmax_cross_entropy((x @ p["w"] + p["b"]) * scale, y)
+
+    ap = fs.AutoParallel(scaled_loss, fs.optim.sgd(0.0), mesh=4)
+    ap.dataset_strategy("data_parallel")
+    state = ap.init(params)
+    _, first = ap(state, x, y)
+    _, again = ap(state, x, y)  # the hot path
+    assert float(again.asnumpy()) == float(first.asnumpy())
+    scale.set_data(ms.Tensor(np.full((1, 4), 0.5, np.float32)))
+    _, changed = ap(state, x, y)
+    logits = (x.asnumpy() @ params["w"] + params["b"]) * 0.5
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    want = -logp[np.arange(len(logp)), y.asnumpy()].mean()
+    np.testing.assert_allclose(float(changed.asnumpy()), want, rtol=1e-5)

@@ -54,7 +54,12 @@ def _close(got, want):
 
 def _same_state(state, ref):
     for k in ref.params:
-        _close(np.asarray(state.params[k].asnumpy()), np.asarray(ref.params[k].asnumpy()))
+        # the stages sum a gradient in another order than one device, and Adam's
+        # m / sqrt(v) enlarges that where a gradient is tiny (b1: 2.8e-7 of a largest
+        # 0.03 after 4 steps of lr 1e-2, on MindSpore's fused Adam kernel)
+        want = np.asarray(ref.params[k].asnumpy())
+        np.testing.assert_allclose(np.asarray(state.params[k].asnumpy()), want, rtol=1e-5,
+                                   atol=2e-5 * float(np.max(np.abs(want))))
     for got, want in zip(fs.tree.leaves(state.opt_state), fs.tree.leaves(ref.opt_state)):
         _close(np.asarray(got.asnumpy()), np.asarray(want.asnumpy()))
 

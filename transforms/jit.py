@@ -587,6 +587,19 @@ class Jitted:
         compiled = lowered._compiled or lowered.compile()
         return compiled.call_leaves(leaves)
 
+    def compiled_for(self, *args):
+        """The compiled program a call with ``args`` ran (``Compiled``: ``call_leaves``
+        takes the arguments' flat leaves), or None when there is none or calls with
+        them are checked each time (declared shapes, static arguments). A caller that
+        keys its own calls can run it directly, without this function's flatten and
+        key; a ``ParameterChanged`` it raises means: call this function instead."""
+        if self._static or self._in_shapes is not None or self._annotated is not None:
+            return None
+        leaves, in_tree = tree.flatten((args, {}))
+        key = (in_tree, tuple([(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x)
+                               for x in leaves]), None, _mesh_key())
+        return self._calls.get(key)
+
     def _eager(self, args, kwargs):
         """``fun`` run op by op (``fs.disable_jit``): its array arguments as Tensors, as
         a compiled call would take them; static arguments as they are."""

@@ -44,8 +44,9 @@ whole_updates: ContextVar[bool] = ContextVar("fshard_whole_updates", default=Fal
 #: there, so that no concatenation ties one stage's leaves to another's.
 split_updates: ContextVar[bool] = ContextVar("fshard_split_updates", default=False)
 #: Inside ``fs.AutoParallel``'s optimizer update (its step, its pipelines' updates):
-#: ``fs.optim.adam`` runs its formulas elementwise there, never MindSpore's fused Adam
-#: kernel, so that every plan (whole, split, pipelined, in a job) rounds alike.
+#: ``fs.optim.adam`` runs MindSpore's fused Adam kernel there, one equation per leaf
+#: (each leaf its own layout and stage), under ``fs.shard`` and ``split_updates`` too:
+#: every plan (whole, split, pipelined, in a job) rounds alike.
 plan_updates: ContextVar[bool] = ContextVar("fshard_plan_updates", default=False)
 #: How many ``shard_map`` bodies are being staged or run around the running code.
 shard_map_depth: ContextVar[int] = ContextVar("fshard_shard_map_depth", default=0)

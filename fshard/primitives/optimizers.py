@@ -294,7 +294,13 @@ def _sharding(*avals, b1, b2, eps):
     n = (len(avals) - 1) // 3
     labels = [tuple(f"l{i}d{k}" for k in range(avals[i].ndim)) for i in range(n)]
     sizes = {f"l{i}d{k}": avals[i].shape[k] for i in range(n) for k in range(avals[i].ndim)}
-    return FactorSpec(labels * 3 + [()], labels * 3, sizes)
+    # the kernels _lower runs per float32 leaf: the two moments assigned in, the Adam
+    # kernel, the two copies out; a leaf padded to the kernel's blocks adds its three
+    # concatenations and three slices (priced by the whole leaf's size: a block's may
+    # differ)
+    kernels = sum(5 + 6 * bool(math.prod(a.shape) % _LANES) for a in avals[:n]) \
+        if _on_kernel(avals) else 12 * n  # _formulas: twelve elementwise kernels a leaf
+    return FactorSpec(labels * 3 + [()], labels * 3, sizes, kernels=kernels)
 
 
 batching.set(adam_update_p, _batching)

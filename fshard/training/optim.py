@@ -354,13 +354,16 @@ def _fused_map(fn, *trees) -> tuple:
     return tuple(tree.unflatten(treedef, [r[j] for r in results]) for j in range(n_out))
 
 
-def _adam_map(leaf, rate, mu, nu, grads, b1, b2, eps) -> tuple:
+def _adam_map(leaf, rate, mu, nu, grads, b1, b2, eps, per_leaf: bool = False) -> tuple:
     """Adam's moments and updates, ``(mu, nu, updates)``: the float32 leaves on
     MindSpore's fused kernel, as ``nn.Adam`` (``adam_update``, which returns ``-rate m' /
     (sqrt(v') + eps)`` at the rate ``rate(float32)``); the other leaves by ``leaf(m, v,
     g) -> (m, v, update)``. The kernel's one pass and the copies of the moments into and
     out of its buffers replace eleven elementwise kernels (measured: a step over four
-    leaves of 65K-1M floats ran in 10.6-11.8 ms so, in 20-22 ms elementwise)."""
+    leaves of 65K-1M floats ran in 10.6-11.8 ms so, in 20-22 ms elementwise).
+    ``per_leaf``: one ``adam_update`` equation per leaf (each its own layout, and its
+    own pipeline stage), not one for all (the program runs one kernel per leaf either
+    way)."""
     flat = [tree.leaves(t) for t in (mu, nu, grads)]
     n = len(flat[0])
     on_kernel = [i for i in range(n) if typeof(flat[0][i]).dtype == dtypes.float32
@@ -369,10 +372,11 @@ def _adam_map(leaf, rate, mu, nu, grads, b1, b2, eps) -> tuple:
     results: list = [None] * n
     lr = rate(dtypes.float32) if on_kernel else None
     if lr is not None and typeof(lr).shape == () and typeof(lr).dtype == dtypes.float32:
-        outs = adam_update(*([leaves[i] for i in on_kernel] for leaves in flat), lr, b1=b1,
-                           b2=b2, eps=eps)
-        for k, i in enumerate(on_kernel):
-            results[i] = tuple(o[k] for o in outs)
+        for group in [[i] for i in on_kernel] if per_leaf else [on_kernel]:
+            outs = adam_update(*([leaves[i] for i in group] for leaves in flat), lr,
+                               b1=b1, b2=b2, eps=eps)
+            for k, i in enumerate(group):
+                results[i] = tuple(o[k] for o in outs)
     for i in range(n):
         if results[i] is None:
             results[i] = tuple(leaf(*(leaves[i] for leaves in flat)))
@@ -468,16 +472,21 @@ def _adam(fn, lr, b1, b2, eps, weight_decay, bias_correction, mask) -> Optimizer
             d = ops.div(m, ops.add(ops.sqrt(v), eps))
             return m, v, (d if weight_decay else _scaled(d, rate))
 
-        if not bias_correction or context.plan_updates.get() or context.shard_depth.get() \
-                or context.split_updates.get():
+        planned = context.plan_updates.get()
+        if not bias_correction or (context.shard_depth.get() and not planned) or (
+                context.split_updates.get() and not planned):
             # adamw stays elementwise: nn.AdamWeightDecay rounds its moments without the
             # fused multiply-add of the Adam kernel (within 2e-5 of it over 5 steps; 8e-5
-            # with the kernel). So does every update of fs.AutoParallel and under fs.shard
-            # (plans, pipelines, jobs): its leaves are laid out and split each its own
-            # way, and one rounding for every plan keeps them equal to one another
+            # with the kernel). So does an update traced inside a user's fs.shard, whose
+            # leaves may be laid out each its own way by a strategy fshard did not pick.
             mu, nu, updates = _fused_map(leaf, state.mu, state.nu, grads)
         else:
-            mu, nu, updates = _adam_map(leaf, rate, state.mu, state.nu, grads, b1, b2, eps)
+            # fs.AutoParallel's updates (every plan, pipeline and job) take the kernel
+            # too, one equation per leaf: the kernel rounds an element alike wherever it
+            # sits in a padded buffer (checked: a leaf whole and cut into 2, 3 or 8
+            # blocks gives the same bits), so every plan still rounds as one device.
+            mu, nu, updates = _adam_map(leaf, rate, state.mu, state.nu, grads, b1, b2, eps,
+                                        per_leaf=planned)
         if weight_decay:
             updates = _masked(_decay_mask(fn, mask, params),
                               lambda d, p: ops.add(d, ops.mul(_as_state(p, typeof(d).dtype),

@@ -80,7 +80,7 @@ from fshard.sharding.plan import write_json_atomic
 from fshard.core.staging import fun_name
 from fshard.transforms.ad import value_and_grad
 from fshard.transforms.control_flow import scan
-from fshard.transforms.jit import bind_declared, declared_types, jit
+from fshard.transforms.jit import ParameterChanged, bind_declared, declared_types, jit
 from fshard.sharding.local_batch import (block_index, global_declared, global_type,
                                          rebalance, rows_differ_error, slice_rows,
                                          to_global)
@@ -1275,28 +1275,45 @@ class AutoParallel:
                tuple(auto_parallel_settings().values()), context_key(),
                distributed.is_initialized())
         try:
-            step = self._calls.get(key)
+            compiled = self._calls.get(key)
         except TypeError:  # a context dataset strategy of MindSpore Layouts: unhashable
-            step, key = None, None
-        if step is None:
-            in_job = self._in_job()
-            if self._feeds_slices():
-                batch = self._even_slices(batch)
-            if in_job:
-                state = self._place_state(state, batch)
-            if self._feeds_slices():
-                plan_batch = self._global_batch(batch)
-                batch = self._place_slices(state, batch)
-            else:
-                plan_batch = batch if self._batch_specs is None else \
-                    self._declared_batch(batch)
-            _, step = self._sharded(state, plan_batch)
-            if key is not None and not in_job:
-                self._calls[key] = step
-        result = step(state.params, state.opt_state, state.step, *batch)
+            compiled, key = None, None
+        if compiled is not None:
+            # the step's compiled program, on the leaves flattened above (a TrainState
+            # flattens as (params, opt_state, step): the leaves of the step's arguments)
+            try:
+                result = compiled.call_leaves(leaves)
+            except ParameterChanged:  # a Parameter the loss reads changed: trace again
+                del self._calls[key]
+                return self(state, *batch)
+        else:
+            result = self._first_call(key, state, batch)
         if len(result) == 3:  # print_local_norm / dump_local_norm
             self._report_norms(result[0], result[2])
         return result[0], result[1]
+
+    def _first_call(self, key, state: TrainState, batch) -> tuple:
+        """A call of a new signature (or in a job, every call): the checks, the plan and
+        the step; the step's compiled program is kept under ``key`` (None: not kept)."""
+        in_job = self._in_job()
+        if self._feeds_slices():
+            batch = self._even_slices(batch)
+        if in_job:
+            state = self._place_state(state, batch)
+        if self._feeds_slices():
+            plan_batch = self._global_batch(batch)
+            batch = self._place_slices(state, batch)
+        else:
+            plan_batch = batch if self._batch_specs is None else \
+                self._declared_batch(batch)
+        _, step = self._sharded(state, plan_batch)
+        args = (state.params, state.opt_state, state.step, *batch)
+        result = step(*args)
+        if key is not None and not in_job:
+            compiled = step.compiled_for(*args)
+            if compiled is not None:
+                self._calls[key] = compiled
+        return result
 
     def gather(self, state):
         """``state`` with every ``fs.ShardedArray`` leaf (in a multi-process job, a

@@ -52,6 +52,10 @@ class FactorSpec:
     # Kernels the lowering runs for the equation (the cost model's fixed cost is per
     # kernel): MindSpore's CPU backend cuts a split into one slice per piece.
     kernels: int = 1
+    # Passes over the iteration space those kernels make, for the cost model's per
+    # element price of an equation that is not a contraction (a fused kernel that reads
+    # and writes several arrays, with copies around it, costs several).
+    passes: float = 1.0
 
     def splittable(self) -> list[str]:
         labels = []

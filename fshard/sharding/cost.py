@@ -199,7 +199,7 @@ def compute_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: d
     if contracts(spec):
         work = flops / rates["flops_per_s"]
     else:
-        work = flops / (spec.flops_per_point or 1.0) * rates["point_s"]
+        work = flops / (spec.flops_per_point or 1.0) * rates["point_s"] * spec.passes
     return fixed + lanes * work
 
 

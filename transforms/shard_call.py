@@ -100,9 +100,14 @@ def _differentiable_call(plan):
 
 
 def _shard_call_lowering(ctx, *exprs, plan, local_in=(), local_out=()):
-    from fshard.backend.mindspore import as_tensor
+    from fshard.backend.mindspore import Parameter, as_tensor
 
     program, consts = plan.virtual_program(frozenset(local_in), frozenset(local_out))
+    # What reads only constants computed now, as fs.jit does for its own program (the
+    # loss's cotangent seed broadcast to the batch, an optimizer's rate): the cost
+    # model prices those equations at nothing (passes.lowered_away)
+    program, consts = passes.fold_constants(program, consts,
+                                            lambda c: not isinstance(c, Parameter))
     # MindSpore's arithmetic kernels broadcast: no full-size copy of a bias or a
     # hyperparameter per device block (as fs.jit lowers its own program).
     closed = passes.implicit_broadcasts(

@@ -143,3 +143,23 @@ def test_a_parameter_the_loss_reads_changing_shape_traces_again():
     logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
     want = -logp[np.arange(len(logp)), y.asnumpy()].mean()
     np.testing.assert_allclose(float(changed.asnumpy()), want, rtol=1e-5)
+
+
+def test_a_step_called_inside_fs_jit_after_a_call_is_traced_into_it():
+    # A signature the hot path knows, met again while fs.jit traces a loop of steps:
+    # the step's program is inlined into the loop's, not called on the tracers.
+    params, x, y = data()
+    ap = fs.AutoParallel(loss, fs.optim.sgd(0.1), mesh=4).dataset_strategy("data_parallel")
+    s0 = ap.init(params)
+    s1, l1 = ap(s0, x, y)
+    _, l2 = ap(s1, x, y)
+
+    @fs.jit
+    def two_steps(s):
+        s, a = ap(s, x, y)
+        s, b = ap(s, x, y)
+        return s, a, b
+
+    _, a, b = two_steps(s0)
+    np.testing.assert_allclose([float(a.asnumpy()), float(b.asnumpy())],
+                               [float(l1.asnumpy()), float(l2.asnumpy())], rtol=1e-6)

@@ -430,6 +430,12 @@ def _leaf_key(x):
     return (type(x),)
 
 
+def _call_key(leaves, in_tree) -> tuple:
+    """The key of ``Jitted._calls``: a call without static arguments or declarations."""
+    return (in_tree, tuple([(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x)
+                            for x in leaves]), None, _mesh_key())
+
+
 class Jitted:
     """The result of ``fs.jit(f)``: call it, ``lower`` it, count its traces."""
 
@@ -573,8 +579,7 @@ class Jitted:
         if not self._static:
             # the hot path of a cached call: one flatten, one key, one dict lookup
             leaves, in_tree = tree.flatten((args, kwargs))
-            key = (in_tree, tuple([(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x)
-                                   for x in leaves]), None, _mesh_key())
+            key = _call_key(leaves, in_tree)
             compiled = self._calls.get(key)
             if compiled is None:
                 lowered = self._lower(key, leaves, in_tree, None)
@@ -596,9 +601,7 @@ class Jitted:
         if self._static or self._in_shapes is not None or self._annotated is not None:
             return None
         leaves, in_tree = tree.flatten((args, {}))
-        key = (in_tree, tuple([(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x)
-                               for x in leaves]), None, _mesh_key())
-        return self._calls.get(key)
+        return self._calls.get(_call_key(leaves, in_tree))
 
     def _eager(self, args, kwargs):
         """``fun`` run op by op (``fs.disable_jit``): its array arguments as Tensors, as

@@ -55,7 +55,8 @@ from fshard.core import context, tree
 from fshard.meshes import distributed
 from fshard.backend.mindspore import Tensor, as_tensor, auto_parallel_settings
 from fshard.adapter.cells import frozen, functional, is_cell, pipeline_wrapper, segmented
-from fshard.core.tracing import ArrayType, Symbol, Tracer, typeof
+from fshard.core.tracing import (ArrayType, EvalTrace, Symbol, Tracer, current_trace,
+                                 typeof)
 from fshard.core.dims import dim_div, dim_multiple_of
 from fshard.errors import ArgumentError, ShapeError, ShardingError
 from fshard.adapter.interop import check_context_mode, context_dataset_strategy, context_mesh
@@ -1278,9 +1279,10 @@ class AutoParallel:
             compiled = self._calls.get(key)
         except TypeError:  # a context dataset strategy of MindSpore Layouts: unhashable
             compiled, key = None, None
-        if compiled is not None:
+        if compiled is not None and type(current_trace()) is EvalTrace:
             # the step's compiled program, on the leaves flattened above (a TrainState
-            # flattens as (params, opt_state, step): the leaves of the step's arguments)
+            # flattens as (params, opt_state, step): the leaves of the step's arguments);
+            # traced (a loop of steps under fs.jit), the step's fs.jit inlines it instead
             try:
                 result = compiled.call_leaves(leaves)
             except ParameterChanged:  # a Parameter the loss reads changed: trace again

@@ -393,11 +393,12 @@ def _ms_expm1(x):
 
 def _ms_log1p(x):
     y = ops.log1p(x)
-    near = ops.abs(x) < 0.5
-    # (the step's operands kept finite where it is not taken: no NaN or inf computed)
-    ys = ops.select(near, y, ops.zeros_like(y))
-    xs = ops.select(near, x, ops.zeros_like(x))
-    return ops.select(near, ys - (_ms_expm1(ys) - xs) / (xs + 1), y)
+    # expm1(y) as 2 t / (1 - t), t = tanh(y / 2), for every y the step is taken at
+    # (|y| < 0.7: no digits lost). This is the forward computation only (log1p's
+    # derivative is its own rule), so what the step gives where it is not taken
+    # (NaN at x = -1) is never read.
+    t = ops.tanh(y * 0.5)
+    return ops.select(ops.abs(x) < 0.5, y - (2 * t / (1 - t) - x) / (x + 1), y)
 
 
 log1p_p = def_unary("log1p", _ms_log1p, lambda t, ans, x: div(t, add(x, 1.0)))

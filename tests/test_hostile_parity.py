@@ -654,3 +654,20 @@ def test_mish_keeps_its_digits_where_tanh_saturates():
     x = Tensor(v[:601])
     np.testing.assert_allclose(fs.jit(fs.grad(lambda t: ops.mish(t).sum()))(x).asnumpy(),
                                (ref(v[:601] + h) - ref(v[:601] - h)) / (2 * h), atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_softsign_at_infinity_is_one_with_derivative_zero(dtype):
+    # x / (1 + |x|) is inf / inf at +-inf: NaN, and NaN derivatives (MindSpore's value is
+    # NaN too; its derivative 0). Finite values keep MindSpore's bits.
+    v = np.array([np.inf, -np.inf, 1e30, -2.0, 0.0, 0.5, 3e4, np.nan])
+    with np.errstate(all="ignore"):  # (1e30 is inf in float16)
+        x = Tensor(v.astype(dtype))
+        want = np.where(np.isinf(v), np.sign(v), v / (1 + np.abs(v))).astype(dtype)
+    for f in (fs.jit(ops.softsign), fs.vmap(ops.softsign)):
+        np.testing.assert_allclose(f(x).asnumpy(), want, rtol=2e-3 if dtype == np.float16
+                                   else 1e-6)
+    grad = fs.jit(fs.grad(lambda t: ops.softsign(t).sum()))(x).asnumpy()
+    assert grad[0] == grad[1] == 0 and grad[4] == 1 and np.isnan(grad[-1])
+    r = Tensor(np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 10)
+    np.testing.assert_array_equal(fs.jit(ops.softsign)(r).asnumpy(), ops.softsign(r).asnumpy())

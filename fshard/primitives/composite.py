@@ -217,9 +217,13 @@ def leaky_relu(x: ArrayLike, negative_slope: float = 0.01) -> Float[Array, "*sha
 
 
 def softsign(x: ArrayLike) -> Float[Array, "*shape"]:
-    """``x / (1 + |x|)``."""
+    """``x / (1 + |x|)``, and +-1 at +-inf with derivative 0 there (as MindSpore's
+    derivative; ``inf / inf`` made both NaN, MindSpore's value too)."""
     x = _float(x)
-    return div(x, add(abs(x), 1.0))
+    inf = equal(abs(x), float("inf"))
+    finite = where(inf, 0.0, x)  # (the branch not taken kept finite: no NaN derivative)
+    return where(inf, where(greater(x, 0.0), 1.0, -1.0),
+                 div(finite, add(abs(finite), 1.0)))
 
 
 @_half_in_float32

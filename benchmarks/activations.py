@@ -47,6 +47,19 @@ def _loss(f):
     return loss
 
 
+def _rows_against_mindspore(t: dict, names) -> list:
+    """Per function: fshard's and MindSpore's forward, then their gradients (the keys
+    ``fs NAME``, ``ms NAME``, ``fs grad NAME``, ``ms grad NAME`` of ``t``)."""
+    rows = []
+    for name in names:
+        rows += [row("fshard", f"fs.jit({name})", t[f"fs {name}"]),
+                 row("mindspore", f"mindspore.jit({name})", t[f"ms {name}"]),
+                 row("fshard", f"fs.jit(fs.grad({name}))", t[f"fs grad {name}"]),
+                 row("mindspore", f"mindspore.jit(mindspore.grad({name}))",
+                     t[f"ms grad {name}"])]
+    return rows
+
+
 @benchmark("clamps", title="relu6, clamp, hardswish, hardsigmoid: forward and gradient, "
            "1M float32", jax="clamps")
 def clamps(ctx):
@@ -61,13 +74,7 @@ def clamps(ctx):
                        (f"fs grad {name}", grad_fs), (f"ms grad {name}", grad_ms)):
             calls[key] = lambda g=g: g(x).asnumpy()
     t = ctx.compare(calls, runs=ctx.runs(60, 6), warmup=3, rounds=5)
-    rows = []
-    for name in FUNCTIONS:
-        rows += [row("fshard", f"fs.jit({name})", t[f"fs {name}"]),
-                 row("mindspore", f"mindspore.jit({name})", t[f"ms {name}"]),
-                 row("fshard", f"fs.jit(fs.grad({name}))", t[f"fs grad {name}"]),
-                 row("mindspore", f"mindspore.jit(mindspore.grad({name}))",
-                     t[f"ms grad {name}"])]
+    rows = _rows_against_mindspore(t, FUNCTIONS)
     rows += ctx.jax_rows("clamps")
     return Result(rows, baseline="mindspore.jit(relu6)",
                   target="each fshard row no slower than MindSpore's row below it",
@@ -167,11 +174,5 @@ def smooth(ctx):
                        (f"ms grad {name}", ms.jit(ms.grad(_loss(f))))):
             calls[key] = lambda g=g: g(x).asnumpy()
     t = ctx.compare(calls, runs=ctx.runs(40, 6), warmup=3, rounds=5)
-    rows = []
-    for name in SMOOTH:
-        rows += [row("fshard", f"fs.jit({name})", t[f"fs {name}"]),
-                 row("mindspore", f"mindspore.jit({name})", t[f"ms {name}"]),
-                 row("fshard", f"fs.jit(fs.grad({name}))", t[f"fs grad {name}"]),
-                 row("mindspore", f"mindspore.jit(mindspore.grad({name}))",
-                     t[f"ms grad {name}"])]
+    rows = _rows_against_mindspore(t, SMOOTH)
     return Result(rows, baseline="mindspore.jit(elu)", notes=["timed interleaved, 5 rounds"])

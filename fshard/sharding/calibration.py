@@ -23,6 +23,10 @@ several sizes, so a busy machine moves the numbers little):
   measured is priced on the line between them in logarithms; ``matmul_c``,
   ``matmul_p``: the power law ``c·flops**p`` through them all, for sizes outside;
   ``flops_per_s``, the rate at 1 Gflop;
+- ``matmul_elem_s``: the seconds per element a matmul kernel reads and writes, measured
+  on two that move many elements for their flops (a weight gradient of 2 rows per
+  device, whose output is one whole block per device; 2 rows times a weight of each
+  device's own): a matmul is priced at the slower of its flops and its elements;
 - ``point_s``: the seconds per element of an elementwise op as a step runs it
   (step-shaped graphs of 90 kernels over blocks of three sizes);
 - per collective (``all_reduce``, ``all_gather``) and group size ``n``:
@@ -274,6 +278,14 @@ def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
     chains_mm = add([_batched_matmul(*s, devices, both, pairs)
                      for both, s, _ in chained for pairs in PAIRS])
     matmuls = add([_batched_matmul(*s, devices, both) for both, s, _ in alone])
+    # Matmuls that move many elements for their flops, timed alone: a weight gradient of
+    # a few rows per device (its output, one block per device, far larger than its
+    # operands) and a few rows times a weight each device holds its own copy of. Such a
+    # kernel's time is its elements', not its flops' (at 2 Mflop per 1M elements out:
+    # 3-6x what the flop rate gives), so its elements' rate is measured on its own.
+    moving = [(1024, 2, 8192 // devices), (2, 1024, 8192 // devices)]
+    moved = [devices * (m * k + k * n + m * n) for m, k, n in moving]
+    movers = add([_batched_matmul(m, k, n, devices, True) for m, k, n in moving])
     # An elementwise op's seconds per element as it runs in a step: the extra time of
     # step-shaped graphs of ``POINT_LAYERS`` layers (90 kernels, as many as most steps
     # run) over larger blocks, so the call and the kernels' fixed costs fall out. (In
@@ -316,7 +328,9 @@ def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
         # give their median.
         mm = sorted((f, float(np.median([t for g, t in zip(flops, seconds) if g == f])))
                     for f in set(flops))
-        return {"call_s": call_s, "op_s": op_s, "arg_s": arg_s,
+        elem_s = float(np.median([max(t - call_s - arg_s - op_s, 1e-7) / e
+                                  for t, e in zip(ts[movers], moved)]))
+        return {"call_s": call_s, "op_s": op_s, "arg_s": arg_s, "matmul_elem_s": elem_s,
                 "flops_per_s": 1e9 / (np.exp(log_c) * 1e9 ** p),
                 "matmul_c": float(np.exp(log_c)), "matmul_p": float(p),
                 "matmul_points": [list(pt) for pt in mm], "point_s": point_s}
@@ -446,7 +460,8 @@ def _measure_job(devices: int, runs: int) -> dict:
 
 
 #: A table's measured numbers (all but the collectives).
-_NUMBERS = ("call_s", "op_s", "arg_s", "flops_per_s", "matmul_c", "matmul_p", "point_s")
+_NUMBERS = ("call_s", "op_s", "arg_s", "flops_per_s", "matmul_c", "matmul_p", "point_s",
+            "matmul_elem_s")
 
 
 def measure(devices: int, runs: int = 7) -> dict:

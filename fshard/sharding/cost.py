@@ -139,7 +139,8 @@ def rates_from_table(table: dict) -> dict:
     (a matmul kernel's seconds at the sizes measured), ``matmul_c`` and ``matmul_p``
     (its power law ``c·flops**p``, for other sizes; see ``matmul_seconds``; absent
     from tables of earlier versions, which price flops at ``flops_per_s``),
-    ``point_s`` (an elementwise op's seconds per element),
+    ``point_s`` (an elementwise op's seconds per element), ``matmul_elem_s`` (a matmul
+    kernel's seconds per element it reads and writes, its floor),
     ``call_s`` (calling the compiled program), ``arg_s`` (each value passed in or out),
     ``lanes`` (the virtual devices one process computes for) and ``groups`` (per
     collective, per group size, ``(fixed s, s per byte of a device's block)`` as the
@@ -150,6 +151,8 @@ def rates_from_table(table: dict) -> dict:
            "op_s": table["op_s"], "call_s": table["call_s"],
            "arg_s": table.get("arg_s", 0.0), "matmul_c": table.get("matmul_c"),
            "matmul_p": table.get("matmul_p", 1.0),
+           # (tables of earlier versions: the elementwise rate)
+           "matmul_elem_s": table.get("matmul_elem_s", table["point_s"]),
            "matmul_points": tuple(map(tuple, table.get("matmul_points", ()))),
            "lanes": table["devices"] if table.get("lanes", True) else 1, "groups": groups}
     # The byte-rate view of the largest group, for what prices bytes alone (propagation).
@@ -193,8 +196,12 @@ def compute_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: d
     # (a job's table: each process computes its own block alone)
     lanes = mesh.count(tuple(sorted(varying))) if rates.get("lanes", 1) > 1 else 1
     if contracts(spec) and rates.get("matmul_c") is not None:
-        # One batched kernel over the lanes: its rate depends on its whole size.
-        kernel = matmul_seconds(lanes * flops, rates)
+        # One batched kernel over the lanes: its rate depends on its whole size, and it
+        # takes at least the time of the elements it reads and writes (a weight gradient
+        # of a few rows per device writes a whole block per device for few flops).
+        kernel = max(matmul_seconds(lanes * flops, rates),
+                     _elements(spec, cand, mesh, varying if lanes > 1 else set())
+                     * rates["matmul_elem_s"])
         return fixed + kernel + _broadcast_seconds(spec, cand, mesh, rates, lanes)
     if contracts(spec):
         work = flops / rates["flops_per_s"]
@@ -219,6 +226,24 @@ def matmul_seconds(flops: float, rates: dict) -> float:
         (f0, t0), (f1, t1) = points[i - 1], points[i]
         return t0 * (t1 / t0) ** (math.log(flops / f0) / math.log(f1 / f0))
     return rates["matmul_c"] * flops ** rates["matmul_p"]
+
+
+def _elements(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, varying: set) -> int:
+    """The elements a batched contraction reads and writes: each operand's and output's
+    block, once per lane it differs on (an operand the same on every lane, such as a
+    replicated weight under split rows, is read once; an output differs on every lane,
+    a pending sum's included)."""
+    def block(dims):
+        return math.prod(planning_size(spec.sizes[lab]) // mesh.count(cand.axes(lab))
+                         for lab in dims if lab is not None)
+
+    total = sum(block(dims) for dims in spec.outputs) * mesh.count(tuple(sorted(varying)))
+    for i, dims in enumerate(spec.inputs):
+        own = {a for lab in dims if lab is not None for a in cand.axes(lab)}
+        if i in cand.carry_ops:
+            own |= set(cand.carry)
+        total += block(dims) * mesh.count(tuple(sorted(own & varying)))
+    return total
 
 
 def _broadcast_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: dict,

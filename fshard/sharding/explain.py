@@ -50,6 +50,10 @@ class Explanation:
     # Calling the compiled program: a measured table's ``call_s``, and its ``arg_s``
     # for each value passed in or out.
     call_s: float = 0.0
+    # Taking the inputs given a layout into it (a virtual mesh copies a split one into
+    # its devices' blocks: ``Problem.boundary_seconds``; the outputs' is in
+    # ``output_comm_s``, an input decided at its first consumer's in that row).
+    inputs_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -61,7 +65,7 @@ class Explanation:
 
     @property
     def total_s(self) -> float:
-        return self.call_s + self.compute_s + self.comm_s
+        return self.call_s + self.inputs_s + self.compute_s + self.comm_s
 
     @property
     def collectives(self) -> int:
@@ -73,6 +77,9 @@ class Explanation:
                 f"communication {self.comm_s * 1e3:.3f} ms, {self.collectives} collectives)")
         lines = [head, f"{'#':>4}  {'primitive':<16} {'layout':<40} {'compute ms':>10} "
                        f"{'comm ms':>9}  runner-up (ms)"]
+        if self.inputs_s:
+            lines.append(f"{'':>4}  {'(inputs)':<16} {'':<40} {'':>10} "
+                         f"{self.inputs_s * 1e3:>9.4f}")
         for r in self.rows:
             other = "-" if r.runner_up is None else f"{r.runner_up} ({r.runner_up_s * 1e3:.3f})"
             lines.append(f"{r.index:>4}  {r.primitive:<16} {r.layout:<40} "
@@ -125,7 +132,7 @@ def explain(prop, name: str = "f", runner_up: bool = True) -> Explanation:
     layouts = dict(zip(prop.program.inputs, prop.in_shardings, strict=True))
     st = problem.initial(layouts)
     out = Explanation(name, prop.mesh.size, call_s=model.call_seconds(
-        len(prop.program.inputs) + len(prop.program.outputs)))
+        len(prop.program.inputs) + len(prop.program.outputs)), inputs_s=st.ctime)
     for i, (_, cand) in enumerate(prop.choice):
         inputs = tuple((x, layouts[x]) for x in problem.free_at[i])
         before_t, before_n = st.ctime, st.ncoll

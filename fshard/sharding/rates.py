@@ -69,7 +69,7 @@ def calibrated(devices: int, job: bool = False) -> dict | None:
 
 _NUMBERS = ("call_s", "op_s", "flops_per_s", "point_s")
 #: Measured by later fshard versions; a table without them prices as before them.
-_LATER_NUMBERS = ("arg_s", "matmul_c", "matmul_p")  # (and the list "matmul_points")
+_LATER_NUMBERS = ("arg_s", "matmul_c", "matmul_p", "matmul_elem_s")  # (and "matmul_points")
 
 
 @functools.lru_cache(maxsize=16)  # one read per file version: planning asks often

@@ -23,6 +23,7 @@ from fshard.sharding.layouts import Candidate, ShardMesh, Sharding
 def _table(n, **kw):
     t = {"format": rates.FORMAT, "backend": "CPU", "mindspore": "x", "devices": n,
          "lanes": True, "call_s": 3e-4, "op_s": 5e-6, "flops_per_s": 2e10, "point_s": 1e-9,
+         "matmul_elem_s": 1e-12,
          "all_reduce": {"2": [1e-5, 1e-9], "8": [4e-5, 2e-9]},
          "all_gather": {"2": [1e-5, 3e-9], "8": [4e-5, 5e-9]}}
     t.update(kw)
@@ -62,6 +63,7 @@ def test_calibrate_measures_and_caches_the_table(measured):
     assert table["flops_per_s"] > 0 and table["point_s"] > 0
     assert table["op_s"] >= 0 and table["arg_s"] >= 0
     assert table["matmul_c"] > 0 and 0.5 <= table["matmul_p"] <= 1.0
+    assert table["matmul_elem_s"] > 0
     points = table["matmul_points"]
     assert len(points) >= 2 and all(t > 0 for _, t in points)
     assert [f for f, _ in points] == sorted({f for f, _ in points})
@@ -235,6 +237,60 @@ def test_a_replicated_left_operand_of_a_split_matmul_is_copied_to_every_device()
     assert compute_seconds(mm, rows, mesh, row) == pytest.approx(kernel)
 
 
+def test_a_matmul_takes_at_least_the_time_of_the_elements_it_moves():
+    """A weight gradient of 2 rows per device, split over 8 virtual devices, writes a
+    whole 2048 x 2048 block per device (a pending sum) for few flops: it is priced at
+    its elements, each operand's blocks counted once per device it differs on. A table
+    without the rate (an earlier fshard's) takes the elementwise one."""
+    mesh = ShardMesh.for_devices(8)
+    grad = FactorSpec([("i", "r"), ("r", "j")], [("i", "j")], {"i": 2048, "r": 16, "j": 2048},
+                      reduce=frozenset({"r"}), flops_per_point=2.0)
+    rows = Candidate((("r", (0, 1, 2)),))
+    elements = 2048 * 16 + 16 * 2048 + 8 * 2048 * 2048
+    for elem_s in (1e-10, 3e-10):
+        row = rates_from_table(_table(8, matmul_c=1e-12, matmul_p=1.0, matmul_elem_s=elem_s))
+        assert compute_seconds(grad, rows, mesh, row) == pytest.approx(
+            5e-6 + elements * elem_s)
+    older = _table(8, matmul_c=1e-12, matmul_p=1.0)
+    del older["matmul_elem_s"]
+    assert compute_seconds(grad, rows, mesh, rates_from_table(older)) == pytest.approx(
+        5e-6 + elements * 1e-9)
+    # a replicated weight under split rows is read once, the rows and output per device
+    fwd = FactorSpec([("m", "k"), ("k", "n")], [("m", "n")], {"m": 16, "k": 2048, "n": 2048},
+                     reduce=frozenset({"k"}), flops_per_point=2.0)
+    row = rates_from_table(_table(8, matmul_c=1e-15, matmul_p=1.0, matmul_elem_s=1e-10))
+    assert compute_seconds(fwd, Candidate((("m", (0, 1, 2)),)), mesh, row) == \
+        pytest.approx(5e-6 + (16 * 2048 + 2048 * 2048 + 16 * 2048) * 1e-10)
+    # a job's process computes its own block only
+    job = rates_from_table(dict(_table(8, matmul_c=1e-15, matmul_p=1.0,
+                                       matmul_elem_s=1e-10), lanes=False))
+    assert compute_seconds(grad, rows, mesh, job) == pytest.approx(
+        5e-6 + (2048 * 2 + 2 * 2048 + 2048 * 2048) * 1e-10)
+
+
+def test_a_split_argument_and_result_of_a_virtual_mesh_are_priced_as_copies(cache):
+    """A virtual mesh's process holds arguments and results whole: a split one is copied
+    into the devices' blocks and back, at the elementwise rate; a replicated one is
+    not, and a job's process, which holds its own block, copies nothing."""
+    w = Tensor(np.ones((64, 32), np.float32))
+
+    def f(w):
+        return w * 2.0
+
+    for strategy, copies in (((8, 1), 2), ((1, 1), 0)):
+        _write(8, _table(8))
+        e = fs.shard(f, in_strategy=(strategy,), out_strategy=(strategy,), mesh=8,
+                     level=2).explain(w)
+        assert e.inputs_s == pytest.approx(5e-6 + 64 * 32 * 1e-9 if copies else 0.0)
+        assert e.output_comm_s == pytest.approx(5e-6 + 64 * 32 * 1e-9 if copies else 0.0)
+        _write(8, dict(_table(8), lanes=False))
+        rates.load_cache_clear()
+        e = fs.shard(f, in_strategy=(strategy,), out_strategy=(strategy,), mesh=8,
+                     level=2).explain(w)
+        assert e.inputs_s == 0.0 and e.output_comm_s == 0.0
+        rates.load_cache_clear()
+
+
 def test_calling_costs_each_value_passed_in_or_out():
     model = CostModel(level=2, rates=rates_from_table(_table(8, arg_s=2e-6)))
     assert model.call_seconds(2) == pytest.approx(3e-4)
@@ -265,8 +321,10 @@ def test_plans_priced_with_a_table_give_the_unsharded_values(cache):
                                atol=1e-5 * np.abs(rvv.asnumpy()).max())
     e = f.explain(w, v, x)
     assert e.call_s == 3e-4
-    assert e.total_s == pytest.approx(e.call_s + e.compute_s + e.comm_s)
-    assert "(call)" in str(e)
+    # x, given split by rows, is copied into the devices' blocks on the way in
+    assert e.inputs_s == pytest.approx(5e-6 + 64 * 16 * 1e-9)
+    assert e.total_s == pytest.approx(e.call_s + e.inputs_s + e.compute_s + e.comm_s)
+    assert "(call)" in str(e) and "(inputs)" in str(e)
 
 
 @pytest.mark.parametrize("devices", [0, -2, True, "8", 2.0])

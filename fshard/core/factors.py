@@ -56,6 +56,11 @@ class FactorSpec:
     # element price of an equation that is not a contraction (a fused kernel that reads
     # and writes several arrays, with copies around it, costs several).
     passes: float = 1.0
+    # The name of a calibration table's own price for this primitive's elements
+    # (``{name}_points``: seconds per element at the sizes measured), which replaces
+    # ``passes`` at the elementwise rate when the table has it: a fused kernel whose
+    # copies run at the memory's speed costs more per element out of cache than in it.
+    priced_as: str | None = None
 
     def splittable(self) -> list[str]:
         labels = []

@@ -305,10 +305,14 @@ def _sharding(*avals, b1, b2, eps):
     # pass at the calibrated rate plus 0.12 ms for its 30 kernels' fixed cost): the two
     # copies in, the kernel's reads and writes of three arrays with a sqrt and a
     # division, the two copies out. The formulas' twelve kernels are one pass each.
-    # (The cost model counts the points of all factors together: exact for the one
-    # leaf of each equation fs.AutoParallel traces, too high for several.)
+    # A calibration table prices the kernel's elements itself ("adam": measured on a
+    # leaf in cache and one far larger, 2.1 and 3.4 ns per element here: the copies run
+    # at the memory's speed). (The cost model counts the points of all factors
+    # together: exact for the one leaf of each equation fs.AutoParallel traces, too
+    # high for several.)
     return FactorSpec(labels * 3 + [()], labels * 3, sizes, kernels=kernels,
-                      passes=7.0 if _on_kernel(avals) else 12.0)
+                      passes=7.0 if _on_kernel(avals) else 12.0,
+                      priced_as="adam" if _on_kernel(avals) else None)
 
 
 batching.set(adam_update_p, _batching)

@@ -29,6 +29,9 @@ several sizes, so a busy machine moves the numbers little):
   device's own): a matmul is priced at the slower of its flops and its elements;
 - ``point_s``: the seconds per element of an elementwise op as a step runs it
   (step-shaped graphs of 90 kernels over blocks of three sizes);
+- ``adam_points``: Adam's fused update of one leaf (``adam_update``: MindSpore's
+  kernel with the moments copied in and out), seconds per element at 256K and 4M
+  elements (``[elements, seconds]`` pairs);
 - per collective (``all_reduce``, ``all_gather``) and group size ``n``:
   ``(fixed seconds, seconds per byte of each device's block)`` of the virtual mesh's
   collective over an axis of ``n`` devices of a mesh of ``devices``, three block sizes;
@@ -66,6 +69,7 @@ from fshard.meshes import distributed
 from fshard.primitives import collectives as C
 from fshard.primitives.elementwise import add, maximum, mul, sub
 from fshard.primitives.linalg import matmul
+from fshard.primitives.optimizers import adam_update
 from fshard.primitives.spmd import block_slice
 from fshard.sharding.rates import (FORMAT, cache_path, check_devices, default_devices,
                                    load_cache_clear)
@@ -87,6 +91,8 @@ CHAINED_FLOPS = 5e7
 PAIRS = (1, 3)
 #: Layers of the step-shaped graphs an element's price is measured on.
 POINT_LAYERS = 10
+#: Leaf sizes Adam's fused update is timed at: in cache (1 MiB) and far out of it.
+ADAM_SIZES = (1 << 18, 1 << 22)
 
 
 # ---------------------------------------------------------------------------
@@ -226,6 +232,11 @@ def _chained_kernel_s(short_s: float, long_s: float, relu_elements: int, op_s: f
     return max(per_pair - 4 * op_s - point_s * relu_elements, 4e-7) / 2
 
 
+def _adam(m, v, g, lr):
+    mu, nu, updates = adam_update([m], [v], [g], lr, b1=0.9, b2=0.999, eps=1e-8)
+    return mu + nu + updates
+
+
 def _many(k: int):
     def fn(*xs):
         return [add(x, x) for x in xs]
@@ -286,6 +297,12 @@ def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
     moving = [(1024, 2, 8192 // devices), (2, 1024, 8192 // devices)]
     moved = [devices * (m * k + k * n + m * n) for m, k, n in moving]
     movers = add([_batched_matmul(m, k, n, devices, True) for m, k, n in moving])
+    # Adam's fused update of one leaf (MindSpore's kernel, the moments copied in and
+    # out), per element, in cache and far out of it: its copies run at the memory's
+    # speed, so a large leaf costs more per element.
+    adams = add([(_compile(_adam, [_f32((n,))] * 3 + [_f32(())]),
+                  [_tensor((n,), i) for i in range(3)] + [_tensor(())])
+                 for n in ADAM_SIZES])
     # An elementwise op's seconds per element as it runs in a step: the extra time of
     # step-shaped graphs of ``POINT_LAYERS`` layers (90 kernels, as many as most steps
     # run) over larger blocks, so the call and the kernels' fixed costs fall out. (In
@@ -330,10 +347,14 @@ def _compute_programs(devices: int) -> tuple[list, Callable[[list], dict]]:
                     for f in set(flops))
         elem_s = float(np.median([max(t - call_s - arg_s - op_s, 1e-7) / e
                                   for t, e in zip(ts[movers], moved)]))
+        # (seven values cross the call, two of them in call_s; five kernels a leaf)
+        adam = [[float(n), max(t - call_s - 5 * arg_s - 5 * op_s, 1e-7) / n]
+                for n, t in zip(ADAM_SIZES, ts[adams])]
         return {"call_s": call_s, "op_s": op_s, "arg_s": arg_s, "matmul_elem_s": elem_s,
                 "flops_per_s": 1e9 / (np.exp(log_c) * 1e9 ** p),
                 "matmul_c": float(np.exp(log_c)), "matmul_p": float(p),
-                "matmul_points": [list(pt) for pt in mm], "point_s": point_s}
+                "matmul_points": [list(pt) for pt in mm], "point_s": point_s,
+                "adam_points": adam}
 
     return items, fit
 
@@ -445,8 +466,9 @@ def _measure_job(devices: int, runs: int) -> dict:
         table[kind] = {str(world): [max(a - compute["call_s"], 0.0), b]}
     keys = [k for k in _NUMBERS if k in table]
     points = table["matmul_points"]  # the same sizes on every rank
+    adam = table["adam_points"]
     numbers = [table[k] for k in keys] + table["all_reduce"][str(world)] \
-        + table["all_gather"][str(world)] + [t for _, t in points]
+        + table["all_gather"][str(world)] + [t for _, t in points] + [t for _, t in adam]
     mine = np.asarray(numbers, np.float32) * (distributed.rank() == 0)
     shared = [float(v) for v in backend.to_numpy(reduce(backend.as_tensor(mine)))]
     table.update(zip(keys, shared))
@@ -454,6 +476,7 @@ def _measure_job(devices: int, runs: int) -> dict:
     table["all_reduce"] = {str(world): shared[k:k + 2]}
     table["all_gather"] = {str(world): shared[k + 2:k + 4]}
     table["matmul_points"] = [[f, t] for (f, _), t in zip(points, shared[k + 4:])]
+    table["adam_points"] = [[n, t] for (n, _), t in zip(adam, shared[k + 4 + len(points):])]
     table["seconds"] = time.perf_counter() - t0
     table["loadavg"] = list(os.getloadavg())
     return table

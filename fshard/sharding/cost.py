@@ -140,7 +140,8 @@ def rates_from_table(table: dict) -> dict:
     (its power law ``c·flops**p``, for other sizes; see ``matmul_seconds``; absent
     from tables of earlier versions, which price flops at ``flops_per_s``),
     ``point_s`` (an elementwise op's seconds per element), ``matmul_elem_s`` (a matmul
-    kernel's seconds per element it reads and writes, its floor),
+    kernel's seconds per element it reads and writes, its floor), ``adam_points``
+    (Adam's fused update, seconds per element at the sizes measured),
     ``call_s`` (calling the compiled program), ``arg_s`` (each value passed in or out),
     ``lanes`` (the virtual devices one process computes for) and ``groups`` (per
     collective, per group size, ``(fixed s, s per byte of a device's block)`` as the
@@ -154,6 +155,7 @@ def rates_from_table(table: dict) -> dict:
            # (tables of earlier versions: the elementwise rate)
            "matmul_elem_s": table.get("matmul_elem_s", table["point_s"]),
            "matmul_points": tuple(map(tuple, table.get("matmul_points", ()))),
+           "adam_points": tuple(map(tuple, table.get("adam_points", ()))),
            "lanes": table["devices"] if table.get("lanes", True) else 1, "groups": groups}
     # The byte-rate view of the largest group, for what prices bytes alone (propagation).
     for op in ("all_reduce", "all_gather"):
@@ -205,9 +207,29 @@ def compute_seconds(spec: FactorSpec, cand: Candidate, mesh: ShardMesh, rates: d
         return fixed + kernel + _broadcast_seconds(spec, cand, mesh, rates, lanes)
     if contracts(spec):
         work = flops / rates["flops_per_s"]
+    elif rates.get(f"{spec.priced_as}_points"):
+        # its own measured price per element, at the size one kernel runs on
+        elements = lanes * flops / (spec.flops_per_point or 1.0)
+        return fixed + elements * _per_element(elements, rates[f"{spec.priced_as}_points"])
     else:
         work = flops / (spec.flops_per_point or 1.0) * rates["point_s"] * spec.passes
     return fixed + lanes * work
+
+
+def _per_element(elements: float, points) -> float:
+    """Seconds per element at ``elements``, on the line in logarithms of sizes between
+    the two nearest ``(elements, seconds per element)`` points, the nearest outside them.
+
+    >>> round(_per_element(2 ** 20, ((2 ** 18, 2e-9), (2 ** 22, 4e-9))) * 1e9, 6)
+    3.0
+    """
+    if elements <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    if elements >= points[-1][0]:
+        return points[-1][1]
+    i = max(bisect.bisect_left(points, (elements,)), 1)
+    (n0, s0), (n1, s1) = points[i - 1], points[i]
+    return s0 + (s1 - s0) * math.log(elements / n0) / math.log(n1 / n0)
 
 
 def matmul_seconds(flops: float, rates: dict) -> float:

@@ -88,7 +88,8 @@ def _load(path: str, mtime: int) -> dict | None:
                   and all(isinstance(t, (int, float)) for t in v) and min(v) >= 0
                   for n, v in table[k].items())
                   for k in ("all_reduce", "all_gather") + (("slice",) if "slice" in table else ()))
-              and _points_ok(table.get("matmul_points", [])))
+              and _points_ok(table.get("matmul_points", []))
+              and _points_ok(table.get("adam_points", [])))
     except (OSError, ValueError):
         ok = False
     if not ok:
@@ -101,7 +102,8 @@ def _load(path: str, mtime: int) -> dict | None:
 
 
 def _points_ok(points) -> bool:
-    """``matmul_points``: ``[flops, seconds]`` pairs, flops rising, all positive."""
+    """``matmul_points`` (``[flops, seconds]``) or ``adam_points`` (``[elements,
+    seconds per element]``): pairs, the first rising, all positive."""
     return (isinstance(points, list)
             and all(isinstance(pt, list) and len(pt) == 2
                     and all(isinstance(v, (int, float)) and v > 0 for v in pt)

@@ -42,4 +42,6 @@ def test_calibrate_in_a_job_measures_the_job_and_every_rank_keeps_one_table(tmp_
     assert a["all_reduce"] == b["all_reduce"] and a["all_gather"] == b["all_gather"]
     # the measured matmul sizes too: the ranks price every plan alike
     assert a["matmul_points"] == b["matmul_points"] and len(a["matmul_points"]) >= 2
+    assert a["adam_points"] == b["adam_points"] and len(a["adam_points"]) == 2
+    assert a["matmul_elem_s"] == b["matmul_elem_s"] > 0
     print("predicted / measured step:", [o["predicted_s"] / o["measured_s"] for o in outs])

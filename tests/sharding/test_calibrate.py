@@ -64,6 +64,8 @@ def test_calibrate_measures_and_caches_the_table(measured):
     assert table["op_s"] >= 0 and table["arg_s"] >= 0
     assert table["matmul_c"] > 0 and 0.5 <= table["matmul_p"] <= 1.0
     assert table["matmul_elem_s"] > 0
+    adam = table["adam_points"]
+    assert [n for n, _ in adam] == [2.0 ** 18, 2.0 ** 22] and all(t > 0 for _, t in adam)
     points = table["matmul_points"]
     assert len(points) >= 2 and all(t > 0 for _, t in points)
     assert [f for f, _ in points] == sorted({f for f, _ in points})
@@ -268,6 +270,38 @@ def test_a_matmul_takes_at_least_the_time_of_the_elements_it_moves():
         5e-6 + (2048 * 2 + 2 * 2048 + 2048 * 2048) * 1e-10)
 
 
+def test_adam_s_fused_update_is_priced_per_element_as_measured_at_its_size():
+    """With ``adam_points`` an ``adam_update`` costs its kernels plus its elements at
+    the price measured nearest its size (between two sizes, on the line in logarithms
+    of the size; outside, the nearest); without them (an earlier table) seven passes at
+    the elementwise rate."""
+    from fshard.core import dtypes
+    from fshard.core.rules import sharding
+    from fshard.core.tracing import ArrayType
+    from fshard.primitives.optimizers import adam_update_p
+
+    mesh = ShardMesh.for_devices(8)
+    points = [[2.0 ** 18, 2e-9], [2.0 ** 22, 4e-9]]
+    row = rates_from_table(_table(8, adam_points=points))
+    old = rates_from_table(_table(8))
+    for n, per in ((1 << 10, 2e-9), (1 << 20, 3e-9), (1 << 24, 4e-9)):
+        leaf = ArrayType((n,), dtypes.float32)
+        spec = sharding.get(adam_update_p)(leaf, leaf, leaf, ArrayType((), dtypes.float32),
+                                           b1=0.9, b2=0.999, eps=1e-8)
+        assert spec.priced_as == "adam" and spec.kernels == 5
+        whole = Candidate(())
+        assert compute_seconds(spec, whole, mesh, row) == pytest.approx(5 * 5e-6 + n * per)
+        assert compute_seconds(spec, whole, mesh, old) == pytest.approx(
+            5 * 5e-6 + 7 * n * 1e-9)
+    # split over the 8 devices: one kernel over the 8 blocks, priced at their whole size
+    leaf = ArrayType((1 << 20,), dtypes.float32)
+    spec = sharding.get(adam_update_p)(leaf, leaf, leaf, ArrayType((), dtypes.float32),
+                                       b1=0.9, b2=0.999, eps=1e-8)
+    label = spec.inputs[0][0]
+    split = Candidate(((label, (0, 1, 2)),))
+    assert compute_seconds(spec, split, mesh, row) == pytest.approx(5 * 5e-6 + (1 << 20) * 3e-9)
+
+
 def test_a_split_argument_and_result_of_a_virtual_mesh_are_priced_as_copies(cache):
     """A virtual mesh's process holds arguments and results whole: a split one is copied
     into the devices' blocks and back, at the elementwise rate; a replicated one is
@@ -432,10 +466,11 @@ def test_a_matmul_between_measured_sizes_is_priced_from_its_nearest_two():
     assert matmul_seconds(3e7, old) == pytest.approx(1e-10 * 3e7 ** 0.8)
 
 
+@pytest.mark.parametrize("key", ["matmul_points", "adam_points"])
 @pytest.mark.parametrize("points", [[[1e6, 1e-4], [1e6, 2e-4]], [[1e7, 1e-4], [1e6, 1e-3]],
                                     [[1e6, -1.0]], [[1e6]], "1e6", [["1e6", 1e-4]]])
-def test_a_table_with_broken_matmul_points_is_refused(cache, points):
-    _write(8, _table(8, matmul_points=points))
+def test_a_table_with_broken_points_is_refused(cache, points, key):
+    _write(8, _table(8, **{key: points}))
     with pytest.raises(ShardingError, match="not one fs.sharding.calibrate"):
         backend_rates(8)
 

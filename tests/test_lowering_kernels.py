@@ -180,3 +180,35 @@ def test_a_static_slice_lowers_to_slice_where_it_can_and_gives_the_eager_numbers
         half = structural.slice_array(rounded, start, limit, strides)
         np.testing.assert_array_equal(half.astype(ms.float32).asnumpy(),
                                       rounded.astype(ms.float32).asnumpy()[index])
+
+
+@pytest.mark.parametrize("rows, swapped", [(8, False), (16, True), (48, True), (64, False)])
+def test_a_few_rows_times_a_transposed_weight_lower_as_the_transposed_product(rows, swapped):
+    """MindSpore's CPU MatMul runs ``x @ W^T`` 1-7x slower with transpose_b at 16 to 48
+    rows than ``(W @ x^T)^T``: those rows lower as the latter (a Dense layer's forward,
+    ``g @ W^T`` in a backward pass); the numbers stay the product's, within float32
+    rounding of a 512-term sum."""
+    x = RNG.standard_normal((rows, 512)).astype(np.float32)
+    w = RNG.standard_normal((256, 512)).astype(np.float32)
+    dense = ops.MatMul(transpose_b=True)
+
+    def f(x, w):
+        return dense(x, w)
+
+    src = fs.jit(f).lower(x, w).as_text()
+    assert ("Transpose" in src) == swapped, src
+    got = fs.jit(f)(x, w).asnumpy()
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+    # a backward pass's g @ W^T: the input gradient of x @ v
+    v = np.ascontiguousarray(w.T)
+
+    def loss(x, v):
+        return (ops.matmul(x, v) ** 2).sum()
+
+    grad = fs.jit(fs.grad(loss))
+    assert ("Transpose" in grad.lower(x, v).as_text()) == swapped
+    want_g = 2 * (x.astype(np.float64) @ v) @ v.T.astype(np.float64)
+    np.testing.assert_allclose(grad(x, v).asnumpy(), want_g, rtol=1e-4,
+                               atol=1e-5 * np.abs(want_g).max())

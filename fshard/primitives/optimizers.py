@@ -306,8 +306,8 @@ def _sharding(*avals, b1, b2, eps):
     # copies in, the kernel's reads and writes of three arrays with a sqrt and a
     # division, the two copies out. The formulas' twelve kernels are one pass each.
     # A calibration table prices the kernel's elements itself ("adam": measured on a
-    # leaf in cache and one far larger, 2.1 and 3.4 ns per element here: the copies run
-    # at the memory's speed). (The cost model counts the points of all factors
+    # leaf in cache and one far larger, 0.9-2.5 and 1.9-2.9 ns per element here: the
+    # copies run at the memory's speed). (The cost model counts the points of all factors
     # together: exact for the one leaf of each equation fs.AutoParallel traces, too
     # high for several.)
     return FactorSpec(labels * 3 + [()], labels * 3, sizes, kernels=kernels,

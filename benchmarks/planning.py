@@ -102,13 +102,13 @@ def hand_one_device(params, x, labels, opt):
     return fs.jit(step), (p0, opt.init(p0))
 
 
-def hand_data_parallel(params, x, labels, opt):
+def hand_data_parallel(params, x, labels, opt, devices: int = DEVICES):
     """The hand-written data-parallel step: ``(step, state)``."""
     import mindspore as ms
 
     import fshard as fs
 
-    mesh = fs.Mesh((DEVICES,), ("dp",))
+    mesh = fs.Mesh((devices,), ("dp",))
     dp = fs.Layout(mesh.shape, mesh.axis_names)
 
     def local_loss(p, x, labels):
@@ -180,13 +180,13 @@ def planning(ctx):
     for name, (params, x, labels) in programs().items():
         fns, info = {}, {}
         step, hstate = hand_data_parallel(params, x, labels, fs.optim.adam(1e-3))
-        fns["hand"] = lambda step=step, s=hstate: step(*s, x, labels)[2].asnumpy()
+        fns["hand"] = lambda step=step, s=hstate, x=x, y=labels: step(*s, x, y)[2].asnumpy()
         one, ostate = hand_one_device(params, x, labels, fs.optim.adam(1e-3))
-        fns["one"] = lambda step=one, s=ostate: step(*s, x, labels)[2].asnumpy()
+        fns["one"] = lambda step=one, s=ostate, x=x, y=labels: step(*s, x, y)[2].asnumpy()
         for mode in MODES:
             ap, state, cpu, wall, e, colls = plan_mode(mode, params, x, labels)
             info[mode] = (cpu, wall, e, colls)
-            fns[mode] = lambda ap=ap, state=state: ap(state, x, labels)[1].asnumpy()
+            fns[mode] = lambda ap=ap, state=state, x=x, y=labels: ap(state, x, y)[1].asnumpy()
         # 50 calls first (past MindSpore's choice of threads for each graph, as
         # benchmarks/prediction.py does), then 16 rounds of 10 calls each: fewer calls
         # after a 3-call warm-up put the same program at 1.0-1.4x itself (2026-11-29)

@@ -1,0 +1,136 @@
+"""The plan each mode picks, against the hand-written plans, in a multi-process job:
+``python -m benchmarks.plan_choice --job N`` (``fshard.launch``, N processes).
+
+For each program of ``benchmarks/planning.py`` (the MLP 64-512-512-10, the digits MLP,
+the wide MLP 256-2048-2048-10), on every rank: ``fs.AutoParallel`` with Adam in each
+mode (``dataset_strategy("data_parallel")``, each process passing its own rows), the
+hand-written data-parallel step (``fs.jit`` of ``fs.shard_map`` of ``value_and_grad``
+with ``fs.pmean``, the global batch) and the same step unsharded on every process
+(``fs.jit``: the plan in which every device computes everything). The job is
+calibrated first (``fs.sharding.calibrate()`` on every rank), so the modes plan with
+the job's rates. Every plan is called 50 times, then timed in 8 rounds of 10 calls,
+each call after a barrier (as the steps of a training loop meet at their
+collectives); rank 0 writes the medians. Unlike a virtual mesh, where one process runs
+every device and a split saves nothing, each process here computes only its own block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
+
+
+def _auto(mode, params, rows, labels):
+    """``(call, explain, collectives)`` of ``fs.AutoParallel`` in ``mode`` on this
+    process's rows; the call carries the state from step to step."""
+    import fshard as fs
+    from benchmarks import planning as P
+
+    ap = fs.AutoParallel(P._loss, fs.optim.adam(1e-3), mode)
+    ap.dataset_strategy("data_parallel")
+    held = [ap.init(params)]
+    colls = ap.partitioned(held[0], rows, labels).collectives()
+
+    def call():
+        held[0], loss = ap(held[0], rows, labels)
+        loss.asnumpy()
+
+    call()  # (the first step, from whole arrays, compiles once more than the others)
+    return call, (lambda: ap.explain(held[0], rows, labels)), colls
+
+
+class _Unpriced:
+    """A hand-written step's explanation: no price."""
+    total_s = float("nan")
+
+
+def _hand(step, state, x, labels):
+    held = [state]
+
+    def call():
+        p, o, value = step(*held[0], x, labels)
+        held[0] = (p, o)
+        value.asnumpy()
+
+    return call
+
+
+def worker(out_dir: str) -> None:
+    """One rank of ``--job N``."""
+    import mindspore as ms
+
+    import fshard as fs
+    from benchmarks import planning as P
+    from benchmarks.prediction import _timed
+    from fshard.backend.mindspore import world_collective
+
+    fs.distributed.init()
+    n, rank = fs.distributed.world_size(), fs.distributed.rank()
+    fs.sharding.calibrate()
+    reduce = world_collective("all_reduce")
+    token = ms.Tensor(np.zeros(1, np.float32))
+    ps = {}
+    for name, (params, x, labels) in P.programs().items():
+        short = name.split(" ")[0]
+        b = x.shape[0] // n
+        rows, own = x[rank * b:(rank + 1) * b], labels[rank * b:(rank + 1) * b]
+        for mode in MODES:
+            call, explain, colls = _auto(mode, params, rows, own)
+            ps[f"{short}: {mode}"] = (call, explain, colls)
+        step, state = P.hand_data_parallel(params, x, labels, fs.optim.adam(1e-3), n)
+        ps[f"{short}: hand data parallel"] = (_hand(step, state, x, labels),
+                                             _Unpriced, [])
+        step, state = P.hand_one_device(params, x, labels, fs.optim.adam(1e-3))
+        ps[f"{short}: hand one-device"] = (_hand(step, state, x, labels),
+                                          _Unpriced, [])
+    rows = _timed(ps, 10, 8, barrier=lambda: reduce(token).asnumpy(), warm_s=0.0)
+    if rank == 0:
+        with open(os.path.join(out_dir, "rows.json"), "w") as fh:
+            json.dump(rows, fh)
+
+
+def measure_job(n: int = 2) -> list[dict]:
+    from fshard import launch
+
+    out = tempfile.mkdtemp(prefix="fshard-bench-plan-choice-")
+    launch.run("benchmarks.plan_choice", n, ["--worker", out], timeout=1800,
+               module=True).check()
+    with open(os.path.join(out, "rows.json")) as fh:
+        return json.load(fh)
+
+
+def table(rows) -> str:
+    """Per program, each plan's median, its ratio to the faster hand-written step, and
+    the modes' predictions."""
+    lines = ["| plan | predicted | median | / faster hand-written | collectives |",
+             "|---|---:|---:|---:|---|"]
+    best: dict = {}
+    for r in rows:
+        prog = r["plan"].split(": ")[0]
+        if "hand" in r["plan"]:
+            best[prog] = min(best.get(prog, float("inf")), r["median_s"])
+    for r in rows:
+        prog = r["plan"].split(": ")[0]
+        pred = "-" if r["predicted_s"] != r["predicted_s"] else f"{r['predicted_s'] * 1e3:.1f} ms"
+        lines.append(f"| {r['plan']} | {pred} | {r['median_s'] * 1e3:.2f} ms | "
+                     f"{r['median_s'] / best[prog]:.2f} | {r['collectives']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if "--worker" in sys.argv:
+        worker(sys.argv[sys.argv.index("--worker") + 1])
+        sys.exit(0)
+    n = int(sys.argv[sys.argv.index("--job") + 1]) if "--job" in sys.argv else 2
+    print(f"uptime: {os.popen('uptime').read().strip()}")
+    t0 = time.perf_counter()
+    got = measure_job(n)
+    print(f"a job of {n} processes, {time.perf_counter() - t0:.0f} s")
+    print(table(got))

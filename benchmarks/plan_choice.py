@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -97,13 +96,10 @@ def worker(out_dir: str) -> None:
 
 
 def measure_job(n: int = 2) -> list[dict]:
-    from fshard import launch
+    """``--job N``: one row per plan (as ``benchmarks.prediction.measure``'s)."""
+    from benchmarks.prediction import run_job
 
-    out = tempfile.mkdtemp(prefix="fshard-bench-plan-choice-")
-    launch.run("benchmarks.plan_choice", n, ["--worker", out], timeout=1800,
-               module=True).check()
-    with open(os.path.join(out, "rows.json")) as fh:
-        return json.load(fh)
+    return run_job("benchmarks.plan_choice", n, timeout=1800)
 
 
 def table(rows) -> str:

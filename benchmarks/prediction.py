@@ -187,18 +187,23 @@ def job_worker(out_dir: str) -> None:
             json.dump({"rows": rows, "calibrated_s": seconds}, fh)
 
 
-def measure_job(n: int = 2) -> tuple[list[dict], float]:
-    """``--job N``: the job's rows (as ``measure``'s) and its calibration's seconds."""
+def run_job(module: str, n: int, timeout: float = 1200):
+    """Run ``python -m module --worker DIR`` as a job of ``n`` processes
+    (``fshard.launch``) and return what its rank 0 wrote to ``DIR/rows.json``."""
     import json
     import tempfile
 
     from fshard import launch
 
-    out = tempfile.mkdtemp(prefix="fshard-bench-prediction-")
-    launch.run("benchmarks.prediction", n, ["--worker", out], timeout=1200,
-               module=True).check()
+    out = tempfile.mkdtemp(prefix="fshard-bench-")
+    launch.run(module, n, ["--worker", out], timeout=timeout, module=True).check()
     with open(os.path.join(out, "rows.json")) as fh:
-        got = json.load(fh)
+        return json.load(fh)
+
+
+def measure_job(n: int = 2) -> tuple[list[dict], float]:
+    """``--job N``: the job's rows (as ``measure``'s) and its calibration's seconds."""
+    got = run_job("benchmarks.prediction", n)
     return got["rows"], got["calibrated_s"]
 
 

@@ -392,6 +392,9 @@ class CostModel:
     # Which collectives the backend in use runs natively (the others are priced as
     # their emulations): its row of NATIVE_COLLECTIVES.
     native: dict = field(default_factory=native_collectives)
+    # The devices are a job's processes, each computing its own blocks at the same time
+    # (not a virtual mesh's lanes, run one after another by one process).
+    job: bool = field(default_factory=lambda: comm_initialized())
 
     def score(self, compute: float, comm_bytes: float, n_collectives: int, memory: float,
               edge_bytes: float | None = None):

@@ -525,14 +525,20 @@ class Problem:
             done.add((a, req))
         return sent, flops
 
-    def lazy_decisions(self) -> list:
+    def lazy_decisions(self, whole: bool = False) -> list:
         """The decisions that communicate as late as possible: at each equation, the one
         adding the fewest bytes now, then the most compute (whole rather than sliced:
         what is replicated stays so), no pending sum carried on. From split batches and
         whole weights this is data parallelism: each gradient reduced where it is first
         used. A second path the search keeps through its cuts, next to greedy
         propagation's (which can miss it: it decides each value by its neighbours).
-        Linear in the program: each decision is priced without building its state."""
+        Linear in the program: each decision is priced without building its state.
+
+        ``whole``: the fewest split or pending layouts among the equation's operands and
+        results first, then the fewest bytes: every equation computed whole on every
+        device, a split input gathered where it is first used (``whole_path``). (By
+        layouts, not by compute: a measured table may price a block's kernel above the
+        whole one's.)"""
         st = self.initial()
         out = []
         # The choice depends on the spec, the sizes and the layouts the operands hold
@@ -560,7 +566,8 @@ class Problem:
                     continue
                 add = self.added(st, i, *d)
                 if add is not None:
-                    k = (add[0], -add[1])
+                    k = (self._split_layouts(i, d[0]), add[0]) if whole else \
+                        (add[0], -add[1])
                     if best is None or k < best[0]:
                         best = (k, d)
             if best is None:
@@ -571,6 +578,12 @@ class Problem:
             if self.step(st, i, *best[1], copy=False) is None:
                 return []
         return out
+
+    def _split_layouts(self, i: int, cand: Candidate) -> int:
+        """How many of equation ``i``'s operand and result layouts as ``cand`` are
+        split or hold a pending sum."""
+        ins, outs, _ = self.shardings(i, cand)
+        return sum(any(sh.dims) or bool(sh.partial) for sh in (*ins, *outs))
 
     def run(self, decisions) -> list:
         """The states along a list of decisions (``len + 1`` of them; None once
@@ -1050,10 +1063,35 @@ def _static(prop) -> bool:
         v.aval.is_static for eq in prop.program.equations for v in eq.outputs)
 
 
+def whole_path(problem: Problem) -> tuple | None:
+    """``(in_shardings, choice, score)`` of the plan computing every equation whole on
+    every device (``lazy_decisions(whole=True)``: a split batch gathered where it is
+    first used, no gradient reduced), or None when it is not open.
+
+    Open only for the time objective (level 2) where the mesh's devices are a job's
+    processes (``CostModel.job``): there each process computes its own copy at once,
+    and on a CPU job, whose collectives cost more than a small program's compute, it is
+    often the fastest plan (measured: 1.4-2.8x faster than data parallelism for the
+    small MLPs of benchmarks/plan_choice.py). On a virtual mesh one process runs every
+    device, so a split never saves time there and this path would win almost every
+    program; the virtual mesh's plan is the N-device program it stands for, so it is not
+    offered there.
+    """
+    if problem.level != 2 or not problem.model.job:
+        return None
+    decisions = problem.lazy_decisions(whole=True)
+    if not decisions:
+        return None
+    ins, choice = problem.assignment(decisions)
+    found = problem.evaluate(ins, choice)
+    return None if found is None else (ins, choice, found.score(problem.level, problem.model))
+
+
 def cheaper_path(prop, problem: "Problem | None" = None):
-    """``prop`` or the plan that follows the inputs (``lazy_decisions``: data parallel
-    from a split batch and whole weights), whichever the objective prices lower
-    (``prop`` on a tie). Two simulations of the program: linear in its length.
+    """``prop``, the plan that follows the inputs (``lazy_decisions``: data parallel
+    from a split batch and whole weights), or in a job the plan computing everything
+    whole (``whole_path``), whichever the objective prices lowest (``prop`` on a tie).
+    Two or three simulations of the program: linear in its length.
     ``fs.AutoParallel``'s ``"sharding_propagation"``: greedy propagation decides each
     value by its neighbours and can gather activations where data parallelism needs no
     collective but the gradients' AllReduces."""
@@ -1061,15 +1099,17 @@ def cheaper_path(prop, problem: "Problem | None" = None):
         return prop
     problem = problem or Problem.from_propagated(prop)
     greedy = problem.evaluate(prop.in_shardings, prop.choice)
+    best, best_score = None, greedy.score(prop.level, problem.model)
     decisions = problem.lazy_decisions()
-    if not decisions:
-        return prop
-    ins, choice = problem.assignment(decisions)
-    lazy = problem.evaluate(ins, choice)
-    if lazy is None or lazy.score(prop.level, problem.model) >= greedy.score(
-            prop.level, problem.model):
-        return prop
-    return with_assignment(prop, ins, choice)
+    if decisions:
+        ins, choice = problem.assignment(decisions)
+        lazy = problem.evaluate(ins, choice)
+        if lazy is not None and lazy.score(prop.level, problem.model) < best_score:
+            best, best_score = (ins, choice), lazy.score(prop.level, problem.model)
+    whole = whole_path(problem)
+    if whole is not None and whole[2] < best_score:
+        best = whole[:2]
+    return prop if best is None else with_assignment(prop, *best)
 
 
 #: Simulated equations ``refine`` may spend on the dynamic program (about 20-50 µs
@@ -1098,7 +1138,12 @@ def refine(prop, budget: int = REFINE_BUDGET):
     if 4 * sum(len(b) for b in problem.base) > budget:
         return cheaper_path(prop, problem)
     found = search(prop, budget=budget)
-    if found.score >= cost(prop).score(prop.level):
+    # (every score in the rates of the problem: a calibrated table's, not the defaults)
+    greedy = problem.evaluate(prop.in_shardings, prop.choice).score(prop.level, problem.model)
+    whole = whole_path(problem)
+    if whole is not None and whole[2] < min(found.score, greedy):
+        return with_assignment(prop, *whole[:2])
+    if found.score >= greedy:
         return prop
     return with_assignment(prop, found.in_shardings, found.choice)
 

@@ -49,8 +49,47 @@ def main(out_dir: str) -> None:
         t0 = time.perf_counter()
         fs.block_until_ready(step(p, x))
         times.append(time.perf_counter() - t0)
+    # AutoParallel's searching mode in the job: the plan computing everything whole is
+    # one of its paths here; the step trains as one device does on the global batch.
+    from fshard.sharding import search
+    from fshard.sharding.partition import partition
+    from fshard.sharding.propagation import propagate
+
+    ys = rng.standard_normal((64, 10)).astype(np.float32)
+    mse = (lambda p, x, y: ((fs.ops.relu(x @ p["w0"]) @ p["w1"] - y) ** 2).mean())
+    ap = fs.AutoParallel(mse, fs.optim.sgd(0.1), "sharding_propagation")
+    ap.dataset_strategy("data_parallel")
+    state = ap.init(p)
+    b = 64 // n
+    rows, own = x.asnumpy()[r * b:(r + 1) * b], ys[r * b:(r + 1) * b]
+    s, _ = ap._sharded(state, ap._global_batch((rows, own)))
+    plan = s._prepare((state.params, state.opt_state, state.step,
+                       x.asnumpy(), ys))[0]
+    prop = propagate(plan.body, plan.in_shardings, plan.out_shardings, plan.mesh, 2)
+    problem = search.Problem.from_propagated(prop)
+    whole = search.whole_path(problem)
+    lazy = problem.evaluate(*problem.assignment(problem.lazy_decisions()))
+    paths = [problem.evaluate(prop.in_shardings, prop.choice).score(2, problem.model),
+             lazy.score(2, problem.model), whole[2]]
+    picked = search.cheaper_path(prop, problem)
+    chosen = problem.evaluate(picked.in_shardings, picked.choice).score(2, problem.model)
+    picked_collectives = partition(picked).collectives()
+    planned = ap.partitioned(state, rows, own).collectives()
+    losses, want = [], []
+    for _ in range(3):
+        state, loss = ap(state, rows, own)
+        losses.append(float(loss.asnumpy()))
+    q = dict(p)
+    for _ in range(3):
+        v, g = fs.value_and_grad(mse)(q, x, Tensor(ys))
+        q = {k: q[k] - 0.1 * g[k] for k in q}
+        want.append(float(v.asnumpy()))
     with open(os.path.join(out_dir, f"rank{r}.json"), "w") as fh:
-        json.dump({"refused": refused, "table": table,
+        json.dump({"job_model": problem.model.job, "paths": [list(t) for t in paths],
+                   "chosen": list(chosen),
+                   "collectives": planned, "picked_collectives": picked_collectives,
+                   "losses": losses, "one_device": want,
+                   "refused": refused, "table": table,
                    "saved": rates.cache_path(n, job=True).name,
                    "exists": rates.cache_path(n, job=True).exists(),
                    "default_call_s": default.call_s, "call_s": e.call_s,

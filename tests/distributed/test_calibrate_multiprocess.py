@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 from fshard import launch
@@ -44,4 +45,18 @@ def test_calibrate_in_a_job_measures_the_job_and_every_rank_keeps_one_table(tmp_
     assert a["matmul_points"] == b["matmul_points"] and len(a["matmul_points"]) >= 2
     assert a["adam_points"] == b["adam_points"] and len(a["adam_points"]) == 2
     assert a["matmul_elem_s"] == b["matmul_elem_s"] > 0
+    # AutoParallel's sharding_propagation in the job: three paths (greedy propagation,
+    # following the inputs, computing everything whole), the lowest priced taken; it
+    # trains as one device does on the global batch
+    for out in outs:
+        assert out["job_model"] is True
+        assert out["chosen"] == min(out["paths"])
+        # the step runs the plan priced: computed whole, only the batch is gathered
+        assert out["collectives"] == out["picked_collectives"]
+        if out["chosen"] == out["paths"][2] < min(out["paths"][:2]):
+            assert out["collectives"] == ["all_gather", "all_gather"]
+        np.testing.assert_allclose(out["losses"], out["one_device"], rtol=1e-5)
+    assert outs[0]["collectives"] == outs[1]["collectives"]
+    assert outs[0]["chosen"] == outs[1]["chosen"]
+    print("paths:", outs[0]["paths"], "collectives:", outs[0]["collectives"])
     print("predicted / measured step:", [o["predicted_s"] / o["measured_s"] for o in outs])

@@ -269,3 +269,42 @@ def test_every_mode_trains_like_one_device(mode):
         have = state.params[k]
         have = np.asarray(have.asnumpy() if hasattr(have, "asnumpy") else have)
         np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def test_in_a_job_the_planners_also_try_computing_everything_whole(monkeypatch):
+    # Where the devices are a job's processes, each computes its own copy at once: the
+    # plan that gathers the batch where it is first used and computes every equation
+    # whole (no gradient reduced) is one more path, taken where it is priced lowest.
+    # On a virtual mesh it is not offered.
+    from fshard.sharding import cost as cost_mod
+
+    vg, ws, x = _deep(12)
+
+    def plan(search_on):
+        f = fs.shard(vg, in_strategy=(None, (8, 1)), mesh=8, level=2, search=search_on)
+        p = f._prepare((ws, x))[0]
+        return f, propagate(p.body, p.in_shardings, p.out_shardings, p.mesh, 2)
+
+    _, prop = plan(False)
+    assert search.whole_path(search.Problem.from_propagated(prop)) is None
+    monkeypatch.setattr(cost_mod, "comm_initialized", lambda: True)
+    f, prop = plan(True)
+    problem = search.Problem.from_propagated(prop)
+    assert problem.model.job
+    ins, choice, score = search.whole_path(problem)
+    lazy = problem.evaluate(*problem.assignment(problem.lazy_decisions()))
+    # the default rates price a CPU job's collectives above this program's compute
+    assert score < min(lazy.score(2, problem.model), search.cost(prop).score(2))
+    chosen = search.cheaper_path(prop)
+    assert search.cost(chosen).score(2) == score
+    split = [(v, sh) for eq in chosen.program.equations for v in eq.outputs
+             for sh in [chosen.shardings[v]] if any(sh.dims) or sh.partial]
+    assert not split, split
+    assert search.cost(search.refine(prop)).score(2) == score
+    # run on the virtual mesh: one AllGather of the batch, the unsharded numbers
+    assert f.partitioned(ws, x).collectives() == ["all_gather"]
+    (v, gs), (want_v, want_gs) = f(ws, x), vg(ws, x)
+    np.testing.assert_allclose(v.asnumpy(), want_v.asnumpy(), rtol=1e-5)
+    for g, w in zip(gs, want_gs):
+        w = w.asnumpy()
+        np.testing.assert_allclose(g.asnumpy(), w, rtol=1e-4, atol=1e-5 * np.abs(w).max())

@@ -24,7 +24,11 @@ unsharded (``fs.jit``), the plan in which every device computes everything.
 
 Programs: the MLP 64-512-512-10 on a batch of 256; the digits MLP 64-128-10 of
 examples/train_autoparallel.py on a batch of 64 (scikit-learn's digits); a wide MLP
-256-2048-2048-10 on a batch of 16 (data parallelism is not its fastest plan); and, planning
+256-2048-2048-10 on a batch of 16 (data parallelism is not its fastest plan); with an
+MSE loss (``more_programs``), the Megatron MLP 512-2048-512 on a batch of 32, the
+Llama-style block of ``benchmarks/transformers.py`` on a batch of 8 and an MLP of 100
+64x64 layers on a batch of 256, the first two also timed with Megatron's hand-written
+plan (``semi_auto`` with its ``parameter_plan``, the batch whole); and, planning
 only, ``fs.shard(fs.value_and_grad(loss), search=True)`` of MLPs of 10, 100 and 1,000
 64x64 layers (the growth with the program's length).
 
@@ -84,14 +88,65 @@ def programs():
             "wide 256-2048-2048-10": wide}
 
 
-def hand_one_device(params, x, labels, opt):
+def _mse(p, x, y):
+    import fshard as fs
+
+    n = len(p) // 2
+    h = x
+    for i in range(n):
+        h = h @ p[f"w{i}"] + p[f"b{i}"]
+        if i < n - 1:
+            h = fs.ops.relu(h)
+    return ((h - y) ** 2).mean()
+
+
+def _deep(p, x, y):
+    import fshard as fs
+
+    h = x
+    for i in range(len(p)):
+        h = fs.ops.relu(h @ p[f"w{i:03d}"])
+    return ((h - y) ** 2).mean()
+
+
+def more_programs():
+    """``{name: (loss, params, x, y, Megatron's parameter_plan or None)}``: the Megatron
+    MLP 512-2048-512 on a batch of 32, the Llama-style block of
+    ``benchmarks/transformers.py`` on a batch of 8, and an MLP of 100 64x64 layers on a
+    batch of 256, each with an MSE loss."""
+    import fshard as fs
+    from benchmarks.transformers import LlamaBlock, MSELoss
+
+    rng = np.random.default_rng(2)
+    megatron = (_mse, _params((512, 2048, 512)),
+                rng.standard_normal((32, 512)).astype(np.float32),
+                rng.standard_normal((32, 512)).astype(np.float32),
+                {"w0": (1, DEVICES), "b0": (DEVICES,), "w1": (DEVICES, 1)})
+    apply, weights = fs.functional(MSELoss(LlamaBlock()))
+    weights = {k: v.asnumpy() for k, v in weights.items()}
+    # Megatron's split of the block: the q, k, v and gate projections by columns (the
+    # heads), the output and down projections by rows
+    columns, rows = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")
+    llama_plan = {k: (1, DEVICES) if k.split(".")[-1] in columns else (DEVICES, 1)
+                  for k in weights if k.split(".")[-1] in columns + rows}
+    llama = (apply, weights, rng.standard_normal((8, 64, 128)).astype(np.float32),
+             rng.standard_normal((8, 64, 128)).astype(np.float32), llama_plan)
+    deep = (_deep, {f"w{i:03d}": (rng.standard_normal((64, 64)) / 8).astype(np.float32)
+                    for i in range(100)},
+            rng.standard_normal((256, 64)).astype(np.float32),
+            rng.standard_normal((256, 64)).astype(np.float32), None)
+    return {"Megatron MLP 512-2048-512": megatron, "Llama block": llama,
+            "100-layer MLP 64": deep}
+
+
+def hand_one_device(params, x, labels, opt, loss=_loss):
     """The same step unsharded (``fs.jit`` of ``value_and_grad`` and the update): the
     every-device-computes-everything plan, which a virtual mesh runs once."""
     import mindspore as ms
 
     import fshard as fs
 
-    vg = fs.value_and_grad(_loss)
+    vg = fs.value_and_grad(loss)
 
     def step(p, o, x, labels):
         value, grads = vg(p, x, labels)
@@ -102,7 +157,7 @@ def hand_one_device(params, x, labels, opt):
     return fs.jit(step), (p0, opt.init(p0))
 
 
-def hand_data_parallel(params, x, labels, opt, devices: int = DEVICES):
+def hand_data_parallel(params, x, labels, opt, devices: int = DEVICES, loss=_loss):
     """The hand-written data-parallel step: ``(step, state)``."""
     import mindspore as ms
 
@@ -112,10 +167,13 @@ def hand_data_parallel(params, x, labels, opt, devices: int = DEVICES):
     dp = fs.Layout(mesh.shape, mesh.axis_names)
 
     def local_loss(p, x, labels):
-        return fs.pmean(_loss(p, x, labels), "dp")
+        return fs.pmean(loss(p, x, labels), "dp")
+
+    def rows(a):  # split along the batch, every other dimension whole
+        return dp("dp", *["None"] * (np.ndim(a) - 1))
 
     vg = fs.shard_map(fs.value_and_grad(local_loss),
-                      in_strategy=(None, dp("dp", "None"), dp("dp")),
+                      in_strategy=(None, rows(x), rows(labels)),
                       out_strategy=((), None), mesh=mesh)
 
     def step(p, o, x, labels):
@@ -132,12 +190,15 @@ def _collectives(names) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(Counter(names).items())) or "none"
 
 
-def plan_mode(mode, params, x, labels):
-    """``(ap, state, cpu s, wall s, explanation, collectives)`` of a fresh plan."""
+def plan_mode(mode, params, x, labels, loss=_loss, parameter_plan=None):
+    """``(ap, state, cpu s, wall s, explanation, collectives)`` of a fresh plan; with
+    ``parameter_plan`` the batch is whole (Megatron's plan: only the weights split)."""
     import fshard as fs
 
-    ap = fs.AutoParallel(_loss, fs.optim.adam(1e-3), mode, mesh=DEVICES)
-    ap.dataset_strategy("data_parallel")
+    ap = fs.AutoParallel(loss, fs.optim.adam(1e-3), mode, mesh=DEVICES)
+    ap.dataset_strategy("full_batch" if parameter_plan else "data_parallel")
+    if parameter_plan:
+        ap.parameter_plan(parameter_plan)
     state = ap.init(params)
     c0, t0 = time.process_time(), time.perf_counter()
     part = ap.partitioned(state, x, labels)
@@ -170,47 +231,66 @@ def deep_planning(layers: int, width: int = 64, rows: int = 256) -> tuple:
     return len(part.prop.program.equations), time.process_time() - c0, part.collectives()
 
 
+def _program_rows(ctx, name, loss, params, x, labels, megatron=None) -> tuple[list, list]:
+    """Rows and notes of one program: the hand-written steps and each mode's plan,
+    timed interleaved."""
+    import fshard as fs
+
+    rows, notes, fns, info = [], [], {}, {}
+    step, hstate = hand_data_parallel(params, x, labels, fs.optim.adam(1e-3), loss=loss)
+    fns["hand"] = lambda step=step, s=hstate, x=x, y=labels: step(*s, x, y)[2].asnumpy()
+    one, ostate = hand_one_device(params, x, labels, fs.optim.adam(1e-3), loss=loss)
+    fns["one"] = lambda step=one, s=ostate, x=x, y=labels: step(*s, x, y)[2].asnumpy()
+    hands = {"hand": ("hand-written data parallel", "fs.jit(fs.shard_map(value_and_grad)), "
+                      "one psum per gradient and the loss's"),
+             "one": ("hand-written one-device step",
+                     "fs.jit(value_and_grad): every device computes everything")}
+    if megatron:
+        ap, state, *_ = plan_mode("semi_auto", params, x, labels, loss, megatron)
+        fns["megatron"] = lambda ap=ap, state=state, x=x, y=labels: ap(state, x, y)[
+            1].asnumpy()
+        hands["megatron"] = ("hand-written Megatron", "AutoParallel semi_auto with "
+                             "Megatron's parameter_plan, the batch whole: "
+                             + _collectives(ap.partitioned(state, x, labels).collectives()))
+    for mode in MODES:
+        ap, state, cpu, wall, e, colls = plan_mode(mode, params, x, labels, loss)
+        info[mode] = (cpu, wall, e, colls)
+        fns[mode] = lambda ap=ap, state=state, x=x, y=labels: ap(state, x, y)[1].asnumpy()
+    # 50 calls first (past MindSpore's choice of threads for each graph, as
+    # benchmarks/prediction.py does), then 16 rounds of 10 calls each: fewer calls
+    # after a 3-call warm-up put the same program at 1.0-1.4x itself (2026-11-29)
+    t = ctx.compare(fns, runs=ctx.runs(160, 6), rounds=ctx.runs(16, 2),
+                    warmup=ctx.runs(50, 3))
+    for key, (label, note) in hands.items():
+        rows.append(Row("fshard", f"{name}: {label}", t[key]["median_s"], t[key]["min_s"],
+                        t[key]["runs"], note))
+    best = min(t[k]["median_s"] for k in hands)
+    for mode in MODES:
+        cpu, wall, e, colls = info[mode]
+        ratio = t[mode]["median_s"] / t["hand"]["median_s"]
+        note = (f"planning {cpu:.3f} s CPU ({wall:.3f} s wall), predicted "
+                f"{e.total_s * 1e3:.2f} ms, {_collectives(colls)}, "
+                f"{ratio:.2f}x the hand-written data-parallel step, "
+                f"{t[mode]['median_s'] / best:.2f}x the fastest hand-written step")
+        rows.append(Row("fshard", f"{name}: {mode}", t[mode]["median_s"],
+                        t[mode]["min_s"], t[mode]["runs"], note))
+        notes.append(f"{name}: {mode}: {note}")
+    return rows, notes
+
+
 @benchmark("planning", title="AutoParallel's planning time and plans, per mode (8 virtual "
                               "devices, data_parallel batch, Adam)")
 def planning(ctx):
-    import fshard as fs
-
     rows, notes = [], []
-    baseline = None
     for name, (params, x, labels) in programs().items():
-        fns, info = {}, {}
-        step, hstate = hand_data_parallel(params, x, labels, fs.optim.adam(1e-3))
-        fns["hand"] = lambda step=step, s=hstate, x=x, y=labels: step(*s, x, y)[2].asnumpy()
-        one, ostate = hand_one_device(params, x, labels, fs.optim.adam(1e-3))
-        fns["one"] = lambda step=one, s=ostate, x=x, y=labels: step(*s, x, y)[2].asnumpy()
-        for mode in MODES:
-            ap, state, cpu, wall, e, colls = plan_mode(mode, params, x, labels)
-            info[mode] = (cpu, wall, e, colls)
-            fns[mode] = lambda ap=ap, state=state, x=x, y=labels: ap(state, x, y)[1].asnumpy()
-        # 50 calls first (past MindSpore's choice of threads for each graph, as
-        # benchmarks/prediction.py does), then 16 rounds of 10 calls each: fewer calls
-        # after a 3-call warm-up put the same program at 1.0-1.4x itself (2026-11-29)
-        t = ctx.compare(fns, runs=ctx.runs(160, 6), rounds=ctx.runs(16, 2),
-                        warmup=ctx.runs(50, 3))
-        label = f"{name}: hand-written data parallel"
-        baseline = baseline or label
-        rows.append(Row("fshard", label, t["hand"]["median_s"], t["hand"]["min_s"],
-                        t["hand"]["runs"], "fs.jit(fs.shard_map(value_and_grad)), one psum "
-                        "per gradient and the loss's"))
-        rows.append(Row("fshard", f"{name}: hand-written one-device step", t["one"]["median_s"],
-                        t["one"]["min_s"], t["one"]["runs"],
-                        "fs.jit(value_and_grad): every device computes everything"))
-        best = min(t["hand"]["median_s"], t["one"]["median_s"])
-        for mode in MODES:
-            cpu, wall, e, colls = info[mode]
-            ratio = t[mode]["median_s"] / t["hand"]["median_s"]
-            note = (f"planning {cpu:.3f} s CPU ({wall:.3f} s wall), predicted "
-                    f"{e.total_s * 1e3:.2f} ms, {_collectives(colls)}, "
-                    f"{ratio:.2f}x the hand-written data-parallel step, "
-                    f"{t[mode]['median_s'] / best:.2f}x the faster hand-written step")
-            rows.append(Row("fshard", f"{name}: {mode}", t[mode]["median_s"],
-                            t[mode]["min_s"], t[mode]["runs"], note))
-            notes.append(f"{name}: {mode}: {note}")
+        r, n = _program_rows(ctx, name, _loss, params, x, labels)
+        rows += r
+        notes += n
+    for name, (loss, params, x, y, megatron) in more_programs().items():
+        r, n = _program_rows(ctx, name, loss, params, x, y, megatron)
+        rows += r
+        notes += n
+    baseline = rows[0].label
     # Predicted against measured step time, 15 plans (benchmarks/prediction.py): with
     # this machine's calibration table when fs.sharding.calibrate() has made one.
     from benchmarks import prediction

@@ -54,6 +54,9 @@ class Explanation:
     # its devices' blocks: ``Problem.boundary_seconds``; the outputs' is in
     # ``output_comm_s``, an input decided at its first consumer's in that row).
     inputs_s: float = 0.0
+    # Work outside the program on every call: in a job, ``fs.AutoParallel``'s check
+    # that every process passes slices of the same shapes (``local_batch.slice_rows``).
+    checks_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -65,7 +68,7 @@ class Explanation:
 
     @property
     def total_s(self) -> float:
-        return self.call_s + self.inputs_s + self.compute_s + self.comm_s
+        return self.call_s + self.checks_s + self.inputs_s + self.compute_s + self.comm_s
 
     @property
     def collectives(self) -> int:
@@ -88,6 +91,9 @@ class Explanation:
                      f"{self.output_comm_s * 1e3:>9.4f}")
         if self.call_s:
             lines.append(f"{'':>4}  {'(call)':<16} {'':<40} {self.call_s * 1e3:>10.4f}")
+        if self.checks_s:
+            lines.append(f"{'':>4}  {'(slice check)':<16} {'':<40} {'':>10} "
+                         f"{self.checks_s * 1e3:>9.4f}")
         return "\n".join(lines)
 
 

@@ -73,6 +73,19 @@ def _all_gather_rows(mine: np.ndarray) -> np.ndarray:
     return ShardedArray.cut(every, (n, 1), ShardMesh.for_devices(n), rank).gather().asnumpy()
 
 
+def slice_check_seconds(n: int) -> float:
+    """The predicted time of ``slice_rows``' check on ``n`` processes, in the job's
+    rates: a compiled call of its own, an AllGather of the 8-number signature."""
+    from fshard.sharding.cost import CostModel, backend_rates, step_seconds
+
+    if n == 1:
+        return 0.0
+    model = CostModel(level=2, rates=backend_rates(n))
+    nbytes = 4.0 * len(_signature([], ()))
+    return model.call_seconds(2) + step_seconds("all_gather", nbytes, n, True, model.native,
+                                                model.rates)
+
+
 def slice_rows(shapes, what: str, dtypes=()) -> list[tuple[int, ...]] | None:
     """Every process's row counts of its batch slices (``shapes``: this process's, in
     argument order), as ``[(rows of each slice) for each rank]``; None when every

@@ -75,6 +75,7 @@ def main(out_dir: str) -> None:
     chosen = problem.evaluate(picked.in_shardings, picked.choice).score(2, problem.model)
     picked_collectives = partition(picked).collectives()
     planned = ap.partitioned(state, rows, own).collectives()
+    checks_s = ap.explain(state, rows, own).checks_s
     losses, want = [], []
     for _ in range(3):
         state, loss = ap(state, rows, own)
@@ -88,6 +89,7 @@ def main(out_dir: str) -> None:
         json.dump({"job_model": problem.model.job, "paths": [list(t) for t in paths],
                    "chosen": list(chosen),
                    "collectives": planned, "picked_collectives": picked_collectives,
+                   "checks_s": checks_s,
                    "losses": losses, "one_device": want,
                    "refused": refused, "table": table,
                    "saved": rates.cache_path(n, job=True).name,

@@ -83,8 +83,8 @@ from fshard.transforms.ad import value_and_grad
 from fshard.transforms.control_flow import scan
 from fshard.transforms.jit import ParameterChanged, bind_declared, declared_types, jit
 from fshard.sharding.local_batch import (block_index, global_declared, global_type,
-                                         rebalance, rows_differ_error, slice_rows,
-                                         to_global)
+                                         rebalance, rows_differ_error,
+                                         slice_check_seconds, slice_rows, to_global)
 from fshard.transforms.shard import cell_parameter_plans, cells_with_parameter_plans, shard
 from fshard.sharding.user_layouts import with_sharding_constraint
 
@@ -1463,7 +1463,11 @@ class AutoParallel:
         communication time, and the runner-up (print it; ``fshard.sharding.explain``)."""
         self._check_state(state, ".explain(state, *batch)")
         part = self.partitioned(state, *batch)
-        return explain_plan(part.prop, f"{self.name} ({self.parallel_mode})")
+        e = explain_plan(part.prop, f"{self.name} ({self.parallel_mode})")
+        if self._in_job() and self._feeds_slices():
+            # every call first checks the processes' slices: an AllGather of its own
+            e.checks_s = slice_check_seconds(self.n_devices)
+        return e
 
     def memory_report(self, state: TrainState, *batch) -> dict:
         """Bytes per device of ``params``, ``grads`` and ``optimizer_state`` as the plan

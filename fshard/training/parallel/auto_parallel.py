@@ -1298,17 +1298,19 @@ class AutoParallel:
         """A call of a new signature (or in a job, every call): the checks, the plan and
         the step; the step's compiled program is kept under ``key`` (None: not kept)."""
         in_job = self._in_job()
-        if self._feeds_slices():
+        slices = self._feeds_slices()
+        if slices:
             batch = self._even_slices(batch)
-        if in_job:
-            state = self._place_state(state, batch)
-        if self._feeds_slices():
             plan_batch = self._global_batch(batch)
-            batch = self._place_slices(state, batch)
         else:
             plan_batch = batch if self._batch_specs is None else \
                 self._declared_batch(batch)
-        _, step = self._sharded(state, plan_batch)
+        # (one plan lookup per call: a job's calls all come here)
+        s, step = self._sharded(state, plan_batch)
+        if in_job:
+            state = self._place_state(state, s, plan_batch)
+        if slices:
+            batch = self._place_slices(state, batch, s, plan_batch)
         args = (state.params, state.opt_state, state.step, *batch)
         result = step(*args)
         if key is not None and not in_job:
@@ -1387,15 +1389,14 @@ class AutoParallel:
             raise rows_differ_error(what, rows, distributed.world_size())
         return tree.unflatten(spec, [as_tensor(x) for x in rebalance(leaves, rows, what)])
 
-    def _place_state(self, state: TrainState, batch) -> TrainState:
+    def _place_state(self, state: TrainState, s, gbatch) -> TrainState:
         """In a job, ``state`` with each whole leaf that the plan splits (the state of
         ``ap.init``, or a loaded one) cut to this process's block (an
         ``fs.ShardedArray``: no communication), as the steps return it: the first step
         then runs the program of every later step, instead of compiling a second one
-        for whole inputs whose memory the process would keep."""
+        for whole inputs whose memory the process would keep. ``s``: the sharded step
+        of ``state`` and the batch as planned, ``gbatch``."""
         leaves, spec = tree.flatten(state)
-        gbatch = self._global_batch(batch) if self._feeds_slices() else self._plan_batch(batch)
-        s, _ = self._sharded(state, gbatch)
         key = (spec, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves))
         split = s.state_splits.get(key)
         if split is None:  # once per plan: which leaves it splits, and how
@@ -1411,15 +1412,14 @@ class AutoParallel:
             x, (ShardedArray, Tracer)) else x for i, x in enumerate(leaves)]
         return tree.unflatten(spec, leaves)
 
-    def _place_slices(self, state: TrainState, batch) -> tuple:
+    def _place_slices(self, state: TrainState, batch, s, gbatch) -> tuple:
         """Each process's slice as what the plan reads: a concrete slice is this
         process's block of the global batch (an ``fs.ShardedArray``, taken by the step
         as it is: nothing padded or communicated); a traced one is placed at its block
-        of a global-shaped value."""
+        of a global-shaped value. ``s``: the sharded step, ``gbatch`` the global batch
+        of these slices."""
         leaves, spec = tree.flatten(tuple(batch))
         key = (spec, tuple((tuple(typeof(x).shape), typeof(x).dtype) for x in leaves))
-        gbatch = self._global_batch(batch)
-        s, _ = self._sharded(state, gbatch)
         places = s.batch_places.get(key)
         if places is None:  # once per plan: this process's block of each batch input
             part = s.partitioned(state.params, state.opt_state, state.step, *gbatch)

@@ -37,6 +37,7 @@ from fshard.core.dims import Symbol
 from fshard.core.tracing import ArrayType, Tracer, typeof
 from fshard.errors import ArgumentError
 from fshard.primitives.structural import pad, slice_array
+from fshard.sharding.cost import CostModel, backend_rates, step_seconds
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.local import ShardedArray
 
@@ -76,8 +77,6 @@ def _all_gather_rows(mine: np.ndarray) -> np.ndarray:
 def slice_check_seconds(n: int) -> float:
     """The predicted time of ``slice_rows``' check on ``n`` processes, in the job's
     rates: a compiled call of its own, an AllGather of the 8-number signature."""
-    from fshard.sharding.cost import CostModel, backend_rates, step_seconds
-
     if n == 1:
         return 0.0
     model = CostModel(level=2, rates=backend_rates(n))

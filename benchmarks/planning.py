@@ -58,7 +58,8 @@ def _params(sizes, seed=0):
     return params
 
 
-def _loss(p, x, y):
+def _mlp(p, x):
+    """The MLP of ``p`` (``w{i}``, ``b{i}``; ReLU between layers): its logits."""
     import fshard as fs
 
     n = len(p) // 2
@@ -67,7 +68,13 @@ def _loss(p, x, y):
         h = h @ p[f"w{i}"] + p[f"b{i}"]
         if i < n - 1:
             h = fs.ops.relu(h)
-    return fs.ops.softmax_cross_entropy(h, y)
+    return h
+
+
+def _loss(p, x, y):
+    import fshard as fs
+
+    return fs.ops.softmax_cross_entropy(_mlp(p, x), y)
 
 
 def programs():
@@ -89,15 +96,7 @@ def programs():
 
 
 def _mse(p, x, y):
-    import fshard as fs
-
-    n = len(p) // 2
-    h = x
-    for i in range(n):
-        h = h @ p[f"w{i}"] + p[f"b{i}"]
-        if i < n - 1:
-            h = fs.ops.relu(h)
-    return ((h - y) ** 2).mean()
+    return ((_mlp(p, x) - y) ** 2).mean()
 
 
 def _deep(p, x, y):

@@ -292,15 +292,19 @@ def test_in_a_job_the_planners_also_try_computing_everything_whole(monkeypatch):
     problem = search.Problem.from_propagated(prop)
     assert problem.model.job
     ins, choice, score = search.whole_path(problem)
+
+    def price(p):  # in the problem's rates
+        return problem.evaluate(p.in_shardings, p.choice).score(2, problem.model)
+
     lazy = problem.evaluate(*problem.assignment(problem.lazy_decisions()))
     # the default rates price a CPU job's collectives above this program's compute
-    assert score < min(lazy.score(2, problem.model), search.cost(prop).score(2))
+    assert score < min(lazy.score(2, problem.model), price(prop))
     chosen = search.cheaper_path(prop)
-    assert search.cost(chosen).score(2) == score
+    assert price(chosen) == score
     split = [(v, sh) for eq in chosen.program.equations for v in eq.outputs
              for sh in [chosen.shardings[v]] if any(sh.dims) or sh.partial]
     assert not split, split
-    assert search.cost(search.refine(prop)).score(2) == score
+    assert price(search.refine(prop)) == score
     # run on the virtual mesh: one AllGather of the batch, the unsharded numbers
     assert f.partitioned(ws, x).collectives() == ["all_gather"]
     (v, gs), (want_v, want_gs) = f(ws, x), vg(ws, x)

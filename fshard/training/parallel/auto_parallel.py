@@ -1464,8 +1464,8 @@ class AutoParallel:
         self._check_state(state, ".explain(state, *batch)")
         part = self.partitioned(state, *batch)
         e = explain_plan(part.prop, f"{self.name} ({self.parallel_mode})")
-        if self._in_job() and self._feeds_slices():
-            # every call first checks the processes' slices: an AllGather of its own
+        if self._feeds_slices():
+            # in a job every call first checks the processes' slices: its own AllGather
             e.checks_s = slice_check_seconds(self.n_devices)
         return e
 

@@ -355,23 +355,44 @@ class _Worker:
 def _kill(proc: subprocess.Popen, grace: float = 1.0) -> None:
     """Stop a child and everything it started (its own process group), also when the
     child itself has exited: processes it started (``subprocess.Popen``) must not
-    outlive the job."""
-    if proc.poll() is not None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group
-        except (ProcessLookupError, PermissionError):
-            pass
+    outlive the job. Returns once none of them runs (a SIGKILL takes effect when the
+    kernel next schedules its process: on a loaded machine, milliseconds later)."""
+    if proc.poll() is None:
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group
+    except (ProcessLookupError, PermissionError):
         return
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+    deadline = time.monotonic() + 5.0
+    while _group_runs(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (a zombie, waiting to be reaped,
+    does not). Read from /proc; elsewhere, False."""
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return False
+    for pid in pids:
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
+            with open(f"/proc/{pid}/stat") as fh:
+                state, _, group = fh.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
             continue
+        if int(group) == pgid and state not in ("Z", "X"):
+            return True
+    return False
 
 
 def _pump(worker: _Worker, log: TextIO, out: TextIO | None, lock: threading.Lock,

@@ -245,12 +245,12 @@ def _program_rows(ctx, name, loss, params, x, labels, megatron=None) -> tuple[li
              "one": ("hand-written one-device step",
                      "fs.jit(value_and_grad): every device computes everything")}
     if megatron:
-        ap, state, *_ = plan_mode("semi_auto", params, x, labels, loss, megatron)
+        ap, state, _, _, _, colls = plan_mode("semi_auto", params, x, labels, loss, megatron)
         fns["megatron"] = lambda ap=ap, state=state, x=x, y=labels: ap(state, x, y)[
             1].asnumpy()
         hands["megatron"] = ("hand-written Megatron", "AutoParallel semi_auto with "
                              "Megatron's parameter_plan, the batch whole: "
-                             + _collectives(ap.partitioned(state, x, labels).collectives()))
+                             + _collectives(colls))
     for mode in MODES:
         ap, state, cpu, wall, e, colls = plan_mode(mode, params, x, labels, loss)
         info[mode] = (cpu, wall, e, colls)

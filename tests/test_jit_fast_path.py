@@ -345,3 +345,34 @@ def test_the_call_waits_for_the_output_at_the_end_of_the_longest_chain():
     assert compiled._wait == 0
     h, d = fs.jit(f)(T(x))
     np.testing.assert_allclose(d.asnumpy(), x * 2.0)
+
+
+def test_the_longest_chain_counts_the_order_the_lowering_gives_collectives():
+    # In a job the lowering chains collectives in program order (every rank issues
+    # them in one order): a psum of an input ready at once still ends after the psum
+    # before it. AutoParallel's data-parallel Adam step waited on the first layer's
+    # update (deepest by its operands) while the last layer's AllReduce, issued last,
+    # still ran: the step took 1.25x as long.
+    from fshard.core import dtypes
+    from fshard.core.ir import Equation, Program, Var
+    from fshard.core.tracing import ArrayType
+    from fshard.primitives.collectives import psum_p
+    from fshard.primitives.elementwise import tanh_p
+    from fshard.transforms.jit import _last_output
+
+    def var():
+        return Var(ArrayType((4,), dtypes.float32))
+
+    a, b = var(), var()
+    h, eqs = a, []
+    for _ in range(3):  # a long chain before the first collective
+        out = var()
+        eqs.append(Equation(tanh_p, [h], {}, [out]))
+        h = out
+    first, second = var(), var()
+    eqs.append(Equation(psum_p, [h], {"axis_name": ("d",)}, [first]))
+    eqs.append(Equation(psum_p, [b], {"axis_name": ("d",)}, [second]))
+    assert _last_output(Program([a, b], eqs, [first, second])) == 1
+    # without collectives, the deeper chain is the one waited for
+    plain = eqs[:3] + [Equation(tanh_p, [b], {}, [second])]
+    assert _last_output(Program([a, b], plain, [h, second])) == 0

@@ -15,6 +15,7 @@ import numpy as np
 
 from fshard.core import context, dtypes, tree
 from fshard.primitives import passes
+from fshard.primitives.collectives import COLLECTIVES
 from fshard.backend import mindspore as backend
 from fshard.core.tracing import (ArrayType, EvalTrace, Symbol, current_trace, dim_eval, is_symbolic,
                          typeof)
@@ -391,11 +392,17 @@ def _last_output(program) -> int | None:
     """The output at the end of the longest chain of equations (MindSpore's runtime
     runs an equation once its operands are ready, so program order says little: an
     optimizer's last update in program order may be ready long before the gradient
-    that backpropagation computes last); ties go to the later one in program order."""
+    that backpropagation computes last); ties go to the later one in program order.
+    The lowering chains a program's collectives in program order (each waits for the
+    previous one, so that every rank issues them in the same order): a collective
+    ends after the one before it, whatever its operands."""
     depth: dict = {}
     defined: dict = {}
+    chain = 0  # the depth of the last collective so far
     for i, eq in enumerate(program.equations):
         d = 1 + max((depth.get(a, 0) for a in eq.inputs if isinstance(a, Var)), default=0)
+        if eq.prim in COLLECTIVES:
+            d = chain = max(d, chain + 1)
         for k, v in enumerate(eq.outputs):
             depth[v], defined[v] = d, (i, k)
     where = [defined.get(a, (-1, -1)) if isinstance(a, Var) else (-1, -1)

@@ -115,6 +115,34 @@ def test_data_parallel_with_per_process_slices_equals_one_process(jobs, one_proc
             _close(np.asarray(dp["params"][k], np.float32), want, 1e-5)
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_jobs_repeated_step_runs_only_the_program_of_what_it_is_passed(jobs, size):
+    # A job's repeated call skips placing the state and the slices: the whole state of
+    # ap.init after the steps' blocks, and an uneven batch after even ones, must still
+    # run their own programs (training_checks.hot_path).
+    _, reports = jobs
+    ap = example.make(mesh=1)
+    x, y = next(example.batches(1))
+    state, want = ap.init(example.init_params()), []
+    for _ in range(4):
+        state, loss = ap(state, x, y)
+        want.append(float(loss.asnumpy()))
+    want.append(want[0])
+    b = example.BATCH // size
+    short = np.r_[0:b - size, b:example.BATCH]  # process 0 `size` rows short
+    for rows in (short, slice(None)):
+        state, loss = ap(state, x[rows], y[rows])
+        want.append(float(loss.asnumpy()))
+    assert want[3] < want[0]
+    for r, rep in enumerate(reports[size]):
+        got = rep["hot_path"]
+        np.testing.assert_allclose(got["losses"], want, rtol=1e-5, err_msg=f"rank {r}")
+        # the hot path ran the 3rd, 4th and last steps (the first two place the state)
+        assert got["first_calls"] == 4, (r, got["first_calls"])
+        for k, v in state.params.items():
+            _close(np.asarray(got["params"][k], np.float32), v.asnumpy(), 1e-5)
+
+
 def test_data_parallel_on_a_virtual_mesh_of_8_equals_one_process(one_process):
     losses, params = _data_parallel(8)
     np.testing.assert_allclose(losses, one_process[0], rtol=1e-5)

@@ -12,7 +12,9 @@ Every job:
   (``ms.set_auto_parallel_context(dataset_strategy="data_parallel")``), and seed 001's
   loss (``nn.CrossEntropyLoss`` in ``nn.WithLossCell``, whose tracing captures
   constants) trained by ``fs.AutoParallel`` with per-process slices
-  (``seed_context``).
+  (``seed_context``);
+- ZeRO level3 steps through the step's hot path, then the whole state of ``ap.init``
+  again and an uneven batch (``hot_path``).
 
 The 4-process job also trains the 2 x 2 (dp x mp) Adam MLP with ZeRO level1 for 10
 steps (its split state leaves are fs.ShardedArrays: each process holds its blocks, no
@@ -371,13 +373,42 @@ def resume_with_zero3(out: str, rank: int, size: int) -> dict:
             "boundary_gathers": _boundary_gathers(ap), "dir": latest}
 
 
+def hot_path(rank: int, size: int) -> dict:
+    """ZeRO level3 Adam steps on one batch, each process passing its rows, through the
+    step's hot path: 4 steps from the whole state of ``ap.init`` (then the blocks the
+    steps return); the first step again from the whole state (another program than the
+    blocks'); an uneven batch (process 0 N rows short) and one more even step. The
+    losses and the final parameters."""
+    ap = example.make(zero="level3")
+    b = example.BATCH // size
+    x, y = next(example.batches(1))
+    mine = slice(rank * b, (rank + 1) * b)
+    whole = ap.init(example.init_params())
+    first_calls = []  # the calls that placed, planned or looked up their step
+    first_call = ap._first_call
+    ap._first_call = lambda *a, **k: first_calls.append(1) or first_call(*a, **k)
+    state, losses = whole, []
+    for _ in range(4):
+        state, loss = ap(state, x[mine], y[mine])
+        losses.append(float(n(loss)))
+    _, loss = ap(whole, x[mine], y[mine])
+    losses.append(float(n(loss)))
+    short = slice(mine.start, mine.stop - size) if rank == 0 else mine
+    for rows in (short, mine):
+        state, loss = ap(state, x[rows], y[rows])
+        losses.append(float(n(loss)))
+    return {"losses": losses, "first_calls": len(first_calls),
+            "params": {k: n(v).tolist() for k, v in fs.gather_sharded(state.params).items()}}
+
+
 def main(out: str) -> None:
     fs.distributed.init()
     rank, size = fs.distributed.rank(), fs.distributed.world_size()
     report = {"data_parallel": data_parallel(rank, size),
               "shard": shard_data_parallel(rank, size),
               "process_local": shard_process_local(rank, size),
-              "seed_context": seed_context(rank, size)}
+              "seed_context": seed_context(rank, size),
+              "hot_path": hot_path(rank, size)}
     if size == 4:
         report["strategy_net"] = train_strategy_net(rank, size)
         report["resume"] = train_2x2_and_save(out)

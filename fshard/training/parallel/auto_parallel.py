@@ -124,6 +124,15 @@ def _signature(x) -> tuple:
 
 
 
+def _call_signature(x) -> tuple:
+    """A leaf's part of ``__call__``'s key: a process's block of a split leaf (an
+    ``fs.ShardedArray``, as a job's step returns it) runs another program than the
+    whole leaf of the same global type."""
+    if type(x) is ShardedArray:
+        return x.shape, x.dtype, x.sharding, x.mesh
+    return _signature(x)
+
+
 @functools.lru_cache(maxsize=None)
 def _planned(update):
     """``update`` run with ``context.plan_updates`` set (one function per ``update``:
@@ -134,6 +143,13 @@ def _planned(update):
 
     planned.__name__ = getattr(update, "__name__", "update")
     return planned
+
+class _JobStep(NamedTuple):
+    """A job's step on the hot path: its compiled program, and whether each call first
+    checks that every process passes slices of the same shapes."""
+    compiled: Any
+    slices: bool
+
 
 class AutoParallel:
     """A training step, sharded and compiled (MindSpore's ``AutoParallel``).
@@ -1269,9 +1285,11 @@ class AutoParallel:
         # under the same MindSpore context (parallel mode, dataset strategy, device_num)
         # and the same mesh, runs the step the checks below chose for that call: one
         # flatten and one dict lookup instead of re-reading the context four times and
-        # keying _steps. (In a job each call's state and slices are placed: no hot path.)
+        # keying _steps. In a job it is taken where that call had nothing to place (the
+        # state the previous step returned, slices of the planned size), after the
+        # check that every process passes slices of the same shapes.
         leaves, spec = tree.flatten((state, batch))
-        key = (spec, tuple([(x.shape, x.dtype) if type(x) is Tensor else _signature(x)
+        key = (spec, tuple([(x.shape, x.dtype) if type(x) is Tensor else _call_signature(x)
                             for x in leaves]),
                tuple(auto_parallel_settings().values()), context_key(),
                distributed.is_initialized())
@@ -1283,40 +1301,54 @@ class AutoParallel:
             # the step's compiled program, on the leaves flattened above (a TrainState
             # flattens as (params, opt_state, step): the leaves of the step's arguments);
             # traced (a loop of steps under fs.jit), the step's fs.jit inlines it instead
-            try:
-                result = compiled.call_leaves(leaves)
-            except ParameterChanged:  # a Parameter the loss reads changed: trace again
-                del self._calls[key]
-                return self(state, *batch)
+            checked = batch
+            if type(compiled) is _JobStep:
+                if compiled.slices:  # (every process enters it: one AllGather)
+                    checked = self._even_slices(batch)
+                compiled = compiled.compiled
+            if checked is not batch:  # uneven slices: this call's even blocks
+                result = self._first_call(None, state, checked, checked=True)
+            else:
+                try:
+                    result = compiled.call_leaves(leaves)
+                except ParameterChanged:  # a Parameter the loss reads changed: trace again
+                    del self._calls[key]
+                    result = self._first_call(key, state, batch, checked=True)
         else:
             result = self._first_call(key, state, batch)
         if len(result) == 3:  # print_local_norm / dump_local_norm
             self._report_norms(result[0], result[2])
         return result[0], result[1]
 
-    def _first_call(self, key, state: TrainState, batch) -> tuple:
-        """A call of a new signature (or in a job, every call): the checks, the plan and
-        the step; the step's compiled program is kept under ``key`` (None: not kept)."""
+    def _first_call(self, key, state: TrainState, batch, checked: bool = False) -> tuple:
+        """A call of a new signature (or in a job, one with something to place): the
+        checks, the plan and the step; the step's compiled program is kept under ``key``
+        (None: not kept). ``checked``: the slices were checked (``_even_slices``)."""
         in_job = self._in_job()
         slices = self._feeds_slices()
+        given = batch
         if slices:
-            batch = self._even_slices(batch)
+            if not checked:
+                batch = self._even_slices(batch)
             plan_batch = self._global_batch(batch)
         else:
             plan_batch = batch if self._batch_specs is None else \
                 self._declared_batch(batch)
-        # (one plan lookup per call: a job's calls all come here)
         s, step = self._sharded(state, plan_batch)
+        placed = state
         if in_job:
-            state = self._place_state(state, s, plan_batch)
-        if slices:
-            batch = self._place_slices(state, batch, s, plan_batch)
-        args = (state.params, state.opt_state, state.step, *batch)
+            placed = self._place_state(state, s, plan_batch)
+        args = (placed.params, placed.opt_state, placed.step,
+                *(self._place_slices(placed, batch, s, plan_batch) if slices else batch))
         result = step(*args)
-        if key is not None and not in_job:
+        # In a job the hot path passes the state and the slices as they come: kept only
+        # when this call's were already what the step takes (the state as a step
+        # returns it, each slice this process's block as it is)
+        if key is not None and (not in_job or (placed is state and batch is given and (
+                not slices or all(type(x) is ShardedArray for x in tree.leaves(args[3:]))))):
             compiled = step.compiled_for(*args)
             if compiled is not None:
-                self._calls[key] = compiled
+                self._calls[key] = _JobStep(compiled, slices) if in_job else compiled
         return result
 
     def gather(self, state):

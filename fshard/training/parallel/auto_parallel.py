@@ -123,7 +123,6 @@ def _signature(x) -> tuple:
     return tuple(a.shape), a.dtype
 
 
-
 def _call_signature(x) -> tuple:
     """A leaf's part of ``__call__``'s key: a process's block of a split leaf (an
     ``fs.ShardedArray``, as a job's step returns it) runs another program than the
@@ -143,6 +142,7 @@ def _planned(update):
 
     planned.__name__ = getattr(update, "__name__", "update")
     return planned
+
 
 class _JobStep(NamedTuple):
     """A job's step on the hot path: its compiled program, and whether each call first

@@ -15,7 +15,7 @@ import numpy as np
 
 from fshard.core import context, dtypes, tree
 from fshard.primitives import passes
-from fshard.primitives.collectives import COLLECTIVES
+from fshard.primitives.collectives import COLLECTIVES, shard_out_p
 from fshard.backend import mindspore as backend
 from fshard.core.tracing import (ArrayType, EvalTrace, Symbol, current_trace, dim_eval, is_symbolic,
                          typeof)
@@ -388,6 +388,11 @@ def _last_computed(program) -> int | None:
     return _last_output(program)
 
 
+#: The equations whose lowering in a job joins the chain of collectives (a
+#: ``shard_out`` gathers a split result).
+_SEQUENCED = COLLECTIVES + (shard_out_p,)
+
+
 def _last_output(program) -> int | None:
     """The output at the end of the longest chain of equations (MindSpore's runtime
     runs an equation once its operands are ready, so program order says little: an
@@ -401,7 +406,7 @@ def _last_output(program) -> int | None:
     chain = 0  # the depth of the last collective so far
     for i, eq in enumerate(program.equations):
         d = 1 + max((depth.get(a, 0) for a in eq.inputs if isinstance(a, Var)), default=0)
-        if eq.prim in COLLECTIVES:
+        if eq.prim in _SEQUENCED:
             d = chain = max(d, chain + 1)
         for k, v in enumerate(eq.outputs):
             depth[v], defined[v] = d, (i, k)

@@ -5,8 +5,10 @@ For each program of ``benchmarks/planning.py`` (the MLP 64-512-512-10, the digit
 the wide MLP 256-2048-2048-10), on every rank: ``fs.AutoParallel`` with Adam in each
 mode (``dataset_strategy("data_parallel")``, each process passing its own rows), the
 hand-written data-parallel step (``fs.jit`` of ``fs.shard_map`` of ``value_and_grad``
-with ``fs.pmean``, the global batch) and the same step unsharded on every process
-(``fs.jit``: the plan in which every device computes everything). The job is
+with ``fs.pmean``, the global batch), the hand-written plan of the searching modes'
+whole path (each process's rows all-gathered inside ``fs.shard_map``, then the loss and
+gradients computed whole on every process) and the same step unsharded on every process
+(``fs.jit`` of the global batch: the plan in which every device computes everything). The job is
 calibrated first (``fs.sharding.calibrate()`` on every rank), so the modes plan with
 the job's rates. Every plan is called 50 times, then timed in 8 rounds of 10 calls,
 each call after a barrier (as the steps of a training loop meet at their
@@ -86,6 +88,10 @@ def worker(out_dir: str) -> None:
         step, state = P.hand_data_parallel(params, x, labels, fs.optim.adam(1e-3), n)
         ps[f"{short}: hand data parallel"] = (_hand(step, state, x, labels),
                                              _Unpriced, [])
+        step, state = P.hand_data_parallel(params, x, labels, fs.optim.adam(1e-3), n,
+                                           gather=True)
+        ps[f"{short}: hand gather, then whole"] = (_hand(step, state, x, labels),
+                                                  _Unpriced, [])
         step, state = P.hand_one_device(params, x, labels, fs.optim.adam(1e-3))
         ps[f"{short}: hand one-device"] = (_hand(step, state, x, labels),
                                           _Unpriced, [])

@@ -156,8 +156,11 @@ def hand_one_device(params, x, labels, opt, loss=_loss):
     return fs.jit(step), (p0, opt.init(p0))
 
 
-def hand_data_parallel(params, x, labels, opt, devices: int = DEVICES, loss=_loss):
-    """The hand-written data-parallel step: ``(step, state)``."""
+def hand_data_parallel(params, x, labels, opt, devices: int = DEVICES, loss=_loss,
+                       gather: bool = False):
+    """The hand-written data-parallel step: ``(step, state)``. ``gather``: instead, each
+    device's rows all-gathered and the loss and gradients computed whole on every device
+    (the plan of a searching mode's whole path in a job, ``search.whole_path``)."""
     import mindspore as ms
 
     import fshard as fs
@@ -174,6 +177,16 @@ def hand_data_parallel(params, x, labels, opt, devices: int = DEVICES, loss=_los
     vg = fs.shard_map(fs.value_and_grad(local_loss),
                       in_strategy=(None, rows(x), rows(labels)),
                       out_strategy=((), None), mesh=mesh)
+    if gather:
+        # (the gradients outside fs.shard_map: inside it, an all_gather's result
+        # differs by device as a type, and the replicated weights' gradients would be
+        # summed over the devices, as in JAX)
+        rows_of = fs.shard_map(
+            lambda *vs: tuple(fs.all_gather(v, "dp", tiled=True) for v in vs),
+            in_strategy=(rows(x), rows(labels)), out_strategy=(None, None), mesh=mesh)
+
+        def vg(p, x, labels):
+            return fs.value_and_grad(loss)(p, *rows_of(x, labels))
 
     def step(p, o, x, labels):
         value, grads = vg(p, x, labels)

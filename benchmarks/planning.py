@@ -178,9 +178,8 @@ def hand_data_parallel(params, x, labels, opt, devices: int = DEVICES, loss=_los
                       in_strategy=(None, rows(x), rows(labels)),
                       out_strategy=((), None), mesh=mesh)
     if gather:
-        # (the gradients outside fs.shard_map: inside it, an all_gather's result
-        # differs by device as a type, and the replicated weights' gradients would be
-        # summed over the devices, as in JAX)
+        # (the gradients outside fs.shard_map: taken inside it, each device would hold
+        # a share of each replicated weight's gradient, summed by an AllReduce)
         rows_of = fs.shard_map(
             lambda *vs: tuple(fs.all_gather(v, "dp", tiled=True) for v in vs),
             in_strategy=(rows(x), rows(labels)), out_strategy=(None, None), mesh=mesh)

@@ -105,9 +105,15 @@ def _rank_rule(mesh: Mesh):
             return [(o, frozenset(m) & names) for o, m in zip(outs, out_vmas, strict=True)]
         out_vmas = _vma_out(eq, list(vmas))
         if eq.prim is C.replica_sum_p:
-            axes = tuple(a for a in mesh.axis_names
-                         if a in eq.params["axis_name"] and a not in vmas[1])
-            outs = [C.psum_p.bind(vals[0], axis_name=axes, mesh=mesh) if axes else vals[0]]
+            axes = [a for a in mesh.axis_names
+                    if a in eq.params["axis_name"] and a not in vmas[1]]
+            # shares that may differ are summed by a psum; shares the same on every
+            # device of an axis (a cotangent computed from replicated values only, e.g.
+            # after an all_gather) sum to n times this device's, with no communication
+            varying = tuple(a for a in axes if a in vmas[0])
+            n = math.prod(mesh.axis_size(a) for a in axes if a not in vmas[0])
+            out = C.psum_p.bind(vals[0], axis_name=varying, mesh=mesh) if varying else vals[0]
+            outs = [mul(out, C._scalar(n, out)) if n > 1 else out]
         elif eq.prim is C.replica_split_p:
             n = math.prod(mesh.axis_size(a) for a in eq.params["axis_name"]
                           if a not in vmas[1])

@@ -176,6 +176,19 @@ def main(out_dir: str) -> None:
     val0, g0 = fs.value_and_grad(loss)(w, x)
     results["checks"]["grad_inside_value"] = float(abs(val.asnumpy() - val0.asnumpy()))
     results["checks"]["grad_inside_grads"] = float(np.abs(g.asnumpy() - g0.asnumpy()).max())
+    # ... of a loss of the all-gathered rows: every device computes the same gradient,
+    # its shares are summed on the device (n times its own), and only the AllGather
+    # communicates
+    def gathered(w, v):
+        return fs.value_and_grad(loss)(w, fs.all_gather(v, "d", tiled=True))
+
+    step = fs.jit(fs.shard_map(gathered, (None, dp("d", "None")), ((), None),
+                               mesh=fs.Mesh((n,), ("d",))))
+    val, g = step(w, x)
+    results["checks"]["grad_of_gathered_value"] = float(abs(val.asnumpy() - val0.asnumpy()))
+    results["checks"]["grad_of_gathered_grads"] = float(np.abs(g.asnumpy() - g0.asnumpy()).max())
+    body = step.lower(w, x).as_text().split("\ndef ", 1)[1]
+    results["checks"]["grad_of_gathered_allreduces"] = float(body.count("AllReduce"))
 
     # A scan with a psum in its body stays one loop on each rank (the VMA pass walks
     # the body to a fixed point); values, the gradient through it and the gradient

@@ -178,8 +178,8 @@ def hand_data_parallel(params, x, labels, opt, devices: int = DEVICES, loss=_los
                       in_strategy=(None, rows(x), rows(labels)),
                       out_strategy=((), None), mesh=mesh)
     if gather:
-        # (the gradients outside fs.shard_map: taken inside it, each device would hold
-        # a share of each replicated weight's gradient, summed by an AllReduce)
+        # (the gradients outside fs.shard_map: taken inside it, each device would take
+        # a share of the loss's seed and multiply its gradients back to the whole)
         rows_of = fs.shard_map(
             lambda *vs: tuple(fs.all_gather(v, "dp", tiled=True) for v in vs),
             in_strategy=(rows(x), rows(labels)), out_strategy=(None, None), mesh=mesh)

@@ -98,31 +98,33 @@ def _rank_rule(mesh: Mesh):
 
     names = frozenset(mesh.axis_names)
 
+    def psum_here(x, vma, axes):
+        """The psum of ``x`` (varying over ``vma``) over ``axes`` on this rank: a
+        collective over the axes where it may differ; over the others, where it is the
+        same on every device, n times ``x``."""
+        axes = [a for a in mesh.axis_names if a in axes]
+        varying = tuple(a for a in axes if a in vma)
+        n = math.prod(mesh.axis_size(a) for a in axes if a not in vma)
+        out = C.psum_p.bind(x, axis_name=varying, mesh=mesh) if varying else x
+        return mul(out, C._scalar(n, out)) if n > 1 else out
+
     def rule(eq, pairs):
         vals, vmas = zip(*pairs) if pairs else ((), ())
         if eq.prim in _BODY_RULES:
             outs, out_vmas = _BODY_RULES[eq.prim](eq, list(vals), list(vmas), rule)
             return [(o, frozenset(m) & names) for o, m in zip(outs, out_vmas, strict=True)]
         out_vmas = _vma_out(eq, list(vmas))
-        if eq.prim is C.replica_sum_p:
-            axes = [a for a in mesh.axis_names
-                    if a in eq.params["axis_name"] and a not in vmas[1]]
-            # shares that may differ are summed by a psum; shares the same on every
-            # device of an axis (a cotangent computed from replicated values only, e.g.
-            # after an all_gather) sum to n times this device's, with no communication
-            varying = tuple(a for a in axes if a in vmas[0])
-            n = math.prod(mesh.axis_size(a) for a in axes if a not in vmas[0])
-            out = C.psum_p.bind(vals[0], axis_name=varying, mesh=mesh) if varying else vals[0]
-            outs = [mul(out, C._scalar(n, out)) if n > 1 else out]
+        if eq.prim is C.replica_sum_p:  # the shares of an input replicated over axes
+            outs = [psum_here(vals[0], vmas[0], [a for a in eq.params["axis_name"]
+                                                 if a not in vmas[1]])]
         elif eq.prim is C.replica_split_p:
             n = math.prod(mesh.axis_size(a) for a in eq.params["axis_name"]
                           if a not in vmas[1])
             outs = [div(vals[0], C._scalar(n, vals[0])) if n > 1 else vals[0]]
         elif eq.prim in _LOCAL_IF_REPLICATED and not (vmas[0] & set(eq.params["axis_name"])):
             # the operand is the same on every device of the axes: no communication
-            n = math.prod(mesh.axis_size(a) for a in eq.params["axis_name"])
-            outs = [mul(vals[0], C._scalar(n, vals[0]))
-                    if eq.prim is C.psum_p and n > 1 else vals[0]]
+            outs = [psum_here(vals[0], vmas[0], eq.params["axis_name"])
+                    if eq.prim is C.psum_p else vals[0]]
         else:
             outs = bind_on_rank(eq, vals, mesh)
         return [(o, m & names) for o, m in zip(outs, out_vmas, strict=True)]

@@ -9,7 +9,10 @@ with ``fs.pmean``, the global batch), the hand-written plan of the searching mod
 whole path (each process's rows all-gathered inside ``fs.shard_map``, then the loss and
 gradients computed whole on every process) and the same step unsharded on every process
 (``fs.jit`` of the global batch: the plan in which every device computes everything).
-The job is calibrated first (``fs.sharding.calibrate()`` on every rank), so the modes
+``semi_auto, global batch`` is
+``AutoParallel`` given what the hand-written data-parallel step is given, the global
+batch on every process, split by a tuple dataset strategy: the same plan and the same
+inputs, without the check of each process's slices. The job is calibrated first (``fs.sharding.calibrate()`` on every rank), so the modes
 plan with the job's rates. Every plan is called 50 times, then timed in 8 rounds of 10
 calls, each call after a barrier (as the steps of a training loop meet at their
 collectives); rank 0 writes the medians. Unlike a virtual mesh, where one process runs
@@ -28,14 +31,15 @@ import numpy as np
 MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
 
 
-def _auto(mode, params, rows, labels):
+def _auto(mode, params, rows, labels, dataset="data_parallel"):
     """``(call, explain, collectives)`` of ``fs.AutoParallel`` in ``mode`` on this
-    process's rows; the call carries the state from step to step."""
+    process's rows (with a tuple ``dataset`` strategy: on the global batch, which it
+    splits); the call carries the state from step to step."""
     import fshard as fs
     from benchmarks import planning as P
 
     ap = fs.AutoParallel(P._loss, fs.optim.adam(1e-3), mode)
-    ap.dataset_strategy("data_parallel")
+    ap.dataset_strategy(dataset)
     held = [ap.init(params)]
     colls = ap.partitioned(held[0], rows, labels).collectives()
 
@@ -85,6 +89,10 @@ def worker(out_dir: str) -> None:
         for mode in MODES:
             call, explain, colls = _auto(mode, params, rows, own)
             ps[f"{short}: {mode}"] = (call, explain, colls)
+        # the hand-written data-parallel step's plan and inputs: the global batch on
+        # every process, split by the dataset strategy (no slices, so no slice check)
+        ps[f"{short}: semi_auto, global batch"] = _auto(
+            "semi_auto", params, x, labels, ((n, 1), (n,)))
         step, state = P.hand_data_parallel(params, x, labels, fs.optim.adam(1e-3), n)
         ps[f"{short}: hand data parallel"] = (_hand(step, state, x, labels),
                                              _Unpriced, [])

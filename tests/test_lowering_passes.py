@@ -308,3 +308,92 @@ def test_a_two_axis_plan_moves_its_device_axes_once_per_value():
     _close(l, np.asarray(l0.asnumpy()))
     for k in p:
         _close(g[k], np.asarray(g0[k].asnumpy()))
+
+
+# ---------------------------------------------------------------------------
+# fuse_adam_updates: a planned step's per-leaf updates run as one equation
+# ---------------------------------------------------------------------------
+
+
+def _defined_before_use(program) -> bool:
+    from fshard.core.ir import Var
+
+    seen = set(program.inputs)
+    for eq in program.equations:
+        if any(isinstance(a, Var) and a not in seen for a in eq.inputs):
+            return False
+        seen.update(eq.outputs)
+    return all(not isinstance(a, Var) or a in seen for a in program.outputs)
+
+
+def _adam_program(second_reads_first: bool):
+    """Two one-leaf updates of one rate, a reader of the first between them."""
+    from fshard.primitives.optimizers import adam_update
+
+    def f(m1, v1, g1, m2, v2, g2, lr):
+        a = adam_update([m1], [v1], [g1], lr, b1=0.9, b2=0.999, eps=1e-8)
+        r = a[2][0] * 2.0
+        b = adam_update([m2], [v2], [a[2][0] if second_reads_first else g2], lr,
+                        b1=0.9, b2=0.999, eps=1e-8)
+        return r, b[0][0], b[2][0], a[1][0]
+
+    args = [RNG.standard_normal(6).astype(np.float32) for _ in range(6)]
+    args[1], args[4] = np.abs(args[1]), np.abs(args[4])  # second moments
+    return fs.make_ir(f)(*args, np.float32(0.01)).program, args + [np.float32(0.01)]
+
+
+def test_fuse_adam_updates_moves_a_reader_after_the_fused_update():
+    from fshard.core.interpret import eval_program
+    from fshard.primitives.optimizers import adam_update_p
+
+    program, args = _adam_program(second_reads_first=False)
+    fused = passes.fuse_adam_updates(program)
+    updates = [eq for eq in fused.equations if eq.prim is adam_update_p]
+    assert len(updates) == 1 and len(updates[0].inputs) == 7
+    assert _defined_before_use(fused)
+    kinds = [eq.prim.name for eq in fused.equations]
+    assert kinds.index("mul") > kinds.index("adam_update"), kinds
+    for got, want in zip(eval_program(fused, *args), eval_program(program, *args)):
+        np.testing.assert_array_equal(np.asarray(got.asnumpy()), np.asarray(want.asnumpy()))
+
+
+def test_fuse_adam_updates_leaves_an_update_reading_another():
+    from fshard.primitives.optimizers import adam_update_p
+
+    program, _ = _adam_program(second_reads_first=True)
+    fused = passes.fuse_adam_updates(program)
+    assert sum(eq.prim is adam_update_p for eq in fused.equations) == 2
+    assert fused is program
+
+
+def test_a_planned_steps_updates_lower_to_one_helper_with_the_same_bits(monkeypatch):
+    params = {f"w{i}": (RNG.standard_normal((8, 8)) / 3).astype(np.float32)
+              for i in range(5)}
+    x = RNG.standard_normal((16, 8)).astype(np.float32)
+
+    def loss(p, x):
+        h = x
+        for i in range(5):
+            h = fs.ops.tanh(h @ p[f"w{i}"])
+        return (h ** 2).mean()
+
+    def run():
+        ap = fs.AutoParallel(loss, fs.optim.adam(1e-2), "semi_auto", mesh=8)
+        ap.dataset_strategy("data_parallel")
+        state = ap.init(params)
+        src = ap._sharded(state, (x,))[1].lower(state.params, state.opt_state,
+                                                state.step, x).source
+        for _ in range(3):
+            state, value = ap(state, x)
+        return src.count("def fshard_adam_update"), state, value
+
+    helpers, state, value = run()
+    assert helpers == 1
+    with monkeypatch.context() as m:  # one update equation (and helper) per leaf
+        m.setattr(passes, "fuse_adam_updates", lambda program: program)
+        helpers, other, want = run()
+    assert helpers == len(params)
+    # the same kernels either way: the same bits, step after step
+    assert value.asnumpy() == want.asnumpy()
+    for k in params:
+        np.testing.assert_array_equal(state.params[k].asnumpy(), other.params[k].asnumpy())

@@ -44,6 +44,7 @@ from fshard.primitives.collectives import all_gather_p, pmean_p, psum_p, psum_sc
 from fshard.primitives.elementwise import (cast_p, div_p, equal_p, greater_equal_p, greater_p,
                                            less_equal_p, less_p, maximum_p, minimum_p, mul_p,
                                            neg_p, not_equal_p, pow_p, sub_p)
+from fshard.primitives.optimizers import adam_update_p
 from fshard.primitives.spmd import block_slice_p
 from fshard.primitives.structural import (broadcast_to_p, concat_p, reshape_p, split_p,
                                           transpose_p)
@@ -890,3 +891,91 @@ def reduce_in_float32(program: Program) -> Program:
     if len(out) == len(program.equations):
         return program
     return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)
+
+
+# ---------------------------------------------------------------------------
+# fuse_adam_updates: one update equation for a planned step's per-leaf ones
+# ---------------------------------------------------------------------------
+
+
+def fuse_adam_updates(program: Program) -> Program:
+    """The ``adam_update`` equations of one learning rate and hyperparameters as one
+    equation of all their leaves, where none reads another's outputs. A planned step
+    (``fs.AutoParallel``) updates each leaf by its own equation, so that each leaf can
+    take its own layout; once partitioned, the per-device program runs one kernel per
+    leaf either way, and the lowering makes one helper per equation: the 100-layer
+    MLP's data-parallel step ran 1.16x slower with a helper per leaf than with one (a
+    hand-written step, each way, interleaved). The fused equation sits where the last
+    of them was; what reads an earlier one's outputs in between moves after it, in its
+    order (it cannot feed a later update: those were not fused)."""
+    eqs = program.equations
+    groups: dict = {}
+    for i, eq in enumerate(eqs):
+        if eq.prim is adam_update_p:
+            key = (_key(eq.params), _atom_key(eq.inputs[-1]))
+            groups.setdefault(key, []).append(i)
+    groups = {k: g for k, g in groups.items() if len(g) > 1}
+    if not groups:
+        return program
+    # per Var, the bit set of the updates (by index) it depends on
+    member = {i: bit for bit, i in enumerate(i for g in groups.values() for i in g)}
+    deps: dict = {}
+    reads_member: set = set()
+    for i, eq in enumerate(eqs):
+        d = 0
+        for a in eq.inputs:
+            if isinstance(a, Var):
+                d |= deps.get(a, 0)
+        if i in member:
+            if d:
+                reads_member.add(i)
+            d |= 1 << member[i]
+        if d:
+            for y in eq.outputs:
+                deps[y] = d
+    fused: dict = {}   # index of a group's last equation -> the fused equation
+    dropped: set = set()
+    pending = 0        # the fused updates not emitted yet, as a bit set
+    for g in groups.values():
+        if any(i in reads_member for i in g):
+            continue  # an update reads another's result: leave the group as it is
+        parts = [eqs[i] for i in g]
+        n = [(len(e.inputs) - 1) // 3 for e in parts]
+        ins, outs = [], []
+        for k in range(3):  # moments, second moments, gradients (updates), leaf by leaf
+            for e, m in zip(parts, n):
+                ins += e.inputs[k * m:(k + 1) * m]
+                outs += e.outputs[k * m:(k + 1) * m]
+        fused[g[-1]] = (Equation(adam_update_p, ins + [parts[0].inputs[-1]],
+                                 dict(parts[0].params), outs, parts[0].source),
+                        sum(1 << member[i] for i in g))
+        dropped.update(g[:-1])
+        pending |= fused[g[-1]][1]
+    if not fused:
+        return program
+
+    def reads(eq) -> int:
+        d = 0
+        for a in eq.inputs:
+            if isinstance(a, Var):
+                d |= deps.get(a, 0)
+        return d
+
+    out: list = []
+    waiting: list = []  # (in program order) equations reading a fused update not emitted
+    for i, eq in enumerate(eqs):
+        if i in dropped:
+            continue
+        if i in fused:
+            eq, bits = fused[i]
+            out.append(eq)
+            pending &= ~bits
+            # (what a waiting equation reads is waiting before it, or emitted)
+            out += [w for w in waiting if not reads(w) & pending]
+            waiting = [w for w in waiting if reads(w) & pending]
+        elif reads(eq) & pending:
+            waiting.append(eq)
+        else:
+            out.append(eq)
+    return Program(program.inputs, out + waiting, program.outputs, program.n_consts,
+                   program.meta)

@@ -162,8 +162,10 @@ class ShardPlan:
             for i in key[0]:
                 avals[i] = self.local_type(avals[i], part.in_shardings[i])
             program, consts = stage(lambda *xs: run(part, list(xs)), avals)
-            # The block shuffles around the batched program fold into few operations.
-            hit = self._virtual[key] = passes.simplify(program), consts
+            # The block shuffles around the batched program fold into few operations;
+            # the per-leaf updates of a planned step run as one.
+            hit = self._virtual[key] = (
+                passes.fuse_adam_updates(passes.simplify(program)), consts)
         return hit
 
     def local_type(self, aval: ArrayType, sharding) -> ArrayType:

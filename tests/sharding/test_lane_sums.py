@@ -48,9 +48,10 @@ def test_a_devices_own_row_sum_stays_apart_from_the_lane_sums():
     assert sorted(g.partitioned(params, x, y).collectives()) == ["psum"] * 3
     lowered = fs.jit(g).lower(params, x, y)
     src = lowered.source
-    # one lane sum per AllReduce (loss, w's and b's gradients), each over the 3 mesh axes
+    # one lane sum per AllReduce (loss, w's and b's gradients), each over the 3 mesh
+    # axes, which run as one lane dimension of 8 (runtime.merge_axes)
     assert _calls(src, "lane_sum") == 3, src
-    assert src.count("axes=(0, 1, 2)") >= 3, src
+    assert src.count("axes=(0,)") >= 3, src
     # the loss's and b's own row sums: calls of the one ReduceSum kernel the module binds
     kernel = [k for k, v in lowered.globals.items() if v is _REDUCE_SUM]
     assert len(kernel) == 1, src

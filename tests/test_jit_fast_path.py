@@ -376,3 +376,27 @@ def test_the_longest_chain_counts_the_order_the_lowering_gives_collectives():
     # without collectives, the deeper chain is the one waited for
     plain = eqs[:3] + [Equation(tanh_p, [b], {}, [second])]
     assert _last_output(Program([a, b], plain, [h, second])) == 0
+
+
+def test_a_virtual_meshs_collectives_are_not_chained_in_program_order():
+    # On a virtual mesh the per-device program's AllReduces are sums of the devices'
+    # lanes, run when their operands are ready. The data-parallel value_and_grad of an
+    # MLP has them at its outputs, in output order: the last (the last layer's weight
+    # gradient) is computed first by backpropagation; the first layer's is last.
+    rng = np.random.default_rng(0)
+    sizes = (16, 32, 32, 4)
+    p = {f"w{i}": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
+         for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+    x = rng.standard_normal((32, 16)).astype(np.float32)
+
+    def loss(p, x):
+        h = x
+        for i in range(3):
+            h = fs.ops.tanh(h @ p[f"w{i}"])
+        return (h ** 2).mean()
+
+    rep = {k: (1, 1) for k in p}
+    f = fs.shard(fs.value_and_grad(loss), in_strategy=(rep, (8, 1)), mesh=8)
+    compiled = fs.jit(f).lower(p, x).compile()
+    # outputs: the value, then the gradients of w0, w1, w2
+    assert compiled._wait == 1

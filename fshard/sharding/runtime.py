@@ -169,11 +169,12 @@ def merge_axes(program: Program, axes: list, dims: list) -> tuple:
     names all or none of, in mesh order, merged into one axis (named as its first, of
     the product of their sizes). ``axes``: the mesh's ``(name, size)`` pairs; ``dims``:
     lists of layouts (per value, per dimension, the axis names splitting it, major
-    first). Unchanged when nothing merges."""
+    first). Unchanged when nothing merges, or when the program names an axis of no
+    mesh (an enclosing transform's)."""
     uses: list = [ax for group in dims for d in group for ax in d if ax]
-    if len(axes) < 2 or not _axis_uses(program, uses):
-        return program, axes, dims
     names = [a for a, _ in axes]
+    if len(axes) < 2 or not _axis_uses(program, uses) or not set().union(*uses) <= set(names):
+        return program, axes, dims
 
     def together(a: str, b: str) -> bool:
         return all((a in u) == (b in u) and (a not in u or u.index(b) == u.index(a) + 1)

@@ -9,11 +9,11 @@ with ``fs.pmean``, the global batch), the hand-written plan of the searching mod
 whole path (each process's rows all-gathered inside ``fs.shard_map``, then the loss and
 gradients computed whole on every process) and the same step unsharded on every process
 (``fs.jit`` of the global batch: the plan in which every device computes everything).
-``semi_auto, global batch`` is
-``AutoParallel`` given what the hand-written data-parallel step is given, the global
-batch on every process, split by a tuple dataset strategy: the same plan and the same
-inputs, without the check of each process's slices. The job is calibrated first (``fs.sharding.calibrate()`` on every rank), so the modes
-plan with the job's rates. Every plan is called 50 times, then timed in 8 rounds of 10
+``semi_auto, global batch`` is ``AutoParallel`` given what the hand-written
+data-parallel step is given, the global batch on every process, split by a tuple
+dataset strategy: the same plan and the same inputs, without the check of each
+process's slices. The job is calibrated first (``fs.sharding.calibrate()`` on every
+rank), so the modes plan with the job's rates. Every plan is called 50 times, then timed in 8 rounds of 10
 calls, each call after a barrier (as the steps of a training loop meet at their
 collectives); rank 0 writes the medians. Unlike a virtual mesh, where one process runs
 every device and a split saves nothing, each process here computes only its own block.

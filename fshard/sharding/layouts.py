@@ -186,6 +186,10 @@ class Candidate:
     def __post_init__(self):  # hashed once (see Sharding)
         object.__setattr__(self, "_hash", hash((self.assign, self.carry, self.carry_ops)))
         object.__setattr__(self, "_axes", dict(self.assign))
+        # (labels, partial) -> Sharding: a candidate is shared by the equations whose
+        # specs split the same factors of the same sizes (``candidates``), and their
+        # operands repeat few label tuples (planning a Llama block built 23K shardings)
+        object.__setattr__(self, "_shardings", {})
 
     def __hash__(self) -> int:
         return self._hash
@@ -205,8 +209,18 @@ class Candidate:
         return self._axes.get(label, ())
 
     def sharding(self, labels, partial=frozenset()) -> Sharding:
+        key = (tuple(labels), partial)
+        try:
+            return self._shardings[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable label
+            key = None
         axes = self._axes
-        return Sharding(tuple(axes.get(lab, ()) for lab in labels), frozenset(partial))
+        sh = Sharding(tuple(axes.get(lab, ()) for lab in labels), frozenset(partial))
+        if key is not None:
+            self._shardings[key] = sh
+        return sh
 
 
 def candidates(spec: FactorSpec, mesh: ShardMesh) -> list[Candidate]:

@@ -282,3 +282,15 @@ def test_time_is_compute_at_the_flops_rate_plus_each_collective_as_it_runs():
     assert c.comm_seconds == pytest.approx(latency + 2 * 7 / 8 * 16 * 32 * 4 / rate)
     assert c.seconds(model) == pytest.approx(c.compute / model.flops_per_s + c.comm_seconds)
     assert c.score(2, model)[0] == pytest.approx(c.seconds(model), rel=1e-9)
+
+
+def test_a_candidates_shardings_are_built_once_per_labels_and_pending_sum():
+    from fshard.sharding.layouts import Candidate, Sharding
+
+    cand = Candidate((("i", (0, 1)), ("k", (2,))))
+    a = cand.sharding(("i", "j"))
+    assert a == Sharding(((0, 1), ()))
+    assert cand.sharding(["i", "j"]) is a                 # the same labels, as a list
+    partial = cand.sharding(("i", "j"), frozenset({2}))
+    assert partial == Sharding(((0, 1), ()), frozenset({2})) and partial is not a
+    assert cand.sharding(("k",)) == Sharding(((2,),))

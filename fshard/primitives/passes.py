@@ -920,12 +920,17 @@ def fuse_adam_updates(program: Program) -> Program:
     # per Var, the bit set of the updates (by index) it depends on
     member = {i: bit for bit, i in enumerate(i for g in groups.values() for i in g)}
     deps: dict = {}
-    reads_member: set = set()
-    for i, eq in enumerate(eqs):
+
+    def reads(eq) -> int:
         d = 0
         for a in eq.inputs:
             if isinstance(a, Var):
                 d |= deps.get(a, 0)
+        return d
+
+    reads_member: set = set()
+    for i, eq in enumerate(eqs):
+        d = reads(eq)
         if i in member:
             if d:
                 reads_member.add(i)
@@ -953,14 +958,6 @@ def fuse_adam_updates(program: Program) -> Program:
         pending |= fused[g[-1]][1]
     if not fused:
         return program
-
-    def reads(eq) -> int:
-        d = 0
-        for a in eq.inputs:
-            if isinstance(a, Var):
-                d |= deps.get(a, 0)
-        return d
-
     out: list = []
     waiting: list = []  # (in program order) equations reading a fused update not emitted
     for i, eq in enumerate(eqs):

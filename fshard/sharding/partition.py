@@ -56,6 +56,9 @@ class Partitioned:
     # per-device Var made by a layout change -> the Var of the program it moves
     # (fs.AutoParallel's "index" fusion finds each gradient's AllReduce by it)
     origins: dict = field(default_factory=dict)
+    # ``program`` as a virtual mesh runs it, with its mesh axes and boundary layouts
+    # (``runtime.run_virtual``: axes used together merged), kept for that program
+    virtual: tuple | None = field(default=None, repr=False)
 
     def __str__(self) -> str:
         mesh = self.prop.mesh

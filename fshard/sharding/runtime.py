@@ -110,11 +110,14 @@ def run_virtual(part: Partitioned, args: list):
     """Run ``fs.shard``'s per-device Program on a virtual mesh: split the global
     inputs into blocks, run every device at once, reassemble the global outputs.
     Mesh axes the plan only ever uses together run as one (``merge_axes``)."""
-    mesh = part.prop.mesh
-    axes = list(zip(mesh.names, mesh.sizes))
-    in_dims = [_names(sh, mesh) for sh in part.in_shardings]
-    out_dims = [_names(sh, mesh) for sh in part.out_shardings]
-    program, axes, (in_dims, out_dims) = merge_axes(part.program, axes, [in_dims, out_dims])
+    # (once per per-device program: an eager call of fs.shard comes here every time)
+    if part.virtual is None or part.virtual[0] is not part.program:
+        mesh = part.prop.mesh
+        axes = list(zip(mesh.names, mesh.sizes))
+        in_dims = [_names(sh, mesh) for sh in part.in_shardings]
+        out_dims = [_names(sh, mesh) for sh in part.out_shardings]
+        part.virtual = (part.program, *merge_axes(part.program, axes, [in_dims, out_dims]))
+    _, program, axes, (in_dims, out_dims) = part.virtual
     blocks = [to_blocks(x, d, axes) for x, d in zip(args, in_dims)]
     splits = [frozenset(a for ax in d for a in ax) for d in in_dims]
     outs = run_batched(program, list(part.consts) + blocks,

@@ -174,6 +174,13 @@ def test_comm_fusion_buckets_the_allreduces():
     ap.comm_fusion({"allreduce": {"mode": "auto", "config": None}})
     state = ap.init(params)
     assert ap.partitioned(state, x, y).collectives() == ["psum"]  # all in one bucket
+    # the explanation prices the bucket: one collective, len(params) fixed costs fewer
+    e = ap.explain(state, x, y)
+    assert (e.fused, e.collectives) == (len(params), 1) and e.fusion_s < 0
+    assert "(comm_fusion)" in str(e)
+    ap.comm_fusion({"openstate": False})
+    assert ap.explain(state, x, y).fused == 0
+    assert ap.partitioned(state, x, y).collectives() == ["psum"] * (len(params) + 1)
     # 32 KiB buckets, filled in program order: w1 (1.5 MiB) alone, the rest in buckets
     # of at most 32 KiB; every element reduced once
     ap.comm_fusion({"allreduce": {"mode": "size", "config": 32 / 1024}})

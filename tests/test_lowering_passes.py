@@ -397,3 +397,30 @@ def test_a_planned_steps_updates_lower_to_one_helper_with_the_same_bits(monkeypa
     assert value.asnumpy() == want.asnumpy()
     for k in params:
         np.testing.assert_array_equal(state.params[k].asnumpy(), other.params[k].asnumpy())
+
+
+def _psums_program(sizes):
+    """One psum over axis "d" per input, of float32 vectors of ``sizes``."""
+    from fshard.core import dtypes
+    from fshard.core.ir import Equation, Program, Var
+    from fshard.core.tracing import ArrayType
+    from fshard.primitives.collectives import psum_p
+
+    ins = [Var(ArrayType((k,), dtypes.float32)) for k in sizes]
+    outs = [Var(v.aval) for v in ins]
+    eqs = [Equation(psum_p, [a], {"axis_name": ("d",)}, [o]) for a, o in zip(ins, outs)]
+    return Program(ins, eqs, outs)
+
+
+def test_an_allreduce_larger_than_the_bucket_stays_alone_and_the_bucket_open():
+    # small, big, small: the two small ones share a bucket around the big one
+    report = []
+    fused = passes.fuse_allreduces(_psums_program([4, 1000, 6]), 100.0, report=report)
+    psums = [eq for eq in fused.equations if eq.prim.name == "psum"]
+    assert sorted(int(np.prod(eq.inputs[0].aval.shape)) for eq in psums) == [10, 1000]
+    assert report == [(2, 40.0)]  # two AllReduces merged, 40 bytes
+    assert _defined_before_use(fused)
+    report = []
+    alone = passes.fuse_allreduces(_psums_program([4, 1000]), 100.0, report=report)
+    assert [eq.prim.name for eq in alone.equations] == ["psum", "psum"]
+    assert report == []  # nothing merged: nothing reported

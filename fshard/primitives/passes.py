@@ -667,7 +667,8 @@ def lowered_away(program: Program) -> frozenset:
 
 def fuse_allreduces(program: Program, bucket_bytes: float | None,
                     scatter_bytes: float | None = None,
-                    group_of: Callable | None = None) -> Program:
+                    group_of: Callable | None = None,
+                    report: list | None = None) -> Program:
     """``program`` with its ``psum`` equations over the same mesh axes and of the same
     dtype merged into buckets of at most ``bucket_bytes`` (one flattened, concatenated
     AllReduce per bucket, split back after): a data-parallel step's gradients then
@@ -683,10 +684,12 @@ def fuse_allreduces(program: Program, bucket_bytes: float | None,
     ``"index"`` mode: gradients by index ranges), a None label leaves a psum alone.
 
     Buckets fill in program order; a psum whose operand depends on a psum of the open
-    bucket starts a new one (one AllReduce cannot wait for its own result). The
+    bucket starts a new one (one AllReduce cannot wait for its own result), and one
+    larger than the bucket alone stays alone without closing the open bucket. The
     equations are then re-ordered (stably, dependencies first) so that each bucket's
     AllReduce runs once all its operands are ready and before any reader of its
-    results. Every element is still reduced once: the sums are the same.
+    results. Every element is still reduced once: the sums are the same. ``report``,
+    if given, receives ``(AllReduces merged, bytes)`` for each bucket of several.
     """
     readers: dict = {}
     for eq in program.equations:
@@ -715,7 +718,7 @@ def fuse_allreduces(program: Program, bucket_bytes: float | None,
         return {"reducescatter": scatter_bytes, "allreduce": bucket_bytes}.get(
             key[2], float("inf"))
 
-    return _fuse(program, limit, key_of, _fused_psum)
+    return _fuse(program, limit, key_of, _fused_psum, report)
 
 
 def fuse_allgathers(program: Program, bucket_bytes: float) -> Program:
@@ -745,10 +748,10 @@ def _gather_key(eq):
             eq.inputs[0].aval.dtype)
 
 
-def _fuse(program: Program, limit, key_of, build) -> Program:
+def _fuse(program: Program, limit, key_of, build, report: list | None = None) -> Program:
     """The bucketing of ``fuse_allreduces``: equations with the same ``key_of``
     (None: not fusable) merged by ``build(equations) -> equations`` into buckets of at
-    most ``limit(key)`` bytes."""
+    most ``limit(key)`` bytes (``report``: as ``fuse_allreduces``')."""
     eqs = program.equations
     producer = {v: i for i, eq in enumerate(eqs) for v in eq.outputs}
     # deps[i]: bit set of the equations equation i depends on, transitively
@@ -772,6 +775,8 @@ def _fuse(program: Program, limit, key_of, build) -> Program:
         if key is None:
             continue
         b = nbytes(eq.outputs[0])
+        if b > limit(key):  # alone in any bucket: the open one stays open
+            continue
         cur = open_.get(key)
         if cur is None or cur[1] + b > limit(key) or deps[i] & cur[2]:
             buckets.append([i])
@@ -781,6 +786,8 @@ def _fuse(program: Program, limit, key_of, build) -> Program:
             buckets[k].append(i)
             open_[key] = (k, size + b, members | (1 << i))
     fused = [bk for bk in buckets if len(bk) > 1]
+    if report is not None:
+        report.extend((len(bk), sum(nbytes(eqs[i].outputs[0]) for i in bk)) for bk in fused)
     if not fused:
         return program
     # Nodes: each equation, except that a bucket's members are one node (its first).

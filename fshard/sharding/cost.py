@@ -368,6 +368,31 @@ def redistribution_seconds(src: Sharding, dst: Sharding, shape, itemsize: int,
     return total
 
 
+def _copy_byte_s(rates: dict) -> float:
+    """Seconds to copy one byte of float32 (an elementwise op's rate per element; one
+    flop per element where nothing was measured)."""
+    return rates.get("point_s", 1.0 / rates["flops_per_s"]) / 4.0
+
+
+def allreduce_bucket_bytes(n: int, rates: dict, native: dict) -> float:
+    """The largest bucket of AllReduces worth fusing in a job of ``n`` processes: one
+    AllReduce's fixed cost over the seconds a byte takes to be copied into the bucket
+    and out of it (the concatenation and the split of ``passes.fuse_allreduces``). A
+    bucket of ``k`` AllReduces of at most that many bytes saves ``k - 1`` fixed costs
+    and copies for at most one's worth, so under the measured rates fusing never
+    loses."""
+    return step_seconds("psum", 0.0, n, True, native, rates) / (2.0 * _copy_byte_s(rates))
+
+
+def fusion_seconds(buckets, n: int, rates: dict, native: dict) -> float:
+    """The seconds fusing saves (negative) on ``n`` processes: per bucket of ``k``
+    AllReduces of ``nbytes`` in all (``fuse_allreduces``' report), ``k - 1`` fixed
+    costs less the copies in and out."""
+    latency = step_seconds("psum", 0.0, n, True, native, rates)
+    return sum(2.0 * _copy_byte_s(rates) * nbytes - (k - 1) * latency
+               for k, nbytes in buckets)
+
+
 def local_bytes(sh: Sharding, aval: ArrayType, mesh: ShardMesh) -> float:
     itemsize = dtypes.to_numpy(aval.dtype).itemsize
     return planning_prod(sh.local_shape(aval.shape, mesh)) * itemsize

@@ -57,6 +57,11 @@ class Explanation:
     # Work outside the program on every call: in a job, ``fs.AutoParallel``'s check
     # that every process passes slices of the same shapes (``local_batch.slice_rows``).
     checks_s: float = 0.0
+    # AllReduces bucketed into fewer (``fs.AutoParallel``'s ``comm_fusion``, by default
+    # in a job): the seconds that saves (negative: the fixed costs of the AllReduces
+    # merged, less the copies in and out of the buckets) and how many it merges away.
+    fusion_s: float = 0.0
+    fused: int = 0
 
     @property
     def compute_s(self) -> float:
@@ -64,7 +69,7 @@ class Explanation:
 
     @property
     def comm_s(self) -> float:
-        return sum(r.comm_s for r in self.rows) + self.output_comm_s
+        return sum(r.comm_s for r in self.rows) + self.output_comm_s + self.fusion_s
 
     @property
     def total_s(self) -> float:
@@ -72,7 +77,7 @@ class Explanation:
 
     @property
     def collectives(self) -> int:
-        return sum(r.collectives for r in self.rows) + self.output_collectives
+        return sum(r.collectives for r in self.rows) + self.output_collectives - self.fused
 
     def __str__(self) -> str:
         head = (f"# plan of {self.name} on {self.devices} devices: predicted "
@@ -89,6 +94,9 @@ class Explanation:
                          f"{r.compute_s * 1e3:>10.4f} {r.comm_s * 1e3:>9.4f}  {other}")
         lines.append(f"{'':>4}  {'(outputs)':<16} {'':<40} {'':>10} "
                      f"{self.output_comm_s * 1e3:>9.4f}")
+        if self.fused:
+            lines.append(f"{'':>4}  {'(comm_fusion)':<16} {f'{self.fused} AllReduces fewer':<40} "
+                         f"{'':>10} {self.fusion_s * 1e3:>9.4f}")
         if self.call_s:
             lines.append(f"{'':>4}  {'(call)':<16} {'':<40} {self.call_s * 1e3:>10.4f}")
         if self.checks_s:

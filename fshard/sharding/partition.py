@@ -59,6 +59,9 @@ class Partitioned:
     # ``program`` as a virtual mesh runs it, with its mesh axes and boundary layouts
     # (``runtime.run_virtual``: axes used together merged), kept for that program
     virtual: tuple | None = field(default=None, repr=False)
+    # ``(AllReduces merged, bytes)`` per bucket of several, when ``program``'s AllReduces
+    # were bucketed (fs.AutoParallel's comm_fusion; the explanation prices them)
+    fused: tuple = ()
 
     def __str__(self) -> str:
         mesh = self.prop.mesh

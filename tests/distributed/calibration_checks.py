@@ -73,7 +73,12 @@ def main(out_dir: str) -> None:
              lazy.score(2, problem.model), whole[2]]
     picked = search.cheaper_path(prop, problem)
     chosen = problem.evaluate(picked.in_shardings, picked.choice).score(2, problem.model)
-    picked_collectives = partition(picked).collectives()
+    # (a job buckets the AllReduces by default: the picked plan's, bucketed alike)
+    from fshard.primitives.passes import fuse_allreduces
+
+    picked_part = partition(picked)
+    picked_part.program = fuse_allreduces(picked_part.program, ap._allreduce_bucket())
+    picked_collectives = picked_part.collectives()
     planned = ap.partitioned(state, rows, own).collectives()
     checks_s = ap.explain(state, rows, own).checks_s
     losses, want = [], []
@@ -85,12 +90,32 @@ def main(out_dir: str) -> None:
         v, g = fs.value_and_grad(mse)(q, x, Tensor(ys))
         q = {k: q[k] - 0.1 * g[k] for k in q}
         want.append(float(v.asnumpy()))
+    # semi_auto's data-parallel step: in a job its AllReduces (the loss's and the two
+    # gradients') are one bucket by default, priced so by explain; with comm_fusion
+    # turned off, one each, and the same numbers to the bit
+    fusion = {}
+    for name, config in (("default", None), ("off", {"openstate": False})):
+        dp = fs.AutoParallel(mse, fs.optim.sgd(0.1), "semi_auto")
+        dp.dataset_strategy("data_parallel")
+        if config is not None:
+            dp.comm_fusion(config)
+        st = dp.init(p)
+        ex = dp.explain(st, rows, own)
+        got = {"collectives": dp.partitioned(st, rows, own).collectives(),
+               "fused": ex.fused, "fusion_s": ex.fusion_s,
+               "explained_collectives": ex.collectives, "losses": [], "w0": None}
+        for _ in range(3):
+            st, v = dp(st, rows, own)
+            got["losses"].append(float(v.asnumpy()))
+        got["w0"] = np.asarray(st.params["w0"].asnumpy() if hasattr(
+            st.params["w0"], "asnumpy") else st.params["w0"]).tobytes().hex()
+        fusion[name] = got
     with open(os.path.join(out_dir, f"rank{r}.json"), "w") as fh:
         json.dump({"job_model": problem.model.job, "paths": [list(t) for t in paths],
                    "chosen": list(chosen),
                    "collectives": planned, "picked_collectives": picked_collectives,
                    "checks_s": checks_s,
-                   "losses": losses, "one_device": want,
+                   "losses": losses, "one_device": want, "fusion": fusion,
                    "refused": refused, "table": table,
                    "saved": rates.cache_path(n, job=True).name,
                    "exists": rates.cache_path(n, job=True).exists(),

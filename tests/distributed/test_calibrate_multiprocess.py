@@ -58,6 +58,14 @@ def test_calibrate_in_a_job_measures_the_job_and_every_rank_keeps_one_table(tmp_
         np.testing.assert_allclose(out["losses"], out["one_device"], rtol=1e-5)
         # explain prices the check of the processes' slices every call makes
         assert 0 < out["checks_s"] < 0.1
+        # in a job AllReduces are bucketed by default: one for the loss and both
+        # gradients, explained so; off, three; the same numbers either way
+        fused, off = out["fusion"]["default"], out["fusion"]["off"]
+        assert fused["collectives"] == ["psum"] and off["collectives"] == ["psum"] * 3
+        assert (fused["fused"], fused["explained_collectives"]) == (2, 1)
+        assert fused["fusion_s"] < 0 and off["fused"] == 0 and off["fusion_s"] == 0
+        assert fused["losses"] == off["losses"] and fused["w0"] == off["w0"]
+        np.testing.assert_allclose(fused["losses"], out["one_device"], rtol=1e-5)
     assert outs[0]["collectives"] == outs[1]["collectives"]
     assert outs[0]["chosen"] == outs[1]["chosen"]
     print("paths:", outs[0]["paths"], "collectives:", outs[0]["collectives"])

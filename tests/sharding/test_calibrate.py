@@ -14,7 +14,8 @@ import fshard as fs
 from fshard.errors import ShardingError
 from fshard.core.factors import FactorSpec
 from fshard.sharding import rates
-from fshard.sharding.cost import (BACKEND_RATES, CostModel, backend_rates, compute_seconds,
+from fshard.sharding.cost import (BACKEND_RATES, CostModel, allreduce_bucket_bytes,
+                                  backend_rates, compute_seconds, fusion_seconds,
                                   contracts, matmul_seconds, rates_from_table,
                                   redistribution_seconds, step_seconds)
 from fshard.sharding.layouts import Candidate, ShardMesh, Sharding
@@ -323,6 +324,20 @@ def test_a_split_argument_and_result_of_a_virtual_mesh_are_priced_as_copies(cach
                      level=2).explain(w)
         assert e.inputs_s == 0.0 and e.output_comm_s == 0.0
         rates.load_cache_clear()
+
+
+def test_the_allreduce_bucket_is_one_fixed_cost_of_copies():
+    # a job's row: 0.5 ms per AllReduce, 1 ns per float32 element of elementwise work
+    rates = {"flops_per_s": 1e9, "point_s": 1e-9, "all_reduce": (5e-4, 2.5e8)}
+    native = {"all_reduce_sum": "any"}
+    bucket = allreduce_bucket_bytes(2, rates, native)
+    assert bucket == pytest.approx(5e-4 / (2 * 1e-9 / 4))  # 1 MB
+    # a full bucket of 5 AllReduces saves 4 fixed costs and copies one's worth in and out
+    assert fusion_seconds([(5, bucket)], 2, rates, native) == pytest.approx(-3 * 5e-4)
+    assert fusion_seconds([], 2, rates, native) == 0.0
+    # the default rows have no elementwise rate: one flop per element
+    assert allreduce_bucket_bytes(2, BACKEND_RATES["CPU"], native) == pytest.approx(
+        BACKEND_RATES["CPU"]["all_reduce"][0] * 2 * BACKEND_RATES["CPU"]["flops_per_s"])
 
 
 def test_calling_costs_each_value_passed_in_or_out():

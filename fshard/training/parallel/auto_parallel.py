@@ -73,7 +73,8 @@ from fshard.primitives.passes import fuse_allgathers, fuse_allreduces, reduce_in
 from fshard.primitives import collectives as C
 from fshard.primitives.control import custom_vjp
 from fshard.primitives.spmd import layout_constraint_p
-from fshard.sharding.cost import local_bytes
+from fshard.sharding.cost import (CostModel, allreduce_bucket_bytes, backend_rates,
+                                  fusion_seconds, local_bytes)
 from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import Sharding
 from fshard.sharding.local import ShardedArray, gather_sharded
@@ -397,7 +398,7 @@ class AutoParallel:
         only this device's block is read of), or ``{"openstate": False}`` to turn
         fusion off. The keys and values are MindSpore's (``AutoParallel.comm_fusion``),
         checked as MindSpore checks them."""
-        return self._configure(**parse_comm_fusion(config))
+        return self._configure(fusion_given=True, **parse_comm_fusion(config))
 
     def enable_gradients_mean(self) -> "AutoParallel":
         """Accepted: MindSpore then averages the per-device gradients, which gives the
@@ -1006,9 +1007,12 @@ class AutoParallel:
         reduce-scatter point), found through ``part.origins``."""
         opts = self._options
         points = opts.fusion_split_points
+        report: list = []
         if points is None:
-            return fuse_allreduces(part.program, opts.fusion_bytes,
-                                   opts.scatter_fusion_bytes)
+            program = fuse_allreduces(part.program, self._allreduce_bucket(),
+                                      opts.scatter_fusion_bytes, report=report)
+            part.fused = tuple(report)
+            return program
         if opts.gradient_accumulation > 1:
             raise ArgumentError(
                 f"AutoParallel({self.name}).comm_fusion(config): allreduce mode 'index' "
@@ -1035,7 +1039,22 @@ class AutoParallel:
             i = index_of.get(part.origins.get(eq.outputs[0]))
             return None if i is None else bisect.bisect_right(points, i)
 
-        return fuse_allreduces(part.program, None, opts.scatter_fusion_bytes, group_of)
+        program = fuse_allreduces(part.program, None, opts.scatter_fusion_bytes, group_of,
+                                  report)
+        part.fused = tuple(report)
+        return program
+
+    def _allreduce_bucket(self) -> float | None:
+        """The AllReduce bucket in bytes: ``comm_fusion``'s when it was called (None:
+        no fusion); else, in a job, the largest bucket worth fusing under the job's
+        measured rates (each AllReduce there has a fixed cost of about half a
+        millisecond on CPU, MindSpore's data-parallel gradient reducer fuses too); on a
+        virtual mesh, whose lane sums have no such cost, none."""
+        opts = self._options
+        if opts.fusion_given or not self._in_job():
+            return opts.fusion_bytes
+        model = CostModel(level=2, rates=backend_rates(self.n_devices))
+        return allreduce_bucket_bytes(self.n_devices, model.rates, model.native)
 
     def _splits_gradients(self) -> bool:
         hsdp = self._options.hsdp
@@ -1230,7 +1249,7 @@ class AutoParallel:
                   search=False)
         s.search = _SEARCH[self.parallel_mode]  # (fs.shard's own argument takes a bool)
         s.comm_fusion = functools.partial(self._fuse_allreduces, grad_vars) if any(
-            v is not None for v in (self._options.fusion_bytes,
+            v is not None for v in (self._allreduce_bucket(),
                                     self._options.fusion_split_points,
                                     self._options.scatter_fusion_bytes)) else None
         # The new state is the next step's state: its leaves keep their devices.
@@ -1496,6 +1515,11 @@ class AutoParallel:
         self._check_state(state, ".explain(state, *batch)")
         part = self.partitioned(state, *batch)
         e = explain_plan(part.prop, f"{self.name} ({self.parallel_mode})")
+        if part.fused:  # the AllReduces bucketed into fewer
+            model = CostModel(level=2, rates=backend_rates(self.n_devices))
+            e.fusion_s = fusion_seconds(part.fused, self.n_devices, model.rates,
+                                        model.native)
+            e.fused = sum(k - 1 for k, _ in part.fused)
         if self._feeds_slices():
             # in a job every call first checks the processes' slices: its own AllGather
             e.checks_s = slice_check_seconds(self.n_devices)

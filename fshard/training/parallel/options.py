@@ -128,6 +128,9 @@ class ParallelOptions:
     #: the gradient indices starting a new AllReduce bucket (``comm_fusion``'s
     #: "allreduce" in mode "index"; None: buckets by ``fusion_bytes``)
     fusion_split_points: tuple | None = None
+    #: ``comm_fusion`` was called: its buckets (or none) stand. Otherwise a job's
+    #: AllReduces are bucketed by the measured rates (``cost.allreduce_bucket_bytes``).
+    fusion_given: bool = False
     fp32_communication: bool = False
     gradient_fp32_sync: bool = True  # MindSpore's default
     print_local_norm: bool = False

@@ -18,6 +18,7 @@ import warnings
 from fshard.core import context, tree
 from fshard.meshes import distributed
 from fshard.sharding import user_layouts
+from fshard.core.gcpause import paused_gc
 from fshard.core.tracing import EvalTrace, Tracer, current_trace, typeof
 from fshard.errors import CompositionError, OperatorStrategyWarning, ShardingError
 from fshard.adapter.cells import parameters
@@ -300,7 +301,8 @@ class Sharded:
         if hit is not None and _closure_unchanged(hit[1]):
             return hit
         mesh = ShardMesh.for_devices(n)
-        with context.counted(context.shard_depth), context.pushed(context.shard_devices, n):
+        with context.counted(context.shard_depth), context.pushed(context.shard_devices, n), \
+                paused_gc():
             traced = trace_fun(fn, in_tree, [typeof(x) for x in leaves])
         prog, writes = _hoist_writes(traced.program)
         avals = [v.aval for v in prog.inputs]

@@ -10,6 +10,7 @@ import functools
 import json
 from dataclasses import replace
 
+from fshard.core.gcpause import paused_gc
 from fshard.core.tracing import ArrayType
 from fshard.errors import ShardingError
 from fshard.core.ir import Program, Var
@@ -76,20 +77,25 @@ class ShardPlan:
 
     def partitioned(self) -> Partitioned:
         if self._part is None:
-            if self.flexible and self.fixed is None:
-                self.in_shardings, self.out_shardings = choose_split_axes(
-                    self.body, self.in_shardings, self.out_shardings, self.mesh, self.level,
-                    self.flexible, self.tied)
-                self.flexible = ()
-            prop = self._carry_layouts(*self._propagated())
-            self._part = partition(prop)
-            self._part.name = self.name
-            self._part.program = passes.slice_broadcasts(self._part.program)
-            if self.fusion is not None:
-                self._part.program = self.fusion(self._part)
-            for rewrite in self.passes:  # rewrites of the per-device program
-                self._part.program = rewrite(self._part.program)
+            with paused_gc():
+                self._partition()
         return self._part
+
+    def _partition(self) -> None:
+        """Plan (propagate, search) and partition, once: ``self._part``."""
+        if self.flexible and self.fixed is None:
+            self.in_shardings, self.out_shardings = choose_split_axes(
+                self.body, self.in_shardings, self.out_shardings, self.mesh, self.level,
+                self.flexible, self.tied)
+            self.flexible = ()
+        prop = self._carry_layouts(*self._propagated())
+        self._part = partition(prop)
+        self._part.name = self.name
+        self._part.program = passes.slice_broadcasts(self._part.program)
+        if self.fusion is not None:
+            self._part.program = self.fusion(self._part)
+        for rewrite in self.passes:  # rewrites of the per-device program
+            self._part.program = rewrite(self._part.program)
 
     def _propagated(self) -> tuple:
         """``(plan, greedy propagation's plan or None)`` for the boundary layouts as

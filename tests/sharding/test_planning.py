@@ -164,6 +164,39 @@ def test_each_repeated_situation_is_decided_as_planning_each_equation(monkeypatc
     assert plans() == memo
 
 
+def test_tracing_and_planning_run_with_the_cyclic_collector_paused(monkeypatch):
+    import gc
+
+    from fshard.core.gcpause import paused_gc
+
+    seen = []
+    real = propagation.propagate
+
+    def spy(*a, **k):
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+
+    monkeypatch.setattr("fshard.sharding.plan.propagate", spy)
+    vg, ws, x = _deep(2)
+
+    def traced(ws, x):
+        seen.append(gc.isenabled())
+        return vg(ws, x)
+
+    assert gc.isenabled()
+    fs.shard(traced, in_strategy=(None, (8, 1)), mesh=8).partitioned(ws, x)
+    assert seen == [False, False] and gc.isenabled()  # traced, planned; back on after
+    # a pause inside another keeps the outer state; an error still turns it back on
+    with paused_gc():
+        with paused_gc():
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ZeroDivisionError), paused_gc():
+        1 / 0
+    assert gc.isenabled()
+
+
 def _tuple_strategy_plan(layers):
     vg, ws, x = _deep(layers)
     strategy = ([(1, 4) if i % 2 == 0 else (4, 1) for i in range(layers)], (2, 1))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fshard.core.ir import Literal
-from fshard.sharding.cost import CostModel, backend_rates
+from fshard.sharding.cost import CostModel, backend_rates, fusion_seconds
 from fshard.sharding.search import Problem
 
 
@@ -57,8 +57,8 @@ class Explanation:
     # Work outside the program on every call: in a job, ``fs.AutoParallel``'s check
     # that every process passes slices of the same shapes (``local_batch.slice_rows``).
     checks_s: float = 0.0
-    # AllReduces bucketed into fewer (``fs.AutoParallel``'s ``comm_fusion``, by default
-    # in a job): the seconds that saves (negative: the fixed costs of the AllReduces
+    # AllReduces bucketed into fewer (by default in a job; ``fs.AutoParallel``'s
+    # ``comm_fusion``): the seconds that saves (negative: the fixed costs of the AllReduces
     # merged, less the copies in and out of the buckets) and how many it merges away.
     fusion_s: float = 0.0
     fused: int = 0
@@ -137,8 +137,9 @@ def _local_seconds(problem: Problem, held: dict, i: int, cand, model: CostModel
     return total
 
 
-def explain(prop, name: str = "f", runner_up: bool = True) -> Explanation:
-    """The plan ``prop`` (a ``Propagated`` as partitioned), priced per equation."""
+def explain(prop, name: str = "f", runner_up: bool = True, fused=()) -> Explanation:
+    """The plan ``prop`` (a ``Propagated`` as partitioned), priced per equation;
+    ``fused``: its AllReduces' buckets (``Partitioned.fused``), priced as a whole."""
     model = CostModel(level=2, rates=backend_rates(prop.mesh.size))
     problem = Problem(prop.program, prop.mesh, [spec for spec, _ in prop.choice],
                       prop.given_inputs if prop.given_inputs is not None
@@ -170,6 +171,9 @@ def explain(prop, name: str = "f", runner_up: bool = True) -> Explanation:
     fin = problem.finish(st)
     out.output_comm_s = fin.ctime - before_t
     out.output_collectives = fin.ncoll - before_n
+    if fused:
+        out.fusion_s = fusion_seconds(fused, prop.mesh.size, model.rates, model.native)
+        out.fused = sum(k - 1 for k, _ in fused)
     return out
 
 

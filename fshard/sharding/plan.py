@@ -16,12 +16,30 @@ from fshard.errors import ShardingError
 from fshard.core.ir import Program, Var
 from fshard.primitives import passes
 from fshard.primitives.nn import decompose_batch_norm
+from fshard.sharding.cost import CostModel, allreduce_bucket_bytes, backend_rates
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.partition import Partitioned, apply_fixed, partition
 from fshard.sharding.propagation import propagate, undecided
 from fshard.sharding.runtime import run_on_rank, run_virtual
 from fshard.sharding.search import cheaper_path, choose_split_axes, follow_inputs, refine
 from fshard.core.staging import stage
+
+
+def bucket_allreduces(part: Partitioned) -> Program:
+    """The per-device program of a plan run in a job with its AllReduces bucketed by the
+    job's measured rates: buckets of at most ``cost.allreduce_bucket_bytes`` (one
+    AllReduce's fixed cost worth of copying in and out), as MindSpore's data-parallel
+    gradient reducer and XLA's all-reduce combiner bucket by default. Each AllReduce
+    between processes costs about half a millisecond on this CPU whatever its size;
+    the sums are the same to the bit. ``part.fused`` records the buckets (``explain``
+    prices them)."""
+    n = part.prop.mesh.size
+    model = CostModel(level=2, rates=backend_rates(n))
+    report: list = []
+    program = passes.fuse_allreduces(
+        part.program, allreduce_bucket_bytes(n, model.rates, model.native), report=report)
+    part.fused = tuple(report)
+    return program
 
 
 class ShardPlan:
@@ -47,7 +65,10 @@ class ShardPlan:
         # the layout of the original (an optimizer moment, its parameter's).
         self.copies = tuple(copies)
         # The rewrite bucketing the per-device AllReduces, ``fusion(Partitioned) ->
-        # Program`` (fs.AutoParallel's comm_fusion; None: no fusion).
+        # Program`` (fs.AutoParallel's comm_fusion); None: in a job, buckets by the
+        # job's rates (``bucket_allreduces``), on a virtual mesh none; False: none.
+        if fusion is None and world is not None:
+            fusion = bucket_allreduces
         self.fusion = fusion
         # Rewrites of the per-device program, in order (fs.AutoParallel's).
         self.passes = ()
@@ -92,7 +113,7 @@ class ShardPlan:
         self._part = partition(prop)
         self._part.name = self.name
         self._part.program = passes.slice_broadcasts(self._part.program)
-        if self.fusion is not None:
+        if self.fusion:
             self._part.program = self.fusion(self._part)
         for rewrite in self.passes:  # rewrites of the per-device program
             self._part.program = rewrite(self._part.program)

@@ -44,6 +44,13 @@ def main(out_dir: str) -> None:
     e = f.explain(p, x)
     step = fs.jit(f)
     fs.block_until_ready(step(p, x))
+    # fs.shard in a job buckets the AllReduces it inserts (the loss's, both gradients')
+    value, grads = step(p, x)
+    want_v, want_g = fs.value_and_grad(loss)(p, x)
+    shard_fusion = {"collectives": f.partitioned(p, x).collectives(), "fused": e.fused,
+                    "value": [float(value.asnumpy()), float(want_v.asnumpy())],
+                    "grads_close": all(np.allclose(grads[k].asnumpy(), want_g[k].asnumpy(),
+                                                   rtol=1e-5, atol=1e-7) for k in p)}
     times = []
     for _ in range(20):
         t0 = time.perf_counter()
@@ -74,10 +81,10 @@ def main(out_dir: str) -> None:
     picked = search.cheaper_path(prop, problem)
     chosen = problem.evaluate(picked.in_shardings, picked.choice).score(2, problem.model)
     # (a job buckets the AllReduces by default: the picked plan's, bucketed alike)
-    from fshard.primitives.passes import fuse_allreduces
+    from fshard.sharding.plan import bucket_allreduces
 
     picked_part = partition(picked)
-    picked_part.program = fuse_allreduces(picked_part.program, ap._allreduce_bucket())
+    picked_part.program = bucket_allreduces(picked_part)
     picked_collectives = picked_part.collectives()
     planned = ap.partitioned(state, rows, own).collectives()
     checks_s = ap.explain(state, rows, own).checks_s
@@ -116,6 +123,7 @@ def main(out_dir: str) -> None:
                    "collectives": planned, "picked_collectives": picked_collectives,
                    "checks_s": checks_s,
                    "losses": losses, "one_device": want, "fusion": fusion,
+                   "shard_fusion": shard_fusion,
                    "refused": refused, "table": table,
                    "saved": rates.cache_path(n, job=True).name,
                    "exists": rates.cache_path(n, job=True).exists(),

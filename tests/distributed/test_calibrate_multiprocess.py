@@ -66,6 +66,12 @@ def test_calibrate_in_a_job_measures_the_job_and_every_rank_keeps_one_table(tmp_
         assert fused["fusion_s"] < 0 and off["fused"] == 0 and off["fusion_s"] == 0
         assert fused["losses"] == off["losses"] and fused["w0"] == off["w0"]
         np.testing.assert_allclose(fused["losses"], out["one_device"], rtol=1e-5)
+        # fs.shard too: its value_and_grad's three AllReduces in one bucket, the numbers
+        # the unsharded ones
+        sf = out["shard_fusion"]
+        assert sf["collectives"] == ["psum"] and sf["fused"] == 2, sf
+        np.testing.assert_allclose(*sf["value"], rtol=1e-5)
+        assert sf["grads_close"]
     assert outs[0]["collectives"] == outs[1]["collectives"]
     assert outs[0]["chosen"] == outs[1]["chosen"]
     print("paths:", outs[0]["paths"], "collectives:", outs[0]["collectives"])

@@ -73,8 +73,7 @@ from fshard.primitives.passes import fuse_allgathers, fuse_allreduces, reduce_in
 from fshard.primitives import collectives as C
 from fshard.primitives.control import custom_vjp
 from fshard.primitives.spmd import layout_constraint_p
-from fshard.sharding.cost import (CostModel, allreduce_bucket_bytes, backend_rates,
-                                  fusion_seconds, local_bytes)
+from fshard.sharding.cost import local_bytes
 from fshard.sharding.explain import explain as explain_plan
 from fshard.sharding.layouts import Sharding
 from fshard.sharding.local import ShardedArray, gather_sharded
@@ -1009,7 +1008,7 @@ class AutoParallel:
         points = opts.fusion_split_points
         report: list = []
         if points is None:
-            program = fuse_allreduces(part.program, self._allreduce_bucket(),
+            program = fuse_allreduces(part.program, opts.fusion_bytes,
                                       opts.scatter_fusion_bytes, report=report)
             part.fused = tuple(report)
             return program
@@ -1043,18 +1042,6 @@ class AutoParallel:
                                   report)
         part.fused = tuple(report)
         return program
-
-    def _allreduce_bucket(self) -> float | None:
-        """The AllReduce bucket in bytes: ``comm_fusion``'s when it was called (None:
-        no fusion); else, in a job, the largest bucket worth fusing under the job's
-        measured rates (each AllReduce there has a fixed cost of about half a
-        millisecond on CPU, MindSpore's data-parallel gradient reducer fuses too); on a
-        virtual mesh, whose lane sums have no such cost, none."""
-        opts = self._options
-        if opts.fusion_given or not self._in_job():
-            return opts.fusion_bytes
-        model = CostModel(level=2, rates=backend_rates(self.n_devices))
-        return allreduce_bucket_bytes(self.n_devices, model.rates, model.native)
 
     def _splits_gradients(self) -> bool:
         hsdp = self._options.hsdp
@@ -1248,10 +1235,13 @@ class AutoParallel:
                   mesh=self.mesh, level=2, dataset_strategy="full_batch",
                   search=False)
         s.search = _SEARCH[self.parallel_mode]  # (fs.shard's own argument takes a bool)
+        # (comm_fusion not called: None, in a job buckets by the job's rates; turned off:
+        # False, none)
         s.comm_fusion = functools.partial(self._fuse_allreduces, grad_vars) if any(
-            v is not None for v in (self._allreduce_bucket(),
+            v is not None for v in (self._options.fusion_bytes,
                                     self._options.fusion_split_points,
-                                    self._options.scatter_fusion_bytes)) else None
+                                    self._options.scatter_fusion_bytes)) else (
+            False if self._options.fusion_given else None)
         # The new state is the next step's state: its leaves keep their devices.
         s.carried = len(tree.leaves((state.params, state.opt_state, state.step)))
         s.copies = self._state_copies(state)
@@ -1514,12 +1504,8 @@ class AutoParallel:
         communication time, and the runner-up (print it; ``fshard.sharding.explain``)."""
         self._check_state(state, ".explain(state, *batch)")
         part = self.partitioned(state, *batch)
-        e = explain_plan(part.prop, f"{self.name} ({self.parallel_mode})")
-        if part.fused:  # the AllReduces bucketed into fewer
-            model = CostModel(level=2, rates=backend_rates(self.n_devices))
-            e.fusion_s = fusion_seconds(part.fused, self.n_devices, model.rates,
-                                        model.native)
-            e.fused = sum(k - 1 for k, _ in part.fused)
+        e = explain_plan(part.prop, f"{self.name} ({self.parallel_mode})",
+                         fused=part.fused)
         if self._feeds_slices():
             # in a job every call first checks the processes' slices: its own AllGather
             e.checks_s = slice_check_seconds(self.n_devices)

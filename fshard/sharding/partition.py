@@ -60,7 +60,8 @@ class Partitioned:
     # (``runtime.run_virtual``: axes used together merged), kept for that program
     virtual: tuple | None = field(default=None, repr=False)
     # ``(AllReduces merged, bytes)`` per bucket of several, when ``program``'s AllReduces
-    # were bucketed (fs.AutoParallel's comm_fusion; the explanation prices them)
+    # were bucketed (by default in a job, or fs.AutoParallel's comm_fusion; the
+    # explanation prices them)
     fused: tuple = ()
 
     def __str__(self) -> str:

@@ -80,12 +80,7 @@ def main(out_dir: str) -> None:
              lazy.score(2, problem.model), whole[2]]
     picked = search.cheaper_path(prop, problem)
     chosen = problem.evaluate(picked.in_shardings, picked.choice).score(2, problem.model)
-    # (a job buckets the AllReduces by default: the picked plan's, bucketed alike)
-    from fshard.sharding.plan import bucket_allreduces
-
-    picked_part = partition(picked)
-    picked_part.program = bucket_allreduces(picked_part)
-    picked_collectives = picked_part.collectives()
+    picked_collectives = partition(picked).collectives()
     planned = ap.partitioned(state, rows, own).collectives()
     checks_s = ap.explain(state, rows, own).checks_s
     losses, want = [], []

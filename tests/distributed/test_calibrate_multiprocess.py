@@ -52,7 +52,8 @@ def test_calibrate_in_a_job_measures_the_job_and_every_rank_keeps_one_table(tmp_
         assert out["job_model"] is True
         assert out["chosen"] == min(out["paths"])
         # the step runs the plan priced: computed whole, only the batch is gathered
-        assert out["collectives"] == out["picked_collectives"]
+        # (the same kinds of collective: a job buckets the step's AllReduces)
+        assert set(out["collectives"]) == set(out["picked_collectives"])
         if out["chosen"] == out["paths"][2] < min(out["paths"][:2]):
             assert out["collectives"] == ["all_gather", "all_gather"]
         np.testing.assert_allclose(out["losses"], out["one_device"], rtol=1e-5)

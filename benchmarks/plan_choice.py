@@ -13,9 +13,10 @@ gradients computed whole on every process) and the same step unsharded on every 
 data-parallel step is given, the global batch on every process, split by a tuple
 dataset strategy: the same plan and the same inputs, without the check of each
 process's slices. The job is calibrated first (``fs.sharding.calibrate()`` on every
-rank), so the modes plan with the job's rates. Every plan is called 50 times, then timed in 8 rounds of 10
-calls, each call after a barrier (as the steps of a training loop meet at their
-collectives); rank 0 writes the medians. Unlike a virtual mesh, where one process runs
+rank), so the modes plan with the job's rates. Every plan is called 50 times, then
+timed in 8 rounds of 10 calls, each round after 20 untimed calls and each call after a
+barrier (as the steps of a training loop meet at their collectives); rank 0 writes the
+medians. Unlike a virtual mesh, where one process runs
 every device and a split saves nothing, each process here computes only its own block.
 """
 
@@ -73,7 +74,7 @@ def worker(out_dir: str) -> None:
 
     import fshard as fs
     from benchmarks import planning as P
-    from benchmarks.prediction import _timed
+    from benchmarks.prediction import JOB_WARM_CALLS, _timed
     from fshard.backend.mindspore import world_collective
 
     fs.distributed.init()
@@ -103,7 +104,8 @@ def worker(out_dir: str) -> None:
         step, state = P.hand_one_device(params, x, labels, fs.optim.adam(1e-3))
         ps[f"{short}: hand one-device"] = (_hand(step, state, x, labels),
                                           _Unpriced, [])
-    rows = _timed(ps, 10, 8, barrier=lambda: reduce(token).asnumpy(), warm_s=0.0)
+    rows = _timed(ps, 10, 8, barrier=lambda: reduce(token).asnumpy(), warm_s=0.0,
+                  warm_calls=JOB_WARM_CALLS)
     if rank == 0:
         with open(os.path.join(out_dir, "rows.json"), "w") as fh:
             json.dump(rows, fh)

@@ -32,6 +32,9 @@ import numpy as np
 DEVICES = 8
 #: Seconds each plan runs untimed before its timed calls, in every round.
 WARM_S = 0.2
+#: Calls each plan runs untimed before its timed calls, every round, in a job (a count
+#: the ranks agree on; about ``WARM_S`` of a 10 ms step).
+JOB_WARM_CALLS = 20
 
 
 def _collectives(names) -> str:
@@ -180,8 +183,9 @@ def job_worker(out_dir: str) -> None:
         ps[label] = (lambda f=jitted, args=args: _wait(f(*args)),
                      lambda f=f, args=args: f.explain(*args),
                      f.partitioned(*args).collectives())
-    # (no warm-up in time: the ranks would disagree on its number of calls)
-    rows = _timed(ps, 10, 8, barrier=lambda: reduce(token).asnumpy(), warm_s=0.0)
+    # (warm-up by count, not time: the ranks must agree on the number of calls)
+    rows = _timed(ps, 10, 8, barrier=lambda: reduce(token).asnumpy(), warm_s=0.0,
+                  warm_calls=JOB_WARM_CALLS)
     if fs.distributed.rank() == 0:
         with open(os.path.join(out_dir, "rows.json"), "w") as fh:
             json.dump({"rows": rows, "calibrated_s": seconds}, fh)
@@ -242,7 +246,9 @@ def measure(runs: int = 10, rounds: int = 16, calibrations: int = 0,
 
 
 def _timed(ps: dict, runs: int, rounds: int, barrier=None, calibrations: int = 0,
-           warm_s: float = WARM_S) -> list[dict]:
+           warm_s: float = WARM_S, warm_calls: int = 0) -> list[dict]:
+    """``warm_s``: seconds each plan runs untimed before its timed calls, every round;
+    ``warm_calls``: a number of calls instead (a job's ranks must agree on it)."""
     import fshard as fs
     from fshard.sharding.calibration import WARMUP_CALLS
 
@@ -265,11 +271,12 @@ def _timed(ps: dict, runs: int, rounds: int, barrier=None, calibrations: int = 0
                 # The plan runs on its own first, as a training loop's step runs after
                 # the previous step: a small step called right after another program
                 # runs up to 2x slower for its next 10-50 calls.
-                end = time.perf_counter() + warm_s
-                while time.perf_counter() < end:
+                end, k_warm = time.perf_counter() + warm_s, 0
+                while time.perf_counter() < end or k_warm < warm_calls:
                     if barrier is not None:
                         barrier()
                     call()
+                    k_warm += 1
                 ts = []
                 for _ in range(runs):
                     if barrier is not None:

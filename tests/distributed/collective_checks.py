@@ -133,6 +133,27 @@ def main(out_dir: str) -> None:
         "int_all_to_all": (lambda v: fs.all_to_all(v, "d", 0, 1, tiled=True), split, (n, 1)),
     }
     compare(int_cases, xi, (n,), ("d",), grads=())
+    # Integers gathered along the rows: float32 chunks through one native AllGather (not
+    # an AllReduce of a slot buffer), exact for every width at its extremes.
+    mesh_d = fs.Mesh((n,), ("d",))
+    rows = fs.jit(fs.shard_map(lambda v: fs.all_gather(v, "d", tiled=True), (split,), None,
+                               mesh=mesh_d))
+    stacked = fs.jit(fs.shard_map(lambda v: fs.all_gather(v, "d"), (split,), None,
+                                  mesh=mesh_d))
+    for dt in (np.int8, np.uint8, np.int16, np.int32, np.int64):
+        info = np.iinfo(dt)
+        vals = np.array([info.min, info.max, 0, 1, -1 if info.min < 0 else 7, 12345 % info.max],
+                        dt)
+        v = np.resize(vals, (n * 4, 3)).astype(dt)
+        got = rows(v).asnumpy()
+        results["checks"][f"int_rows_all_gather_{dt.__name__}"] = float(
+            not (got.dtype == dt and np.array_equal(got, v)))
+        got = stacked(v).asnumpy()
+        results["checks"][f"int_stacked_all_gather_{dt.__name__}"] = float(
+            not np.array_equal(got, v.reshape(n, 4, 3)))
+        body = rows.lower(v).as_text().split("\ndef ", 1)[1]
+        results["checks"][f"int_rows_all_gather_{dt.__name__}_lowered"] = float(
+            body.count("AllReduce") != 0 or body.count("AllGather") != 1)
     xb = rng.standard_normal((n * 4, 3)) > 0
     bool_cases = {
         "bool_all_gather": (lambda v: fs.all_gather(v, "d"), split, None),

@@ -68,6 +68,10 @@ def test_every_collective_matches_the_virtual_mesh(job):
     expected |= {"int_psum", "int_pmax", "int_pmin", "int_all_gather", "int_ppermute_ring",
                  "int_broadcast", "int_all_to_all", "bool_all_gather", "bool_pmax",
                  "bool_pmin", "bool_ppermute_ring", "bool_broadcast"}
+    expected |= {f"int_{kind}_all_gather_{dt}" for kind in ("rows", "stacked")
+                 for dt in ("int8", "uint8", "int16", "int32", "int64")}
+    expected |= {f"int_rows_all_gather_{dt}_lowered"
+                 for dt in ("int8", "uint8", "int16", "int32", "int64")}
     if n == 4:
         expected |= {k for k in checks if k.startswith("2d_")}
         expected |= {"int_2d_all_gather_b", "int_2d_psum_a", "bool_2d_all_gather_b"}

@@ -449,20 +449,17 @@ def _measure_job(devices: int, runs: int) -> dict:
     items, fit = _compute_programs(1)
     compute = fit(_times(items, runs, barrier=lambda: backend.to_numpy(reduce(token))))
     table.update(compute)
-    for kind in ("all_reduce", "all_gather"):
-        fn = backend.world_collective(kind)
-        sizes, ts = (1 << 8, 1 << 14, 1 << 17), []
-        for elems in sizes:
-            x = _tensor((elems,))
-            backend.to_numpy(fn(x))
-            calls = []
-            for _ in range(3 * runs):
-                backend.to_numpy(reduce(token))
-                start = time.perf_counter()
-                backend.to_numpy(fn(x))
-                calls.append(time.perf_counter() - start)
-            ts.append(float(np.median(calls)))
-        a, b = _fit([4.0 * e for e in sizes], ts)
+    # Every size of both collectives interleaved, a few calls each per round: a slow
+    # spell of the machine (MindSpore's CPU collectives sometimes wait out a 4 ms
+    # scheduler tick for seconds) then slows every size alike instead of one, which
+    # measured one after another, fitted an AllGather of 3.8 ms whatever its size.
+    sizes = (1 << 8, 1 << 14, 1 << 17)
+    kinds = ("all_reduce", "all_gather")
+    items = [(backend.world_collective(kind), (_tensor((elems,)),))
+             for kind in kinds for elems in sizes]
+    ts = _times(items, 3, rounds=runs, barrier=lambda: backend.to_numpy(reduce(token)))
+    for k, kind in enumerate(kinds):
+        a, b = _fit([4.0 * e for e in sizes], ts[k * len(sizes):(k + 1) * len(sizes)])
         table[kind] = {str(world): [max(a - compute["call_s"], 0.0), b]}
     keys = [k for k in _NUMBERS if k in table]
     points = table["matmul_points"]  # the same sizes on every rank

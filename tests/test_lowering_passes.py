@@ -424,3 +424,44 @@ def test_an_allreduce_larger_than_the_bucket_stays_alone_and_the_bucket_open():
     alone = passes.fuse_allreduces(_psums_program([4, 1000]), 100.0, report=report)
     assert [eq.prim.name for eq in alone.equations] == ["psum", "psum"]
     assert report == []  # nothing merged: nothing reported
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.int32, np.int64])
+def test_integer_gathers_ride_in_the_float_gathers_bucket_exactly(dtype):
+    # a batch's float rows and its integer labels (two of them here): with a float32
+    # carrier one AllGather, the integers carried as 16-bit chunks and back to the bit,
+    # their extremes included (int64's near 2**63, where MindSpore's CPU FloorDiv
+    # rounds); without one, a bucket per dtype
+    import functools
+
+    from fshard.core import dtypes
+
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 3)).astype(np.float32)
+    y = np.resize(np.array([info.min, info.max - 1, 0, 1, 12345 % info.max], dtype),
+                  (8, 2)).astype(dtype)
+    z = np.resize(np.array([info.min + 1, info.max, 7], dtype), (8,)).astype(dtype)
+
+    def f(x, y, z):
+        return x * 2.0, y + 1, z - 1
+
+    def gathered(carrier):
+        s = fs.shard(f, in_strategy=((4, 1), (4, 1), (4,)),
+                     out_strategy=((1, 1), (1, 1), (1,)), mesh=4)
+        report = []
+        s.passes = (functools.partial(passes.fuse_allgathers, bucket_bytes=1e9,
+                                      carrier=carrier, report=report),)
+        outs = [o.asnumpy() for o in s(x, y, z)]
+        return outs, s.partitioned(x, y, z).collectives(), report
+
+    (a, b, c), colls, report = gathered(dtypes.float32)
+    assert colls == ["all_gather"] and [k for k, _ in report] == [3]
+    np.testing.assert_array_equal(a, x * 2.0)
+    assert b.dtype == y.dtype and c.dtype == z.dtype
+    np.testing.assert_array_equal(b, y + 1)
+    np.testing.assert_array_equal(c, z - 1)
+    (a2, b2, c2), colls, report = gathered(None)
+    assert colls == ["all_gather", "all_gather"] and [k for k, _ in report] == [2]
+    np.testing.assert_array_equal(b2, b)
+    np.testing.assert_array_equal(c2, c)

@@ -188,9 +188,9 @@ class Sharded:
         self.dataset_strategy, self.search = dataset_strategy, search
         self.gather_outputs = gather_outputs
         # The rewrite bucketing the per-device AllReduces, ``(Partitioned) -> Program``
-        # (``fs.AutoParallel``'s ``comm_fusion``); None: in a job, buckets by the job's
-        # rates (``plan.bucket_allreduces``), on a virtual mesh one per value; False:
-        # one per value.
+        # (``fs.AutoParallel``'s ``comm_fusion``); None: in a job, buckets the
+        # AllReduces and the AllGathers by the job's rates (``plan.bucket_collectives``),
+        # on a virtual mesh one per value; False: one per value.
         self.comm_fusion = None
         self.passes = ()  # rewrites of the per-device program (fs.AutoParallel's)
         # The first ``carried`` output leaves are the next call's first ``carried``
@@ -286,7 +286,8 @@ class Sharded:
         compute and communication time, and the runner-up (print it; see
         ``fshard.sharding.explain``)."""
         part = self.partitioned(*args)
-        return explain_plan(part.prop, fun_name(self.fn), fused=part.fused)
+        return explain_plan(part.prop, fun_name(self.fn), fused=part.fused,
+                            fused_gathers=part.fused_gathers)
 
     def _plan(self, fn, leaves, entries, in_tree):
         fname = fun_name(self.fn)

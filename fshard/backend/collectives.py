@@ -42,6 +42,12 @@ def _mesh_axes(mesh) -> tuple:
     return tuple(names), tuple(int(s) for s in sizes)
 
 
+
+def carries(dtype) -> bool:
+    """Whether the backend's collectives take ``dtype`` as it is."""
+    allowed = COLLECTIVE_DTYPES.get(device_target())
+    return allowed is None or str(dtype) in allowed
+
 class Comm:
     """The communication of one rank over some mesh axes: its group (ranks ordered
     by their index along the axes, the first axis most significant), its position
@@ -110,9 +116,7 @@ class Comm:
         return x if token is None else self.ctx.call(_ms_after, x, token)
 
     def carries(self, dtype) -> bool:
-        """Whether the backend's collectives take ``dtype`` as it is."""
-        allowed = COLLECTIVE_DTYPES.get(device_target())
-        return allowed is None or str(dtype) in allowed
+        return carries(dtype)
 
     def all_reduce(self, x: str, op: str = "sum", dtype=None) -> str:
         """AllReduce of ``x`` (of ``dtype``). Where the backend's AllReduce lacks the
@@ -323,12 +327,16 @@ def _ms_from_float_bool(x):
 def _ms_int_chunks(x, n_chunks):
     """Integers as ``n_chunks`` float32 16-bit chunks along a new last axis: the low
     ones in [0, 65535], the top one signed (x = sum of chunk_k * 65536**k)."""
-    x = x.astype(mstype.int64)
+    # q_k+1 = q_k // 65536 and chunk_k = q_k - 65536 * q_k+1: the chunks add up to x in
+    # int64 whatever the divisions round to (MindSpore's CPU FloorDiv of an int64 near
+    # 2**63 is off by one), each within float32's exact integers
+    q = x.astype(mstype.int64)
     parts = []
-    for k in range(n_chunks):
-        shifted = ops.floor_divide(x, 65536 ** k) if k else x
-        parts.append(shifted if k == n_chunks - 1 else shifted - ops.floor_divide(
-            shifted, 65536) * 65536)
+    for _ in range(n_chunks - 1):
+        nxt = ops.floor_divide(q, 65536)
+        parts.append(q - nxt * 65536)
+        q = nxt
+    parts.append(q)
     return ops.stack(parts, -1).astype(mstype.float32)
 
 

@@ -27,6 +27,7 @@ its signature. This module imports primitives, never transforms.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import os
 import sys
@@ -41,9 +42,10 @@ from fshard.core.ir import Equation, Literal, Program, Var
 from fshard.core.rules import family_of
 from fshard.primitives.base import add_p, is_kernel, lane_sum_p, reduce_sum_p
 from fshard.primitives.collectives import all_gather_p, pmean_p, psum_p, psum_scatter_p
-from fshard.primitives.elementwise import (cast_p, div_p, equal_p, greater_equal_p, greater_p,
-                                           less_equal_p, less_p, maximum_p, minimum_p, mul_p,
-                                           neg_p, not_equal_p, pow_p, sub_p)
+from fshard.primitives.elementwise import (cast_p, div_p, equal_p, floor_div_p,
+                                           greater_equal_p, greater_p, less_equal_p, less_p,
+                                           maximum_p, minimum_p, mul_p, neg_p, not_equal_p,
+                                           pow_p, sub_p)
 from fshard.primitives.optimizers import adam_update_p
 from fshard.primitives.spmd import block_slice_p
 from fshard.primitives.structural import (broadcast_to_p, concat_p, reshape_p, split_p,
@@ -721,15 +723,29 @@ def fuse_allreduces(program: Program, bucket_bytes: float | None,
     return _fuse(program, limit, key_of, _fused_psum, report)
 
 
-def fuse_allgathers(program: Program, bucket_bytes: float) -> Program:
+def fuse_allgathers(program: Program, bucket_bytes: float, carrier=None,
+                    report: list | None = None) -> Program:
     """``program`` with its ``all_gather`` equations along dimension 0 over the same
     mesh axes and of the same dtype merged into buckets of at most ``bucket_bytes``
     of gathered output (one flattened, concatenated AllGather per bucket, cut back
     after): ZeRO's gathers of the updated parameters' blocks then cost a few
     collectives instead of one per tensor (MindSpore's ``comm_fusion`` for
     ``"allgather"``). Buckets fill as ``fuse_allreduces``'s do; the values are the
-    same."""
-    return _fuse(program, lambda key: bucket_bytes, _gather_key, _fused_all_gather)
+    same.
+
+    ``carrier`` (a float dtype, or None): integer gathers join the buckets of
+    ``carrier`` values too, carried as 16-bit chunks in ``carrier`` (a gather copies
+    them, so they come back exact): a batch's float rows and integer labels then
+    cost one AllGather (a backend whose collectives take floats only). ``report``: as
+    ``fuse_allreduces``'."""
+    def key_of(eq):
+        key = _gather_key(eq)
+        if key is not None and carrier is not None and dtypes.is_int(key[1]):
+            return key[0], carrier
+        return key
+
+    return _fuse(program, lambda key: bucket_bytes, key_of,
+                 functools.partial(_fused_all_gather, carrier=carrier), report)
 
 
 def _psum_key(eq):
@@ -827,12 +843,11 @@ def _fuse(program: Program, limit, key_of, build, report: list | None = None) ->
     return Program(program.inputs, out, program.outputs, program.n_consts, program.meta)
 
 
-def _flatten_concat(eqs: list) -> tuple[list, Var, tuple]:
-    """The equations flattening each collective's input and concatenating them, the
-    concatenation, and each input's length in it."""
+def _flatten_concat(eqs: list, xs: list | None = None) -> tuple[list, Var, tuple]:
+    """The equations flattening each collective's input (or ``xs``, one per collective)
+    and concatenating them, the concatenation, and each input's length in it."""
     out, flat = [], []
-    for eq in eqs:
-        (x,) = eq.inputs
+    for eq, x in zip(eqs, xs or [eq.inputs[0] for eq in eqs]):
         v = Var(ArrayType((int(np.prod(x.aval.shape, dtype=np.int64)),), x.aval.dtype))
         out.append(Equation(reshape_p, [x], {"shape": v.aval.shape}, [v], eq.source))
         flat.append(v)
@@ -858,19 +873,99 @@ def _fused_psum(eqs: list) -> list:
     return out + _reshape_back(eqs, pieces)
 
 
-def _fused_all_gather(eqs: list) -> list:
+def _fused_all_gather(eqs: list, carrier=None) -> list:
     """One AllGather (along dimension 0) for several: flatten each block, concatenate,
     gather (device-major: ``n`` runs of the concatenation), then per value its
-    columns of the ``(n, total)`` result, reshaped to ``(n * rows, ...)``."""
-    out, total, lengths = _flatten_concat(eqs)
+    columns of the ``(n, total)`` result, reshaped to ``(n * rows, ...)``. Integers
+    in a bucket of floats (``fuse_allgathers``' ``carrier``) travel as chunks."""
+    out, carried = [], []
+    same = all(eq.inputs[0].aval.dtype == eqs[0].inputs[0].aval.dtype for eq in eqs)
+    for eq in eqs:
+        x = eq.inputs[0]
+        if same or x.aval.dtype == carrier:
+            carried.append((x, 0))
+        else:
+            carried.append(_int_chunks(x, carrier, out))
+    flat, total, lengths = _flatten_concat(eqs, [c for c, _ in carried])
+    out += flat
     n = eqs[0].outputs[0].aval.shape[0] // eqs[0].inputs[0].aval.shape[0]
     gathered = Var(ArrayType((n * sum(lengths),), total.aval.dtype))
     out.append(Equation(all_gather_p, [total], dict(eqs[0].params), [gathered]))
     rows = Var(ArrayType((n, sum(lengths)), total.aval.dtype))
     out.append(Equation(reshape_p, [gathered], {"shape": rows.aval.shape}, [rows]))
     pieces = [Var(ArrayType((n, k), total.aval.dtype)) for k in lengths]
-    out.append(Equation(split_p, [rows], {"sizes": lengths, "axis": 1}, pieces))
+    out.append(Equation(split_p, [rows], {"sizes": lengths, "axis": 1}, list(pieces)))
+    for j, (eq, (_, n_chunks)) in enumerate(zip(eqs, carried)):
+        if n_chunks:
+            pieces[j] = _int_unchunk(pieces[j], n_chunks, eq.inputs[0].aval.dtype, out)
     return out + _reshape_back(eqs, pieces)
+
+
+def _int_constant(v: int, shape: tuple, out: list) -> Var:
+    """An int64 array of ``shape`` holding ``v`` (primitives take operands of one
+    shape)."""
+    return _emit(out, broadcast_to_p, [Literal(np.int64(v), ArrayType((), dtypes.int64))],
+                 {"shape": shape}, ArrayType(shape, dtypes.int64))
+
+
+def _emit(out: list, prim, inputs: list, params: dict, aval: ArrayType) -> Var:
+    v = Var(aval)
+    out.append(Equation(prim, inputs, params, [v]))
+    return v
+
+
+def _int_chunks(x: Var, carrier, out: list) -> tuple[Var, int]:
+    """``x``'s integers as 16-bit chunks in ``carrier`` (``(..., n_chunks)``, the low
+    chunks in [0, 65535], the top one signed: x = sum of chunk_k * 65536**k), each
+    exact in a float of 24 mantissa bits; the equations appended to ``out`` (as
+    ``fshard.backend.collectives``' chunks of an integer collective)."""
+    shape, dt = tuple(x.aval.shape), x.aval.dtype
+    n_chunks = max(1, np.dtype(dtypes.to_numpy(dt)).itemsize // 2)
+    if n_chunks == 1:  # 8 and 16 bits: exact as they are
+        v = _emit(out, cast_p, [x], {"dtype": carrier}, ArrayType(shape, carrier))
+        return _emit(out, reshape_p, [v], {"shape": shape + (1,)},
+                     ArrayType(shape + (1,), carrier)), 1
+    wide = ArrayType(shape, dtypes.int64)
+    # q_0 = x, q_k+1 = q_k // 65536, chunk_k = q_k - 65536 * q_k+1, the top chunk q_last:
+    # x = sum of chunk_k * 65536**k holds in int64 whatever the divisions round to
+    # (MindSpore's CPU FloorDiv of an int64 near 2**63 is off by one: (2**63 - 1) //
+    # 65536 gives 2**47), and every chunk stays exact in a float of 24 mantissa bits
+    q = _emit(out, cast_p, [x], {"dtype": dtypes.int64}, wide)
+    base = _int_constant(65536, shape, out)
+    parts = []
+    for k in range(n_chunks):
+        if k < n_chunks - 1:
+            nxt = _emit(out, floor_div_p, [q, base], {}, wide)
+            chunk = _emit(out, sub_p, [q, _emit(out, mul_p, [nxt, base], {}, wide)], {}, wide)
+        else:
+            chunk = q
+        f = _emit(out, cast_p, [chunk], {"dtype": carrier}, ArrayType(shape, carrier))
+        parts.append(_emit(out, reshape_p, [f], {"shape": shape + (1,)},
+                           ArrayType(shape + (1,), carrier)))
+        if k < n_chunks - 1:
+            q = nxt
+    return _emit(out, concat_p, parts, {"axis": len(shape)},
+                 ArrayType(shape + (n_chunks,), carrier)), n_chunks
+
+
+def _int_unchunk(piece: Var, n_chunks: int, dtype, out: list) -> Var:
+    """``_int_chunks`` undone on a gathered ``(n, k * n_chunks)`` piece: ``(n, k)`` of
+    ``dtype``."""
+    n, width = piece.aval.shape
+    k = width // n_chunks
+    chunked = _emit(out, reshape_p, [piece], {"shape": (n, k, n_chunks)},
+                    ArrayType((n, k, n_chunks), piece.aval.dtype))
+    parts = [Var(ArrayType((n, k, 1), piece.aval.dtype)) for _ in range(n_chunks)]
+    out.append(Equation(split_p, [chunked], {"sizes": (1,) * n_chunks, "axis": 2}, parts))
+    wide = ArrayType((n, k, 1), dtypes.int64)
+    total = None
+    for j, part in enumerate(parts):
+        v = _emit(out, cast_p, [part], {"dtype": dtypes.int64}, wide)
+        if j:
+            v = _emit(out, mul_p, [v, _int_constant(65536 ** j, (n, k, 1), out)], {}, wide)
+        total = v if total is None else _emit(out, add_p, [total, v], {}, wide)
+    total = _emit(out, cast_p, [total], {"dtype": dtype}, ArrayType((n, k, 1), dtype))
+    return _emit(out, reshape_p, [total], {"shape": (n, k)}, ArrayType((n, k), dtype))
 
 
 def reduce_in_float32(program: Program) -> Program:

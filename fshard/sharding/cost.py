@@ -374,21 +374,21 @@ def _copy_byte_s(rates: dict) -> float:
     return rates.get("point_s", 1.0 / rates["flops_per_s"]) / 4.0
 
 
-def allreduce_bucket_bytes(n: int, rates: dict, native: dict) -> float:
-    """The largest bucket of AllReduces worth fusing in a job of ``n`` processes: one
-    AllReduce's fixed cost over the seconds a byte takes to be copied into the bucket
-    and out of it (the concatenation and the split of ``passes.fuse_allreduces``). A
-    bucket of ``k`` AllReduces of at most that many bytes saves ``k - 1`` fixed costs
-    and copies for at most one's worth, so under the measured rates fusing never
-    loses."""
-    return step_seconds("psum", 0.0, n, True, native, rates) / (2.0 * _copy_byte_s(rates))
+def allreduce_bucket_bytes(n: int, rates: dict, native: dict, kind: str = "psum") -> float:
+    """The largest bucket of AllReduces (``kind="all_gather"``: of AllGathers) worth
+    fusing in a job of ``n`` processes: one collective's fixed cost over the seconds a
+    byte takes to be copied into the bucket and out of it (the concatenation and the
+    split of ``passes.fuse_allreduces``). A bucket of ``k`` collectives of at most that
+    many bytes saves ``k - 1`` fixed costs and copies for at most one's worth, so under
+    the measured rates fusing never loses."""
+    return step_seconds(kind, 0.0, n, True, native, rates) / (2.0 * _copy_byte_s(rates))
 
 
-def fusion_seconds(buckets, n: int, rates: dict, native: dict) -> float:
+def fusion_seconds(buckets, n: int, rates: dict, native: dict, kind: str = "psum") -> float:
     """The seconds fusing saves (negative) on ``n`` processes: per bucket of ``k``
-    AllReduces of ``nbytes`` in all (``fuse_allreduces``' report), ``k - 1`` fixed
-    costs less the copies in and out."""
-    latency = step_seconds("psum", 0.0, n, True, native, rates)
+    AllReduces (``kind="all_gather"``: AllGathers) of ``nbytes`` in all
+    (``fuse_allreduces``' report), ``k - 1`` fixed costs less the copies in and out."""
+    latency = step_seconds(kind, 0.0, n, True, native, rates)
     return sum(2.0 * _copy_byte_s(rates) * nbytes - (k - 1) * latency
                for k, nbytes in buckets)
 

@@ -57,9 +57,10 @@ class Explanation:
     # Work outside the program on every call: in a job, ``fs.AutoParallel``'s check
     # that every process passes slices of the same shapes (``local_batch.slice_rows``).
     checks_s: float = 0.0
-    # AllReduces bucketed into fewer (by default in a job; ``fs.AutoParallel``'s
-    # ``comm_fusion``): the seconds that saves (negative: the fixed costs of the AllReduces
-    # merged, less the copies in and out of the buckets) and how many it merges away.
+    # AllReduces bucketed into fewer (by default in a job, AllGathers too;
+    # ``fs.AutoParallel``'s ``comm_fusion``): the seconds that saves (negative: the fixed
+    # costs of the collectives merged, less the copies in and out of the buckets) and how
+    # many it merges away.
     fusion_s: float = 0.0
     fused: int = 0
 
@@ -95,7 +96,7 @@ class Explanation:
         lines.append(f"{'':>4}  {'(outputs)':<16} {'':<40} {'':>10} "
                      f"{self.output_comm_s * 1e3:>9.4f}")
         if self.fused:
-            lines.append(f"{'':>4}  {'(comm_fusion)':<16} {f'{self.fused} AllReduces fewer':<40} "
+            lines.append(f"{'':>4}  {'(comm_fusion)':<16} {f'{self.fused} collectives fewer':<40} "
                          f"{'':>10} {self.fusion_s * 1e3:>9.4f}")
         if self.call_s:
             lines.append(f"{'':>4}  {'(call)':<16} {'':<40} {self.call_s * 1e3:>10.4f}")
@@ -137,9 +138,11 @@ def _local_seconds(problem: Problem, held: dict, i: int, cand, model: CostModel
     return total
 
 
-def explain(prop, name: str = "f", runner_up: bool = True, fused=()) -> Explanation:
+def explain(prop, name: str = "f", runner_up: bool = True, fused=(),
+            fused_gathers=()) -> Explanation:
     """The plan ``prop`` (a ``Propagated`` as partitioned), priced per equation;
-    ``fused``: its AllReduces' buckets (``Partitioned.fused``), priced as a whole."""
+    ``fused``: its AllReduces' buckets (``Partitioned.fused``), priced as a whole;
+    ``fused_gathers``: its AllGathers' (``Partitioned.fused_gathers``)."""
     model = CostModel(level=2, rates=backend_rates(prop.mesh.size))
     problem = Problem(prop.program, prop.mesh, [spec for spec, _ in prop.choice],
                       prop.given_inputs if prop.given_inputs is not None
@@ -171,9 +174,12 @@ def explain(prop, name: str = "f", runner_up: bool = True, fused=()) -> Explanat
     fin = problem.finish(st)
     out.output_comm_s = fin.ctime - before_t
     out.output_collectives = fin.ncoll - before_n
-    if fused:
-        out.fusion_s = fusion_seconds(fused, prop.mesh.size, model.rates, model.native)
-        out.fused = sum(k - 1 for k, _ in fused)
+    if fused or fused_gathers:
+        n = prop.mesh.size
+        out.fusion_s = (fusion_seconds(fused, n, model.rates, model.native)
+                        + fusion_seconds(fused_gathers, n, model.rates, model.native,
+                                         "all_gather"))
+        out.fused = sum(k - 1 for k, _ in (*fused, *fused_gathers))
     return out
 
 

@@ -63,6 +63,8 @@ class Partitioned:
     # were bucketed (by default in a job, or fs.AutoParallel's comm_fusion; the
     # explanation prices them)
     fused: tuple = ()
+    # the same for its AllGathers (bucketed by default in a job)
+    fused_gathers: tuple = ()
 
     def __str__(self) -> str:
         mesh = self.prop.mesh

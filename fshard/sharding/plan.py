@@ -10,6 +10,8 @@ import functools
 import json
 from dataclasses import replace
 
+from fshard.backend.collectives import carries
+from fshard.core import dtypes
 from fshard.core.gcpause import paused_gc
 from fshard.core.tracing import ArrayType
 from fshard.errors import ShardingError
@@ -25,20 +27,28 @@ from fshard.sharding.search import cheaper_path, choose_split_axes, follow_input
 from fshard.core.staging import stage
 
 
-def bucket_allreduces(part: Partitioned) -> Program:
-    """The per-device program of a plan run in a job with its AllReduces bucketed by the
-    job's measured rates: buckets of at most ``cost.allreduce_bucket_bytes`` (one
-    AllReduce's fixed cost worth of copying in and out), as MindSpore's data-parallel
-    gradient reducer and XLA's all-reduce combiner bucket by default. Each AllReduce
-    between processes costs about half a millisecond on this CPU whatever its size;
-    the sums are the same to the bit. ``part.fused`` records the buckets (``explain``
-    prices them)."""
+def bucket_collectives(part: Partitioned) -> Program:
+    """The per-device program of a plan run in a job with its AllReduces and its
+    AllGathers bucketed by the job's measured rates: buckets of at most
+    ``cost.allreduce_bucket_bytes`` (one collective's fixed cost worth of copying in
+    and out), as MindSpore's data-parallel gradient reducer and XLA's all-reduce and
+    all-gather combiners bucket by default. Each collective between processes costs
+    about half a millisecond on this CPU whatever its size; the values are the same to
+    the bit. Integer gathers share the float32 gathers' buckets, carried as chunks,
+    where the backend's collectives take floats only (a batch's rows and its labels:
+    one AllGather). ``part.fused`` and ``part.fused_gathers`` record the buckets
+    (``explain`` prices them)."""
     n = part.prop.mesh.size
     model = CostModel(level=2, rates=backend_rates(n))
-    report: list = []
+    reduces: list = []
     program = passes.fuse_allreduces(
-        part.program, allreduce_bucket_bytes(n, model.rates, model.native), report=report)
-    part.fused = tuple(report)
+        part.program, allreduce_bucket_bytes(n, model.rates, model.native), report=reduces)
+    gathers: list = []
+    carrier = None if carries(dtypes.int32) or not carries(dtypes.float32) else dtypes.float32
+    program = passes.fuse_allgathers(
+        program, allreduce_bucket_bytes(n, model.rates, model.native, "all_gather"),
+        carrier=carrier, report=gathers)
+    part.fused, part.fused_gathers = tuple(reduces), tuple(gathers)
     return program
 
 
@@ -66,9 +76,9 @@ class ShardPlan:
         self.copies = tuple(copies)
         # The rewrite bucketing the per-device AllReduces, ``fusion(Partitioned) ->
         # Program`` (fs.AutoParallel's comm_fusion); None: in a job, buckets by the
-        # job's rates (``bucket_allreduces``), on a virtual mesh none; False: none.
+        # job's rates (``bucket_collectives``), on a virtual mesh none; False: none.
         if fusion is None and world is not None:
-            fusion = bucket_allreduces
+            fusion = bucket_collectives
         self.fusion = fusion
         # Rewrites of the per-device program, in order (fs.AutoParallel's).
         self.passes = ()

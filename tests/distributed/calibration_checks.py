@@ -51,6 +51,21 @@ def main(out_dir: str) -> None:
                     "value": [float(value.asnumpy()), float(want_v.asnumpy())],
                     "grads_close": all(np.allclose(grads[k].asnumpy(), want_g[k].asnumpy(),
                                                    rtol=1e-5, atol=1e-7) for k in p)}
+    # ... and its AllGathers: a batch's float rows and int labels (int32 beyond 2**24,
+    # int64 near 2**63) gathered whole, in one bucket (the integers carried as chunks of
+    # the float32 AllGather), to the bit
+    labels = rng.integers(-2**31, 2**31 - 1, (64,), dtype=np.int64).astype(np.int32)
+    big = np.resize(np.array([2**63 - 1, -2**63, -2**63 + 1, 5], np.int64), (64,))
+    g = fs.shard(lambda x, y, z: (x * 2.0, y + 1, z - 1),
+                 in_strategy=((n, 1), (n,), (n,)), out_strategy=((1, 1), (1,), (1,)))
+    args = (x, Tensor(labels), Tensor(big))
+    got = [o.asnumpy() for o in fs.jit(g)(*args)]
+    gather_fusion = {"collectives": g.partitioned(*args).collectives(),
+                     "fused": g.explain(*args).fused,
+                     "exact": bool(np.array_equal(got[0], x.asnumpy() * 2.0)
+                                   and np.array_equal(got[1], labels + 1)
+                                   and got[2].dtype == np.int64
+                                   and np.array_equal(got[2], big - 1))}
     times = []
     for _ in range(20):
         t0 = time.perf_counter()
@@ -118,7 +133,7 @@ def main(out_dir: str) -> None:
                    "collectives": planned, "picked_collectives": picked_collectives,
                    "checks_s": checks_s,
                    "losses": losses, "one_device": want, "fusion": fusion,
-                   "shard_fusion": shard_fusion,
+                   "shard_fusion": shard_fusion, "gather_fusion": gather_fusion,
                    "refused": refused, "table": table,
                    "saved": rates.cache_path(n, job=True).name,
                    "exists": rates.cache_path(n, job=True).exists(),

@@ -1505,7 +1505,7 @@ class AutoParallel:
         self._check_state(state, ".explain(state, *batch)")
         part = self.partitioned(state, *batch)
         e = explain_plan(part.prop, f"{self.name} ({self.parallel_mode})",
-                         fused=part.fused)
+                         fused=part.fused, fused_gathers=part.fused_gathers)
         if self._feeds_slices():
             # in a job every call first checks the processes' slices: its own AllGather
             e.checks_s = slice_check_seconds(self.n_devices)

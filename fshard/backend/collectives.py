@@ -42,11 +42,11 @@ def _mesh_axes(mesh) -> tuple:
     return tuple(names), tuple(int(s) for s in sizes)
 
 
-
 def carries(dtype) -> bool:
     """Whether the backend's collectives take ``dtype`` as it is."""
     allowed = COLLECTIVE_DTYPES.get(device_target())
     return allowed is None or str(dtype) in allowed
+
 
 class Comm:
     """The communication of one rank over some mesh axes: its group (ranks ordered
@@ -326,7 +326,8 @@ def _ms_from_float_bool(x):
 
 def _ms_int_chunks(x, n_chunks):
     """Integers as ``n_chunks`` float32 16-bit chunks along a new last axis: the low
-    ones in [0, 65535], the top one signed (x = sum of chunk_k * 65536**k)."""
+    ones in [0, 65535] (within 65536 of it where a division rounds), the top one
+    signed (x = sum of chunk_k * 65536**k)."""
     # q_k+1 = q_k // 65536 and chunk_k = q_k - 65536 * q_k+1: the chunks add up to x in
     # int64 whatever the divisions round to (MindSpore's CPU FloorDiv of an int64 near
     # 2**63 is off by one), each within float32's exact integers

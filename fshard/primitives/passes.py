@@ -916,7 +916,8 @@ def _emit(out: list, prim, inputs: list, params: dict, aval: ArrayType) -> Var:
 
 def _int_chunks(x: Var, carrier, out: list) -> tuple[Var, int]:
     """``x``'s integers as 16-bit chunks in ``carrier`` (``(..., n_chunks)``, the low
-    chunks in [0, 65535], the top one signed: x = sum of chunk_k * 65536**k), each
+    chunks in [0, 65535] (within 65536 of it where a division rounds), the top one
+    signed: x = sum of chunk_k * 65536**k), each
     exact in a float of 24 mantissa bits; the equations appended to ``out`` (as
     ``fshard.backend.collectives``' chunks of an integer collective)."""
     shape, dt = tuple(x.aval.shape), x.aval.dtype

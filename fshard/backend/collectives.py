@@ -115,9 +115,6 @@ class Comm:
         token = getattr(self.ctx, "token", None)
         return x if token is None else self.ctx.call(_ms_after, x, token)
 
-    def carries(self, dtype) -> bool:
-        return carries(dtype)
-
     def all_reduce(self, x: str, op: str = "sum", dtype=None) -> str:
         """AllReduce of ``x`` (of ``dtype``). Where the backend's AllReduce lacks the
         dtype (the CPU one takes float32 and float16 only), fshard carries the values in
@@ -128,12 +125,12 @@ class Comm:
         def native(v: str) -> str:
             return f"{self._op(ops.AllReduce, 'AllReduce', op=kind)}({self._after(v)})"
 
-        if dtype is None or self.carries(dtype):
+        if dtype is None or carries(dtype):
             return native(x)
         ctx = self.ctx
         if dtype == dtypes.bool_:
             return ctx.call(_ms_from_float_bool, native(ctx.call(_ms_to_float32, x)))
-        if dtype == dtypes.bfloat16 and self.carries(dtypes.float32):
+        if dtype == dtypes.bfloat16 and carries(dtypes.float32):
             # exact in float32 (bfloat16 is float32's upper half); one rounding at the end
             return ctx.call(_ms_cast, native(ctx.call(_ms_to_float32, x)), dtype=dtype)
         if dtypes.is_int(dtype) and op == "sum":
@@ -155,7 +152,7 @@ class Comm:
     def gather_stacked(self, x: str, aval: ArrayType) -> str:
         """Every member's ``x`` stacked along a new leading dim, in member order."""
         ctx = self.ctx
-        if aval.dtype == dtypes.bool_ and not self.carries(aval.dtype):
+        if aval.dtype == dtypes.bool_ and not carries(aval.dtype):
             stacked = self.gather_stacked(ctx.call(_ms_to_float32, x),
                                           ArrayType(aval.shape, dtypes.float32))
             return ctx.call(_ms_from_float_bool, stacked)
@@ -163,7 +160,7 @@ class Comm:
             chunks, c_aval, n_chunks = self._int_chunks(x, aval)
             return ctx.call(_ms_int_unchunk, self.gather_stacked(chunks, c_aval),
                             n_chunks=n_chunks, dtype=aval.dtype)
-        if self.native("all_gather") and self.carries(aval.dtype):
+        if self.native("all_gather") and carries(aval.dtype):
             expanded = self._after(ctx.call(_ms_expand0, x))
             gathered = f"{self._op(ops.AllGather, 'AllGather')}({expanded})"
             order = sorted(self.group)  # native results come in rank order
@@ -185,7 +182,7 @@ class Comm:
         costs one native AllGather instead of an AllReduce of a slot buffer
         ``n`` times the value's size (on 2 CPU processes 0.6 ms less for 128 int32s)."""
         return (self.native("all_gather") and dtypes.is_int(dtype)
-                and not self.carries(dtype) and self.carries(dtypes.float32))
+                and not carries(dtype) and carries(dtypes.float32))
 
     def _int_chunks(self, x: str, aval: ArrayType) -> tuple[str, ArrayType, int]:
         """``x``'s integers as float32 16-bit chunks along a new last axis, the chunks'
@@ -197,7 +194,7 @@ class Comm:
     def all_gather(self, x: str, aval: ArrayType, axis: int) -> str:
         if self.n == 1:
             return x
-        if axis == 0 and self.native("all_gather") and self.sorted and self.carries(aval.dtype):
+        if axis == 0 and self.native("all_gather") and self.sorted and carries(aval.dtype):
             # MindSpore's AllGather concatenates along dim 0 in rank order already
             return f"{self._op(ops.AllGather, 'AllGather')}({self._after(x)})"
         if axis == 0 and self.sorted and self._gathers_int_chunks(aval.dtype):
@@ -249,10 +246,10 @@ class Comm:
         """pmax (``kind="max"``) or pmin: a native AllReduce where the backend has one,
         else every member's value gathered and reduced here."""
         dtype = aval.dtype
-        if self.native(f"all_reduce_{kind}") and (self.carries(dtype) or dtype == dtypes.bool_):
+        if self.native(f"all_reduce_{kind}") and (carries(dtype) or dtype == dtypes.bool_):
             return self.all_reduce(x, op=kind, dtype=dtype)
         reduce = _ms_reduce_max0 if kind == "max" else _ms_reduce_min0
-        if dtype == dtypes.bool_ and not self.carries(dtype):  # no bool ReduceMax on CPU
+        if dtype == dtypes.bool_ and not carries(dtype):  # no bool ReduceMax on CPU
             stacked = self.gather_stacked(self.ctx.call(_ms_to_float32, x),
                                           ArrayType(aval.shape, dtypes.float32))
             return self.ctx.call(_ms_from_float_bool, self.ctx.call(reduce, stacked))
@@ -262,7 +259,7 @@ class Comm:
         if self.n == 1:
             return x
         if self.native("broadcast") and self.sorted and (dtype is None
-                                                         or self.carries(dtype)):
+                                                         or carries(dtype)):
             op = self._op(ops.Broadcast, "Broadcast", root_rank=self.group[root])
             return f"{op}(({self._after(x)},))[0]"
         # The root contributes its value, the others zeros: the same code on every rank.

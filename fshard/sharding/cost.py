@@ -374,7 +374,7 @@ def _copy_byte_s(rates: dict) -> float:
     return rates.get("point_s", 1.0 / rates["flops_per_s"]) / 4.0
 
 
-def allreduce_bucket_bytes(n: int, rates: dict, native: dict, kind: str = "psum") -> float:
+def bucket_bytes(n: int, rates: dict, native: dict, kind: str = "psum") -> float:
     """The largest bucket of AllReduces (``kind="all_gather"``: of AllGathers) worth
     fusing in a job of ``n`` processes: one collective's fixed cost over the seconds a
     byte takes to be copied into the bucket and out of it (the concatenation and the

@@ -18,7 +18,7 @@ from fshard.errors import ShardingError
 from fshard.core.ir import Program, Var
 from fshard.primitives import passes
 from fshard.primitives.nn import decompose_batch_norm
-from fshard.sharding.cost import CostModel, allreduce_bucket_bytes, backend_rates
+from fshard.sharding.cost import CostModel, backend_rates, bucket_bytes
 from fshard.sharding.layouts import ShardMesh
 from fshard.sharding.partition import Partitioned, apply_fixed, partition
 from fshard.sharding.propagation import propagate, undecided
@@ -30,7 +30,7 @@ from fshard.core.staging import stage
 def bucket_collectives(part: Partitioned) -> Program:
     """The per-device program of a plan run in a job with its AllReduces and its
     AllGathers bucketed by the job's measured rates: buckets of at most
-    ``cost.allreduce_bucket_bytes`` (one collective's fixed cost worth of copying in
+    ``cost.bucket_bytes`` (one collective's fixed cost worth of copying in
     and out), as MindSpore's data-parallel gradient reducer and XLA's all-reduce and
     all-gather combiners bucket by default. Each collective between processes costs
     about half a millisecond on this CPU whatever its size; the values are the same to
@@ -42,11 +42,11 @@ def bucket_collectives(part: Partitioned) -> Program:
     model = CostModel(level=2, rates=backend_rates(n))
     reduces: list = []
     program = passes.fuse_allreduces(
-        part.program, allreduce_bucket_bytes(n, model.rates, model.native), report=reduces)
+        part.program, bucket_bytes(n, model.rates, model.native), report=reduces)
     gathers: list = []
     carrier = None if carries(dtypes.int32) or not carries(dtypes.float32) else dtypes.float32
     program = passes.fuse_allgathers(
-        program, allreduce_bucket_bytes(n, model.rates, model.native, "all_gather"),
+        program, bucket_bytes(n, model.rates, model.native, "all_gather"),
         carrier=carrier, report=gathers)
     part.fused, part.fused_gathers = tuple(reduces), tuple(gathers)
     return program

@@ -14,7 +14,7 @@ import fshard as fs
 from fshard.errors import ShardingError
 from fshard.core.factors import FactorSpec
 from fshard.sharding import rates
-from fshard.sharding.cost import (BACKEND_RATES, CostModel, allreduce_bucket_bytes,
+from fshard.sharding.cost import (BACKEND_RATES, CostModel, bucket_bytes,
                                   backend_rates, compute_seconds, fusion_seconds,
                                   contracts, matmul_seconds, rates_from_table,
                                   redistribution_seconds, step_seconds)
@@ -326,17 +326,24 @@ def test_a_split_argument_and_result_of_a_virtual_mesh_are_priced_as_copies(cach
         rates.load_cache_clear()
 
 
-def test_the_allreduce_bucket_is_one_fixed_cost_of_copies():
+def test_a_bucket_is_one_fixed_cost_of_copies():
     # a job's row: 0.5 ms per AllReduce, 1 ns per float32 element of elementwise work
     rates = {"flops_per_s": 1e9, "point_s": 1e-9, "all_reduce": (5e-4, 2.5e8)}
     native = {"all_reduce_sum": "any"}
-    bucket = allreduce_bucket_bytes(2, rates, native)
+    bucket = bucket_bytes(2, rates, native)
     assert bucket == pytest.approx(5e-4 / (2 * 1e-9 / 4))  # 1 MB
     # a full bucket of 5 AllReduces saves 4 fixed costs and copies one's worth in and out
     assert fusion_seconds([(5, bucket)], 2, rates, native) == pytest.approx(-3 * 5e-4)
     assert fusion_seconds([], 2, rates, native) == 0.0
+    # an AllGather bucket by the AllGather's own fixed cost (0.3 ms: 0.6 MB)
+    rates["all_gather"] = (3e-4, 2.5e8)
+    native["all_gather"] = "world"
+    gathers = bucket_bytes(2, rates, native, "all_gather")
+    assert gathers == pytest.approx(3e-4 / (2 * 1e-9 / 4))
+    assert fusion_seconds([(3, gathers)], 2, rates, native, "all_gather") == pytest.approx(
+        -1 * 3e-4)
     # the default rows have no elementwise rate: one flop per element
-    assert allreduce_bucket_bytes(2, BACKEND_RATES["CPU"], native) == pytest.approx(
+    assert bucket_bytes(2, BACKEND_RATES["CPU"], native) == pytest.approx(
         BACKEND_RATES["CPU"]["all_reduce"][0] * 2 * BACKEND_RATES["CPU"]["flops_per_s"])
 
 

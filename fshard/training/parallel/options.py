@@ -129,7 +129,7 @@ class ParallelOptions:
     #: "allreduce" in mode "index"; None: buckets by ``fusion_bytes``)
     fusion_split_points: tuple | None = None
     #: ``comm_fusion`` was called: its buckets (or none) stand. Otherwise a job's
-    #: AllReduces are bucketed by the measured rates (``cost.allreduce_bucket_bytes``).
+    #: AllReduces are bucketed by the measured rates (``cost.bucket_bytes``).
     fusion_given: bool = False
     fp32_communication: bool = False
     gradient_fp32_sync: bool = True  # MindSpore's default

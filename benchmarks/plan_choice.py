@@ -12,7 +12,9 @@ gradients computed whole on every process) and the same step unsharded on every 
 ``semi_auto, global batch`` is ``AutoParallel`` given what the hand-written
 data-parallel step is given, the global batch on every process, split by a tuple
 dataset strategy: the same plan and the same inputs, without the check of each
-process's slices. The job is calibrated first (``fs.sharding.calibrate()`` on every
+process's slices. ``<mode>, full_batch`` is each mode given what the one-device step is
+given: the global batch whole on every process (``dataset_strategy("full_batch")``),
+to split or not as the mode plans. The job is calibrated first (``fs.sharding.calibrate()`` on every
 rank), so the modes plan with the job's rates. Every plan is called 50 times, then
 timed in 8 rounds of 10 calls, each round after 20 untimed calls and each call after a
 barrier (as the steps of a training loop meet at their collectives); rank 0 writes the
@@ -90,6 +92,11 @@ def worker(out_dir: str) -> None:
         for mode in MODES:
             call, explain, colls = _auto(mode, params, rows, own)
             ps[f"{short}: {mode}"] = (call, explain, colls)
+        # what the one-device step is given: the global batch on every process, whole
+        # (dataset_strategy("full_batch")), each mode free to split it or not
+        for mode in MODES:
+            ps[f"{short}: {mode}, full_batch"] = _auto(mode, params, x, labels,
+                                                       "full_batch")
         # the hand-written data-parallel step's plan and inputs: the global batch on
         # every process, split by the dataset strategy (no slices, so no slice check)
         ps[f"{short}: semi_auto, global batch"] = _auto(

@@ -632,6 +632,13 @@ def cost(prop) -> Cost:
     return c
 
 
+def score(prop) -> tuple:
+    """The objective of a propagated program in the rates of its own problem (a job's
+    or a calibrated table's, not the defaults): what ``refine`` compares plans by."""
+    problem = Problem.from_propagated(prop)
+    return problem.evaluate(prop.in_shardings, prop.choice).score(prop.level, problem.model)
+
+
 class _Budget(Exception):
     pass
 

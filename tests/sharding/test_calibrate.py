@@ -550,3 +550,27 @@ def test_a_chained_matmul_s_price_takes_the_relus_and_fixed_costs_out():
         pytest.approx(kernel, rel=1e-9)
     # a slower long chain than short one never prices a kernel at zero or less
     assert calibration._chained_kernel_s(short, short * 0.9, elements, op_s, point_s) > 0
+
+
+def test_semi_auto_keeps_a_whole_batch_whole_where_a_block_is_priced_above_the_whole(
+        cache):
+    # A measured table can price a small matmul above a larger one (this machine's:
+    # 1.4e-5 s for 2.6e5 flops, 1.2e-5 s for 1.0e6). Ranked by compute, semi_auto then
+    # sliced its whole-batch step's matmuls locally and reduced them again (16
+    # collectives on 8 devices); what is whole stays whole: no collective at all.
+    points = [[262144.0, 1.43e-5], [1048576.0, 1.23e-5], [2097152.0, 1.58e-5],
+              [16777216.0, 1.63e-4], [67108864.0, 4.05e-4]]
+    _write(8, _table(8, matmul_c=7.6e-11, matmul_p=0.877, matmul_points=points,
+                     adam_points=[[262144.0, 1.26e-9], [4194304.0, 2.2e-9]]))
+    rng = np.random.default_rng(0)
+    params = {"w0": rng.standard_normal((64, 512)).astype(np.float32) / 8,
+              "w1": rng.standard_normal((512, 10)).astype(np.float32) / 20}
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    y = rng.integers(0, 10, 256).astype(np.int32)
+
+    def loss(p, x, y):
+        return fs.ops.softmax_cross_entropy(fs.ops.relu(x @ p["w0"]) @ p["w1"], y)
+
+    ap = fs.AutoParallel(loss, fs.optim.adam(1e-3), "semi_auto", mesh=8)
+    ap.dataset_strategy("full_batch")
+    assert ap.partitioned(ap.init(params), x, y).collectives() == []

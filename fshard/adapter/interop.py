@@ -2401,6 +2401,31 @@ class _DictPatch:
         return found if len(self.keys) > 1 else (found,)
 
 
+def _trampoline(*args, _fshard_call=None, **kwargs):
+    return _fshard_call(*args, **kwargs)
+
+
+class _CodePatch:
+    """Make one MindSpore Python function call a wrapper while tracing, by whatever
+    reference it is reached (``ops.clip_by_norm``, or a name imported before tracing):
+    the function object stays, its code becomes ``_trampoline``'s, which calls the
+    wrapper of a copy of the original function (``wrap(original)``) held in its
+    keyword defaults."""
+
+    __slots__ = ("fn", "saved", "new")
+
+    def __init__(self, fn, wrap: Callable):
+        self.fn = fn
+        self.saved = (fn.__code__, fn.__defaults__, fn.__kwdefaults__)
+        original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__,
+                                      fn.__defaults__, fn.__closure__)
+        original.__kwdefaults__ = fn.__kwdefaults__
+        self.new = (_trampoline.__code__, None, {"_fshard_call": wrap(original)})
+
+    def set(self, values) -> None:
+        self.fn.__code__, self.fn.__defaults__, self.fn.__kwdefaults__ = values
+
+
 class _AttrPatch:
     """Replace one attribute of a class by a wrapper. ``original`` is ``_MISSING`` when
     the class did not define the attribute itself (it was inherited): restoring then
@@ -2421,6 +2446,7 @@ _isinstance_modules: list[dict] = []  # module globals that get an `isinstance` 
 _ISINSTANCE_SCOPE = ("mindspore.ops.", "mindspore.nn.layer.", "mindspore.nn.loss.",
                      "mindspore.mint", *backend.PRIVATE_CHECK_MODULES)
 _attr_patches: list[_AttrPatch] = []
+_code_patches: list[_CodePatch] = []
 _scanned_modules: set[str] = set()
 _n_modules_seen = -1
 _entry_points: dict[int, tuple[object, Callable]] = {}  # id(object) -> (object, wrap)
@@ -2460,6 +2486,38 @@ def _module_entry_points() -> dict[int, tuple[object, Callable]]:
         for obj, kind in backend.native_entry_points():
             _entry_points[id(obj)] = (obj, wraps[kind])
     return _entry_points
+
+
+def _wrap_clip_by_norm(orig):
+    """``mindspore.ops.clip_by_norm`` as it traces. MindSpore's function scales only
+    when ``max_norm / (norm + 1e-6) < 1``, with a Python ``if`` on that tensor, which a
+    traced value cannot answer; here the branch is data (``where``), the norm
+    MindSpore's own (``_cal_total_norm``: ``(sum x^p)^(1/p)`` of the inputs' norms, no
+    absolute value taken; for ``inf`` the largest magnitude). A NaN norm leaves the
+    inputs as they are, as MindSpore's ``if`` does."""
+    from mindspore.ops.function import clip_func
+
+    def clip_by_norm(x, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        many = type(x) in (list, tuple)
+        xs = list(x) if many else [x]
+        if not _has_tracer(xs):
+            return orig(x, max_norm, norm_type, error_if_nonfinite)
+        if error_if_nonfinite:
+            raise ArgumentError(
+                "ops.clip_by_norm(..., error_if_nonfinite=True) raises when the norm is "
+                "NaN or infinite, which a traced value cannot tell while it is traced.\n"
+                "Fix: pass error_if_nonfinite=False and check the norm after the step "
+                "(ops.isfinite of the returned values), or clip outside the transform.")
+        if norm_type == float("inf"):
+            total = fo.reduce_max(fo.stack([fo.reduce_max(fo.abs(v)) for v in xs]))
+        else:
+            total = clip_func._cal_total_norm(xs, norm_type)
+        coef = max_norm / (total + 1e-6)
+        out = tuple(fo.where(coef < 1, coef * v, v) for v in xs)
+        return out if many else out[0]
+
+    clip_by_norm.__wrapped__ = orig
+    return clip_by_norm
 
 
 def _scan_module(modname: str, module) -> None:
@@ -2521,6 +2579,10 @@ def _setup_classes() -> None:
                            lambda orig, name=name: _wrap_parameter_method(orig, METHODS[name]))
                 for name in _parameter_methods()]
     _attr_patches[:] = patches
+    # MindSpore's Python functions whose own code branches on a tensor's value
+    from mindspore.ops.function import clip_func
+
+    _code_patches[:] = [_CodePatch(clip_func.clip_by_norm, _wrap_clip_by_norm)]
 
 
 # The patches are process-wide (they replace MindSpore's module and class attributes),
@@ -2551,6 +2613,9 @@ def _install() -> None:
             if "isinstance" not in d:  # a module defining its own `isinstance` keeps it
                 d["isinstance"] = _isinstance
                 done.append(d)
+        for c in _code_patches:
+            c.set(c.new)
+            done.append(c)
     except BaseException:
         _uninstall(done)
         raise
@@ -2561,6 +2626,8 @@ def _uninstall(done: list) -> None:
     for p in reversed(done):
         if type(p) is dict:
             del p["isinstance"]
+        elif isinstance(p, _CodePatch):
+            p.set(p.saved)
         elif isinstance(p, _DictPatch):
             p.d.update(p.old)
         elif p.original is _MISSING:

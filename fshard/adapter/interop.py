@@ -18,7 +18,10 @@ called on a Tracer runs its ``construct`` directly), ``Tensor.__new__``
 (``Tensor(traced)``) and the Tensor operators that never fall back to a Tracer's
 reflected operator (``tensor + tracer``). MindSpore's Python
 argument checks (``isinstance(x, Tensor)`` in ``Shape``, ``DType``, ``_check_is_tensor``,
-``ops.flatten``, ...) see a module-global ``isinstance`` that accepts a Tracer.
+``ops.flatten``, ...) see a module-global ``isinstance`` that accepts a Tracer. A
+MindSpore Python function that branches on a tensor's value with a Python ``if``
+(``ops.clip_by_norm``) has its code swapped for a trampoline to fshard's version
+(``_CodePatch``), so every reference to it, however it was imported, traces.
 
 This module imports MindSpore; nothing else in fshard's tracing depends on it.
 """

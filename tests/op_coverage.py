@@ -641,6 +641,8 @@ MINDSPORE_GRAD_WRONG = {
     "nn.KLDivLoss": "MindSpore's KLDivLoss bprop gives the labels no gradient",
     "nn.SoftmaxCrossEntropyWithLogits": "MindSpore's bprop assumes each row of labels sums "
                                         "to 1 (the sample's do not)",
+    "ops.logit": "MindSpore's eager LogitGrad returns NaN in some sweeps, after other ops "
+                 "ran in the process (fshard's matched 1/(x(1-x)) to 7e-7 there)",
 }
 
 

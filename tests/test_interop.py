@@ -1008,3 +1008,28 @@ def test_clip_by_norm_refuses_error_if_nonfinite_while_traced():
                        match="error_if_nonfinite=True.*\n.*Fix: pass error_if_nonfinite"):
         fs.jit(lambda v: ops.clip_by_norm(v, 1.0, error_if_nonfinite=True))(
             Tensor(np.ones(3, np.float32)))
+
+
+def test_bincount_is_refused_with_its_reason_and_a_static_length_form():
+    x = Tensor(np.array([0, 2, 2, 5], np.int32))
+    w = Tensor(np.array([0.5, 1.0, 2.0, 4.0], np.float32))
+    with pytest.raises(fs.errors.UnsupportedOpError,
+                       match=r"(?s)bincount has an output shape that depends.*Fix: .*one_hot"):
+        fs.jit(lambda v, u: ops.bincount(v, u))(x, w)
+    # the form the fix names gives MindSpore's counts, weighted too
+    got = fs.jit(lambda v, u: (fs.ops.one_hot(v, 6) * u[:, None]).sum(0))(x, w)
+    np.testing.assert_allclose(got.asnumpy(), ops.bincount(x, w).asnumpy())
+    assert ops.bincount(x).asnumpy().tolist() == [1, 0, 2, 0, 0, 1]  # eager: MindSpore's
+
+
+@pytest.mark.parametrize("eps", [-1.0, 0.1])
+def test_logit_gradient_is_the_derivative(eps):
+    # ops.logit runs as MindSpore's Logit (the generic path); its gradient is checked
+    # here against the derivative, not against MindSpore's eager LogitGrad, which
+    # returns NaN in some long runs (tests/op_coverage.py, MINDSPORE_GRAD_WRONG).
+    x = np.array([0.05, 0.2, 0.5, 0.8, 0.97], np.float32)
+    g = fs.jit(fs.grad(lambda v: (ops.logit(v, eps) * 2.0).sum()))(Tensor(x)).asnumpy()
+    xd = x.astype(np.float64)
+    lo, hi = (eps, 1 - eps) if eps >= 0 else (0.0, 1.0)
+    want = np.where((xd < lo) | (xd > hi), 0.0, 2.0 / (xd * (1 - xd)))
+    np.testing.assert_allclose(g, want, rtol=1e-5)

@@ -2404,6 +2404,25 @@ class _DictPatch:
         return found if len(self.keys) > 1 else (found,)
 
 
+def _wrap_bincount(orig):
+    """``mindspore.ops.bincount`` refused while tracing with its reason: its output's
+    length, ``max(input) + 1`` (at least ``minlength``), depends on the input's values
+    (MindSpore's code tests them with a Python ``if``)."""
+
+    def bincount(input, weights=None, minlength=0):  # noqa: A002 (MindSpore's name)
+        if not _has_tracer([input, weights]):
+            return orig(input, weights, minlength)
+        raise UnsupportedOpError(
+            "ops.bincount has an output shape that depends on its operands' values "
+            "(max(input) + 1 counts, at least minlength), which a traced program cannot "
+            "have (its shapes are fixed when it is traced).\nFix: count into a length you "
+            "know, "
+            "n: fs.ops.one_hot(input, n).sum(0) (times the weights, as a column, for "
+            "weighted counts), or call ops.bincount outside the traced function.")
+
+    return bincount
+
+
 def _trampoline(*args, _fshard_call=None, **kwargs):
     return _fshard_call(*args, **kwargs)
 
@@ -2583,9 +2602,10 @@ def _setup_classes() -> None:
                 for name in _parameter_methods()]
     _attr_patches[:] = patches
     # MindSpore's Python functions whose own code branches on a tensor's value
-    from mindspore.ops.function import clip_func
+    from mindspore.ops.function import clip_func, math_func
 
-    _code_patches[:] = [_CodePatch(clip_func.clip_by_norm, _wrap_clip_by_norm)]
+    _code_patches[:] = [_CodePatch(clip_func.clip_by_norm, _wrap_clip_by_norm),
+                        _CodePatch(math_func.bincount, _wrap_bincount)]
 
 
 # The patches are process-wide (they replace MindSpore's module and class attributes),

@@ -2517,7 +2517,6 @@ def _wrap_clip_by_norm(orig):
     MindSpore's own (``_cal_total_norm``: ``(sum x^p)^(1/p)`` of the inputs' norms, no
     absolute value taken; for ``inf`` the largest magnitude). A NaN norm leaves the
     inputs as they are, as MindSpore's ``if`` does."""
-    from mindspore.ops.function import clip_func
 
     def clip_by_norm(x, max_norm, norm_type=2.0, error_if_nonfinite=False):
         many = type(x) in (list, tuple)
@@ -2533,7 +2532,7 @@ def _wrap_clip_by_norm(orig):
         if norm_type == float("inf"):
             total = fo.reduce_max(fo.stack([fo.reduce_max(fo.abs(v)) for v in xs]))
         else:
-            total = clip_func._cal_total_norm(xs, norm_type)
+            total = backend.clip_total_norm(xs, norm_type)
         coef = max_norm / (total + 1e-6)
         out = tuple(fo.where(coef < 1, coef * v, v) for v in xs)
         return out if many else out[0]
@@ -2602,10 +2601,9 @@ def _setup_classes() -> None:
                 for name in _parameter_methods()]
     _attr_patches[:] = patches
     # MindSpore's Python functions whose own code branches on a tensor's value
-    from mindspore.ops.function import clip_func, math_func
-
-    _code_patches[:] = [_CodePatch(clip_func.clip_by_norm, _wrap_clip_by_norm),
-                        _CodePatch(math_func.bincount, _wrap_bincount)]
+    wraps = {"clip_by_norm": _wrap_clip_by_norm, "bincount": _wrap_bincount}
+    _code_patches[:] = [_CodePatch(fn, wraps[name])
+                        for name, fn in backend.value_branching_functions().items()]
 
 
 # The patches are process-wide (they replace MindSpore's module and class attributes),

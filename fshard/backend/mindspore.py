@@ -952,6 +952,23 @@ def own_call_prim_classes() -> list:
             if "__call__" in vars(cls)]
 
 
+def value_branching_functions() -> dict:
+    """MindSpore's Python functions whose own code branches on a tensor's value with a
+    Python ``if`` (so a traced value cannot run them), by name."""
+    from mindspore.ops.function import clip_func, math_func
+
+    return {"clip_by_norm": clip_func.clip_by_norm, "bincount": math_func.bincount}
+
+
+def clip_total_norm(xs: list, norm_type: float):
+    """The norm ``ops.clip_by_norm`` clips by, as MindSpore computes it (its private
+    ``_cal_total_norm``: ``(sum x^p)^(1/p)`` of the inputs' own such norms, no absolute
+    value taken), for a finite ``norm_type``."""
+    from mindspore.ops.function import clip_func
+
+    return clip_func._cal_total_norm(xs, norm_type)
+
+
 def cell_declared_inputs(cell) -> tuple | None:
     """The input declarations ``cell.set_inputs(...)`` stored on the Cell, or None."""
     return getattr(cell, "_dynamic_shape_inputs", None)

@@ -231,6 +231,21 @@ def test_none_in_an_array_type_declaration_is_a_dimension_of_any_size():
     assert (f.trace_count, f.compile_count) == (1, 1)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.dtype("float32"), float])
+def test_an_array_type_declared_with_a_numpy_dtype_is_that_mindspore_dtype(dtype):
+    # as a JAX user writes it: the declaration is of float32 arrays, not of a NumPy
+    # type that no passed array would match
+    def g(x, n):
+        return x * 2.0 + ops.cast(n.sum(), ms.float32)
+
+    f = fs.jit(g, in_shapes=(fs.ArrayType((None, 3), dtype),
+                             fs.ArrayType((None,), np.int32)))
+    for b in (2, 7):
+        x, n = _t(b, 3), Tensor(np.arange(b, dtype=np.int32))
+        _close(f(x, n), fs.jit(g)(x, n))
+    assert (f.trace_count, f.compile_count) == (1, 1)
+
+
 def _dense_relu(x, w):
     return ops.relu(x @ w)
 

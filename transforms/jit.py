@@ -268,10 +268,12 @@ def _spec_type(spec, where: str, ms_symbols: dict) -> ArrayType | None:
                     f"{where}: a declared dimension must be an int, an fs.Symbol or None, "
                     f"got {d!r} in {spec}.\nFix: use fs.Symbol(...) (or None) for a "
                     "dimension of any size.")
+        # a NumPy or Python dtype (fs.ArrayType((b, 16), np.float32), as in JAX) is the
+        # MindSpore dtype the arrays passed in have: compared as such at each call
+        dtype = dtypes.canonical(spec.dtype)
         if None in spec.shape:  # as in a MindSpore placeholder: a new Symbol, any size
-            return ArrayType(tuple(Symbol() if d is None else d for d in spec.shape),
-                             spec.dtype)
-        return spec
+            return ArrayType(tuple(Symbol() if d is None else d for d in spec.shape), dtype)
+        return spec if dtype is spec.dtype else ArrayType(spec.shape, dtype)
     if isinstance(spec, _Tensor) and tuple(spec.shape) == (-2,):
         # MindSpore's dynamic rank (Tensor(shape=None) or [-2]): any shape, so no
         # declaration; the type is taken from each call (not a rank-1 array of size -2)

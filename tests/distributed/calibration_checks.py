@@ -127,8 +127,42 @@ def main(out_dir: str) -> None:
         got["w0"] = np.asarray(st.params["w0"].asnumpy() if hasattr(
             st.params["w0"], "asnumpy") else st.params["w0"]).tobytes().hex()
         fusion[name] = got
+    # recursive_programming on the global batch, whole on every process (the MLP
+    # 64-512-512-10 on 256 rows): the state it carries is planned whole on both sides
+    # too, so the plan computing everything whole (semi_auto's here, no collective)
+    # stays open and the plan taken is never priced above it; it trains as one device
+    # does. (Whether the plan for one call split the state depends on the job's rates:
+    # tests/sharding/test_planning.py holds the change to the default rates.)
+    whole_batch = {}
+    mp = {f"w{i}": Tensor(rng.standard_normal((a, b)).astype(np.float32) / np.sqrt(a))
+          for i, (a, b) in enumerate(((64, 512), (512, 512), (512, 10)))}
+    mx = Tensor(rng.standard_normal((256, 64)).astype(np.float32))
+    my = Tensor(rng.standard_normal((256, 10)).astype(np.float32))
+
+    def mlp(p, x, y):
+        h = fs.ops.relu(fs.ops.relu(x @ p["w0"]) @ p["w1"])
+        return ((h @ p["w2"] - y) ** 2).mean()
+
+    for mode in ("semi_auto", "recursive_programming"):
+        wb = fs.AutoParallel(mlp, fs.optim.adam(0.01), mode)
+        wb.dataset_strategy("full_batch")
+        st = wb.init(mp)
+        got = {"price": wb.explain(st, mx, my).total_s,
+               "collectives": wb.partitioned(st, mx, my).collectives(), "losses": []}
+        for _ in range(3):
+            st, v = wb(st, mx, my)
+            got["losses"].append(float(v.asnumpy()))
+        whole_batch[mode] = got
+    q, adam = dict(mp), fs.optim.adam(0.01)
+    o, whole_batch["one_device"] = adam.init(q), []
+    for _ in range(3):
+        v, g = fs.value_and_grad(mlp)(q, mx, my)
+        u, o = adam.update(g, o, q)
+        q = fs.optim.apply_updates(q, u)
+        whole_batch["one_device"].append(float(v.asnumpy()))
     with open(os.path.join(out_dir, f"rank{r}.json"), "w") as fh:
-        json.dump({"job_model": problem.model.job, "paths": [list(t) for t in paths],
+        json.dump({"whole_batch": whole_batch,
+                   "job_model": problem.model.job, "paths": [list(t) for t in paths],
                    "chosen": list(chosen),
                    "collectives": planned, "picked_collectives": picked_collectives,
                    "checks_s": checks_s,

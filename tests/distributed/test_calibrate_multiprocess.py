@@ -82,6 +82,14 @@ def test_calibrate_in_a_job_measures_the_job_and_every_rank_keeps_one_table(tmp_
         gf = out["gather_fusion"]
         assert gf["collectives"] == ["all_gather"] * (3 - gf["fused"]), gf
         assert gf["exact"], gf
+        # recursive_programming on a whole batch: never priced above computing
+        # everything whole (semi_auto's plan, no collective), the one-device numbers
+        wb = out["whole_batch"]
+        assert wb["semi_auto"]["collectives"] == []
+        assert wb["recursive_programming"]["price"] <= \
+            wb["semi_auto"]["price"] * (1 + 1e-9), wb
+        for mode in ("semi_auto", "recursive_programming"):
+            np.testing.assert_allclose(wb[mode]["losses"], wb["one_device"], rtol=1e-5)
     assert outs[0]["collectives"] == outs[1]["collectives"]
     assert outs[0]["chosen"] == outs[1]["chosen"]
     print("paths:", outs[0]["paths"], "collectives:", outs[0]["collectives"])

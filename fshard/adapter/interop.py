@@ -2416,9 +2416,8 @@ def _wrap_bincount(orig):
             "ops.bincount has an output shape that depends on its operands' values "
             "(max(input) + 1 counts, at least minlength), which a traced program cannot "
             "have (its shapes are fixed when it is traced).\nFix: count into a length you "
-            "know, "
-            "n: fs.ops.one_hot(input, n).sum(0) (times the weights, as a column, for "
-            "weighted counts), or call ops.bincount outside the traced function.")
+            "know, n: fs.ops.one_hot(input, n).sum(0) (times the weights, as a column, "
+            "for weighted counts), or call ops.bincount outside the traced function.")
 
     return bincount
 

@@ -569,11 +569,12 @@ class Problem:
                 if d[0].carry:
                     continue
                 add = self.added(st, i, *d)
-                if add is not None:
-                    k = (self._split_layouts(i, d[0]), add[0]) if whole else \
-                        (add[0], self._split_layouts(i, d[0]), -add[1])
-                    if best is None or k < best[0]:
-                        best = (k, d)
+                if add is None or (not whole and best is not None and add[0] > best[0][0]):
+                    continue  # (more bytes than the best: its layouts need no count)
+                k = (self._split_layouts(i, d[0]), add[0]) if whole else \
+                    (add[0], self._split_layouts(i, d[0]), -add[1])
+                if best is None or k < best[0]:
+                    best = (k, d)
             if best is None:
                 return []
             out.append(best[1])
